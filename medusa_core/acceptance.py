@@ -1,0 +1,96 @@
+"""Acceptance rules as pure tensor functions.
+
+Shapes: T tree nodes (node 0 = root), V vocabulary, P root-to-leaf paths of
+D + 1 nodes each (padded with -1). Each rule returns ``(best, length)``: the
+row of ``leaf_paths`` to follow and how many of its nodes are accepted
+(>= 1, the root is always kept), both as 0-dim device tensors so the caller
+decides when to synchronise.
+
+Greedy and exact sampling share one rule: every node gets one *target* token
+(its argmax, or one sample from its distribution); a child is accepted when it
+equals its parent's target. Siblings are distinct tokens, so at most one child
+matches and the walk is the paper's "sample, descend if it is a child, else
+stop"; the emitted tokens are exactly the plain sampler's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """(T, V) logits -> (T, V) probabilities of the plain sampler (temperature, top-k, top-p)."""
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        # drop a token when the tokens before it already reach top_p (the first always stays)
+        drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def target_tokens(
+    logits: torch.Tensor,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """(T, V) -> (T,) one token per node: argmax at temperature 0, else one sample."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = sampling_probs(logits, temperature, top_p, top_k)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _walk(ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ok (P, D): child d of path p accepted given its parent -> (best, length)."""
+    run = ok.long().cumprod(dim=1).sum(dim=1)   # (P,) accepted children before the first miss
+    best = run.argmax()                          # first longest path
+    return best, run[best] + 1
+
+
+def accept_match(tree_tokens: torch.Tensor, targets: torch.Tensor, leaf_paths: torch.Tensor):
+    """Greedy / exact sampling. tree_tokens (T,), targets (T,), leaf_paths (P, D+1)."""
+    nodes = leaf_paths.clamp(min=0)                         # (P, D+1)
+    child = tree_tokens[nodes[:, 1:]]                        # (P, D)
+    parent_target = targets[nodes[:, :-1]]                   # (P, D)
+    ok = (child == parent_target) & (leaf_paths[:, 1:] >= 0)
+    return _walk(ok)
+
+
+def typical_threshold(probs: torch.Tensor, epsilon: float, delta: float) -> torch.Tensor:
+    """(T, V) -> (T,) min(epsilon, delta * exp(-H(p))), paper §2.3.1."""
+    entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
+    return torch.clamp(delta * torch.exp(-entropy), max=epsilon)
+
+
+def typical_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The backbone's distribution at ``temperature``; at 0 its limit, a one-hot argmax
+    (entropy 0, so the rule accepts exactly the greedy token)."""
+    if temperature <= 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    return (logits.float() / temperature).softmax(-1)
+
+
+def accept_typical(
+    tree_tokens: torch.Tensor,
+    logits: torch.Tensor,
+    leaf_paths: torch.Tensor,
+    temperature: float,
+    epsilon: float = 0.09,
+    delta: float = 0.3,
+):
+    """Typical acceptance: child x accepted when p_parent(x) > min(epsilon, delta * exp(-H(p_parent)))."""
+    probs = typical_probs(logits, temperature)              # (T, V)
+    threshold = typical_threshold(probs, epsilon, delta)     # (T,)
+    nodes = leaf_paths.clamp(min=0)                          # (P, D+1)
+    parent, child = nodes[:, :-1], tree_tokens[nodes[:, 1:]]  # (P, D) each
+    p_child = probs[parent, child]                           # (P, D)
+    ok = (p_child > threshold[parent]) & (leaf_paths[:, 1:] >= 0)
+    return _walk(ok)

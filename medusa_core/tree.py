@@ -1,0 +1,192 @@
+"""Candidate trees: named presets, builders, and the pure function that turns
+a tree's paths into the tensors one verification step needs.
+
+A tree is a list of index paths. Path ``[a, b]`` is "rank-a guess of head 0,
+then rank-b guess of head 1" below the root (the backbone's own next token).
+Every prefix of a path must itself be in the tree. Node 0 is always the root;
+node i >= 1 is ``paths[i - 1]`` after sorting by (depth, path).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+Paths = list[tuple[int, ...]]
+
+# The reference's default tree for Vicuna-7B heads (63 nodes + root, depth 4).
+MC_SIM_7B_63: list[list[int]] = [
+    [0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0], [0, 2], [3], [0, 3], [4], [0, 4], [2, 0],
+    [0, 5], [0, 0, 1], [5], [0, 6], [6], [0, 7], [0, 1, 0], [1, 1], [7], [0, 8], [0, 0, 2], [3, 0],
+    [0, 9], [8], [9], [1, 0, 0], [0, 2, 0], [1, 2], [0, 0, 3], [4, 0], [2, 1], [0, 0, 4], [0, 0, 5],
+    [0, 0, 0, 0], [0, 1, 1], [0, 0, 6], [0, 3, 0], [5, 0], [1, 3], [0, 0, 7], [0, 0, 8], [0, 0, 9],
+    [6, 0], [0, 4, 0], [1, 4], [7, 0], [0, 1, 2], [2, 0, 0], [3, 1], [2, 2], [8, 0], [0, 5, 0],
+    [1, 5], [1, 0, 1], [0, 2, 1], [9, 0], [0, 6, 0], [0, 0, 0, 1], [1, 6], [0, 7, 0],
+]
+
+# Small trees for CPU, where verifying many nodes costs real time.
+SMALL_8: list[list[int]] = [[0], [1], [0, 0], [2], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
+SMALL_16: list[list[int]] = [
+    [0], [1], [2], [0, 0], [0, 1], [1, 0], [3], [0, 2], [0, 0, 0], [0, 0, 1], [1, 1],
+    [2, 0], [0, 1, 0], [0, 0, 0, 0], [1, 0, 0], [0, 0, 0, 0, 0],
+]
+
+PRESETS: dict[str, list[list[int]]] = {
+    "mc_sim_7b_63": MC_SIM_7B_63,
+    "small-8": SMALL_8,
+    "small-16": SMALL_16,
+}
+
+
+class TreeError(ValueError):
+    """A tree that cannot be used: unknown name, malformed paths, or one the heads cannot fill."""
+
+
+def chain(depth: int) -> Paths:
+    """Top-1 guesses of heads 0..depth-1, one after another."""
+    return [tuple([0] * d) for d in range(1, depth + 1)]
+
+
+def cartesian(widths: list[int]) -> Paths:
+    """Every combination of the top-w_d guesses at each depth d."""
+    paths: Paths = []
+    for depth in range(1, len(widths) + 1):
+        paths.extend(itertools.product(*(range(w) for w in widths[:depth])))
+    return paths
+
+
+def preset_names() -> list[str]:
+    return [*PRESETS, *(f"chain-{d}" for d in range(1, 6)), "cartesian-WxW..."]
+
+
+def resolve_tree(spec: str) -> Paths:
+    """Paths for a preset name, ``chain-N``, ``cartesian-AxB...``, ``baseline`` or a JSON file."""
+    if spec == "baseline":
+        return []
+    if spec in PRESETS:
+        return [tuple(p) for p in PRESETS[spec]]
+    if spec.startswith("chain-") and spec[6:].isdigit():
+        return chain(int(spec[6:]))
+    if spec.startswith("cartesian-"):
+        parts = spec[len("cartesian-"):].split("x")
+        if all(p.isdigit() and int(p) > 0 for p in parts):
+            return cartesian([int(p) for p in parts])
+    if spec.endswith(".json"):
+        return load_tree_file(Path(spec))
+    raise TreeError(
+        f"unknown tree {spec!r}: use one of {', '.join(preset_names())}, or a path to a .json file of paths"
+    )
+
+
+def load_tree_file(path: Path) -> Paths:
+    """A JSON file holding a list of paths, or an object with a "paths" list."""
+    if not path.is_file():
+        raise TreeError(f"tree file {path} does not exist: give the path of a JSON list of paths")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise TreeError(f"tree file {path} is not valid JSON ({err}): it must hold a list of paths") from err
+    if isinstance(data, dict):
+        data = data.get("paths")
+    if not isinstance(data, list) or not all(
+        isinstance(p, list) and p and all(isinstance(i, int) for i in p) for p in data
+    ):
+        raise TreeError(f"tree file {path} must hold a list of non-empty integer lists, e.g. [[0], [0, 0], [1]]")
+    return [tuple(p) for p in data]
+
+
+@dataclass(frozen=True)
+class TreeBuffers:
+    """Everything a verification step needs about one tree, made once per tree.
+
+    T = number of nodes including the root, D = max depth, P = number of leaves.
+    """
+
+    paths: Paths                 # sorted, root excluded
+    attn_mask: torch.Tensor      # (T, T) additive: 0 where a node sees an ancestor or itself, dtype-min elsewhere
+    depths: torch.Tensor         # (T,) long: 0 for the root; rotary position = prefix length + depth
+    candidate_index: torch.Tensor  # (T,) long: index into [root, head0 top-k, head1 top-k, ...]
+    parents: torch.Tensor        # (T,) long: parent node (root points to itself)
+    leaf_paths: torch.Tensor     # (P, D + 1) long: node ids from the root to each leaf, padded with -1
+    num_heads: int               # heads the tree uses (= D)
+    top_k: int                   # candidates each head must supply (= max rank + 1)
+
+    @property
+    def size(self) -> int:
+        return int(self.depths.shape[0])
+
+
+def validate_paths(paths: Paths, num_heads: int, top_k: int) -> None:
+    """Raise TreeError naming the first path that the heads cannot fill or that has no parent."""
+    seen = set(paths)
+    if len(seen) != len(paths):
+        dup = next(p for p in paths if paths.count(p) > 1)
+        raise TreeError(f"tree path {list(dup)} appears twice: each path must be listed once")
+    for p in paths:
+        if len(p) == 0 or any(i < 0 for i in p):
+            raise TreeError(f"tree path {list(p)} is invalid: paths are non-empty lists of ranks >= 0")
+        if len(p) > num_heads:
+            raise TreeError(
+                f"tree path {list(p)} has depth {len(p)} but the model has {num_heads} Medusa heads: "
+                f"use a tree of depth <= {num_heads}"
+            )
+        if max(p) >= top_k:
+            raise TreeError(
+                f"tree path {list(p)} uses rank {max(p)} but heads supply only their top {top_k}: "
+                f"use ranks < {top_k} or raise top_k"
+            )
+        if len(p) > 1 and p[:-1] not in seen:
+            raise TreeError(f"tree path {list(p)} has no parent {list(p[:-1])} in the tree: add the prefix")
+
+
+def build_tree_buffers(
+    paths: Paths, num_heads: int, top_k: int = 10, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> TreeBuffers:
+    """Pure function from paths to the tensors of one verification step."""
+    paths = sorted((tuple(p) for p in paths), key=lambda p: (len(p), p))
+    validate_paths(paths, num_heads, top_k)
+    index = {p: i + 1 for i, p in enumerate(paths)}  # node id of each path; root is 0
+    T = len(paths) + 1
+    depth_max = max((len(p) for p in paths), default=0)
+    used_top_k = max((max(p) + 1 for p in paths), default=1)
+
+    allowed = torch.zeros(T, T, dtype=torch.bool)  # (T, T): row attends to column
+    allowed[:, 0] = True
+    allowed[0, 0] = True
+    parents = [0] * T
+    cand = [0] * T
+    for p, i in index.items():
+        allowed[i, i] = True
+        for d in range(1, len(p)):
+            allowed[i, index[p[:d]]] = True
+        parents[i] = index[p[:-1]] if len(p) > 1 else 0
+        # head (len(p) - 1) proposes this node with its rank-p[-1] guess
+        cand[i] = 1 + (len(p) - 1) * used_top_k + p[-1]
+
+    mask = torch.zeros(T, T, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+    is_parent = set(parents[1:])
+    leaves = [i for i in range(T) if i not in is_parent]  # (with no paths, the root is the only leaf)
+    leaf_paths = torch.full((len(leaves), depth_max + 1), -1, dtype=torch.long)
+    node_of = {i: p for p, i in index.items()}
+    for row, leaf in enumerate(leaves):
+        p = node_of.get(leaf, ())
+        leaf_paths[row, 0] = 0
+        for d in range(1, len(p) + 1):
+            leaf_paths[row, d] = index[p[:d]]
+
+    return TreeBuffers(
+        paths=paths,
+        attn_mask=mask.to(device),
+        depths=torch.tensor([0] + [len(p) for p in paths], dtype=torch.long, device=device),
+        candidate_index=torch.tensor(cand, dtype=torch.long, device=device),
+        parents=torch.tensor(parents, dtype=torch.long, device=device),
+        leaf_paths=leaf_paths.to(device),
+        num_heads=depth_max,
+        top_k=used_top_k,
+    )
