@@ -103,3 +103,31 @@ def load_backbone_dir(directory: str | Path, device: str = "cpu", dtype: torch.d
     model.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(directory)
     return model, tokenizer
+
+
+HEADS_FILE = "medusa_lm_head.safetensors"
+
+
+def save_heads(heads: MedusaHeads, directory: str | Path, base_model: str) -> Path:
+    """The project's heads layout: published keys in safetensors, plus a config that records
+    what the loader checks (head count, blocks, sizes, base model)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in heads.published_state_dict().items()}
+    save_file(state, str(directory / HEADS_FILE))
+    c = heads.config
+    config = {
+        "format": "medusa-chat-heads",
+        "medusa_num_heads": c.num_heads,
+        "medusa_num_layers": c.num_layers,
+        "hidden_size": c.hidden_size,
+        "vocab_size": c.vocab_size,
+        "own_projection": c.own_projection,
+        "base_model_name_or_path": base_model,
+    }
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return directory
