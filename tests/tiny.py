@@ -1,0 +1,100 @@
+"""Tiny models, heads and tokenizers built inside the tests (float32, CPU, seconds)."""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from medusa_core.generate import DecodeConfig, generate
+from medusa_core.heads import HeadsConfig, MedusaHeads
+from medusa_core.loading import save_heads
+from medusa_core.train import fit_heads
+
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+}
+
+
+def tiny_model(arch: str = "llama", vocab: int = 64, seed: int = 0, hidden: int = 32, layers: int = 2):
+    """A random backbone; 4 query heads over 2 KV heads (GQA)."""
+    config_cls, model_cls = ARCHS[arch]
+    torch.manual_seed(seed)
+    config = config_cls(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+    )
+    model = model_cls(config).eval()
+    model.requires_grad_(False)
+    model.generation_config.eos_token_id = None  # random models: run to max_new_tokens unless a test says otherwise
+    return model
+
+
+def copied_heads(model, num_heads: int = 5) -> MedusaHeads:
+    """Untrained heads (projection = lm_head): they guess the token the backbone just chose."""
+    c = model.config
+    heads = MedusaHeads(HeadsConfig(num_heads, 1, c.hidden_size, c.vocab_size))
+    heads.init_from_lm_head(model.lm_head)
+    return heads.eval()
+
+
+def random_heads(model, num_heads: int = 5, seed: int = 1) -> MedusaHeads:
+    """Heads whose guesses are almost always wrong: exercises rejection."""
+    torch.manual_seed(seed)
+    c = model.config
+    return MedusaHeads(HeadsConfig(num_heads, 1, c.hidden_size, c.vocab_size)).eval()
+
+
+def trained_heads(model, num_heads: int = 5, steps: int = 150, seed: int = 1) -> MedusaHeads:
+    """Heads fitted to the backbone's own greedy text: often right, so acceptance > 1."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    seqs = []
+    for _ in range(16):
+        prompt = torch.randint(3, vocab, (4,), generator=gen).tolist()
+        out = [t for s in generate(model, prompt, config=DecodeConfig(max_new_tokens=40)) for t in s.tokens]
+        seqs.append(prompt + out)
+    heads = copied_heads(model, num_heads)
+    fit_heads(model, heads, seqs, steps=steps, lr=3e-3, seed=seed)
+    return heads
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: ids 0-3 special, then printable ASCII (vocab 104)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    chars = [c for c in string.printable if c not in "\x0b\x0c"]
+    vocab = {t: i for i, t in enumerate(specials + chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
+
+
+def tiny_checkpoint(root: Path, arch: str = "llama", steps: int = 150) -> tuple[Path, Path]:
+    """Save a tiny backbone (with a char tokenizer) and trained heads in the published
+    Medusa-1 layout; returns (backbone_dir, heads_dir)."""
+    tokenizer = char_tokenizer()
+    model = tiny_model(arch, vocab=len(tokenizer), hidden=48)
+    heads = trained_heads(model, steps=steps)
+    backbone_dir, heads_dir = root / "backbone", root / "heads"
+    model.save_pretrained(backbone_dir)
+    tokenizer.save_pretrained(backbone_dir)
+    save_heads(heads, heads_dir, base_model=str(backbone_dir))
+    return backbone_dir, heads_dir
