@@ -200,6 +200,10 @@ def generate(
             reason = _finish(token, stops, produced, config.max_new_tokens, should_stop)
             if reason:
                 break
+        if reason:
+            # Tokens accepted past the cut were never emitted: keep the cache equal to
+            # prompt + reply[:-1] so the next turn's prefix match is exact.
+            cache.rewind(len(prompt_ids) + produced - 1)
         yield Step(kept, len(kept) - 1 if len(kept) == len(emitted) else len(kept),
                    time.perf_counter() - t0, finish_reason=reason)
         if reason:

@@ -1,0 +1,73 @@
+import math
+
+import torch
+
+from medusa_core.acceptance import (
+    accept_match,
+    accept_typical,
+    sampling_probs,
+    typical_threshold,
+)
+from medusa_core.tree import build_tree_buffers
+
+
+def test_greedy_match_takes_the_longest_agreeing_path():
+    # tree: root -> a=[0], b=[1]; a -> c=[0,0]
+    tb = build_tree_buffers([(0,), (1,), (0, 0)], num_heads=2)   # nodes: 0 root, 1 [0], 2 [1], 3 [0,0]
+    tokens = torch.tensor([5, 7, 8, 9])
+    targets = torch.tensor([8, 9, 1, 3])   # root predicts 8 -> node [1]; node [1] predicts 1 (no child)
+    best, length = accept_match(tokens, targets, tb.leaf_paths)
+    path = tb.leaf_paths[best].tolist()
+    assert length.item() == 2 and path[:2] == [0, 2]
+    targets = torch.tensor([7, 9, 1, 3])   # root -> [0] (7), [0] predicts 9 -> [0,0]
+    best, length = accept_match(tokens, targets, tb.leaf_paths)
+    assert length.item() == 3 and tb.leaf_paths[best].tolist() == [0, 1, 3]
+    targets = torch.tensor([4, 9, 1, 3])   # nothing matches: only the root
+    assert accept_match(tokens, targets, tb.leaf_paths)[1].item() == 1
+
+
+def test_typical_matches_the_formula_on_hand_made_distributions():
+    eps, delta = 0.09, 0.3
+    peaked = torch.tensor([0.90, 0.05, 0.03, 0.02])
+    flat = torch.tensor([0.25, 0.25, 0.25, 0.25])
+    for p in (peaked, flat):
+        h = -(p * p.log()).sum().item()
+        expect = min(eps, delta * math.exp(-h))
+        assert math.isclose(typical_threshold(p[None], eps, delta).item(), expect, rel_tol=1e-5)
+    # flat: threshold = min(0.09, 0.3 * exp(-log 4)) = 0.075 -> every token (0.25) passes
+    # peaked: H ~ 0.43, 0.3 * exp(-H) ~ 0.195 -> threshold 0.09: only token 0 passes
+    tb = build_tree_buffers([(0,), (1,), (2,)], num_heads=1)       # three children of the root
+    tokens = torch.tensor([0, 3, 1, 0])                            # children: 3, 1, 0
+    logits = torch.stack([peaked.log(), flat.log(), flat.log(), flat.log()])
+    best, length = accept_typical(tokens, logits, tb.leaf_paths, temperature=1.0, epsilon=eps, delta=delta)
+    assert length.item() == 2 and tokens[tb.leaf_paths[best][1]].item() == 0
+    logits[0] = flat.log()
+    best, length = accept_typical(tokens, logits, tb.leaf_paths, temperature=1.0, epsilon=eps, delta=delta)
+    assert length.item() == 2 and tb.leaf_paths[best][1].item() == 1   # ties: the first path
+    # a raised threshold (epsilon and delta 1) rejects even the flat distribution's tokens
+    best, length = accept_typical(tokens, logits, tb.leaf_paths, temperature=1.0, epsilon=1.0, delta=1.0)
+    assert length.item() == 1
+
+
+def test_typical_at_temperature_zero_is_greedy():
+    torch.manual_seed(0)
+    tb = build_tree_buffers([(0,), (1,), (0, 0), (1, 0)], num_heads=2)
+    for _ in range(50):
+        logits = torch.randn(tb.size, 6)
+        tokens = torch.randint(0, 6, (tb.size,))
+        greedy = accept_match(tokens, logits.argmax(-1), tb.leaf_paths)
+        typical = accept_typical(tokens, logits, tb.leaf_paths, temperature=0.0)
+        assert greedy[1] == typical[1]
+        assert (tb.leaf_paths[greedy[0]][: greedy[1]] == tb.leaf_paths[typical[0]][: typical[1]]).all()
+
+
+def test_sampling_probs_top_k_and_top_p():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    p = logits.softmax(-1)[0]
+    assert torch.allclose(sampling_probs(logits, 1.0)[0], p)
+    top2 = sampling_probs(logits, 1.0, top_k=2)[0]
+    assert torch.allclose(top2, torch.cat([p[:2] / p[:2].sum(), torch.zeros(2)]))
+    # top-p keeps the smallest prefix whose mass reaches p: p[0] ~ 0.64 < 0.7 <= p[0] + p[1]
+    nucleus = sampling_probs(logits, 1.0, top_p=0.7)[0]
+    assert (nucleus > 0).tolist() == [True, True, False, False]
+    assert torch.allclose(sampling_probs(logits, 0.5)[0], (logits * 2).softmax(-1)[0])

@@ -1,0 +1,85 @@
+import json
+
+import pytest
+import torch
+
+from medusa_core.tree import MC_SIM_7B_63, PRESETS, TreeError, build_tree_buffers, cartesian, chain, resolve_tree
+
+
+def ancestors_and_self(paths, node_path):
+    return {node_path[:d] for d in range(len(node_path) + 1)}
+
+
+@pytest.mark.parametrize("spec", [*PRESETS, "chain-1", "chain-5", "cartesian-3x2", "cartesian-2x2x2"])
+def test_mask_rows_allow_exactly_ancestors_and_self(spec):
+    tb = build_tree_buffers(resolve_tree(spec), num_heads=5)
+    node_paths = [()] + tb.paths                           # node id -> path (root = ())
+    allowed = tb.attn_mask == 0                            # (T, T)
+    for i, p in enumerate(node_paths):
+        expect = {j for j, q in enumerate(node_paths) if q in ancestors_and_self(tb.paths, p)}
+        assert set(torch.nonzero(allowed[i]).flatten().tolist()) == expect
+    assert tb.depths.tolist() == [len(p) for p in node_paths]
+    assert tb.attn_mask[~allowed].eq(torch.finfo(tb.attn_mask.dtype).min).all()
+
+
+def test_leaf_paths_and_candidates_follow_the_paths():
+    tb = build_tree_buffers(resolve_tree("mc_sim_7b_63"), num_heads=5)
+    node_paths = [()] + tb.paths
+    assert tb.size == 64 and tb.num_heads == 4 and tb.top_k == 10
+    parents = {p[:-1] for p in tb.paths}
+    leaves = [p for p in node_paths if p not in parents]
+    assert tb.leaf_paths.shape == (len(leaves), 5)
+    for row in tb.leaf_paths.tolist():
+        nodes = [n for n in row if n >= 0]
+        leaf = node_paths[nodes[-1]]
+        assert [node_paths[n] for n in nodes] == [leaf[:d] for d in range(len(leaf) + 1)]
+    # node [a, b] is filled by head 1's rank-b guess: index 1 + 1 * top_k + b
+    i = node_paths.index((2, 1))
+    assert tb.candidate_index[i] == 1 + 1 * 10 + 1
+    assert tb.parents[i] == node_paths.index((2,))
+
+
+def test_builders():
+    assert chain(3) == [(0,), (0, 0), (0, 0, 0)]
+    assert len(cartesian([3, 2])) == 3 + 6
+    assert resolve_tree("cartesian-3x2") == cartesian([3, 2])
+    assert len(resolve_tree("mc_sim_7b_63")) == len(MC_SIM_7B_63) == 63
+    base = build_tree_buffers(resolve_tree("baseline"), num_heads=0)
+    assert base.size == 1 and base.num_heads == 0 and base.leaf_paths.tolist() == [[0]]
+
+
+def test_tree_file(tmp_path):
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps([[0], [0, 0], [1]]))
+    assert build_tree_buffers(resolve_tree(str(f)), num_heads=2).size == 4
+    f.write_text(json.dumps({"paths": [[0], [1]]}))
+    assert resolve_tree(str(f)) == [(0,), (1,)]
+
+
+@pytest.mark.parametrize(
+    "paths, message",
+    [
+        ([(0,), (1, 0)], "has no parent"),
+        ([(0,), (0, 0), (0, 0, 0)], "depth 3 but the model has 2 Medusa heads"),
+        ([(12,)], "top 10"),
+        ([(0,), (0,)], "appears twice"),
+        ([(0, -1)], "invalid"),
+    ],
+)
+def test_malformed_trees_raise(paths, message):
+    with pytest.raises(TreeError, match=message):
+        build_tree_buffers(paths, num_heads=2, top_k=10)
+
+
+def test_bad_names_and_files(tmp_path):
+    with pytest.raises(TreeError, match="unknown tree 'mc_sim_9000'"):
+        resolve_tree("mc_sim_9000")
+    with pytest.raises(TreeError, match="does not exist"):
+        resolve_tree(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("[[0], [")
+    with pytest.raises(TreeError, match="not valid JSON"):
+        resolve_tree(str(bad))
+    bad.write_text('[[0], "x"]')
+    with pytest.raises(TreeError, match="list of non-empty integer lists"):
+        resolve_tree(str(bad))
