@@ -68,6 +68,12 @@ def new_cache(model: nn.Module, capacity: int) -> TreeKVCache:
     return TreeKVCache(config.num_hidden_layers, capacity, max_context=max_context(model))
 
 
+def compute_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype activations (and so attention masks) have: that of the first float weight,
+    since quantized weights are stored as integers."""
+    return next(p for p in model.get_decoder().parameters() if p.is_floating_point()).dtype
+
+
 def max_context(model: nn.Module) -> int:
     return int(getattr(model.config.get_text_config(), "max_position_embeddings", 4096))
 
@@ -92,7 +98,7 @@ def generate(
     """
     decoder, lm_head = model.get_decoder(), model.get_output_embeddings()
     device = lm_head.weight.device
-    mask_dtype = next(p for p in decoder.parameters() if p.is_floating_point()).dtype
+    mask_dtype = compute_dtype(model)
     if tree is None:
         tree = build_tree_buffers([], num_heads=0, dtype=mask_dtype, device=device)
     if tree.num_heads and heads is None:
