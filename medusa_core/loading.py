@@ -1,133 +1,253 @@
-"""Loading a backbone and Medusa heads from local directories.
+"""One call from "what the user asked for" to a ready backbone, tokenizer and heads.
 
-Heads layout (published Medusa-1): ``config.json`` + ``medusa_lm_head.safetensors``
-or ``medusa_lm_head.pt``; keys ``{h}.{l}.linear.weight/bias`` for residual
-blocks and ``{h}.{L}.weight`` for a head's own vocabulary projection. The head
-and block counts come from the keys, never from the config (the published 7B
-config says 2 heads where the file holds 5).
+``load(LoadSpec(...))`` resolves hub ids or local directories (hub.py), reads heads in
+any published layout (heads_io.py), loads the backbone through stock transformers
+code (bitsandbytes NF4 by default on CUDA), checks the heads against it, and picks a
+default tree from an explicit table. Every failure is one LoadError line.
 """
 
 from __future__ import annotations
 
-import re
+import resource
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
-from torch import nn
 
-from .heads import HeadsConfig, MedusaHeads
+from .chat_format import stop_token_ids
+from .errors import LoadError
+from .heads import MedusaHeads
+from .heads_io import (  # noqa: F401  (re-exported: callers import these names from loading)
+    HEADS_FILE,
+    HEADS_FILES,
+    HeadsFiles,
+    HeadsLoadError,
+    heads_config_from_keys,
+    heads_from_state,
+    load_heads_dir,
+    load_heads_files,
+    read_heads_dir,
+    read_heads_file,
+    save_heads,
+)
+from .heads_quant import quantize_projections  # noqa: F401  (re-exported)
+from .hub import fetch_first, fetch_snapshot, local_dir
+
+DEMO_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo"
+CUDA_MODEL = "lmsys/vicuna-7b-v1.3"
+CUDA_HEADS = "FasterDecoding/medusa-vicuna-7b-v1.3"
+QUANTS = ("auto", "nf4", "int8", "none")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HEADS_QUANTS = ("none", "nf4")
+# Default trees for published heads, keyed by the exact repo id (never a substring of it).
+# The reference ships mc_sim_7b_63 as its default for all three Vicuna sizes.
+TREE_BY_HEADS = {
+    "FasterDecoding/medusa-vicuna-7b-v1.3": "mc_sim_7b_63",
+    "FasterDecoding/medusa-vicuna-13b-v1.3": "mc_sim_7b_63",
+    "FasterDecoding/medusa-vicuna-33b-v1.3": "mc_sim_7b_63",
+}
+# Files a full model needs (Medusa-2 repos are read from one local snapshot).
+_MODEL_FILES = ["*.json", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
 
 
-class HeadsLoadError(ValueError):
-    """Heads that cannot be used with this backbone; the message names the file and the fix."""
+@dataclass(frozen=True)
+class LoadSpec:
+    model: str | None = None          # hub id or local dir; None -> heads' base_model_name_or_path, else default
+    heads: str | None = None          # hub id or local dir; None -> no heads (baseline) unless defaults apply
+    device: str = "auto"              # auto -> cuda if available else cpu
+    quant: str = "auto"               # auto|nf4|int8|none; auto = nf4 on CUDA, none on CPU
+    dtype: str = "auto"               # auto|float32|bfloat16|float16: compute dtype
+    heads_quant: str = "none"         # none|nf4: quantize the heads' vocab projections
+    trust_remote_code: bool = False
 
 
-_KEY = re.compile(r"^(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
+@dataclass(frozen=True)
+class Loaded:
+    model: Any
+    tokenizer: Any
+    heads: MedusaHeads | None
+    default_tree: str                 # preset name or path to a tree json
+    stop_ids: tuple[int, ...]         # turn-ending token ids for generate(stop_ids=...)
+    description: str                  # one line: what was loaded
+    is_demo: bool
+    memory: str                       # one line memory report after loading
 
 
-def read_heads_file(path: Path) -> dict[str, torch.Tensor]:
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(path))
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        # weights_only: a pickle that needs anything beyond tensors is refused, never run
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # torch raises UnpicklingError or RuntimeError depending on the payload
-        raise HeadsLoadError(
-            f"{path} could not be loaded as plain tensors ({type(err).__name__}): it may hold code; "
-            "use a safetensors file or re-save it as a plain state dict"
-        ) from err
-    if not isinstance(state, dict):
-        raise HeadsLoadError(f"{path} holds a {type(state).__name__}, not a state dict of head weights")
-    return state
-
-
-def heads_config_from_keys(state: dict[str, torch.Tensor], source: str) -> HeadsConfig:
-    """Count heads and residual blocks from the keys and check they form complete heads."""
-    unexpected = [k for k in state if not _KEY.match(k)]
-    if unexpected:
-        raise HeadsLoadError(f"{source}: unexpected keys {sorted(unexpected)[:8]}: not a Medusa heads file")
-    if not state:
-        raise HeadsLoadError(f"{source}: holds no head weights")
-    parsed = [(int(m[1]), int(m[2]), m[3]) for m in map(_KEY.match, state)]
-    num_heads = max(h for h, _, _ in parsed) + 1
-    num_layers = max((l for _, l, kind in parsed if kind.startswith("linear")), default=-1) + 1
-    own_projection = any(kind == "weight" for _, _, kind in parsed)
-    hidden = state["0.0.linear.weight"].shape[1] if "0.0.linear.weight" in state else state[f"0.{num_layers}.weight"].shape[1]
-    vocab = state[f"0.{num_layers}.weight"].shape[0] if own_projection else 0
-    return HeadsConfig(num_heads, num_layers, hidden, vocab, own_projection)
-
-
-def heads_from_state(state: dict[str, torch.Tensor], model: nn.Module, source: str) -> MedusaHeads:
-    """Build heads that match ``state`` exactly, check them against the backbone, load strictly."""
-    found = heads_config_from_keys(state, source)
-    text = model.config.get_text_config()
-    if found.hidden_size != text.hidden_size:
-        raise HeadsLoadError(
-            f"{source}: heads have hidden size {found.hidden_size} but the backbone has {text.hidden_size}: "
-            "use heads trained for this backbone"
-        )
-    vocab = model.get_output_embeddings().weight.shape[0]
-    if found.own_projection and found.vocab_size != vocab:
-        raise HeadsLoadError(
-            f"{source}: heads have vocabulary size {found.vocab_size} but the backbone has {vocab}: "
-            "use heads trained for this backbone"
-        )
-    heads = MedusaHeads(HeadsConfig(found.num_heads, found.num_layers, found.hidden_size, vocab, found.own_projection))
-    try:
-        heads.load_published_state_dict(state)
+        kind = torch.device(device).type
     except RuntimeError as err:
-        raise HeadsLoadError(f"{source}: {err}".replace("\n", " ")) from err
-    weight = model.get_output_embeddings().weight
-    dtype = weight.dtype if weight.is_floating_point() else torch.bfloat16
-    return heads.to(device=weight.device, dtype=dtype).eval()
+        raise LoadError(f"device {device!r} is unknown: use auto, cpu, cuda or cuda:N") from err
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise LoadError(f"device {device!r} was asked for but torch sees no CUDA GPU: use --device cpu, or install a CUDA build of torch")
+    return device
 
 
-def load_heads_dir(directory: str | Path, model: nn.Module) -> MedusaHeads:
-    """Medusa-1 heads from a local directory; safetensors preferred over a pickle."""
-    directory = Path(directory)
-    for name in ("medusa_lm_head.safetensors", "medusa_lm_head.pt"):
-        if (directory / name).is_file():
-            return heads_from_state(read_heads_file(directory / name), model, str(directory / name))
-    raise HeadsLoadError(
-        f"{directory} has no medusa_lm_head.safetensors or medusa_lm_head.pt: point --heads at a Medusa heads directory"
-    )
+def resolve_quant(quant: str, device: str) -> str:
+    if quant not in QUANTS:
+        raise LoadError(f"quant {quant!r} is unknown: use one of {', '.join(QUANTS)}")
+    if quant == "auto":
+        return "nf4" if device.startswith("cuda") else "none"
+    return quant
 
 
-def load_backbone_dir(directory: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """A backbone saved with ``save_pretrained`` (and its tokenizer) -> (model, tokenizer)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        if device.startswith("cuda"):
+            # bf16 keeps fp32's range; fp16 only where the GPU lacks bf16 (pre-Ampere)
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if dtype not in DTYPES:
+        raise LoadError(f"dtype {dtype!r} is unknown: use auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
 
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
-    model.requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(directory)
+
+def default_spec(device: str) -> LoadSpec:
+    """Vicuna-7B + its Medusa-1 heads on CUDA; the small demo model in DEMO_DIR elsewhere."""
+    if device == "auto":
+        device = resolve_device(device)
+    if device.startswith("cuda"):
+        return LoadSpec(model=CUDA_MODEL, heads=CUDA_HEADS, device=device)
+    return LoadSpec(model=str(DEMO_DIR / "backbone"), heads=str(DEMO_DIR / "heads"), device=device)
+
+
+def heads_source_dir(source: str) -> Path:
+    """A local directory holding the heads of ``source`` (downloading only the files needed)."""
+    path = local_dir(source)
+    if path is not None:
+        return path
+    config = fetch_first(source, ["config.json"])
+    heads_file = fetch_first(source, HEADS_FILES)   # safetensors first: the .pt is never fetched if it exists
+    if heads_file is not None:
+        return heads_file.parent
+    if config is None:
+        raise LoadError(f"{source} has no config.json or medusa_lm_head file: point --heads at a Medusa heads repo")
+    # a full model: Medusa-2 shards also hold the heads; safetensors preferred over pickles
+    snapshot = fetch_snapshot(source, _MODEL_FILES + ["*.safetensors"])
+    if not any(snapshot.glob("*.safetensors")):
+        snapshot = fetch_snapshot(source, _MODEL_FILES + ["*.bin"])
+    return snapshot
+
+
+def load_backbone(source: str, device: str, quant: str, dtype: torch.dtype | str, trust_remote_code: bool = False):
+    """Stock transformers model + tokenizer from a hub id or local directory -> (model, tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    path = local_dir(source)
+    if path is not None and not (path / "config.json").is_file():
+        raise LoadError(f"{path} has no config.json: give a directory written by save_pretrained, or a hub id")
+    if path is None and fetch_first(source, ["config.json"]) is None:
+        raise LoadError(f"{source} has no config.json: it is not a transformers model repo")
+    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code, "device_map": {"": device}}
+    if quant == "nf4":
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype,   # explicit: bnb's float32 default is the slow path on GPUs
+        )
+    elif quant == "int8":
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
+    name = str(path) if path is not None else source
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, ImportError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        hint = "pass --trust-remote-code if you trust that code" if "trust_remote_code" in str(err) else \
+            "check the id or directory, or download it with `hf download`"
+        raise LoadError(f"{name}: could not load the model ({first[:200]}): {hint}") from err
+    model.eval().requires_grad_(False)
     return model, tokenizer
 
 
-HEADS_FILE = "medusa_lm_head.safetensors"
+def choose_tree(heads_source: str | None, heads: MedusaHeads | None, device: str, is_demo: bool) -> str:
+    """Explicit table first, then the demo's calibrated tree, then a preset sized for the device."""
+    if heads is None:
+        return "baseline"
+    if heads_source in TREE_BY_HEADS:
+        return TREE_BY_HEADS[heads_source]
+    if is_demo and (DEMO_DIR / "tree.json").is_file():
+        return str(DEMO_DIR / "tree.json")
+    n = heads.config.num_heads
+    if device.startswith("cuda"):
+        # the GPU verifies 64 nodes for about the price of one; mc_sim_7b_63 needs depth 4
+        return "mc_sim_7b_63" if n >= 4 else "cartesian-" + "x".join(["6", "4", "3"][:n])
+    # on CPU every node costs: small trees (small-16 has depth 5, small-8 depth 4)
+    return "small-16" if n >= 5 else "small-8" if n == 4 else f"chain-{n}"
 
 
-def save_heads(heads: MedusaHeads, directory: str | Path, base_model: str) -> Path:
-    """The project's heads layout: published keys in safetensors, plus a config that records
-    what the loader checks (head count, blocks, sizes, base model)."""
-    import json
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
-    from safetensors.torch import save_file
 
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in heads.published_state_dict().items()}
-    save_file(state, str(directory / HEADS_FILE))
-    c = heads.config
-    config = {
-        "format": "medusa-chat-heads",
-        "medusa_num_heads": c.num_heads,
-        "medusa_num_layers": c.num_layers,
-        "hidden_size": c.hidden_size,
-        "vocab_size": c.vocab_size,
-        "own_projection": c.own_projection,
-        "base_model_name_or_path": base_model,
-    }
-    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return directory
+def memory_report(model, heads: MedusaHeads | None, device: str) -> str:
+    weights = model.get_memory_footprint()
+    head_bytes = sum(p.numel() * p.element_size() for p in heads.parameters()) if heads is not None else 0
+    parts = f"weights {_size(weights)} + heads {_size(head_bytes)}"
+    if device.startswith("cuda"):
+        index = torch.device(device).index or 0
+        total = torch.cuda.get_device_properties(index).total_memory
+        return (f"GPU memory {_size(torch.cuda.memory_allocated(index))} allocated, "
+                f"{_size(torch.cuda.memory_reserved(index))} reserved of {_size(total)} ({parts})")
+    status = Path("/proc/self/status")
+    if status.is_file():
+        rss = next((int(l.split()[1]) * 1024 for l in status.read_text().splitlines() if l.startswith("VmRSS:")), 0)
+        return f"process RSS {_size(rss)} ({parts})"
+    # no /proc (macOS): the peak is what getrusage offers (bytes there)
+    return f"peak RSS {_size(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)} ({parts})"
+
+
+def _validate(spec: LoadSpec) -> None:
+    if spec.heads_quant not in HEADS_QUANTS:
+        raise LoadError(f"heads_quant {spec.heads_quant!r} is unknown: use one of {', '.join(HEADS_QUANTS)}")
+
+
+def load(spec: LoadSpec) -> Loaded:
+    _validate(spec)
+    device = resolve_device(spec.device)
+    if spec.model is None and spec.heads is None:
+        defaults = default_spec(device)
+        spec = replace(spec, model=defaults.model, heads=defaults.heads)
+        if not DEMO_DIR.is_dir() and not device.startswith("cuda"):
+            raise LoadError(f"the demo model {DEMO_DIR} is missing: restore assets/demo from git, or pass --model and --heads")
+    quant, dtype = resolve_quant(spec.quant, device), resolve_dtype(spec.dtype, device)
+
+    files: HeadsFiles | None = None
+    if spec.heads is not None:
+        files = read_heads_dir(heads_source_dir(spec.heads))
+    model_source = spec.model or (files.base_model if files else None)
+    if model_source is None:
+        raise LoadError(f"{files.source if files else spec.heads}: the heads' config.json names no base_model_name_or_path: pass --model")
+    model, tokenizer = load_backbone(model_source, device, quant, dtype, spec.trust_remote_code)
+    heads = load_heads_files(files, model, dtype) if files is not None else None
+    if heads is not None and spec.heads_quant == "nf4":
+        heads = quantize_projections(heads, dtype)
+
+    backbone_path = local_dir(model_source)
+    is_demo = backbone_path is not None and backbone_path.resolve() == (DEMO_DIR / "backbone").resolve()
+    tree = choose_tree(spec.heads, heads, device, is_demo)
+    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    stops = stop_token_ids(tokenizer) + tuple(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+    stop_ids = tuple(dict.fromkeys(stops))
+
+    what = f"{quant if quant != 'none' else 'unquantized'}, {str(dtype).removeprefix('torch.')} compute on {device}"
+    if heads is not None:
+        c = heads.config
+        heads_text = (f" + {c.num_heads} {files.layout} heads x {c.num_layers} block(s)"
+                      f"{' (nf4 projections)' if spec.heads_quant == 'nf4' else ''} from {spec.heads}")
+    else:
+        heads_text = " (no heads: baseline decoding only)"
+    if is_demo:
+        why = " (no CUDA)" if not torch.cuda.is_available() else ""
+        description = f"demo model{why}: {DEMO_DIR.relative_to(DEMO_DIR.parent.parent)} ({what}){heads_text}"
+    else:
+        shown = spec.model or (spec.heads if files is not None and files.layout == "medusa-2" else model_source)
+        description = f"{shown} ({what}){heads_text}"
+    return Loaded(model, tokenizer, heads, tree, stop_ids, description, is_demo, memory_report(model, heads, device))
+
+
+def load_backbone_dir(directory: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """A backbone saved with ``save_pretrained`` (and its tokenizer) -> (model, tokenizer), unquantized."""
+    return load_backbone(str(directory), device, "none", dtype)

@@ -1,0 +1,98 @@
+"""Chat history -> prompt token ids, and the tokens that end a turn.
+
+The tokenizer's own chat template is used when it has one; vicuna v1.1-style models
+(vicuna v1.3 / v1.5 ship no template) get the vicuna prompt from DESIGN §2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+VICUNA_SYSTEM = (
+    "A chat between a curious user and an artificial intelligence assistant. "
+    "The assistant gives helpful, detailed, and polite answers to the user's questions."
+)
+ROLES = ("system", "user", "assistant")
+# Turn-ending tokens of the common chat formats; only those the tokenizer knows are used.
+TURN_END_TOKENS = ("</s>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>")
+
+
+def _text(content: Any, index: int) -> str:
+    """A message's content as text: a string, one part, or Gradio 6's list of parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Mapping):
+        content = [content]
+    if isinstance(content, Iterable):
+        pieces = []
+        for part in content:
+            if isinstance(part, str):
+                pieces.append(part)
+            elif isinstance(part, Mapping) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+                pieces.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                raise ValueError(f"message {index} has a {kind!r} part: this chat takes text only; remove the attachment")
+        return "".join(pieces)
+    raise ValueError(f"message {index} content is a {type(content).__name__}: give a string or a list of text parts")
+
+
+def to_messages(history: Any) -> list[dict]:
+    """Plain str, OpenAI-style dicts (content str or list of parts) -> [{"role", "content": str}]."""
+    if isinstance(history, str):
+        return [{"role": "user", "content": history}]
+    messages = []
+    for i, message in enumerate(history):
+        if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+            raise ValueError(f"message {i} is {type(message).__name__} without role/content: give {{'role': ..., 'content': ...}} dicts")
+        role = message["role"]
+        if role not in ROLES:
+            raise ValueError(f"message {i} has role {role!r}: use one of {', '.join(ROLES)}")
+        messages.append({"role": role, "content": _text(message["content"], i)})
+    return messages
+
+
+def vicuna_prompt(messages: list[dict], system: str | None = None, eos: str = "</s>") -> str:
+    """FastChat's vicuna_v1.1 form: 'SYS USER: q ASSISTANT: a</s>USER: q2 ASSISTANT:'."""
+    if messages and messages[0]["role"] == "system":
+        system = system if system is not None else messages[0]["content"]
+        messages = messages[1:]
+    text = (VICUNA_SYSTEM if system is None else system) + " "
+    for m in messages:
+        if m["role"] == "user":
+            text += f"USER: {m['content']} "
+        elif m["role"] == "assistant":
+            text += f"ASSISTANT: {m['content']}{eos}"
+        else:
+            raise ValueError("a system message after the first turn has no place in the vicuna format: put it first")
+    return text + "ASSISTANT:"
+
+
+def render_chat(tokenizer, messages: Any, system: str | None = None) -> list[int]:
+    """Token ids of the conversation, ending with the prompt for the assistant's reply."""
+    messages = to_messages(messages)
+    if getattr(tokenizer, "chat_template", None):
+        if system is not None:
+            messages = [{"role": "system", "content": system}] + [m for m in messages if m["role"] != "system"]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # the template already wrote the BOS text; adding special tokens again would double it
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    text = vicuna_prompt(messages, system, tokenizer.eos_token or "</s>")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id
+    return ([bos] if bos is not None and ids[:1] != [bos] else []) + ids
+
+
+def stop_token_ids(tokenizer) -> tuple[int, ...]:
+    """EOS plus every turn-end token this tokenizer has as a real (non-unk) token."""
+    ids: list[int] = []
+    eos = tokenizer.eos_token_id
+    for value in eos if isinstance(eos, list) else [eos]:
+        if value is not None:
+            ids.append(int(value))
+    vocab = tokenizer.get_vocab()
+    for token in TURN_END_TOKENS:
+        if token in vocab and vocab[token] != tokenizer.unk_token_id:
+            ids.append(int(vocab[token]))
+    return tuple(dict.fromkeys(ids))

@@ -1,0 +1,172 @@
+"""Write Medusa heads in the layouts serving engines load.
+
+``python -m medusa_core.export --heads SRC --out DIR [--format tgi|vllm|both]``
+
+- ``tgi``: FasterDecoding's layout, which TGI and TensorRT-LLM's converter read:
+  ``medusa_lm_head.safetensors`` with keys ``{h}.{l}.linear.weight/bias`` and ``{h}.{L}.weight``
+  plus ``config.json`` with ``medusa_num_heads``, ``medusa_num_layers`` and
+  ``base_model_name_or_path``. No ``architectures`` field: TGI takes a config that has
+  one for an MLP speculator, not Medusa.
+- ``vllm``: vLLM's Medusa draft model (``model_executor/models/medusa.py``): ``model.safetensors``
+  with ``blocks.{h}.layers.{l}.weight/bias`` and ``lm_heads.{h}.weight`` (or one shared
+  ``lm_head.weight`` with ``original_lm_head`` for heads that reuse the backbone's lm_head),
+  and a ``model_type: medusa`` config with ``num_heads``, ``num_hidden_layers``,
+  ``hidden_size``, ``vocab_size``, ``truncated_vocab_size`` and ``medusa_fc_bias``.
+
+SRC is any layout ``load`` reads (hub id or directory). See docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from .errors import LoadError
+from .heads import HeadsConfig
+from .heads_io import HEADS_FILE, HeadsFiles, check_declared, heads_config_from_keys, read_heads_dir
+
+FORMATS = ("tgi", "vllm", "both")
+DTYPES = {"keep": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ExportSpec:
+    heads: str                      # hub id or local directory, any layout load() reads
+    out: Path
+    format: str = "both"            # tgi | vllm | both (both: out/tgi and out/vllm)
+    model: str | None = None        # backbone: needed for vLLM when the heads reuse its lm_head
+    dtype: str = "keep"             # keep | float32 | bfloat16 | float16
+
+
+def read_source(source: str) -> tuple[HeadsFiles, HeadsConfig]:
+    from .loading import heads_source_dir
+
+    from .hub import local_dir
+
+    files = read_heads_dir(heads_source_dir(source))
+    if files.layout == "medusa-2" and local_dir(source) is None:
+        files = replace(files, base_model=source)   # the hub id, not this machine's cache path
+    found = heads_config_from_keys(files.state, files.source)
+    check_declared(files, found)
+    return files, found
+
+
+def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    return {k: (v if dtype is None else v.to(dtype)).detach().contiguous().cpu() for k, v in state.items()}
+
+
+def write_tgi(files: HeadsFiles, found: HeadsConfig, out: Path, dtype: torch.dtype | None = None) -> Path:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(_cast(files.state, dtype), str(out / HEADS_FILE), metadata={"format": "pt"})
+    config = {
+        "medusa_num_heads": found.num_heads,
+        "medusa_num_layers": found.num_layers,
+        "base_model_name_or_path": files.base_model,
+        "hidden_size": found.hidden_size,
+    }
+    if found.own_projection:
+        config["vocab_size"] = found.vocab_size
+    else:
+        config["version"] = "2"      # TGI's MedusaHeadV2: one residual block per head + the backbone's lm_head
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def vllm_state(state: dict[str, torch.Tensor], found: HeadsConfig, lm_head: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Published keys -> vLLM Medusa parameter names."""
+    out = {}
+    for h in range(found.num_heads):
+        for l in range(found.num_layers):
+            out[f"blocks.{h}.layers.{l}.weight"] = state[f"{h}.{l}.linear.weight"]
+            out[f"blocks.{h}.layers.{l}.bias"] = state[f"{h}.{l}.linear.bias"]
+        if found.own_projection:
+            out[f"lm_heads.{h}.weight"] = state[f"{h}.{found.num_layers}.weight"]
+    if not found.own_projection:
+        out["lm_head.weight"] = lm_head
+    return out
+
+
+def _backbone_lm_head(model: str | None, source: str, hidden: int) -> tuple[torch.Tensor, int]:
+    from .loading import load_backbone
+
+    if model is None:
+        raise LoadError(f"{source}: these heads reuse the backbone's lm_head, which vLLM needs in the draft checkpoint: pass --model")
+    # "auto": the checkpoint's own dtype, so the lm_head is copied bit for bit
+    backbone, _ = load_backbone(model, "cpu", "none", "auto")
+    weight = backbone.get_output_embeddings().weight.detach()
+    if weight.shape[1] != hidden:
+        raise LoadError(f"{source}: heads have hidden size {hidden} but {model} has {weight.shape[1]}: pass the heads' own backbone as --model")
+    return weight, weight.shape[0]
+
+
+def write_vllm(files: HeadsFiles, found: HeadsConfig, out: Path, dtype: torch.dtype | None = None,
+               model: str | None = None) -> Path:
+    from safetensors.torch import save_file
+
+    lm_head, vocab = (None, found.vocab_size) if found.own_projection else \
+        _backbone_lm_head(model or files.base_model, files.source, found.hidden_size)
+    state = vllm_state(files.state, found, lm_head)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(_cast(state, dtype), str(out / "model.safetensors"), metadata={"format": "pt"})
+    first = next(iter(state.values()))
+    config = {
+        "model_type": "medusa",
+        "architectures": ["MedusaModel"],
+        "hidden_size": found.hidden_size,
+        "vocab_size": vocab,
+        "truncated_vocab_size": vocab,      # no token_map: the full vocabulary
+        "num_heads": found.num_heads,
+        "num_hidden_layers": found.num_layers,
+        "medusa_fc_bias": True,             # Medusa residual blocks have biases; vLLM drops them without this
+        "original_lm_head": not found.own_projection,
+        "max_paths": 64,
+        "topk": 10,
+        "torch_dtype": str(dtype or first.dtype).removeprefix("torch."),
+        "base_model_name_or_path": files.base_model,
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def export(spec: ExportSpec) -> list[Path]:
+    if spec.format not in FORMATS:
+        raise LoadError(f"format {spec.format!r} is unknown: use one of {', '.join(FORMATS)}")
+    if spec.dtype not in DTYPES:
+        raise LoadError(f"dtype {spec.dtype!r} is unknown: use one of {', '.join(DTYPES)}")
+    files, found = read_source(spec.heads)
+    dtype = DTYPES[spec.dtype]
+    written = []
+    if spec.format in ("tgi", "both"):
+        written.append(write_tgi(files, found, spec.out / "tgi" if spec.format == "both" else spec.out, dtype))
+    if spec.format in ("vllm", "both"):
+        written.append(write_vllm(files, found, spec.out / "vllm" if spec.format == "both" else spec.out, dtype, spec.model))
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m medusa_core.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--heads", required=True, help="heads: hub id or local directory (any published layout)")
+    parser.add_argument("--out", required=True, type=Path, help="output directory")
+    parser.add_argument("--format", default="both", choices=FORMATS, help="tgi (also TensorRT-LLM), vllm, or both (subdirectories)")
+    parser.add_argument("--model", help="backbone; needed for vLLM when the heads reuse its lm_head (version 2)")
+    parser.add_argument("--dtype", default="keep", choices=list(DTYPES), help="cast the weights (default: as stored)")
+    args = parser.parse_args(argv)
+    try:
+        written = export(ExportSpec(args.heads, args.out, args.format, args.model, args.dtype))
+    except LoadError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

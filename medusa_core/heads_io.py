@@ -1,0 +1,263 @@
+"""Medusa heads on disk: every published layout in, the project's layout out.
+
+Layouts read (all end as the published keys ``{h}.{l}.linear.weight/bias`` for
+residual blocks and ``{h}.{L}.weight`` for a head's own vocabulary projection):
+
+- medusa-1: ``config.json`` + ``medusa_lm_head.safetensors`` or ``.pt`` (FasterDecoding);
+- version-2: the same files without the projections; the heads reuse the backbone's lm_head;
+- medusa-2: a full model whose shards also hold ``medusa_head.{h}...`` keys;
+- medusa-chat: this project's ``save_heads`` output (its config is checked against the weights).
+
+Head and block counts come from the keys, never the config (the published 7B config
+says 2 heads where the file holds 5). Loading is strict: a missing, unexpected or
+mis-shaped tensor is a HeadsLoadError naming the file and the keys.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .errors import LoadError
+from .heads import HeadsConfig, MedusaHeads
+
+HEADS_FILE = "medusa_lm_head.safetensors"
+HEADS_FILES = (HEADS_FILE, "medusa_lm_head.pt")   # order = preference: safetensors never runs code
+OWN_FORMAT = "medusa-chat-heads"
+MEDUSA2_PREFIX = "medusa_head."
+
+_KEY = re.compile(r"^(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
+
+
+class HeadsLoadError(LoadError, ValueError):
+    """Heads that cannot be used with this backbone; the message names the file and the fix."""
+
+
+@dataclass(frozen=True)
+class HeadsFiles:
+    """Head weights read from one source, before any backbone is involved."""
+
+    state: dict[str, torch.Tensor]   # published keys
+    source: str                      # file (or directory, for shards) named in messages
+    layout: str                      # medusa-1 | version-2 | medusa-2 | medusa-chat
+    base_model: str | None           # backbone to pair with; a medusa-2 repo is its own backbone
+    config: dict
+
+
+# ---------------------------------------------------------------- reading files
+
+def read_heads_file(path: Path) -> dict[str, torch.Tensor]:
+    """One heads file -> state dict. Pickles load with weights_only=True: anything beyond
+    tensors and plain containers is refused before it can run."""
+    path = Path(path)
+    if not path.is_file():
+        raise HeadsLoadError(f"{path} does not exist: point --heads at a directory with medusa_lm_head.safetensors or .pt")
+    if path.suffix == ".safetensors":
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(path))
+        except SafetensorError as err:
+            raise HeadsLoadError(f"{path} is not a valid safetensors file ({err}): download it again") from err
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise HeadsLoadError(
+            f"{path} needs more than tensors to unpickle (it could run code) and was refused: "
+            "use a medusa_lm_head.safetensors file or re-save it as a plain state dict"
+        ) from err
+    except (RuntimeError, EOFError) as err:   # truncated zip or a non-torch file
+        raise HeadsLoadError(f"{path} is not a readable torch file ({type(err).__name__}): download it again") from err
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise HeadsLoadError(f"{path} holds a {type(state).__name__}, not a state dict of head tensors: re-save the heads' state_dict()")
+    return dict(state)
+
+
+def _read_config(directory: Path) -> dict:
+    path = directory / "config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise HeadsLoadError(f"{path} is not valid JSON ({err}): fix or re-download it") from err
+    if not isinstance(config, dict):
+        raise HeadsLoadError(f"{path} holds a {type(config).__name__}, not a JSON object: fix or re-download it")
+    return config
+
+
+def _medusa2_state(directory: Path) -> tuple[dict[str, torch.Tensor], str]:
+    """``medusa_head.*`` tensors from a full model's shards (safetensors preferred), prefix removed."""
+    shards = sorted(directory.glob("*.safetensors"))
+    state: dict[str, torch.Tensor] = {}
+    if shards:
+        from safetensors import safe_open
+
+        for shard in shards:
+            with safe_open(str(shard), framework="pt") as f:
+                for key in f.keys():
+                    if key.startswith(MEDUSA2_PREFIX):
+                        state[key[len(MEDUSA2_PREFIX):]] = f.get_tensor(key)
+    else:
+        for shard in sorted(directory.glob("*.bin")):
+            # mmap: only the medusa_head tensors are read into memory, not a 7B shard
+            for key, value in read_heads_file_mmap(shard).items():
+                if key.startswith(MEDUSA2_PREFIX):
+                    state[key[len(MEDUSA2_PREFIX):]] = value.clone()
+    return state, str(directory)
+
+
+def read_heads_file_mmap(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        raise HeadsLoadError(f"{path} needs more than tensors to unpickle (it could run code) and was refused: use safetensors shards") from err
+    except (RuntimeError, EOFError) as err:
+        raise HeadsLoadError(f"{path} is not a readable torch file ({type(err).__name__}): download it again") from err
+
+
+def read_heads_dir(directory: str | Path) -> HeadsFiles:
+    """Head weights from a local directory in any published layout."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise HeadsLoadError(f"{directory} does not exist: give a heads directory or a hub id like owner/name")
+    config = _read_config(directory)
+    for name in HEADS_FILES:
+        if (directory / name).is_file():
+            path = directory / name
+            state = read_heads_file(path)
+            layout = "medusa-chat" if config.get("format") == OWN_FORMAT else "medusa-1"
+            return HeadsFiles(state, str(path), layout, config.get("base_model_name_or_path"), config)
+    if "model_type" in config:
+        state, source = _medusa2_state(directory)
+        if not state:
+            raise HeadsLoadError(
+                f"{directory} holds a full model without medusa_head.* weights: "
+                "point --heads at Medusa heads (medusa_lm_head.*) or a Medusa-2 model"
+            )
+        return HeadsFiles(state, source, "medusa-2", str(directory), config)
+    raise HeadsLoadError(
+        f"{directory} has no medusa_lm_head.safetensors, medusa_lm_head.pt or model shards with medusa_head.* keys: "
+        "point --heads at a Medusa heads directory"
+    )
+
+
+# ---------------------------------------------------------------- checking against a backbone
+
+def heads_config_from_keys(state: dict[str, torch.Tensor], source: str) -> HeadsConfig:
+    """Count heads and residual blocks from the keys (vocab_size 0 when heads reuse the lm_head)."""
+    unexpected = sorted(k for k in state if not _KEY.match(k))
+    if unexpected:
+        raise HeadsLoadError(f"{source}: unexpected keys {unexpected[:8]}: not a Medusa heads file (keys must look like 0.0.linear.weight)")
+    if not state:
+        raise HeadsLoadError(f"{source}: holds no head weights: point --heads at trained Medusa heads")
+    parsed = [(int(m[1]), int(m[2]), m[3]) for m in map(_KEY.match, state)]
+    num_heads = max(h for h, _, _ in parsed) + 1
+    num_layers = max((l for _, l, kind in parsed if kind.startswith("linear")), default=-1) + 1
+    projections = [state[f"{h}.{l}.weight"] for h, l, kind in parsed if kind == "weight"]
+    own_projection = bool(projections)
+    any_block = next((state[k] for k in state if k.endswith("linear.weight")), None)
+    hidden = any_block.shape[-1] if any_block is not None else projections[0].shape[-1]
+    vocab = projections[0].shape[0] if own_projection else 0
+    return HeadsConfig(num_heads, num_layers, hidden, vocab, own_projection)
+
+
+def check_declared(files: HeadsFiles, found: HeadsConfig) -> None:
+    """What a config promises must match the weights where a mismatch means a wrong file."""
+    config = files.config
+    declared_v2 = str(config.get("version", "")) == "2" or config.get("own_projection") is False
+    if not found.own_projection and files.layout != "medusa-2" and config and not declared_v2:
+        missing = [f"{h}.{found.num_layers}.weight" for h in range(found.num_heads)]
+        raise HeadsLoadError(
+            f"{files.source}: missing keys {missing[:8]} (the heads' vocab projections) and its config.json "
+            'does not say "version": "2": the file is incomplete; re-download it'
+        )
+    if files.layout == "medusa-chat":
+        for field, value in (("medusa_num_heads", found.num_heads), ("medusa_num_layers", found.num_layers),
+                             ("hidden_size", found.hidden_size)):
+            if field in config and config[field] != value:
+                raise HeadsLoadError(
+                    f"{files.source}: config.json says {field}={config[field]} but the weights hold {value}: "
+                    "the directory mixes two saves; save the heads again"
+                )
+
+
+def heads_from_state(
+    state: dict[str, torch.Tensor], model: nn.Module, source: str, dtype: torch.dtype | None = None
+) -> MedusaHeads:
+    """Build heads that match ``state`` exactly, check them against the backbone, load strictly."""
+    found = heads_config_from_keys(state, source)
+    text = model.config.get_text_config()
+    if found.hidden_size != text.hidden_size:
+        raise HeadsLoadError(
+            f"{source}: heads have hidden size {found.hidden_size} but the backbone has {text.hidden_size}: "
+            "use heads trained for this backbone (or pass the right --model)"
+        )
+    lm_head = model.get_output_embeddings()
+    vocab = int(lm_head.out_features)
+    if found.own_projection and found.vocab_size != vocab:
+        raise HeadsLoadError(
+            f"{source}: heads have vocabulary size {found.vocab_size} but the backbone has {vocab}: "
+            "use heads trained for this backbone (or pass the right --model)"
+        )
+    heads = MedusaHeads(HeadsConfig(found.num_heads, found.num_layers, found.hidden_size, vocab, found.own_projection))
+    expected = heads.published_state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise HeadsLoadError(
+            f"{source}: missing keys {missing[:8]}, unexpected keys {unexpected[:8]} "
+            f"for {found.num_heads} heads x {found.num_layers} blocks: the file is incomplete or not Medusa heads"
+        )
+    wrong = [f"{k} {tuple(state[k].shape)} (expected {tuple(v.shape)})" for k, v in expected.items() if state[k].shape != v.shape]
+    if wrong:
+        raise HeadsLoadError(f"{source}: tensors with the wrong shape: {wrong[:4]}: the heads are inconsistent; re-download them")
+    heads.load_published_state_dict(state)
+    if dtype is None:
+        weight = lm_head.weight
+        dtype = weight.dtype if weight.is_floating_point() else torch.bfloat16
+    return heads.to(device=lm_head.weight.device, dtype=dtype).eval().requires_grad_(False)
+
+
+def load_heads_files(files: HeadsFiles, model: nn.Module, dtype: torch.dtype | None = None) -> MedusaHeads:
+    check_declared(files, heads_config_from_keys(files.state, files.source))
+    return heads_from_state(files.state, model, files.source, dtype)
+
+
+def load_heads_dir(directory: str | Path, model: nn.Module) -> MedusaHeads:
+    """Heads in any published layout from a local directory, checked against ``model``."""
+    return load_heads_files(read_heads_dir(directory), model)
+
+
+# ---------------------------------------------------------------- the project's own layout
+
+def save_heads(heads: MedusaHeads, directory: str | Path, base_model: str) -> Path:
+    """The project's heads layout: published keys in safetensors, plus a config that records
+    what the loader checks (head count, blocks, sizes, base model). TGI reads it as is."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in heads.published_state_dict().items()}
+    save_file(state, str(directory / HEADS_FILE))
+    c = heads.config
+    config = {
+        "format": OWN_FORMAT,
+        "medusa_num_heads": c.num_heads,
+        "medusa_num_layers": c.num_layers,
+        "hidden_size": c.hidden_size,
+        "vocab_size": c.vocab_size,
+        "own_projection": c.own_projection,
+        "base_model_name_or_path": base_model,
+    }
+    if not c.own_projection:
+        config["version"] = "2"
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return directory

@@ -1,0 +1,72 @@
+"""Chat history -> prompt ids: the tokenizer's template when it has one, the vicuna
+prompt otherwise; Gradio 6 part lists and plain strings; turn-ending stop ids."""
+
+from __future__ import annotations
+
+import pytest
+from tiny import char_tokenizer
+
+from medusa_core.chat_format import VICUNA_SYSTEM, render_chat, stop_token_ids, to_messages, vicuna_prompt
+
+HISTORY = [
+    {"role": "user", "content": [{"type": "text", "text": "Hi"}]},             # Gradio 6 parts
+    {"role": "assistant", "content": "Hello!", "metadata": None},             # OpenAI-style str
+    {"role": "user", "content": [{"type": "text", "text": "2+2"}, {"type": "text", "text": "?"}]},
+]
+
+
+def test_to_messages_accepts_strings_and_parts():
+    assert to_messages("hey") == [{"role": "user", "content": "hey"}]
+    assert to_messages(HISTORY) == [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "2+2?"},
+    ]
+    assert to_messages([{"role": "user", "content": {"type": "text", "text": "one part"}}])[0]["content"] == "one part"
+
+
+def test_to_messages_rejects_what_it_cannot_render():
+    with pytest.raises(ValueError, match="message 0 has a 'file' part"):
+        to_messages([{"role": "user", "content": [{"type": "file", "file": {"path": "/x.png"}}]}])
+    with pytest.raises(ValueError, match="role 'tool'"):
+        to_messages([{"role": "tool", "content": "x"}])
+    with pytest.raises(ValueError, match="without role/content"):
+        to_messages([("hi", "there")])
+
+
+def test_vicuna_prompt_matches_fastchat_v1_1():
+    expected = (
+        "A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, "
+        "detailed, and polite answers to the user's questions. USER: Hi ASSISTANT: Hello!</s>USER: 2+2? ASSISTANT:"
+    )
+    assert vicuna_prompt(to_messages(HISTORY)) == expected
+    assert vicuna_prompt(to_messages("x"), system="Be brief.") == "Be brief. USER: x ASSISTANT:"
+
+
+def test_render_chat_without_template_uses_vicuna_with_bos_and_eos_tokens():
+    tok = char_tokenizer()
+    assert tok.chat_template is None
+    ids = render_chat(tok, HISTORY)
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
+    assert ids.count(tok.eos_token_id) == 1            # "</s>" ends the assistant turn as the real EOS token
+    assert tok.decode(ids) == "<s>" + VICUNA_SYSTEM + " USER: Hi ASSISTANT: Hello!</s>USER: 2+2? ASSISTANT:"
+
+
+def test_render_chat_uses_the_tokenizers_template():
+    tok = char_tokenizer()
+    tok.chat_template = (
+        "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
+    ids = render_chat(tok, HISTORY, system="S")
+    assert ids.count(tok.bos_token_id) == 1            # the template's BOS, not a second one
+    assert tok.decode(ids) == "<s>[system]S\n[user]Hi\n[assistant]Hello!\n[user]2+2?\n[assistant]"
+
+
+def test_stop_token_ids_include_turn_end_tokens():
+    tok = char_tokenizer()
+    assert stop_token_ids(tok) == (tok.eos_token_id,)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_end|>", "<|eot_id|>"]})
+    stops = stop_token_ids(tok)
+    assert stops[0] == tok.eos_token_id
+    assert set(stops) == {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|eot_id|>")}

@@ -1,0 +1,141 @@
+"""Export writes heads the way serving engines read them; read each back as that engine
+would (key names, shapes, config fields) and check the numbers survive."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+from tiny import char_tokenizer, copied_heads, tiny_model
+
+from medusa_core.export import main
+from medusa_core.heads import HeadsConfig, MedusaHeads
+from medusa_core.loading import LoadError, load_heads_dir, save_heads
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("export")
+    tok = char_tokenizer()
+    model = tiny_model("llama", vocab=len(tok), hidden=32)
+    model.save_pretrained(root / "backbone")
+    tok.save_pretrained(root / "backbone")
+    torch.manual_seed(0)
+    heads = MedusaHeads(HeadsConfig(3, 2, 32, len(tok))).eval()     # 2 blocks: checks block numbering
+    save_heads(heads, root / "heads", base_model=str(root / "backbone"))
+    v2 = MedusaHeads(HeadsConfig(3, 1, 32, len(tok), own_projection=False)).eval()
+    save_heads(v2, root / "v2", base_model=str(root / "backbone"))
+    return root, model, heads, v2
+
+
+def keys_and_shapes(path):
+    with safe_open(str(path), framework="pt") as f:
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+
+
+def test_tgi_layout_reads_back(setup, tmp_path):
+    root, model, heads, _ = setup
+    assert main(["--heads", str(root / "heads"), "--out", str(tmp_path), "--format", "tgi", "--dtype", "bfloat16"]) == 0
+    config = json.loads((tmp_path / "config.json").read_text())
+    # TGI: medusa_num_heads marks a Medusa repo; an "architectures" field would make it an MLP speculator
+    assert "architectures" not in config
+    assert (config["medusa_num_heads"], config["medusa_num_layers"]) == (3, 2)
+    assert config["base_model_name_or_path"] == str(root / "backbone")
+    shapes = keys_and_shapes(tmp_path / "medusa_lm_head.safetensors")
+    expected = {}
+    for h in range(3):   # what TGI's MedusaHead loads: prefix {h}.{l}.linear for blocks, {h}.{L} for the projection
+        for l in range(2):
+            expected[f"{h}.{l}.linear.weight"] = (32, 32)
+            expected[f"{h}.{l}.linear.bias"] = (32,)
+        expected[f"{h}.2.weight"] = (model.config.vocab_size, 32)
+    assert shapes == expected
+    back = load_heads_dir(tmp_path, model)        # round trip through our own loader
+    for k, v in heads.published_state_dict().items():
+        torch.testing.assert_close(back.published_state_dict()[k], v.to(torch.bfloat16).float())
+
+
+class VllmMedusa(nn.Module):
+    """The parameter layout of vLLM's Medusa draft model, built from its config the way it is."""
+
+    def __init__(self, c: dict):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Module() for _ in range(c["num_heads"])
+        )
+        for block in self.blocks:
+            block.layers = nn.ModuleList(
+                nn.Linear(c["hidden_size"], c["hidden_size"], bias=c.get("medusa_fc_bias", False))
+                for _ in range(c["num_hidden_layers"])
+            )
+        if c.get("original_lm_head", False):
+            self.lm_head = nn.Linear(c["hidden_size"], c["truncated_vocab_size"], bias=False)
+        else:
+            self.lm_heads = nn.ModuleList(
+                nn.Linear(c["hidden_size"], c["truncated_vocab_size"], bias=False) for _ in range(c["num_heads"])
+            )
+        self.c = c
+
+    def forward(self, x):
+        outs = []
+        for h, block in enumerate(self.blocks):
+            y = x
+            for layer in block.layers:
+                y = y + nn.functional.silu(layer(y))
+            outs.append((self.lm_head if self.c.get("original_lm_head") else self.lm_heads[h])(y))
+        return torch.stack(outs)
+
+
+def _load_vllm(directory) -> VllmMedusa:
+    config = json.loads((directory / "config.json").read_text())
+    assert config["model_type"] == "medusa" and config["architectures"] == ["MedusaModel"]
+    assert config["truncated_vocab_size"] == config["vocab_size"]
+    module = VllmMedusa(config)
+    from safetensors.torch import load_file
+
+    module.load_state_dict(load_file(str(directory / "model.safetensors")), strict=True)
+    return module
+
+
+def test_vllm_layout_reads_back(setup, tmp_path):
+    root, model, heads, _ = setup
+    assert main(["--heads", str(root / "heads"), "--out", str(tmp_path)]) == 0    # both formats
+    assert (tmp_path / "tgi" / "medusa_lm_head.safetensors").is_file()
+    config = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    assert (config["num_heads"], config["num_hidden_layers"], config["hidden_size"]) == (3, 2, 32)
+    assert config["medusa_fc_bias"] is True and config["original_lm_head"] is False
+    vllm = _load_vllm(tmp_path / "vllm")
+    x = torch.randn(4, 32)
+    torch.testing.assert_close(vllm(x), heads(x, model.lm_head))
+
+
+def test_vllm_version2_heads_carry_the_backbone_lm_head(setup, tmp_path):
+    root, model, _, v2 = setup
+    assert main(["--heads", str(root / "v2"), "--out", str(tmp_path), "--format", "vllm", "--dtype", "float32"]) == 0
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["original_lm_head"] is True
+    vllm = _load_vllm(tmp_path)
+    x = torch.randn(4, 32)
+    torch.testing.assert_close(vllm(x), v2(x, model.lm_head))
+
+    assert main(["--heads", str(root / "v2"), "--out", str(tmp_path / "tgi"), "--format", "tgi"]) == 0
+    tgi = json.loads((tmp_path / "tgi" / "config.json").read_text())
+    assert tgi["version"] == "2" and tgi["medusa_num_layers"] == 1   # TGI's MedusaHeadV2 needs one block
+
+
+def test_export_errors_are_one_line(setup, tmp_path, capsys):
+    assert main(["--heads", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "does not exist" in err and err.count("\n") == 1
+    with pytest.raises(LoadError, match="pass --model"):
+        from medusa_core.export import ExportSpec, export
+
+        root = setup[0]
+        cfg = json.loads((root / "v2" / "config.json").read_text())
+        d = tmp_path / "v2nobase"
+        d.mkdir()
+        (d / "medusa_lm_head.safetensors").write_bytes((root / "v2" / "medusa_lm_head.safetensors").read_bytes())
+        (d / "config.json").write_text(json.dumps({**cfg, "base_model_name_or_path": None}))
+        export(ExportSpec(str(d), tmp_path / "o2", "vllm"))

@@ -1,0 +1,359 @@
+"""Loading heads in every published layout, the backbone (float32 and NF4), and every
+user-facing failure as its own one-line LoadError. Tiny checkpoints are written in
+each layout inside the tests; nothing touches the network."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from tiny import char_tokenizer, copied_heads, tiny_model
+
+from medusa_core.generate import DecodeConfig, generate
+from medusa_core.heads import HeadsConfig, MedusaHeads
+from medusa_core.loading import (
+    DEMO_DIR,
+    HeadsLoadError,
+    LoadError,
+    LoadSpec,
+    choose_tree,
+    default_spec,
+    load,
+    load_heads_dir,
+    save_heads,
+)
+from medusa_core.tree import build_tree_buffers, resolve_tree
+
+VOCAB = len(char_tokenizer())
+HIDDEN = 64   # a multiple of bitsandbytes' 64-value block (see test_nf4_backbone)
+
+
+class Evil:
+    """A pickle payload that would create a directory when unpickled without weights_only."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (str(self.marker),))
+
+
+def decode(model, heads, tree: str, n: int = 24) -> list[int]:
+    buffers = None
+    if tree != "baseline":
+        paths = resolve_tree(tree)
+        buffers = build_tree_buffers(paths, heads.config.num_heads, dtype=torch.float32)
+    prompt = [1, 40, 41, 42, 43, 44]
+    return [t for s in generate(model, prompt, heads=heads, tree=buffers, config=DecodeConfig(max_new_tokens=n)) for t in s.tokens]
+
+
+def assert_greedy_identical(loaded, n: int = 24, chain: bool = True) -> None:
+    base = decode(loaded.model, None, "baseline", n)
+    if chain:
+        assert decode(loaded.model, loaded.heads, "chain-3", n) == base
+    assert decode(loaded.model, loaded.heads, "small-8" if loaded.heads.config.num_heads >= 4 else "chain-2", n) == base
+
+
+def noisy_heads(model, num_heads=5, own_projection=True, seed=3) -> MedusaHeads:
+    """Copied heads with small residual weights: they propose plausible, not always right, tokens."""
+    torch.manual_seed(seed)
+    c = model.config
+    if own_projection:
+        heads = copied_heads(model, num_heads)
+    else:
+        heads = MedusaHeads(HeadsConfig(num_heads, 1, c.hidden_size, c.vocab_size, own_projection=False))
+    with torch.no_grad():
+        for p in heads.parameters():
+            if p.dim() == 2 and p.shape[0] == p.shape[1]:
+                p.copy_(0.05 * torch.randn_like(p))
+    return heads.eval()
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """One tiny backbone (saved) and heads written in every layout next to it."""
+    root = tmp_path_factory.mktemp("ckpt")
+    tok = char_tokenizer()
+    model = tiny_model("llama", vocab=len(tok), hidden=HIDDEN)
+    model.save_pretrained(root / "backbone")
+    tok.save_pretrained(root / "backbone")
+    heads = noisy_heads(model)
+    state = heads.published_state_dict()
+    base = str(root / "backbone")
+
+    # Medusa-1 as published: bf16 pickle, config claiming 2 heads where the file holds 5
+    d = root / "medusa1_pt"
+    d.mkdir()
+    torch.save({k: v.to(torch.bfloat16) for k, v in state.items()}, d / "medusa_lm_head.pt")
+    (d / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 1, "base_model_name_or_path": base}))
+
+    # Medusa-1 mirror with safetensors, plus a malicious .pt next to it: safetensors must win
+    d = root / "medusa1_st"
+    d.mkdir()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(d / "medusa_lm_head.safetensors"))
+    torch.save({"0.0.linear.weight": Evil(root / "pwned_st")}, d / "medusa_lm_head.pt")
+    (d / "config.json").write_text(json.dumps({"medusa_num_heads": 5, "medusa_num_layers": 1, "base_model_name_or_path": base}))
+
+    # version 2: residual blocks only, reuse the backbone's lm_head
+    d = root / "v2"
+    d.mkdir()
+    v2 = noisy_heads(model, 4, own_projection=False)
+    save_file({k: v.contiguous() for k, v in v2.published_state_dict().items()}, str(d / "medusa_lm_head.safetensors"))
+    (d / "config.json").write_text(json.dumps({"version": "2", "medusa_num_heads": 4, "base_model_name_or_path": base}))
+
+    # Medusa-2: a full model whose two safetensors shards also hold medusa_head.* keys
+    d = root / "medusa2"
+    model.save_pretrained(d, max_shard_size="100KB")
+    tok.save_pretrained(d)
+    shards = sorted(d.glob("model*.safetensors"))
+    assert len(shards) >= 2
+    from safetensors.torch import load_file
+    last = load_file(str(shards[-1]))
+    last.update({f"medusa_head.{k}": v.contiguous() for k, v in state.items()})
+    save_file(last, str(shards[-1]), metadata={"format": "pt"})
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({f"medusa_head.{k}": shards[-1].name for k in state})
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    # the project's own layout
+    save_heads(heads, root / "own", base_model=base)
+    return root
+
+
+def test_medusa1_pt_bf16_counts_heads_from_weights(root):
+    loaded = load(LoadSpec(heads=str(root / "medusa1_pt"), device="cpu"))   # backbone from base_model_name_or_path
+    assert loaded.heads.config.num_heads == 5                                # config said 2
+    assert loaded.heads.heads[0][0].linear.weight.dtype == torch.float32     # backbone's compute dtype
+    assert_greedy_identical(loaded)
+    assert "\n" not in loaded.description and "5 medusa-1 heads" in loaded.description
+    assert "RSS" in loaded.memory and loaded.stop_ids == (2,)
+
+
+def test_safetensors_preferred_and_pickle_never_run(root):
+    loaded = load(LoadSpec(model=str(root / "backbone"), heads=str(root / "medusa1_st"), device="cpu"))
+    assert loaded.heads.config.num_heads == 5
+    assert not (root / "pwned_st").exists()
+    assert_greedy_identical(loaded)
+
+
+def test_version2_heads_reuse_lm_head(root):
+    loaded = load(LoadSpec(heads=str(root / "v2"), device="cpu"))
+    assert not loaded.heads.config.own_projection and loaded.heads.config.num_heads == 4
+    assert_greedy_identical(loaded)
+
+
+def test_medusa2_backbone_and_heads_from_one_repo(root):
+    loaded = load(LoadSpec(heads=str(root / "medusa2"), device="cpu"))
+    assert loaded.heads.config.num_heads == 5 and "medusa-2" in loaded.description
+    ref = load(LoadSpec(model=str(root / "backbone"), heads=str(root / "own"), device="cpu"))
+    torch.testing.assert_close(loaded.heads.heads[2][1].weight, ref.heads.heads[2][1].weight)
+    assert_greedy_identical(loaded)
+
+
+def test_own_layout_and_its_config_is_checked(root, tmp_path):
+    loaded = load(LoadSpec(heads=str(root / "own"), device="cpu"))
+    assert_greedy_identical(loaded)
+    bad = tmp_path / "own"
+    bad.mkdir()
+    (bad / "medusa_lm_head.safetensors").write_bytes((root / "own" / "medusa_lm_head.safetensors").read_bytes())
+    config = json.loads((root / "own" / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "medusa_num_heads": 3}))
+    with pytest.raises(HeadsLoadError, match="medusa_num_heads=3 but the weights hold 5"):
+        load_heads_dir(bad, loaded.model)
+
+
+def test_nf4_backbone_on_cpu(root):
+    # bitsandbytes 0.50 runs NF4 on the CPU; float32 compute keeps the comparison exact enough
+    loaded = load(LoadSpec(heads=str(root / "own"), device="cpu", quant="nf4", dtype="float32"))
+    import bitsandbytes as bnb
+
+    assert isinstance(loaded.model.model.layers[0].self_attn.q_proj, bnb.nn.Linear4bit)
+    assert "nf4" in loaded.description
+    assert_greedy_identical(loaded, n=12, chain=False)   # 4-bit matmuls are slow on CPU: keep it short
+
+
+def test_heads_quant_nf4(root):
+    import bitsandbytes as bnb
+
+    loaded = load(LoadSpec(heads=str(root / "own"), device="cpu", heads_quant="nf4"))
+    assert isinstance(loaded.heads.heads[0][1], bnb.nn.Linear4bit)
+    assert_greedy_identical(loaded, n=12, chain=False)   # heads only propose: verification keeps the output exact
+    with pytest.raises(LoadError, match="reuse the backbone's lm_head"):
+        load(LoadSpec(heads=str(root / "v2"), device="cpu", heads_quant="nf4"))
+
+
+# ---------------------------------------------------------------- failures, each its own line
+
+def _heads_dir(tmp_path: Path, state: dict, base: str) -> Path:
+    d = tmp_path / "heads"
+    d.mkdir(exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(d / "medusa_lm_head.safetensors"))
+    (d / "config.json").write_text(json.dumps({"medusa_num_heads": 5, "base_model_name_or_path": base}))
+    return d
+
+
+def _one_line(err: pytest.ExceptionInfo) -> str:
+    text = str(err.value)
+    assert "\n" not in text
+    return text
+
+
+def test_shape_mismatch_names_both_sizes_and_file(root, tmp_path):
+    other = tiny_model("llama", vocab=VOCAB, hidden=48)
+    d = _heads_dir(tmp_path, copied_heads(other).published_state_dict(), str(root / "backbone"))
+    with pytest.raises(HeadsLoadError) as err:
+        load(LoadSpec(heads=str(d), device="cpu"))
+    assert "hidden size 48" in _one_line(err) and "has 64" in str(err.value) and "medusa_lm_head.safetensors" in str(err.value)
+
+    wide = tiny_model("llama", vocab=200, hidden=HIDDEN)
+    d = _heads_dir(tmp_path, copied_heads(wide).published_state_dict(), str(root / "backbone"))
+    with pytest.raises(HeadsLoadError, match=f"vocabulary size 200 but the backbone has {VOCAB}"):
+        load(LoadSpec(heads=str(d), device="cpu"))
+
+
+def test_missing_key(root, tmp_path):
+    state = noisy_heads(tiny_model("llama", vocab=VOCAB, hidden=HIDDEN)).published_state_dict()
+    del state["3.0.linear.bias"]
+    d = _heads_dir(tmp_path, state, str(root / "backbone"))
+    with pytest.raises(HeadsLoadError) as err:
+        load(LoadSpec(heads=str(d), device="cpu"))
+    assert "missing keys ['3.0.linear.bias']" in _one_line(err)
+
+
+def test_missing_projections_without_version2(root, tmp_path):
+    state = {k: v for k, v in noisy_heads(tiny_model("llama", vocab=VOCAB, hidden=HIDDEN)).published_state_dict().items()
+             if not k.endswith(".1.weight")}
+    d = _heads_dir(tmp_path, state, str(root / "backbone"))
+    with pytest.raises(HeadsLoadError, match=r"missing keys \['0.1.weight'.*version"):
+        load(LoadSpec(heads=str(d), device="cpu"))
+
+
+def test_unexpected_key(root, tmp_path):
+    state = noisy_heads(tiny_model("llama", vocab=VOCAB, hidden=HIDDEN)).published_state_dict()
+    state["0.0.linear.scale"] = torch.ones(3)
+    d = _heads_dir(tmp_path, state, str(root / "backbone"))
+    with pytest.raises(HeadsLoadError) as err:
+        load(LoadSpec(heads=str(d), device="cpu"))
+    assert "unexpected keys ['0.0.linear.scale']" in _one_line(err)
+
+
+def test_malicious_pickle_is_refused_and_nothing_runs(root, tmp_path):
+    d = tmp_path / "evil"
+    d.mkdir()
+    marker = tmp_path / "pwned"
+    torch.save({"0.0.linear.weight": Evil(marker)}, d / "medusa_lm_head.pt")
+    (d / "config.json").write_text(json.dumps({"base_model_name_or_path": str(root / "backbone")}))
+    with pytest.raises(HeadsLoadError) as err:
+        load(LoadSpec(heads=str(d), device="cpu"))
+    assert "refused" in _one_line(err) and "medusa_lm_head.pt" in str(err.value)
+    assert not marker.exists()
+
+
+def test_missing_heads_file(root, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"base_model_name_or_path": str(root / "backbone")}))
+    with pytest.raises(HeadsLoadError) as err:
+        load(LoadSpec(heads=str(tmp_path), device="cpu"))
+    assert "has no medusa_lm_head.safetensors" in _one_line(err)
+
+
+def test_nonexistent_paths(root, tmp_path):
+    with pytest.raises(LoadError) as err:
+        load(LoadSpec(model=str(tmp_path / "nope"), device="cpu"))
+    assert "does not exist" in _one_line(err)
+    with pytest.raises(LoadError, match="has no config.json"):
+        load(LoadSpec(model=str(tmp_path), device="cpu"))
+    with pytest.raises(LoadError, match="names no base_model_name_or_path: pass --model"):
+        d = _heads_dir(tmp_path, noisy_heads(tiny_model("llama", vocab=VOCAB, hidden=HIDDEN)).published_state_dict(), "")
+        (d / "config.json").write_text("{}")
+        load(LoadSpec(heads=str(d), device="cpu"))
+
+
+def test_bad_options():
+    with pytest.raises(LoadError, match="quant 'q3' is unknown"):
+        load(LoadSpec(model="x/y", device="cpu", quant="q3"))
+    with pytest.raises(LoadError, match="dtype 'fp8' is unknown"):
+        load(LoadSpec(model="x/y", device="cpu", dtype="fp8"))
+
+
+# ---------------------------------------------------------------- hub path, offline
+
+@pytest.fixture
+def offline_cache(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    return tmp_path / "hub"
+
+
+def _cache_repo(cache: Path, repo_id: str, src: Path) -> None:
+    """Lay out ``src`` the way huggingface_hub caches a downloaded repo."""
+    commit = "0" * 40
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snap = repo / "snapshots" / commit
+    snap.mkdir(parents=True)
+    for f in src.iterdir():
+        (snap / f.name).write_bytes(f.read_bytes())
+
+
+def test_hub_ids_from_the_cache_offline(root, offline_cache):
+    _cache_repo(offline_cache, "tiny/backbone", root / "backbone")
+    _cache_repo(offline_cache, "tiny/medusa-heads", root / "medusa1_pt")
+    cfg = offline_cache / "models--tiny--medusa-heads" / "snapshots" / ("0" * 40) / "config.json"
+    cfg.write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 1, "base_model_name_or_path": "tiny/backbone"}))
+    loaded = load(LoadSpec(heads="tiny/medusa-heads", device="cpu"))
+    assert loaded.heads.config.num_heads == 5 and "tiny/backbone" in loaded.description
+    assert_greedy_identical(loaded)
+
+
+def test_hub_medusa2_from_the_cache_offline(root, offline_cache):
+    _cache_repo(offline_cache, "tiny/medusa2", root / "medusa2")
+    loaded = load(LoadSpec(heads="tiny/medusa2", device="cpu"))
+    assert loaded.heads.config.num_heads == 5
+
+
+def test_offline_missing_model_is_one_line(offline_cache):
+    with pytest.raises(LoadError) as err:
+        load(LoadSpec(heads="FasterDecoding/medusa-vicuna-7b-v1.3", device="cpu"))
+    assert "hf download FasterDecoding/medusa-vicuna-7b-v1.3" in _one_line(err)
+    with pytest.raises(LoadError) as err:
+        load(LoadSpec(model="lmsys/vicuna-7b-v1.3", device="cpu"))
+    assert "hf download lmsys/vicuna-7b-v1.3" in _one_line(err)
+
+
+# ---------------------------------------------------------------- defaults
+
+def test_default_spec_and_tree_table():
+    assert default_spec("cpu").model == str(DEMO_DIR / "backbone")
+    assert default_spec("cuda").heads == "FasterDecoding/medusa-vicuna-7b-v1.3"
+    heads5 = MedusaHeads(HeadsConfig(5, 1, 8, 16))
+    assert choose_tree("FasterDecoding/medusa-vicuna-7b-v1.3", heads5, "cpu", False) == "mc_sim_7b_63"
+    assert choose_tree("FasterDecoding/medusa-vicuna-13b-v1.3", heads5, "cuda", False) == "mc_sim_7b_63"
+    # no substring guessing: a look-alike id gets the device-sized preset
+    assert choose_tree("someone/medusa-vicuna-7b-v1.3-copy", heads5, "cpu", False) == "small-16"
+    assert choose_tree("x/y", heads5, "cuda", False) == "mc_sim_7b_63"
+    assert choose_tree("x/y", MedusaHeads(HeadsConfig(3, 1, 8, 16)), "cpu", False) == "chain-3"
+    assert choose_tree(None, None, "cpu", False) == "baseline"
+
+
+@pytest.mark.skipif(not (DEMO_DIR / "heads").is_dir(), reason="assets/demo not built yet")
+def test_demo_default_loads():
+    loaded = load(LoadSpec(device="cpu"))
+    assert loaded.is_demo and loaded.description.startswith("demo model")
+    assert loaded.heads is not None and loaded.stop_ids
+
+
+def test_heads_quant_refuses_a_broken_quantization():
+    # hidden 48 hits bitsandbytes 0.50.2's CPU mis-scaling; the self-check must catch it, not decode with it
+    model = tiny_model("llama", vocab=VOCAB, hidden=48)
+    from medusa_core.loading import quantize_projections
+
+    with pytest.raises(HeadsLoadError, match="quantized a .* projection wrongly.*drop --heads-quant"):
+        quantize_projections(noisy_heads(model), torch.float32)
