@@ -3,7 +3,7 @@
 Shapes: T tree nodes (node 0 = root), V vocabulary, P root-to-leaf paths of
 D + 1 nodes each (padded with -1). Each rule returns ``(best, length)``: the
 row of ``leaf_paths`` to follow and how many of its nodes are accepted
-(>= 1, the root is always kept), both as 0-dim device tensors so the caller
+(>= 1, the root is always kept), both as (1,) device tensors so the caller
 decides when to synchronise.
 
 Greedy and exact sampling share one rule: every node gets one *target* token
@@ -51,8 +51,9 @@ def target_tokens(
 def _walk(ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """ok (P, D): child d of path p accepted given its parent -> (best, length)."""
     run = ok.long().cumprod(dim=1).sum(dim=1)   # (P,) accepted children before the first miss
-    best = run.argmax()                          # first longest path
-    return best, run[best] + 1
+    best = run.argmax().view(1)                  # (1,) first longest path
+    # gather, not run[best]: indexing with a 0-dim tensor would read it back to the host
+    return best, run.gather(0, best) + 1
 
 
 def accept_match(tree_tokens: torch.Tensor, targets: torch.Tensor, leaf_paths: torch.Tensor):

@@ -183,12 +183,13 @@ def generate(
             )
         else:
             best, length = accept_match(tree_tokens, targets, tree.leaf_paths)
-        path = tree.leaf_paths[best]                                           # (D+1,) node ids, -1 padded
-        last = path[length - 1]                                                # last accepted node
-        bonus = targets[last][None]                                            # (1,) next root
-        tree_tokens_next = propose(bonus, hidden[last])
+        # index_select/gather with (1,) tensors throughout: a 0-dim tensor index would sync
+        path = tree.leaf_paths.index_select(0, best)[0]                        # (D+1,) node ids, -1 padded
+        last = path.gather(0, length - 1)                                      # (1,) last accepted node
+        bonus = targets.index_select(0, last)                                  # (1,) next root
+        tree_tokens_next = propose(bonus, hidden.index_select(0, last)[0])
         # One deliberate sync: [length, path tokens (D+1), bonus, path nodes (D+1)] in one read.
-        packed = torch.cat([length[None], tree_tokens[path.clamp(min=0)], bonus, path]).tolist()
+        packed = torch.cat([length, tree_tokens[path.clamp(min=0)], bonus, path]).tolist()
         n = packed[0]
         accepted = packed[1:1 + n]               # root + accepted guesses: now in the cache
         nodes = packed[2 + depth:2 + depth + n]

@@ -17,11 +17,11 @@ def test_greedy_match_takes_the_longest_agreeing_path():
     tokens = torch.tensor([5, 7, 8, 9])
     targets = torch.tensor([8, 9, 1, 3])   # root predicts 8 -> node [1]; node [1] predicts 1 (no child)
     best, length = accept_match(tokens, targets, tb.leaf_paths)
-    path = tb.leaf_paths[best].tolist()
+    path = tb.leaf_paths[best][0].tolist()
     assert length.item() == 2 and path[:2] == [0, 2]
     targets = torch.tensor([7, 9, 1, 3])   # root -> [0] (7), [0] predicts 9 -> [0,0]
     best, length = accept_match(tokens, targets, tb.leaf_paths)
-    assert length.item() == 3 and tb.leaf_paths[best].tolist() == [0, 1, 3]
+    assert length.item() == 3 and tb.leaf_paths[best][0].tolist() == [0, 1, 3]
     targets = torch.tensor([4, 9, 1, 3])   # nothing matches: only the root
     assert accept_match(tokens, targets, tb.leaf_paths)[1].item() == 1
 
@@ -40,10 +40,10 @@ def test_typical_matches_the_formula_on_hand_made_distributions():
     tokens = torch.tensor([0, 3, 1, 0])                            # children: 3, 1, 0
     logits = torch.stack([peaked.log(), flat.log(), flat.log(), flat.log()])
     best, length = accept_typical(tokens, logits, tb.leaf_paths, temperature=1.0, epsilon=eps, delta=delta)
-    assert length.item() == 2 and tokens[tb.leaf_paths[best][1]].item() == 0
+    assert length.item() == 2 and tokens[tb.leaf_paths[best][0, 1]].item() == 0
     logits[0] = flat.log()
     best, length = accept_typical(tokens, logits, tb.leaf_paths, temperature=1.0, epsilon=eps, delta=delta)
-    assert length.item() == 2 and tb.leaf_paths[best][1].item() == 1   # ties: the first path
+    assert length.item() == 2 and tb.leaf_paths[best][0, 1].item() == 1   # ties: the first path
     # a raised threshold (epsilon and delta 1) rejects even the flat distribution's tokens
     best, length = accept_typical(tokens, logits, tb.leaf_paths, temperature=1.0, epsilon=1.0, delta=1.0)
     assert length.item() == 1
@@ -58,7 +58,8 @@ def test_typical_at_temperature_zero_is_greedy():
         greedy = accept_match(tokens, logits.argmax(-1), tb.leaf_paths)
         typical = accept_typical(tokens, logits, tb.leaf_paths, temperature=0.0)
         assert greedy[1] == typical[1]
-        assert (tb.leaf_paths[greedy[0]][: greedy[1]] == tb.leaf_paths[typical[0]][: typical[1]]).all()
+        n = greedy[1].item()
+        assert (tb.leaf_paths[greedy[0]][0, :n] == tb.leaf_paths[typical[0]][0, :n]).all()
 
 
 def test_sampling_probs_top_k_and_top_p():
