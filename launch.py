@@ -1,0 +1,166 @@
+"""Start the Medusa chat app: ``python launch.py`` (see ``--help``).
+
+Loads the model (4-bit Vicuna-7B v1.3 with Medusa heads on a CUDA machine, the
+shipped demo model without CUDA), then serves the chat page on 127.0.0.1 only.
+Failures a user can fix (busy port, missing model, out of memory) print one line
+and exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import socket
+import sys
+import time
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is imported anywhere
+
+DEFAULT_PORT = 7860
+LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="launch.py",
+        description="Chat with an LLM that answers faster with Medusa decoding heads. "
+                    "Without --model: on a CUDA machine 4-bit lmsys/vicuna-7b-v1.3 with "
+                    "FasterDecoding/medusa-vicuna-7b-v1.3; without CUDA the small demo model in assets/demo.",
+    )
+    m = p.add_argument_group("model (passed to the loader)")
+    m.add_argument("--model", help="backbone: a Hugging Face repo id or a local directory saved with save_pretrained "
+                                   "(default: see above)")
+    m.add_argument("--heads", help="Medusa heads: a repo id or a local directory with "
+                                   "medusa_lm_head.safetensors/.pt; alone, the backbone is the heads' base model "
+                                   "(no heads with --model alone: "
+                                   "plain decoding only)")
+    m.add_argument("--device", default="auto",
+                   help="auto (CUDA if present, else CPU), cpu, cuda or cuda:N (default: %(default)s)")
+    m.add_argument("--quant", default="auto",
+                   help="backbone weights: auto (nf4 4-bit on CUDA, none on CPU), nf4, int8 or none "
+                        "(default: %(default)s)")
+    m.add_argument("--dtype", default="auto",
+                   help="compute dtype: auto, float16, bfloat16 or float32 (default: %(default)s)")
+    m.add_argument("--heads-quant", default="none",
+                   help="Medusa heads' vocabulary projections: none or nf4 (default: %(default)s)")
+    m.add_argument("--trust-remote-code", action="store_true", help="allow a model repo's own Python code to run")
+    d = p.add_argument_group("decoding defaults (all can be changed in the page)")
+    d.add_argument("--tree", help="candidate tree: a preset (mc_sim_7b_63, small-8, small-16, chain-N, "
+                                  "cartesian-AxB) or a .json file of paths; default: the model's own tree")
+    d.add_argument("--max-new-tokens", type=int, default=256,
+                   help="initial limit of tokens per answer (default: %(default)s)")
+    d.add_argument("--system-prompt", default="", help="initial system prompt (empty: the model's default)")
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind; anything but a local address exposes "
+                                                       "the chat to your network (default: %(default)s)")
+    s.add_argument("--port", type=int, help=f"port to serve on; default {DEFAULT_PORT}, or a free one if it is busy")
+    s.add_argument("--share", action="store_true", help="also open a public gradio.live link (off unless given)")
+    args = p.parse_args(argv)
+    if args.max_new_tokens < 1:
+        p.error(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
+    return args
+
+
+def port_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def pick_port(host: str, wanted: int | None) -> int:
+    """The user's port if free (exit 1 if busy), else 7860, else any free port."""
+    if wanted is not None:
+        if not 0 < wanted < 65536:
+            fail(f"--port {wanted} is not a port number: use 1-65535")
+        if not port_free(host, wanted):
+            fail(f"port {wanted} on {host} is busy: stop what uses it or pass another --port")
+        return wanted
+    if port_free(host, DEFAULT_PORT):
+        return DEFAULT_PORT
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def is_local(host: str) -> bool:
+    if host in LOCAL_HOSTS:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(1)
+
+
+def load_spec(args: argparse.Namespace):
+    from medusa_core.loading import LoadSpec
+
+    # model and heads left None: the loader picks the machine's default (and says so)
+    return LoadSpec(model=args.model, heads=args.heads, device=args.device, quant=args.quant, dtype=args.dtype,
+                    heads_quant=args.heads_quant, trust_remote_code=args.trust_remote_code)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not is_local(args.host):
+        print(f"warning: binding {args.host}: anyone who can reach this machine can use the chat "
+              "(the default, 127.0.0.1, keeps it local)", file=sys.stderr)
+    port = pick_port(args.host, args.port)  # before the slow load, so a busy port fails fast
+
+    import torch
+
+    from medusa_core.loading import LoadError, load
+
+    spec = load_spec(args)
+    what = spec.model or (f"the base model of {spec.heads}" if spec.heads else "the default model for this machine")
+    heads = f" with heads {spec.heads}" if spec.heads else ""
+    print(f"Loading {what}{heads} (device {spec.device}, quant {spec.quant})…", flush=True)
+    t0 = time.perf_counter()
+    try:
+        loaded = load(spec)
+    except LoadError as err:
+        fail(str(err))
+    except torch.OutOfMemoryError:
+        fail("out of GPU memory while loading the model: use --quant nf4, a smaller --model, or free the GPU")
+    seconds = time.perf_counter() - t0
+    print(f"Loaded {loaded.description} in {seconds:.1f} s ({loaded.memory})", flush=True)
+
+    from medusa_core.tree import TreeError
+
+    from app.engine import ChatEngine
+    from app.ui import CSS_PATH, build_ui, theme
+
+    try:
+        engine = ChatEngine(loaded, extra_trees=[args.tree] if args.tree else [], max_new_tokens=args.max_new_tokens)
+    except TreeError as err:
+        fail(str(err))
+    note = ""
+    if loaded.is_demo:
+        note = ("**Demo model.** No CUDA GPU was found, so this runs the small demo model shipped in "
+                "`assets/demo` on the CPU: its answers are not meaningful, but the speed numbers are real. "
+                "On a CUDA machine `python launch.py` loads Vicuna-7B with Medusa heads.")
+    status = f"Ready · {loaded.description} · loaded in {seconds:.1f} s · {loaded.memory}"
+    demo = build_ui(engine, system_prompt=args.system_prompt, note=note, status=status)
+    demo.queue(default_concurrency_limit=1)
+    url_host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"Serving on http://{url_host}:{port}  (Ctrl+C to quit)", flush=True)
+    try:
+        demo.launch(server_name=args.host, server_port=port, share=args.share, inbrowser=False,
+                    theme=theme(), css_paths=[CSS_PATH], show_error=True, quiet=True)
+    except OSError as err:  # the port was taken between our check and the bind
+        fail(f"cannot serve on {args.host}:{port} ({err.strerror or err}): pass another --port")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

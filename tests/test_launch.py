@@ -1,0 +1,73 @@
+"""launch.py's command line: --help documents every flag; failures are one line and exit 1."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from test_app import model_dirs  # noqa: F401  (session fixture: the tiny checkpoint)
+
+REPO = Path(__file__).resolve().parent.parent
+FLAGS = ["--model", "--heads", "--device", "--quant", "--dtype", "--heads-quant", "--trust-remote-code",
+         "--tree", "--max-new-tokens", "--system-prompt", "--host", "--port", "--share"]
+
+
+def run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "launch.py", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"})
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    # the loader's progress bars and warnings aside, the failure is the lines starting "error:"
+    return [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+
+
+def test_help_documents_every_flag():
+    proc = run("--help", timeout=60)
+    assert proc.returncode == 0
+    for flag in FLAGS:
+        assert flag in proc.stdout, f"{flag} missing from --help"
+    assert "127.0.0.1" in proc.stdout and "demo model" in proc.stdout
+
+
+def test_busy_port_is_one_line_and_exit_1():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1)
+        port = sock.getsockname()[1]
+        proc = run("--port", str(port), "--device", "cpu", timeout=60)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert error_lines(proc) == [f"error: port {port} on 127.0.0.1 is busy: stop what uses it or pass another --port"]
+
+
+def test_missing_model_is_one_line_and_exit_1(tmp_path):
+    proc = run("--model", str(tmp_path / "no-such-model"), "--device", "cpu", "--port", str(free_port()))
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr + proc.stdout
+    lines = error_lines(proc)
+    assert len(lines) == 1 and "no-such-model" in lines[0]
+
+
+def test_non_local_host_warns(tmp_path):
+    proc = run("--host", "0.0.0.0", "--model", str(tmp_path / "missing"), "--device", "cpu")
+    assert "warning: binding 0.0.0.0" in proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+
+
+def test_unusable_tree_is_one_line_and_exit_1(model_dirs):  # noqa: F811
+    backbone, heads = model_dirs
+    proc = run("--model", str(backbone), "--heads", str(heads), "--device", "cpu", "--tree", "nonsense",
+               "--port", str(free_port()))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    lines = error_lines(proc)
+    assert len(lines) == 1 and "unknown tree 'nonsense'" in lines[0]
