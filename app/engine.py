@@ -9,14 +9,14 @@ live Stats of each pass. It holds no Gradio objects, so tests drive it directly.
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 import time
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from medusa_core.generate import DecodeConfig, generate, new_cache
+from medusa_core.generate import DecodeConfig, compute_dtype, generate, new_cache
 from medusa_core.kv_cache import TreeKVCache
 from medusa_core.tree import PRESETS, TreeBuffers, TreeError, build_tree_buffers, resolve_tree
 
@@ -170,9 +170,7 @@ class ChatEngine:
         self.loaded = loaded
         self.model, self.tokenizer, self.heads = loaded.model, loaded.tokenizer, loaded.heads
         self.max_new_tokens = max_new_tokens
-        decoder = self.model.get_decoder()
-        # 4-bit weights are uint8: the tree mask takes the dtype of the float parameters
-        self.dtype = next(p for p in decoder.parameters() if p.is_floating_point()).dtype
+        self.dtype = compute_dtype(self.model)   # the tree mask's dtype (4-bit weights are uint8)
         self.device = self.model.get_output_embeddings().weight.device
         self.num_heads = self.heads.config.num_heads if self.heads is not None else 0
         self._trees: dict[str, TreeBuffers] = {}
