@@ -137,7 +137,7 @@ def generate(
         """Next tree's tokens (T,) from its root token (1,) and the heads at one hidden row (H,)."""
         if not use_heads:
             return root
-        head_logits = heads(hidden_row, lm_head)[: tree.num_heads]           # (K, V)
+        head_logits = heads(hidden_row, lm_head, count=tree.num_heads)        # (K, V)
         guesses = torch.topk(head_logits, tree.top_k, dim=-1).indices          # (K, top_k)
         return torch.cat([root, guesses.flatten()])[tree.candidate_index]     # (T,)
 

@@ -57,10 +57,11 @@ class MedusaHeads(nn.Module):
                 elif self.config.own_projection:
                     block.weight.copy_(lm_head.weight.to(block.weight.dtype))
 
-    def forward(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        """hidden (..., H) -> logits (K, ..., V). ``lm_head`` serves heads without a projection."""
+    def forward(self, hidden: torch.Tensor, lm_head: nn.Module, count: int | None = None) -> torch.Tensor:
+        """hidden (..., H) -> logits (count, ..., V) of the first ``count`` heads (all by default):
+        a shallow tree reads only the heads it uses. ``lm_head`` serves heads without a projection."""
         outs = []
-        for head in self.heads:
+        for head in self.heads[:count]:
             x = head(hidden)
             outs.append(x if self.config.own_projection else lm_head(x))
         return torch.stack(outs)
