@@ -1,0 +1,215 @@
+"""Tree calibration (paper §2.3.3): measure a[k][i], the accuracy of head k's
+rank-i guess, on a calibration set; grow the tree that maximizes the expected
+accepted length for a node budget; time verification per tree size on this
+device and pick the size with the most expected tokens per second ("auto"),
+using a straight-line fit of step time against tree size to smooth out load noise.
+
+    python -m medusa_core.calibrate --model DIR --heads DIR --prompts cal.jsonl --out tree.json --budget auto
+
+A node's value is the product of a along its path: the chance that the whole
+path is accepted if the heads' hits were independent. Siblings are distinct
+tokens, so at most one child of a node is accepted, and the expected number of
+tokens per step is 1 (the backbone's own token) + the sum of the node values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+Path_ = tuple[int, ...]
+TIMED_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)   # tree sizes without the root
+
+
+@dataclass(frozen=True)
+class CalibrateConfig:
+    model: str
+    heads: str
+    out: str                          # the JSON tree file (a list of paths)
+    prompts: str | None = None        # JSONL {"prompt": ...}: the backbone answers them, heads are scored on that
+    data: str | None = None           # or an answers file written by medusa_core.train (distill_answers.jsonl)
+    answers: str | None = None        # where --prompts' answers are stored (default: next to --out)
+    budget: str = "auto"              # node count (root excluded), or "auto"
+    max_budget: int = 64
+    top_k: int = 10                   # ranks measured per head
+    raw_prompts: bool = False
+    answer_tokens: int = 128
+    timing_prompts: str | None = None  # prompts to time decoding with (default: the calibration prompts)
+    timing_tokens: int = 64
+    repeats: int = 3
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if (self.prompts is None) == (self.data is None):
+            raise ValueError("give exactly one calibration set: --prompts FILE.jsonl or --data answers.jsonl")
+        if self.budget != "auto" and not (self.budget.isdigit() and int(self.budget) >= 1):
+            raise ValueError(f"budget {self.budget!r} must be a node count >= 1 or 'auto'")
+
+
+def accuracy_table(counts: torch.Tensor) -> list[list[float]]:
+    """(K, top_k + 1) rank counts (last column: miss) -> a[k][i] = P(target is head k's rank-i guess)."""
+    total = counts.sum(1, keepdim=True).clamp(min=1)
+    return (counts[:, :-1].double() / total).tolist()
+
+
+def path_value(path: Sequence[int], acc: Sequence[Sequence[float]]) -> float:
+    value = 1.0
+    for depth, rank in enumerate(path):
+        value *= acc[depth][rank]
+    return value
+
+
+def grow_tree(acc: Sequence[Sequence[float]], budget: int) -> list[Path_]:
+    """Greedy growth: repeatedly add the frontier node (a child of the root or of a chosen
+    node) of highest path value, ties to the shallower then lexicographically smaller path.
+    Pure function of the accuracy table; returns paths in the order they were chosen."""
+    depth_max, top_k = len(acc), len(acc[0]) if acc else 0
+    frontier = [(-acc[0][i], 1, (i,)) for i in range(top_k)] if depth_max else []
+    heapq.heapify(frontier)
+    chosen: list[Path_] = []
+    while frontier and len(chosen) < budget:
+        neg, depth, path = heapq.heappop(frontier)
+        if neg == 0:
+            break   # only never-right guesses are left: more nodes would cost time and add nothing
+        chosen.append(path)
+        if depth < depth_max:
+            for i in range(top_k):
+                heapq.heappush(frontier, (neg * acc[depth][i], depth + 1, (*path, i)))
+    return chosen
+
+
+def expected_length(paths: Sequence[Path_], acc: Sequence[Sequence[float]]) -> float:
+    """Expected tokens per step with this tree: 1 + sum of node values."""
+    return 1.0 + sum(path_value(p, acc) for p in paths)
+
+
+def time_sizes(model, heads, acc, prompt_ids: list[list[int]], sizes: Sequence[int], tokens: int,
+               repeats: int) -> dict[int, dict]:
+    """Mean seconds per decoding step and measured tokens per step for each tree size.
+    Sizes are interleaved within each repeat so that load changes hit all alike; the
+    fastest repeat is kept. Size 1 counts the root only: the plain baseline."""
+    from tqdm import tqdm
+
+    from .generate import DecodeConfig, generate
+    from .tree import build_tree_buffers
+
+    device = model.get_output_embeddings().weight.device
+    trees = {n: build_tree_buffers(grow_tree(acc, n - 1), heads.config.num_heads, top_k=len(acc[0]), device=device)
+             for n in sizes}
+    samples: dict[int, list[tuple[float, float]]] = {n: [] for n in sizes}
+    config = DecodeConfig(max_new_tokens=tokens)
+    for _ in tqdm(range(repeats + 1), desc="timing trees"):   # the first round warms up and is dropped
+        for n in sizes:
+            seconds, steps, emitted = 0.0, 0, 0
+            for ids in prompt_ids:
+                for step in generate(model, ids, heads=heads, tree=trees[n], config=config):
+                    if not step.prefill and step.tokens:
+                        seconds, steps, emitted = seconds + step.seconds, steps + 1, emitted + len(step.tokens)
+            samples[n].append((seconds / max(1, steps), emitted / max(1, steps)))
+    # The fastest repeat: other load on the machine only ever adds time.
+    fastest = {n: min(s for s, _ in samples[n][1:]) for n in sizes}
+    # The baseline (size 1) skips the heads and the tree bookkeeping: a fixed cost the line
+    # through the tree sizes must not absorb, so it keeps its own measurement.
+    fitted = {**fastest, **linear_fit({n: s for n, s in fastest.items() if n > 1})}
+    out = {}
+    for n in sizes:
+        out[n] = {"step_ms": round(1e3 * fastest[n], 3), "fitted_step_ms": round(1e3 * fitted[n], 3),
+                  "measured_tokens_per_step": round(samples[n][-1][1], 3),
+                  "expected_tokens_per_step": round(expected_length(grow_tree(acc, n - 1), acc), 3)}
+        out[n]["expected_tokens_per_s"] = round(out[n]["expected_tokens_per_step"] / fitted[n], 1)
+    return out
+
+
+def linear_fit(seconds: dict[int, float]) -> dict[int, float]:
+    """Least-squares line through (size, step seconds): step time grows smoothly with the tree,
+    while single bests jump with the machine's load; choosing on raw bests picks noise."""
+    if len(seconds) < 2:
+        return dict(seconds)
+    xs, ys = list(seconds), list(seconds.values())
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return {x: my + slope * (x - mx) for x in xs}
+
+
+def run(config: CalibrateConfig) -> dict:
+    """Measure, grow, (time), write the tree file; returns the report (also written next to it)."""
+    from .loading import load_backbone_dir, load_heads_dir
+    from .train import padded, rank_histogram
+    from .train_data import distilled_rows, encode_prompt, read_answers, read_prompts
+
+    model, tokenizer = load_backbone_dir(config.model, device=config.device)
+    heads = load_heads_dir(config.heads, model)
+    out = Path(config.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if config.prompts:
+        answers = Path(config.answers or out.with_name(out.stem + "_calibration_answers.jsonl"))
+        rows = distilled_rows(model, tokenizer, config.prompts, config.raw_prompts, config.answer_tokens, answers)
+    else:
+        rows = read_answers(Path(config.data))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    batches = (padded(rows[i:i + 8], pad, config.device) for i in range(0, len(rows), 8))
+    counts = rank_histogram(heads, model, batches, top_k=config.top_k)
+    acc = accuracy_table(counts)
+    report: dict = {"config": asdict(config), "accuracy": [[round(v, 4) for v in row] for row in acc],
+                    "top1": [round(row[0], 4) for row in acc]}
+    if config.budget == "auto":
+        timing_file = Path(config.timing_prompts or config.prompts or "")
+        if not timing_file.is_file():
+            raise ValueError("--budget auto times decoding: give --timing-prompts FILE.jsonl (or calibrate with --prompts)")
+        prompt_ids = [encode_prompt(tokenizer, p, config.raw_prompts) for p in read_prompts(timing_file)][:8]
+        sizes = [n for n in TIMED_SIZES if n <= config.max_budget + 1]
+        timing = time_sizes(model, heads, acc, prompt_ids, sizes, config.timing_tokens, config.repeats)
+        best = max(timing, key=lambda n: timing[n]["expected_tokens_per_s"])
+        report["timing"] = {str(n): t for n, t in timing.items()}
+        report["auto_size"] = best
+        budget = best - 1
+    else:
+        budget = int(config.budget)
+    paths = grow_tree(acc, budget)
+    report["budget"] = budget
+    report["expected_tokens_per_step"] = round(expected_length(paths, acc), 4)
+    out.write_text(json.dumps([list(p) for p in paths]) + "\n")
+    out.with_name(out.stem + "_calibration.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="backbone directory")
+    p.add_argument("--heads", required=True, help="heads directory (medusa_lm_head.safetensors)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompts", help="calibration prompts JSONL; the backbone's greedy answers are the targets")
+    src.add_argument("--data", help="answers JSONL written by medusa_core.train (distill_answers.jsonl)")
+    p.add_argument("--out", required=True, help="tree file to write (JSON list of paths)")
+    p.add_argument("--budget", default="auto", help="nodes without the root, or 'auto' (time sizes on this device)")
+    p.add_argument("--max-budget", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=10)
+    p.add_argument("--raw-prompts", action="store_true", help="feed prompts as raw text, not via the chat template")
+    p.add_argument("--answer-tokens", type=int, default=128)
+    p.add_argument("--timing-prompts", help="prompts JSONL to time decoding with (default: --prompts)")
+    p.add_argument("--timing-tokens", type=int, default=64)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a = p.parse_args(argv)
+    report = run(CalibrateConfig(
+        model=a.model, heads=a.heads, out=a.out, prompts=a.prompts, data=a.data, budget=a.budget,
+        max_budget=a.max_budget, top_k=a.top_k, raw_prompts=a.raw_prompts, answer_tokens=a.answer_tokens,
+        timing_prompts=a.timing_prompts, timing_tokens=a.timing_tokens, device=a.device,
+    ))
+    print("head top-1 accuracy:", report["top1"])
+    for n, t in report.get("timing", {}).items():
+        print(f"tree size {n:>3}: {t['step_ms']:7.2f} ms/step (fit {t['fitted_step_ms']:.2f}), expected {t['expected_tokens_per_step']:.2f} "
+              f"(measured {t['measured_tokens_per_step']:.2f}) tokens/step, {t['expected_tokens_per_s']:.0f} tokens/s")
+    if "auto_size" in report:
+        print(f"auto: tree size {report['auto_size']} (root included)")
+    print(f"wrote {a.out}: {report['budget']} nodes, expected {report['expected_tokens_per_step']:.2f} tokens/step")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Tree calibration: accuracies, greedy growth by product of accuracies, the written tree file."""
+
+import itertools
+import json
+
+import pytest
+import torch
+from tiny import random_heads, tiny_checkpoint, tiny_model
+
+from medusa_core.calibrate import (
+    CalibrateConfig, accuracy_table, expected_length, grow_tree, path_value, run,
+)
+from medusa_core.train import IGNORE, backbone_hidden, rank_histogram
+from medusa_core.tree import build_tree_buffers, load_tree_file
+
+ACC = [[0.6, 0.2, 0.1], [0.5, 0.3, 0.1]]
+
+
+def all_trees(acc, size):
+    """Every prefix-closed set of ``size`` paths over the table (brute force)."""
+    nodes = [p for d in range(1, len(acc) + 1) for p in itertools.product(range(len(acc[0])), repeat=d)]
+    for subset in itertools.combinations(nodes, size):
+        chosen = set(subset)
+        if all(len(p) == 1 or p[:-1] in chosen for p in chosen):
+            yield subset
+
+
+def test_grow_tree_by_hand():
+    # values: (0,)=.6 (0,0)=.3 (1,)=.2 (0,1)=.18 (1,0)=.1 (2,)=.1 ...
+    assert grow_tree(ACC, 3) == [(0,), (0, 0), (1,)]
+    assert grow_tree(ACC, 4) == [(0,), (0, 0), (1,), (0, 1)]
+    assert path_value((0, 1), ACC) == pytest.approx(0.18)
+    assert expected_length(grow_tree(ACC, 3), ACC) == pytest.approx(1 + 0.6 + 0.3 + 0.2)
+
+
+@pytest.mark.parametrize("budget", range(1, 7))
+def test_greedy_tree_is_the_best_tree_of_its_size(budget):
+    acc = [[0.55, 0.25, 0.1], [0.7, 0.15, 0.05], [0.4, 0.3, 0.2]][:2]
+    best = max(expected_length(t, acc) for t in all_trees(acc, budget))
+    tree = grow_tree(acc, budget)
+    assert len(tree) == budget
+    assert expected_length(tree, acc) == pytest.approx(best)
+    # every node is worth at least as much as any node left out that could have been added
+    chosen = set(tree)
+    frontier = [p + (i,) for p in [(), *tree] for i in range(3) if len(p) < 2 and p + (i,) not in chosen]
+    assert min(path_value(p, acc) for p in tree) >= max(path_value(p, acc) for p in frontier)
+
+
+def test_never_right_guesses_are_not_added():
+    acc = [[0.5, 0.0], [0.0, 0.0]]
+    assert grow_tree(acc, 10) == [(0,)]
+
+
+def test_accuracy_table_from_rank_counts():
+    counts = torch.tensor([[6, 2, 2], [1, 1, 8]])   # ranks 0, 1, then "not in top 2"
+    table = accuracy_table(counts)
+    assert table[0] == pytest.approx([0.6, 0.2]) and table[1] == pytest.approx([0.1, 0.1])
+
+
+def test_rank_histogram_matches_sorting():
+    model = tiny_model()
+    heads = random_heads(model, 2)
+    ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    targets = ids.clone()
+    targets[:, :3] = IGNORE
+    counts = rank_histogram(heads, model, [(ids, targets)], top_k=4)
+    expected = torch.zeros(2, 5, dtype=torch.long)
+    logits = heads(backbone_hidden(model, ids), model.lm_head)            # (K, B, S, V)
+    for k in range(2):
+        for b in range(2):
+            for t in range(12 - k - 2):
+                target = targets[b, t + k + 2].item()
+                if target == IGNORE:
+                    continue
+                rank = (logits[k, b, t] > logits[k, b, t, target]).sum().item()
+                expected[k, min(rank, 4)] += 1
+    assert torch.equal(counts, expected)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("calibrate")
+    backbone, heads = tiny_checkpoint(root, steps=60)
+    prompts = root / "cal.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"x = {i} + y{i}"}) + "\n" for i in range(4)))
+    return backbone, heads, prompts
+
+
+def test_written_tree_is_valid_and_respects_the_budget(checkpoint, tmp_path):
+    backbone, heads, prompts = checkpoint
+    out = tmp_path / "tree.json"
+    report = run(CalibrateConfig(model=str(backbone), heads=str(heads), out=str(out), prompts=str(prompts),
+                                 raw_prompts=True, budget="6", top_k=4, answer_tokens=24))
+    paths = load_tree_file(out)
+    assert 1 <= len(paths) <= 6
+    buffers = build_tree_buffers(paths, num_heads=5, top_k=4)
+    assert buffers.size == len(paths) + 1
+    assert paths == grow_tree(report["accuracy"], 6)
+    assert len(report["accuracy"]) == 5 and all(len(row) == 4 for row in report["accuracy"])
+
+
+def test_auto_times_sizes_and_writes_the_chosen_one(checkpoint, tmp_path):
+    backbone, heads, prompts = checkpoint
+    out = tmp_path / "auto.json"
+    report = run(CalibrateConfig(model=str(backbone), heads=str(heads), out=str(out), prompts=str(prompts),
+                                 raw_prompts=True, budget="auto", max_budget=3, top_k=4, answer_tokens=16,
+                                 timing_tokens=8, repeats=1))
+    assert set(report["timing"]) == {"1", "2", "3", "4"}
+    assert all(t["step_ms"] > 0 for t in report["timing"].values())
+    best = max(report["timing"], key=lambda n: report["timing"][n]["expected_tokens_per_s"])
+    assert report["auto_size"] == int(best)
+    assert len(load_tree_file(out)) <= int(best) - 1

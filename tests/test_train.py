@@ -1,0 +1,126 @@
+"""Head training: a few steps lower the loss, the CLI's output reloads, checkpoints resume exactly."""
+
+import json
+
+import pytest
+import torch
+from tiny import char_tokenizer, copied_heads, tiny_model
+
+from medusa_core.heads import MedusaHeads
+from medusa_core.loading import load_backbone_dir, load_heads_dir
+from medusa_core.train import (
+    IGNORE, TrainConfig, backbone_hidden, fit_heads, head_loss, main, main_with_config, padded,
+)
+from medusa_core.train_data import answer_row, corpus_rows, read_answers
+
+
+@pytest.fixture(scope="module")
+def backbone_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    tokenizer = char_tokenizer()
+    model = tiny_model(vocab=len(tokenizer), hidden=48)
+    model.save_pretrained(root / "backbone")
+    tokenizer.save_pretrained(root / "backbone")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):\n    return x * {i}"}) + "\n" for i in range(12)))
+    return root
+
+
+def loss_on(model, heads: MedusaHeads, rows) -> float:
+    ids, targets = padded(rows, pad=0, device="cpu")
+    with torch.no_grad():
+        return head_loss(heads, backbone_hidden(model, ids), targets, model.get_output_embeddings()).total.item()
+
+
+def test_fit_heads_lowers_the_loss():
+    model = tiny_model()
+    gen = torch.Generator().manual_seed(0)
+    seqs = torch.randint(3, 64, (8, 24), generator=gen).tolist()
+    heads = copied_heads(model, 3)
+    before = loss_on(model, heads, [(s, s) for s in seqs])
+    losses = fit_heads(model, heads, seqs, steps=40, lr=3e-3, batch_size=4, seed=0)
+    assert len(losses) == 40
+    assert loss_on(model, heads, [(s, s) for s in seqs]) < 0.8 * before
+
+
+def test_ignored_targets_do_not_count():
+    model = tiny_model()
+    heads = copied_heads(model, 2)
+    ids, targets = answer_row([5, 6, 7, 8], [9, 10, 11, 12])
+    assert targets[:4] == [IGNORE] * 4
+    hidden = backbone_hidden(model, torch.tensor([ids]))
+    masked = head_loss(heads, hidden, torch.tensor([targets]), model.lm_head).per_head
+    changed = list(targets)
+    changed[2] = 40   # a prompt position turned into a target changes the loss: the mask is what hid it
+    assert head_loss(heads, hidden, torch.tensor([changed]), model.lm_head).per_head != masked
+
+
+def test_self_distillation_cli_trains_saves_and_reloads(backbone_dir):
+    out = backbone_dir / "heads"
+    main(["--model", str(backbone_dir / "backbone"), "--out", str(out), "--prompts", str(backbone_dir / "prompts.jsonl"),
+          "--raw-prompts", "--answer-tokens", "24", "--num-heads", "3", "--steps", "20", "--batch-size", "4",
+          "--lr", "3e-3", "--eval-every", "10"])
+    answers = read_answers(out / "work" / "distill_answers.jsonl")
+    assert len(answers) == 12 and all(len(ids) > 24 for ids, _ in answers)
+    report = json.loads((out / "work" / "train_report.json").read_text())
+    assert [h["step"] for h in report["history"]] == [10, 20]
+    assert all(0 <= a <= b <= 1 for a, b in zip(report["final"]["top1"], report["final"]["top5"]))
+
+    model, _ = load_backbone_dir(backbone_dir / "backbone")
+    trained = load_heads_dir(out, model)
+    assert trained.config.num_heads == 3 and trained.config.own_projection
+    untrained = copied_heads(model, 3)
+    assert loss_on(model, trained, answers) < loss_on(model, untrained, answers)
+
+
+class Crash(Exception):
+    pass
+
+
+def test_resume_continues_exactly(backbone_dir, monkeypatch):
+    base = dict(model=str(backbone_dir / "backbone"), prompts=str(backbone_dir / "prompts.jsonl"), raw_prompts=True,
+                answer_tokens=16, num_heads=2, own_projection=False, batch_size=4, lr=3e-3, eval_every=5, steps=10)
+    main_with_config(TrainConfig(out=str(backbone_dir / "straight"), **base))
+
+    real_save = torch.save
+
+    def save_then_crash(obj, path, *args, **kwargs):   # the run dies right after its first checkpoint
+        real_save(obj, path, *args, **kwargs)
+        raise Crash
+
+    monkeypatch.setattr(torch, "save", save_then_crash)
+    with pytest.raises(Crash):
+        main_with_config(TrainConfig(out=str(backbone_dir / "split"), **base))
+    monkeypatch.setattr(torch, "save", real_save)
+    assert not (backbone_dir / "split" / "medusa_lm_head.safetensors").exists()
+    main_with_config(TrainConfig(out=str(backbone_dir / "split"), resume=True, **base))
+    model, _ = load_backbone_dir(backbone_dir / "backbone")
+    a = load_heads_dir(backbone_dir / "straight", model).state_dict()
+    b = load_heads_dir(backbone_dir / "split", model).state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_config_needs_exactly_one_data_source():
+    with pytest.raises(ValueError, match="exactly one data source"):
+        TrainConfig(model="m", out="o")
+    with pytest.raises(ValueError, match="exactly one data source"):
+        TrainConfig(model="m", out="o", prompts="p.jsonl", corpus=("c.txt",))
+
+
+def test_corpus_rows_from_text_and_jsonl(tmp_path):
+    tokenizer = char_tokenizer()
+    text = tmp_path / "code.py"
+    text.write_text("def f(x):\n    return x + 1\n" * 4)
+    jsonl = tmp_path / "pairs.jsonl"
+    jsonl.write_text(json.dumps({"prompt": "Q: 1+1?", "answer": " A: 2"}) + "\n" + json.dumps({"text": "print(42)"}) + "\n")
+    rows = corpus_rows(tokenizer, [str(text), str(jsonl)], seq_len=16)
+    chunks = [r for r in rows[:-2]]
+    assert all(ids == targets and len(ids) <= 16 for ids, targets in chunks)
+    assert sum(len(ids) for ids, _ in chunks) == len(tokenizer.encode(text.read_text(), add_special_tokens=False))
+    pair_ids, pair_targets = rows[-2]
+    n_prompt = len(tokenizer.encode("Q: 1+1?", add_special_tokens=False))
+    assert pair_targets[:n_prompt] == [IGNORE] * n_prompt and pair_targets[n_prompt:] == pair_ids[n_prompt:]
+    assert rows[-1][0] == rows[-1][1]
+    with pytest.raises(FileNotFoundError, match="--corpus"):
+        corpus_rows(tokenizer, [str(tmp_path / "missing.txt")], seq_len=16)
