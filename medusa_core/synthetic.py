@@ -1,0 +1,118 @@
+"""Random models of real shapes for timing: speed does not depend on weight values,
+so a random Llama of the 7B shape (built directly in bf16 on the device) and random
+Medusa heads stand in for downloads that the GPU machine cannot make."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .heads import HeadsConfig, MedusaHeads
+
+DTYPE = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    vocab: int
+    max_position: int
+
+
+SHAPES = {
+    "7b": Shape(4096, 11008, 32, 32, 32000, 4096),   # Llama-7B / Vicuna-7B
+    "tiny": Shape(64, 128, 2, 4, 256, 1024),          # widths 64/128: bnb 0.50's CPU NF4 is wrong at 32/48/96
+}
+
+
+@torch.no_grad()
+def randomize_(module: nn.Module, seed: int, std: float = 0.02) -> None:
+    """Every Linear/Embedding weight ~ N(0, std), biases 0, norms stay 1: the scale of a trained
+    Llama, and never the all-zero weights that some kernels skip through."""
+    gen = None
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            if gen is None:
+                gen = torch.Generator(device=m.weight.device).manual_seed(seed)
+            m.weight.normal_(0.0, std, generator=gen)
+            if getattr(m, "bias", None) is not None:
+                m.bias.zero_()
+
+
+def build_model(shape: Shape, device: torch.device, seed: int) -> nn.Module:
+    """A random Llama made directly in bf16 on ``device`` (7B in fp32 on the host would need 28 GB)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.heads,
+        max_position_embeddings=shape.max_position, tie_word_embeddings=False,
+    )
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(config, dtype=DTYPE)
+    randomize_(model, seed)
+    model.eval().requires_grad_(False)
+    model.generation_config.eos_token_id = None     # random text: run to max_new_tokens
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def build_heads(shape: Shape, num_heads: int, device: torch.device, seed: int) -> MedusaHeads:
+    """Medusa-1 heads: one residual block and an own vocab projection each."""
+    with torch.device(device):
+        heads = MedusaHeads(HeadsConfig(num_heads, 1, shape.hidden, shape.vocab)).to(DTYPE)
+    randomize_(heads, seed)
+    return heads.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def quantize_backbone_(model: nn.Module) -> None:
+    """Every Linear of the decoder layers -> bitsandbytes NF4 (double quant, bf16 compute), as
+    ``BitsAndBytesConfig`` in loading.py does; lm_head and embeddings stay bf16 as there."""
+    import bitsandbytes as bnb
+
+    for layer in model.get_decoder().layers:
+        for parent in list(layer.modules()):
+            for name, dense in list(parent.named_children()):
+                if not isinstance(dense, nn.Linear):
+                    continue
+                q = bnb.nn.Linear4bit(dense.in_features, dense.out_features, bias=dense.bias is not None,
+                                      compute_dtype=DTYPE, compress_statistics=True, quant_type="nf4", device="meta")
+                # .to() quantizes; bf16 in, uint8 packed out, one layer's temporary at a time
+                q.weight = bnb.nn.Params4bit(dense.weight.data, requires_grad=False, compress_statistics=True,
+                                             quant_type="nf4", module=q).to(dense.weight.device)
+                if dense.bias is not None:
+                    q.bias = nn.Parameter(dense.bias.data, requires_grad=False)
+                setattr(parent, name, q)
+    gc.collect()
+
+
+def check_not_zero(modules: Sequence[nn.Module]) -> None:
+    for module in modules:
+        for name, p in module.named_parameters():
+            if p.is_floating_point() and p.dim() >= 2 and not bool(p.ne(0).any()):
+                raise RuntimeError(f"weight {name} is all zeros: timing it would flatter sparse-aware kernels")
+
+
+def tensor_bytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes a forward reads from ``module``'s weights; NF4 adds its block scales."""
+    total = 0
+    for p in module.parameters():
+        total += tensor_bytes(p)
+        state = getattr(p, "quant_state", None)
+        if state is not None:
+            total += tensor_bytes(state.absmax)
+            if state.nested:
+                total += tensor_bytes(state.state2.absmax) + tensor_bytes(state.state2.code)
+    return total

@@ -1,0 +1,118 @@
+import itertools
+import json
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from medusa_core import bench_gpu
+from medusa_core.bench_gpu import PUBLISHED_ACCURACIES, check_not_zero, expected_acceptance, rank_table
+from medusa_core.bench_gpu import tree_for_size as grow_tree
+from medusa_core.calibrate import path_value
+from medusa_core.tree import build_tree_buffers
+
+
+def best_by_brute_force(table, size):
+    """Largest summed path value over every prefix-closed set of size - 1 paths."""
+    K, top_k = len(table), len(table[0])
+    every = [p for d in range(1, K + 1) for p in itertools.product(range(top_k), repeat=d)]
+    best = 0.0
+    for subset in itertools.combinations(every, size - 1):
+        chosen = set(subset)
+        if all(len(p) == 1 or p[:-1] in chosen for p in chosen):
+            best = max(best, sum(path_value(p, table) for p in chosen))
+    return best
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_grown_tree_has_the_size_asked_and_the_best_expected_acceptance(seed):
+    rng = random.Random(seed)
+    table = [[rng.random() for _ in range(3)] for _ in range(2)]   # 2 heads x top 3, not sorted by rank
+    for size in range(1, 7):
+        paths = grow_tree(table, size)
+        assert len(paths) == size - 1 and len(set(paths)) == size - 1
+        build_tree_buffers(paths, num_heads=2, top_k=3)            # prefix-closed and fillable, or it raises
+        assert expected_acceptance(table, paths) == pytest.approx(1 + best_by_brute_force(table, size))
+
+
+def test_grown_trees_use_the_published_accuracies_sensibly():
+    table = rank_table(PUBLISHED_ACCURACIES)
+    assert table[0][:3] == pytest.approx([0.56, 0.196, 0.0686])   # rank i: a * 0.35**i
+    assert grow_tree(table, 1) == []
+    assert grow_tree(table, 4) == [(0,), (1,), (0, 0)]              # 0.56, 0.196, 0.56 * 0.32
+    t64 = grow_tree(table, 64)
+    assert len(t64) == 63 and max(len(p) for p in t64) <= 5
+    # bigger trees never expect fewer tokens, and stay near the published 2.3-2.6 tokens per step
+    accs = [expected_acceptance(table, grow_tree(table, n)) for n in (1, 4, 8, 16, 32, 64, 128)]
+    assert accs == sorted(accs) and 2.3 < accs[5] < 2.6
+
+
+def test_expected_acceptance_is_one_plus_path_probabilities():
+    table = [[0.5, 0.25], [0.4, 0.1]]
+    assert expected_acceptance(table, []) == 1.0
+    assert expected_acceptance(table, [(0,), (0, 0)]) == pytest.approx(1 + 0.5 + 0.5 * 0.4)
+    assert expected_acceptance(table, [(0,), (1,), (1, 1)]) == pytest.approx(1 + 0.5 + 0.25 + 0.25 * 0.1)
+
+
+def test_bad_tree_requests_are_named():
+    with pytest.raises(ValueError, match="size 0"):
+        grow_tree(rank_table([0.5]), 0)
+    with pytest.raises(ValueError, match="lower it"):
+        grow_tree(rank_table([0.5], top_k=2), 4)                   # 1 head x top 2 = 2 nodes below the root
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        grow_tree([[1.5]], 2)
+    with pytest.raises(ValueError, match="rank-decay"):
+        rank_table([0.8], decay=0.5)                                # ranks 0.8 + 0.4 + ... > 1
+
+
+def test_all_zero_weights_are_refused():
+    layer = nn.Linear(4, 4)
+    nn.init.zeros_(layer.weight)
+    with pytest.raises(RuntimeError, match="all zeros"):
+        check_not_zero([layer])
+
+
+def test_cli_runs_tiny_on_cpu_for_bf16_and_nf4_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "gpu.json"
+    code = bench_gpu.main(["--device", "cpu", "--shape", "tiny", "--quant", "none", "nf4", "--tree-sizes", "1", "4", "8",
+                           "--context", "16", "--iters", "2", "--warmup", "0", "--json", str(out),
+                           "--plot", str(tmp_path / "gpu.png")])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "proj. speedup" in printed and "components" in printed
+    data = json.loads(out.read_text())
+    assert {"device", "torch", "transformers", "bitsandbytes"} <= set(data["env"])
+    results = {r["quant"]: r for r in data["results"]}
+    assert set(results) == {"none", "nf4"}
+    for r in results.values():
+        assert [row["size"] for row in r["rows"]] == [1, 4, 8]
+        base = r["rows"][0]
+        assert base["overhead"] == pytest.approx(1.0) and base["expected_acceptance"] == 1.0 and base["heads_ms"] == 0
+        for row in r["rows"]:
+            assert row["step_ms"] > 0 and row["decoder_ms"] > 0 and row["bandwidth_gbs"] > 0
+            assert row["projected_speedup"] == pytest.approx(row["expected_acceptance"] / row["overhead"])
+            assert row["bytes_read"] == r["weights_bytes"] + r["kv_bytes"] + (r["heads_bytes"] if row["size"] > 1 else 0)
+        assert r["rows"][2]["expected_acceptance"] > r["rows"][1]["expected_acceptance"] > 1
+    # NF4 packs the decoder layers' weights ~4x (lm_head stays bf16); the heads are the same bf16 ones
+    assert results["nf4"]["weights_bytes"] < 0.5 * results["none"]["weights_bytes"]
+    assert results["nf4"]["heads_bytes"] == results["none"]["heads_bytes"]
+    if (tmp_path / "gpu.png").exists():
+        assert (tmp_path / "gpu.png").stat().st_size > 0
+    else:
+        assert "plot skipped" in printed
+
+
+def test_cli_times_transformers_generate_for_the_baseline_comparison(tmp_path):
+    out = tmp_path / "gpu.json"
+    assert bench_gpu.main(["--device", "cpu", "--shape", "tiny", "--quant", "none", "--tree-sizes", "1",
+                           "--context", "8", "--iters", "3", "--warmup", "0", "--hf-generate", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())["results"][0]
+    assert set(r["hf_generate_ms"]) == {"dynamic", "static"}
+    assert any(isinstance(v, float) for v in r["hf_generate_ms"].values()) and r["baseline_over_best_hf"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a CPU-only torch gives")
+def test_cuda_request_without_a_gpu_is_one_line_error(capsys):
+    assert bench_gpu.main(["--device", "cuda", "--quant", "none"]) == 1
+    assert "no CUDA GPU" in capsys.readouterr().err
