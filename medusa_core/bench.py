@@ -205,8 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     prompts = read_prompts(args.prompts, loaded.is_demo)
+    # the demo's own prompts are raw code snippets: a chat template around them is noise
+    raw = args.raw or (loaded.is_demo and args.prompts is None)
     tok = loaded.tokenizer
-    encoded = [tok(text)["input_ids"] if args.raw else render_chat(tok, text) for text in prompts]
+    encoded = [tok(text)["input_ids"] if raw else render_chat(tok, text) for text in prompts]
     print(loaded.description)
     print(loaded.memory)
     on_cpu = device.type == "cpu"
@@ -236,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     if greedy_refs:
         rows.append(summarize("transformers generate()", [r["hf_generate"] for r in results], base, False))
         rows.append(summarize("prompt lookup (10)", [r["prompt_lookup"] for r in results], base, False))
-    print(f"{len(prompts)} prompts, {args.max_new_tokens} new tokens max, mode {args.mode}, device {device}")
+    print(f"{len(prompts)} prompts{' (raw)' if raw else ''}, {args.max_new_tokens} new tokens max, "
+          f"mode {args.mode}, device {device}")
     print(format_table(rows))
     print(peak_memory(str(device)))
     if args.json:
