@@ -57,14 +57,15 @@ def test_chat_streams_then_compares(page):
 
     page.locator("#compare input[type=checkbox]").check()
     page.wait_for_selector("#chat-baseline", state="visible", timeout=10_000)
-    page.locator("#message textarea").fill("Now compare, please.")
+    page.locator("#message textarea").fill("How do I sort a list?")  # a prompt the demo model answers with visible text
     page.locator("#send").click()
     page.wait_for_function("() => document.querySelector('#comparison').innerText.includes('Speedup')",
                            timeout=120_000)
+    # the screenshot comes first, so a failing check still leaves the page to look at
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "chat.png"), full_page=True)
     assert len(assistant_texts(page, "chat-baseline")) >= 2 and assistant_texts(page, "chat-baseline")[-1].strip()
     assert len(assistant_texts(page, "chat")) >= 2
     assert tokens_per_second(page, "readout-baseline") > 0 and tokens_per_second(page, "readout") > 0
     assert re.search(r"identical|differ", page.locator("#comparison").inner_text())
 
-    ARTIFACTS.mkdir(exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / "chat.png"), full_page=True)
