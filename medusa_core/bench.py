@@ -22,6 +22,7 @@ from .chat_format import render_chat
 from .errors import LoadError
 from .generate import MODES, DecodeConfig, compute_dtype, generate
 from .loading import DEMO_DIR, LoadSpec, load
+from .train_data import read_prompts
 from .tree import TreeError, build_tree_buffers, resolve_tree
 
 DEFAULT_PROMPTS = [
@@ -143,26 +144,19 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def read_prompts(path: str | None, demo: bool) -> list[str]:
+def bench_prompts(path: str | None, demo: bool) -> list[str]:
+    """The --prompts file, else the demo's held-out prompts, else a few chat prompts."""
     if path is None:
         demo_prompts = DEMO_DIR / "prompts.jsonl"
-        if demo and demo_prompts.is_file():
-            path = str(demo_prompts)
-        else:
+        if not (demo and demo_prompts.is_file()):
             return DEFAULT_PROMPTS
-    file = Path(path)
-    if not file.is_file():
+        path = str(demo_prompts)
+    if not Path(path).is_file():
         raise SystemExit(f"error: prompts file {path} does not exist: give a JSONL file with one {{\"prompt\": ...}} per line")
-    prompts = []
-    for n, line in enumerate(file.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                prompts.append(json.loads(line)["prompt"])
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise SystemExit(f"error: {path} line {n} is not {{\"prompt\": \"...\"}} ({err})") from err
-    if not prompts:
-        raise SystemExit(f"error: {path} holds no prompts")
-    return prompts
+    try:
+        return read_prompts(Path(path))
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from err
 
 
 def peak_memory(device: str) -> str:
@@ -204,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     except (LoadError, TreeError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    prompts = read_prompts(args.prompts, loaded.is_demo)
+    prompts = bench_prompts(args.prompts, loaded.is_demo)
     # the demo's own prompts are raw code snippets: a chat template around them is noise
     raw = args.raw or (loaded.is_demo and args.prompts is None)
     tok = loaded.tokenizer
