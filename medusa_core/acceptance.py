@@ -18,13 +18,19 @@ from __future__ import annotations
 import torch
 
 
-def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
-    """(T, V) logits -> (T, V) probabilities of the plain sampler (temperature, top-k, top-p)."""
+Number = float | torch.Tensor   # a Python float, or a 0-dim device tensor a captured step reads
+
+
+def sampling_probs(logits: torch.Tensor, temperature: Number, top_p: Number = 1.0, top_k: int = 0,
+                   nucleus: bool | None = None) -> torch.Tensor:
+    """(T, V) logits -> (T, V) probabilities of the plain sampler (temperature, top-k, top-p).
+    ``nucleus`` says whether top-p applies (default: top_p < 1); a step that keeps top_p on the
+    device decides it once, so the check never reads the tensor back."""
     logits = logits.float() / temperature
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
+    if nucleus if nucleus is not None else top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         cum = sorted_logits.softmax(-1).cumsum(-1)
         # drop a token when the tokens before it already reach top_p (the first always stays)
@@ -34,18 +40,13 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
     return logits.softmax(-1)
 
 
-def target_tokens(
-    logits: torch.Tensor,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """(T, V) -> (T,) one token per node: argmax at temperature 0, else one sample."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    probs = sampling_probs(logits, temperature, top_p, top_k)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """(T, V) probabilities and (T,) draws from U[0, 1) -> (T,) one sample per row, by inverting
+    the CDF. The draws come from the caller's seeded generator, so a captured step (which cannot
+    own a generator's state) samples reproducibly; a token of probability 0 is never picked."""
+    cdf = probs.cumsum(-1)                                   # (T, V)
+    u = uniforms[:, None] * cdf[:, -1:]                      # (T, 1): scaled by the total, which rounding moves off 1
+    return (cdf <= u).sum(-1).clamp(max=probs.shape[-1] - 1)  # first index whose CDF passes u
 
 
 def _walk(ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,16 +66,16 @@ def accept_match(tree_tokens: torch.Tensor, targets: torch.Tensor, leaf_paths: t
     return _walk(ok)
 
 
-def typical_threshold(probs: torch.Tensor, epsilon: float, delta: float) -> torch.Tensor:
+def typical_threshold(probs: torch.Tensor, epsilon: Number, delta: Number) -> torch.Tensor:
     """(T, V) -> (T,) min(epsilon, delta * exp(-H(p))), paper §2.3.1."""
     entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
     return torch.clamp(delta * torch.exp(-entropy), max=epsilon)
 
 
-def typical_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """The backbone's distribution at ``temperature``; at 0 its limit, a one-hot argmax
-    (entropy 0, so the rule accepts exactly the greedy token)."""
-    if temperature <= 0:
+def typical_probs(logits: torch.Tensor, temperature: Number) -> torch.Tensor:
+    """The backbone's distribution at ``temperature``; at 0 (a Python number) its limit, a one-hot
+    argmax (entropy 0, so the rule accepts exactly the greedy token)."""
+    if not isinstance(temperature, torch.Tensor) and temperature <= 0:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     return (logits.float() / temperature).softmax(-1)
 
@@ -83,9 +84,9 @@ def accept_typical(
     tree_tokens: torch.Tensor,
     logits: torch.Tensor,
     leaf_paths: torch.Tensor,
-    temperature: float,
-    epsilon: float = 0.09,
-    delta: float = 0.3,
+    temperature: Number,
+    epsilon: Number = 0.09,
+    delta: Number = 0.3,
 ):
     """Typical acceptance: child x accepted when p_parent(x) > min(epsilon, delta * exp(-H(p_parent)))."""
     probs = typical_probs(logits, temperature)              # (T, V)

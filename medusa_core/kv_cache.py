@@ -1,58 +1,70 @@
-"""A preallocated KV cache that the stock transformers forward writes into,
-and that a Medusa step compacts in place after verification.
+"""A conversation's KV cache: fixed-capacity buffers that the stock transformers
+forward writes into at a position held on the device, so one decoding step can
+run (and be captured as a CUDA graph) without reading anything back to the host.
 
-Layout per layer: keys/values ``(1, kv_heads, capacity, head_dim)``. The first
-``length`` slots hold the committed sequence (``token_ids``). A forward pass
-writes its q new entries at ``[length, length + q)`` without committing them;
-the loop then commits either all of them (prefill) or the accepted tree path,
-copied down to follow the prefix. Nothing is reallocated per step.
+Layout: one tensor ``(layers, 2, 1, kv_heads, capacity, head_dim)`` holds every
+layer's keys and values, so copying an accepted tree path down is one gather and
+one scatter for all layers together. The first ``length`` slots are committed;
+``position`` (1,) on the device mirrors ``length``. A forward writes its q new
+entries at ``[position, position + q)`` and returns the whole buffer: the
+attention mask (as wide as the buffer) hides the slots that are not committed.
+
+Capacity comes in buckets (256, 512, 1024, ... up to the model's context) so a
+short chat does not attend over a 4k-slot buffer; moving to a bigger bucket
+reallocates the buffers, copies the committed entries, and drops the decoding
+steps (and their CUDA graphs) that were bound to the old buffers.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-# Capacity is rounded up so that growth between turns is rare and mask rows stay
-# aligned for fused attention kernels.
-_ROUND = 64
+SMALLEST_BUCKET = 256
 
 
 class ContextOverflowError(ValueError):
     """The conversation does not fit the model's context window."""
 
 
+def bucket(needed: int, max_context: int) -> int:
+    """The smallest capacity bucket (256 * 2**k) holding ``needed`` slots, capped at the context."""
+    capacity = SMALLEST_BUCKET
+    while capacity < needed:
+        capacity *= 2
+    return min(capacity, max_context)
+
+
 class _Layer(CacheLayerMixin):
-    """One layer's buffers; allocated on first write so dtype/device follow the model."""
+    """One layer's view of the shared buffer; the buffer is allocated on the first write,
+    so its dtype, device and head shapes follow the model."""
 
     is_sliding = False
 
-    def __init__(self, owner: "TreeKVCache"):
+    def __init__(self, owner: "KVCache", index: int):
         super().__init__()
-        self.owner = owner
+        self.owner, self.index = owner, index
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        b, h, _, d = key_states.shape
-        cap = self.owner.capacity
-        self.keys = key_states.new_zeros(b, h, cap, d)
-        self.values = value_states.new_zeros(b, h, cap, value_states.shape[-1])
-        self.dtype, self.device = key_states.dtype, key_states.device
+        if self.owner.storage is None:
+            self.owner.allocate(key_states)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key/value_states (1, kv_heads, q, head_dim) -> the whole (1, kv_heads, capacity, head_dim)
+        buffers, after writing them at the device position (no host read: graph-safe)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        start = self.owner.length
-        end = start + key_states.shape[-2]
-        if end > self.keys.shape[-2]:
-            # The loop checks room before each forward; reaching this is a bug, not user error.
-            raise ContextOverflowError(f"KV cache overflow: writing up to {end} in a cache of {self.keys.shape[-2]}")
-        self.keys[:, :, start:end] = key_states
-        self.values[:, :, start:end] = value_states
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        slots = self.owner.slots(key_states.shape[-2])                     # (q,)
+        keys, values = self.keys, self.values
+        keys.index_copy_(2, slots, key_states.to(keys.dtype))
+        values.index_copy_(2, slots, value_states.to(values.dtype))
+        return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.length + query_length, 0
+        return self.owner.capacity, 0
 
     def get_seq_length(self) -> int:
         return self.owner.length
@@ -60,42 +72,66 @@ class _Layer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.owner.capacity
 
-    def grow(self, capacity: int) -> None:
-        if not self.is_initialized:
-            return
-        keep = self.owner.length
-        for name in ("keys", "values"):
-            old = getattr(self, name)
-            new = old.new_zeros(*old.shape[:2], capacity, old.shape[-1])
-            new[:, :, :keep] = old[:, :, :keep]
-            setattr(self, name, new)
 
+class KVCache(Cache):
+    """KV cache for one conversation, owned by its caller across turns (never by the model).
 
-class TreeKVCache(Cache):
-    """KV cache for one conversation, owned by its decoding loop (not by the model)."""
+    ``steps`` holds the decoding steps (step.DecodeStep, maybe with a CUDA graph) bound to these
+    buffers, most recently used last; they are dropped with the buffers.
+    """
 
-    def __init__(self, num_layers: int, capacity: int, max_context: int):
-        self.capacity = 0
+    def __init__(self, num_layers: int, max_context: int, capacity: int = 0):
+        self.num_layers = num_layers
         self.max_context = max_context
-        self.length = 0                    # committed entries
-        self.token_ids: list[int] = []     # the committed tokens, for prefix reuse across turns
-        super().__init__(layers=[_Layer(self) for _ in range(num_layers)])
-        self.ensure_capacity(capacity)
+        self.capacity = bucket(max(capacity, 1), max_context)
+        self.length = 0                          # committed entries (host mirror of ``position``)
+        self.token_ids: list[int] = []           # the committed tokens, for prefix reuse across turns
+        self.storage: torch.Tensor | None = None  # (layers, 2, 1, kv_heads, capacity, head_dim)
+        self.position: torch.Tensor | None = None  # (1,) long on the device: where the next forward writes
+        self._arange: torch.Tensor | None = None   # (capacity,) long: slot offsets
+        self.steps: OrderedDict = OrderedDict()
+        super().__init__(layers=[_Layer(self, i) for i in range(num_layers)])
+
+    # ---- buffers
+    def allocate(self, like: torch.Tensor) -> None:
+        _, heads, _, dim = like.shape
+        self.storage = like.new_zeros(self.num_layers, 2, 1, heads, self.capacity, dim)
+        for i, layer in enumerate(self.layers):   # each layer's (1, kv_heads, capacity, head_dim) views
+            layer.keys, layer.values = self.storage[i, 0], self.storage[i, 1]
+        self.position = torch.full((1,), self.length, dtype=torch.long, device=like.device)
+        self._arange = torch.arange(self.capacity, device=like.device)
+
+    def slots(self, count: int) -> torch.Tensor:
+        """(count,) slots ``position + [0, count)`` where a forward of ``count`` tokens writes."""
+        return self._arange[:count] + self.position
 
     def ensure_capacity(self, needed: int) -> None:
-        """Grow (between turns only) so that ``needed`` entries fit, capped by the model context."""
-        needed = min(needed, self.max_context)
-        if needed <= self.capacity:
+        """Move to the bucket that holds ``needed`` entries (capped by the context), keeping the
+        committed ones. Steps bound to the old buffers are dropped: they would write into them."""
+        capacity = bucket(needed, self.max_context)
+        if capacity <= self.capacity:
             return
-        capacity = min(-(-needed // _ROUND) * _ROUND, self.max_context)
-        for layer in self.layers:
-            layer.grow(capacity)
         self.capacity = capacity
+        self.steps.clear()
+        if self.storage is not None:
+            old = self.storage
+            with torch.inference_mode():
+                self.allocate(old[0, 0])
+                self.storage[..., : self.length, :] = old[..., : self.length, :]
+
+    # ---- committed length (host and device kept equal outside a step)
+    def _sync_position(self) -> None:
+        if self.position is not None:
+            # The buffers are made inside generate()'s inference mode; a caller may rewind outside it.
+            with torch.inference_mode():
+                self.position.fill_(self.length)   # host -> device write: no sync
 
     def rewind(self, length: int) -> None:
-        """Forget everything after the first ``length`` committed tokens."""
+        """Forget everything after the first ``length`` committed tokens (0: a new conversation,
+        keeping the buffers and their captured steps)."""
         self.length = min(self.length, length)
         del self.token_ids[self.length:]
+        self._sync_position()
 
     def reuse_prefix(self, prompt_ids: list[int]) -> int:
         """Keep the longest cached prefix of ``prompt_ids`` (at least one prompt token is
@@ -107,54 +143,45 @@ class TreeKVCache(Cache):
         self.rewind(common)
         return common
 
-    def commit(self, token_ids: list[int]) -> None:
-        """Keep the entries just written, in order (prefill, or a path that needs no copy)."""
+    def commit(self, token_ids: list[int], *, on_device: bool = False) -> None:
+        """Keep ``token_ids``, written just after the committed prefix. ``on_device``: a decoding
+        step already advanced ``position`` (and copied the accepted path down) itself."""
         self.length += len(token_ids)
         self.token_ids.extend(token_ids)
+        if not on_device:
+            self._sync_position()
 
-    def commit_path(self, nodes: torch.Tensor, token_ids: list[int]) -> None:
-        """Copy the entries of tree nodes ``nodes`` (long, on device; node i was written at
-        ``length + i``) down to follow the prefix, then keep them."""
-        start = self.length
-        src = nodes + start
+    def free(self) -> None:
+        """Release the buffers and the steps bound to them (out of memory, or a model change)."""
+        self.steps.clear()
+        self.storage = self.position = self._arange = None
         for layer in self.layers:
-            if layer.is_initialized:
-                # index_select copies first, so overlapping source and target slots are safe
-                layer.keys[:, :, start:start + len(token_ids)] = layer.keys.index_select(2, src)
-                layer.values[:, :, start:start + len(token_ids)] = layer.values.index_select(2, src)
-        self.commit(token_ids)
+            layer.keys = layer.values = None
+            layer.is_initialized = False
+        self.length = 0
+        self.token_ids.clear()
 
 
-class StepMask:
-    """The additive attention mask for one verification step, kept in one buffer.
-
-    Row i (tree node i) sees every committed entry and the tree columns its tree
-    mask allows. Only the tree's columns change between steps, so each step
-    clears the previous step's columns and writes the new ones: no allocation.
-    """
-
-    def __init__(self, tree_mask: torch.Tensor, capacity: int):
-        T = tree_mask.shape[0]
-        self.tree_mask = tree_mask                            # (T, T)
-        self.buf = tree_mask.new_zeros(1, 1, T, capacity)     # (1, 1, T, capacity)
-        self.prev = 0
-
-    def at(self, length: int) -> torch.Tensor:
-        """(1, 1, T, length + T) view for a step whose committed prefix is ``length``."""
-        T = self.tree_mask.shape[0]
-        if self.buf.shape[-1] < length + T:
-            self.buf = self.buf.new_zeros(1, 1, T, length + T)
-        else:
-            self.buf[..., self.prev:self.prev + T] = 0
-        self.buf[0, 0, :, length:length + T] = self.tree_mask
-        self.prev = length
-        return self.buf[..., :length + T]
-
-
-def causal_mask(past: int, new: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """(1, 1, new, past + new) additive mask for a prefill of ``new`` tokens after ``past``."""
-    q = torch.arange(new, device=device)[:, None] + past
-    k = torch.arange(past + new, device=device)[None, :]
-    mask = torch.zeros(new, past + new, dtype=dtype, device=device)
+def prefill_mask(past: int, new: int, capacity: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(1, 1, new, capacity) additive mask for a prefill of ``new`` tokens after ``past``
+    committed ones: causal over the used slots, every later slot hidden."""
+    q = torch.arange(new, device=device)[:, None] + past                    # (new, 1)
+    k = torch.arange(capacity, device=device)[None, :]                      # (1, capacity)
+    mask = torch.zeros(new, capacity, dtype=dtype, device=device)
     mask.masked_fill_(k > q, torch.finfo(dtype).min)
     return mask[None, None]
+
+
+def tree_step_mask(allowed: torch.Tensor, position: torch.Tensor, capacity: int, dtype: torch.dtype) -> torch.Tensor:
+    """(1, 1, T, capacity) additive mask of one verification step, built on the device from the
+    device position (so a captured graph stays right as the conversation grows).
+
+    allowed (T, T) bool: node i sees node j. Row i sees every committed slot (< position) and,
+    among the T slots the step writes at [position, position + T), the nodes ``allowed`` says."""
+    T = allowed.shape[0]
+    rel = torch.arange(capacity, device=allowed.device) - position          # (capacity,) slot - position
+    in_tree = (rel >= 0) & (rel < T)                                         # (capacity,)
+    tree_ok = allowed[:, rel.clamp(0, T - 1)] & in_tree                      # (T, capacity)
+    ok = tree_ok | (rel < 0)                                                 # (T, capacity)
+    mask = torch.zeros(ok.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~ok, torch.finfo(dtype).min)[None, None]

@@ -3,7 +3,7 @@ import torch
 from tiny import tiny_model, trained_heads
 
 from medusa_core.generate import DecodeConfig, generate, new_cache
-from medusa_core.kv_cache import causal_mask
+from medusa_core.kv_cache import prefill_mask
 from medusa_core.tree import build_tree_buffers, resolve_tree
 
 
@@ -40,7 +40,7 @@ def test_compacted_cache_gives_the_logits_of_a_full_recompute(setup):
     n = cache.length
     with torch.inference_mode():
         hidden = model.get_decoder()(
-            input_ids=torch.tensor([[out[-1]]]), attention_mask=causal_mask(n, 1, torch.float32, "cpu"),
+            input_ids=torch.tensor([[out[-1]]]), attention_mask=prefill_mask(n, 1, cache.capacity, torch.float32, "cpu"),
             position_ids=torch.tensor([[n]]), past_key_values=cache, use_cache=True,
         ).last_hidden_state
         cached = model.lm_head(hidden)[0, -1]

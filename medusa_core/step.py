@@ -1,0 +1,235 @@
+"""One decoding step as a static-shape object: everything it reads and writes
+lives in device buffers, so one call runs the whole step with no host read, and on
+CUDA it is captured once as a CUDA graph and replayed.
+
+A step, for one (tree, KV cache buffers, sampling rule):
+  forward of the T tree tokens (mask and positions made on the device from the
+  cache's device position) -> lm_head on T rows -> acceptance (greedy, exact
+  sampling or typical) -> the accepted path's KV copied down (always D + 1 slots:
+  slots past the accepted count are hidden by the mask and written over later)
+  -> position advanced -> heads on the last accepted row -> the next tree's
+  tokens written into the input buffer.
+Its output is one small int tensor ``[n, path tokens (D + 1), bonus]`` that the
+host loop (generate.py) reads once per step. The baseline is this same object
+with the one-node tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .acceptance import accept_match, accept_typical, sample_from, sampling_probs
+from .heads import MedusaHeads
+from .kv_cache import KVCache, bucket, prefill_mask, tree_step_mask
+from .tree import TreeBuffers
+
+# Steps (and their graphs) a cache keeps; older ones are freed. A chat uses one tree at a
+# time, so this only bounds what trying several trees or sampling modes leaves behind.
+MAX_STEPS_PER_CACHE = 4
+WARMUP_RUNS = 2   # before capture: lazy inits and kernel compiles (bitsandbytes, Triton) happen outside the graph
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The part of the decoding configuration that changes the step's code (so a graph is
+    captured per rule); temperature, top-p, epsilon and delta are device values instead."""
+
+    mode: str            # greedy | sample | typical
+    argmax: bool         # targets are the argmax (greedy, typical, or sampling at temperature 0)
+    top_k: int
+    nucleus: bool        # top-p < 1 applies
+
+    @staticmethod
+    def of(config) -> "Rule":
+        argmax = config.mode in ("greedy", "typical") or config.temperature == 0
+        if config.mode == "typical" and config.temperature == 0:
+            mode = "greedy"   # typical at temperature 0 accepts exactly the greedy tokens
+        else:
+            mode = config.mode
+        sampling = mode == "sample" and not argmax
+        return Rule(mode, argmax, config.top_k if sampling else 0, sampling and config.top_p < 1.0)
+
+
+class DecodeStep:
+    """The decoding step bound to one cache's buffers; made by ``step_for``."""
+
+    def __init__(self, model: nn.Module, heads: MedusaHeads | None, tree: TreeBuffers, cache: KVCache,
+                 rule: Rule, graphs: bool):
+        self.decoder, self.lm_head = model.get_decoder(), model.get_output_embeddings()
+        self.heads, self.tree, self.cache, self.rule = heads, tree, cache, rule
+        device = self.lm_head.weight.device
+        self.dtype = compute_dtype(model)
+        self.depth = tree.leaf_paths.shape[1] - 1                          # D
+        self.allowed = tree.attn_mask == 0                                  # (T, T) bool
+        self.slots = torch.arange(self.depth + 1, device=device)           # (D+1,)
+        self.tokens = torch.zeros(tree.size, dtype=torch.long, device=device)     # (T,) next step's tree
+        self.uniforms = torch.zeros(tree.size, dtype=torch.float32, device=device)  # (T,) sampling draws
+        self.params = torch.tensor([0.7, 1.0, 0.09, 0.3], device=device)   # temperature, top-p, epsilon, delta
+        self.use_graph = graphs
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None                                # the graph's output buffer
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None
+
+    def set_params(self, temperature: float, top_p: float, epsilon: float, delta: float) -> None:
+        """Device copies of the continuous settings (one small copy per reply, not per step)."""
+        self.params.copy_(torch.tensor([temperature, top_p, epsilon, delta]))
+
+    # ---- pieces shared by prefill and step
+    def targets(self, logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+        """(T, V) -> (T,) what the plain sampler emits at each node."""
+        if self.rule.argmax:
+            return logits.argmax(-1)
+        probs = sampling_probs(logits, self.params[0], self.params[1], self.rule.top_k, nucleus=self.rule.nucleus)
+        return sample_from(probs, uniforms)
+
+    def propose(self, root: torch.Tensor, hidden_row: torch.Tensor) -> torch.Tensor:
+        """Next tree's tokens (T,) from its root token (1,) and the heads at one hidden row (H,)."""
+        if self.tree.num_heads == 0:
+            return root
+        head_logits = self.heads(hidden_row, self.lm_head, count=self.tree.num_heads)   # (K, V)
+        guesses = torch.topk(head_logits, self.tree.top_k, dim=-1).indices               # (K, top_k)
+        return torch.cat([root, guesses.flatten()])[self.tree.candidate_index]          # (T,)
+
+    # ---- prefill (eager: its length varies)
+    def prefill(self, new_ids: list[int], uniform: torch.Tensor) -> torch.Tensor:
+        """Run the uncached prompt tokens after the committed prefix; write the first tree into
+        ``tokens`` and return the first reply token (1,) on the device. The caller commits."""
+        device = self.tokens.device
+        start = self.cache.length
+        ids = torch.tensor(new_ids, device=device)[None]                               # (1, n)
+        hidden = self.decoder(
+            input_ids=ids,
+            attention_mask=prefill_mask(start, len(new_ids), self.cache.capacity, self.dtype, device),
+            position_ids=torch.arange(start, start + len(new_ids), device=device)[None],
+            past_key_values=self.cache,
+            use_cache=True,
+        ).last_hidden_state[0, -1]                                                       # (H,)
+        root = self.targets(self.lm_head(hidden)[None], uniform)                         # (1,)
+        self.tokens.copy_(self.propose(root, hidden))
+        return root
+
+    # ---- the step
+    def body(self) -> torch.Tensor:
+        """One step, all on the device -> (D + 3,) long: [accepted count n, the path's D + 1
+        tokens (root first; the first n are accepted), bonus token]."""
+        tree, cache, pos = self.tree, self.cache, self.cache.position
+        hidden = self.decoder(
+            input_ids=self.tokens[None],
+            attention_mask=tree_step_mask(self.allowed, pos, cache.capacity, self.dtype),
+            position_ids=(tree.depths + pos)[None],
+            past_key_values=cache,
+            use_cache=True,
+        ).last_hidden_state[0]                                                           # (T, H)
+        logits = self.lm_head(hidden)                                                    # (T, V)
+        targets = self.targets(logits, self.uniforms)                                    # (T,)
+        if self.rule.mode == "typical":
+            best, length = accept_typical(self.tokens, logits, tree.leaf_paths,
+                                          self.params[0], self.params[2], self.params[3])
+        else:
+            best, length = accept_match(self.tokens, targets, tree.leaf_paths)
+        # index_select/gather with (1,) tensors throughout: nothing here reads back to the host
+        path = tree.leaf_paths.index_select(0, best)[0].clamp(min=0)                    # (D+1,) node ids
+        last = path.gather(0, length - 1)                                                # (1,) last accepted node
+        bonus = targets.index_select(0, last)                                            # (1,) next root
+        path_tokens = self.tokens.index_select(0, path)                                  # (D+1,)
+        if self.depth:
+            # Node i was written at pos + i: move the path's entries to pos + [0, D], all layers at once.
+            kv = cache.storage                                    # (L, 2, 1, kv_heads, capacity, head_dim)
+            kv.index_copy_(4, self.slots + pos, kv.index_select(4, path + pos))
+        self.tokens.copy_(self.propose(bonus, hidden.index_select(0, last)[0]))
+        pos.add_(length)
+        return torch.cat([length, path_tokens, bonus])
+
+    def run(self) -> torch.Tensor:
+        """One step: a graph replay on CUDA (captured on first use), else the body eagerly."""
+        if self.use_graph and self.graph is None:
+            self.capture()
+        if self.graph is not None:
+            self.graph.replay()
+            return self.out
+        return self.body()
+
+    def capture(self) -> None:
+        """Warm up on a side stream, then record the body. The warm-up runs really execute, so
+        the position and tree tokens are restored after each; the KV slots they wrote lie at or
+        past the position, which the mask hides and the next step writes over."""
+        position, tokens = self.cache.position.clone(), self.tokens.clone()
+        side = capture_stream(self.tokens.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                self.body()
+                self.cache.position.copy_(position)
+                self.tokens.copy_(tokens)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a CUDA call from another thread (a second browser tab) cannot break the capture
+        with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):   # records, runs nothing
+            self.out = self.body()
+        self.graph = graph
+
+
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per GPU for every warm-up and capture. Not a new stream each time:
+    cuBLAS keeps a workspace (32 MiB on Hopper) per stream it has seen, for the process's life."""
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[device]
+
+
+def compute_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype activations (and so attention masks) have: that of the first float weight,
+    since quantized weights are stored as integers."""
+    return next(p for p in model.get_decoder().parameters() if p.is_floating_point()).dtype
+
+
+def use_graphs(model: nn.Module, graphs: bool | None) -> bool:
+    """CUDA graphs by default on CUDA; eager elsewhere (and when asked, to compare)."""
+    on_cuda = model.get_output_embeddings().weight.device.type == "cuda"
+    if graphs and not on_cuda:
+        raise ValueError("CUDA graphs were asked for but the model is not on a CUDA device: pass graphs=None or False")
+    return on_cuda if graphs is None else graphs
+
+
+def _key(model, tree: TreeBuffers, rule: Rule, graphs: bool) -> tuple:
+    return id(model), tuple(tree.paths), rule, graphs
+
+
+def step_for(model: nn.Module, heads: MedusaHeads | None, tree: TreeBuffers, config, cache: KVCache,
+             graphs: bool | None = None) -> DecodeStep:
+    """The step for this tree and rule bound to ``cache``'s current buffers: reused (with its
+    graph) when the cache has one, else made; the least recently used beyond
+    MAX_STEPS_PER_CACHE is freed."""
+    rule, graphs = Rule.of(config), use_graphs(model, graphs)
+    key = _key(model, tree, rule, graphs)
+    step = cache.steps.pop(key, None)
+    if step is None or step.heads is not heads:     # other heads: a step bound to the old ones is stale
+        step = DecodeStep(model, heads, tree, cache, rule, graphs)
+    cache.steps[key] = step
+    while len(cache.steps) > MAX_STEPS_PER_CACHE:
+        cache.steps.popitem(last=False)
+    return step
+
+
+def needs_capture(model: nn.Module, cache: KVCache, tree: TreeBuffers, config, prompt_len: int | None = None,
+                  graphs: bool | None = None) -> bool:
+    """Whether the next generate() with this cache, tree and config first captures a CUDA graph
+    (a one-time cost of about a second on a 7B model): always False off CUDA. With
+    ``prompt_len``, a move to a bigger capacity bucket (which recaptures) counts too."""
+    if not use_graphs(model, graphs):
+        return False
+    if prompt_len is not None:
+        needed = bucket(prompt_len + config.max_new_tokens + tree.size, cache.max_context)
+        if needed > cache.capacity:
+            return True
+    step = cache.steps.get(_key(model, tree, Rule.of(config), True))
+    return step is None or not step.captured

@@ -1,0 +1,134 @@
+"""The captured decoding step on CUDA: replay equals eager, sampling follows the seed, a bucket
+change recaptures, the step never reads back to the host, and graphs do not outlive their cache.
+Skipped without CUDA (run them on a GPU whenever you have one)."""
+
+import copy
+import gc
+
+import pytest
+import torch
+from tiny import tiny_model, trained_heads
+
+from medusa_core.generate import DecodeConfig, generate, new_cache
+from medusa_core.step import needs_capture, step_for
+from medusa_core.tree import build_tree_buffers, resolve_tree
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+PROMPT = [1, 5, 7, 9, 3, 11, 40]
+
+
+def tokens_of(steps):
+    return [t for s in steps for t in s.tokens]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = tiny_model("llama", seed=3)           # float32: graphs and eager must agree exactly
+    heads = trained_heads(model)
+    return model.cuda(), heads.cuda()
+
+
+def tree_of(spec, device="cuda"):
+    return build_tree_buffers(resolve_tree(spec), 5, device=device)
+
+
+@pytest.mark.parametrize("spec", ["baseline", "chain-3", "mc_sim_7b_63"])
+def test_replay_equals_eager_and_cpu(setup, spec):
+    model, heads = setup
+    config = DecodeConfig(max_new_tokens=80)
+    tree = tree_of(spec)
+    graphed = list(generate(model, PROMPT, heads=heads, tree=tree, config=config, graphs=True))
+    eager = list(generate(model, PROMPT, heads=heads, tree=tree, config=config, graphs=False))
+    assert tokens_of(graphed) == tokens_of(eager)
+    cpu_model, cpu_heads = copy.deepcopy(model).cpu(), copy.deepcopy(heads).cpu()
+    cpu = tokens_of(generate(cpu_model, PROMPT, heads=cpu_heads, tree=tree_of(spec, "cpu"), config=config))
+    assert tokens_of(graphed) == cpu
+    if spec != "baseline":
+        assert max(len(s.tokens) for s in graphed) > 1     # accepted paths were copied down inside the graph
+
+
+def test_sampling_in_a_graph_follows_the_seed(setup):
+    model, heads = setup
+    tree = tree_of("small-16")
+    run = lambda seed, graphs: tokens_of(generate(  # noqa: E731
+        model, PROMPT, heads=heads, tree=tree, graphs=graphs,
+        config=DecodeConfig(mode="sample", temperature=1.0, top_p=0.9, max_new_tokens=60, seed=seed)))
+    a, b, c = run(7, True), run(7, True), run(8, True)
+    assert a == b and a != c
+    assert a == run(7, False)          # the graph samples from the same draws as the eager step
+
+
+def test_typical_in_a_graph_at_temperature_zero_is_greedy(setup):
+    model, heads = setup
+    tree = tree_of("small-16")
+    greedy = tokens_of(generate(model, PROMPT, heads=heads, tree=tree, config=DecodeConfig(max_new_tokens=50)))
+    typical = tokens_of(generate(model, PROMPT, heads=heads, tree=tree,
+                                 config=DecodeConfig(mode="typical", temperature=0.0, max_new_tokens=50)))
+    assert typical == greedy
+
+
+def test_bucket_change_recaptures_and_prefix_reuse_stays_exact(setup):
+    model, heads = setup
+    tree = tree_of("mc_sim_7b_63")
+    cache = new_cache(model)
+    config = DecodeConfig(max_new_tokens=20)
+    reply = tokens_of(generate(model, PROMPT, heads=heads, tree=tree, config=config, cache=cache))
+    small = cache.capacity
+    assert not needs_capture(model, cache, tree, config)
+    long_config = DecodeConfig(max_new_tokens=300)
+    turn2 = PROMPT + reply + list(range(3, 50))
+    assert needs_capture(model, cache, tree, long_config, prompt_len=len(turn2))
+    again = tokens_of(generate(model, turn2, heads=heads, tree=tree, config=long_config, cache=cache))
+    assert cache.capacity > small
+    fresh = tokens_of(generate(model, turn2, heads=heads, tree=tree, config=long_config, graphs=False))
+    assert again == fresh
+
+
+def test_a_step_never_reads_back_to_the_host(setup):
+    model, heads = setup
+    tree = tree_of("mc_sim_7b_63")
+    cache = new_cache(model)
+    list(generate(model, PROMPT, heads=heads, tree=tree, config=DecodeConfig(max_new_tokens=5), cache=cache))
+    step = step_for(model, heads, tree, DecodeConfig(), cache, graphs=False)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.inference_mode():
+            step.body()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_graphs_are_freed_with_their_cache(setup):
+    model, heads = setup
+    tree = tree_of("small-16")
+    config = DecodeConfig(max_new_tokens=30)
+
+    def conversation():
+        cache = new_cache(model)
+        list(generate(model, PROMPT, heads=heads, tree=tree, config=config, cache=cache))
+        assert all(s.captured for s in cache.steps.values())
+
+    conversation()
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(5):
+        conversation()
+    gc.collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= before
+
+
+def test_a_cleared_conversation_reuses_its_graph(setup):
+    model, heads = setup
+    tree = tree_of("small-16")
+    config = DecodeConfig(max_new_tokens=30)
+    cache = new_cache(model)
+    first = tokens_of(generate(model, PROMPT, heads=heads, tree=tree, config=config, cache=cache))
+    (step,) = cache.steps.values()
+    cache.rewind(0)
+    assert not needs_capture(model, cache, tree, config, prompt_len=len(PROMPT))
+    assert tokens_of(generate(model, PROMPT, heads=heads, tree=tree, config=config, cache=cache)) == first
+    assert list(cache.steps.values()) == [step]

@@ -1,0 +1,72 @@
+"""The static-shape decoding step on CPU: its device-built mask, capacity buckets, and the
+steps a conversation's cache keeps (bounded, reused after Clear, dropped on a bucket change)."""
+
+import torch
+from tiny import tiny_model, trained_heads
+
+from medusa_core.generate import DecodeConfig, generate, new_cache
+from medusa_core.kv_cache import bucket, tree_step_mask
+from medusa_core.step import MAX_STEPS_PER_CACHE, needs_capture
+from medusa_core.tree import build_tree_buffers, resolve_tree
+
+PROMPT = [1, 5, 7, 9, 3]
+
+
+def tokens_of(steps):
+    return [t for s in steps for t in s.tokens]
+
+
+def test_step_mask_sees_the_prefix_and_its_ancestors_only():
+    tree = build_tree_buffers(resolve_tree("mc_sim_7b_63"), 5)
+    T, position, capacity = tree.size, 37, 256
+    mask = tree_step_mask(tree.attn_mask == 0, torch.tensor([position]), capacity, torch.float32)[0, 0]
+    assert mask.shape == (T, capacity)
+    seen = mask == 0
+    assert seen[:, :position].all()                       # every committed slot
+    assert not seen[:, position + T:].any()               # nothing past the tree
+    assert torch.equal(seen[:, position:position + T], tree.attn_mask == 0)   # the tree's own ancestor mask
+    for node in range(1, T):                              # by hand: a node sees exactly its ancestors and itself
+        path = set(tree.paths[node - 1][:d] for d in range(len(tree.paths[node - 1]) + 1))
+        ancestors = {0} | {tree.paths.index(p) + 1 for p in path if p}
+        assert set(seen[node, position:position + T].nonzero().flatten().tolist()) == ancestors
+
+
+def test_capacity_buckets_double_and_stop_at_the_context():
+    assert [bucket(n, 4096) for n in (1, 256, 257, 1000, 2049)] == [256, 256, 512, 1024, 4096]
+    assert bucket(3000, 2048) == 2048
+
+
+def test_cache_keeps_a_bounded_set_of_steps_and_reuses_them_after_clear():
+    model = tiny_model("llama", seed=3)
+    heads = trained_heads(model, steps=30)
+    cache = new_cache(model)
+    config = DecodeConfig(max_new_tokens=12)
+    specs = ["chain-1", "chain-2", "chain-3", "small-8", "small-16", "mc_sim_7b_63"]
+    for spec in specs:
+        tree = build_tree_buffers(resolve_tree(spec), 5)
+        list(generate(model, PROMPT, heads=heads, tree=tree, config=config, cache=cache))
+        assert len(cache.steps) <= MAX_STEPS_PER_CACHE
+        assert not needs_capture(model, cache, tree, config)   # CPU: eager, nothing to capture
+    kept = list(cache.steps.values())
+    assert [s.tree.size for s in kept] == [build_tree_buffers(resolve_tree(s), 5).size for s in specs[-4:]]
+
+    tree = kept[-1].tree
+    first = tokens_of(generate(model, PROMPT, heads=heads, tree=tree, config=config, cache=cache))
+    cache.rewind(0)                                          # Clear: a new conversation
+    assert cache.length == 0 and cache.token_ids == []
+    again = tokens_of(generate(model, PROMPT, heads=heads, tree=tree, config=config, cache=cache))
+    assert again == first and list(cache.steps.values())[-1] is kept[-1]
+
+
+def test_a_bigger_bucket_drops_the_steps_bound_to_the_old_buffers():
+    model = tiny_model("llama", seed=3)
+    cache = new_cache(model)
+    list(generate(model, PROMPT, config=DecodeConfig(max_new_tokens=8), cache=cache))
+    (old,) = cache.steps.values()
+    storage = cache.storage
+    prompt = cache.token_ids + list(range(3, 40))
+    out = tokens_of(generate(model, prompt, config=DecodeConfig(max_new_tokens=300), cache=cache))
+    assert cache.capacity == 512 and cache.storage is not storage
+    (new,) = cache.steps.values()
+    assert new is not old
+    assert out == tokens_of(generate(model, prompt, config=DecodeConfig(max_new_tokens=300)))
