@@ -15,7 +15,6 @@ tokens per step is 1 (the backbone's own token) + the sum of the node values.
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import statistics
 from collections.abc import Sequence
@@ -24,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-Path_ = tuple[int, ...]
+from .tree import expected_length, grow_tree, path_value  # noqa: F401  (path_value re-exported)
+
 TIMED_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)   # tree sizes without the root
 
 
@@ -57,37 +57,6 @@ def accuracy_table(counts: torch.Tensor) -> list[list[float]]:
     """(K, top_k + 1) rank counts (last column: miss) -> a[k][i] = P(target is head k's rank-i guess)."""
     total = counts.sum(1, keepdim=True).clamp(min=1)
     return (counts[:, :-1].double() / total).tolist()
-
-
-def path_value(path: Sequence[int], acc: Sequence[Sequence[float]]) -> float:
-    value = 1.0
-    for depth, rank in enumerate(path):
-        value *= acc[depth][rank]
-    return value
-
-
-def grow_tree(acc: Sequence[Sequence[float]], budget: int) -> list[Path_]:
-    """Greedy growth: repeatedly add the frontier node (a child of the root or of a chosen
-    node) of highest path value, ties to the shallower then lexicographically smaller path.
-    Pure function of the accuracy table; returns paths in the order they were chosen."""
-    depth_max, top_k = len(acc), len(acc[0]) if acc else 0
-    frontier = [(-acc[0][i], 1, (i,)) for i in range(top_k)] if depth_max else []
-    heapq.heapify(frontier)
-    chosen: list[Path_] = []
-    while frontier and len(chosen) < budget:
-        neg, depth, path = heapq.heappop(frontier)
-        if neg == 0:
-            break   # only never-right guesses are left: more nodes would cost time and add nothing
-        chosen.append(path)
-        if depth < depth_max:
-            for i in range(top_k):
-                heapq.heappush(frontier, (neg * acc[depth][i], depth + 1, (*path, i)))
-    return chosen
-
-
-def expected_length(paths: Sequence[Path_], acc: Sequence[Sequence[float]]) -> float:
-    """Expected tokens per step with this tree: 1 + sum of node values."""
-    return 1.0 + sum(path_value(p, acc) for p in paths)
 
 
 def time_sizes(model, heads, acc, prompt_ids: list[list[int]], sizes: Sequence[int], tokens: int,

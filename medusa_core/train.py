@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import train_data
 from .heads import HeadsConfig, MedusaHeads
-
-IGNORE = -100  # target id that no head is trained or scored on (prompt tokens, padding)
+from .train_data import IGNORE
 
 
 @dataclass(frozen=True)
@@ -222,7 +222,6 @@ def train_heads(model: nn.Module, heads: MedusaHeads, rows: list[tuple[list[int]
 
 def main_with_config(config: TrainConfig) -> dict:
     """Load the backbone, build (or reuse) the data, train, save the heads; returns the report."""
-    from . import train_data
     from .loading import load_backbone_dir, save_heads
 
     torch.manual_seed(config.seed)

@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 from .generate import DecodeConfig, generate
-from .train import IGNORE
 
 Row = tuple[list[int], list[int]]
+
+IGNORE = -100  # target id that no head is trained or scored on (prompt tokens, padding)
 
 
 def read_prompts(path: Path) -> list[str]:
@@ -133,12 +134,14 @@ def split_rows(rows: list[Row], held_out: float, seed: int) -> tuple[list[Row], 
 
 def load_backbone_4bit(directory: str, device: str):
     """CUDA: the backbone's linear layers in NF4 (bf16 compute), embeddings and lm_head in bf16."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .quantization import bnb_config
 
     if not device.startswith("cuda"):
         raise ValueError(f"--load-in-4bit needs a CUDA device, got --device {device}: drop --load-in-4bit on CPU")
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
-    model = AutoModelForCausalLM.from_pretrained(directory, quantization_config=quant, dtype=torch.bfloat16,
+    model = AutoModelForCausalLM.from_pretrained(directory, quantization_config=bnb_config("nf4", torch.bfloat16),
+                                                 dtype=torch.bfloat16,
                                                  device_map={"": device}).eval()
     model.requires_grad_(False)
     return model, AutoTokenizer.from_pretrained(directory)

@@ -9,8 +9,10 @@ node i >= 1 is ``paths[i - 1]`` after sorting by (depth, path).
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,3 +192,37 @@ def build_tree_buffers(
         num_heads=depth_max,
         top_k=used_top_k,
     )
+
+
+# ---- growing a tree from head accuracies (paper §2.3.3)
+
+def path_value(path: Sequence[int], acc: Sequence[Sequence[float]]) -> float:
+    """P(every guess along ``path`` is right): the product of head-rank accuracies a[depth][rank]."""
+    value = 1.0
+    for depth, rank in enumerate(path):
+        value *= acc[depth][rank]
+    return value
+
+
+def grow_tree(acc: Sequence[Sequence[float]], budget: int) -> Paths:
+    """Greedy growth: repeatedly add the frontier node (a child of the root or of a chosen
+    node) of highest path value, ties to the shallower then lexicographically smaller path.
+    Pure function of the accuracy table; returns paths in the order they were chosen."""
+    depth_max, top_k = len(acc), len(acc[0]) if acc else 0
+    frontier = [(-acc[0][i], 1, (i,)) for i in range(top_k)] if depth_max else []
+    heapq.heapify(frontier)
+    chosen: Paths = []
+    while frontier and len(chosen) < budget:
+        neg, depth, path = heapq.heappop(frontier)
+        if neg == 0:
+            break   # only never-right guesses are left: more nodes would cost time and add nothing
+        chosen.append(path)
+        if depth < depth_max:
+            for i in range(top_k):
+                heapq.heappush(frontier, (neg * acc[depth][i], depth + 1, (*path, i)))
+    return chosen
+
+
+def expected_length(paths: Sequence[tuple[int, ...]], acc: Sequence[Sequence[float]]) -> float:
+    """Expected tokens per step with this tree: 1 + sum of node values."""
+    return 1.0 + sum(path_value(p, acc) for p in paths)
