@@ -1,4 +1,12 @@
-"""Cost of one decoding step at real shapes (issue 6), on random models.
+"""Cost of one decoding step at real shapes, on random models.
+
+It times step.DecodeStep, the object generate() runs, per tree size:
+  eager    its body run eagerly, steps queued back to back (launch-bound on a GPU)
+  graphed  its CUDA graph replayed, back to back (device time)
+  loop     generate() around it: wall time per step, host work and the one sync included
+and two references that are not the project's code: the stock transformers forward
+with a StaticCache and a 4D tree mask captured in one CUDA graph (the limit of this
+design), and transformers' own generate() (dynamic and static cache).
 
 Speed does not depend on weight values, so the backbone and heads are random
 (normal, std 0.02: never all zeros) with the shapes of Llama-7B and 5 Medusa
@@ -6,7 +14,7 @@ heads. Acceptance does depend on them, so it is not measured here: each tree is
 grown from head accuracies (default: the published Vicuna-7B top-1 figures) and
 its expected tokens per step divides the measured overhead into a projected speedup.
 
-    python -m medusa_core.bench_gpu --json out/gpu.json --plot out/gpu.png     # 7B, bf16 + NF4, on CUDA
+    python -m medusa_core.bench_gpu --hf-generate --json out/gpu.json           # 7B, bf16 + NF4, on CUDA
     python -m medusa_core.bench_gpu --shape tiny --device cpu --quant none      # smoke check, no speed claims
 """
 
@@ -25,12 +33,11 @@ from pathlib import Path
 
 import torch
 
-from .acceptance import accept_match
-from .calibrate import expected_length, grow_tree
 from .generate import DecodeConfig, generate, new_cache
+from .kv_cache import prefill_mask, tree_step_mask
+from .step import capture_stream, step_for
 from .synthetic import DTYPE, SHAPES, build_heads, build_model, check_not_zero, quantize_backbone_, weight_bytes
-from .kv_cache import StepMask, causal_mask
-from .tree import Paths, TreeBuffers, build_tree_buffers
+from .tree import Paths, TreeBuffers, build_tree_buffers, expected_length, grow_tree
 
 PUBLISHED_ACCURACIES = (0.56, 0.32, 0.20, 0.15, 0.12)   # Medusa-1 heads 0-4, Vicuna-7B (DESIGN §2)
 # Only top-1 accuracies are published. Assumed: head k's rank-i guess is right with a[k] * 0.35**i.
@@ -53,7 +60,7 @@ def rank_table(accuracies: Sequence[float], top_k: int = TOP_K, decay: float = R
 
 
 def tree_for_size(table: Sequence[Sequence[float]], size: int) -> Paths:
-    """The ``size``-node tree (root included) grown greedily by calibrate.grow_tree (paper §2.3.3).
+    """The ``size``-node tree (root included) grown greedily by tree.grow_tree (paper §2.3.3).
     Entries in [0, 1] make a child worth no more than its parent, so the greedy set is the
     prefix-closed one of largest expected acceptance."""
     if size < 1:
@@ -75,15 +82,19 @@ def expected_acceptance(table: Sequence[Sequence[float]], paths: Paths) -> float
 
 # ---- timing
 
-def median_seconds(fn: Callable[[], object], iters: int, warmup: int, device: torch.device) -> float:
-    """Median time of ``fn``. CUDA: events around each call, calls queued back to back, so launch
-    cost hides behind GPU work (as in the loop) and the figure is device time. CPU: wall time."""
+def median_seconds(fn: Callable[[], object], iters: int, warmup: int, device: torch.device,
+                   reset: Callable[[], object] = lambda: None) -> float:
+    """Median time of ``fn``, with ``reset`` run before each call outside the timed span.
+    CUDA: events around each call, calls queued back to back, so launch cost hides behind GPU
+    work where it can (as in the loop) and the figure is device time. CPU: wall time."""
     for _ in range(warmup):
+        reset()
         fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
         for start, end in marks:
+            reset()
             start.record()
             fn()
             end.record()
@@ -91,92 +102,109 @@ def median_seconds(fn: Callable[[], object], iters: int, warmup: int, device: to
         return statistics.median(s.elapsed_time(e) / 1000 for s, e in marks)
     times = []
     for _ in range(iters):
+        reset()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-@dataclass(frozen=True)
-class Components:
-    decoder: float      # seconds: decoder forward of T tree tokens over a cache of --context
-    lm_head: float      # lm_head on T rows
-    heads: float        # heads on the 1 accepted row, top-k and candidate gather
-    accept: float       # targets, acceptance walk, path/bonus gathers
-    kv_copy: float      # compaction of the deepest path's KV (commit_path); 0 when it is already in place
+@torch.inference_mode()
+def prefilled_cache(model, context: int, capacity: int, seed: int):
+    """A cache holding a random ``context``-token prefix, via the baseline step's prefill."""
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, model.config.vocab_size, (context,), generator=gen).tolist()
+    cache = new_cache(model, capacity)
+    baseline = build_tree_buffers([], 0, device=model.get_output_embeddings().weight.device)
+    step = step_for(model, None, baseline, DecodeConfig(), cache, graphs=False)
+    step.prefill(prompt, step.uniforms[:1])
+    cache.commit(prompt)
+    return cache, prompt
 
 
 @torch.inference_mode()
-def time_components(model, heads, tree: TreeBuffers, cache, context: int, iters: int, warmup: int) -> Components:
-    """Each part of generate()'s step body, alone. The forward writes its T entries after the
-    ``context`` committed ones without committing them, so the prefix stays fixed."""
-    decoder, lm_head = model.get_decoder(), model.get_output_embeddings()
-    device = lm_head.weight.device
-    step_mask = StepMask(tree.attn_mask.to(DTYPE), cache.capacity)
-    tokens = torch.randint(3, lm_head.out_features, (tree.size,), device=device)          # (T,)
+def time_step(model, heads, tree: TreeBuffers, cache, graphs: bool, iters: int, warmup: int) -> float:
+    """Median seconds of one DecodeStep call (eager body, or graph replay) at the cache's prefix.
+    The position is set back before each call, so every call verifies after the same prefix."""
+    step = step_for(model, heads if tree.num_heads else None, tree, DecodeConfig(), cache, graphs=graphs)
+    device = step.tokens.device
+    step.tokens.copy_(torch.randint(3, model.config.vocab_size, step.tokens.shape, device=device))
+    length = cache.length
+    reset = lambda: cache.position.fill_(length)  # noqa: E731
+    result = median_seconds(step.run, iters, warmup, device, reset)
+    reset()
+    return result
+
+
+def time_loop(model, heads, tree: TreeBuffers, cache, prompt: list[int], graphs: bool, iters: int,
+              warmup: int) -> tuple[float, float]:
+    """(median wall seconds per step, tokens per step) of generate() itself, reusing the cache's
+    prefix. Random heads are almost never right, so this is the verification cost of the tree."""
+    config = DecodeConfig(max_new_tokens=warmup + iters + 2)
+    steps = list(generate(model, prompt, heads=heads if tree.num_heads else None, tree=tree, config=config,
+                          cache=cache, graphs=graphs))[1:]
+    timed = [s for s in steps if s.tokens][1 + warmup:] or steps[-1:]    # the first step may capture
+    cache.rewind(len(prompt))
+    return statistics.median(s.seconds for s in timed), sum(len(s.tokens) for s in steps) / len(steps)
+
+
+@torch.inference_mode()
+def time_stock_forward(model, tree: TreeBuffers, context: int, capacity: int, iters: int, warmup: int) -> float | None:
+    """The limit of this design: transformers' own forward (decoder + lm_head on T rows) with its
+    StaticCache and a 4D tree mask, captured in one CUDA graph. None off CUDA."""
+    from transformers import StaticCache
+
+    device = model.get_output_embeddings().weight.device
+    if device.type != "cuda":
+        return None
+    cache = StaticCache(config=model.config, max_cache_len=capacity)
+    prefix = torch.randint(3, model.config.vocab_size, (1, context), device=device)
+    model(input_ids=prefix, attention_mask=prefill_mask(0, context, capacity, DTYPE, device),
+          position_ids=torch.arange(context, device=device)[None], past_key_values=cache, use_cache=True)
+    tokens = torch.randint(3, model.config.vocab_size, (1, tree.size), device=device)
+    position = torch.full((1,), context, device=device)
+    mask = tree_step_mask(tree.attn_mask == 0, position, capacity, DTYPE)
+    positions = (tree.depths + context)[None]
 
     def forward():
-        return decoder(input_ids=tokens[None], attention_mask=step_mask.at(context),
-                       position_ids=(tree.depths + context)[None], past_key_values=cache,
-                       use_cache=True).last_hidden_state[0]                              # (T, H)
+        for layer in cache.layers:     # StaticCache advances its write position per update: set it back
+            layer.cumulative_length.fill_(context)
+        return model(input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                     use_cache=True).logits
 
-    hidden = forward()
-    logits = lm_head(hidden)                                                            # (T, V)
-
-    def propose():
-        guesses = torch.topk(heads(hidden[0], lm_head)[: tree.num_heads], tree.top_k, dim=-1).indices   # (K, top_k)
-        return torch.cat([tokens[:1], guesses.flatten()])[tree.candidate_index]          # (T,)
-
-    def accept():
-        targets = logits.argmax(-1)                                                     # (T,)
-        best, length = accept_match(tokens, targets, tree.leaf_paths)
-        path = tree.leaf_paths.index_select(0, best)[0]
-        return targets.index_select(0, path.gather(0, length - 1))
-
-    deepest = tree.leaf_paths[-1]                        # sorted by depth: the last leaf is a deepest one
-    deepest = deepest[deepest >= 0]
-    moves = deepest.tolist() != list(range(len(deepest)))    # generate() copies only a path not in place
-
-    def kv_copy():
-        cache.commit_path(deepest, [0] * len(deepest))
-        cache.rewind(context)
-
-    run = lambda fn: median_seconds(fn, iters, warmup, device)
-    return Components(run(forward), run(lambda: lm_head(hidden)), run(propose) if tree.num_heads else 0.0,
-                      run(accept), run(kv_copy) if moves else 0.0)
-
-
-def time_steps(model, heads, tree: TreeBuffers, context: int, iters: int, warmup: int, seed: int) -> tuple[float, float]:
-    """(median wall seconds per step, tokens per step) of generate() itself after a random
-    ``context``-token prompt: host work and the step's one sync included. Random heads are
-    almost never right, so this is the verification cost of the tree."""
-    gen = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(3, model.config.vocab_size, (context,), generator=gen).tolist()
-    config = DecodeConfig(max_new_tokens=warmup + iters + 1)
-    steps = [s for s in generate(model, prompt, heads=heads if tree.num_heads else None, tree=tree, config=config)][1:]
-    timed = [s for s in steps if s.tokens][warmup:] or steps[-1:]
-    return statistics.median(s.seconds for s in timed), sum(len(s.tokens) for s in steps) / len(steps)
+    side = capture_stream(device)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        forward()
+    seconds = median_seconds(graph.replay, iters, warmup, device)
+    del graph, cache
+    return seconds
 
 
 @torch.inference_mode()
 def time_hf_generate(model, context: int, new_tokens: int, device: torch.device) -> dict[str, float | str]:
     """transformers' greedy generate() per token (prefill removed by differencing two runs),
-    for each cache it offers without compiling: the baseline should be within 1.2x of the best."""
+    for the dynamic and the static cache (the static one is compiled by transformers)."""
     ids = torch.randint(3, model.config.vocab_size, (1, context), device=device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     def wall(n: int, cache: str | None) -> float:
         sync()
         t0 = time.perf_counter()
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                       cache_implementation=cache)
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, cache_implementation=cache)
         sync()
         return time.perf_counter() - t0
 
     out: dict[str, float | str] = {}
     for cache in ("dynamic", "static"):
         try:
-            wall(new_tokens + 1, cache)                                # warm-up (static: allocation)
+            wall(new_tokens + 1, cache)                                # warm-up (static: allocation, compile)
             # best of 3 each: the figure to beat is transformers at its best
             out[cache] = (min(wall(new_tokens + 1, cache) for _ in range(3))
                           - min(wall(1, cache) for _ in range(3))) / new_tokens
@@ -198,20 +226,18 @@ def copy_bandwidth(device: torch.device, iters: int) -> float:
 class TreeRow:
     size: int                   # nodes including the root (1 = the baseline step)
     depth: int
-    step_ms: float              # generate()'s step, wall clock (random heads: no KV copy)
-    kv_copy_ms: float           # added by trained heads, which usually accept a path not in place
-    overhead: float             # (step + kv copy) / baseline step
+    eager_ms: float             # DecodeStep body, eager, steps queued back to back
+    graphed_ms: float | None    # DecodeStep graph replay (CUDA only)
+    loop_ms: float              # generate()'s step, wall clock: what a user gets
+    stock_graphed_ms: float | None  # transformers' forward + StaticCache + tree mask in one CUDA graph
+    host_ms: float | None       # loop - graphed: the device waits on the host (CUDA only)
+    host_pct: float | None
+    overhead: float             # loop step / baseline loop step
     expected_acceptance: float  # tokens per step, from the accuracies
     projected_speedup: float    # expected acceptance / overhead
-    host_ms: float              # step - (decoder + lm_head + heads + accept): device idle, waiting on Python
-    host_pct: float
-    decoder_ms: float
-    lm_head_ms: float
-    heads_ms: float
-    accept_ms: float
     tokens_per_step_random_heads: float
     bytes_read: int             # weights (+ heads) + KV per step
-    bandwidth_gbs: float        # bytes_read / step
+    bandwidth_gbs: float        # bytes_read / loop step
 
 
 @dataclass(frozen=True)
@@ -220,6 +246,7 @@ class QuantResult:
     weights_bytes: int          # decoder layers + lm_head (the embedding table is not read, only T rows)
     heads_bytes: int
     kv_bytes: int               # the --context prefix, keys + values, all layers
+    capacity: int               # cache bucket attended over
     copy_bandwidth_gbs: float   # attainable: a large device copy
     hf_generate_ms: dict[str, float | str]
     baseline_over_best_hf: float | None
@@ -240,31 +267,33 @@ def bench_quant(args, quant: str, device: torch.device) -> QuantResult:
     table = rank_table(args.accuracies, decay=args.rank_decay)
     sizes = sorted({1, *args.tree_sizes})
     trees = {n: build_tree_buffers(tree_for_size(table, n), num_heads, TOP_K, DTYPE, device) for n in sizes}
+    on_cuda = device.type == "cuda"
 
+    # the loop reserves room for its whole reply, so every tree gets the same bucket
+    room = args.context + args.warmup + args.iters + 2 + max(sizes)
+    cache, prompt = prefilled_cache(model, args.context, room, args.seed)
+    loop_cache, _ = prefilled_cache(model, args.context, room, args.seed)
     decoder, lm_head = model.get_decoder(), model.get_output_embeddings()
-    cache = new_cache(model, args.context + sizes[-1])
-    prefix = torch.randint(3, shape.vocab, (1, args.context), device=device)
-    with torch.inference_mode():
-        decoder(input_ids=prefix, attention_mask=causal_mask(0, args.context, DTYPE, device),
-                position_ids=torch.arange(args.context, device=device)[None], past_key_values=cache, use_cache=True)
-    cache.commit(prefix[0].tolist())
-
     weights = weight_bytes(decoder) - weight_bytes(decoder.embed_tokens) + weight_bytes(lm_head)
     heads_bytes = weight_bytes(heads)
     kv = 2 * shape.layers * shape.hidden * args.context * torch.finfo(DTYPE).bits // 8
     rows, base_ms = [], None
     for n, tree in trees.items():
-        c = time_components(model, heads, tree, cache, args.context, args.iters, args.warmup)
-        step, tokens = time_steps(model, heads, tree, args.context, args.iters, args.warmup, args.seed)
-        step_ms, copy_ms = 1000 * step, 1000 * c.kv_copy
-        base_ms = base_ms or step_ms
-        overhead = (step_ms + copy_ms) / base_ms
+        eager = time_step(model, heads, tree, cache, False, args.iters, args.warmup)
+        graphed = time_step(model, heads, tree, cache, True, args.iters, args.warmup) if on_cuda else None
+        stock = time_stock_forward(model, tree, args.context, cache.capacity, args.iters, args.warmup)
+        loop, tokens = time_loop(model, heads, tree, loop_cache, prompt, None, args.iters, args.warmup)
+        loop_ms = 1000 * loop
+        base_ms = base_ms or loop_ms
+        overhead = loop_ms / base_ms
         acc = expected_acceptance(table, tree.paths)
-        host_ms = step_ms - 1000 * (c.decoder + c.lm_head + c.heads + c.accept)
+        host_ms = loop_ms - 1000 * graphed if graphed is not None else None
         read = weights + kv + (heads_bytes if tree.num_heads else 0)
-        rows.append(TreeRow(n, tree.num_heads, step_ms, copy_ms, overhead, acc, acc / overhead, host_ms,
-                            100 * host_ms / step_ms, 1000 * c.decoder, 1000 * c.lm_head, 1000 * c.heads,
-                            1000 * c.accept, tokens, read, read / step / 1e9))
+        rows.append(TreeRow(
+            n, tree.num_heads, 1000 * eager, _ms(graphed), loop_ms, _ms(stock), host_ms,
+            None if host_ms is None else 100 * host_ms / loop_ms, overhead, acc, acc / overhead, tokens,
+            read, read / loop / 1e9))
+        print(f"  [{quant}] tree {n}: loop {loop_ms:.3f} ms", file=sys.stderr, flush=True)
     hf: dict[str, float | str] = {}
     ratio = None
     if args.hf_generate:
@@ -272,40 +301,62 @@ def bench_quant(args, quant: str, device: torch.device) -> QuantResult:
               for k, v in time_hf_generate(model, args.context, args.iters, device).items()}
         times = [v for v in hf.values() if isinstance(v, float)]
         ratio = base_ms / min(times) if times else None
-    result = QuantResult(quant, weights, heads_bytes, kv, copy_bandwidth(device, args.iters) / 1e9, hf, ratio, tuple(rows))
-    del model, heads, cache, trees
+    result = QuantResult(quant, weights, heads_bytes, kv, cache.capacity, copy_bandwidth(device, args.iters) / 1e9,
+                         hf, ratio, tuple(rows))
+    del model, heads, cache, loop_cache, trees
     gc.collect()
-    if device.type == "cuda":
+    if on_cuda:
         torch.cuda.empty_cache()
     return result
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1000 * seconds
 
 
 # ---- report
 
 def format_result(r: QuantResult, shape: str, context: int) -> str:
-    gb = lambda b: f"{b / 1e9:.3f} GB" if b >= 1e8 else f"{b / 1e6:.3f} MB"
+    gb = lambda b: f"{b / 1e9:.3f} GB" if b >= 1e8 else f"{b / 1e6:.3f} MB"  # noqa: E731
+    cell = lambda v, w=10: f"{v:>{w}.3f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
     base = r.rows[0]
     lines = [
-        f"== backbone {'NF4 (bf16 compute)' if r.quant == 'nf4' else 'bf16'}, {shape} shapes, context {context} ==",
+        f"== backbone {'NF4 (bf16 compute)' if r.quant == 'nf4' else 'bf16'}, {shape} shapes, context {context} "
+        f"(cache bucket {r.capacity}) ==",
         f"bytes read per baseline step: weights {gb(r.weights_bytes)} + KV {gb(r.kv_bytes)}; Medusa steps add heads {gb(r.heads_bytes)}",
-        f"baseline step {base.step_ms:.3f} ms -> {base.bandwidth_gbs:.0f} GB/s read; device copy bandwidth "
+        f"baseline loop step {base.loop_ms:.3f} ms -> {base.bandwidth_gbs:.0f} GB/s read; device copy bandwidth "
         f"{r.copy_bandwidth_gbs:.0f} GB/s ({100 * base.bandwidth_gbs / r.copy_bandwidth_gbs:.0f}% of it)",
     ]
     if r.hf_generate_ms:
         cells = ", ".join(f"{k} {v:.3f} ms/token" if isinstance(v, float) else f"{k} {v}" for k, v in r.hf_generate_ms.items())
-        verdict = f"; baseline / best = {r.baseline_over_best_hf:.2f} (target <= 1.2)" if r.baseline_over_best_hf else ""
+        verdict = f"; baseline loop / best = {r.baseline_over_best_hf:.2f}" if r.baseline_over_best_hf else ""
         lines.append(f"transformers generate(): {cells}{verdict}")
-    head = f"{'size':>5}{'depth':>6}{'step ms':>10}{'+copy ms':>10}{'overhead':>10}{'exp. acc':>10}{'proj. speedup':>15}{'host ms (%)':>16}"
+    head = (f"{'size':>5}{'depth':>6}{'eager ms':>10}{'graph ms':>10}{'loop ms':>10}{'stock ms':>10}"
+            f"{'host ms (%)':>16}{'overhead':>10}{'exp. acc':>10}{'proj. speedup':>15}")
     lines += [head, "-" * len(head)]
     for w in r.rows:
-        lines.append(f"{w.size:>5}{w.depth:>6}{w.step_ms:>10.3f}{w.kv_copy_ms:>10.3f}{w.overhead:>10.3f}"
-                     f"{w.expected_acceptance:>10.3f}{w.projected_speedup:>14.2f}x{w.host_ms:>10.3f} ({w.host_pct:4.1f}%)")
-    head = f"{'size':>5}{'decoder':>10}{'lm_head':>10}{'heads':>10}{'accept':>10}{'kv copy':>10}{'sum':>10}{'GB/s':>8}   (ms)"
-    lines += ["components, each timed alone:", head, "-" * len(head)]
-    for w in r.rows:
-        parts = (w.decoder_ms, w.lm_head_ms, w.heads_ms, w.accept_ms, w.kv_copy_ms)
-        lines.append(f"{w.size:>5}" + "".join(f"{p:>10.3f}" for p in parts) + f"{sum(parts):>10.3f}{w.bandwidth_gbs:>8.1f}")
+        host = f"{w.host_ms:>9.3f} ({w.host_pct:4.1f}%)" if w.host_ms is not None else f"{'-':>16}"
+        lines.append(f"{w.size:>5}{w.depth:>6}{cell(w.eager_ms)}{cell(w.graphed_ms)}{cell(w.loop_ms)}"
+                     f"{cell(w.stock_graphed_ms)}{host}{w.overhead:>10.3f}{w.expected_acceptance:>10.3f}"
+                     f"{w.projected_speedup:>14.2f}x")
     return "\n".join(lines)
+
+
+def summary(results: list[QuantResult]) -> dict[str, float | None]:
+    """The headline figures (ms per step, medians): the loop's baseline and 64-node tree steps,
+    the graphed stock forward at T = 1 and transformers' static-cache generate()."""
+    out: dict[str, float | None] = {}
+    for r in results:
+        name = "bf16" if r.quant == "none" else r.quant
+        by_size = {w.size: w for w in r.rows}
+        static = r.hf_generate_ms.get("static")
+        out[f"{name}_baseline_ms"] = by_size[1].loop_ms
+        out[f"{name}_baseline_graphed_ms"] = by_size[1].graphed_ms
+        out[f"{name}_graphed_stock_ms"] = by_size[1].stock_graphed_ms
+        out[f"{name}_static_generate_ms"] = static if isinstance(static, float) else None
+        out[f"{name}_tree64_ms"] = by_size[64].loop_ms if 64 in by_size else None
+        out[f"{name}_host_pct_max"] = max((w.host_pct for w in r.rows if w.host_pct is not None), default=None)
+    return out
 
 
 def environment(device: torch.device) -> dict[str, str]:
@@ -320,32 +371,8 @@ def environment(device: torch.device) -> dict[str, str]:
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "python": platform.python_version(), "torch": torch.__version__, "cuda": str(torch.version.cuda),
-        "transformers": ver("transformers"), "bitsandbytes": ver("bitsandbytes"),
+        "transformers": ver("transformers"), "bitsandbytes": ver("bitsandbytes"), "triton": ver("triton"),
     }
-
-
-def plot(results: list[QuantResult], path: str) -> str:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return f"plot skipped: matplotlib is not installed (pip install matplotlib to write {path})"
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for r in results:
-        sizes = [w.size for w in r.rows]
-        left.plot(sizes, [w.overhead for w in r.rows], marker="o", label=r.quant)
-        right.plot(sizes, [w.projected_speedup for w in r.rows], marker="o", label=r.quant)
-    for ax, title in ((left, "overhead (step / baseline step)"), (right, "projected speedup")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("tree size (nodes)")
-        ax.set_title(title)
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return f"wrote {path}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -366,7 +393,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hf-generate", action="store_true", help="also time transformers' greedy generate() per token")
     p.add_argument("--json", help="write everything here")
-    p.add_argument("--plot", help="write overhead and projected speedup per tree size here (PNG)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     args.shape = args.shape or ("7b" if device.type == "cuda" else "tiny")
@@ -375,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda" and not cuda:
             raise ValueError(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA GPU: use --device cpu --shape tiny")
         room = SHAPES[args.shape].max_position
-        if args.context + max(args.tree_sizes) + args.iters + args.warmup + 1 > room:
+        if args.context + max(args.tree_sizes) + args.iters + args.warmup + 2 > room:
             raise ValueError(f"--context {args.context} + tree + steps exceeds the {room}-token context: lower --context")
         if min(args.iters, args.warmup + 1, args.context) < 1:
             raise ValueError("--iters and --context must be at least 1 and --warmup at least 0")
@@ -399,11 +425,9 @@ def main(argv: list[str] | None = None) -> int:
         print(format_result(results[-1], args.shape, args.context), flush=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        out = {"env": env, "args": vars(args), "results": [asdict(r) for r in results]}
+        out = {"env": env, "args": vars(args), "summary": summary(results), "results": [asdict(r) for r in results]}
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
         print(f"wrote {args.json}")
-    if args.plot:
-        print(plot(results, args.plot))
     return 0
 
 
