@@ -33,6 +33,7 @@ from .heads_io import (  # noqa: F401  (re-exported: callers import these names 
 )
 from .heads_quant import quantize_projections  # noqa: F401  (re-exported)
 from .hub import fetch_first, fetch_snapshot, local_dir
+from .quantization import NF4_KERNELS, bnb_config, use_nf4_kernel
 
 DEMO_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo"
 CUDA_MODEL = "lmsys/vicuna-7b-v1.3"
@@ -60,6 +61,7 @@ class LoadSpec:
     dtype: str = "auto"               # auto|float32|bfloat16|float16: compute dtype
     heads_quant: str = "none"         # none|nf4: quantize the heads' vocab projections
     trust_remote_code: bool = False
+    nf4_kernel: str = "auto"          # auto|triton|bnb: who multiplies NF4 layers (quantization.py)
 
 
 @dataclass(frozen=True)
@@ -134,7 +136,7 @@ def heads_source_dir(source: str) -> Path:
 
 def load_backbone(source: str, device: str, quant: str, dtype: torch.dtype | str, trust_remote_code: bool = False):
     """Stock transformers model + tokenizer from a hub id or local directory -> (model, tokenizer)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = local_dir(source)
     if path is not None and not (path / "config.json").is_file():
@@ -142,13 +144,8 @@ def load_backbone(source: str, device: str, quant: str, dtype: torch.dtype | str
     if path is None and fetch_first(source, ["config.json"]) is None:
         raise LoadError(f"{source} has no config.json: it is not a transformers model repo")
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code, "device_map": {"": device}}
-    if quant == "nf4":
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=dtype,   # explicit: bnb's float32 default is the slow path on GPUs
-        )
-    elif quant == "int8":
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
+    if quant != "none":
+        kwargs["quantization_config"] = bnb_config(quant, dtype)
     name = str(path) if path is not None else source
     try:
         model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
@@ -202,6 +199,8 @@ def memory_report(model, heads: MedusaHeads | None, device: str) -> str:
 def _validate(spec: LoadSpec) -> None:
     if spec.heads_quant not in HEADS_QUANTS:
         raise LoadError(f"heads_quant {spec.heads_quant!r} is unknown: use one of {', '.join(HEADS_QUANTS)}")
+    if spec.nf4_kernel not in NF4_KERNELS:
+        raise LoadError(f"nf4_kernel {spec.nf4_kernel!r} is unknown: use one of {', '.join(NF4_KERNELS)}")
 
 
 def load(spec: LoadSpec) -> Loaded:
@@ -221,6 +220,12 @@ def load(spec: LoadSpec) -> Loaded:
     if model_source is None:
         raise LoadError(f"{files.source if files else spec.heads}: the heads' config.json names no base_model_name_or_path: pass --model")
     model, tokenizer = load_backbone(model_source, device, quant, dtype, spec.trust_remote_code)
+    kernel_text = ""
+    if quant == "nf4":
+        try:
+            kernel_text = "; " + use_nf4_kernel(model, spec.nf4_kernel)
+        except ValueError as err:
+            raise LoadError(str(err)) from None
     heads = load_heads_files(files, model, dtype) if files is not None else None
     if heads is not None and spec.heads_quant == "nf4":
         heads = quantize_projections(heads, dtype)
@@ -232,7 +237,8 @@ def load(spec: LoadSpec) -> Loaded:
     stops = stop_token_ids(tokenizer) + tuple(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
     stop_ids = tuple(dict.fromkeys(stops))
 
-    what = f"{quant if quant != 'none' else 'unquantized'}, {str(dtype).removeprefix('torch.')} compute on {device}"
+    what = (f"{quant if quant != 'none' else 'unquantized'}, {str(dtype).removeprefix('torch.')} compute on {device}"
+            f"{kernel_text}")
     if heads is not None:
         c = heads.config
         heads_text = (f" + {c.num_heads} {files.layout} heads x {c.num_layers} block(s)"

@@ -4,7 +4,6 @@ Medusa heads stand in for downloads that the GPU machine cannot make."""
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -12,6 +11,7 @@ import torch
 from torch import nn
 
 from .heads import HeadsConfig, MedusaHeads
+from .quantization import quantize_linear_nf4_
 
 DTYPE = torch.bfloat16
 
@@ -72,26 +72,9 @@ def build_heads(shape: Shape, num_heads: int, device: torch.device, seed: int) -
     return heads.eval().requires_grad_(False)
 
 
-@torch.no_grad()
 def quantize_backbone_(model: nn.Module) -> None:
-    """Every Linear of the decoder layers -> bitsandbytes NF4 (double quant, bf16 compute), as
-    ``BitsAndBytesConfig`` in loading.py does; lm_head and embeddings stay bf16 as there."""
-    import bitsandbytes as bnb
-
-    for layer in model.get_decoder().layers:
-        for parent in list(layer.modules()):
-            for name, dense in list(parent.named_children()):
-                if not isinstance(dense, nn.Linear):
-                    continue
-                q = bnb.nn.Linear4bit(dense.in_features, dense.out_features, bias=dense.bias is not None,
-                                      compute_dtype=DTYPE, compress_statistics=True, quant_type="nf4", device="meta")
-                # .to() quantizes; bf16 in, uint8 packed out, one layer's temporary at a time
-                q.weight = bnb.nn.Params4bit(dense.weight.data, requires_grad=False, compress_statistics=True,
-                                             quant_type="nf4", module=q).to(dense.weight.device)
-                if dense.bias is not None:
-                    q.bias = nn.Parameter(dense.bias.data, requires_grad=False)
-                setattr(parent, name, q)
-    gc.collect()
+    """The decoder's Linear layers -> NF4 with bf16 compute, as the NF4 loader makes them."""
+    quantize_linear_nf4_(model, DTYPE)
 
 
 def check_not_zero(modules: Sequence[nn.Module]) -> None:

@@ -1,0 +1,187 @@
+"""How the backbone's Linear layers are quantized (bitsandbytes) and which kernel multiplies them.
+
+The loaders ask ``bnb_config`` for their ``BitsAndBytesConfig``; the random benchmark model uses
+``quantize_linear_nf4_``; ``use_nf4_kernel`` routes NF4 layers' multi-row inputs (Medusa's tree
+verification, 2..64 rows) to the Triton kernel in nf4_matmul.py. bitsandbytes and Triton are
+imported only where used, so the rest of the project imports without them.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+
+import torch
+from torch import nn
+
+NF4_KERNELS = ("auto", "triton", "bnb")
+KERNEL_MAX_ROWS = 64     # tree verification sizes; longer inputs (prefill) are GEMM-bound: bnb's dequant + cuBLAS
+
+
+def bnb_config(quant: str, compute_dtype: torch.dtype):
+    """transformers' ``BitsAndBytesConfig`` for ``quant`` (nf4 | int8), or None for none."""
+    from transformers import BitsAndBytesConfig
+
+    if quant == "nf4":
+        return BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=compute_dtype,   # explicit: bnb's float32 default is the slow path on GPUs
+        )
+    if quant == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    if quant == "none":
+        return None
+    raise ValueError(f"quant {quant!r} is unknown: use nf4, int8 or none")
+
+
+@torch.no_grad()
+def quantize_linear_nf4_(model: nn.Module, compute_dtype: torch.dtype) -> None:
+    """Every Linear of the decoder layers -> bitsandbytes NF4 (double quant), as ``bnb_config("nf4")``
+    makes transformers do; lm_head and embeddings stay unquantized as there."""
+    import bitsandbytes as bnb
+
+    for layer in model.get_decoder().layers:
+        for parent in list(layer.modules()):
+            for name, dense in list(parent.named_children()):
+                if not isinstance(dense, nn.Linear):
+                    continue
+                q = bnb.nn.Linear4bit(dense.in_features, dense.out_features, bias=dense.bias is not None,
+                                      compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4",
+                                      device="meta")
+                # .to() quantizes; one layer's temporary at a time
+                q.weight = bnb.nn.Params4bit(dense.weight.data, requires_grad=False, compress_statistics=True,
+                                             quant_type="nf4", module=q).to(dense.weight.device)
+                if dense.bias is not None:
+                    q.bias = nn.Parameter(dense.bias.data, requires_grad=False)
+                setattr(parent, name, q)
+    gc.collect()
+
+
+@functools.cache
+def _kernel_linear_class():
+    """``Linear4bit`` whose forward sends 2..64-row inputs (and 1-row ones when ``one_row_kernel``)
+    to the Triton kernel. Built lazily: bitsandbytes is imported only when a model uses NF4."""
+    import bitsandbytes as bnb
+
+    from . import nf4_matmul
+
+    class TritonNF4Linear(bnb.nn.Linear4bit):
+        one_row_kernel: bool = False
+        any_rows_kernel: bool = False     # CPU (interpreter): bnb's CPU forward would repack the weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            rows = x.numel() // x.shape[-1]      # a static shape: the branch is fixed inside a CUDA graph
+            use = self.any_rows_kernel or (2 <= rows <= KERNEL_MAX_ROWS) or (rows == 1 and self.one_row_kernel)
+            if not use:
+                return super().forward(x)
+            compute = self.compute_dtype or x.dtype
+            bias = self.bias.to(compute) if self.bias is not None and self.bias.dtype != compute else self.bias
+            y = nf4_matmul.nf4_matmul(x.to(compute), self.weight.data, self.weight.quant_state, bias)
+            return y.to(x.dtype)
+
+    return TritonNF4Linear
+
+
+def _swap_class(module: nn.Module, cls: type) -> nn.Module:
+    """A ``cls`` instance sharing ``module``'s parameters and buffers (the same tensors: no copy)."""
+    new = cls.__new__(cls)
+    new.__dict__.update(module.__dict__)
+    new._parameters = dict(module._parameters)
+    new._buffers = dict(module._buffers)
+    new._modules = dict(module._modules)
+    return new
+
+
+def _nf4_layers(model: nn.Module):
+    """(parent, name, module) for every bnb NF4 Linear4bit under the decoder."""
+    import bitsandbytes as bnb
+
+    root = model.get_decoder() if hasattr(model, "get_decoder") else model
+    for parent in list(root.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, bnb.nn.Linear4bit) and getattr(child.weight, "quant_state", None) is not None \
+                    and child.weight.quant_state.quant_type == "nf4":
+                yield parent, name, child
+
+
+_ONE_ROW: dict[tuple, bool] = {}   # (device name, N, K, dtype) -> the kernel beat bnb for one row
+
+
+def _one_row_kernel_faster(layer, dtype: torch.dtype) -> bool:
+    """Time bnb and the kernel on this layer's shape for one row, each in a CUDA graph over weight
+    copies larger than L2; cached per (GPU, N, K, dtype)."""
+    import bitsandbytes as bnb
+
+    from . import nf4_matmul
+
+    state = layer.weight.quant_state
+    n, k = (int(s) for s in state.shape)
+    device = layer.weight.device
+    key = (torch.cuda.get_device_name(device), n, k, dtype)
+    if key not in _ONE_ROW:
+        copies = nf4_matmul.rotating_copies(layer.weight.data, state, torch.cuda.get_device_properties(device).L2_cache_size)
+        x = torch.randn(1, k, device=device, dtype=dtype)
+        bnb_us = nf4_matmul.graph_time_us([functools.partial(bnb.matmul_4bit, x, p.t(), quant_state=s) for p, s in copies])
+        kernel_us = nf4_matmul.graph_time_us([functools.partial(nf4_matmul.nf4_matmul, x, p, s) for p, s in copies])
+        _ONE_ROW[key] = kernel_us < bnb_us
+        del copies
+    return _ONE_ROW[key]
+
+
+def use_nf4_kernel(model: nn.Module, choice: str) -> str:
+    """Route the decoder's NF4 layers by ``choice`` (auto | triton | bnb); returns one line saying what
+    was chosen. ``bnb`` restores bitsandbytes' own modules; the others swap each NF4 Linear4bit for a
+    TritonNF4Linear holding the same packed weight."""
+    if choice not in NF4_KERNELS:
+        raise ValueError(f"nf4 kernel {choice!r} is unknown: use one of {', '.join(NF4_KERNELS)}")
+    layers = list(_nf4_layers(model))
+    if not layers:
+        return "nf4 kernel: no bitsandbytes NF4 layers in this model (nothing to route)"
+    import bitsandbytes as bnb
+
+    if choice == "bnb":
+        for parent, name, layer in layers:
+            if type(layer) is not bnb.nn.Linear4bit:
+                setattr(parent, name, _swap_class(layer, bnb.nn.Linear4bit))
+        return f"nf4 kernel: bitsandbytes for all {len(layers)} NF4 layers"
+    device = layers[0][2].weight.device
+    if device.type != "cuda" and choice == "auto":
+        for parent, name, layer in layers:   # auto never uses the interpreter: restore bnb if swapped
+            if type(layer) is not bnb.nn.Linear4bit:
+                setattr(parent, name, _swap_class(layer, bnb.nn.Linear4bit))
+        return f"nf4 kernel: bitsandbytes for all {len(layers)} NF4 layers (auto: the Triton kernel needs CUDA)"
+    try:
+        from . import nf4_matmul
+    except ImportError as err:
+        raise ValueError(f"--nf4-kernel {choice}: {err}") from None
+    try:
+        nf4_matmul.check_runnable(device)
+    except RuntimeError as err:
+        raise ValueError(f"--nf4-kernel {choice}: {err}") from None
+
+    cls = _kernel_linear_class()
+    kept, one_row, shapes = 0, 0, set()
+    for parent, name, layer in layers:
+        state = layer.weight.quant_state
+        n, k = (int(s) for s in state.shape)
+        if k % 2 or getattr(state, "packing_format_for_cpu", False):
+            kept += 1     # odd K or a CPU-repacked weight: the kernel cannot read it; said below
+            continue
+        dtype = layer.compute_dtype or torch.float32
+        new = _swap_class(layer, cls)
+        new.any_rows_kernel = device.type != "cuda"
+        new.one_row_kernel = choice == "triton" or _one_row_kernel_faster(layer, dtype)
+        one_row += new.one_row_kernel
+        shapes.add((n, k))
+        if device.type == "cuda":    # tune every row class now: not later, inside someone's graph capture
+            for m in (1, 16, 32, 64):
+                nf4_matmul.choose_config(m, n, k, dtype, device, state.blocksize)
+        setattr(parent, name, new)
+    routed = len(layers) - kept
+    if device.type != "cuda":
+        rows = "all row counts (Triton interpreter)"
+    else:
+        rows = f"2-{KERNEL_MAX_ROWS} rows; 1 row: Triton on {one_row}/{routed} layers, bitsandbytes on the rest" + \
+               (" (measured)" if choice == "auto" else "") + f"; >{KERNEL_MAX_ROWS} rows: bitsandbytes"
+    kept_text = f"; {kept} layer(s) kept on bitsandbytes (odd K or CPU-repacked weight)" if kept else ""
+    return f"nf4 kernel: Triton for {routed} NF4 layers ({len(shapes)} shapes), {rows}{kept_text}"
