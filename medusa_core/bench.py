@@ -22,6 +22,7 @@ from .chat_format import render_chat
 from .errors import LoadError
 from .generate import MODES, DecodeConfig, compute_dtype, generate
 from .loading import DEMO_DIR, LoadSpec, load
+from .quantization import NF4_KERNELS
 from .train_data import read_prompts
 from .tree import TreeError, build_tree_buffers, resolve_tree
 
@@ -179,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16")
     p.add_argument("--quant", default="auto", help="auto|nf4|int8|none")
+    p.add_argument("--nf4-kernel", choices=NF4_KERNELS, default="auto",
+                   help="4-bit matmul for multi-row tree verification: auto picks by measurement on CUDA "
+                        "(bitsandbytes elsewhere), triton forces the Triton kernel, bnb keeps bitsandbytes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=1, help="warm-up runs of each decoder before timing")
     p.add_argument("--no-references", action="store_true", help="skip transformers generate() and prompt lookup")
@@ -186,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     try:
-        loaded = load(LoadSpec(model=args.model, heads=args.heads, device=args.device, dtype=args.dtype, quant=args.quant))
+        loaded = load(LoadSpec(model=args.model, heads=args.heads, device=args.device, dtype=args.dtype, quant=args.quant,
+                               nf4_kernel=args.nf4_kernel))
         config = DecodeConfig(mode=args.mode, temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
         if loaded.heads is None:
             raise LoadError("no Medusa heads were loaded: pass --heads")

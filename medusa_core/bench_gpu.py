@@ -36,6 +36,7 @@ import torch
 from .generate import DecodeConfig, generate, new_cache
 from .kv_cache import prefill_mask, tree_step_mask
 from .step import capture_stream, step_for
+from .quantization import NF4_KERNELS
 from .synthetic import DTYPE, SHAPES, build_heads, build_model, check_not_zero, quantize_backbone_, weight_bytes
 from .tree import Paths, TreeBuffers, build_tree_buffers, expected_length, grow_tree
 
@@ -45,6 +46,7 @@ PUBLISHED_ACCURACIES = (0.56, 0.32, 0.20, 0.15, 0.12)   # Medusa-1 heads 0-4, Vi
 # expect 2.42 tokens per step, inside the published 2.3-2.6 for Vicuna-7B heads.
 RANK_DECAY = 0.35
 TOP_K = 10          # ranks a tree may use, as in the reference's trees
+DEMO_VOCAB = 4096   # the demo tokenizer's vocabulary, lent to saved random checkpoints
 
 
 # ---- trees from accuracies (pure)
@@ -242,7 +244,8 @@ class TreeRow:
 
 @dataclass(frozen=True)
 class QuantResult:
-    quant: str
+    quant: str                  # none | nf4 (the --nf4-kernel auto choice) | nf4-bnb | nf4-triton
+    routing: str                # which kernel multiplies the NF4 layers (quantization.use_nf4_kernel)
     weights_bytes: int          # decoder layers + lm_head (the embedding table is not read, only T rows)
     heads_bytes: int
     kv_bytes: int               # the --context prefix, keys + values, all layers
@@ -253,20 +256,38 @@ class QuantResult:
     rows: tuple[TreeRow, ...]
 
 
-def bench_quant(args, quant: str, device: torch.device) -> QuantResult:
+def bench_quant(args, quant: str, device: torch.device) -> list[QuantResult]:
+    """One backbone precision: for NF4, one result per ``--nf4-kernel`` choice on the same weights."""
     shape = SHAPES[args.shape]
-    num_heads = len(args.accuracies)
     model = build_model(shape, device, args.seed)
-    heads = build_heads(shape, num_heads, device, args.seed + 1)
+    heads = build_heads(shape, len(args.accuracies), device, args.seed + 1)
     check_not_zero([model, heads])
-    if quant == "nf4":
-        quantize_backbone_(model)
     if args.heads_quant == "nf4":
         from .heads_quant import quantize_projections
         quantize_projections(heads, DTYPE)
+    results = []
+    if quant == "nf4":
+        from .quantization import use_nf4_kernel
+
+        quantize_backbone_(model)
+        for kernel in args.nf4_kernel:
+            routing = use_nf4_kernel(model, kernel)
+            print(f"  [{quant}] {routing}", file=sys.stderr, flush=True)
+            results.append(measure(args, model, heads, "nf4" if kernel == "auto" else f"nf4-{kernel}", routing, device))
+    else:
+        results.append(measure(args, model, heads, quant, "", device))
+    del model, heads
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return results
+
+
+def measure(args, model, heads, label: str, routing: str, device: torch.device) -> QuantResult:
+    shape = SHAPES[args.shape]
     table = rank_table(args.accuracies, decay=args.rank_decay)
     sizes = sorted({1, *args.tree_sizes})
-    trees = {n: build_tree_buffers(tree_for_size(table, n), num_heads, TOP_K, DTYPE, device) for n in sizes}
+    trees = {n: build_tree_buffers(tree_for_size(table, n), len(args.accuracies), TOP_K, DTYPE, device) for n in sizes}
     on_cuda = device.type == "cuda"
 
     # the loop reserves room for its whole reply, so every tree gets the same bucket
@@ -293,7 +314,7 @@ def bench_quant(args, quant: str, device: torch.device) -> QuantResult:
             n, tree.num_heads, 1000 * eager, _ms(graphed), loop_ms, _ms(stock), host_ms,
             None if host_ms is None else 100 * host_ms / loop_ms, overhead, acc, acc / overhead, tokens,
             read, read / loop / 1e9))
-        print(f"  [{quant}] tree {n}: loop {loop_ms:.3f} ms", file=sys.stderr, flush=True)
+        print(f"  [{label}] tree {n}: loop {loop_ms:.3f} ms", file=sys.stderr, flush=True)
     hf: dict[str, float | str] = {}
     ratio = None
     if args.hf_generate:
@@ -301,17 +322,37 @@ def bench_quant(args, quant: str, device: torch.device) -> QuantResult:
               for k, v in time_hf_generate(model, args.context, args.iters, device).items()}
         times = [v for v in hf.values() if isinstance(v, float)]
         ratio = base_ms / min(times) if times else None
-    result = QuantResult(quant, weights, heads_bytes, kv, cache.capacity, copy_bandwidth(device, args.iters) / 1e9,
-                         hf, ratio, tuple(rows))
-    del model, heads, cache, loop_cache, trees
-    gc.collect()
-    if on_cuda:
-        torch.cuda.empty_cache()
-    return result
+    capacity = cache.capacity
+    del cache, loop_cache
+    return QuantResult(label, routing, weights, heads_bytes, kv, capacity, copy_bandwidth(device, args.iters) / 1e9,
+                       hf, ratio, tuple(rows))
 
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1000 * seconds
+
+
+def save_random_checkpoint(shape_name: str, directory: Path, seed: int, device: torch.device) -> tuple[Path, Path]:
+    """A random model of ``shape_name`` saved as a transformers checkpoint (bf16), with random
+    Medusa heads in the project's layout and the demo's tokenizer (its ids fit any vocabulary
+    of 4096 or more), so ``python -m medusa_core.bench --model DIR/backbone --heads DIR/heads``
+    times the real loading path (NF4 quantization at load) on a machine with no hub."""
+    from .heads_io import save_heads
+    from .loading import DEMO_DIR
+
+    shape = SHAPES[shape_name]
+    if shape.vocab < DEMO_VOCAB:
+        raise ValueError(f"--shape {shape_name} has a vocabulary of {shape.vocab}, below the demo tokenizer's "
+                         f"{DEMO_VOCAB}: use --shape 7b")
+    model = build_model(shape, device, seed)
+    heads = build_heads(shape, len(PUBLISHED_ACCURACIES), device, seed + 1)
+    backbone, heads_dir = directory / "backbone", directory / "heads"
+    model.generation_config.eos_token_id = None     # random text: every reply runs to max_new_tokens
+    model.save_pretrained(backbone)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (backbone / name).write_bytes((DEMO_DIR / "backbone" / name).read_bytes())
+    save_heads(heads, heads_dir, base_model=str(backbone))
+    return backbone, heads_dir
 
 
 # ---- report
@@ -321,8 +362,9 @@ def format_result(r: QuantResult, shape: str, context: int) -> str:
     cell = lambda v, w=10: f"{v:>{w}.3f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
     base = r.rows[0]
     lines = [
-        f"== backbone {'NF4 (bf16 compute)' if r.quant == 'nf4' else 'bf16'}, {shape} shapes, context {context} "
-        f"(cache bucket {r.capacity}) ==",
+        f"== backbone {'bf16' if r.quant == 'none' else r.quant.upper() + ' (bf16 compute)'}, {shape} shapes, "
+        f"context {context} (cache bucket {r.capacity}) ==",
+        *([r.routing] if r.routing else []),
         f"bytes read per baseline step: weights {gb(r.weights_bytes)} + KV {gb(r.kv_bytes)}; Medusa steps add heads {gb(r.heads_bytes)}",
         f"baseline loop step {base.loop_ms:.3f} ms -> {base.bandwidth_gbs:.0f} GB/s read; device copy bandwidth "
         f"{r.copy_bandwidth_gbs:.0f} GB/s ({100 * base.bandwidth_gbs / r.copy_bandwidth_gbs:.0f}% of it)",
@@ -347,7 +389,7 @@ def summary(results: list[QuantResult]) -> dict[str, float | None]:
     the graphed stock forward at T = 1 and transformers' static-cache generate()."""
     out: dict[str, float | None] = {}
     for r in results:
-        name = "bf16" if r.quant == "none" else r.quant
+        name = "bf16" if r.quant == "none" else r.quant.replace("-", "_")
         by_size = {w.size: w for w in r.rows}
         static = r.hf_generate_ms.get("static")
         out[f"{name}_baseline_ms"] = by_size[1].loop_ms
@@ -383,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", choices=sorted(SHAPES), help="default: 7b on CUDA, tiny otherwise")
     p.add_argument("--quant", nargs="+", choices=("none", "nf4"), help="backbone precisions (default: none nf4 on CUDA, none otherwise)")
     p.add_argument("--heads-quant", choices=("none", "nf4"), default="none", help="NF4 heads' vocab projections")
+    p.add_argument("--nf4-kernel", nargs="+", choices=NF4_KERNELS, default=["auto"],
+                   help="who multiplies NF4 layers, one result each: auto (by measurement on CUDA, bnb elsewhere), "
+                        "triton (the kernel), bnb (bitsandbytes)")
     p.add_argument("--tree-sizes", nargs="+", type=int, default=[1, 4, 8, 16, 32, 64, 128])
     p.add_argument("--context", type=int, default=512, help="prefix length in the cache while timing")
     p.add_argument("--iters", type=int, default=30)
@@ -393,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hf-generate", action="store_true", help="also time transformers' greedy generate() per token")
     p.add_argument("--json", help="write everything here")
+    p.add_argument("--save-checkpoint", metavar="DIR",
+                   help="only write a random --shape model (bf16) and heads to DIR/backbone and DIR/heads, for bench")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     args.shape = args.shape or ("7b" if device.type == "cuda" else "tiny")
@@ -416,17 +463,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
 
+    if args.save_checkpoint:
+        try:
+            backbone, heads_dir = save_random_checkpoint(args.shape, Path(args.save_checkpoint), args.seed, device)
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+        print(f"wrote {backbone} and {heads_dir}: python -m medusa_core.bench --model {backbone} --heads {heads_dir}")
+        return 0
     env = environment(device)
     print(", ".join(f"{k} {v}" for k, v in env.items()))
     print(f"heads' top-1 accuracies {args.accuracies}; rank i of head k counts a[k] * {args.rank_decay}**i")
     results = []
     for quant in args.quant:
-        results.append(bench_quant(args, quant, device))
-        print(format_result(results[-1], args.shape, args.context), flush=True)
+        for result in bench_quant(args, quant, device):
+            results.append(result)
+            print(format_result(result, args.shape, args.context), flush=True)
+            if args.json:   # after every result: a later failure keeps what was measured
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                out = {"env": env, "args": vars(args), "summary": summary(results),
+                       "results": [asdict(r) for r in results]}
+                Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        out = {"env": env, "args": vars(args), "summary": summary(results), "results": [asdict(r) for r in results]}
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
         print(f"wrote {args.json}")
     return 0
 
