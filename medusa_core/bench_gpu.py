@@ -401,6 +401,29 @@ def summary(results: list[QuantResult]) -> dict[str, float | None]:
     return out
 
 
+def fold_reports(step_json: Path, others: Sequence[Path]) -> dict:
+    """One report for docs/perf/<gpu>.json: this benchmark's JSON, with the headline figures of
+    bench_nf4 (its ``summary``) and of a ``bench`` run of the demo model on CUDA added to
+    ``summary``, and their full JSON kept beside."""
+    report = json.loads(step_json.read_text())
+    for path in others:
+        data = json.loads(path.read_text())
+        summary_ = data.get("summary")
+        if isinstance(summary_, dict) and any(k.startswith("nf4_kernel_") for k in summary_):   # bench_nf4
+            report["summary"].update(data["summary"])
+            report["nf4_matmul"] = data
+        elif "demo model" in str(data.get("model", "")):     # bench on the demo model
+            rows = {r["name"]: r for r in data["summary"]}
+            medusa = [r["tokens_per_s"] for name, r in rows.items() if name.startswith("medusa")]
+            report["summary"]["demo_cuda_tokens_per_s"] = rows["baseline (1-node tree)"]["tokens_per_s"]
+            report["summary"]["demo_cuda_medusa_tokens_per_s"] = max(medusa, default=None)
+            report["demo"] = data
+        else:
+            raise ValueError(f"{path}: neither a bench_nf4 JSON nor a bench JSON of the demo model: "
+                             "pass those, or leave it out")
+    return report
+
+
 def environment(device: torch.device) -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -438,9 +461,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hf-generate", action="store_true", help="also time transformers' greedy generate() per token")
     p.add_argument("--json", help="write everything here")
+    p.add_argument("--fold", nargs="+", metavar="JSON",
+                   help="only merge: a bench_gpu JSON, then bench_nf4 and demo-model bench JSONs, into --json")
     p.add_argument("--save-checkpoint", metavar="DIR",
                    help="only write a random --shape model (bf16) and heads to DIR/backbone and DIR/heads, for bench")
     args = p.parse_args(argv)
+    if args.fold:
+        if not args.json:
+            print("error: --fold needs --json OUT to write the merged report to", file=sys.stderr)
+            return 1
+        try:
+            report = fold_reports(Path(args.fold[0]), [Path(f) for f in args.fold[1:]])
+        except (OSError, ValueError, KeyError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {args.json}")
+        return 0
     device = torch.device(args.device)
     args.shape = args.shape or ("7b" if device.type == "cuda" else "tiny")
     args.quant = args.quant or (["none", "nf4"] if device.type == "cuda" else ["none"])

@@ -116,3 +116,22 @@ def test_cli_times_transformers_generate_for_the_baseline_comparison(tmp_path):
 def test_cuda_request_without_a_gpu_is_one_line_error(capsys):
     assert bench_gpu.main(["--device", "cuda", "--quant", "none"]) == 1
     assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_fold_merges_the_kernel_and_demo_figures_into_one_report(tmp_path):
+    step = tmp_path / "gpu.json"
+    assert bench_gpu.main(["--device", "cpu", "--shape", "tiny", "--quant", "none", "--tree-sizes", "1",
+                           "--context", "8", "--iters", "2", "--warmup", "0", "--json", str(step)]) == 0
+    nf4 = tmp_path / "nf4.json"
+    nf4.write_text(json.dumps({"env": {}, "summary": {"nf4_kernel_m16_us": 21.5, "bnb_m1_us": 24.0}}))
+    demo = tmp_path / "demo.json"
+    demo.write_text(json.dumps({"model": "demo model: assets/demo", "summary": [
+        {"name": "baseline (1-node tree)", "tokens_per_s": 1000.0},
+        {"name": "medusa tree.json", "tokens_per_s": 1700.0}, {"name": "medusa small-16", "tokens_per_s": 1800.0}]}))
+    out = tmp_path / "report.json"
+    assert bench_gpu.main(["--fold", str(step), str(nf4), str(demo), "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["nf4_kernel_m16_us"] == 21.5 and summary["bnb_m1_us"] == 24.0
+    assert summary["demo_cuda_tokens_per_s"] == 1000.0 and summary["demo_cuda_medusa_tokens_per_s"] == 1800.0
+    assert summary["bf16_baseline_ms"] == json.loads(step.read_text())["summary"]["bf16_baseline_ms"]
+    assert bench_gpu.main(["--fold", str(step), str(step), "--json", str(out)]) == 1   # not a kernel or demo report
