@@ -23,12 +23,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -37,7 +36,10 @@ from .generate import DecodeConfig, generate, new_cache
 from .kv_cache import prefill_mask, tree_step_mask
 from .step import capture_stream, step_for
 from .quantization import NF4_KERNELS
-from .synthetic import DTYPE, SHAPES, build_heads, build_model, check_not_zero, quantize_backbone_, weight_bytes
+from .step_report import QuantResult, TreeRow, environment, fold_reports, format_result, summary
+from .synthetic import (
+    DTYPE, SHAPES, build_heads, build_model, check_not_zero, quantize_backbone_, save_random_checkpoint, weight_bytes,
+)
 from .tree import Paths, TreeBuffers, build_tree_buffers, expected_length, grow_tree
 
 PUBLISHED_ACCURACIES = (0.56, 0.32, 0.20, 0.15, 0.12)   # Medusa-1 heads 0-4, Vicuna-7B (DESIGN §2)
@@ -46,7 +48,6 @@ PUBLISHED_ACCURACIES = (0.56, 0.32, 0.20, 0.15, 0.12)   # Medusa-1 heads 0-4, Vi
 # expect 2.42 tokens per step, inside the published 2.3-2.6 for Vicuna-7B heads.
 RANK_DECAY = 0.35
 TOP_K = 10          # ranks a tree may use, as in the reference's trees
-DEMO_VOCAB = 4096   # the demo tokenizer's vocabulary, lent to saved random checkpoints
 
 
 # ---- trees from accuracies (pure)
@@ -183,9 +184,7 @@ def time_stock_forward(model, tree: TreeBuffers, context: int, capacity: int, it
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=side):
         forward()
-    seconds = median_seconds(graph.replay, iters, warmup, device)
-    del graph, cache
-    return seconds
+    return median_seconds(graph.replay, iters, warmup, device)
 
 
 @torch.inference_mode()
@@ -223,38 +222,6 @@ def copy_bandwidth(device: torch.device, iters: int) -> float:
 
 
 # ---- one backbone precision
-
-@dataclass(frozen=True)
-class TreeRow:
-    size: int                   # nodes including the root (1 = the baseline step)
-    depth: int
-    eager_ms: float             # DecodeStep body, eager, steps queued back to back
-    graphed_ms: float | None    # DecodeStep graph replay (CUDA only)
-    loop_ms: float              # generate()'s step, wall clock: what a user gets
-    stock_graphed_ms: float | None  # transformers' forward + StaticCache + tree mask in one CUDA graph
-    host_ms: float | None       # loop - graphed: the device waits on the host (CUDA only)
-    host_pct: float | None
-    overhead: float             # loop step / baseline loop step
-    expected_acceptance: float  # tokens per step, from the accuracies
-    projected_speedup: float    # expected acceptance / overhead
-    tokens_per_step_random_heads: float
-    bytes_read: int             # weights (+ heads) + KV per step
-    bandwidth_gbs: float        # bytes_read / loop step
-
-
-@dataclass(frozen=True)
-class QuantResult:
-    quant: str                  # none | nf4 (the --nf4-kernel auto choice) | nf4-bnb | nf4-triton
-    routing: str                # which kernel multiplies the NF4 layers (quantization.use_nf4_kernel)
-    weights_bytes: int          # decoder layers + lm_head (the embedding table is not read, only T rows)
-    heads_bytes: int
-    kv_bytes: int               # the --context prefix, keys + values, all layers
-    capacity: int               # cache bucket attended over
-    copy_bandwidth_gbs: float   # attainable: a large device copy
-    hf_generate_ms: dict[str, float | str]
-    baseline_over_best_hf: float | None
-    rows: tuple[TreeRow, ...]
-
 
 def bench_quant(args, quant: str, device: torch.device) -> list[QuantResult]:
     """One backbone precision: for NF4, one result per ``--nf4-kernel`` choice on the same weights."""
@@ -332,114 +299,6 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1000 * seconds
 
 
-def save_random_checkpoint(shape_name: str, directory: Path, seed: int, device: torch.device) -> tuple[Path, Path]:
-    """A random model of ``shape_name`` saved as a transformers checkpoint (bf16), with random
-    Medusa heads in the project's layout and the demo's tokenizer (its ids fit any vocabulary
-    of 4096 or more), so ``python -m medusa_core.bench --model DIR/backbone --heads DIR/heads``
-    times the real loading path (NF4 quantization at load) on a machine with no hub."""
-    from .heads_io import save_heads
-    from .loading import DEMO_DIR
-
-    shape = SHAPES[shape_name]
-    if shape.vocab < DEMO_VOCAB:
-        raise ValueError(f"--shape {shape_name} has a vocabulary of {shape.vocab}, below the demo tokenizer's "
-                         f"{DEMO_VOCAB}: use --shape 7b")
-    model = build_model(shape, device, seed)
-    heads = build_heads(shape, len(PUBLISHED_ACCURACIES), device, seed + 1)
-    backbone, heads_dir = directory / "backbone", directory / "heads"
-    model.generation_config.eos_token_id = None     # random text: every reply runs to max_new_tokens
-    model.save_pretrained(backbone)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (backbone / name).write_bytes((DEMO_DIR / "backbone" / name).read_bytes())
-    save_heads(heads, heads_dir, base_model=str(backbone))
-    return backbone, heads_dir
-
-
-# ---- report
-
-def format_result(r: QuantResult, shape: str, context: int) -> str:
-    gb = lambda b: f"{b / 1e9:.3f} GB" if b >= 1e8 else f"{b / 1e6:.3f} MB"  # noqa: E731
-    cell = lambda v, w=10: f"{v:>{w}.3f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
-    base = r.rows[0]
-    lines = [
-        f"== backbone {'bf16' if r.quant == 'none' else r.quant.upper() + ' (bf16 compute)'}, {shape} shapes, "
-        f"context {context} (cache bucket {r.capacity}) ==",
-        *([r.routing] if r.routing else []),
-        f"bytes read per baseline step: weights {gb(r.weights_bytes)} + KV {gb(r.kv_bytes)}; Medusa steps add heads {gb(r.heads_bytes)}",
-        f"baseline loop step {base.loop_ms:.3f} ms -> {base.bandwidth_gbs:.0f} GB/s read; device copy bandwidth "
-        f"{r.copy_bandwidth_gbs:.0f} GB/s ({100 * base.bandwidth_gbs / r.copy_bandwidth_gbs:.0f}% of it)",
-    ]
-    if r.hf_generate_ms:
-        cells = ", ".join(f"{k} {v:.3f} ms/token" if isinstance(v, float) else f"{k} {v}" for k, v in r.hf_generate_ms.items())
-        verdict = f"; baseline loop / best = {r.baseline_over_best_hf:.2f}" if r.baseline_over_best_hf else ""
-        lines.append(f"transformers generate(): {cells}{verdict}")
-    head = (f"{'size':>5}{'depth':>6}{'eager ms':>10}{'graph ms':>10}{'loop ms':>10}{'stock ms':>10}"
-            f"{'host ms (%)':>16}{'overhead':>10}{'exp. acc':>10}{'proj. speedup':>15}")
-    lines += [head, "-" * len(head)]
-    for w in r.rows:
-        host = f"{w.host_ms:>9.3f} ({w.host_pct:4.1f}%)" if w.host_ms is not None else f"{'-':>16}"
-        lines.append(f"{w.size:>5}{w.depth:>6}{cell(w.eager_ms)}{cell(w.graphed_ms)}{cell(w.loop_ms)}"
-                     f"{cell(w.stock_graphed_ms)}{host}{w.overhead:>10.3f}{w.expected_acceptance:>10.3f}"
-                     f"{w.projected_speedup:>14.2f}x")
-    return "\n".join(lines)
-
-
-def summary(results: list[QuantResult]) -> dict[str, float | None]:
-    """The headline figures (ms per step, medians): the loop's baseline and 64-node tree steps,
-    the graphed stock forward at T = 1 and transformers' static-cache generate()."""
-    out: dict[str, float | None] = {}
-    for r in results:
-        name = "bf16" if r.quant == "none" else r.quant.replace("-", "_")
-        by_size = {w.size: w for w in r.rows}
-        static = r.hf_generate_ms.get("static")
-        out[f"{name}_baseline_ms"] = by_size[1].loop_ms
-        out[f"{name}_baseline_graphed_ms"] = by_size[1].graphed_ms
-        out[f"{name}_graphed_stock_ms"] = by_size[1].stock_graphed_ms
-        out[f"{name}_static_generate_ms"] = static if isinstance(static, float) else None
-        out[f"{name}_tree64_ms"] = by_size[64].loop_ms if 64 in by_size else None
-        out[f"{name}_host_pct_max"] = max((w.host_pct for w in r.rows if w.host_pct is not None), default=None)
-    return out
-
-
-def fold_reports(step_json: Path, others: Sequence[Path]) -> dict:
-    """One report for docs/perf/<gpu>.json: this benchmark's JSON, with the headline figures of
-    bench_nf4 (its ``summary``) and of a ``bench`` run of the demo model on CUDA added to
-    ``summary``, and their full JSON kept beside."""
-    report = json.loads(step_json.read_text())
-    for path in others:
-        data = json.loads(path.read_text())
-        summary_ = data.get("summary")
-        if isinstance(summary_, dict) and any(k.startswith("nf4_kernel_") for k in summary_):   # bench_nf4
-            report["summary"].update(data["summary"])
-            report["nf4_matmul"] = data
-        elif "demo model" in str(data.get("model", "")):     # bench on the demo model
-            rows = {r["name"]: r for r in data["summary"]}
-            medusa = [r["tokens_per_s"] for name, r in rows.items() if name.startswith("medusa")]
-            report["summary"]["demo_cuda_tokens_per_s"] = rows["baseline (1-node tree)"]["tokens_per_s"]
-            report["summary"]["demo_cuda_medusa_tokens_per_s"] = max(medusa, default=None)
-            report["demo"] = data
-        else:
-            raise ValueError(f"{path}: neither a bench_nf4 JSON nor a bench JSON of the demo model: "
-                             "pass those, or leave it out")
-    return report
-
-
-def environment(device: torch.device) -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    def ver(name: str) -> str:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return "not installed"
-
-    return {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "python": platform.python_version(), "torch": torch.__version__, "cuda": str(torch.version.cuda),
-        "transformers": ver("transformers"), "bitsandbytes": ver("bitsandbytes"), "triton": ver("triton"),
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(prog="python -m medusa_core.bench_gpu", description=__doc__,
@@ -503,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.save_checkpoint:
         try:
-            backbone, heads_dir = save_random_checkpoint(args.shape, Path(args.save_checkpoint), args.seed, device)
+            backbone, heads_dir = save_random_checkpoint(SHAPES[args.shape], len(PUBLISHED_ACCURACIES), Path(args.save_checkpoint),
+                                                        args.seed, device)
         except ValueError as err:
             print(f"error: {err}", file=sys.stderr)
             return 1

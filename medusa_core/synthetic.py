@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -14,6 +15,7 @@ from .heads import HeadsConfig, MedusaHeads
 from .quantization import quantize_linear_nf4_
 
 DTYPE = torch.bfloat16
+DEMO_VOCAB = 4096   # the demo tokenizer's vocabulary, lent to saved random checkpoints
 
 
 @dataclass(frozen=True)
@@ -99,3 +101,26 @@ def weight_bytes(module: nn.Module) -> int:
             if state.nested:
                 total += tensor_bytes(state.state2.absmax) + tensor_bytes(state.state2.code)
     return total
+
+
+def save_random_checkpoint(shape: Shape, num_heads: int, directory: Path, seed: int,
+                           device: torch.device) -> tuple[Path, Path]:
+    """A random model of ``shape`` saved as a transformers checkpoint (bf16), with random
+    Medusa heads in the project's layout and the demo's tokenizer (its ids fit any vocabulary
+    of 4096 or more), so ``python -m medusa_core.bench --model DIR/backbone --heads DIR/heads``
+    times the real loading path (NF4 quantization at load) on a machine with no hub."""
+    from .heads_io import save_heads
+    from .loading import DEMO_DIR
+
+    if shape.vocab < DEMO_VOCAB:
+        raise ValueError(f"a shape with a vocabulary of {shape.vocab} is below the demo tokenizer's "
+                         f"{DEMO_VOCAB}: use --shape 7b")
+    model = build_model(shape, device, seed)
+    heads = build_heads(shape, num_heads, device, seed + 1)
+    backbone, heads_dir = directory / "backbone", directory / "heads"
+    model.generation_config.eos_token_id = None     # random text: every reply runs to max_new_tokens
+    model.save_pretrained(backbone)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (backbone / name).write_bytes((DEMO_DIR / "backbone" / name).read_bytes())
+    save_heads(heads, heads_dir, base_model=str(backbone))
+    return backbone, heads_dir

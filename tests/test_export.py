@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from torch import nn
-from tiny import char_tokenizer, copied_heads, tiny_model
+from tiny import char_tokenizer, tiny_model
 
 from medusa_core.export import main
 from medusa_core.heads import HeadsConfig, MedusaHeads
