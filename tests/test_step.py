@@ -70,3 +70,21 @@ def test_a_bigger_bucket_drops_the_steps_bound_to_the_old_buffers():
     (new,) = cache.steps.values()
     assert new is not old
     assert out == tokens_of(generate(model, prompt, config=DecodeConfig(max_new_tokens=300)))
+
+
+def test_a_stop_token_cut_then_the_next_turn_equals_a_fresh_conversation():
+    """The step commits its whole accepted path on the device; a stop token in the middle of it
+    must rewind the cache to what was emitted, so the next turn's reuse is exact."""
+    model = tiny_model("mistral", seed=4)
+    heads = trained_heads(model, steps=60)
+    tree = build_tree_buffers(resolve_tree("mc_sim_7b_63"), 5)
+    config = DecodeConfig(max_new_tokens=60)
+    full = list(generate(model, PROMPT, heads=heads, tree=tree, config=config))
+    step = next(s for s in full[1:] if len(s.tokens) >= 3)        # a step that accepted several tokens
+    stop = step.tokens[1]                                           # cut inside it
+    cache = new_cache(model)
+    turn1 = tokens_of(generate(model, PROMPT, heads=heads, tree=tree, config=config, cache=cache, stop_ids=[stop]))
+    assert turn1[-1] == stop and cache.token_ids == PROMPT + turn1[:-1]
+    turn2 = PROMPT + turn1 + [7, 8, 9]
+    reused = tokens_of(generate(model, turn2, heads=heads, tree=tree, config=config, cache=cache))
+    assert reused == tokens_of(generate(model, turn2, heads=heads, tree=tree, config=config))
