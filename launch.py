@@ -1,9 +1,11 @@
 """Start the Medusa chat app: ``python launch.py`` (see ``--help``).
 
-Loads the model (4-bit Vicuna-7B v1.3 with Medusa heads on a CUDA machine, the
-shipped demo model without CUDA), then serves the chat page on 127.0.0.1 only.
-Failures a user can fix (busy port, missing model, out of memory) print one line
-and exit 1.
+Checks the flags, serves the chat page on 127.0.0.1 at once, and loads the model
+(4-bit Vicuna-7B v1.3 with Medusa heads on a CUDA machine, the shipped demo model
+without CUDA) in the background while the page shows its progress. Flag errors a
+user can fix (busy port, missing directory, unknown tree) print one line and exit 1
+before anything loads; a load failure is one line in the console and in the page,
+where another model can be picked.
 """
 
 from __future__ import annotations
@@ -13,11 +15,15 @@ import ipaddress
 import os
 import socket
 import sys
-import time
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is imported anywhere
 
 DEFAULT_PORT = 7860
+# flag choices, kept here so --help needs no torch import
+QUANTS = ("auto", "nf4", "int8", "none")
+DTYPES = ("float32", "bfloat16", "float16")
+HEADS_QUANTS = ("none", "nf4")
+NF4_KERNELS = ("auto", "triton", "bnb")
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 
 
@@ -37,13 +43,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                    "plain decoding only)")
     m.add_argument("--device", default="auto",
                    help="auto (CUDA if present, else CPU), cpu, cuda or cuda:N (default: %(default)s)")
-    m.add_argument("--quant", default="auto",
+    m.add_argument("--quant", default="auto", choices=QUANTS,
                    help="backbone weights: auto (nf4 4-bit on CUDA, none on CPU), nf4, int8 or none "
                         "(default: %(default)s)")
-    m.add_argument("--dtype", default="auto",
+    m.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
                    help="compute dtype: auto, float16, bfloat16 or float32 (default: %(default)s)")
-    m.add_argument("--heads-quant", default="none",
+    m.add_argument("--heads-quant", default="none", choices=HEADS_QUANTS,
                    help="Medusa heads' vocabulary projections: none or nf4 (default: %(default)s)")
+    m.add_argument("--nf4-kernel", default="auto", choices=NF4_KERNELS,
+                   help="4-bit matmul for multi-row tree verification: auto picks by measurement on CUDA, "
+                        "bnb elsewhere; triton forces the Triton kernel (default: %(default)s)")
     m.add_argument("--trust-remote-code", action="store_true", help="allow a model repo's own Python code to run")
     d = p.add_argument_group("decoding defaults (all can be changed in the page)")
     d.add_argument("--tree", help="candidate tree: a preset (mc_sim_7b_63, small-8, small-16, chain-N, "
@@ -60,6 +69,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.max_new_tokens < 1:
         p.error(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
     return args
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Fail in one line, before the server starts or anything loads, on what the flags alone
+    show is wrong: an unknown tree, a device torch lacks, a model or heads path that does not
+    exist. (Whether a tree fits the heads is known only once they have loaded.)"""
+    from medusa_core.errors import LoadError
+    from medusa_core.hub import local_dir
+    from medusa_core.loading import resolve_device
+    from medusa_core.tree import TreeError, resolve_tree
+
+    try:
+        if args.tree:
+            resolve_tree(args.tree)
+        resolve_device(args.device)
+        for source in (args.model, args.heads):
+            if source:
+                local_dir(source)
+    except (TreeError, LoadError) as err:
+        fail(str(err))
 
 
 def port_free(host: str, port: int) -> bool:
@@ -107,7 +136,8 @@ def load_spec(args: argparse.Namespace):
 
     # model and heads left None: the loader picks the machine's default (and says so)
     return LoadSpec(model=args.model, heads=args.heads, device=args.device, quant=args.quant, dtype=args.dtype,
-                    heads_quant=args.heads_quant, trust_remote_code=args.trust_remote_code)
+                    heads_quant=args.heads_quant, trust_remote_code=args.trust_remote_code,
+                    nf4_kernel=args.nf4_kernel)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,50 +145,31 @@ def main(argv: list[str] | None = None) -> int:
     if not is_local(args.host):
         print(f"warning: binding {args.host}: anyone who can reach this machine can use the chat "
               "(the default, 127.0.0.1, keeps it local)", file=sys.stderr)
-    port = pick_port(args.host, args.port)  # before the slow load, so a busy port fails fast
+    check_flags(args)
+    port = pick_port(args.host, args.port)
 
-    import torch
-
-    from medusa_core.loading import LoadError, load
-
-    spec = load_spec(args)
-    what = spec.model or (f"the base model of {spec.heads}" if spec.heads else "the default model for this machine")
-    heads = f" with heads {spec.heads}" if spec.heads else ""
-    print(f"Loading {what}{heads} (device {spec.device}, quant {spec.quant})…", flush=True)
-    t0 = time.perf_counter()
-    try:
-        loaded = load(spec)
-    except LoadError as err:
-        fail(str(err))
-    except torch.OutOfMemoryError:
-        fail("out of GPU memory while loading the model: use --quant nf4, a smaller --model, or free the GPU")
-    seconds = time.perf_counter() - t0
-    print(f"Loaded {loaded.description} in {seconds:.1f} s ({loaded.memory})", flush=True)
-
-    from medusa_core.tree import TreeError
-
-    from app.engine import ChatEngine
+    from app.models import ModelSlot
     from app.ui import CSS_PATH, build_ui, theme
 
-    try:
-        engine = ChatEngine(loaded, extra_trees=[args.tree] if args.tree else [], max_new_tokens=args.max_new_tokens)
-    except TreeError as err:
-        fail(str(err))
-    note = ""
-    if loaded.is_demo:
-        note = ("**Demo model.** No CUDA GPU was found, so this runs the small demo model shipped in "
-                "`assets/demo` on the CPU: its answers are not meaningful, but the speed numbers are real. "
-                "On a CUDA machine `python launch.py` loads Vicuna-7B with Medusa heads.")
-    status = f"Ready · {loaded.description} · loaded in {seconds:.1f} s · {loaded.memory}"
-    demo = build_ui(engine, system_prompt=args.system_prompt, note=note, status=status)
+    spec = load_spec(args)
+    def log(line: str) -> None:
+        print(line, file=sys.stderr if line.startswith("error:") else sys.stdout, flush=True)
+
+    slot = ModelSlot(max_new_tokens=args.max_new_tokens, log=log)
+    demo = build_ui(slot, system_prompt=args.system_prompt, base_spec=spec)
     demo.queue(default_concurrency_limit=1)
-    url_host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"Serving on http://{url_host}:{port}  (Ctrl+C to quit)", flush=True)
     try:
-        demo.launch(server_name=args.host, server_port=port, share=args.share, inbrowser=False,
-                    theme=theme(), css_paths=[CSS_PATH], show_error=True, quiet=True)
+        demo.launch(server_name=args.host, server_port=port, share=args.share, inbrowser=False, theme=theme(),
+                    css_paths=[CSS_PATH], show_error=True, quiet=True, prevent_thread_lock=True)
     except OSError as err:  # the port was taken between our check and the bind
         fail(f"cannot serve on {args.host}:{port} ({err.strerror or err}): pass another --port")
+    url_host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"Serving on http://{url_host}:{port}  (Ctrl+C to quit); the model loads in the background", flush=True)
+    slot.start(spec, extra_trees=(args.tree,) if args.tree else ())
+    try:
+        demo.block_thread()
+    except KeyboardInterrupt:
+        demo.close()
     return 0
 
 

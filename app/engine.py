@@ -1,30 +1,44 @@
 """The chat engine: one loaded model shared by every browser tab, generation one
-request at a time, and per-tab state (KV caches, Stop flag) owned by the tab.
+request at a time, and per-tab state (conversation, KV caches, Stop flag) owned by the tab.
 
 ``ChatEngine.answer`` is a generator the UI iterates: it waits its turn in the
-line for the model (yielding its place), then streams the reply text and the
-live Stats of each pass. It holds no Gradio objects, so tests drive it directly.
+line for the model (yielding its place), then streams each pass's reply and live
+Stats. A comparison runs plain decoding and Medusa step-interleaved, so both see
+the same machine load. It holds no Gradio objects, so tests drive it directly.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Generator, Iterator, Sequence
+import weakref
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from medusa_core.generate import DecodeConfig, compute_dtype, generate, new_cache
-from medusa_core.kv_cache import TreeKVCache
+from medusa_core.generate import MODES, DecodeConfig, generate, max_context, new_cache
+from medusa_core.step import compute_dtype, needs_capture
 from medusa_core.tree import PRESETS, TreeBuffers, TreeError, build_tree_buffers, resolve_tree
 
-from .readout import Meter, Stats
+from .detok import Detokenizer
+from .readout import Comparison, Meter, Stats, explain_divergence, interleaved_ratios
 
-BASELINE, MEDUSA = "baseline", "medusa"
+BASELINE, MEDUSA, COMPARISON = "baseline", "medusa", "comparison"
 LABELS = {BASELINE: "Plain decoding", MEDUSA: "Medusa"}
 UPDATE_SECONDS = 0.05  # stream at most ~20 updates/s: the browser gains nothing from more
+PREPARING = "preparing tree (first use)…"
+
+
+def _number(name: str, value, kind=float):
+    try:
+        number = kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} {value!r} is not a number: give one, e.g. {kind(1)}") from None
+    if kind is int and number != float(value):
+        raise ValueError(f"{name} {value!r} is not a whole number: give an integer")
+    return number
 
 
 @dataclass(frozen=True)
@@ -37,16 +51,31 @@ class Settings:
     epsilon: float = 0.09
     delta: float = 0.3
     max_new_tokens: int = 256
-    tree: str = "baseline"
+    tree: str | None = None        # a name from the engine's tree choices; None = the engine's default
     seed: int | None = None
     colour_heads: bool = False
+
+    @classmethod
+    def parse(cls, mode, temperature, top_p, epsilon, delta, max_new_tokens, tree, seed, colour_heads) -> "Settings":
+        """Settings from raw control (or API) values; ValueError names the bad value and the fix."""
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r} is unknown: use one of {', '.join(MODES)}")
+        seed = None if seed is None or seed == "" else _number("seed", seed, int)
+        return cls(mode, _number("temperature", temperature), _number("top_p", top_p),
+                   _number("epsilon", epsilon), _number("delta", delta),
+                   _number("max_new_tokens", max_new_tokens, int), tree or None,
+                   None if seed is None or seed < 0 else seed, bool(colour_heads))
 
     def decode_config(self) -> DecodeConfig:
         return DecodeConfig(
             mode=self.mode, temperature=float(self.temperature), top_p=float(self.top_p),
             epsilon=float(self.epsilon), delta=float(self.delta), max_new_tokens=int(self.max_new_tokens),
-            seed=None if self.seed is None or self.seed < 0 else int(self.seed),
+            seed=self.seed,
         )
+
+    @property
+    def greedy(self) -> bool:
+        return self.mode == "greedy" or (self.mode == "sample" and self.temperature == 0)
 
 
 @dataclass(frozen=True)
@@ -54,13 +83,18 @@ class Update:
     """One streamed state of a request. ``queued`` > 0: waiting, that many requests ahead."""
 
     pass_name: str = MEDUSA
-    text: str = ""                  # the reply as shown (Markdown, maybe with head colouring)
-    plain: str = ""                 # the reply as the model wrote it: what the next turn's prompt holds
+    segments: tuple[tuple[str, bool], ...] = ()   # the reply so far: (text, came from the heads)
     stats: Stats = field(default_factory=Stats)
     tokens: tuple[int, ...] = ()
     queued: int = 0
+    notice: str | None = None          # a status line, e.g. while a CUDA graph is captured
+    comparison: Comparison | None = None
     error: str | None = None
     done: bool = False
+
+    @property
+    def plain(self) -> str:
+        return "".join(text for text, _ in self.segments)
 
 
 @dataclass
@@ -70,8 +104,9 @@ class Turn:
 
     user: str
     reply: str | None = None       # Medusa's answer, plain text; None if it failed
-    shown: str = ""                # the same, as displayed
+    shown: str = ""                # the same as displayed (HTML, maybe with head colouring)
     baseline: str | None = None    # the plain-decoding pane's answer in comparison mode
+    baseline_shown: str = ""
     note: str | None = None
 
 
@@ -81,16 +116,16 @@ class Session:
 
     def __init__(self) -> None:
         self.turns: list[Turn] = []
+        self.first_turn = 0                 # turns before this were cut to fit the context
         self.cancel = threading.Event()
-        self.caches: dict[str, TreeKVCache] = {}
+        self.caches: dict[str, object] = {}
+        self.engine: weakref.ref | None = None   # the engine the caches belong to
         self.busy = threading.Lock()        # one request per tab at a time
 
-    def messages(self) -> list[dict]:
-        out: list[dict] = []
-        for turn in self.turns:
-            if turn.user and turn.reply is not None:
-                out += [{"role": "user", "content": turn.user}, {"role": "assistant", "content": turn.reply}]
-        return out
+    def exchanges(self) -> list[tuple[int, str, str]]:
+        """(turn index, user, reply) of the turns the next prompt may hold."""
+        return [(i, t.user, t.reply) for i, t in enumerate(self.turns)
+                if i >= self.first_turn and t.user and t.reply is not None]
 
     def __deepcopy__(self, memo: dict) -> "Session":
         # gr.State deep-copies its value; a Session is made fresh per tab and holds locks
@@ -98,6 +133,25 @@ class Session:
 
     def drop_caches(self) -> None:
         self.caches.clear()
+
+    def restart(self) -> None:
+        """A new conversation: forget the turns; rewind the caches (keeping their buffers and
+        captured CUDA graphs) unless an answer is running, which ends at the cancel."""
+        self.cancel.set()
+        self.turns.clear()
+        self.first_turn = 0
+        if self.busy.acquire(blocking=False):
+            try:
+                for cache in self.caches.values():
+                    cache.rewind(0)
+            finally:
+                self.busy.release()
+
+    def caches_for(self, engine: "ChatEngine") -> dict[str, object]:
+        if self.engine is None or self.engine() is not engine:   # another model: its caches are useless
+            self.caches.clear()
+            self.engine = weakref.ref(engine)
+        return self.caches
 
 
 class Line:
@@ -125,42 +179,51 @@ class Line:
             self._cond.notify_all()
 
 
-class Detokenizer:
-    """Incremental decoding: each new token decodes only a small window behind it, so the
-    cost per token is constant, and text is released only once complete (a UTF-8 character
-    split over byte tokens shows as U+FFFD until its last byte arrives)."""
-
-    def __init__(self, tokenizer, skip: Sequence[int] = ()) -> None:
-        self.tokenizer = tokenizer
-        self.skip = set(skip)
-        self.ids: list[int] = []
-        self.prefix = 0   # window start: one token before the released text, for leading-space rules
-        self.read = 0     # tokens whose text has been released
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
-    def add(self, token: int) -> str:
-        if token in self.skip:
-            return ""
-        self.ids.append(token)
-        before = self._decode(self.ids[self.prefix:self.read])
-        after = self._decode(self.ids[self.prefix:])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.prefix, self.read = self.read, len(self.ids)
-            return after[len(before):]
-        return ""
-
-    def flush(self) -> str:
-        before = self._decode(self.ids[self.prefix:self.read])
-        after = self._decode(self.ids[self.prefix:])
-        self.prefix = self.read = len(self.ids)
-        return after[len(before):]
-
-
 def oom_message() -> str:
     return ("out of GPU memory while generating: the conversation's cache was freed; "
             "lower max new tokens, pick a smaller tree, or clear the conversation")
+
+
+class _Pass:
+    """One decoder's run over a prompt: its generate() iterator, meter and text so far."""
+
+    def __init__(self, engine: "ChatEngine", name: str, prompt_ids: list[int], config: DecodeConfig,
+                 tree_name: str, tree: TreeBuffers, cache, should_stop) -> None:
+        if name == BASELINE or tree.num_heads == 0:
+            tree_name, tree, heads = "baseline", engine.tree("baseline"), None
+        else:
+            heads = engine.heads
+        self.name, self.tree, self.config, self.cache = name, tree, config, cache
+        self.meter = Meter(LABELS[name], tree_name, tree.size)
+        self.detok = Detokenizer(engine.tokenizer, skip=engine.loaded.stop_ids)
+        self.segments: list[tuple[str, bool]] = []
+        self.tokens: list[int] = []
+        self.done = False
+        self.steps = generate(engine.model, prompt_ids, heads=heads, tree=tree, config=config, cache=cache,
+                              stop_ids=engine.loaded.stop_ids, should_stop=should_stop)
+
+    def advance(self):
+        """Run one forward pass; None once the pass has finished."""
+        step = next(self.steps, None)
+        if step is None:
+            self.done = True
+            return None
+        self.meter.add(step)
+        self.tokens.extend(step.tokens)
+        for i, token in enumerate(step.tokens):
+            piece = self.detok.add(token)
+            if piece:
+                self.segments.append((piece, i < step.from_heads))
+        if step.finish_reason:
+            self.done = True
+            tail = self.detok.flush()
+            if tail:
+                self.segments.append((tail, False))
+        return step
+
+    def update(self, error: str | None = None) -> Update:
+        return Update(self.name, tuple(self.segments), self.meter.snapshot(), tuple(self.tokens),
+                      error=error, done=self.done or error is not None)
 
 
 class ChatEngine:
@@ -169,42 +232,55 @@ class ChatEngine:
     def __init__(self, loaded, *, extra_trees: Sequence[str] = (), max_new_tokens: int = 256) -> None:
         self.loaded = loaded
         self.model, self.tokenizer, self.heads = loaded.model, loaded.tokenizer, loaded.heads
-        self.max_new_tokens = max_new_tokens
         self.dtype = compute_dtype(self.model)   # the tree mask's dtype (4-bit weights are uint8)
         self.device = self.model.get_output_embeddings().weight.device
+        self.quantized = any(not p.is_floating_point() for p in self.model.parameters())
+        self.context = max_context(self.model)
+        self.max_new_tokens = min(max_new_tokens, self.context)
         self.num_heads = self.heads.config.num_heads if self.heads is not None else 0
         self._trees: dict[str, TreeBuffers] = {}
         self._trees_lock = threading.Lock()
         self.line = Line()
+        self._specs: dict[str, str] = {}          # shown name -> tree spec (a .json path shows as its file name)
         self.tree_choices = self._tree_choices([*extra_trees, loaded.default_tree])  # the user's --tree first
         self.default_tree = self.tree_choices[0][1]
 
     # ---- trees
     def _tree_choices(self, preferred: Sequence[str]) -> list[tuple[str, str]]:
-        """(label with node count, spec) for every tree the loaded heads can fill; the trees the
+        """(label with node count, name) for every tree the loaded heads can fill; the trees the
         user named come first. A named tree that does not fit raises TreeError at startup."""
-        choices: list[tuple[str, str]] = []
         for spec in [*dict.fromkeys(s for s in preferred if s)]:
             if self.num_heads or spec == "baseline":
-                name = Path(spec).name if spec.endswith(".json") else spec
-                choices.append((f"{name} ({self.tree(spec).size} nodes)", spec))
+                self._specs.setdefault(Path(spec).name if spec.endswith(".json") else spec, spec)
+                self.tree(spec)
         for spec in [*PRESETS, *(f"chain-{d}" for d in range(1, self.num_heads + 1))]:
-            if spec in {s for _, s in choices}:
-                continue
             try:
-                choices.append((f"{spec} ({self.tree(spec).size} nodes)", spec))
+                self.tree(spec)
             except TreeError:
                 continue  # a preset deeper than the loaded heads: not offered
-        if not choices:
-            choices.append(("baseline (1 node)", "baseline"))
-        return choices
+            self._specs.setdefault(spec, spec)
+        self._specs.setdefault("baseline", "baseline")
+        return [(f"{name} ({self.tree(spec).size} node{'s' if self.tree(spec).size > 1 else ''})", name)
+                for name, spec in self._specs.items()]
 
-    def tree(self, spec: str) -> TreeBuffers:
+    def tree(self, name: str) -> TreeBuffers:
+        spec = self._specs.get(name, name)
         with self._trees_lock:
             if spec not in self._trees:
                 self._trees[spec] = build_tree_buffers(
                     resolve_tree(spec), self.num_heads, dtype=self.dtype, device=self.device)
             return self._trees[spec]
+
+    def check(self, settings: Settings) -> tuple[DecodeConfig, str, TreeBuffers]:
+        """The decode config, tree name and tree of ``settings``; ValueError in one line."""
+        config = settings.decode_config()
+        if config.max_new_tokens > self.context:
+            raise ValueError(f"max_new_tokens {config.max_new_tokens} is more than the model's context "
+                             f"({self.context} tokens): use at most {self.context}")
+        name = settings.tree or self.default_tree
+        if name not in self._specs:
+            raise ValueError(f"tree {name!r} is not offered for this model: use one of {', '.join(self._specs)}")
+        return config, name, self.tree(name)
 
     # ---- prompts
     def prompt_ids(self, messages: list[dict], system: str | None) -> list[int]:
@@ -212,14 +288,33 @@ class ChatEngine:
 
         return render_chat(self.tokenizer, messages, system=system or None)
 
+    def fit_prompt(self, session: Session, message: str, system: str | None, settings: Settings
+                   ) -> tuple[list[int], str | None]:
+        """The prompt for ``message`` after the conversation, leaving room for the answer. When it
+        does not fit the context, the oldest exchanges are cut (the system prompt stays); the
+        cut is kept in ``session.first_turn`` and announced in the returned one-line notice."""
+        tree = self.tree(settings.tree or self.default_tree)
+        reserve = min(int(settings.max_new_tokens), self.context // 4) + tree.size
+        exchanges = session.exchanges()
+        for drop in range(len(exchanges) + 1):
+            messages = [m for _, user, reply in exchanges[drop:]
+                        for m in ({"role": "user", "content": user}, {"role": "assistant", "content": reply})]
+            ids = self.prompt_ids(messages + [{"role": "user", "content": message}], system)
+            if len(ids) + reserve <= self.context:
+                if not drop:
+                    return ids, None
+                session.first_turn = exchanges[drop - 1][0] + 1
+                return ids, (f"the oldest {drop} exchange{'s' if drop > 1 else ''} left the model's prompt to fit "
+                             f"its {self.context}-token context (still shown here)")
+        raise ValueError(f"the message needs {len(ids)} tokens with the system prompt, and {reserve} are kept for "
+                         f"the answer, but the model's context is {self.context}: shorten the message")
+
     # ---- answering
     def answer(self, session: Session, prompt_ids: list[int], settings: Settings,
                passes: Sequence[str] = (MEDUSA,)) -> Iterator[Update]:
-        """Stream every pass of one request, holding the model across all of them so a
-        comparison's two timings are not interleaved with another tab's work."""
+        """Stream one request; with both passes, a step-interleaved comparison."""
         try:
-            config = settings.decode_config()
-            tree = self.tree(settings.tree)
+            config, tree_name, tree = self.check(settings)
         except ValueError as err:  # DecodeConfig and TreeError give one-line messages
             yield Update(error=str(err), done=True)
             return
@@ -230,80 +325,59 @@ class ChatEngine:
                     yield Update(error="stopped while waiting for the model", done=True)
                     return
                 yield Update(queued=ahead)
+            if session.cancel.is_set():
+                return
+            caches = session.caches_for(self)
+            runs = []
             for name in passes:
-                if session.cancel.is_set():
-                    return
-                ok = yield from self._one_pass(session, name, prompt_ids, config, settings, tree)
-                if not ok:
-                    return  # an error ends the request: the second pass would fail the same way
+                cache = caches.setdefault(name, new_cache(self.model))
+                runs.append(_Pass(self, name, prompt_ids, config, tree_name, tree, cache, session.cancel.is_set))
+            if any(needs_capture(self.model, r.cache, r.tree, config, len(prompt_ids)) for r in runs):
+                yield Update(notice=PREPARING)
+            yield from self._drive(session, runs, settings)
         finally:
             self.line.leave(ticket)
 
-    def _one_pass(self, session: Session, name: str, prompt_ids: list[int], config: DecodeConfig,
-                  settings: Settings, tree: TreeBuffers) -> Generator[Update, None, bool]:
-        if name == BASELINE or tree.num_heads == 0:
-            tree, tree_name, heads = None, "baseline", None
-        else:
-            tree_name, heads = settings.tree, self.heads
-        if name not in session.caches:
-            session.caches[name] = new_cache(self.model, 0)
-        meter = Meter(LABELS[name], tree_name, tree.size if tree is not None else 1)
-        detok = Detokenizer(self.tokenizer, skip=self.loaded.stop_ids)
-        segments: list[tuple[str, bool]] = []   # (text, came from the heads)
-        tokens: list[int] = []
+    def _drive(self, session: Session, runs: list[_Pass], settings: Settings) -> Iterator[Update]:
+        """Advance the passes, always the one that has emitted fewer tokens (baseline first on a
+        tie): the two decoders alternate at the scale of single steps, so background load hits
+        both alike, and both reach the same point of the answer at about the same time."""
+        events: list[tuple[str, int, float]] = []   # (pass, tokens, seconds) of steps taken while both ran
         last_yield = 0.0
         try:
-            for step in generate(self.model, prompt_ids, heads=heads, tree=tree, config=config,
-                                 cache=session.caches[name], stop_ids=self.loaded.stop_ids,
-                                 should_stop=session.cancel.is_set):
-                meter.add(step)
-                tokens.extend(step.tokens)
-                for i, token in enumerate(step.tokens):
-                    piece = detok.add(token)
-                    if piece:
-                        segments.append((piece, i < step.from_heads))
-                if step.finish_reason:
-                    break
+            while active := [r for r in runs if not r.done]:
+                run = min(active, key=lambda r: (len(r.tokens), r.name != BASELINE))
+                step = run.advance()
+                if step is not None and not step.prefill and len(active) == len(runs) > 1:
+                    events.append((run.name, len(step.tokens), step.seconds))
                 now = time.perf_counter()
-                if step.prefill or now - last_yield >= UPDATE_SECONDS:
+                if run.done or (step is not None and step.prefill) or now - last_yield >= UPDATE_SECONDS:
                     last_yield = now
-                    shown = render_text(segments, settings.colour_heads)
-                    yield Update(name, shown, "", meter.snapshot(), tuple(tokens))
+                    for r in runs:
+                        yield r.update()
         except torch.OutOfMemoryError:
             session.drop_caches()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            text = render_text(segments, False)
-            yield Update(name, text, text, meter.snapshot(), tuple(tokens), error=oom_message(), done=True)
-            return False
+            for r in runs:
+                yield r.update(error=oom_message())
+            return
         except ValueError as err:  # ContextOverflowError: the prompt does not fit
-            yield Update(name, stats=meter.snapshot(), error=str(err), done=True)
-            return False
-        tail = detok.flush()
-        if tail:
-            segments.append((tail, False))
-        yield Update(name, render_text(segments, settings.colour_heads), render_text(segments, False),
-                     meter.snapshot(), tuple(tokens), done=True)
-        return True
+            for r in runs:
+                yield r.update(error=str(err))
+            return
+        if len(runs) == 2:
+            yield Update(COMPARISON, comparison=self._compare(runs, events, settings), done=True)
 
-
-def render_text(segments: list[tuple[str, bool]], colour: bool) -> str:
-    """The reply as Markdown. With ``colour``, plain-prose pieces that came from the heads
-    are wrapped in a span; inside code (fenced or inline) and around Markdown syntax nothing
-    is wrapped, since a tag there would show literally or break the block."""
-    if not colour:
-        return "".join(s for s, _ in segments)
-    out: list[str] = []
-    fences, line_ticks, tail = 0, 0, ""   # code state so far, updated per piece (linear time)
-    for text, from_heads in segments:
-        in_code = fences % 2 == 1 or line_ticks % 2 == 1
-        plain = not any(c in text for c in "`*_<>[]#|\\\n~")
-        escaped = tail.endswith("\\")  # a backslash before the tag would make Markdown print it
-        if from_heads and plain and not in_code and not escaped and text.strip():
-            out.append(f'<span class="from-heads">{text}</span>')
-        else:
-            out.append(text)
-        fences += (tail + text).count("```") - tail.count("```")
-        line_ticks = text.rsplit("\n", 1)[1].count("`") if "\n" in text else line_ticks + text.count("`")
-        tail = (tail + text)[-2:]
-    return "".join(out)
+    def _compare(self, runs: list[_Pass], events: list, settings: Settings) -> Comparison:
+        base, medusa = runs
+        finished = all(r.meter.snapshot().finish_reason in ("eos", "length") for r in runs)
+        identical = divergence = None
+        if settings.greedy and finished:
+            identical = base.tokens == medusa.tokens
+            if not identical:
+                divergence = explain_divergence(
+                    base.tokens, medusa.tokens, decode=self.tokenizer.decode, device=self.device.type,
+                    dtype=self.dtype, quantized=self.quantized)
+        return Comparison(base.meter.snapshot(), medusa.meter.snapshot(), tuple(interleaved_ratios(events)),
+                          identical, divergence)

@@ -7,12 +7,16 @@ turn Stats into the Markdown the readout panes show.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
+
+import torch
 
 from medusa_core.generate import Step
 
 _BARS = "▁▂▃▄▅▆▇█"
 SPARK_STEPS = 40  # the readout shows the last 40 steps' accepted lengths
+RATIO_WINDOW = 8  # a comparison's speedup spread: rolling windows of 8 interleaved rounds
 
 FINISH_TEXT = {
     "eos": "end of answer",
@@ -135,13 +139,86 @@ def speedup(baseline: Stats, medusa: Stats) -> float | None:
     return medusa.tokens_per_second / baseline.tokens_per_second
 
 
-def render_comparison(baseline: Stats, medusa: Stats, identical: bool | None) -> str:
-    """``identical`` is None when the mode samples, where equal answers are not expected."""
+@dataclass(frozen=True)
+class Comparison:
+    """A step-interleaved comparison of plain decoding and Medusa on one prompt."""
+
+    baseline: Stats
+    medusa: Stats
+    ratios: tuple[float, ...] = ()   # speedup in rolling windows of the interleaved steps
+    identical: bool | None = None    # None: sampling, or an answer was cut short
+    divergence: str | None = None    # where and why greedy answers differ
+
+
+def interleaved_ratios(events: list[tuple[str, int, float]], window: int = RATIO_WINDOW) -> list[float]:
+    """Speedup (Medusa tokens/s over plain tokens/s) in rolling windows of ``window`` rounds.
+    ``events`` are the (pass, tokens, seconds) steps in the order they ran; a round ends at
+    each Medusa step, so a window holds both decoders' steps from the same stretch of time."""
+    rounds: list[list[float]] = []   # [plain tokens, plain s, medusa tokens, medusa s]
+    current = [0.0, 0.0, 0.0, 0.0]
+    for name, tokens, seconds in events:
+        offset = 2 if name == "medusa" else 0
+        current[offset] += tokens
+        current[offset + 1] += seconds
+        if offset:
+            rounds.append(current)
+            current = [0.0, 0.0, 0.0, 0.0]
+    ratios = []
+    for i in range(len(rounds) - window + 1):
+        bt, bs, mt, ms = (sum(r[k] for r in rounds[i:i + window]) for k in range(4))
+        if bt and bs > 0 and mt and ms > 0:
+            ratios.append((mt / ms) / (bt / bs))
+    return ratios
+
+
+def quartiles(values: list[float] | tuple[float, ...]) -> tuple[float, float, float, float, float]:
+    """(min, lower quartile, median, upper quartile, max)."""
+    ordered = sorted(values)
+    q1, median, q3 = statistics.quantiles(ordered, n=4, method="inclusive") if len(ordered) > 1 else ordered * 3
+    return ordered[0], q1, median, q3, ordered[-1]
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where ``a`` and ``b`` differ (one ending first counts); None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def explain_divergence(baseline: list[int], medusa: list[int], *, decode, device: str, dtype: torch.dtype,
+                       quantized: bool) -> str | None:
+    """Where two greedy answers first differ, and why: rounding where the model computes in
+    reduced precision, a real bug where it computes in fp32."""
+    at = first_divergence(baseline, medusa)
+    if at is None:
+        return None
+
+    def token(ids: list[int]) -> str:
+        return repr(decode([ids[at]])) if at < len(ids) else "(end of answer)"
+
+    where = f"first differ at token {at}: plain decoding {token(baseline)} vs Medusa {token(medusa)}"
+    precision = "NF4" if quantized else {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
+    if precision:
+        on = "CUDA" if device == "cuda" else device
+        return (f"{where} · rounding ({precision} on {on}): a T-row tree verification and a 1-row step "
+                "round differently in bf16/NF4; fp32 is identical")
+    return (f"{where} · in fp32 on {device} greedy Medusa must equal plain decoding: this is a bug, "
+            "please report it with the prompt and settings")
+
+
+def render_comparison(comparison: Comparison) -> str:
+    """The speedup with its spread over the interleaved steps, and whether the answers match."""
+    baseline, medusa = comparison.baseline, comparison.medusa
     ratio = speedup(baseline, medusa)
     parts = [f"**Speedup: {ratio:.2f}×**" if ratio else "**Speedup: –** (an answer was too short to time)",
              f"({medusa.tokens_per_second:.1f} vs {baseline.tokens_per_second:.1f} tokens/s)"]
-    if identical is True:
+    if len(comparison.ratios) >= 2:
+        low, q1, median, q3, high = quartiles(comparison.ratios)
+        parts.append(f"· step-interleaved, over {len(comparison.ratios)} windows of {RATIO_WINDOW} steps: "
+                     f"median {median:.2f}×, quartiles {q1:.2f}–{q3:.2f}×, range {low:.2f}–{high:.2f}×")
+    if comparison.identical is True:
         parts.append("· greedy answers are **identical**")
-    elif identical is False:
-        parts.append("· greedy answers **differ**")
+    elif comparison.identical is False:
+        parts.append(f"· greedy answers **differ**: {comparison.divergence}")
     return " ".join(parts)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import html
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -31,7 +33,8 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def app_url(model_dirs, tmp_path_factory):
+def app(model_dirs, tmp_path_factory):
+    """(url, console log path) of the app launched as `python launch.py` would be."""
     backbone, heads = model_dirs
     port = free_port()
     log = tmp_path_factory.mktemp("app") / "app.log"
@@ -54,10 +57,15 @@ def app_url(model_dirs, tmp_path_factory):
                 if time.time() > deadline:
                     pytest.fail(f"the app did not come up:\n{log.read_text()}")
                 time.sleep(0.5)
-        yield url
+        yield url, log
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def app_url(app):
+    return app[0]
 
 
 @pytest.fixture
@@ -73,8 +81,12 @@ def send_args(message: str, *, compare=False, mode="greedy", temperature=0.7, to
 
 
 def texts(chat) -> list[tuple[str, str]]:
-    """[(role, text)] of a Chatbot value as the client returns it."""
-    return [(m["role"], "".join(p["text"] for p in m["content"] if p.get("type") == "text")) for m in chat or []]
+    """[(role, text)] of a Chatbot value as the client returns it: the page's HTML, as the text a user reads."""
+    out = []
+    for m in chat or []:
+        shown = "".join(p["text"] for p in m["content"] if p.get("type") == "text")
+        out.append((m["role"], html.unescape(re.sub(r"<[^>]+>", "", shown))))
+    return out
 
 
 def ask(client, message: str, **kw):
@@ -200,15 +212,35 @@ def test_incremental_detokenizer_matches_full_decode():
         assert not any("\ufffd" in p for p in pieces)
 
 
-def test_head_colouring_leaves_code_alone():
-    from app.engine import render_text
+def test_head_colouring_gives_spans_never_tag_text():
+    """Issue #13.1: colouring inside an indented (code) block, a fence and inline code gives real
+    spans in the HTML, and no tag text anywhere a user reads."""
+    from app.render import reply_html
 
-    segments = [("Use", True), (" this", True), (":\n```", False), ("py", True), ("\nx = 1", True),
-                ("\n```\n", False), ("done", True), (" `a", True), ("b`", True), (" \\", False), ("x", True)]
-    out = render_text(segments, colour=True)
-    assert out.count('<span class="from-heads">') == 3  # "Use", " this", "done"; none inside code
-    assert "```py\nx = 1\n```" in out.replace('<span class="from-heads">', "").replace("</span>", "")
-    assert render_text(segments, colour=False) == "".join(s for s, _ in segments)
+    segments = [("    # qui", False), ("ck", True), (" brown", True), ("\n```py", True), ("\nx = 1", True),
+                ("\n```\n", False), ("done", True), (" `a", True), ("b`", True), (" 1. \\", False), ("x", True)]
+    shown = reply_html(segments, colour=True)
+    assert shown.count('<span class="from-heads">') >= 6
+    assert "&lt;span" not in shown and "from-heads&quot;" not in shown   # a tag never appears as text
+    text = html.unescape(re.sub(r"<[^>]+>", "", shown))
+    assert "# quick brown" in text and "x = 1" in text and "done" in text
+    assert 'class="language-py"' in shown, "a marker in the fence's language never reaches an attribute"
+    plain = reply_html(segments, colour=False)
+    assert "from-heads" not in plain and html.unescape(re.sub(r"<[^>]+>", "", plain)) == text
+
+
+def test_user_text_is_literal_and_reply_html_is_text():
+    """Issue #13.2: what a user types shows exactly; raw HTML in a reply shows as text."""
+    from app.render import reply_html, user_html
+
+    for typed in ["<img src=x onerror=alert(1)>", "<script>alert(2)</script>", "[link](javascript:alert(3))",
+                  "<b>x</b>  and   *stars*\n    indented"]:
+        shown = user_html(typed)
+        assert "<img" not in shown and "<script" not in shown and "<b>" not in shown and "<a " not in shown
+        assert html.unescape(re.sub(r"<[^>]+>", "", shown)) == typed
+    reply = reply_html([("Try <script>alert(1)</script> and [x](javascript:alert(3)) **bold**", False)])
+    assert "<script" not in reply and "&lt;script&gt;" in reply
+    assert "href" not in reply and "<strong>bold</strong>" in reply
 
 
 def test_sparkline_scales_to_tree_depth():
@@ -243,3 +275,191 @@ def test_out_of_memory_frees_cache_and_next_answer_works(model_dirs, monkeypatch
     monkeypatch.setattr(engine_module, "generate", real)
     last = list(engine.answer(session, prompt, Settings(tree="small-8", max_new_tokens=8)))[-1]
     assert last.error is None and last.stats.tokens == 8
+
+
+# ---- issue #13: the named scripting API, one-line errors, context cuts, comparisons
+
+SEND_PARAMETERS = ["message", "system", "compare", "mode", "temperature", "top_p", "epsilon", "delta",
+                   "max_new_tokens", "tree", "seed", "colour_heads"]
+
+
+def test_api_parameters_are_named(client):
+    api = client.view_api(return_format="dict", print_info=False)["named_endpoints"]
+    assert [p["parameter_name"] for p in api["/send"]["parameters"]] == SEND_PARAMETERS
+    assert [p["parameter_name"] for p in api["/regenerate"]["parameters"]] == SEND_PARAMETERS[1:]
+    reply = client.predict(message="hi", max_new_tokens=8, api_name="/send")[6]["reply"]
+    assert isinstance(reply, str), "the raw output gives the reply as plain text for scripts"
+
+
+def test_bad_api_values_give_one_line_notes_not_tracebacks(client, app):
+    ask(client, "keep me")
+    for kw, words in [(dict(mode="nosuch"), "mode 'nosuch' is unknown"),
+                      (dict(max_new=99999), "max_new_tokens 99999 is more than the model's context"),
+                      (dict(tree="nosuch"), "tree 'nosuch' is not offered"),
+                      (dict(temperature="hot", mode="sample"), "temperature 'hot' is not a number")]:
+        _, (chat, *_, box) = ask(client, "x", **kw)
+        assert words in texts(chat)[-1][1] and box == "x"
+    _, (chat, *_, raw, _) = ask(client, "still there?")
+    assert raw["medusa"]["tokens"] > 0
+    assert [t for r, t in texts(chat) if r == "user"][0] == "keep me"
+    assert "Traceback" not in app[1].read_text()
+
+
+def test_one_token_answer_is_never_a_silent_empty_bubble(client):
+    _, (chat, *_rest) = ask(client, "hello", max_new=1)
+    role, text = texts(chat)[-1]
+    assert role == "assistant" and text.strip(), "either the token or a note saying why it is blank"
+
+
+def test_named_tree_shows_as_its_name(client):
+    _, (chat, _, readout, *_rest) = ask(client, "hi", tree="tree.json", max_new=8)
+    assert "tree.json" in readout and "/assets/" not in readout
+
+
+@pytest.fixture(scope="module")
+def engine(model_dirs):
+    from app.engine import ChatEngine
+    from medusa_core.loading import LoadSpec, load
+
+    backbone, heads = model_dirs
+    return ChatEngine(load(LoadSpec(model=str(backbone), heads=str(heads), device="cpu")), max_new_tokens=64)
+
+
+def test_full_context_cuts_oldest_turns_and_keeps_answering(engine):
+    """Issue #13.4: past the context the oldest exchanges leave the prompt (the system prompt
+    stays) with a notice, answers keep coming, and the reused cache rewinds correctly."""
+    from app.engine import Session, Settings, Turn
+
+    session, settings, system = Session(), Settings(max_new_tokens=160, tree="small-8"), "Answer in one line."
+    notices = []
+    for i in range(10):
+        message = f"question {i}: " + "tell me more about sorting lists " * 12
+        ids, notice = engine.fit_prompt(session, message, system, settings)
+        assert len(ids) + settings.max_new_tokens <= engine.context
+        notices += [notice] if notice else []
+        session.turns.append(Turn(user=message))
+        last = list(engine.answer(session, ids, settings))[-1]
+        assert last.error is None and last.stats.tokens > 0
+        session.turns[-1].reply = last.plain
+    assert notices and "left the model's prompt" in notices[0] and "1024" in notices[0]
+    assert session.first_turn > 0
+    assert system in engine.tokenizer.decode(ids), "the system prompt is kept"
+    assert "question 0:" not in engine.tokenizer.decode(ids) and "question 9:" in engine.tokenizer.decode(ids)
+    fresh = list(engine.answer(Session(), ids, settings))[-1]
+    assert fresh.tokens == last.tokens, "a cache reused across the cut gives what a fresh one gives"
+    with pytest.raises(ValueError, match="shorten the message"):
+        engine.fit_prompt(session, "word " * 2000, system, settings)
+
+
+def test_comparison_runs_step_interleaved(engine, monkeypatch):
+    """Issue #13.5: plain decoding and Medusa alternate step by step on one prompt (so
+    background load hits both), greedy answers match, and the speedup comes with its spread."""
+    import app.engine as engine_module
+    from app.engine import BASELINE, COMPARISON, MEDUSA, Session, Settings
+
+    order: list[str] = []
+    real = engine_module.generate
+
+    def recording(model, prompt_ids, *, heads, **kw):
+        for step in real(model, prompt_ids, heads=heads, **kw):
+            order.append(MEDUSA if heads is not None else BASELINE)
+            yield step
+
+    monkeypatch.setattr(engine_module, "generate", recording)
+    prompt = engine.prompt_ids([{"role": "user", "content": "How do I sort a list?"}], None)
+    updates = list(engine.answer(Session(), prompt, Settings(max_new_tokens=96, tree="small-16"), (BASELINE, MEDUSA)))
+    last_medusa = max(i for i, name in enumerate(order) if name == MEDUSA)
+    both = order[:min(last_medusa, max(i for i, name in enumerate(order) if name == BASELINE)) + 1]
+    longest = max(len(run) for run in re.findall(r"b+|m+", "".join(n[0] for n in both)))
+    assert longest <= engine.num_heads + 1, f"one decoder ran {longest} steps in a row: {order}"
+    comparison = updates[-1].comparison
+    assert updates[-1].pass_name == COMPARISON and comparison.identical is True
+    assert len(comparison.ratios) >= 2 and all(r > 0 for r in comparison.ratios)
+
+
+def test_interleaved_speedup_is_immune_to_load_that_hits_both():
+    from app.readout import Comparison, Stats, interleaved_ratios, quartiles, render_comparison
+
+    events = []
+    for i in range(40):
+        slow = 3.0 if 10 <= i < 20 else 1.0     # a burst of background load, felt by both decoders
+        events += [("baseline", 1, 0.010 * slow)] * 3 + [("medusa", 3, 0.015 * slow)]
+    ratios = interleaved_ratios(events)
+    assert len(ratios) == 33 and all(abs(r - 2.0) < 1e-9 for r in ratios)
+    assert quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == (1.0, 2.0, 3.0, 4.0, 5.0)
+    shown = render_comparison(Comparison(Stats(tokens=121, steps=120, decode_seconds=1.2),
+                                         Stats(tokens=121, steps=40, decode_seconds=0.6), tuple(ratios), True))
+    assert "Speedup: 2.00×" in shown and "median 2.00×" in shown and "identical" in shown
+
+
+def test_divergence_names_the_token_and_the_reason():
+    import torch
+
+    from app.readout import explain_divergence
+
+    def decode(ids):
+        return {1: "the", 2: " cat", 3: " dog"}[ids[0]]
+
+    on_gpu = explain_divergence([1, 2, 2], [1, 3, 2], decode=decode, device="cuda", dtype=torch.bfloat16,
+                                quantized=True)
+    assert "token 1" in on_gpu and "' cat'" in on_gpu and "' dog'" in on_gpu
+    assert "rounding" in on_gpu and "NF4" in on_gpu and "fp32 is identical" in on_gpu
+    on_cpu = explain_divergence([1, 2], [1, 2, 3], decode=decode, device="cpu", dtype=torch.float32,
+                                quantized=False)
+    assert "token 2" in on_cpu and "(end of answer)" in on_cpu and "bug" in on_cpu
+    assert explain_divergence([1, 2], [1, 2], decode=decode, device="cpu", dtype=torch.float32,
+                              quantized=False) is None
+
+
+# ---- the model slot: the page opens before the model has loaded
+
+def test_model_slot_loads_in_background_and_keeps_old_model_on_failure(model_dirs):
+    import threading
+
+    from medusa_core.errors import LoadError
+    from medusa_core.loading import LoadSpec, load
+
+    from app.models import ModelSlot
+
+    backbone, heads = model_dirs
+    spec = LoadSpec(model=str(backbone), heads=str(heads), device="cpu")
+    gate, lines = threading.Event(), []
+
+    def gated(s):
+        gate.wait(60)
+        if s.model == "broken/model":
+            raise LoadError("broken/model is not a hub repo: check the id")
+        return load(s)
+
+    slot = ModelSlot(loader=gated, log=lines.append)
+    assert slot.state().phase == "empty" and slot.engine is None
+    assert slot.start(spec) is None
+    assert slot.state().phase == "loading" and "Loading" in slot.state().line
+    assert "still loading" in slot.start(spec)
+    gate.set()
+    assert slot.wait(60).phase == "ready" and "Ready" in slot.state().line
+    first = slot.engine
+    slot.start(LoadSpec(model="broken/model", device="cpu"))
+    state = slot.wait(60)
+    assert slot.engine is first and "broken/model is not a hub repo" in state.line and "still loaded" in state.line
+    assert any(line.startswith("error: broken/model") for line in lines)
+    assert "unloaded" in slot.unload() and slot.engine is None and slot.state().phase == "empty"
+
+
+def test_first_capture_is_announced_and_clear_keeps_the_caches(engine, monkeypatch):
+    """Issue #10: when the next generate() will first capture a CUDA graph, the stream says so
+    before the reply; a new conversation rewinds the caches (keeping their graphs) instead of
+    dropping them."""
+    import app.engine as engine_module
+    from app.engine import PREPARING, Session, Settings
+
+    session, settings = Session(), Settings(max_new_tokens=8, tree="small-8")
+    prompt = engine.prompt_ids([{"role": "user", "content": "hi"}], None)
+    monkeypatch.setattr(engine_module, "needs_capture", lambda *args, **kw: True)
+    updates = list(engine.answer(session, prompt, settings))
+    assert updates[0].notice == PREPARING and not updates[0].segments and updates[-1].stats.tokens == 8
+    monkeypatch.setattr(engine_module, "needs_capture", lambda *args, **kw: False)
+    assert all(u.notice is None for u in engine.answer(session, prompt, settings))
+    caches = dict(session.caches)
+    session.restart()
+    assert session.caches == caches and all(c.length == 0 for c in caches.values()) and not session.turns

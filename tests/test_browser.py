@@ -1,5 +1,7 @@
 """The page in headless Chromium: a typed message streams an answer with a live speed
-readout; with comparison on, both panes fill. Leaves artifacts/chat.png behind.
+readout; comparison fills both panes; colouring, literal user text, the bin icon, a
+conversation past the context, and the page before the model has loaded. Screenshots
+go to out/ (git-ignored), taken before the checks so a failure leaves them behind.
 
 Needs Debian's ``chromium`` and ``pip install playwright`` (its own browser download
 is not used); skipped when either is missing.
@@ -9,29 +11,62 @@ from __future__ import annotations
 
 import re
 import shutil
+import socket
+import threading
 from pathlib import Path
 
 import pytest
 
-from test_app import app_url, model_dirs  # noqa: F401  (session fixtures: one app for both files)
+from test_app import app, app_url, model_dirs  # noqa: F401  (session fixtures: one app for both files)
 
 CHROMIUM = "/usr/bin/chromium"
-ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
+OUT = Path(__file__).resolve().parent.parent / "out"
 ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--no-first-run"]
+READY = "() => !!document.querySelector('#status')?.innerText.includes('Ready')"
 
 
 @pytest.fixture
-def page(app_url):  # noqa: F811
+def browser():
     sync_api = pytest.importorskip("playwright.sync_api")
     if not shutil.which(CHROMIUM):
         pytest.skip(f"{CHROMIUM} is missing: apt-get install -y --no-install-recommends chromium")
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.goto(app_url)
-        yield page
+        yield browser
         browser.close()
+
+
+@pytest.fixture
+def page(browser, app_url):  # noqa: F811
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(app_url)
+    page.wait_for_function(READY, timeout=120_000)
+    page.locator("#clear").click()   # the conversation lives in the browser: start each test afresh
+    page.wait_for_function("() => document.querySelectorAll('#chat .message').length === 0", timeout=10_000)
+    yield page
+    page.close()
+
+
+def shoot(page, name: str) -> None:
+    OUT.mkdir(exist_ok=True)
+    page.screenshot(path=str(OUT / name), full_page=True)
+
+
+def send(page, text: str) -> None:
+    """Send ``text`` and wait until its answer (or note) is in and the status is back to Ready."""
+    before = page.locator("#chat .message.user").count()
+    page.locator("#message textarea").fill(text)
+    page.locator("#send").click()
+    page.wait_for_function(
+        """before => {
+            const users = document.querySelectorAll('#chat .message.user');
+            const bots = document.querySelectorAll('#chat .message.bot');
+            if (users.length <= before || !bots.length) return false;
+            const answered = users[users.length - 1].compareDocumentPosition(bots[bots.length - 1])
+                & Node.DOCUMENT_POSITION_FOLLOWING;
+            return answered && document.querySelector('#status')?.innerText.includes('Ready');
+        }""", arg=before, timeout=120_000)
 
 
 def assistant_texts(page, chat_id: str) -> list[str]:
@@ -45,13 +80,7 @@ def tokens_per_second(page, readout_id: str) -> float:
 
 
 def test_chat_streams_then_compares(page):
-    page.locator("#message textarea").fill("Hello, who are you?")
-    page.locator("#send").click()
-    page.wait_for_function("() => document.querySelectorAll('#chat .message.bot').length >= 1", timeout=60_000)
-    page.wait_for_function(
-        "() => { const c = document.querySelector('#readout td'); return c && parseFloat(c.innerText) > 0; }",
-        timeout=60_000)
-    page.wait_for_function("() => document.querySelector('#status').innerText.includes('Ready')", timeout=60_000)
+    send(page, "Hello, who are you?")
     assert assistant_texts(page, "chat")[-1].strip()
     assert tokens_per_second(page, "readout") > 0
 
@@ -59,13 +88,118 @@ def test_chat_streams_then_compares(page):
     page.wait_for_selector("#chat-baseline", state="visible", timeout=10_000)
     page.locator("#message textarea").fill("How do I sort a list?")  # a prompt the demo model answers with visible text
     page.locator("#send").click()
-    page.wait_for_function("() => document.querySelector('#comparison').innerText.includes('Speedup')",
+    page.wait_for_function("() => document.querySelector('#comparison')?.innerText.includes('Speedup')",
                            timeout=120_000)
-    # the screenshot comes first, so a failing check still leaves the page to look at
-    ARTIFACTS.mkdir(exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / "chat.png"), full_page=True)
+    shoot(page, "chat.png")
     assert len(assistant_texts(page, "chat-baseline")) >= 2 and assistant_texts(page, "chat-baseline")[-1].strip()
     assert len(assistant_texts(page, "chat")) >= 2
     assert tokens_per_second(page, "readout-baseline") > 0 and tokens_per_second(page, "readout") > 0
-    assert re.search(r"identical|differ", page.locator("#comparison").inner_text())
+    comparison = page.locator("#comparison").inner_text()
+    assert re.search(r"identical|differ", comparison) and "step-interleaved" in comparison
 
+
+def test_colouring_shows_spans_and_no_tag_text(page):
+    """Issue #13.1: the demo's answers start indented (a code block): spans, never tag text."""
+    page.locator("#colour input[type=checkbox]").check()
+    send(page, "How do I sort a list?")
+    shoot(page, "colour.png")
+    assert page.locator("#chat .message.bot .from-heads").count() > 0
+    shown = assistant_texts(page, "chat")[-1]
+    assert "<span" not in shown and "from-heads" not in shown
+
+
+def test_user_text_shows_as_typed(page):
+    """Issue #13.2: HTML and Markdown typed by a user appear literally; no element is made of them."""
+    typed = "<b>x</b> <script>alert(2)</script> <img src=x onerror=alert(1)> [link](javascript:alert(3))"
+    send(page, typed)
+    shoot(page, "literal.png")
+    user = page.locator("#chat .message.user").last
+    assert typed in user.inner_text()
+    assert user.locator("b, script, img, a").count() == 0
+
+
+def test_conversation_survives_a_reload_and_exports(page):
+    send(page, "remember me")
+    page.wait_for_function("() => !document.querySelector('#export-md')?.disabled", timeout=30_000)
+    with page.expect_download() as download:
+        page.locator("#export-md").click()
+    text = Path(download.value.path()).read_text()
+    assert "**User:**" in text and "remember me" in text and "**Assistant:**" in text
+    page.reload()
+    page.wait_for_function("() => document.querySelectorAll('#chat .message.user').length === 1", timeout=30_000)
+    shoot(page, "reloaded.png")
+    assert page.locator("#chat .message.user").inner_text().strip() == "remember me"
+    assert page.locator("#chat .message.bot").count() >= 1
+
+
+def test_bin_icon_clears_the_conversation(page):
+    """Issue #13.3: the chat pane's own bin icon does what Clear does: the next answer
+    starts a new conversation."""
+    send(page, "first message")
+    bin_icon = page.locator("#chat button[aria-label='Clear'], #chat button[title='Clear']").first
+    bin_icon.click()
+    page.wait_for_function("() => document.querySelectorAll('#chat .message').length === 0", timeout=10_000)
+    send(page, "second message")
+    users = page.locator("#chat .message.user").all_inner_texts()
+    assert [u.strip() for u in users] == ["second message"], "the old turn came back: it was not cleared"
+
+
+def test_conversation_past_the_context_keeps_answering(page):
+    """Issue #13.4: past the demo's 1024-token context the oldest turns leave the prompt
+    with a one-line notice, and answers keep coming."""
+    long = "please explain how to sort a list of numbers in python step by step " * 8
+    for i in range(8):
+        send(page, f"{i}: {long}")
+        if "left the model's prompt" in " ".join(assistant_texts(page, "chat")):
+            break
+    send(page, "and one more question")
+    shoot(page, "context.png")
+    texts = assistant_texts(page, "chat")
+    assert any("left the model's prompt" in t for t in texts)
+    assert "prompt has" not in " ".join(texts), "no 'prompt too long' dead end"
+    assert page.locator("#chat .message.user").last.inner_text().strip() == "and one more question"
+    assert texts[-1].strip() and "context is 1024" not in texts[-1]
+
+
+def test_page_opens_before_the_model_has_loaded(browser, model_dirs):  # noqa: F811
+    """The page is served at once, shows load progress and keeps Send off until the model is in."""
+    from medusa_core.loading import LoadSpec, load
+
+    from app.models import ModelSlot
+    from app.ui import CSS_PATH, build_ui, theme
+
+    backbone, heads = model_dirs
+    gate = threading.Event()
+
+    def gated(spec):
+        gate.wait(120)
+        return load(spec)
+
+    slot = ModelSlot(loader=gated, log=lambda line: None)
+    spec = LoadSpec(model=str(backbone), heads=str(heads), device="cpu")
+    demo = build_ui(slot, base_spec=spec)
+    demo.queue(default_concurrency_limit=1)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, theme=theme(),
+                css_paths=[CSS_PATH])
+    try:
+        slot.start(spec)
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page.goto(f"http://127.0.0.1:{port}/")
+        page.wait_for_function("() => document.querySelector('#status')?.innerText.includes('Loading')",
+                               timeout=30_000)
+        page.wait_for_function("() => /\\d+ s/.test(document.querySelector('#status')?.innerText)", timeout=30_000)
+        shoot(page, "loading.png")
+        assert page.locator("#send").is_disabled()
+        gate.set()
+        page.wait_for_function(READY, timeout=120_000)
+        page.wait_for_function("() => !document.querySelector('#send')?.disabled", timeout=30_000)
+        assert "tree.json" in page.locator("#tree input").input_value(), "the tree shows by its name"
+        send(page, "hello")
+        shoot(page, "loaded.png")
+        assert assistant_texts(page, "chat")[-1].strip()
+    finally:
+        gate.set()
+        demo.close()

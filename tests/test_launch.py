@@ -1,4 +1,5 @@
-"""launch.py's command line: --help documents every flag; failures are one line and exit 1."""
+"""launch.py's command line: --help documents every flag; flag failures are one line and exit 1
+before the server starts or the model loads."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from test_app import model_dirs  # noqa: F401  (session fixture: the tiny checkp
 
 REPO = Path(__file__).resolve().parent.parent
 FLAGS = ["--model", "--heads", "--device", "--quant", "--dtype", "--heads-quant", "--trust-remote-code",
-         "--tree", "--max-new-tokens", "--system-prompt", "--host", "--port", "--share"]
+         "--nf4-kernel", "--tree", "--max-new-tokens", "--system-prompt", "--host", "--port", "--share"]
 
 
 def run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
@@ -71,3 +72,9 @@ def test_unusable_tree_is_one_line_and_exit_1(model_dirs):  # noqa: F811
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     lines = error_lines(proc)
     assert len(lines) == 1 and "unknown tree 'nonsense'" in lines[0]
+    assert "Loading" not in proc.stdout and "Serving" not in proc.stdout, "the flag is checked before any load"
+
+
+def test_bad_choice_flags_are_refused_by_argparse():
+    proc = run("--nf4-kernel", "cutlass", timeout=60)
+    assert proc.returncode == 2 and "invalid choice: 'cutlass'" in proc.stderr and "Traceback" not in proc.stderr

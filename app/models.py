@@ -1,0 +1,177 @@
+"""Which model the app serves. ``ModelSlot`` loads in a background thread, so the
+page opens at once and shows the load's progress; a new model replaces the old one
+only once it has loaded (a failed load keeps the old one); unloading frees it.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from medusa_core.errors import LoadError
+from medusa_core.loading import CUDA_HEADS, CUDA_MODEL, DEMO_DIR, LoadSpec, load
+from medusa_core.tree import TreeError
+
+from .engine import ChatEngine
+
+# (label, backbone, heads) offered in the page; any hub id or local directory can be typed instead
+KNOWN_MODELS = (
+    ("Vicuna-7B v1.3 + Medusa heads (CUDA)", CUDA_MODEL, CUDA_HEADS),
+    ("Demo model (assets/demo, CPU)", str(DEMO_DIR / "backbone"), str(DEMO_DIR / "heads")),
+)
+
+
+@dataclass(frozen=True)
+class SlotState:
+    """What the page shows about the model: ``phase`` is loading, ready, failed or empty."""
+
+    phase: str
+    line: str                 # one line for the status bar
+    version: int              # changes whenever the engine or phase changes
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
+
+
+def memory_now() -> str:
+    """Memory in use now: GPU allocated on CUDA, the process's resident size elsewhere."""
+    if torch.cuda.is_available():
+        return f"GPU {_size(torch.cuda.memory_allocated())} allocated"
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return f"process {_size(int(line.split()[1]) * 1024)} resident"
+    return "memory use unknown on this system"
+
+
+def downloaded(source: str | None) -> int:
+    """Bytes of ``source`` (a hub repo id) in the hub cache so far, partial files included:
+    the page's download progress. 0 for local directories."""
+    if not source or Path(source).expanduser().exists() or "/" not in source:
+        return 0
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    blobs = Path(HF_HUB_CACHE) / f"models--{source.replace('/', '--')}" / "blobs"
+    return sum(f.stat().st_size for f in blobs.glob("*") if f.is_file()) if blobs.is_dir() else 0
+
+
+class ModelSlot:
+    """The current ChatEngine (or None) and the load in progress. ``loader`` is
+    ``medusa_core.loading.load``; tests pass one that waits, to see the page mid-load."""
+
+    def __init__(self, *, max_new_tokens: int = 256, loader: Callable[[LoadSpec], object] = load,
+                 log: Callable[[str], None] = print) -> None:
+        self.max_new_tokens = max_new_tokens
+        self._loader, self._log = loader, log
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self.engine: ChatEngine | None = None
+        self._phase, self._line, self._version = "empty", "No model loaded: pick one under Model and press Load", 0
+        self._loading: LoadSpec | None = None
+        self._started = 0.0
+
+    # ---- state
+    def state(self) -> SlotState:
+        with self._lock:
+            line = self._line
+            if self._phase == "loading":
+                got = sum(downloaded(s) for s in (self._loading.model, self._loading.heads))
+                line += f" {time.perf_counter() - self._started:.0f} s"
+                line += f" · downloaded {_size(got)}" if got else ""
+            return SlotState(self._phase, line, self._version)
+
+    def _set(self, phase: str, line: str, engine: ChatEngine | None = None, replace_engine: bool = False) -> None:
+        with self._lock:
+            old = self.engine
+            if replace_engine:
+                self.engine = engine
+            self._phase, self._line = phase, line
+            self._version += 1
+            self._ready.notify_all()
+        if replace_engine and old is not None:
+            del old
+            _free_memory()
+
+    def wait(self, timeout: float) -> SlotState:
+        """Block while a load runs (up to ``timeout`` s); the state after."""
+        with self._lock:
+            self._ready.wait_for(lambda: self._phase != "loading", timeout)
+        return self.state()
+
+    # ---- actions
+    def start(self, spec: LoadSpec, *, extra_trees: tuple[str, ...] = ()) -> str | None:
+        """Load ``spec`` in the background; a one-line refusal if a load is already running."""
+        with self._lock:
+            if self._phase == "loading":
+                return f"a model is still loading ({self._describe(self._loading)}): wait for it to finish"
+            self._phase, self._loading, self._started = "loading", spec, time.perf_counter()
+            self._line = f"⏳ Loading {self._describe(spec)}…"
+            self._version += 1
+        threading.Thread(target=self._load, args=(spec, extra_trees), name="model-load", daemon=True).start()
+        return None
+
+    def unload(self) -> str:
+        with self._lock:
+            if self._phase == "loading":
+                return "a model is loading: unload it once it has loaded"
+        self._set("empty", "No model loaded: pick one under Model and press Load", None, replace_engine=True)
+        line = f"Model unloaded · {memory_now()}"
+        self._log(line)
+        return line
+
+    def _load(self, spec: LoadSpec, extra_trees: tuple[str, ...]) -> None:
+        what = self._describe(spec)
+        self._log(f"Loading {what}…")
+        try:
+            loaded = self._loader(spec)
+            with self._lock:
+                self._line = "⏳ Building the decoding trees…"
+            engine = ChatEngine(loaded, extra_trees=extra_trees, max_new_tokens=self.max_new_tokens)
+        except (LoadError, TreeError) as err:
+            self._fail(f"{err}")
+            return
+        except torch.OutOfMemoryError:
+            self._fail(f"out of GPU memory while loading {what}: use quant nf4, a smaller model, or unload first")
+            return
+        seconds = time.perf_counter() - self._started
+        line = f"Ready · {loaded.description} · loaded in {seconds:.1f} s · {loaded.memory}"
+        self._set("ready", line, engine, replace_engine=True)
+        self._log(line)
+
+    def _fail(self, message: str) -> None:
+        keep = self.engine is not None
+        self._log(f"error: {message}")
+        self._set("failed" if not keep else "ready",
+                  f"❌ {message}" + (" · the previous model is still loaded" if keep else ""))
+
+    @staticmethod
+    def _describe(spec: LoadSpec) -> str:
+        if spec.model is None and spec.heads is None:
+            return "the default model for this machine"
+        what = spec.model or f"the base model of {spec.heads}"
+        return what + (f" with heads {spec.heads}" if spec.heads else "")
+
+
+def spec_for(choice: str | None, model: str, heads: str, base: LoadSpec) -> LoadSpec:
+    """The LoadSpec of the page's model controls: a typed model (and heads) wins over the list."""
+    model, heads = (model or "").strip(), (heads or "").strip()
+    if model or heads:
+        return replace(base, model=model or None, heads=heads or None)
+    for label, backbone, medusa_heads in KNOWN_MODELS:
+        if label == choice:
+            return replace(base, model=backbone, heads=medusa_heads)
+    raise ValueError(f"model choice {choice!r} is unknown: pick one from the list, or type a hub id or directory")
+
+
+def _free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -1,0 +1,79 @@
+"""Chat messages as the HTML the page shows.
+
+The Chatbot is built with ``render_markdown=False``: it shows each message's
+content as HTML (still sanitized by Gradio). The server decides what is Markdown:
+
+- a user's message is shown exactly as typed (HTML-escaped, whitespace kept);
+- a reply is Markdown rendered here by markdown-it with raw HTML disabled, so
+  ``<script>`` in a reply shows as text and ``javascript:`` links stay plain text;
+- with head colouring, the words that came from Medusa guesses are marked with two
+  private-use characters *before* rendering and turned into spans *after* it, so
+  a span never appears as tag text, inside code blocks included.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from functools import lru_cache
+
+_OPEN, _CLOSE = "\ue000", "\ue001"            # private-use: never produced by a tokenizer's text
+_WORD = re.compile(r"[^\W_]+")                 # letters and digits: never Markdown syntax
+_LIST_NUMBER = re.compile(r"(^|\n)[ \t]*$")    # a digit run at a line start may be a list marker
+_TAG_OR_TEXT = re.compile(r"(<[^>]*>)")
+_MARKED = re.compile(f"{_OPEN}([^{_OPEN}{_CLOSE}<]*){_CLOSE}")
+_ENCODED = ("%EE%80%80", "%EE%80%81", _OPEN, _CLOSE)  # the markers as markdown-it percent-encodes them in links
+
+
+@lru_cache(maxsize=1)
+def _markdown():
+    from markdown_it import MarkdownIt
+
+    # js-default: CommonMark + tables + strikethrough; html off = raw HTML is shown as text
+    return MarkdownIt("js-default", {"html": False, "breaks": True, "linkify": False})
+
+
+def user_html(text: str) -> str:
+    """A user's message, literally: no Markdown, no HTML, line breaks and spaces kept."""
+    return f'<div class="user-text">{html.escape(text)}</div>'
+
+
+def note_html(text: str) -> str:
+    return f'<div class="note-text">⚠️ {html.escape(text)}</div>'
+
+
+def reply_html(segments: list[tuple[str, bool]], colour: bool = False) -> str:
+    """A reply (pieces of text, each flagged when it came from the heads) as HTML."""
+    source = "".join(_mark(text) if colour and from_heads else text for text, from_heads in segments)
+    rendered = _markdown().render(source)
+    if colour:
+        rendered = _spans(rendered)
+    return f'<div class="reply">{rendered.strip()}</div>'
+
+
+def _mark(text: str) -> str:
+    """Wrap the letter/digit runs of a piece in markers; leave Markdown syntax outside them."""
+    def wrap(match: re.Match) -> str:
+        if match.group().isdigit() and _LIST_NUMBER.search(text[:match.start()]):
+            return match.group()   # "1." at a line start stays a list marker
+        return f"{_OPEN}{match.group()}{_CLOSE}"
+    return _WORD.sub(wrap, text)
+
+
+def _spans(rendered: str) -> str:
+    """Markers in text become spans; markers that ended up in a tag (a link's href, a code
+    block's language) are dropped, so they never reach an attribute."""
+    parts = _TAG_OR_TEXT.split(rendered)
+    for i, part in enumerate(parts):
+        if i % 2:   # a tag
+            for marker in _ENCODED:
+                part = part.replace(marker, "")
+        else:
+            part = _MARKED.sub(r'<span class="from-heads">\1</span>', part)
+            part = part.replace(_OPEN, "").replace(_CLOSE, "")
+        parts[i] = part
+    return "".join(parts)
+
+
+def plain_text(segments: list[tuple[str, bool]]) -> str:
+    return "".join(text for text, _ in segments)

@@ -1,0 +1,62 @@
+"""A conversation as data: what the browser keeps across reloads, and the JSON and
+Markdown files the page exports."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from .engine import Turn
+from .render import reply_html
+
+FORMAT = "medusa-chat/1"
+
+
+def to_saved(turns: list[Turn], first_turn: int) -> dict:
+    """JSON-ready form of a conversation (the text only: caches and colouring are rebuilt)."""
+    return {"format": FORMAT, "first_turn": first_turn,
+            "turns": [{"user": t.user, "reply": t.reply, "baseline": t.baseline, "note": t.note} for t in turns]}
+
+
+def from_saved(saved) -> tuple[list[Turn], int]:
+    """Turns and the context cut from ``to_saved`` output; anything else (an older format,
+    a damaged entry) gives an empty conversation rather than an error on page load."""
+    if not isinstance(saved, dict) or saved.get("format") != FORMAT or not isinstance(saved.get("turns"), list):
+        return [], 0
+    turns = []
+    for t in saved["turns"]:
+        if isinstance(t, dict) and isinstance(t.get("user"), str):
+            reply = t.get("reply") if isinstance(t.get("reply"), str) else None
+            baseline = t.get("baseline") if isinstance(t.get("baseline"), str) else None
+            turns.append(Turn(user=t["user"], reply=reply, shown=reply_html([(reply or "", False)]),
+                              baseline=baseline, baseline_shown=reply_html([(baseline or "", False)]),
+                              note=t.get("note") if isinstance(t.get("note"), str) else None))
+    first = saved.get("first_turn")
+    return turns, first if isinstance(first, int) and 0 <= first <= len(turns) else 0
+
+
+def to_markdown(turns: list[Turn], system: str = "") -> str:
+    lines = ["# Medusa chat conversation", ""]
+    if system:
+        lines += [f"**System:** {system}", ""]
+    for t in turns:
+        if t.user:
+            lines += ["**User:**", "", t.user, ""]
+        if t.reply is not None:
+            lines += ["**Assistant:**", "", t.reply, ""]
+        if t.baseline is not None:
+            lines += ["**Assistant (plain decoding):**", "", t.baseline, ""]
+        if t.note:
+            lines += [f"> ⚠️ {t.note}", ""]
+    return "\n".join(lines)
+
+
+def write_exports(turns: list[Turn], first_turn: int, system: str = "") -> tuple[str, str]:
+    """(JSON path, Markdown path) of the conversation, in a fresh temporary directory."""
+    folder = Path(tempfile.mkdtemp(prefix="medusa-chat-"))
+    as_json, as_md = folder / "conversation.json", folder / "conversation.md"
+    saved = to_saved(turns, first_turn) | {"system": system}
+    as_json.write_text(json.dumps(saved, ensure_ascii=False, indent=2), encoding="utf-8")
+    as_md.write_text(to_markdown(turns, system), encoding="utf-8")
+    return str(as_json), str(as_md)
