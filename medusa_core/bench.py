@@ -54,17 +54,23 @@ class ModuleTimer:
     Only meaningful on CPU, where kernels run synchronously."""
 
     def __init__(self, modules):
-        self.total, self._t0 = 0.0, 0.0
+        self.total, self._t0, self._depth = 0.0, 0.0, 0
         self.handles = []
         for m in modules:
             self.handles.append(m.register_forward_pre_hook(self._start))
             self.handles.append(m.register_forward_hook(self._stop))
 
+    # Only the outermost timed module counts: heads that share the lm_head call it inside their
+    # own forward, and counting both made the time outside the model come out negative.
     def _start(self, *args):
-        self._t0 = time.perf_counter()
+        if self._depth == 0:
+            self._t0 = time.perf_counter()
+        self._depth += 1
 
     def _stop(self, *args):
-        self.total += time.perf_counter() - self._t0
+        self._depth -= 1
+        if self._depth == 0:
+            self.total += time.perf_counter() - self._t0
 
     def remove(self):
         for h in self.handles:
@@ -193,11 +199,13 @@ def main(argv: list[str] | None = None) -> int:
         loaded = load(LoadSpec(model=args.model, heads=args.heads, device=args.device, dtype=args.dtype, quant=args.quant,
                                nf4_kernel=args.nf4_kernel))
         config = DecodeConfig(mode=args.mode, temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
-        if loaded.heads is None:
-            raise LoadError("no Medusa heads were loaded: pass --heads")
+        tree_names = [t for t in (args.tree or ([loaded.default_tree] if loaded.heads is not None else []))
+                      if t != "baseline"]     # the baseline always runs
+        if tree_names and loaded.heads is None:
+            raise LoadError(f"trees {', '.join(tree_names)} need Medusa heads, and none were loaded: "
+                            "pass --heads, or --tree baseline for plain decoding only")
         device = loaded.model.get_output_embeddings().weight.device
         mask_dtype = compute_dtype(loaded.model)
-        tree_names = args.tree or [loaded.default_tree]
         trees = {name: build_tree_buffers(resolve_tree(name), loaded.heads.config.num_heads, dtype=mask_dtype, device=device)
                  for name in tree_names}
     except (LoadError, TreeError, ValueError) as err:
@@ -211,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     print(loaded.description)
     print(loaded.memory)
     on_cpu = device.type == "cpu"
-    timer = ModuleTimer([loaded.model.get_decoder(), loaded.model.get_output_embeddings(), loaded.heads]) if on_cpu else None
+    timed = [loaded.model.get_decoder(), loaded.model.get_output_embeddings(), *([loaded.heads] if loaded.heads else [])]
+    timer = ModuleTimer(timed) if on_cpu else None
     greedy_refs = not args.no_references and args.mode == "greedy"
 
     def one_round(ids):
@@ -227,7 +236,11 @@ def main(argv: list[str] | None = None) -> int:
         one_round(encoded[0][:64])
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    results = [one_round(ids) for ids in encoded]     # interleaved: every decoder on a prompt, then the next
+    results = []
+    started = time.perf_counter()
+    for n, ids in enumerate(encoded, 1):               # interleaved: every decoder on a prompt, then the next
+        results.append(one_round(ids))
+        print(f"prompt {n}/{len(encoded)} done, {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     if timer:
         timer.remove()
 

@@ -43,6 +43,9 @@ class CalibrateConfig:
     answer_tokens: int = 128
     timing_prompts: str | None = None  # prompts to time decoding with (default: the calibration prompts)
     timing_tokens: int = 64
+    timing_count: int = 8             # timing prompts used (the first ones): each is decoded once per size and repeat
+    dtype: str = "float32"            # compute dtype of the backbone while measuring
+    threads: int = 0                  # CPU threads for torch (0: torch's default)
     repeats: int = 3
     device: str = "cpu"
 
@@ -113,7 +116,9 @@ def run(config: CalibrateConfig) -> dict:
     from .train import padded, rank_histogram
     from .train_data import distilled_rows, encode_prompt, read_answers, read_prompts
 
-    model, tokenizer = load_backbone_dir(config.model, device=config.device)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    model, tokenizer = load_backbone_dir(config.model, device=config.device, dtype=getattr(torch, config.dtype))
     heads = load_heads_dir(config.heads, model)
     out = Path(config.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -132,7 +137,10 @@ def run(config: CalibrateConfig) -> dict:
         timing_file = Path(config.timing_prompts or config.prompts or "")
         if not timing_file.is_file():
             raise ValueError("--budget auto times decoding: give --timing-prompts FILE.jsonl (or calibrate with --prompts)")
-        prompt_ids = [encode_prompt(tokenizer, p, config.raw_prompts) for p in read_prompts(timing_file)][:8]
+        timing_prompts = read_prompts(timing_file)
+        prompt_ids = [encode_prompt(tokenizer, p, config.raw_prompts) for p in timing_prompts[:config.timing_count]]
+        print(f"timing tree sizes on {len(prompt_ids)} of the {len(timing_prompts)} prompts in {timing_file} "
+              "(--timing-count sets how many)", flush=True)
         sizes = [n for n in TIMED_SIZES if n <= config.max_budget + 1]
         timing = time_sizes(model, heads, acc, prompt_ids, sizes, config.timing_tokens, config.repeats)
         best = max(timing, key=lambda n: timing[n]["expected_tokens_per_s"])
@@ -150,7 +158,7 @@ def run(config: CalibrateConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m medusa_core.calibrate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="backbone directory")
     p.add_argument("--heads", required=True, help="heads directory (medusa_lm_head.safetensors)")
     src = p.add_mutually_exclusive_group(required=True)
@@ -164,18 +172,27 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--answer-tokens", type=int, default=128)
     p.add_argument("--timing-prompts", help="prompts JSONL to time decoding with (default: --prompts)")
     p.add_argument("--timing-tokens", type=int, default=64)
+    p.add_argument("--timing-count", type=int, default=8, help="how many timing prompts to decode (the first ones)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="backbone compute dtype while measuring (bfloat16 is faster on CPUs with bf16 instructions)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: torch's choice)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = p.parse_args(argv)
     report = run(CalibrateConfig(
         model=a.model, heads=a.heads, out=a.out, prompts=a.prompts, data=a.data, budget=a.budget,
         max_budget=a.max_budget, top_k=a.top_k, raw_prompts=a.raw_prompts, answer_tokens=a.answer_tokens,
-        timing_prompts=a.timing_prompts, timing_tokens=a.timing_tokens, device=a.device,
+        timing_prompts=a.timing_prompts, timing_tokens=a.timing_tokens, timing_count=a.timing_count,
+        dtype=a.dtype, threads=a.threads, device=a.device,
     ))
     print("head top-1 accuracy:", report["top1"])
     for n, t in report.get("timing", {}).items():
         print(f"tree size {n:>3}: {t['step_ms']:7.2f} ms/step (fit {t['fitted_step_ms']:.2f}), expected {t['expected_tokens_per_step']:.2f} "
               f"(measured {t['measured_tokens_per_step']:.2f}) tokens/step, {t['expected_tokens_per_s']:.0f} tokens/s")
-    if "auto_size" in report:
+    if report.get("auto_size") == 1:
+        print("auto: no tree pays on this device: every tree's step costs more than its expected extra tokens "
+              "bring, so the tree written is empty (plain decoding); train the heads further or time on a faster "
+              "matmul path (--dtype bfloat16)")
+    elif "auto_size" in report:
         print(f"auto: tree size {report['auto_size']} (root included)")
     print(f"wrote {a.out}: {report['budget']} nodes, expected {report['expected_tokens_per_step']:.2f} tokens/step")
 

@@ -154,7 +154,7 @@ def snippets(texts: list[str], tokenizer, count: int, length: int, seed: int) ->
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m medusa_core.demo_build", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="assets/demo", help="output directory")
     parser.add_argument("--from-stage", type=int, default=1, choices=range(1, 6),
                         help="restart from this stage, reusing the earlier stages' outputs in --out")

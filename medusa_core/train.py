@@ -49,8 +49,12 @@ class TrainConfig:
     load_in_4bit: bool = False          # CUDA: NF4 backbone via bitsandbytes
     device: str = "cpu"
     seed: int = 0
+    dtype: str = "float32"              # backbone compute dtype (distillation and hidden states); heads train in fp32
+    threads: int = 0                    # CPU threads for torch (0: torch's default)
 
     def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype {self.dtype!r} is unknown: use float32, bfloat16 or float16")
         if (self.prompts is None) == (not self.corpus):
             raise ValueError("give exactly one data source: --prompts FILE.jsonl (self-distillation) or --corpus FILES")
         if self.steps < 1 or self.batch_size < 1:
@@ -208,7 +212,9 @@ def train_heads(model: nn.Module, heads: MedusaHeads, rows: list[tuple[list[int]
         opt.zero_grad(set_to_none=True)
         loss = head_loss(heads, hidden, targets, lm_head, config.decay, backward=True)
         opt.step()
-        bar.set_postfix(loss=f"{loss.total.item():.3f}", top1=f"{loss.top1[0]:.2f}", refresh=False)
+        # the batch's own top-1 flatters (the heads just trained on it): show the last held-out figure
+        held_top1 = f"{history[-1]['top1'][0]:.2f}" if history else "-"
+        bar.set_postfix(loss=f"{loss.total.item():.3f}", held_out_top1=held_top1, refresh=False)
         done = step + 1
         if done % config.eval_every == 0 or done == config.steps:
             result = {"step": done, "loss": round(loss.total.item(), 4), **evaluate()}
@@ -225,12 +231,14 @@ def main_with_config(config: TrainConfig) -> dict:
     from .loading import load_backbone_dir, save_heads
 
     torch.manual_seed(config.seed)
+    if config.threads:
+        torch.set_num_threads(config.threads)
     work = Path(config.work_dir or Path(config.out) / "work")
     work.mkdir(parents=True, exist_ok=True)
     if config.load_in_4bit:
         model, tokenizer = train_data.load_backbone_4bit(config.model, config.device)
     else:
-        model, tokenizer = load_backbone_dir(config.model, device=config.device)
+        model, tokenizer = load_backbone_dir(config.model, device=config.device, dtype=getattr(torch, config.dtype))
     if config.prompts:
         rows = train_data.distilled_rows(model, tokenizer, config.prompts, config.raw_prompts,
                                              config.answer_tokens, work / "distill_answers.jsonl")
@@ -254,7 +262,7 @@ def main_with_config(config: TrainConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m medusa_core.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="backbone directory (save_pretrained layout with tokenizer)")
     p.add_argument("--out", required=True, help="directory for the trained heads")
     src = p.add_mutually_exclusive_group(required=True)
@@ -274,6 +282,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--resume", action="store_true", help="continue from WORK_DIR/checkpoint.pt")
     p.add_argument("--load-in-4bit", action="store_true", help="CUDA: load the backbone in NF4 (bitsandbytes)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="backbone compute dtype for distillation and hidden states (heads train in float32)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     main_with_config(TrainConfig(
@@ -281,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
         raw_prompts=a.raw_prompts, num_heads=a.num_heads, num_layers=a.num_layers,
         own_projection=not a.shared_projection, answer_tokens=a.answer_tokens, seq_len=a.seq_len, steps=a.steps,
         batch_size=a.batch_size, lr=a.lr, eval_every=a.eval_every, resume=a.resume, load_in_4bit=a.load_in_4bit,
-        device=a.device, seed=a.seed,
+        device=a.device, seed=a.seed, dtype=a.dtype, threads=a.threads,
     ))
 
 

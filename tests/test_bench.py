@@ -42,3 +42,45 @@ def test_bench_reports_bad_input_in_one_line(checkpoint, tmp_path, capsys):
     assert "unknown tree 'nope'" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="does not exist"):
         bench.main(["--model", str(backbone), "--heads", str(heads), "--prompts", str(tmp_path / "missing.jsonl")])
+
+
+def test_bench_runs_plain_decoding_alone_without_heads(checkpoint, tmp_path, capsys):
+    backbone, _ = checkpoint
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n')
+    out = tmp_path / "bench.json"
+    assert bench.main(["--model", str(backbone), "--prompts", str(prompts), "--raw", "--tree", "baseline",
+                       "--max-new-tokens", "8", "--warmup", "0", "--no-references", "--json", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "baseline (1-node tree)" in captured.out and "medusa" not in captured.out
+    assert "prompt 1/1 done" in captured.err                     # progress while it runs
+    assert json.loads(out.read_text())["trees"] == {}
+    assert bench.main(["--model", str(backbone), "--tree", "chain-2"]) == 1
+    assert "need Medusa heads" in capsys.readouterr().err
+
+
+def test_module_time_counts_a_nested_module_once():
+    """Shared-projection heads call the lm_head inside their own forward; counting it twice made
+    bench's host time (wall minus module time) negative."""
+    import time
+
+    from torch import nn
+
+    class Sleep(nn.Module):
+        def __init__(self, seconds, inner=None):
+            super().__init__()
+            self.seconds, self.inner = seconds, inner
+
+        def forward(self):
+            time.sleep(self.seconds)
+            return self.inner() if self.inner is not None else None
+
+    lm_head = Sleep(0.05)
+    heads = Sleep(0.02, lm_head)
+    timer = bench.ModuleTimer([heads, lm_head])
+    t0 = time.perf_counter()
+    heads()
+    lm_head()
+    wall = time.perf_counter() - t0
+    timer.remove()
+    assert 0.12 <= timer.total <= wall      # 0.07 + 0.05, not 0.07 + 0.05 + the nested 0.05

@@ -99,12 +99,14 @@ def test_written_tree_is_valid_and_respects_the_budget(checkpoint, tmp_path):
     assert len(report["accuracy"]) == 5 and all(len(row) == 4 for row in report["accuracy"])
 
 
-def test_auto_times_sizes_and_writes_the_chosen_one(checkpoint, tmp_path):
+def test_auto_times_sizes_and_writes_the_chosen_one(checkpoint, tmp_path, capsys):
     backbone, heads, prompts = checkpoint
     out = tmp_path / "auto.json"
     report = run(CalibrateConfig(model=str(backbone), heads=str(heads), out=str(out), prompts=str(prompts),
                                  raw_prompts=True, budget="auto", max_budget=3, top_k=4, answer_tokens=16,
-                                 timing_tokens=8, repeats=1))
+                                 timing_tokens=8, repeats=1, timing_count=2))
+    total = len(prompts.read_text().splitlines())
+    assert f"timing tree sizes on 2 of the {total} prompts" in capsys.readouterr().out   # never silently a subset
     assert set(report["timing"]) == {"1", "2", "3", "4"}
     assert all(t["step_ms"] > 0 for t in report["timing"].values())
     best = max(report["timing"], key=lambda n: report["timing"][n]["expected_tokens_per_s"])

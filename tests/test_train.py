@@ -124,3 +124,21 @@ def test_corpus_rows_from_text_and_jsonl(tmp_path):
     assert rows[-1][0] == rows[-1][1]
     with pytest.raises(FileNotFoundError, match="--corpus"):
         corpus_rows(tokenizer, [str(tmp_path / "missing.txt")], seq_len=16)
+
+
+def test_cli_trains_shared_projection_heads_on_a_bf16_backbone(backbone_dir, capsys):
+    """--dtype bfloat16 (the fast path on CPUs with bf16 instructions) with heads that reuse the
+    backbone's lm_head; --help names the command a user types."""
+    out = backbone_dir / "heads_bf16"
+    main(["--model", str(backbone_dir / "backbone"), "--out", str(out), "--prompts", str(backbone_dir / "prompts.jsonl"),
+          "--raw-prompts", "--answer-tokens", "16", "--num-heads", "2", "--shared-projection", "--steps", "6",
+          "--batch-size", "4", "--eval-every", "3", "--dtype", "bfloat16", "--threads", "1"])
+    report = json.loads((out / "work" / "train_report.json").read_text())
+    assert report["config"]["dtype"] == "bfloat16" and [h["step"] for h in report["history"]] == [3, 6]
+    model, _ = load_backbone_dir(backbone_dir / "backbone", dtype=torch.bfloat16)
+    heads = load_heads_dir(out, model)
+    assert not heads.config.own_projection and next(heads.parameters()).dtype == torch.bfloat16
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert capsys.readouterr().out.startswith("usage: python -m medusa_core.train")
