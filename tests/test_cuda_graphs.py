@@ -132,3 +132,26 @@ def test_a_cleared_conversation_reuses_its_graph(setup):
     assert not needs_capture(model, cache, tree, config, prompt_len=len(PROMPT))
     assert tokens_of(generate(model, PROMPT, heads=heads, tree=tree, config=config, cache=cache)) == first
     assert list(cache.steps.values()) == [step]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_chat_engine_on_cuda_announces_the_capture_and_tells_the_truth_about_identity(dtype):
+    """The app on a GPU: the first reply of a tree says it is preparing (a capture), the next does
+    not; a greedy comparison is identical in fp32, and in bf16 either identical or explained."""
+    from app.engine import BASELINE, MEDUSA, PREPARING, ChatEngine, Session, Settings
+    from medusa_core.loading import DEMO_DIR, LoadSpec, load
+
+    loaded = load(LoadSpec(model=str(DEMO_DIR / "backbone"), heads=str(DEMO_DIR / "heads"), device="cuda",
+                           quant="none", dtype=dtype))
+    engine = ChatEngine(loaded, max_new_tokens=64)
+    session, settings = Session(), Settings(max_new_tokens=64, tree="small-16")
+    prompt = engine.prompt_ids([{"role": "user", "content": "def parse_args(argv):"}], None)
+    first = list(engine.answer(session, prompt, settings, passes=(BASELINE, MEDUSA)))
+    assert first[0].notice == PREPARING
+    comparison = first[-1].comparison
+    if dtype == "float32":
+        assert comparison.identical, comparison.divergence
+    else:
+        assert comparison.identical or "round" in comparison.divergence
+    again = list(engine.answer(session, prompt, settings, passes=(BASELINE, MEDUSA)))
+    assert all(u.notice is None for u in again)
