@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-generate", action="store_true", help="also time transformers' greedy generate() per token")
     p.add_argument("--json", help="write everything here")
     p.add_argument("--fold", nargs="+", metavar="JSON",
-                   help="only merge: a bench_gpu JSON, then bench_nf4 and demo-model bench JSONs, into --json")
+                   help="only merge: a bench_gpu JSON, then later bench_gpu, bench_nf4 and bench JSONs, into --json")
     p.add_argument("--save-checkpoint", metavar="DIR",
                    help="only write a random --shape model (bf16) and heads to DIR/backbone and DIR/heads, for bench")
     args = p.parse_args(argv)

@@ -86,29 +86,39 @@ def summary(results: list[QuantResult]) -> dict[str, float | None]:
         out[f"{name}_static_generate_ms"] = static if isinstance(static, float) else None
         out[f"{name}_tree64_ms"] = by_size[64].loop_ms if 64 in by_size else None
         out[f"{name}_host_pct_max"] = max((w.host_pct for w in r.rows if w.host_pct is not None), default=None)
+    if out.get("nf4_bnb_static_generate_ms") is not None:
+        # transformers' static generate() as a reference means the stock NF4 model: bitsandbytes'
+        # own layers, not this project's kernel routing (which its compiler traces differently)
+        out["nf4_static_generate_ms"] = out["nf4_bnb_static_generate_ms"]
     return out
 
 
 def fold_reports(step_json: Path, others: Sequence[Path]) -> dict:
-    """One report for docs/perf/<gpu>.json: this benchmark's JSON, with the headline figures of
-    bench_nf4 (its ``summary``) and of a ``bench`` run of the demo model on CUDA added to
-    ``summary``, and their full JSON kept beside."""
+    """One report for docs/perf/<gpu>.json: a bench_gpu JSON, with added to its ``summary`` the
+    headline figures of later bench_gpu runs (their results appended; a re-measured figure
+    replaces the earlier one), of bench_nf4, and of ``bench`` runs (the demo model, or a saved
+    random checkpoint), each full JSON kept beside."""
     report = json.loads(step_json.read_text())
     for path in others:
         data = json.loads(path.read_text())
         summary_ = data.get("summary")
-        if isinstance(summary_, dict) and any(k.startswith("nf4_kernel_") for k in summary_):   # bench_nf4
-            report["summary"].update(data["summary"])
+        if isinstance(summary_, dict) and "results" in data:                     # a later bench_gpu run
+            report["summary"].update({k: v for k, v in summary_.items() if v is not None})
+            report["results"] += data["results"]
+        elif isinstance(summary_, dict) and any(k.startswith("nf4_kernel_") for k in summary_):   # bench_nf4
+            report["summary"].update(summary_)
             report["nf4_matmul"] = data
-        elif "demo model" in str(data.get("model", "")):     # bench on the demo model
-            rows = {r["name"]: r for r in data["summary"]}
-            medusa = [r["tokens_per_s"] for name, r in rows.items() if name.startswith("medusa")]
-            report["summary"]["demo_cuda_tokens_per_s"] = rows["baseline (1-node tree)"]["tokens_per_s"]
-            report["summary"]["demo_cuda_medusa_tokens_per_s"] = max(medusa, default=None)
-            report["demo"] = data
+        elif isinstance(summary_, list) and "model" in data:                    # bench
+            name = "demo_cuda" if "demo model" in data["model"] else "checkpoint"
+            rows = {r["name"]: r for r in summary_}
+            medusa = [r["tokens_per_s"] for row_name, r in rows.items() if row_name.startswith("medusa")]
+            report["summary"][f"{name}_tokens_per_s"] = rows["baseline (1-node tree)"]["tokens_per_s"]
+            report["summary"][f"{name}_medusa_tokens_per_s"] = max(medusa, default=None)
+            if "transformers generate()" in rows:
+                report["summary"][f"{name}_hf_generate_tokens_per_s"] = rows["transformers generate()"]["tokens_per_s"]
+            report["demo" if name == "demo_cuda" else "checkpoint"] = data
         else:
-            raise ValueError(f"{path}: neither a bench_nf4 JSON nor a bench JSON of the demo model: "
-                             "pass those, or leave it out")
+            raise ValueError(f"{path}: not a bench_gpu, bench_nf4 or bench JSON: pass those, or leave it out")
     return report
 
 

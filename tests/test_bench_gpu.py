@@ -134,4 +134,9 @@ def test_fold_merges_the_kernel_and_demo_figures_into_one_report(tmp_path):
     assert summary["nf4_kernel_m16_us"] == 21.5 and summary["bnb_m1_us"] == 24.0
     assert summary["demo_cuda_tokens_per_s"] == 1000.0 and summary["demo_cuda_medusa_tokens_per_s"] == 1800.0
     assert summary["bf16_baseline_ms"] == json.loads(step.read_text())["summary"]["bf16_baseline_ms"]
-    assert bench_gpu.main(["--fold", str(step), str(step), "--json", str(out)]) == 1   # not a kernel or demo report
+    assert bench_gpu.main(["--fold", str(step), str(nf4), str(step), "--json", str(out)]) == 0   # a later run adds rows
+    merged = json.loads(out.read_text())
+    assert len(merged["results"]) == 2 * len(json.loads(step.read_text())["results"])
+    assert merged["summary"]["nf4_kernel_m16_us"] == 21.5
+    (tmp_path / "other.json").write_text(json.dumps({"something": 1}))
+    assert bench_gpu.main(["--fold", str(step), str(tmp_path / "other.json"), "--json", str(out)]) == 1
