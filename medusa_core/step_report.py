@@ -99,26 +99,29 @@ def fold_reports(step_json: Path, others: Sequence[Path]) -> dict:
     replaces the earlier one), of bench_nf4, and of ``bench`` runs (the demo model, or a saved
     random checkpoint), each full JSON kept beside."""
     report = json.loads(step_json.read_text())
+    extras: dict = {}
     for path in others:
         data = json.loads(path.read_text())
         summary_ = data.get("summary")
         if isinstance(summary_, dict) and "results" in data:                     # a later bench_gpu run
-            report["summary"].update({k: v for k, v in summary_.items() if v is not None})
             report["results"] += data["results"]
         elif isinstance(summary_, dict) and any(k.startswith("nf4_kernel_") for k in summary_):   # bench_nf4
-            report["summary"].update(summary_)
+            extras.update(summary_)
             report["nf4_matmul"] = data
         elif isinstance(summary_, list) and "model" in data:                    # bench
             name = "demo_cuda" if "demo model" in data["model"] else "checkpoint"
             rows = {r["name"]: r for r in summary_}
             medusa = [r["tokens_per_s"] for row_name, r in rows.items() if row_name.startswith("medusa")]
-            report["summary"][f"{name}_tokens_per_s"] = rows["baseline (1-node tree)"]["tokens_per_s"]
-            report["summary"][f"{name}_medusa_tokens_per_s"] = max(medusa, default=None)
+            extras[f"{name}_tokens_per_s"] = rows["baseline (1-node tree)"]["tokens_per_s"]
+            extras[f"{name}_medusa_tokens_per_s"] = max(medusa, default=None)
             if "transformers generate()" in rows:
-                report["summary"][f"{name}_hf_generate_tokens_per_s"] = rows["transformers generate()"]["tokens_per_s"]
+                extras[f"{name}_hf_generate_tokens_per_s"] = rows["transformers generate()"]["tokens_per_s"]
             report["demo" if name == "demo_cuda" else "checkpoint"] = data
         else:
             raise ValueError(f"{path}: not a bench_gpu, bench_nf4 or bench JSON: pass those, or leave it out")
+    # every step result in the order measured: a later result of the same label replaces the earlier figures
+    results = [QuantResult(**{**r, "rows": tuple(TreeRow(**w) for w in r["rows"])}) for r in report["results"]]
+    report["summary"] = {**summary(results), **extras}
     return report
 
 
