@@ -4,9 +4,10 @@
 
 Per shape (Llama-7B projections and the heads' vocab projection) and M rows: bf16 F.linear,
 bitsandbytes Linear4bit's own dispatch, its fused gemv forced, its dequantize + F.linear forced,
-and the Triton kernel (nf4_matmul.py). Each is timed inside one CUDA graph (calls back to back,
-median of replays via CUDA events), rotating among weight copies that together exceed L2.
-A row that fails prints one line and the run goes on.
+and the Triton kernel (nf4_matmul.py) with the config its tuner picked per (shape, row class), shown
+in the table's last column; every config the tuner timed is listed after the table and in the JSON.
+Each is timed inside one CUDA graph (calls back to back, median of replays via CUDA events), rotating
+among weight copies that together exceed L2. A row that fails prints one line and the run goes on.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Row:
     method: str
     us: float | None          # None: failed (see error)
     error: str = ""
+    variant: str = ""         # triton: the config the tuner chose
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -67,8 +69,16 @@ def bench_shape(k: int, n: int, device: torch.device, l2: int) -> tuple[list[Row
         (state.state2.absmax.numel() * 4 + state.state2.code.numel() * 4 if state.nested else 0)
     check = {}
     rows = []
+    tuned = set()
     for m in ROWS:
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen)
+        if nm.row_class(m) not in tuned:   # every config of the class, not the short list a model load times
+            tuned.add(nm.row_class(m))
+            try:
+                nm.tune_shape(m, n, k, x.dtype, device, 64, wide=True)
+            except Exception as err:  # fail soft: one line; the triton row below reports it again
+                line = str(err).strip().splitlines()[0][:160] if str(err).strip() else ""
+                print(f"  {k}->{n} M={m} tuning: FAILED ({type(err).__name__}: {line})")
         calls = {
             "bf16": [functools.partial(F.linear, x, d) for d in dense],
             "bnb": [functools.partial(bnb.matmul_4bit, x, p.t(), quant_state=s) for p, s in copies],
@@ -88,7 +98,8 @@ def bench_shape(k: int, n: int, device: torch.device, l2: int) -> tuple[list[Row
                     if rel > 1e-2:
                         raise RuntimeError(f"wrong result: relative error {rel:.2e} > 1e-2")
                 us = nm.graph_time_us(calls[method])
-                rows.append(Row(k, n, m, method, us))
+                variant = nm.choose_config(m, n, k, x.dtype, device, 64).describe() if method == "triton" else ""
+                rows.append(Row(k, n, m, method, us, variant=variant))
             except Exception as err:  # fail soft per row: one line, then the next row
                 line = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
                 print(f"  {k}->{n} M={m} {method}: FAILED ({type(err).__name__}: {line})")
@@ -97,8 +108,35 @@ def bench_shape(k: int, n: int, device: torch.device, l2: int) -> tuple[list[Row
     return rows, {"packed_bytes": packed_bytes, "rel_error_triton": check}
 
 
+def dtype_check(device: torch.device, size: int = 4096, sms: int | None = None) -> dict[str, float | str]:
+    """Relative error of the stream kernel for fp16 and fp32 activations (the table is bf16 only): a
+    size x size weight, 1 and 16 rows, the first stream config of each class, against x @ dequantized W."""
+    import bitsandbytes.functional as bnbf
+
+    from . import nf4_matmul as nm
+
+    gen = torch.Generator(device=device).manual_seed(1)
+    w = torch.randn(size, size, device=device, dtype=torch.float32, generator=gen) * 0.02
+    packed, state = bnbf.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+    ref_w = bnbf.dequantize_4bit(packed, state).float()
+    sms = sms or torch.cuda.get_device_properties(device).multi_processor_count
+    out = {}
+    for dtype in (torch.float16, torch.float32):
+        for m in (1, 16):
+            cfg = next(c for c in nm.candidates(m, size, size, sms) if c.sub)
+            x = torch.randn(m, size, device=device, dtype=dtype, generator=gen)
+            key = f"{str(dtype).removeprefix('torch.')} M={m} {cfg.describe()}"
+            try:
+                y = nm.nf4_matmul(x, packed, state, config=cfg).float()
+                ref = x.float() @ ref_w.T
+                out[key] = float((y - ref).norm() / ref.norm())
+            except Exception as err:  # fail soft: recorded, the run goes on
+                out[key] = f"FAILED {type(err).__name__}: {str(err).strip()[:120]}"
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m medusa_core.bench_nf4", description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=Path("out/nf4.json"), help="where to write the results")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -106,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import bitsandbytes
     import triton
+
+    from . import nf4_matmul as nm
 
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
@@ -117,27 +157,42 @@ def main(argv: list[str] | None = None) -> int:
     results, shapes = [], {}
     for k, n in SHAPES:
         rows, info = bench_shape(k, n, device, props.L2_cache_size)
-        floor_us = info["packed_bytes"] / bandwidth * 1e6     # as issue #11 counts it: bytes / copy rate
+        # HBM time to read the packed weight and its scales once, at the rate a copy moves bytes (read +
+        # write counted, see copy_bandwidth): the least any NF4 kernel can take for this shape
+        floor_us = info["packed_bytes"] / bandwidth * 1e6
         shapes[f"{k}->{n}"] = {**info, "floor_us": round(floor_us, 2)}
         print(f"{k}->{n}: packed weight + scales {info['packed_bytes'] / 1e6:.1f} MB, floor {floor_us:.1f} us; "
               f"triton rel error {max(info['rel_error_triton'].values(), default=float('nan')):.1e}")
         results.extend(rows)
     table = {(r.k, r.n, r.m, r.method): r.us for r in results}
-    print(f"\n{'shape':>12} {'M':>3} " + " ".join(f"{m:>11}" for m in METHODS) + "   (us per call)")
+    variants = {(r.k, r.n, r.m): r.variant for r in results if r.method == "triton"}
+    print(f"\n{'shape':>12} {'M':>3} " + " ".join(f"{m:>11}" for m in METHODS) + "   (us per call)  triton config")
     for k, n in SHAPES:
         for m in ROWS:
             cells = [table.get((k, n, m, meth)) for meth in METHODS]
-            print(f"{f'{k}->{n}':>12} {m:>3} " + " ".join(f"{c:>11.1f}" if c else f"{'-':>11}" for c in cells))
+            print(f"{f'{k}->{n}':>12} {m:>3} " + " ".join(f"{c:>11.1f}" if c else f"{'-':>11}" for c in cells)
+                  + f"  {variants.get((k, n, m), '')}")
+    tuning = [{"n": key[2], "k": key[3], "row_class": key[1], "timed": [{"config": c, "us": us} for c, us in log]}
+              for key, log in nm.TUNING_LOG.items()]
+    print("\ntuner timings (us; '-' = skipped):")
+    for t in tuning:
+        print(f"  {t['k']}->{t['n']} M<={t['row_class']}: " + ", ".join(
+            f"{e['config']} {e['us']:.1f}" if e["us"] is not None else f"{e['config']} -" for e in t["timed"]))
+    checks = dtype_check(device)
+    print("\nstream kernel, other activation dtypes (relative error, want < 1e-2): " + ", ".join(
+        f"{key} {v:.1e}" if isinstance(v, float) else f"{key} {v}" for key, v in checks.items()))
     get = functools.partial(lambda key: table.get(key))
     summary = {
         "nf4_kernel_m1_us": get((4096, 11008, 1, "triton")), "nf4_kernel_m16_us": get((4096, 11008, 16, "triton")),
         "nf4_kernel_m64_us": get((4096, 11008, 64, "triton")), "bnb_m1_us": get((4096, 11008, 1, "bnb")),
         "bnb_m64_us": get((4096, 11008, 64, "bnb")), "bf16_m64_us": get((4096, 11008, 64, "bf16")),
+        "nf4_kernel_m32_us": get((4096, 11008, 32, "triton")), "floor_us": shapes["4096->11008"]["floor_us"],
     }
     print("\nsummary (4096->11008): " + ", ".join(f"{key} {v:.1f}" if v else f"{key} -" for key, v in summary.items()))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"env": env, "shapes": shapes, "summary": summary,
-                                     "rows": [asdict(r) for r in results]}, indent=1))
+                                     "rows": [asdict(r) for r in results], "tuning": tuning,
+                                     "dtype_check": checks}, indent=1))
     print(f"wrote {args.json}")
     return 0
 

@@ -11,11 +11,14 @@ per ``blocksize`` (64) consecutive elements. With double quant the scales are th
 scale[b] = code2[absmax[b]] * absmax2[b // blocksize2] + offset.
 W.flat[e] = code[nibble(e)] * scale[e // blocksize] in fp32, cast to the compute dtype.
 
-The kernel computes the transposed product (W_tile @ x_tile.T, so the weight is the MMA's tall
-operand and a tiny M only pads the narrow side), accumulates in fp32, and optionally splits K over
-programs with a second, deterministic reduce kernel. Configs are measured once per
-(GPU, shape, row class) inside a CUDA graph and cached; launches allocate only the output (and the
-split-K partials), never sync, and so can be captured in a CUDA graph.
+Two kernels compute the transposed product (W_tile @ x_tile.T, so the weight is the MMA's tall
+operand and a tiny M only pads the narrow side), accumulate in fp32, and optionally split K over
+programs with a second, deterministic reduce kernel: _nf4_kernel (the tile kernel: any K, one scale
+block at a time, loads then waits) and _nf4_stream_kernel (K a multiple of its step: keeps 2-4 steps
+of packed words in flight, unpacks with shifts, scales block sums instead of weights). Configs of
+both are measured once per (GPU, shape, row class) inside a CUDA graph, checked against the tile
+kernel and cached; a config that fails to compile is skipped. Launches allocate only the output (and
+the split-K partials), never sync, and so can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -132,6 +135,117 @@ def _nf4_kernel(x_ptr, w_ptr, code_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offs
             tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=o_ok)
 
 
+def _nf4_stream_kernel(x_ptr, w_ptr, code_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, bias_ptr, out_ptr,
+                       M, N, K, row_words, stride_xm, stride_om, stride_os, k_per_split,
+                       BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, SLOTS: tl.constexpr,
+                       X_WORDS: tl.constexpr):
+    # The streaming variant: same grid and output as _nf4_kernel, for K and k_per_split multiples of
+    # SLOTS * SUB * BLOCKSIZE (no K mask at all). What differs is how much weight is in flight:
+    # - a step takes SUB scale blocks of BLOCK_N rows, SUB * BLOCKSIZE/2 contiguous bytes per row, as a
+    #   (BLOCK_N, SUB, WORDS) tile of 32-bit words (4 bytes a register, unpacked with shifts only when
+    #   multiplied) whose per-block scale broadcasts along the last axis (no gather);
+    # - SLOTS raw tiles (words + scale bytes) are in flight: the loop body is unrolled over the slots;
+    #   each step multiplies the oldest slot, fetches the step SLOTS ahead and shifts the slots. The shift
+    #   renames values inside the unrolled body and comes full circle at the loop's end, so no register
+    #   copy ever waits on a load (a ring carried by moves would wait on every refill); the loop starts
+    #   one group early, and that group only fills the slots;
+    # - row_words (= K/8) is an argument, so Triton specializes it as a multiple of 16 and proves every
+    #   row's words 16-byte aligned (the launcher checks the weight's own pointer is 4-byte aligned);
+    # - the scale multiplies per-block sums, not weights, where it can: BLOCK_M == 1 sums code*x per
+    #   block, then scales; SUB == 1 with an MMA scales the (BLOCK_N, BLOCK_M) dot of the raw codes
+    #   (s * sum_k code*x: reassociated, within rounding);
+    # - X_WORDS (16-bit x, 4-byte aligned rows): x is read as 32-bit words, each the (even, odd) column
+    #   pair the two nibbles of a byte multiply: one contiguous load per pair instead of two strided ones.
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    HALF: tl.constexpr = BLOCKSIZE // 2
+    STEP: tl.constexpr = SUB * BLOCKSIZE
+    GROUP: tl.constexpr = SLOTS * STEP
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    row = offs_n.to(tl.int64)
+    sub = tl.arange(0, SUB)
+    q = tl.arange(0, SUB * HALF)                                  # element pairs of a step, block-major
+    WORDS: tl.constexpr = HALF // 4                              # 32-bit words of packed weight per block
+    w_row = (w_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + row * row_words)[:, None, None]   # (BN, 1, 1)
+    blk_row = (row * (K // BLOCKSIZE))[:, None]                  # (BN, 1) first scale block of each row
+    in_step = sub[:, None] * WORDS + tl.arange(0, WORDS)[None, :]  # (SUB, WORDS) word offsets within a step
+    byte_shift = (tl.arange(0, 4) * 8)[None, None, None, :]
+    k_lo = pid_s * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    cdt = x_ptr.dtype.element_ty
+    x_pairs = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)   # X_WORDS: x as (even, odd) column pairs
+    acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
+    w0 = tl.full((BLOCK_N, SUB, WORDS), 0, tl.int32)              # the slots, oldest first: packed words,
+    s0 = tl.full((BLOCK_N, SUB), 0, absmax_ptr.dtype.element_ty)  # raw scales
+    w1, s1, w2, s2, w3, s3 = w0, s0, w0, s0, w0, s0               # (unused past SLOTS: dropped by the compiler)
+    for kb0 in range(k_lo - GROUP, k_hi, GROUP):
+        for ph in tl.static_range(SLOTS):
+            packed, raw = w0, s0
+            kb = kb0 + ph * STEP
+            if kb0 >= k_lo:
+                if NESTED:   # (BN, SUB)
+                    scale = tl.load(code2_ptr + raw.to(tl.int32)) * tl.load(
+                        absmax2_ptr + (blk_row + kb // BLOCKSIZE + sub[None, :]) // BLOCKSIZE2,
+                        mask=n_ok[:, None], other=0) + tl.load(offset_ptr)
+                else:
+                    scale = raw.to(tl.float32)
+                # word >> 8b puts byte b (little endian) in the low 8 bits: (BN, SUB, HALF), column-pair order
+                low = tl.reshape(packed[:, :, :, None] >> byte_shift, (BLOCK_N, SUB, HALF))
+                code_even = tl.load(code_ptr + ((low >> 4) & 15))                        # (BN, SUB, HALF) fp32
+                code_odd = tl.load(code_ptr + (low & 15))
+                # x.T at this step's (even, odd) columns: (SUB*HALF, BM)
+                if X_WORDS:
+                    pairs = tl.load(x_pairs + offs_m[None, :] * (stride_xm // 2) + (kb // 2 + q)[:, None],
+                                    mask=m_ok[None, :], other=0)
+                    xe = (pairs & 0xFFFF).to(tl.uint16).to(cdt, bitcast=True)           # little endian: even
+                    xo = (pairs >> 16).to(tl.uint16).to(cdt, bitcast=True)
+                else:
+                    x_src = x_ptr + offs_m[None, :] * stride_xm + (kb + 2 * q)[:, None]
+                    xe = tl.load(x_src, mask=m_ok[None, :], other=0)
+                    xo = tl.load(x_src + 1, mask=m_ok[None, :], other=0)
+                if BLOCK_M == 1:
+                    xe = tl.reshape(xe.to(tl.float32), (1, SUB, HALF))
+                    xo = tl.reshape(xo.to(tl.float32), (1, SUB, HALF))
+                    acc += tl.reduce(tl.reduce(code_even * xe + code_odd * xo, 2, _add) * scale, 1, _add)[:, None]
+                else:
+                    if SUB == 1:
+                        we = tl.reshape(code_even, (BLOCK_N, HALF)).to(cdt)
+                        wo = tl.reshape(code_odd, (BLOCK_N, HALF)).to(cdt)
+                        part = tl.dot(wo, xo, tl.dot(we, xe, input_precision=PRECISION), input_precision=PRECISION)
+                        acc += part * tl.reshape(scale, (BLOCK_N, 1))
+                    else:
+                        we = tl.reshape((code_even * scale[:, :, None]).to(cdt), (BLOCK_N, SUB * HALF))
+                        wo = tl.reshape((code_odd * scale[:, :, None]).to(cdt), (BLOCK_N, SUB * HALF))
+                        acc = tl.dot(wo, xo, tl.dot(we, xe, acc, input_precision=PRECISION),
+                                     input_precision=PRECISION)
+            # fetch the step one group ahead. Row-only mask (the loads stay 16 bytes wide), all-false past
+            # k_hi: one compare, not n_ok & scalar (an int32 mask in the interpreter)
+            fetch = kb + GROUP
+            live = (offs_n < tl.where(fetch < k_hi, N, 0))[:, None]                   # (BN, 1)
+            word = tl.max_contiguous(tl.multiple_of(fetch // 8 + in_step, [WORDS, WORDS]), [1, WORDS])
+            packed = tl.load(w_row + word[None, :, :], mask=live[:, :, None], other=0)
+            raw = tl.load(absmax_ptr + blk_row + fetch // BLOCKSIZE + sub[None, :], mask=live, other=0)
+            if SLOTS == 1:
+                w0, s0 = packed, raw
+            if SLOTS == 2:
+                w0, s0, w1, s1 = w1, s1, packed, raw
+            if SLOTS == 4:
+                w0, s0, w1, s1, w2, s2, w3, s3 = w1, s1, w2, s2, w3, s3, packed, raw
+    if PARTIAL:   # fp32 partial sums (splits, M, N) for the reduce kernel
+        dst = out_ptr + pid_s * stride_os + offs_m[None, :] * N + offs_n[:, None]
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0).to(tl.float32)[:, None]
+        dst = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+
 def _reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, splits, stride_om,
                    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     # out[m, n] = sum_s part[s, m, n] (+ bias[n]), summed in a fixed order: deterministic
@@ -148,12 +262,13 @@ def _reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, splits, stride_om,
 
 @functools.cache
 def _kernels(interpret: bool):
-    """(matmul, reduce) kernels: compiled for CUDA, or run by Triton's interpreter for CPU tensors.
-    Built on first use, so the interpreter choice follows the environment at launch time."""
+    """(tile matmul, streaming matmul, reduce) kernels: compiled for CUDA, or run by Triton's interpreter
+    for CPU tensors. Built on first use, so the interpreter choice follows the environment at launch time."""
     if interpret:
-        from triton.runtime.interpreter import InterpretedFunction
-        return InterpretedFunction(_nf4_kernel), InterpretedFunction(_reduce_kernel)
-    return triton.jit(_nf4_kernel), triton.jit(_reduce_kernel)
+        from triton.runtime.interpreter import InterpretedFunction as wrap
+    else:
+        wrap = triton.jit
+    return wrap(_nf4_kernel), wrap(_nf4_stream_kernel), wrap(_reduce_kernel)
 
 
 @dataclass(frozen=True)
@@ -163,6 +278,17 @@ class KernelConfig:
     split_k: int        # programs along K; > 1 adds the reduce kernel
     num_warps: int = 4
     num_stages: int = 3
+    sub: int = 0        # 0: _nf4_kernel; >= 1: _nf4_stream_kernel taking ``sub`` scale blocks per step (K a
+    #                     multiple of sub * blocksize; other K fall back to _nf4_kernel with the same tile)
+    slots: int = 1      # _nf4_stream_kernel: steps in flight (1, 2 or 4)
+
+    def __post_init__(self):
+        if self.slots not in (1, 2, 4) or self.sub < 0:
+            raise ValueError(f"stream kernel slots must be 1, 2 or 4 (got {self.slots}), sub >= 0 (got {self.sub})")
+
+    def describe(self) -> str:
+        kind = f"stream sub{self.sub} slots{self.slots}" if self.sub else "tile"
+        return f"{kind} m{self.block_m} n{self.block_n} split{self.split_k} w{self.num_warps} s{self.num_stages}"
 
 
 def interpret_enabled() -> bool:
@@ -223,11 +349,12 @@ def _scale_args(state, device: torch.device):
     return state.absmax, state.state2.code, state.state2.absmax, offset
 
 
-def _launch_options(cfg: KernelConfig, interpret: bool) -> dict:
+def _launch_options(cfg: KernelConfig, interpret: bool, stream: bool = False) -> dict:
     if interpret:
         return {}
-    # no FMA contraction: the nested scale is rounded after the product, as bitsandbytes does
-    return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": False}
+    # the tile kernel, no FMA contraction: its nested scale is rounded after the product, as bitsandbytes
+    # does (its dequant path is tested bit for bit); the stream kernel is within rounding and wants FMAs
+    return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": stream}
 
 
 def dequantize_with_kernel(weight: torch.Tensor, state, block_n: int = 32) -> torch.Tensor:
@@ -237,7 +364,7 @@ def dequantize_with_kernel(weight: torch.Tensor, state, block_n: int = 32) -> to
     interpret = weight.device.type == "cpu"
     cfg = KernelConfig(1, block_n, 1)
     out = torch.empty(n, k, dtype=torch.float32, device=weight.device)
-    kernel, _ = _kernels(interpret)
+    kernel = _kernels(interpret)[0]
     absmax, code2, absmax2, offset = _scale_args(state, weight.device)
     kernel[(triton.cdiv(n, block_n), 1, 1)](
         out, weight, state.code, absmax, code2, absmax2, offset, out, out,
@@ -274,11 +401,13 @@ def nf4_matmul(x: torch.Tensor, weight: torch.Tensor, state, bias: torch.Tensor 
 def _launch(x2, weight, state, bias, out, cfg: KernelConfig, interpret: bool) -> None:
     m, k = x2.shape
     n = out.shape[1]
-    steps = triton.cdiv(k, state.blocksize)
+    use_stream = cfg.sub > 0 and k % (cfg.slots * cfg.sub * state.blocksize) == 0 and weight.data_ptr() % 4 == 0
+    step = state.blocksize * (cfg.slots * cfg.sub if use_stream else 1)
+    steps = triton.cdiv(k, step)
     splits = max(1, min(cfg.split_k, steps))
-    k_per_split = triton.cdiv(steps, splits) * state.blocksize   # splits end on scale-block boundaries
+    k_per_split = triton.cdiv(steps, splits) * step               # splits end on step boundaries
     splits = triton.cdiv(k, k_per_split)                          # no empty split
-    kernel, reduce = _kernels(interpret)
+    tile, stream, reduce = _kernels(interpret)
     absmax, code2, absmax2, offset = _scale_args(state, x2.device)
     has_bias = bias is not None
     bias_arg = bias if has_bias else out
@@ -286,13 +415,18 @@ def _launch(x2, weight, state, bias, out, cfg: KernelConfig, interpret: bool) ->
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x2.device) if splits > 1 else None
     dst = part if part is not None else out
     grid = (triton.cdiv(n, cfg.block_n), splits, triton.cdiv(m, cfg.block_m))
-    kernel[grid](
-        x2, weight, state.code, absmax, code2, absmax2, offset, bias_arg, dst,
-        m, n, k, x2.stride(0), out.stride(0), m * n, k_per_split,
-        BLOCKSIZE=state.blocksize, BLOCKSIZE2=state.state2.blocksize if state.nested else 1,
-        NESTED=bool(state.nested), ALIGNED=k % state.blocksize == 0, HAS_BIAS=has_bias, PARTIAL=part is not None,
-        DEQUANT_ONLY=False, PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **_launch_options(cfg, interpret))
+    common = dict(BLOCKSIZE=state.blocksize, BLOCKSIZE2=state.state2.blocksize if state.nested else 1,
+                  NESTED=bool(state.nested), HAS_BIAS=has_bias, PARTIAL=part is not None,
+                  PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", BLOCK_M=cfg.block_m,
+                  BLOCK_N=cfg.block_n, **_launch_options(cfg, interpret, use_stream))
+    ptrs = (x2, weight, state.code, absmax, code2, absmax2, offset, bias_arg, dst)
+    if use_stream:
+        stream[grid](*ptrs, m, n, k, k // 8, x2.stride(0), out.stride(0), m * n, k_per_split,
+                     SUB=cfg.sub, SLOTS=cfg.slots,
+                     X_WORDS=x2.element_size() == 2 and x2.stride(0) % 2 == 0 and x2.data_ptr() % 4 == 0, **common)
+    else:
+        tile[grid](*ptrs, m, n, k, x2.stride(0), out.stride(0), m * n, k_per_split,
+                   ALIGNED=k % state.blocksize == 0, DEQUANT_ONLY=False, **common)
     if part is not None:
         block = 1024
         reduce[(triton.cdiv(m * n, block),)](part, bias_arg, out, m, n, splits, out.stride(0),
@@ -306,31 +440,58 @@ def row_class(m: int) -> int:
     return 1 if m == 1 else 16 if m <= 16 else 32 if m <= 32 else 64
 
 
-def candidates(m_class: int, n: int, k: int, sms: int) -> list[KernelConfig]:
-    """Tiles worth timing for one row class; split-K fills the GPU when N alone gives few programs.
-    Software pipelining (num_stages > 1) made the MMA variants 8x slower on an H100 (Triton 3.6)."""
-    tiles = [(32, 4, 1), (64, 4, 1), (128, 8, 1)]
-    if m_class == 1:
-        tiles += [(32, 4, 3), (64, 4, 3)]
-    out = []
-    for block_n, warps, stages in tiles:
-        programs = triton.cdiv(n, block_n)
-        for split in (1, 2, 4, 8):
-            if split > 1 and (programs * (split // 2) >= 4 * sms or k // split < 256):
-                continue
-            out.append(KernelConfig(m_class, block_n, split, warps, stages))
+# _nf4_stream_kernel configs per row class: (block_n, num_warps, slots, programs per SM to aim at with
+# split-K). From ptxas/SASS for sm_90 with Triton 3.6: 32 rows per warp (block_n = 32 * num_warps)
+# issues the fewest instructions per weight byte (~0.5-0.6 per warp, against ~0.7 at 16 rows), so an
+# H100 issue-bounds 4096->11008 at ~12-14 us, at 80-165 registers (2-6 programs per SM, each with
+# `slots` steps of block_n * 32 bytes in flight). Split-K's fp32 partials cost 8*M*N bytes per split
+# (at M=64 and N=11008, 5.6 MB: ~2 us), hence the low program targets for the wide row classes. Tuning at model load times the first STREAM_SHORT of each class
+# against the tile kernel (a 7B model: 3 shapes x 4 classes in well under 30 s); bench_nf4 times them
+# all (wide=True) and its table shows which won where: put the winners first.
+STREAM_SHORT = 2
+STREAM_TILES = {
+    1: ((128, 4, 4, 4), (64, 4, 4, 4), (128, 4, 2, 4), (256, 8, 4, 2)),
+    16: ((128, 4, 2, 2), (64, 4, 2, 2), (128, 4, 2, 1), (256, 8, 2, 1)),
+    32: ((128, 4, 2, 1), (64, 4, 2, 1), (128, 8, 2, 1), (64, 4, 4, 2)),
+    64: ((64, 4, 2, 1), (128, 8, 2, 1), (128, 8, 4, 1), (128, 4, 2, 1)),
+}
+
+
+def _split_for(n: int, k: int, block_n: int, min_k: int, programs: int) -> int:
+    """The smallest power-of-two split-K giving at least ``programs`` programs, each >= ``min_k`` columns."""
+    split = 1
+    while triton.cdiv(n, block_n) * split < programs and k // (split * 2) >= min_k:
+        split *= 2
+    return split
+
+
+def candidates(m_class: int, n: int, k: int, sms: int, blocksize: int = 64, wide: bool = False) -> list[KernelConfig]:
+    """Configs worth timing for one row class: the known-good tile kernel first (the fallback and the
+    reference the others must match), then the stream kernel's: the first STREAM_SHORT, or all if
+    ``wide``. Software pipelining (num_stages > 1) made the tile kernel's MMA variants 8x slower on an
+    H100 (Triton 3.6); the stream kernel pipelines by hand (its slots)."""
+    out = [default_config(m_class, n, k, sms)]
+    if m_class == 1:   # the tile kernel's other shape for one row (pipelined: no MMA there)
+        out.append(KernelConfig(1, 32, _split_for(n, k, 32, 256, 2 * sms), 4, 3))
+    for block_n, warps, slots, per_sm in STREAM_TILES[m_class][: None if wide else STREAM_SHORT]:
+        group = slots * blocksize
+        if k % group:
+            continue            # the stream kernel would fall back to the tile kernel: nothing new to time
+        cfg = KernelConfig(m_class, block_n, _split_for(n, k, block_n, 4 * group, per_sm * sms), warps, 1,
+                           sub=1, slots=slots)
+        if cfg not in out:      # two program targets can give the same split
+            out.append(cfg)
     return out
 
 
 def default_config(m: int, n: int, k: int, sms: int) -> KernelConfig:
-    """Untimed choice (first use during graph capture): enough programs for ~2 waves."""
-    block_n, split = 64, 1
-    while triton.cdiv(n, block_n) * split < 2 * sms and k // (split * 2) >= 256:
-        split *= 2
-    return KernelConfig(row_class(m), block_n, split, 4, 1)
+    """Untimed choice (first use during graph capture, and the fallback): the tile kernel with enough
+    programs for ~2 waves, known good on an H100 with Triton 3.6."""
+    return KernelConfig(row_class(m), 64, _split_for(n, k, 64, 256, 2 * sms), 4, 1)
 
 
 _TUNED: dict[tuple, KernelConfig] = {}
+TUNING_LOG: dict[tuple, list[tuple[str, float | None]]] = {}   # key -> (config, µs or None if skipped) as timed
 
 
 def choose_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, blocksize: int = 64) -> KernelConfig:
@@ -347,9 +508,11 @@ def choose_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devi
     return tune_shape(m, n, k, dtype, device, blocksize)
 
 
-def tune_shape(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, blocksize: int = 64) -> KernelConfig:
-    """Time every candidate for this row class on a random NF4 weight of shape (n, k), rotating among
-    copies larger than L2 (the model's layers are not L2-resident either); cache the fastest."""
+def tune_shape(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, blocksize: int = 64,
+               wide: bool = False) -> KernelConfig:
+    """Time every candidate for this row class (``wide``: the long list) on a random NF4 weight of shape
+    (n, k), rotating among copies larger than L2 (the model's layers are not L2-resident either); cache
+    the fastest for choose_config."""
     from bitsandbytes.functional import quantize_4bit
 
     key = (torch.cuda.get_device_name(device), row_class(m), n, k, dtype, blocksize)
@@ -360,20 +523,42 @@ def tune_shape(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
     del w
     copies = rotating_copies(packed, state, props.L2_cache_size)
     x = torch.randn(row_class(m) if m > 1 else 1, k, device=device, dtype=dtype, generator=gen)
-    best, best_us = None, float("inf")
-    for cfg in candidates(row_class(m), n, k, props.multi_processor_count):
-        calls = [functools.partial(nf4_matmul, x, p, s, config=cfg) for p, s in copies]
-        try:
-            us = graph_time_us(calls, replays=3)
-        except Exception as err:  # a tile that fails to compile on this GPU is skipped, loudly
-            print(f"nf4_matmul: config {cfg} failed on {key[0]} ({type(err).__name__}: {str(err).splitlines()[0][:120]})")
-            continue
-        if us < best_us:
-            best, best_us = cfg, us
+    best, TUNING_LOG[key] = pick_fastest(
+        candidates(row_class(m), n, k, props.multi_processor_count, blocksize, wide),
+        run=lambda cfg: nf4_matmul(x, packed, state, config=cfg),
+        time_us=lambda cfg: graph_time_us([functools.partial(nf4_matmul, x, p, s, config=cfg) for p, s in copies],
+                                          replays=3),
+        where=f"{n}x{k} M<={row_class(m)} on {key[0]}")
     if best is None:
         raise RuntimeError(f"no Triton NF4 config compiled for {n}x{k} on {key[0]}: use --nf4-kernel bnb")
     _TUNED[key] = best
     return best
+
+
+def pick_fastest(configs: list[KernelConfig], run: Callable[[KernelConfig], torch.Tensor],
+                 time_us: Callable[[KernelConfig], float], where: str) -> tuple[KernelConfig | None, list]:
+    """(fastest config, [(config, µs or None)]) of ``configs``. The first one that runs is the reference
+    (the known-good tile kernel, first in candidates()); a config that fails to compile or run, or whose
+    result is off the reference by more than 1e-2 (relative), is skipped with one printed line."""
+    best, best_us, reference, log = None, float("inf"), None, []
+    for cfg in configs:
+        try:
+            y = run(cfg).float()
+            if reference is None:
+                reference = y
+            error = float((y - reference).norm() / reference.norm().clamp_min(1e-30))
+            if not error <= 1e-2:
+                raise RuntimeError(f"wrong result: relative error {error:.1e} against the first config")
+            us = time_us(cfg)
+        except Exception as err:  # e.g. a tile Triton cannot compile for this GPU: skipped, loudly
+            line = str(err).strip().splitlines()[0][:120] if str(err).strip() else ""
+            print(f"nf4_matmul: {cfg.describe()} skipped for {where} ({type(err).__name__}: {line})")
+            log.append((cfg.describe(), None))
+            continue
+        log.append((cfg.describe(), us))
+        if us < best_us:
+            best, best_us = cfg, us
+    return best, log
 
 
 def rotating_copies(packed: torch.Tensor, state, l2_bytes: int, at_least: int = 2) -> list[tuple]:

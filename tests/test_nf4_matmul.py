@@ -82,20 +82,100 @@ def test_split_k_and_unaligned_k_and_3d_input():
         torch.testing.assert_close(y.double(), x.double() @ ref_w.T + bias.double(), rtol=1e-5, atol=1e-4)
 
 
-def test_fp16_activations_give_fp16_within_rounding():
+# the stream kernel: one row, several slots and blocks per step, split-K whose last group is prefetched
+# past its end, MMA row tiles (33 rows: two tiles, the second nearly empty), 64 rows in one tile
+STREAM_CONFIGS = [(1, nm.KernelConfig(1, 32, 2, sub=1, slots=4)), (1, nm.KernelConfig(1, 64, 1, sub=2, slots=1)),
+                  (3, nm.KernelConfig(16, 32, 2, sub=1, slots=2)), (33, nm.KernelConfig(32, 64, 1, sub=1, slots=4)),
+                  (64, nm.KernelConfig(64, 64, 2, sub=2, slots=2))]
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_stream_kernel_within_rounding_of_dequantized_reference(nested):
+    n, k = 72, 256           # rows: no multiple of the row tile; K: 4 scale blocks
+    packed, state, _ = quantized(n, k, nested)
+    ref_w = nm.dequantize_nf4(packed, state).double()
+    gen = torch.Generator().manual_seed(1)
+    for m, cfg in STREAM_CONFIGS:
+        x = torch.randn(2, m, k, generator=gen)[1]            # a view at an offset: strides, not a copy
+        bias = torch.randn(n, generator=gen) if m % 2 else None
+        y = nm.nf4_matmul(x, packed, state, bias, config=cfg)
+        ref = x.double() @ ref_w.T + (0 if bias is None else bias.double())
+        assert y.shape == (m, n)
+        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4, msg=cfg.describe)
+
+
+@pytest.mark.parametrize("k,offset", [(192, 0), (256, 1)])
+def test_stream_kernel_falls_back_to_the_tile_kernel(k, offset):
+    """K=192: 3 blocks, no multiple of 2 slots; offset 1: packed bytes not 4-byte aligned (no words)."""
+    packed, state, _ = quantized(72, k, nested=True)
+    buf = torch.zeros(packed.numel() + offset, 1, dtype=torch.uint8)
+    buf[offset:] = packed
+    packed = buf[offset:]
+    x = torch.randn(3, k)
+    cfg = nm.KernelConfig(16, 32, 2, sub=1, slots=2)
+    torch.testing.assert_close(nm.nf4_matmul(x, packed, state, config=cfg),
+                               nm.nf4_matmul(x, packed, state, config=nm.KernelConfig(16, 32, 2)), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cfg", [None, nm.KernelConfig(16, 32, 1, sub=1, slots=2), nm.KernelConfig(1, 32, 1, sub=1, slots=2)])
+def test_fp16_activations_give_fp16_within_rounding(cfg):
+    """fp16 x. The tile kernel casts W to fp16 as bitsandbytes does and matches that elementwise; the
+    stream kernel (reading x as 32-bit (even, odd) column pairs) rounds the codes, not code*scale, to
+    fp16, so it is held to the exact product within fp16 rounding instead."""
     packed, state, _ = quantized(128, 128, nested=True)
-    w16 = nm.dequantize_nf4(packed, state).half()      # the kernel casts W to the compute dtype, as bnb does
-    x = torch.randn(4, 128).half()
-    y = nm.nf4_matmul(x, packed, state)
+    w = nm.dequantize_nf4(packed, state)
+    x = torch.randn(4 if cfg is None or cfg.block_m > 1 else 1, 128).half()
+    y = nm.nf4_matmul(x, packed, state, config=cfg)
     assert y.dtype == torch.float16
-    torch.testing.assert_close(y.float(), x.float() @ w16.float().T, rtol=2e-3, atol=2e-3)
+    exact = x.double() @ w.double().T
+    assert float((y.double() - exact).norm() / exact.norm()) < 1e-3
+    if cfg is None:
+        torch.testing.assert_close(y.float(), x.float() @ w.half().float().T, rtol=2e-3, atol=2e-3)
 
 
-def test_never_reads_past_the_packed_buffers():
+def test_tuner_skips_configs_that_fail_or_disagree_with_one_line_each(capsys):
+    tile, stream, broken, wrong = (nm.KernelConfig(16, 64, 1), nm.KernelConfig(16, 64, 1, sub=1, slots=2),
+                                   nm.KernelConfig(16, 128, 1, sub=1, slots=4), nm.KernelConfig(16, 32, 2, sub=1, slots=2))
+    packed, state, _ = quantized(72, 256, nested=True)
+    x = torch.randn(3, 256)
+
+    def run(cfg):
+        if cfg == broken:
+            raise RuntimeError("Illegal shared layout\n(the rest of a compiler error)")
+        y = nm.nf4_matmul(x, packed, state, config=cfg)
+        return y * 1.1 if cfg == wrong else y
+
+    best, log = nm.pick_fastest([tile, broken, stream, wrong], run, time_us=lambda cfg: 10.0 if cfg == tile else 5.0,
+                                where="72x256")
+    assert best == stream                     # the stream kernel agrees with the tile kernel and is "faster"
+    assert log == [(tile.describe(), 10.0), (broken.describe(), None), (stream.describe(), 5.0), (wrong.describe(), None)]
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and "Illegal shared layout" in lines[0] and "wrong result" in lines[1]
+    assert all(line.startswith("nf4_matmul: ") and "skipped for 72x256" in line for line in lines)
+    none, log = nm.pick_fastest([broken], run, time_us=lambda cfg: 1.0, where="72x256")
+    assert none is None and log == [(broken.describe(), None)]
+
+
+def test_candidates_start_with_the_known_good_default_and_fit_k():
+    for m_class in (1, 16, 32, 64):
+        for n, k in ((11008, 4096), (4096, 11008), (4096, 4096), (32000, 4096)):
+            cands = nm.candidates(m_class, n, k, 132, wide=True)
+            assert cands[0] == nm.default_config(m_class, n, k, 132) and cands[0].sub == 0
+            assert len(cands) <= 6 and len(set(cands)) == len(cands)
+            short = nm.candidates(m_class, n, k, 132)      # what a model load times: 3 shapes x 4 classes
+            assert short == cands[: len(short)] and len(short) <= 4
+            assert all(c.block_m == m_class for c in cands)
+            assert all(k % (c.slots * c.sub * 64) == 0 and k // c.split_k >= 4 * c.slots * 64
+                       for c in cands if c.sub)
+
+
+@pytest.mark.parametrize("k,cfg", [(96, None), (256, nm.KernelConfig(16, 32, 2, sub=1, slots=2))])
+def test_never_reads_past_the_packed_buffers(k, cfg):
     """Every tensor the kernel reads is a view into a larger buffer whose tail would make NaN:
     absmax past its end is NaN, x past its end is NaN. K=96 puts a half-used 64-column step at
-    each row's end, so a missing K mask would pull the tail into real outputs."""
-    n, k, m = 72, 96, 3
+    each row's end, so a missing K mask would pull the tail into real outputs; the stream kernel
+    (K=256, two splits of one 2-slot group) prefetches a group past each split's end, masked."""
+    n, m = 72, 3
     packed, state, _ = quantized(n, k, nested=False, flat=True)
     ref = nm.dequantize_nf4(packed, state).double()
     big_w = torch.full((packed.numel() + 4096, 1), 0xFF, dtype=torch.uint8)
@@ -107,7 +187,7 @@ def test_never_reads_past_the_packed_buffers():
     x = torch.randn(m, k)
     big_x = torch.full((m * k + 4096,), float("nan"))
     big_x[: m * k] = x.reshape(-1)
-    y = nm.nf4_matmul(big_x[: m * k].view(m, k), big_w[: packed.numel()], poisoned)
+    y = nm.nf4_matmul(big_x[: m * k].view(m, k), big_w[: packed.numel()], poisoned, config=cfg)
     assert torch.isfinite(y).all()
     torch.testing.assert_close(y.double(), x.double() @ ref.T, rtol=1e-5, atol=1e-4)
     assert torch.equal(nm.dequantize_with_kernel(big_w[: packed.numel()], poisoned), ref.float())
