@@ -17,6 +17,7 @@ steps (and their CUDA graphs) that were bound to the old buffers.
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -45,7 +46,11 @@ class _Layer(CacheLayerMixin):
 
     def __init__(self, owner: "KVCache", index: int):
         super().__init__()
-        self.owner, self.index = owner, index
+        self._owner, self.index = weakref.ref(owner), index   # weak: no cycle, so a dropped cache is freed at once
+
+    @property
+    def owner(self) -> "KVCache":
+        return self._owner()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if self.owner.storage is None:

@@ -16,6 +16,8 @@ with the one-node tree.
 
 from __future__ import annotations
 
+import gc
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +61,11 @@ class DecodeStep:
     def __init__(self, model: nn.Module, heads: MedusaHeads | None, tree: TreeBuffers, cache: KVCache,
                  rule: Rule, graphs: bool):
         self.decoder, self.lm_head = model.get_decoder(), model.get_output_embeddings()
-        self.heads, self.tree, self.cache, self.rule = heads, tree, cache, rule
+        self.heads, self.tree, self.rule = heads, tree, rule
+        # The cache owns its steps (cache.steps); a weak reference back keeps that from being a
+        # cycle, so a dropped conversation frees its buffers and graphs at once, never later in a
+        # garbage collection that might run in the middle of another graph's capture.
+        self._cache = weakref.ref(cache)
         device = self.lm_head.weight.device
         self.dtype = compute_dtype(model)
         self.depth = tree.leaf_paths.shape[1] - 1                          # D
@@ -71,6 +77,10 @@ class DecodeStep:
         self.use_graph = graphs
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None                                # the graph's output buffer
+
+    @property
+    def cache(self) -> KVCache:
+        return self._cache()
 
     @property
     def captured(self) -> bool:
@@ -159,19 +169,27 @@ class DecodeStep:
         """Warm up on a side stream, then record the body. The warm-up runs really execute, so
         the position and tree tokens are restored after each; the KV slots they wrote lie at or
         past the position, which the mask hides and the next step writes over."""
-        position, tokens = self.cache.position.clone(), self.tokens.clone()
+        cache = self.cache
+        position, tokens = cache.position.clone(), self.tokens.clone()
         side = capture_stream(self.tokens.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(WARMUP_RUNS):
                 self.body()
-                self.cache.position.copy_(position)
+                cache.position.copy_(position)
                 self.tokens.copy_(tokens)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: a CUDA call from another thread (a second browser tab) cannot break the capture
-        with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):   # records, runs nothing
-            self.out = self.body()
+        # thread_local: a CUDA call from another thread (a second browser tab) cannot break the
+        # capture. No garbage collection inside it either: freeing another graph or its memory
+        # there would invalidate this capture.
+        gc.collect()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):   # records, runs nothing
+                self.out = self.body()
+        finally:
+            gc.enable()
         self.graph = graph
 
 

@@ -88,3 +88,24 @@ def test_a_stop_token_cut_then_the_next_turn_equals_a_fresh_conversation():
     turn2 = PROMPT + turn1 + [7, 8, 9]
     reused = tokens_of(generate(model, turn2, heads=heads, tree=tree, config=config, cache=cache))
     assert reused == tokens_of(generate(model, turn2, heads=heads, tree=tree, config=config))
+
+
+def test_a_dropped_conversation_frees_its_steps_at_once():
+    """No reference cycle between a cache and its steps: dropping the cache frees its steps (and
+    on CUDA their graphs) right away, not in a later garbage collection that could run inside
+    another graph's capture."""
+    import gc
+    import weakref
+
+    model = tiny_model("llama", seed=3)
+    cache = new_cache(model)
+    list(generate(model, PROMPT, config=DecodeConfig(max_new_tokens=4), cache=cache))
+    (step,) = cache.steps.values()
+    alive = weakref.ref(step)
+    del step
+    gc.disable()
+    try:
+        del cache
+        assert alive() is None
+    finally:
+        gc.enable()
