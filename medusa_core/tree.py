@@ -30,6 +30,11 @@ MC_SIM_7B_63: list[list[int]] = [
     [1, 5], [1, 0, 1], [0, 2, 1], [9, 0], [0, 6, 0], [0, 0, 0, 1], [1, 6], [0, 7, 0],
 ]
 
+# Its 15 most valuable paths (the list is ordered by value, so the prefix is a valid tree): the
+# default over a 4-bit backbone on CUDA, where each verified row still costs (H100, 7B, NF4 with
+# the Triton kernel: a 16-node step is 1.75x a 1-node step, a 64-node step 2.24x; docs/performance.md).
+MC_SIM_7B_16: list[list[int]] = MC_SIM_7B_63[:15]
+
 # Small trees for CPU, where verifying many nodes costs real time.
 SMALL_8: list[list[int]] = [[0], [1], [0, 0], [2], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
 SMALL_16: list[list[int]] = [
@@ -39,6 +44,7 @@ SMALL_16: list[list[int]] = [
 
 PRESETS: dict[str, list[list[int]]] = {
     "mc_sim_7b_63": MC_SIM_7B_63,
+    "mc_sim_7b_16": MC_SIM_7B_16,
     "small-8": SMALL_8,
     "small-16": SMALL_16,
 }

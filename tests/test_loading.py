@@ -339,6 +339,10 @@ def test_default_spec_and_tree_table():
     # no substring guessing: a look-alike id gets the device-sized preset
     assert choose_tree("someone/medusa-vicuna-7b-v1.3-copy", heads5, "cpu", False) == "small-16"
     assert choose_tree("x/y", heads5, "cuda", False) == "mc_sim_7b_63"
+    # over a 4-bit backbone on CUDA every verified row costs: the 64-node tree's best 16 nodes
+    assert choose_tree("FasterDecoding/medusa-vicuna-7b-v1.3", heads5, "cuda", False, "nf4") == "mc_sim_7b_16"
+    assert choose_tree("x/y", heads5, "cuda", False, "nf4") == "mc_sim_7b_16"
+    assert choose_tree("FasterDecoding/medusa-vicuna-7b-v1.3", heads5, "cpu", False, "nf4") == "mc_sim_7b_63"
     assert choose_tree("x/y", MedusaHeads(HeadsConfig(3, 1, 8, 16)), "cpu", False) == "chain-3"
     assert choose_tree(None, None, "cpu", False) == "baseline"
 
