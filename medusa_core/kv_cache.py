@@ -93,7 +93,7 @@ class KVCache(Cache):
         self.token_ids: list[int] = []           # the committed tokens, for prefix reuse across turns
         self.storage: torch.Tensor | None = None  # (layers, 2, 1, kv_heads, capacity, head_dim)
         self.position: torch.Tensor | None = None  # (1,) long on the device: where the next forward writes
-        self._arange: torch.Tensor | None = None   # (capacity,) long: slot offsets
+        self.slot_ids: torch.Tensor | None = None  # (capacity,) long: 0..capacity-1, made once per buffer
         self.steps: OrderedDict = OrderedDict()
         super().__init__(layers=[_Layer(self, i) for i in range(num_layers)])
 
@@ -104,11 +104,11 @@ class KVCache(Cache):
         for i, layer in enumerate(self.layers):   # each layer's (1, kv_heads, capacity, head_dim) views
             layer.keys, layer.values = self.storage[i, 0], self.storage[i, 1]
         self.position = torch.full((1,), self.length, dtype=torch.long, device=like.device)
-        self._arange = torch.arange(self.capacity, device=like.device)
+        self.slot_ids = torch.arange(self.capacity, device=like.device)
 
     def slots(self, count: int) -> torch.Tensor:
         """(count,) slots ``position + [0, count)`` where a forward of ``count`` tokens writes."""
-        return self._arange[:count] + self.position
+        return self.slot_ids[:count] + self.position
 
     def ensure_capacity(self, needed: int) -> None:
         """Move to the bucket that holds ``needed`` entries (capped by the context), keeping the
@@ -156,16 +156,6 @@ class KVCache(Cache):
         if not on_device:
             self._sync_position()
 
-    def free(self) -> None:
-        """Release the buffers and the steps bound to them (out of memory, or a model change)."""
-        self.steps.clear()
-        self.storage = self.position = self._arange = None
-        for layer in self.layers:
-            layer.keys = layer.values = None
-            layer.is_initialized = False
-        self.length = 0
-        self.token_ids.clear()
-
 
 def prefill_mask(past: int, new: int, capacity: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """(1, 1, new, capacity) additive mask for a prefill of ``new`` tokens after ``past``
@@ -177,14 +167,15 @@ def prefill_mask(past: int, new: int, capacity: int, dtype: torch.dtype, device:
     return mask[None, None]
 
 
-def tree_step_mask(allowed: torch.Tensor, position: torch.Tensor, capacity: int, dtype: torch.dtype) -> torch.Tensor:
+def tree_step_mask(allowed: torch.Tensor, position: torch.Tensor, slot_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(1, 1, T, capacity) additive mask of one verification step, built on the device from the
     device position (so a captured graph stays right as the conversation grows).
 
-    allowed (T, T) bool: node i sees node j. Row i sees every committed slot (< position) and,
-    among the T slots the step writes at [position, position + T), the nodes ``allowed`` says."""
+    allowed (T, T) bool: node i sees node j; slot_ids (capacity,): 0..capacity-1. Row i sees every
+    committed slot (< position) and, among the T slots the step writes at [position, position + T),
+    the nodes ``allowed`` says."""
     T = allowed.shape[0]
-    rel = torch.arange(capacity, device=allowed.device) - position          # (capacity,) slot - position
+    rel = slot_ids - position                                                # (capacity,) slot - position
     in_tree = (rel >= 0) & (rel < T)                                         # (capacity,)
     tree_ok = allowed[:, rel.clamp(0, T - 1)] & in_tree                      # (T, capacity)
     ok = tree_ok | (rel < 0)                                                 # (T, capacity)

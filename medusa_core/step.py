@@ -131,7 +131,7 @@ class DecodeStep:
         tree, cache, pos = self.tree, self.cache, self.cache.position
         hidden = self.decoder(
             input_ids=self.tokens[None],
-            attention_mask=tree_step_mask(self.allowed, pos, cache.capacity, self.dtype),
+            attention_mask=tree_step_mask(self.allowed, pos, cache.slot_ids, self.dtype),
             position_ids=(tree.depths + pos)[None],
             past_key_values=cache,
             use_cache=True,

@@ -19,7 +19,7 @@ def tokens_of(steps):
 def test_step_mask_sees_the_prefix_and_its_ancestors_only():
     tree = build_tree_buffers(resolve_tree("mc_sim_7b_63"), 5)
     T, position, capacity = tree.size, 37, 256
-    mask = tree_step_mask(tree.attn_mask == 0, torch.tensor([position]), capacity, torch.float32)[0, 0]
+    mask = tree_step_mask(tree.attn_mask == 0, torch.tensor([position]), torch.arange(capacity), torch.float32)[0, 0]
     assert mask.shape == (T, capacity)
     seen = mask == 0
     assert seen[:, :position].all()                       # every committed slot
