@@ -46,6 +46,10 @@ def reply_html(segments: list[tuple[str, bool]], colour: bool = False) -> str:
     """A reply (pieces of text, each flagged when it came from the heads) as HTML."""
     source = "".join(_mark(text) if colour and from_heads else text for text, from_heads in segments)
     rendered = _markdown().render(source)
+    plain = plain_text(segments)
+    if plain.strip() and not html.unescape(_TAG_OR_TEXT.sub("", rendered)).strip():
+        # a reply that is only Markdown syntax ("+", "#", "---") would render as an empty bubble
+        return f'<div class="reply">{html.escape(plain)}</div>'
     if colour:
         rendered = _spans(rendered)
     return f'<div class="reply">{rendered.strip()}</div>'

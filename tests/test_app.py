@@ -243,6 +243,16 @@ def test_user_text_is_literal_and_reply_html_is_text():
     assert "href" not in reply and "<strong>bold</strong>" in reply
 
 
+def test_a_reply_of_markdown_syntax_alone_still_shows_its_text():
+    """A one-token answer like "+" (a list marker) or "#" must not render as an empty bubble."""
+    from app.render import reply_html
+
+    for reply in ["+", "#", "---", "- ", "1."]:
+        shown = html.unescape(re.sub(r"<[^>]+>", "", reply_html([(reply, True)], colour=True)))
+        assert shown.strip() == reply.strip()
+    assert "<li>x</li>" in reply_html([("- x", False)]), "Markdown with text still renders"
+
+
 def test_sparkline_scales_to_tree_depth():
     from app.readout import sparkline
 
