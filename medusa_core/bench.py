@@ -2,7 +2,7 @@
 process, interleaved per prompt after a warm-up, plus transformers' own
 ``generate()`` and prompt-lookup decoding as outside references.
 
-    python -m medusa_core.bench                       # demo model on CPU, its default tree
+    python -m medusa_core.bench                       # the default model (SmolLM2 on CPU), its default tree
     python -m medusa_core.bench --tree chain-3 small-16 --json out/bench.json
 """
 
@@ -21,16 +21,10 @@ import torch
 from .chat_format import render_chat
 from .errors import LoadError
 from .generate import MODES, DecodeConfig, compute_dtype, generate
-from .loading import DEMO_DIR, LoadSpec, load
+from .loading import CPU_DEFAULT_PROMPTS, LoadSpec, load
 from .quantization import NF4_KERNELS
 from .train_data import read_prompts
 from .tree import TreeError, build_tree_buffers, resolve_tree
-
-DEFAULT_PROMPTS = [
-    "Write a Python function that checks whether a string is a palindrome.",
-    "Explain what a hash table is in three sentences.",
-    "List five tips for writing clear commit messages.",
-]
 
 
 @dataclass
@@ -151,13 +145,9 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def bench_prompts(path: str | None, demo: bool) -> list[str]:
-    """The --prompts file, else the demo's held-out prompts, else a few chat prompts."""
-    if path is None:
-        demo_prompts = DEMO_DIR / "prompts.jsonl"
-        if not (demo and demo_prompts.is_file()):
-            return DEFAULT_PROMPTS
-        path = str(demo_prompts)
+def bench_prompts(path: str | None) -> list[str]:
+    """The --prompts file, else the held-out chat prompts in assets/smollm2 (no head was trained on them)."""
+    path = path or str(CPU_DEFAULT_PROMPTS)
     if not Path(path).is_file():
         raise SystemExit(f"error: prompts file {path} does not exist: give a JSONL file with one {{\"prompt\": ...}} per line")
     try:
@@ -175,9 +165,11 @@ def peak_memory(device: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m medusa_core.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="backbone hub id or local dir (default: Vicuna-7B on CUDA, the demo model otherwise)")
+    p.add_argument("--model", help="backbone hub id or local dir (default: Vicuna-7B on CUDA, SmolLM2-135M-Instruct "
+                                   "otherwise)")
     p.add_argument("--heads", help="Medusa heads hub id or local dir")
-    p.add_argument("--prompts", help="JSONL file, one {\"prompt\": ...} per line (default: the demo's held-out prompts)")
+    p.add_argument("--prompts", help="JSONL file, one {\"prompt\": ...} per line (default: the held-out chat "
+                                     "prompts in assets/smollm2/prompts.jsonl)")
     p.add_argument("--raw", action="store_true", help="feed prompts as they are, without the chat template")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--tree", nargs="+", help="tree presets or JSON files, each benchmarked (default: the model's default tree)")
@@ -211,11 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     except (LoadError, TreeError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    prompts = bench_prompts(args.prompts, loaded.is_demo)
-    # the demo's own prompts are raw code snippets: a chat template around them is noise
-    raw = args.raw or (loaded.is_demo and args.prompts is None)
+    prompts = bench_prompts(args.prompts)
     tok = loaded.tokenizer
-    encoded = [tok(text)["input_ids"] if raw else render_chat(tok, text) for text in prompts]
+    encoded = [tok(text)["input_ids"] if args.raw else render_chat(tok, text) for text in prompts]
     print(loaded.description)
     print(loaded.memory)
     on_cpu = device.type == "cpu"
@@ -250,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     if greedy_refs:
         rows.append(summarize("transformers generate()", [r["hf_generate"] for r in results], base, False))
         rows.append(summarize("prompt lookup (10)", [r["prompt_lookup"] for r in results], base, False))
-    print(f"{len(prompts)} prompts{' (raw)' if raw else ''}, {args.max_new_tokens} new tokens max, "
+    print(f"{len(prompts)} prompts{' (raw)' if args.raw else ''}, {args.max_new_tokens} new tokens max, "
           f"mode {args.mode}, device {device}")
     print(format_table(rows))
     print(peak_memory(str(device)))

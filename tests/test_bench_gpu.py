@@ -140,3 +140,39 @@ def test_fold_merges_the_kernel_and_demo_figures_into_one_report(tmp_path):
     assert merged["summary"]["nf4_kernel_m16_us"] == 21.5
     (tmp_path / "other.json").write_text(json.dumps({"something": 1}))
     assert bench_gpu.main(["--fold", str(step), str(tmp_path / "other.json"), "--json", str(out)]) == 1
+
+
+def test_a_saved_random_checkpoint_benchmarks_through_the_real_loader(tmp_path, capsys):
+    """bench_gpu --save-checkpoint writes a random model with SmolLM2's tokenizer cut to the shape's
+    vocabulary; bench loads it like a download and times it (greedy Medusa = plain decoding)."""
+    from medusa_core import bench
+
+    assert bench_gpu.main(["--device", "cpu", "--shape", "tiny", "--quant", "none",
+                           "--save-checkpoint", str(tmp_path / "ckpt")]) == 0
+    backbone, heads = tmp_path / "ckpt" / "backbone", tmp_path / "ckpt" / "heads"
+    assert f"--model {backbone} --heads {heads}" in capsys.readouterr().out
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(backbone)
+    text = "What is the capital of France? Naïve café."
+    ids = tokenizer(text)["input_ids"]
+    assert max(ids) < bench_gpu.SHAPES["tiny"].vocab and tokenizer.decode(ids) == text
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "What is the capital of France?"}\n')
+    out = tmp_path / "bench.json"
+    assert bench.main(["--model", str(backbone), "--heads", str(heads), "--prompts", str(prompts), "--tree", "chain-2",
+                       "--max-new-tokens", "6", "--warmup", "0", "--no-references", "--json", str(out)]) == 0
+    row = {r["name"]: r for r in json.loads(out.read_text())["summary"]}["medusa chain-2"]
+    assert row["identical"] == "yes"
+
+
+def test_a_vocabulary_below_the_tokenizers_bytes_is_one_line(tmp_path):
+    from dataclasses import replace
+
+    from medusa_core.synthetic import save_random_checkpoint
+
+    with pytest.raises(ValueError) as err:
+        save_random_checkpoint(replace(bench_gpu.SHAPES["tiny"], vocab=200), 3, tmp_path, 0, torch.device("cpu"))
+    message = str(err.value)
+    assert "\n" not in message and "vocabulary of 200" in message and "use --shape 7b" in message
+    assert not (tmp_path / "backbone" / "config.json").exists(), "refused before building anything"

@@ -139,13 +139,13 @@ def test_the_chat_engine_on_cuda_announces_the_capture_and_tells_the_truth_about
     """The app on a GPU: the first reply of a tree says it is preparing (a capture), the next does
     not; a greedy comparison is identical in fp32, and in bf16 either identical or explained."""
     from app.engine import BASELINE, MEDUSA, PREPARING, ChatEngine, Session, Settings
-    from medusa_core.loading import DEMO_DIR, LoadSpec, load
+    from medusa_core.loading import CPU_DEFAULT_HEADS, LoadSpec, load
 
-    loaded = load(LoadSpec(model=str(DEMO_DIR / "backbone"), heads=str(DEMO_DIR / "heads"), device="cuda",
-                           quant="none", dtype=dtype))
+    # the CPU default's model and heads, here on the GPU and unquantized: fp32 must be exact
+    loaded = load(LoadSpec(heads=str(CPU_DEFAULT_HEADS), device="cuda", quant="none", dtype=dtype))
     engine = ChatEngine(loaded, max_new_tokens=64)
     session, settings = Session(), Settings(max_new_tokens=64, tree="small-16")
-    prompt = engine.prompt_ids([{"role": "user", "content": "def parse_args(argv):"}], None)
+    prompt = engine.prompt_ids([{"role": "user", "content": "How do I sort a list in Python?"}], None)
     first = list(engine.answer(session, prompt, settings, passes=(BASELINE, MEDUSA)))
     assert first[0].notice == PREPARING
     comparison = first[-1].comparison

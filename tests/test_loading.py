@@ -16,11 +16,13 @@ from tiny import char_tokenizer, copied_heads, tiny_model
 from medusa_core.generate import DecodeConfig, generate
 from medusa_core.heads import HeadsConfig, MedusaHeads
 from medusa_core.loading import (
-    DEMO_DIR,
+    CPU_DEFAULT_HEADS,
+    CPU_DEFAULT_TREE,
     HeadsLoadError,
     LoadError,
     LoadSpec,
     choose_tree,
+    cpu_default_backbone,
     default_spec,
     load,
     load_heads_dir,
@@ -331,7 +333,7 @@ def test_offline_missing_model_is_one_line(offline_cache):
 # ---------------------------------------------------------------- defaults
 
 def test_default_spec_and_tree_table():
-    assert default_spec("cpu").model == str(DEMO_DIR / "backbone")
+    assert default_spec("cpu") == LoadSpec(model=str(cpu_default_backbone()), heads=str(CPU_DEFAULT_HEADS), device="cpu")
     assert default_spec("cuda").heads == "FasterDecoding/medusa-vicuna-7b-v1.3"
     heads5 = MedusaHeads(HeadsConfig(5, 1, 8, 16))
     assert choose_tree("FasterDecoding/medusa-vicuna-7b-v1.3", heads5, "cpu", False) == "mc_sim_7b_63"
@@ -345,13 +347,16 @@ def test_default_spec_and_tree_table():
     assert choose_tree("FasterDecoding/medusa-vicuna-7b-v1.3", heads5, "cpu", False, "nf4") == "mc_sim_7b_63"
     assert choose_tree("x/y", MedusaHeads(HeadsConfig(3, 1, 8, 16)), "cpu", False) == "chain-3"
     assert choose_tree(None, None, "cpu", False) == "baseline"
+    # the bundled heads come with their calibrated tree, on any device
+    assert choose_tree(str(CPU_DEFAULT_HEADS), heads5, "cpu", True) == str(CPU_DEFAULT_TREE)
+    assert choose_tree(str(CPU_DEFAULT_HEADS), heads5, "cuda", True, "nf4") == str(CPU_DEFAULT_TREE)
 
 
-@pytest.mark.skipif(not (DEMO_DIR / "heads").is_dir(), reason="assets/demo not built yet")
-def test_demo_default_loads():
-    loaded = load(LoadSpec(device="cpu"))
-    assert loaded.is_demo and loaded.description.startswith("demo model")
-    assert loaded.heads is not None and loaded.stop_ids
+def test_bundled_heads_alone_load_the_local_smollm2():
+    """Their config names the hub id HuggingFaceTB/SmolLM2-135M-Instruct; offline, its converted copy serves."""
+    loaded = load(LoadSpec(heads=str(CPU_DEFAULT_HEADS), device="cpu"))
+    assert loaded.cpu_default and loaded.description.startswith("SmolLM2-135M-Instruct")
+    assert "assets/smollm2/heads" in loaded.description and loaded.default_tree == str(CPU_DEFAULT_TREE)
 
 
 def test_heads_quant_refuses_a_broken_quantization():

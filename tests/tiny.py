@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import string
 from pathlib import Path
 
@@ -28,13 +29,14 @@ ARCHS = {
 }
 
 
-def tiny_model(arch: str = "llama", vocab: int = 64, seed: int = 0, hidden: int = 32, layers: int = 2):
+def tiny_model(arch: str = "llama", vocab: int = 64, seed: int = 0, hidden: int = 32, layers: int = 2,
+               context: int = 512):
     """A random backbone; 4 query heads over 2 KV heads (GQA)."""
     config_cls, model_cls = ARCHS[arch]
     torch.manual_seed(seed)
     config = config_cls(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
     )
     model = model_cls(config).eval()
@@ -74,7 +76,7 @@ def trained_heads(model, num_heads: int = 5, steps: int = 150, seed: int = 1) ->
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
     """A character-level tokenizer: ids 0-3 special, then printable ASCII (vocab 104)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     specials = ["<pad>", "<s>", "</s>", "<unk>"]
     chars = [c for c in string.printable if c not in "\x0b\x0c"]
@@ -97,4 +99,22 @@ def tiny_checkpoint(root: Path, arch: str = "llama", steps: int = 150) -> tuple[
     model.save_pretrained(backbone_dir)
     tokenizer.save_pretrained(backbone_dir)
     save_heads(heads, heads_dir, base_model=str(backbone_dir))
+    return backbone_dir, heads_dir
+
+
+def app_checkpoint(root: Path) -> tuple[Path, Path]:
+    """The model the app tests serve: a tiny backbone with a 1024-token context (a few turns
+    outgrow it) and a char tokenizer without a chat template (the vicuna prompt), trained heads,
+    and ``root/tree.json``. Its replies never end early: the lm_head rows of the special tokens
+    are zero, so a greedy answer runs to max new tokens and Stop and the queue have time to act."""
+    tokenizer = char_tokenizer()
+    model = tiny_model("llama", vocab=len(tokenizer), hidden=64, layers=4, context=1024)
+    with torch.no_grad():
+        model.lm_head.weight[: len(tokenizer.all_special_ids)] = 0   # logit 0 < the best of ~100 random logits
+    heads = trained_heads(model, steps=150)
+    backbone_dir, heads_dir = root / "backbone", root / "heads"
+    model.save_pretrained(backbone_dir)
+    tokenizer.save_pretrained(backbone_dir)
+    save_heads(heads, heads_dir, base_model=str(backbone_dir))
+    (root / "tree.json").write_text(json.dumps([[0], [0, 0], [1], [0, 0, 0], [0, 1], [0, 0, 0, 0]]))
     return backbone_dir, heads_dir

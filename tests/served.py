@@ -1,0 +1,50 @@
+"""``python launch.py`` in a subprocess on a free local port, as a user starts it; the console
+goes to a log file that a failing test shows."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def launched(args: list[str], log: Path, timeout: float = 240) -> Iterator[str]:
+    """The app's URL once it answers; the process is stopped on exit."""
+    port = free_port()
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "launch.py", *args, "--port", str(port)], cwd=REPO, stdout=out,
+                                stderr=subprocess.STDOUT, env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"})
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        deadline = time.time() + timeout
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"launch.py exited with {proc.returncode}:\n{log.read_text()}")
+            try:
+                with urllib.request.urlopen(url, timeout=2):
+                    break
+            except OSError:
+                if time.time() > deadline:
+                    pytest.fail(f"the app did not come up:\n{log.read_text()}")
+                time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

