@@ -37,7 +37,9 @@ class TrainConfig:
     num_heads: int = 5
     num_layers: int = 1
     own_projection: bool = True         # False: heads reuse the backbone's lm_head ("version 2")
-    answer_tokens: int = 256            # greedy tokens generated per prompt
+    answer_tokens: int = 256            # tokens generated per answer (at most)
+    distill_batch: int = 1              # answers generated together (transformers' batched generate if > 1)
+    temperatures: tuple[float, ...] = (0.0,)   # one answer per prompt and temperature (0: greedy)
     seq_len: int = 512                  # corpus chunk length
     steps: int = 1000
     batch_size: int = 8
@@ -176,6 +178,10 @@ def train_heads(model: nn.Module, heads: MedusaHeads, rows: list[tuple[list[int]
     from tqdm import tqdm
 
     device = model.get_output_embeddings().weight.device
+    if device.type == "cuda":
+        # TF32 matmuls: the heads' five vocabulary projections per step dominate, and their gradients
+        # do not need fp32's last bits (the distilled answers were generated before this point)
+        torch.backends.cuda.matmul.allow_tf32 = True
     lm_head = model.get_output_embeddings()
     opt = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(config.seed)
@@ -241,7 +247,8 @@ def main_with_config(config: TrainConfig) -> dict:
         model, tokenizer = load_backbone_dir(config.model, device=config.device, dtype=getattr(torch, config.dtype))
     if config.prompts:
         rows = train_data.distilled_rows(model, tokenizer, config.prompts, config.raw_prompts,
-                                             config.answer_tokens, work / "distill_answers.jsonl")
+                                         config.answer_tokens, work / "distill_answers.jsonl",
+                                         config.distill_batch, config.temperatures, config.seed)
     else:
         rows = train_data.corpus_rows(tokenizer, config.corpus, config.seq_len)
     rows, held = train_data.split_rows(rows, config.held_out, config.seed)
@@ -274,6 +281,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-layers", type=int, default=1)
     p.add_argument("--shared-projection", action="store_true", help="heads reuse the backbone's lm_head")
     p.add_argument("--answer-tokens", type=int, default=256)
+    p.add_argument("--distill-batch", type=int, default=1,
+                   help="answers generated together (> 1: transformers' batched generate, needed for follow-up turns)")
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
+                   help="one answer per prompt and temperature (0: greedy)")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-size", type=int, default=8)
@@ -290,7 +301,8 @@ def main(argv: list[str] | None = None) -> None:
     main_with_config(TrainConfig(
         model=a.model, out=a.out, prompts=a.prompts, corpus=tuple(a.corpus or ()), work_dir=a.work_dir,
         raw_prompts=a.raw_prompts, num_heads=a.num_heads, num_layers=a.num_layers,
-        own_projection=not a.shared_projection, answer_tokens=a.answer_tokens, seq_len=a.seq_len, steps=a.steps,
+        own_projection=not a.shared_projection, answer_tokens=a.answer_tokens, distill_batch=a.distill_batch,
+        temperatures=tuple(a.temperatures), seq_len=a.seq_len, steps=a.steps,
         batch_size=a.batch_size, lr=a.lr, eval_every=a.eval_every, resume=a.resume, load_in_4bit=a.load_in_4bit,
         device=a.device, seed=a.seed, dtype=a.dtype, threads=a.threads,
     ))

@@ -50,29 +50,135 @@ def encode_prompt(tokenizer, prompt: str, raw: bool) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def distilled_rows(model: nn.Module, tokenizer, prompts_path: str | Path, raw: bool, answer_tokens: int,
-                   answers_path: Path) -> list[Row]:
-    """Generate (or reuse from ``answers_path``) the backbone's greedy answer to each prompt
-    with the project's own loop (baseline tree), and train only on the answer tokens."""
-    from tqdm import tqdm
+def read_prompt_items(path: Path) -> list[dict]:
+    """Items of a prompts file: {"prompt": ...} with an optional second user turn "followup"."""
+    prompts = read_prompts(path)
+    items = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [{"prompt": p, **({"followup": i["followup"]} if isinstance(i.get("followup"), str) else {})}
+            for p, i in zip(prompts, items)]
 
-    prompts = read_prompts(Path(prompts_path))
+
+def encode_turns(tokenizer, turns: Sequence[tuple[str, str]], raw: bool) -> list[int]:
+    """[(role, text)] ending with a user turn -> ids through the chat template with the answer cue."""
+    if raw:
+        return tokenizer.encode("".join(text for _, text in turns), add_special_tokens=False)
+    if not getattr(tokenizer, "chat_template", None):
+        return encode_prompt(tokenizer, turns[-1][1], raw)   # raises the one-line error
+    text = tokenizer.apply_chat_template([{"role": r, "content": t} for r, t in turns], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def distilled_rows(model: nn.Module, tokenizer, prompts_path: str | Path, raw: bool, answer_tokens: int,
+                   answers_path: Path, batch_size: int = 1, temperatures: Sequence[float] = (0.0,),
+                   seed: int = 0) -> list[Row]:
+    """The backbone's own answers to each prompt (and to its follow-up turn, if it has one), generated
+    or reused from ``answers_path``; rows train on the answer tokens only.
+
+    ``batch_size`` 1 answers one prompt at a time with the project's own loop (greedy only);
+    larger batches use transformers' batched ``generate`` (left padding), which is what makes thousands
+    of answers practical. Each temperature gives one answer per prompt (0: greedy).
+    """
+    items = read_prompt_items(Path(prompts_path))
     done: list[dict] = []
     if answers_path.is_file():
         done = [json.loads(line) for line in answers_path.read_text().splitlines() if line.strip()]
-        if [d["prompt"] for d in done] != prompts[:len(done)]:
-            raise ValueError(f"{answers_path} holds answers to other prompts: delete it or choose another --work-dir")
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    jobs = [(t, i) for t in temperatures for i in range(len(items))]
+    if [(d.get("temperature", 0.0), d["prompt"]) for d in done if "followup_of" not in d] != \
+            [(t, items[i]["prompt"]) for t, i in jobs[:sum("followup_of" not in d for d in done)]]:
+        raise ValueError(f"{answers_path} holds answers to other prompts: delete it or choose another --work-dir")
+    first_done = sum("followup_of" not in d for d in done)
     with open(answers_path, "a") as f:   # appended as we go, so an interrupted run resumes here
-        for prompt in tqdm(prompts[len(done):], desc="self-distillation", initial=len(done), total=len(prompts)):
-            ids = encode_prompt(tokenizer, prompt, raw)
-            answer = [t for s in generate(model, ids, config=DecodeConfig(max_new_tokens=answer_tokens),
-                                          stop_ids=eos) for t in s.tokens]
-            item = {"prompt": prompt, "prompt_ids": ids, "answer_ids": answer, "answer": tokenizer.decode(answer)}
+        def keep(item: dict) -> None:
             f.write(json.dumps(item) + "\n")
             f.flush()
             done.append(item)
+        if batch_size <= 1:
+            if any(t > 0 for t in temperatures) or any("followup" in i for i in items):
+                raise ValueError("sampled answers and follow-up turns need batched distillation: pass a batch size > 1")
+            _answer_one_by_one(model, tokenizer, [items[i]["prompt"] for _, i in jobs[first_done:]], raw,
+                               answer_tokens, keep, first_done, len(jobs))
+        else:
+            _answer_batched(model, tokenizer, items, jobs[first_done:], raw, answer_tokens, batch_size, seed, keep)
     return [answer_row(d["prompt_ids"], d["answer_ids"]) for d in done]
+
+
+def _answer_one_by_one(model, tokenizer, prompts: list[str], raw: bool, answer_tokens: int, keep,
+                       start: int, total: int) -> None:
+    from tqdm import tqdm
+
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    for prompt in tqdm(prompts, desc="self-distillation", initial=start, total=total):
+        ids = encode_prompt(tokenizer, prompt, raw)
+        answer = [t for s in generate(model, ids, config=DecodeConfig(max_new_tokens=answer_tokens),
+                                      stop_ids=eos) for t in s.tokens]
+        keep({"prompt": prompt, "prompt_ids": ids, "answer_ids": answer, "answer": tokenizer.decode(answer)})
+
+
+def _answer_batched(model, tokenizer, items: list[dict], jobs: list[tuple[float, int]], raw: bool,
+                    answer_tokens: int, batch_size: int, seed: int, keep) -> None:
+    """First turns in batches of ``batch_size``; then, per batch, the follow-up turns of its prompts
+    (the conversation so far, the first answer included, is their prompt)."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(jobs), desc="self-distillation (batched)", mininterval=5)
+    for start in range(0, len(jobs), batch_size):
+        chunk = jobs[start:start + batch_size]
+        firsts = []
+        for temperature, i in chunk:
+            ids = encode_turns(tokenizer, [("user", items[i]["prompt"])], raw)
+            firsts.append((temperature, i, ids))
+        answers = _generate_batch(model, tokenizer, [ids for _, _, ids in firsts], [t for t, _, _ in firsts],
+                                  answer_tokens, seed + start)
+        follow = []
+        for (temperature, i, ids), answer in zip(firsts, answers):
+            keep({"prompt": items[i]["prompt"], "temperature": temperature, "prompt_ids": ids,
+                  "answer_ids": answer, "answer": tokenizer.decode(answer)})
+            if "followup" in items[i] and not raw:
+                text = tokenizer.decode(answer, skip_special_tokens=True)
+                turns = [("user", items[i]["prompt"]), ("assistant", text), ("user", items[i]["followup"])]
+                follow.append((temperature, i, encode_turns(tokenizer, turns, raw)))
+        if follow:
+            for (temperature, i, ids), answer in zip(follow, _generate_batch(
+                    model, tokenizer, [ids for _, _, ids in follow], [t for t, _, _ in follow], answer_tokens,
+                    seed + start + 1)):
+                keep({"prompt": items[i]["followup"], "followup_of": items[i]["prompt"], "temperature": temperature,
+                      "prompt_ids": ids, "answer_ids": answer, "answer": tokenizer.decode(answer)})
+        bar.update(len(chunk))
+    bar.close()
+
+
+@torch.no_grad()
+def _generate_batch(model, tokenizer, prompts: list[list[int]], temperatures: list[float], answer_tokens: int,
+                    seed: int) -> list[list[int]]:
+    """Left-padded batched generate; each answer ends at (and keeps) its first turn-end token. One
+    temperature per call: the batch is split by temperature."""
+    from .chat_format import stop_token_ids
+
+    out: list[list[int] | None] = [None] * len(prompts)
+    device = model.get_output_embeddings().weight.device
+    # every turn-end token, not only tokenizer.eos_token_id: a GGUF-converted tokenizer's EOS differs
+    # between transformers versions (<|im_start|> under 5.17, <|im_end|> under 5.23)
+    stops = list(stop_token_ids(tokenizer))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    for temperature in sorted(set(temperatures)):
+        idx = [j for j, t in enumerate(temperatures) if t == temperature]
+        width = max(len(prompts[j]) for j in idx)
+        ids = torch.full((len(idx), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        for r, j in enumerate(idx):
+            ids[r, width - len(prompts[j]):] = torch.tensor(prompts[j])
+            mask[r, width - len(prompts[j]):] = 1
+        torch.manual_seed(seed)
+        sample = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0) if temperature > 0 else \
+            dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=answer_tokens,
+                             eos_token_id=stops, pad_token_id=pad, **sample)
+        for r, j in enumerate(idx):
+            answer = gen[r, width:].tolist()
+            end = next((n for n, t in enumerate(answer) if t in stops), None)
+            out[j] = answer if end is None else answer[:end + 1]
+    return out
 
 
 def answer_row(prompt_ids: Sequence[int], answer_ids: Sequence[int]) -> Row:

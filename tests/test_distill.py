@@ -1,0 +1,84 @@
+"""Batched self-distillation: the same answers as one at a time, cut at the turn end, follow-up turns."""
+
+import json
+
+import pytest
+import torch
+
+from medusa_core import train_data
+from medusa_core.generate import DecodeConfig, generate
+from medusa_core.train_data import IGNORE
+from tests.tiny import char_tokenizer, tiny_model
+
+TEMPLATE = ("{% for m in messages %}<s>{{ m['role'][0] }}:{{ m['content'] }}</s>{% endfor %}"
+            "{% if add_generation_prompt %}<s>a:{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    model = tiny_model(vocab=len(tokenizer), hidden=48, seed=3)
+    # the turn end must actually occur: make the character the model likes third its EOS
+    probe = tokenizer.encode(TEMPLATE[:0] + "<s>u:hi</s><s>a:", add_special_tokens=False)
+    first = [t for s in generate(model, probe, config=DecodeConfig(max_new_tokens=3)) for t in s.tokens]
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(first[2])
+    return model, tokenizer
+
+
+def one_at_a_time(model, tokenizer, ids, n):
+    return [t for s in generate(model, ids, config=DecodeConfig(max_new_tokens=n), stop_ids=[tokenizer.eos_token_id])
+            for t in s.tokens]
+
+
+def test_batched_answers_equal_one_at_a_time_and_end_at_the_turn_end(setup, tmp_path):
+    model, tokenizer = setup
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["hi", "what is 2+2?", "tell me a story"]))
+    answers = tmp_path / "a.jsonl"
+    rows = train_data.distilled_rows(model, tokenizer, prompts, False, 12, answers, batch_size=3)
+    items = [json.loads(line) for line in answers.read_text().splitlines()]
+    assert len(rows) == len(items) == 3
+    eos = tokenizer.eos_token_id
+    for item, (ids, targets) in zip(items, rows):
+        expected = one_at_a_time(model, tokenizer, item["prompt_ids"], 12)
+        # the project's loop stops before the turn end; the training answer keeps it as its last target
+        assert item["answer_ids"] in (expected, expected + [eos])
+        assert eos not in item["answer_ids"][:-1]
+        assert ids == item["prompt_ids"] + item["answer_ids"]
+        assert targets == [IGNORE] * len(item["prompt_ids"]) + item["answer_ids"]
+    assert any(item["answer_ids"][-1] == eos for item in items)
+
+
+def test_follow_up_turns_see_the_first_answer_and_a_rerun_reuses_the_file(setup, tmp_path, monkeypatch):
+    model, tokenizer = setup
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi", "followup": "why?"}) + "\n" + json.dumps({"prompt": "ok"}) + "\n")
+    answers = tmp_path / "a.jsonl"
+    rows = train_data.distilled_rows(model, tokenizer, prompts, False, 10, answers, batch_size=4,
+                                     temperatures=(0.0, 0.8))
+    items = [json.loads(line) for line in answers.read_text().splitlines()]
+    assert len(rows) == len(items) == 6           # 2 prompts x 2 temperatures + 2 follow-ups
+    follow = [i for i in items if "followup_of" in i]
+    assert [i["followup_of"] for i in follow] == ["hi", "hi"]
+    for item in follow:
+        text = tokenizer.decode(item["prompt_ids"])
+        first = next(i for i in items if i["prompt"] == "hi" and i["temperature"] == item["temperature"])
+        assert text.startswith("<s>u:hi</s><s>a:") and text.endswith("<s>u:why?</s><s>a:")
+        assert tokenizer.decode(first["answer_ids"], skip_special_tokens=True) in text
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("a complete answers file must be reused, not regenerated")
+
+    monkeypatch.setattr(train_data, "_generate_batch", no_generation)
+    again = train_data.distilled_rows(model, tokenizer, prompts, False, 10, answers, batch_size=4,
+                                      temperatures=(0.0, 0.8))
+    assert again == rows
+
+
+def test_sampling_or_follow_ups_without_a_batch_say_how_to_fix_it(setup, tmp_path):
+    model, tokenizer = setup
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi", "followup": "why?"}) + "\n")
+    with pytest.raises(ValueError, match="batch size > 1"):
+        train_data.distilled_rows(model, tokenizer, prompts, False, 4, tmp_path / "a.jsonl", batch_size=1)
