@@ -1,0 +1,120 @@
+"""Rebuild the CPU default's Medusa heads and tree in ``assets/smollm2/`` end to end:
+
+    python -m medusa_core.smol_build --device cuda            # heads: ~6 min on one H100
+    python -m medusa_core.smol_build --stages tree            # tree: ~10 min on 2 CPU cores
+
+Stages (each writes under --work and --out; run them in order, on the machines that suit them):
+  prompts  the chat prompt set (medusa_core.chat_prompts: ~3,100 prompts, 15% with a follow-up turn)
+  heads    self-distillation: SmolLM2-135M-Instruct (fp32) answers every prompt greedily and once
+           sampled at temperature 0.7, in batches (transformers' generate); then 5 Medusa heads that
+           share the model's lm_head ("version 2": a 49152x576 projection per head would outweigh the
+           model) are trained on those answers (medusa_core.train)
+  tree     per-head rank accuracies on the hand-written held-out prompts (assets/smollm2/prompts.jsonl),
+           then the tree with the most expected tokens per second on *this* machine
+           (medusa_core.calibrate --budget auto): run it on the CPU the app will run on
+
+On 2 CPU cores the heads stage would take days (answer generation ~1 s per answer even batched, and
+every training step runs five 49152-wide projections forwards and backwards); a GPU does it in minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from . import calibrate, chat_prompts, smollm2, train
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets" / "smollm2"
+STAGES = ("prompts", "heads", "tree")
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    prompt_count: int = 4000          # capped by the pool (~3,100 distinct prompts)
+    temperatures: tuple[float, ...] = (0.0, 0.7)
+    answer_tokens: int = 320
+    distill_batch: int = 256
+    num_heads: int = 5
+    num_layers: int = 1
+    steps: int = 2000
+    batch_size: int = 32
+    lr: float = 1e-3
+    eval_every: int = 500
+    tree_dtype: str = "float32"       # the exact mode the greedy comparison runs in
+    max_budget: int = 32
+    seed: int = 0
+
+
+def run(stages: list[str], work: Path, out: Path, device: str, config: BuildConfig, model_dir: Path | None) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / "build_log.json"
+    log = json.loads(log_path.read_text()) if log_path.is_file() else {}
+    log["config"] = asdict(config)
+    prompts = work / "prompts.jsonl"
+    for stage in stages:
+        start = time.perf_counter()
+        if stage == "prompts":
+            items = chat_prompts.prompt_set(config.prompt_count, config.seed)
+            prompts.write_text("".join(json.dumps(i) + "\n" for i in items))
+            detail = {"prompts": len(items), "with_followup": sum("followup" in i for i in items)}
+        elif stage == "heads":
+            if not prompts.is_file():
+                raise FileNotFoundError(f"{prompts} is missing: run the prompts stage first (--stages prompts heads)")
+            if device.startswith("cuda"):
+                torch.backends.cuda.matmul.allow_tf32 = False   # distill in true fp32: the app's exact mode
+            report = train.main_with_config(train.TrainConfig(
+                model=str(model_dir or smollm2.converted_dir()), out=str(out / "heads"), prompts=str(prompts),
+                work_dir=str(work), num_heads=config.num_heads, num_layers=config.num_layers, own_projection=False,
+                answer_tokens=config.answer_tokens, distill_batch=config.distill_batch,
+                temperatures=config.temperatures, steps=config.steps, batch_size=config.batch_size, lr=config.lr,
+                eval_every=config.eval_every, device=device, seed=config.seed))
+            detail = {"train_sequences": report["train_sequences"], "held_out_sequences": report["held_out_sequences"],
+                      "final": report["final"], "history": report["history"]}
+        elif stage == "tree":
+            result = calibrate.run(calibrate.CalibrateConfig(
+                model=str(model_dir or smollm2.converted_dir()), heads=str(out / "heads"), out=str(out / "tree.json"),
+                prompts=str(ASSETS / "prompts.jsonl"), answers=str(work / "calibration_answers.jsonl"),
+                budget="auto", max_budget=config.max_budget, dtype=config.tree_dtype, device=device))
+            detail = {k: result[k] for k in result if k != "config"}
+        else:
+            raise ValueError(f"stage {stage!r} is unknown: use {', '.join(STAGES)}")
+        seconds = time.perf_counter() - start
+        log[stage] = {"seconds": round(seconds, 1), "device": _device_name(device), **detail}
+        log_path.write_text(json.dumps(log, indent=2) + "\n")
+        print(f"stage {stage}: {seconds:.0f} s", flush=True)
+    return log
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m medusa_core.smol_build", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stages", nargs="+", choices=STAGES, default=["prompts", "heads"])
+    p.add_argument("--work", default="out/smol_build", help="prompts, answers, checkpoints")
+    p.add_argument("--out", default=str(ASSETS), help="heads/, tree.json and build_log.json go here")
+    p.add_argument("--model", help="converted SmolLM2 directory (default: converted from the installed package)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--steps", type=int, default=BuildConfig.steps)
+    p.add_argument("--prompt-count", type=int, default=BuildConfig.prompt_count)
+    p.add_argument("--answer-tokens", type=int, default=BuildConfig.answer_tokens)
+    p.add_argument("--eval-every", type=int, default=BuildConfig.eval_every)
+    a = p.parse_args(argv)
+    config = BuildConfig(steps=a.steps, prompt_count=a.prompt_count, answer_tokens=a.answer_tokens,
+                         eval_every=a.eval_every)
+    run(a.stages, Path(a.work), Path(a.out), a.device, config, Path(a.model) if a.model else None)
+
+
+if __name__ == "__main__":
+    main()

