@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import cpu_linear, smollm2
+from . import smollm2
 from .chat_format import stop_token_ids
 from .errors import LoadError
 from .heads import MedusaHeads
@@ -189,10 +189,6 @@ def load_backbone(source: str, device: str, quant: str, dtype: torch.dtype | str
             "check the id or directory, or download it with `hf download`"
         raise LoadError(f"{name}: could not load the model ({first[:200]}): {hint}") from err
     model.eval().requires_grad_(False)
-    if device == "cpu" and quant == "none" and model.dtype == torch.float32:
-        # fp32 on a CPU: MKL packs each weight once per row count, so verifying a tree no longer
-        # repacks every weight per call (cpu_linear.py); results equal the unpacked sgemm's
-        cpu_linear.prepack_(model)
     return model, tokenizer
 
 
@@ -289,7 +285,7 @@ def load(spec: LoadSpec) -> Loaded:
     stop_ids = tuple(dict.fromkeys(stops))
 
     what = (f"{quant if quant != 'none' else 'unquantized'}, {str(dtype).removeprefix('torch.')} compute on {device}"
-            f"{kernel_text}{', MKL-prepacked matmuls' if cpu_linear.is_prepacked(model) else ''}")
+            f"{kernel_text}")
     if heads is not None:
         c = heads.config
         heads_from = CPU_DEFAULT_HEADS.relative_to(CPU_DEFAULT_DIR.parent.parent) if bundled else spec.heads
