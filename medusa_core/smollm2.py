@@ -73,7 +73,11 @@ def convert(source: Path, out: Path) -> None:
     print(f"converting {source.name} into {out} (once, about half a minute)", flush=True)
     gguf_model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    model = LlamaForCausalLM(gguf_model.config)
+    config = gguf_model.config
+    # the converted copy is plain fp32: it must not claim GGUF quantization to later loaders
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = LlamaForCausalLM(config)
     model.load_state_dict(gguf_model.state_dict())
     model.generation_config = gguf_model.generation_config
     del gguf_model
