@@ -25,9 +25,10 @@ def engine(default_loaded):
     return ChatEngine(default_loaded, max_new_tokens=32)
 
 
-def answer(engine: ChatEngine, question: str, passes=(MEDUSA,), max_new_tokens: int = 32):
+def answer(engine: ChatEngine, question: str, passes=(MEDUSA,), max_new_tokens: int = 32, **settings):
     prompt = engine.prompt_ids([{"role": "user", "content": question}], None)
-    return list(engine.answer(Session(), prompt, Settings(mode="greedy", max_new_tokens=max_new_tokens), passes))
+    return list(engine.answer(Session(), prompt, Settings(mode="greedy", max_new_tokens=max_new_tokens, **settings),
+                              passes))
 
 
 def test_default_loads_offline_from_the_installed_package(default_loaded):
@@ -69,10 +70,11 @@ def test_a_turn_ends_at_im_end_and_never_shows_it(engine):
     assert "<|im_end|>" not in last.plain and "im_end" not in last.plain and last.plain.strip()
 
 
-def test_greedy_medusa_gives_plain_decodings_tokens(engine):
+@pytest.mark.parametrize("tree", [None, "small-16"])   # the shipped one-node tree, and a deep 16-node one
+def test_greedy_medusa_gives_plain_decodings_tokens(engine, tree):
     prompts = [json.loads(line)["prompt"] for line in CPU_DEFAULT_PROMPTS.read_text().splitlines() if line.strip()]
     for prompt in prompts[1:4]:
-        updates = answer(engine, prompt, passes=(BASELINE, MEDUSA))
+        updates = answer(engine, prompt, passes=(BASELINE, MEDUSA), **({"tree": tree} if tree else {}))
         comparison = updates[-1].comparison
         assert comparison.identical is True, f"{prompt!r}: {comparison.divergence}"
         assert comparison.medusa.tokens == comparison.baseline.tokens > 0
