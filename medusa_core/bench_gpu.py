@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--accuracies", nargs="+", type=float, default=list(PUBLISHED_ACCURACIES),
-                   help="top-1 accuracy of each head (one per head), e.g. the demo model's from calibrate")
+                   help="top-1 accuracy of each head (one per head), e.g. the top1 list in a calibrate report")
     p.add_argument("--rank-decay", type=float, default=RANK_DECAY, help="rank i of a head counts a * decay**i")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hf-generate", action="store_true", help="also time transformers' greedy generate() per token")

@@ -3,7 +3,7 @@
 Heads learn what the backbone tends to say next, so they should see the backbone answer the kinds of
 questions a chat user asks: code, facts, advice, writing, explanations, small maths, and follow-up
 turns. The set is built from topic lists and phrasings (seeded shuffle, no network, no model), so
-``python -m medusa_core.chat_prompts --count 4000 --out prompts.jsonl`` always writes the same file.
+``python -m medusa_core.chat_prompts --count 4000 --out prompts.jsonl`` always writes the same 3,117 prompts.
 Items are ``{"prompt": ...}`` or, for two-turn conversations, ``{"prompt": ..., "followup": ...}``.
 
 The held-out prompts that benchmarks and calibration time with are written by hand elsewhere
@@ -169,7 +169,7 @@ FOLLOWUPS = [
 
 
 def _pool() -> list[str]:
-    """Every distinct prompt the phrasings and topics can form (about 3,300)."""
+    """Every distinct prompt the phrasings and topics can form (3,117)."""
     out = [p.format(lang=lang, task=task) for p, lang, task in itertools.product(CODE_PHRASES, LANGUAGES, CODE_TASKS)]
     out += [f"What is {c} in programming?" for c in CODE_CONCEPTS]
     out += [f"Explain {c} with a short example in {lang}." for c, lang in itertools.product(CODE_CONCEPTS, LANGUAGES[:4])]
