@@ -107,11 +107,13 @@ def _answer_one_by_one(model, tokenizer, prompts: list[str], raw: bool, answer_t
                        start: int, total: int) -> None:
     from tqdm import tqdm
 
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    from .chat_format import stop_token_ids
+
+    stops = list(stop_token_ids(tokenizer))   # every turn end, as in the batched path
     for prompt in tqdm(prompts, desc="self-distillation", initial=start, total=total):
         ids = encode_prompt(tokenizer, prompt, raw)
         answer = [t for s in generate(model, ids, config=DecodeConfig(max_new_tokens=answer_tokens),
-                                      stop_ids=eos) for t in s.tokens]
+                                      stop_ids=stops) for t in s.tokens]
         keep({"prompt": prompt, "prompt_ids": ids, "answer_ids": answer, "answer": tokenizer.decode(answer)})
 
 
