@@ -8,6 +8,8 @@ one scatter for all layers together. The first ``length`` slots are committed;
 ``position`` (1,) on the device mirrors ``length``. A forward writes its q new
 entries at ``[position, position + q)`` and returns the whole buffer: the
 attention mask (as wide as the buffer) hides the slots that are not committed.
+An eager forward (every prefill; every step off CUDA) narrows that to the used
+slots, since it knows the length on the host (``narrowed``).
 
 Capacity comes in buckets (256, 512, 1024, ... up to the model's context) so a
 short chat does not attend over a 4k-slot buffer; moving to a bigger bucket
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
+from contextlib import contextmanager
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -58,18 +61,21 @@ class _Layer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """key/value_states (1, kv_heads, q, head_dim) -> the whole (1, kv_heads, capacity, head_dim)
-        buffers, after writing them at the device position (no host read: graph-safe)."""
+        """key/value_states (1, kv_heads, q, head_dim) -> the (1, kv_heads, width, head_dim) views of
+        the buffers (width: the whole capacity unless narrowed), after writing them at the device
+        position (no host read: graph-safe)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        slots = self.owner.slots(key_states.shape[-2])                     # (q,)
+        owner = self.owner
+        slots = owner.slots(key_states.shape[-2])                          # (q,)
         keys, values = self.keys, self.values
         keys.index_copy_(2, slots, key_states.to(keys.dtype))
         values.index_copy_(2, slots, value_states.to(values.dtype))
-        return keys, values
+        width = owner.width
+        return keys[:, :, :width], values[:, :, :width]                    # (1, kv_heads, width, head_dim)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.capacity, 0
+        return self.owner.width, 0
 
     def get_seq_length(self) -> int:
         return self.owner.length
@@ -94,6 +100,7 @@ class KVCache(Cache):
         self.storage: torch.Tensor | None = None  # (layers, 2, 1, kv_heads, capacity, head_dim)
         self.position: torch.Tensor | None = None  # (1,) long on the device: where the next forward writes
         self.slot_ids: torch.Tensor | None = None  # (capacity,) long: 0..capacity-1, made once per buffer
+        self.window: int | None = None            # slots a forward attends over; None: the whole buffer
         self.steps: OrderedDict = OrderedDict()
         super().__init__(layers=[_Layer(self, i) for i in range(num_layers)])
 
@@ -105,6 +112,22 @@ class KVCache(Cache):
             layer.keys, layer.values = self.storage[i, 0], self.storage[i, 1]
         self.position = torch.full((1,), self.length, dtype=torch.long, device=like.device)
         self.slot_ids = torch.arange(self.capacity, device=like.device)
+
+    @property
+    def width(self) -> int:
+        return self.capacity if self.window is None else self.window
+
+    @contextmanager
+    def narrowed(self, width: int | None):
+        """Forwards inside attend over the first ``width`` slots only (None: all of them). An
+        eager forward knows the committed length on the host, so it skips the empty tail of the
+        bucket: on a CPU, attention over a 256-slot bucket cost twice that over the used slots.
+        A CUDA graph needs the whole, fixed-size buffer, since its length changes under it."""
+        self.window = None if width is None else min(width, self.capacity)
+        try:
+            yield
+        finally:
+            self.window = None
 
     def slots(self, count: int) -> torch.Tensor:
         """(count,) slots ``position + [0, count)`` where a forward of ``count`` tokens writes."""
@@ -157,27 +180,27 @@ class KVCache(Cache):
             self._sync_position()
 
 
-def prefill_mask(past: int, new: int, capacity: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """(1, 1, new, capacity) additive mask for a prefill of ``new`` tokens after ``past``
-    committed ones: causal over the used slots, every later slot hidden."""
+def prefill_mask(past: int, new: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(1, 1, new, width) additive mask for a prefill of ``new`` tokens after ``past``
+    committed ones, over the first ``width`` slots: causal over the used slots, every later slot hidden."""
     q = torch.arange(new, device=device)[:, None] + past                    # (new, 1)
-    k = torch.arange(capacity, device=device)[None, :]                      # (1, capacity)
-    mask = torch.zeros(new, capacity, dtype=dtype, device=device)
+    k = torch.arange(width, device=device)[None, :]                         # (1, width)
+    mask = torch.zeros(new, width, dtype=dtype, device=device)
     mask.masked_fill_(k > q, torch.finfo(dtype).min)
     return mask[None, None]
 
 
 def tree_step_mask(allowed: torch.Tensor, position: torch.Tensor, slot_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(1, 1, T, capacity) additive mask of one verification step, built on the device from the
+    """(1, 1, T, width) additive mask of one verification step, built on the device from the
     device position (so a captured graph stays right as the conversation grows).
 
-    allowed (T, T) bool: node i sees node j; slot_ids (capacity,): 0..capacity-1. Row i sees every
+    allowed (T, T) bool: node i sees node j; slot_ids (width,): 0..width-1, the slots attended over. Row i sees every
     committed slot (< position) and, among the T slots the step writes at [position, position + T),
     the nodes ``allowed`` says."""
     T = allowed.shape[0]
-    rel = slot_ids - position                                                # (capacity,) slot - position
-    in_tree = (rel >= 0) & (rel < T)                                         # (capacity,)
-    tree_ok = allowed[:, rel.clamp(0, T - 1)] & in_tree                      # (T, capacity)
-    ok = tree_ok | (rel < 0)                                                 # (T, capacity)
+    rel = slot_ids - position                                                # (width,) slot - position
+    in_tree = (rel >= 0) & (rel < T)                                         # (width,)
+    tree_ok = allowed[:, rel.clamp(0, T - 1)] & in_tree                      # (T, width)
+    ok = tree_ok | (rel < 0)                                                 # (T, width)
     mask = torch.zeros(ok.shape, dtype=dtype, device=allowed.device)
     return mask.masked_fill_(~ok, torch.finfo(dtype).min)[None, None]

@@ -113,13 +113,15 @@ class DecodeStep:
         device = self.tokens.device
         start = self.cache.length
         ids = torch.tensor(new_ids, device=device)[None]                               # (1, n)
-        hidden = self.decoder(
-            input_ids=ids,
-            attention_mask=prefill_mask(start, len(new_ids), self.cache.capacity, self.dtype, device),
-            position_ids=torch.arange(start, start + len(new_ids), device=device)[None],
-            past_key_values=self.cache,
-            use_cache=True,
-        ).last_hidden_state[0, -1]                                                       # (H,)
+        end = start + len(new_ids)
+        with self.cache.narrowed(end):                 # prefill is eager everywhere: attend over used slots
+            hidden = self.decoder(
+                input_ids=ids,
+                attention_mask=prefill_mask(start, len(new_ids), self.cache.width, self.dtype, device),
+                position_ids=torch.arange(start, end, device=device)[None],
+                past_key_values=self.cache,
+                use_cache=True,
+            ).last_hidden_state[0, -1]                                                   # (H,)
         root = self.targets(self.lm_head(hidden)[None], uniform)                         # (1,)
         self.tokens.copy_(self.propose(root, hidden))
         return root
@@ -129,13 +131,17 @@ class DecodeStep:
         """One step, all on the device -> (D + 3,) long: [accepted count n, the path's D + 1
         tokens (root first; the first n are accepted), bonus token]."""
         tree, cache, pos = self.tree, self.cache, self.cache.position
-        hidden = self.decoder(
-            input_ids=self.tokens[None],
-            attention_mask=tree_step_mask(self.allowed, pos, cache.slot_ids, self.dtype),
-            position_ids=(tree.depths + pos)[None],
-            past_key_values=cache,
-            use_cache=True,
-        ).last_hidden_state[0]                                                           # (T, H)
+        # A graph attends over the whole bucket (its position moves under it); an eager step
+        # knows the committed length on the host and attends over the used slots only.
+        width = None if self.use_graph else cache.length + tree.size
+        with cache.narrowed(width):
+            hidden = self.decoder(
+                input_ids=self.tokens[None],
+                attention_mask=tree_step_mask(self.allowed, pos, cache.slot_ids[:cache.width], self.dtype),
+                position_ids=(tree.depths + pos)[None],
+                past_key_values=cache,
+                use_cache=True,
+            ).last_hidden_state[0]                                                       # (T, H)
         logits = self.lm_head(hidden)                                                    # (T, V)
         targets = self.targets(logits, self.uniforms)                                    # (T,)
         if self.rule.mode == "typical":

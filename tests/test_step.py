@@ -109,3 +109,34 @@ def test_a_dropped_conversation_frees_its_steps_at_once():
         assert alive() is None
     finally:
         gc.enable()
+
+
+def test_eager_steps_attend_over_the_used_slots_and_decode_as_the_whole_bucket_does(monkeypatch):
+    """Off CUDA a step attends over committed + T slots, not the 256-slot bucket (a graph's
+    shape); hiding the empty tail by mask or by not reading it gives the same tokens, greedy,
+    sampled and across a second turn that reuses the prefix."""
+    from medusa_core.kv_cache import KVCache
+
+    model = tiny_model("llama", seed=5)
+    heads = trained_heads(model, steps=30)
+    tree = build_tree_buffers(resolve_tree("small-8"), 5)
+    widths: list[int] = []
+    narrowed = KVCache.narrowed
+
+    def spy(self, width):
+        widths.append(width)
+        return narrowed(self, width)
+
+    def conversation():
+        cache = new_cache(model)
+        out = []
+        for mode, prompt in (("greedy", PROMPT), ("sample", PROMPT + [11, 12])):
+            config = DecodeConfig(mode=mode, max_new_tokens=20, seed=4)
+            out.append(tokens_of(generate(model, prompt, heads=heads, tree=tree, config=config, cache=cache)))
+        return out, cache.capacity
+
+    monkeypatch.setattr(KVCache, "narrowed", spy)
+    narrow, capacity = conversation()
+    assert widths and max(widths) < capacity and widths[0] == len(PROMPT)   # the prefill: the prompt only
+    monkeypatch.setattr(KVCache, "narrowed", lambda self, width: narrowed(self, None))   # as a graph does
+    assert conversation() == (narrow, capacity)
