@@ -8,6 +8,9 @@ residual blocks and ``{h}.{L}.weight`` for a head's own vocabulary projection):
 - medusa-2: a full model whose shards also hold ``medusa_head.{h}...`` keys;
 - medusa-chat: this project's ``save_heads`` output (its config is checked against the weights).
 
+Beside the weights, a heads directory may hold ``proposal_vocab.json`` (this project's own
+addition): the token ids the heads guess among (heads.MedusaHeads.restrict_proposals).
+
 Head and block counts come from the keys, never the config (the published 7B config
 says 2 heads where the file holds 5). Loading is strict: a missing, unexpected or
 mis-shaped tensor is a HeadsLoadError naming the file and the keys.
@@ -30,6 +33,7 @@ from .heads import HeadsConfig, MedusaHeads
 HEADS_FILE = "medusa_lm_head.safetensors"
 HEADS_FILES = (HEADS_FILE, "medusa_lm_head.pt")   # order = preference: safetensors never runs code
 OWN_FORMAT = "medusa-chat-heads"
+PROPOSAL_FILE = "proposal_vocab.json"   # {"token_ids": [...], ...}: optional
 MEDUSA2_PREFIX = "medusa_head."
 
 _KEY = re.compile(r"^(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
@@ -48,6 +52,7 @@ class HeadsFiles:
     layout: str                      # medusa-1 | version-2 | medusa-2 | medusa-chat
     base_model: str | None           # backbone to pair with; a medusa-2 repo is its own backbone
     config: dict
+    proposal_ids: list[int] | None = None   # the tokens the heads guess among (PROPOSAL_FILE); None: all
 
 
 # ---------------------------------------------------------------- reading files
@@ -134,7 +139,8 @@ def read_heads_dir(directory: str | Path) -> HeadsFiles:
             path = directory / name
             state = read_heads_file(path)
             layout = "medusa-chat" if config.get("format") == OWN_FORMAT else "medusa-1"
-            return HeadsFiles(state, str(path), layout, config.get("base_model_name_or_path"), config)
+            return HeadsFiles(state, str(path), layout, config.get("base_model_name_or_path"), config,
+                              read_proposal_vocab(directory))
     if "model_type" in config:
         state, source = _medusa2_state(directory)
         if not state:
@@ -147,6 +153,27 @@ def read_heads_dir(directory: str | Path) -> HeadsFiles:
         f"{directory} has no medusa_lm_head.safetensors, medusa_lm_head.pt or model shards with medusa_head.* keys: "
         "point --heads at a Medusa heads directory"
     )
+
+
+def read_proposal_vocab(directory: Path) -> list[int] | None:
+    """The token ids in ``directory/proposal_vocab.json``, or None when there is no such file."""
+    path = directory / PROPOSAL_FILE
+    if not path.is_file():
+        return None
+    try:
+        ids = json.loads(path.read_text())["token_ids"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise HeadsLoadError(f'{path} is not {{"token_ids": [...]}} ({type(err).__name__}): delete it to let the heads guess among all tokens') from err
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids) or len(set(ids)) != len(ids):
+        raise HeadsLoadError(f"{path}: token_ids must be distinct integers, at least one: rebuild it or delete it")
+    return ids
+
+
+def save_proposal_vocab(directory: str | Path, token_ids: list[int], about: dict) -> Path:
+    """Write ``proposal_vocab.json``: the ids, most used first, and how they were chosen."""
+    path = Path(directory) / PROPOSAL_FILE
+    path.write_text(json.dumps({**about, "token_ids": [int(i) for i in token_ids]}) + "\n")
+    return path
 
 
 # ---------------------------------------------------------------- checking against a backbone
@@ -228,7 +255,19 @@ def heads_from_state(
 
 def load_heads_files(files: HeadsFiles, model: nn.Module, dtype: torch.dtype | None = None) -> MedusaHeads:
     check_declared(files, heads_config_from_keys(files.state, files.source))
-    return heads_from_state(files.state, model, files.source, dtype)
+    heads = heads_from_state(files.state, model, files.source, dtype)
+    if files.proposal_ids is not None:
+        lm_head = model.get_output_embeddings()
+        vocab = int(lm_head.out_features)
+        outside = [i for i in files.proposal_ids if not 0 <= i < vocab]
+        if outside:
+            raise HeadsLoadError(f"{files.source}: {PROPOSAL_FILE} names token ids {outside[:4]} outside the backbone's "
+                                 f"vocabulary of {vocab}: it belongs to another model; delete it or use the right --model")
+        try:
+            heads.restrict_proposals(torch.tensor(files.proposal_ids), lm_head)
+        except ValueError as err:
+            raise HeadsLoadError(f"{files.source}: {PROPOSAL_FILE} cannot be used: {err}") from err
+    return heads
 
 
 def load_heads_dir(directory: str | Path, model: nn.Module) -> MedusaHeads:

@@ -102,8 +102,8 @@ class DecodeStep:
         """Next tree's tokens (T,) from its root token (1,) and the heads at one hidden row (H,)."""
         if self.tree.num_heads == 0:
             return root
-        head_logits = self.heads(hidden_row, self.lm_head, count=self.tree.num_heads)   # (K, V)
-        guesses = torch.topk(head_logits, self.tree.top_k, dim=-1).indices               # (K, top_k)
+        guesses = self.heads.guesses(hidden_row, self.lm_head, self.tree.top_k,
+                                     range(self.tree.num_heads))                        # (K, top_k)
         return torch.cat([root, guesses.flatten()])[self.tree.candidate_index]          # (T,)
 
     # ---- prefill (eager: its length varies)

@@ -113,12 +113,11 @@ def rank_histogram(heads: MedusaHeads, model: nn.Module, batches, top_k: int = 1
     counts = torch.zeros(heads.config.num_heads, top_k + 1, dtype=torch.long)
     for ids, targets in batches:
         hidden = backbone_hidden(model, ids).to(next(heads.parameters()).dtype)
-        for k, head in enumerate(heads.heads):
+        for k in range(heads.config.num_heads):
             shift = k + 2
-            x = head(hidden[:, :-shift])
-            logits = x if heads.config.own_projection else lm_head(x.to(lm_head.weight.dtype))  # (B, S-shift, V)
+            # the decoding step's own guesses (its proposal vocabulary, if the heads have one)
+            guesses = heads.guesses(hidden[:, :-shift], lm_head, top_k, [k])[0]  # (B, S-shift, top_k)
             target = targets[:, shift:]                                          # (B, S-shift)
-            guesses = torch.topk(logits, top_k, dim=-1).indices                 # (B, S-shift, top_k)
             hit = guesses == target[..., None]                                   # (B, S-shift, top_k)
             valid = target != IGNORE
             rank = torch.where(hit.any(-1), hit.long().argmax(-1), top_k)[valid]  # (N,)

@@ -28,6 +28,7 @@ from medusa_core.loading import (
     load_heads_dir,
     save_heads,
 )
+from medusa_core.heads_io import save_proposal_vocab
 from medusa_core.tree import build_tree_buffers, resolve_tree
 
 VOCAB = len(char_tokenizer())
@@ -366,3 +367,55 @@ def test_heads_quant_refuses_a_broken_quantization():
 
     with pytest.raises(HeadsLoadError, match="quantized a .* projection wrongly.*drop --heads-quant"):
         quantize_projections(noisy_heads(model), torch.float32)
+
+
+def test_a_proposal_vocab_restricts_the_guesses_and_never_the_output(root, tmp_path):
+    """proposal_vocab.json beside version-2 heads: they guess only among its tokens, their guesses
+    are the full-vocabulary ranking with every other token left out, and greedy output stays the
+    baseline's."""
+    d = tmp_path / "v2_vocab"
+    d.mkdir()
+    for name in ("medusa_lm_head.safetensors", "config.json"):
+        (d / name).write_bytes((root / "v2" / name).read_bytes())
+    keep = list(range(VOCAB - 1, 2, -2))                 # every other token, highest id first
+    save_proposal_vocab(d, keep, {"about": "test"})
+    loaded = load(LoadSpec(heads=str(d), device="cpu"))
+    heads, lm_head = loaded.heads, loaded.model.get_output_embeddings()
+    assert heads.proposal_vocab_size == len(keep)
+    hidden = torch.randn(3, HIDDEN)
+    guesses = heads.guesses(hidden, lm_head, top_k=4)                    # (K, 3, 4)
+    masked = heads(hidden, lm_head).clone()                              # (K, 3, V)
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[keep] = False
+    masked[..., outside] = float("-inf")
+    assert torch.equal(guesses, torch.topk(masked, 4, dim=-1).indices)
+    full = load(LoadSpec(heads=str(root / "v2"), device="cpu")).heads
+    assert full.proposal_vocab_size is None
+    assert torch.equal(full.guesses(hidden, lm_head, 4), torch.topk(full(hidden, lm_head), 4, dim=-1).indices)
+    assert_greedy_identical(loaded)
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"ids": [1, 2]}', 'is not {"token_ids": \\[...\\]}'),
+    ('{"token_ids": [3, 3]}', "must be distinct integers"),
+    ('{"token_ids": [3, 100000]}', "outside the backbone's vocabulary"),
+])
+def test_a_broken_proposal_vocab_is_one_line(root, tmp_path, content, message):
+    d = tmp_path / "v2_bad"
+    d.mkdir()
+    for name in ("medusa_lm_head.safetensors", "config.json"):
+        (d / name).write_bytes((root / "v2" / name).read_bytes())
+    (d / "proposal_vocab.json").write_text(content)
+    with pytest.raises(HeadsLoadError, match=message) as err:
+        load(LoadSpec(heads=str(d), device="cpu"))
+    assert "\n" not in str(err.value) and "proposal_vocab.json" in str(err.value)
+
+
+def test_a_proposal_vocab_needs_heads_that_share_the_lm_head(root, tmp_path):
+    d = tmp_path / "own_vocab"
+    d.mkdir()
+    for name in ("medusa_lm_head.safetensors", "config.json"):
+        (d / name).write_bytes((root / "own" / name).read_bytes())
+    save_proposal_vocab(d, [3, 4, 5], {})
+    with pytest.raises(HeadsLoadError, match="share the backbone's lm_head"):
+        load(LoadSpec(heads=str(d), device="cpu"))
