@@ -1,7 +1,7 @@
 """Rebuild the CPU default's Medusa heads and tree in ``assets/smollm2/`` end to end:
 
     python -m medusa_core.smol_build --device cuda            # heads: ~10 min on one H100
-    python -m medusa_core.smol_build --stages tree            # tree: ~6 min on 2 CPU cores (+3 without the answers)
+    python -m medusa_core.smol_build --stages vocab tree      # ~21 min on 2 CPU cores (+3 without the answers)
 
 Stages (each writes under --work and --out; run them in order, on the machines that suit them):
   prompts  the chat prompt set (medusa_core.chat_prompts: ~3,100 prompts, 15% with a follow-up turn)
@@ -9,6 +9,10 @@ Stages (each writes under --work and --out; run them in order, on the machines t
            sampled at temperature 0.7, in batches (transformers' generate); then 5 Medusa heads that
            share the model's lm_head ("version 2": a 49152x576 projection per head would outweigh the
            model) are trained on those answers (medusa_core.train)
+  vocab    the proposal vocabulary: the model answers every 12th prompt greedily and at temperature 0.7
+           (192 tokens), and the tokens it uses most (at most 8,192; it used 6,185) become
+           heads/proposal_vocab.json: the heads guess among those only, a projection 8x smaller per
+           step at no loss of accuracy (heads.restrict_proposals; docs/cpu_default.md)
   tree     per-head rank accuracies on the hand-written held-out prompts (assets/smollm2/prompts.jsonl),
            then the tree with the most expected tokens per second on *this* machine
            (medusa_core.calibrate --budget auto): run it on the CPU the app will run on
@@ -23,15 +27,17 @@ import argparse
 import json
 import platform
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from . import calibrate, chat_prompts, smollm2, train
+from .heads_io import save_proposal_vocab
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "smollm2"
-STAGES = ("prompts", "heads", "tree")
+STAGES = ("prompts", "heads", "vocab", "tree")
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,10 @@ class BuildConfig:
     batch_size: int = 32
     lr: float = 1e-3
     eval_every: int = 200
+    proposal_vocab: int = 8192        # tokens the heads guess among (measured: docs/cpu_default.md)
+    vocab_every: int = 12             # the vocab stage answers every 12th prompt
+    vocab_answer_tokens: int = 192
+    vocab_batch: int = 48             # 2 CPU cores: ~1 s per answer
     tree_dtype: str = "float32"       # the exact mode the greedy comparison runs in
     max_budget: int = 16
     seed: int = 0
@@ -77,6 +87,8 @@ def run(stages: list[str], work: Path, out: Path, device: str, config: BuildConf
                 eval_every=config.eval_every, device=device, seed=config.seed))
             detail = {"train_sequences": report["train_sequences"], "held_out_sequences": report["held_out_sequences"],
                       "final": report["final"], "history": report["history"]}
+        elif stage == "vocab":
+            detail = build_proposal_vocab(prompts, work, out / "heads", device, config, model_dir)
         elif stage == "tree":
             result = calibrate.run(calibrate.CalibrateConfig(
                 model=str(model_dir or smollm2.converted_dir()), heads=str(out / "heads"), out=str(out / "tree.json"),
@@ -92,6 +104,40 @@ def run(stages: list[str], work: Path, out: Path, device: str, config: BuildConf
         log_path.write_text(json.dumps(log, indent=2) + "\n")
         print(f"stage {stage}: {seconds:.0f} s", flush=True)
     return log
+
+
+def build_proposal_vocab(prompts: Path, work: Path, heads_dir: Path, device: str, config: BuildConfig,
+                         model_dir: Path | None) -> dict:
+    """The model's own answers to a slice of the prompts -> the ``config.proposal_vocab`` tokens it
+    uses most, written beside the heads; returns what the build log keeps."""
+    from .loading import load_backbone_dir
+    from .train_data import IGNORE, distilled_rows
+
+    if not prompts.is_file():
+        raise FileNotFoundError(f"{prompts} is missing: run the prompts stage first (--stages prompts vocab)")
+    if not heads_dir.is_dir():
+        raise FileNotFoundError(f"{heads_dir} is missing: run the heads stage first, or pass --out with heads/ in it")
+    lines = prompts.read_text().splitlines()[::config.vocab_every]
+    sliced = work / "vocab_prompts.jsonl"
+    sliced.write_text("".join(line + "\n" for line in lines))
+    model, tokenizer = load_backbone_dir(model_dir or smollm2.converted_dir(), device)
+    rows = distilled_rows(model, tokenizer, sliced, False, config.vocab_answer_tokens, work / "vocab_answers.jsonl",
+                          batch_size=config.vocab_batch, temperatures=config.temperatures, seed=config.seed)
+    answers = [[t for t in targets if t != IGNORE] for _, targets in rows]
+    ids, coverage = most_used(answers, config.proposal_vocab)
+    about = {"about": "the tokens SmolLM2-135M-Instruct used most in its own answers; the heads guess among these",
+             "answers": len(answers), "tokens": sum(map(len, answers)), "coverage": round(coverage, 4)}
+    save_proposal_vocab(heads_dir, ids, about)
+    return {"proposal_vocab": len(ids), **{k: about[k] for k in ("answers", "tokens", "coverage")}}
+
+
+def most_used(answers: list[list[int]], size: int) -> tuple[list[int], float]:
+    """The ``size`` most frequent token ids over ``answers``, most frequent first (ties: lower id
+    first), and the share of all answer tokens they cover."""
+    counts = Counter(t for answer in answers for t in answer)
+    ranked = sorted(counts, key=lambda t: (-counts[t], t))[:size]
+    total = sum(counts.values())
+    return ranked, (sum(counts[t] for t in ranked) / total if total else 0.0)
 
 
 def _device_name(device: str) -> str:
