@@ -267,6 +267,7 @@ def measure(args, model, heads, label: str, routing: str, device: torch.device) 
     kv = 2 * shape.layers * shape.hidden * args.context * torch.finfo(DTYPE).bits // 8
     rows, base_ms = [], None
     for n, tree in trees.items():
+        # eager attends over the used KV slots only (KVCache.narrowed), the graph over the whole bucket
         eager = time_step(model, heads, tree, cache, False, args.iters, args.warmup)
         graphed = time_step(model, heads, tree, cache, True, args.iters, args.warmup) if on_cuda else None
         stock = time_stock_forward(model, tree, args.context, cache.capacity, args.iters, args.warmup)

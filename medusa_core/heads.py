@@ -59,7 +59,7 @@ class MedusaHeads(nn.Module):
 
     def forward(self, hidden: torch.Tensor, lm_head: nn.Module, count: int | None = None) -> torch.Tensor:
         """hidden (..., H) -> logits (count, ..., V) over the whole vocabulary, of the first ``count``
-        heads (all by default). ``lm_head`` serves heads without a projection. Training uses this."""
+        heads (all by default). ``lm_head`` serves heads without a projection."""
         return self._project(torch.stack([head(hidden) for head in self.heads[:count]]), lm_head)
 
     def _project(self, outs: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
@@ -82,12 +82,14 @@ class MedusaHeads(nn.Module):
         head accuracy (docs/cpu_default.md)."""
         if self.config.own_projection:
             raise ValueError("a proposal vocabulary needs heads that share the backbone's lm_head (version 2 heads)")
-        weight = lm_head.weight
+        weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
         if not weight.is_floating_point():
-            raise ValueError("a proposal vocabulary needs an unquantized lm_head: load the backbone without 4-bit/8-bit")
+            raise ValueError("a proposal vocabulary needs a floating-point lm_head, and this one is quantized")
         ids = token_ids.to(device=weight.device, dtype=torch.long)
-        self.register_buffer("proposal_ids", ids, persistent=False)                              # (S,)
-        self.register_buffer("proposal_weight", weight.index_select(0, ids).clone(), persistent=False)  # (S, H)
+        self.register_buffer("proposal_ids", ids, persistent=False)                                 # (S,)
+        self.register_buffer("proposal_weight", weight.index_select(0, ids).clone(), persistent=False)   # (S, H)
+        self.register_buffer("proposal_bias", None if bias is None else bias.index_select(0, ids).clone(),
+                             persistent=False)                                                           # (S,)
 
     @property
     def proposal_vocab_size(self) -> int | None:
@@ -104,7 +106,12 @@ class MedusaHeads(nn.Module):
         ids = getattr(self, "proposal_ids", None)
         if ids is None:
             return torch.topk(self._project(outs, lm_head), top_k, dim=-1).indices
-        logits = outs.to(self.proposal_weight.dtype) @ self.proposal_weight.T   # (k, ..., S)
+        if top_k > ids.numel():
+            raise ValueError(f"the tree asks each head for its top {top_k} guesses but the proposal vocabulary holds "
+                             f"{ids.numel()} tokens: use a tree with at most {ids.numel()} children per node, "
+                             "or a larger proposal_vocab.json")
+        logits = nn.functional.linear(outs.to(self.proposal_weight.dtype), self.proposal_weight,
+                                      self.proposal_bias)                                       # (k, ..., S)
         return ids[torch.topk(logits, top_k, dim=-1).indices]
 
     # The published files' keys are our keys with the "heads." prefix removed.

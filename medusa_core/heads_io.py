@@ -160,12 +160,19 @@ def read_proposal_vocab(directory: Path) -> list[int] | None:
     path = directory / PROPOSAL_FILE
     if not path.is_file():
         return None
+    fix = "rebuild it (smol_build --stages vocab) or delete it to let the heads guess among all tokens"
     try:
         ids = json.loads(path.read_text())["token_ids"]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
-        raise HeadsLoadError(f'{path} is not {{"token_ids": [...]}} ({type(err).__name__}): delete it to let the heads guess among all tokens') from err
-    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids) or len(set(ids)) != len(ids):
-        raise HeadsLoadError(f"{path}: token_ids must be distinct integers, at least one: rebuild it or delete it")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
+        raise HeadsLoadError(f'{path} is not {{"token_ids": [...]}} ({type(err).__name__}): {fix}') from err
+    if not isinstance(ids, list) or not ids:
+        raise HeadsLoadError(f"{path}: token_ids is {str(ids)[:40]!r}, not a list of token ids: {fix}")
+    seen: set[int] = set()
+    for i in ids:
+        if not isinstance(i, int) or isinstance(i, bool) or i in seen:
+            why = "a repeat" if i in seen else "not a token id"
+            raise HeadsLoadError(f"{path}: token_ids holds {i!r}, {why}: {fix}")
+        seen.add(i)
     return ids
 
 
@@ -261,12 +268,13 @@ def load_heads_files(files: HeadsFiles, model: nn.Module, dtype: torch.dtype | N
         vocab = int(lm_head.out_features)
         outside = [i for i in files.proposal_ids if not 0 <= i < vocab]
         if outside:
-            raise HeadsLoadError(f"{files.source}: {PROPOSAL_FILE} names token ids {outside[:4]} outside the backbone's "
-                                 f"vocabulary of {vocab}: it belongs to another model; delete it or use the right --model")
+            raise HeadsLoadError(f"{files.source}: {PROPOSAL_FILE} names token ids {outside[:4]} outside the "
+                                 f"backbone's vocabulary of {vocab}: it belongs to another model; "
+                                 "delete it or use the right --model")
         try:
             heads.restrict_proposals(torch.tensor(files.proposal_ids), lm_head)
         except ValueError as err:
-            raise HeadsLoadError(f"{files.source}: {PROPOSAL_FILE} cannot be used: {err}") from err
+            raise HeadsLoadError(f"{files.source}: {PROPOSAL_FILE} cannot be used ({err}): delete it") from err
     return heads
 
 

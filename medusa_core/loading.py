@@ -24,6 +24,7 @@ from .heads import MedusaHeads
 from .heads_io import (  # noqa: F401  (re-exported: callers import these names from loading)
     HEADS_FILE,
     HEADS_FILES,
+    PROPOSAL_FILE,
     HeadsFiles,
     HeadsLoadError,
     heads_config_from_keys,
@@ -157,6 +158,7 @@ def heads_source_dir(source: str) -> Path:
     config = fetch_first(source, ["config.json"])
     heads_file = fetch_first(source, HEADS_FILES)   # safetensors first: the .pt is never fetched if it exists
     if heads_file is not None:
+        fetch_first(source, [PROPOSAL_FILE])        # optional, this project's own: lands beside the weights
         return heads_file.parent
     if config is None:
         raise LoadError(f"{source} has no config.json or medusa_lm_head file: point --heads at a Medusa heads repo")
@@ -223,7 +225,9 @@ def _size(nbytes: float) -> str:
 
 def memory_report(model, heads: MedusaHeads | None, device: str) -> str:
     weights = model.get_memory_footprint()
-    head_bytes = sum(p.numel() * p.element_size() for p in heads.parameters()) if heads is not None else 0
+    # buffers too: a proposal vocabulary's copy of lm_head rows (14 MB for SmolLM2's)
+    tensors = [*heads.parameters(), *heads.buffers()] if heads is not None else []
+    head_bytes = sum(t.numel() * t.element_size() for t in tensors)
     parts = f"weights {_size(weights)} + heads {_size(head_bytes)}"
     if device.startswith("cuda"):
         index = torch.device(device).index or 0

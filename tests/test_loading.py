@@ -15,6 +15,7 @@ from tiny import char_tokenizer, copied_heads, tiny_model
 
 from medusa_core.generate import DecodeConfig, generate
 from medusa_core.heads import HeadsConfig, MedusaHeads
+from medusa_core.heads_io import save_proposal_vocab
 from medusa_core.loading import (
     CPU_DEFAULT_HEADS,
     CPU_DEFAULT_TREE,
@@ -28,7 +29,8 @@ from medusa_core.loading import (
     load_heads_dir,
     save_heads,
 )
-from medusa_core.heads_io import save_proposal_vocab
+from medusa_core.step import DecodeStep
+from medusa_core.train import rank_histogram
 from medusa_core.tree import build_tree_buffers, resolve_tree
 
 VOCAB = len(char_tokenizer())
@@ -392,12 +394,29 @@ def test_a_proposal_vocab_restricts_the_guesses_and_never_the_output(root, tmp_p
     full = load(LoadSpec(heads=str(root / "v2"), device="cpu")).heads
     assert full.proposal_vocab_size is None
     assert torch.equal(full.guesses(hidden, lm_head, 4), torch.topk(full(hidden, lm_head), 4, dim=-1).indices)
-    assert_greedy_identical(loaded)
+
+    proposed = []                                      # what the decoding step writes as the next tree
+    propose = DecodeStep.propose
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DecodeStep, "propose", lambda self, root, row: proposed.append(propose(self, root, row)) or proposed[-1])
+        assert_greedy_identical(loaded)
+    guessed = torch.cat([tree[1:] for tree in proposed]).tolist()       # node 0 is the backbone's own token
+    assert guessed and set(guessed) <= set(keep)
+
+    # calibrate's accuracies rank the same guesses: targets outside the vocabulary are never hit
+    ids = torch.tensor([[1, 40, 41, 42, 43, 44, 45, 46]])
+    counts = rank_histogram(heads, loaded.model, [(ids, torch.full_like(ids, 4))], top_k=3)   # 4 is not in keep
+    assert counts[:, :3].sum() == 0 and counts[:, 3].tolist() == [8 - k - 2 for k in range(heads.config.num_heads)]
+    with pytest.raises(ValueError, match="top 9 guesses but the proposal vocabulary holds 2 tokens"):
+        heads.restrict_proposals(torch.tensor([5, 7]), lm_head)
+        heads.guesses(hidden, lm_head, top_k=9)
 
 
 @pytest.mark.parametrize("content, message", [
     ('{"ids": [1, 2]}', 'is not {"token_ids": \\[...\\]}'),
-    ('{"token_ids": [3, 3]}', "must be distinct integers"),
+    ('{"token_ids": 5}', "token_ids is '5', not a list"),
+    ('{"token_ids": [3, 4, 3]}', "holds 3, a repeat"),
+    ('{"token_ids": [3, "a"]}', "holds 'a', not a token id"),
     ('{"token_ids": [3, 100000]}', "outside the backbone's vocabulary"),
 ])
 def test_a_broken_proposal_vocab_is_one_line(root, tmp_path, content, message):

@@ -115,17 +115,18 @@ def test_eager_steps_attend_over_the_used_slots_and_decode_as_the_whole_bucket_d
     """Off CUDA a step attends over committed + T slots, not the 256-slot bucket (a graph's
     shape); hiding the empty tail by mask or by not reading it gives the same tokens, greedy,
     sampled and across a second turn that reuses the prefix."""
-    from medusa_core.kv_cache import KVCache
+    from medusa_core.kv_cache import KVCache, _Layer
 
     model = tiny_model("llama", seed=5)
     heads = trained_heads(model, steps=30)
     tree = build_tree_buffers(resolve_tree("small-8"), 5)
-    widths: list[int] = []
-    narrowed = KVCache.narrowed
+    seen: list[tuple[int, int, int]] = []     # (keys attended over, committed length, new entries)
+    update, narrowed = _Layer.update, KVCache.narrowed
 
-    def spy(self, width):
-        widths.append(width)
-        return narrowed(self, width)
+    def spy(self, key_states, value_states, *args, **kwargs):
+        keys, values = update(self, key_states, value_states, *args, **kwargs)
+        seen.append((keys.shape[2], self.owner.length, key_states.shape[2]))
+        return keys, values
 
     def conversation():
         cache = new_cache(model)
@@ -135,8 +136,11 @@ def test_eager_steps_attend_over_the_used_slots_and_decode_as_the_whole_bucket_d
             out.append(tokens_of(generate(model, prompt, heads=heads, tree=tree, config=config, cache=cache)))
         return out, cache.capacity
 
-    monkeypatch.setattr(KVCache, "narrowed", spy)
+    monkeypatch.setattr(_Layer, "update", spy)
     narrow, capacity = conversation()
-    assert widths and max(widths) < capacity and widths[0] == len(PROMPT)   # the prefill: the prompt only
+    assert seen[0] == (len(PROMPT), 0, len(PROMPT))                      # the prefill: the prompt only
+    assert {q for _, _, q in seen} >= {tree.size} and all(keys == length + q for keys, length, q in seen)
+    seen.clear()
     monkeypatch.setattr(KVCache, "narrowed", lambda self, width: narrowed(self, None))   # as a graph does
     assert conversation() == (narrow, capacity)
+    assert {keys for keys, _, _ in seen} == {capacity}
