@@ -1,7 +1,7 @@
 """Rebuild the CPU default's Medusa heads and tree in ``assets/smollm2/`` end to end:
 
     python -m medusa_core.smol_build --device cuda            # heads: ~10 min on one H100
-    python -m medusa_core.smol_build --stages vocab tree      # ~21 min on 2 CPU cores (+3 without the answers)
+    python -m medusa_core.smol_build --stages prompts vocab tree   # ~21 min on 2 CPU cores (+3 without the answers)
 
 Stages (each writes under --work and --out; run them in order, on the machines that suit them):
   prompts  the chat prompt set (medusa_core.chat_prompts: ~3,100 prompts, 15% with a follow-up turn)
@@ -17,7 +17,7 @@ Stages (each writes under --work and --out; run them in order, on the machines t
            then the tree with the most expected tokens per second on *this* machine
            (medusa_core.calibrate --budget auto): run it on the CPU the app will run on
 
-On 2 CPU cores the heads stage would take days (answer generation ~1 s per answer even batched, and
+On 2 CPU cores the heads stage would take days (answer generation ~1.6 s per answer even batched, and
 every training step runs five 49152-wide projections forwards and backwards); a GPU does it in minutes.
 """
 
@@ -55,7 +55,7 @@ class BuildConfig:
     proposal_vocab: int = 8192        # tokens the heads guess among (measured: docs/cpu_default.md)
     vocab_every: int = 12             # the vocab stage answers every 12th prompt
     vocab_answer_tokens: int = 192
-    vocab_batch: int = 48             # 2 CPU cores: ~1 s per answer
+    vocab_batch: int = 48             # 2 CPU cores: ~1.6 s per answer
     tree_dtype: str = "float32"       # the exact mode the greedy comparison runs in
     max_budget: int = 16
     seed: int = 0
