@@ -438,3 +438,21 @@ def test_a_proposal_vocab_needs_heads_that_share_the_lm_head(root, tmp_path):
     save_proposal_vocab(d, [3, 4, 5], {})
     with pytest.raises(HeadsLoadError, match="share the backbone's lm_head"):
         load(LoadSpec(heads=str(d), device="cpu"))
+
+
+def test_proposals_keep_the_lm_heads_bias():
+    """An lm_head with a bias (Phi-2 has one): restricted guesses rank exactly as the full
+    projection does with the other tokens left out."""
+    torch.manual_seed(0)
+    lm_head = torch.nn.Linear(16, 50)
+    heads = MedusaHeads(HeadsConfig(2, 1, 16, 50, own_projection=False)).eval()
+    with torch.no_grad():
+        lm_head.bias.mul_(40)                           # large enough to reorder the guesses
+    keep = torch.arange(0, 50, 3)
+    hidden = torch.randn(4, 16)
+    masked = heads(hidden, lm_head).clone()
+    outside = torch.ones(50, dtype=torch.bool)
+    outside[keep] = False
+    masked[..., outside] = float("-inf")
+    heads.restrict_proposals(keep, lm_head)
+    assert torch.equal(heads.guesses(hidden, lm_head, top_k=3), torch.topk(masked, 3, dim=-1).indices)
