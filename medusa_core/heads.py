@@ -44,6 +44,9 @@ class MedusaHeads(nn.Module):
                 blocks.append(nn.Linear(config.hidden_size, config.vocab_size, bias=False))
             layers.append(nn.Sequential(*blocks))
         self.heads = nn.ModuleList(layers)
+        # The proposal vocabulary (restrict_proposals): None until set; never saved with the weights.
+        for name in ("proposal_ids", "proposal_weight", "proposal_bias"):
+            self.register_buffer(name, None, persistent=False)
 
     @torch.no_grad()
     def init_from_lm_head(self, lm_head: nn.Module) -> None:
@@ -86,15 +89,13 @@ class MedusaHeads(nn.Module):
         if not weight.is_floating_point():
             raise ValueError("a proposal vocabulary needs a floating-point lm_head, and this one is quantized")
         ids = token_ids.to(device=weight.device, dtype=torch.long)
-        self.register_buffer("proposal_ids", ids, persistent=False)                                 # (S,)
-        self.register_buffer("proposal_weight", weight.index_select(0, ids).clone(), persistent=False)   # (S, H)
-        self.register_buffer("proposal_bias", None if bias is None else bias.index_select(0, ids).clone(),
-                             persistent=False)                                                           # (S,)
+        self.proposal_ids = ids                                                                  # (S,)
+        self.proposal_weight = weight.index_select(0, ids).clone()                               # (S, H)
+        self.proposal_bias = None if bias is None else bias.index_select(0, ids).clone()         # (S,)
 
     @property
     def proposal_vocab_size(self) -> int | None:
-        ids = getattr(self, "proposal_ids", None)
-        return None if ids is None else int(ids.numel())
+        return None if self.proposal_ids is None else int(self.proposal_ids.numel())
 
     def guesses(self, hidden: torch.Tensor, lm_head: nn.Module, top_k: int,
                 which: range | list[int] | None = None) -> torch.Tensor:
@@ -103,7 +104,7 @@ class MedusaHeads(nn.Module):
         the heads to run (all by default); a shallow tree reads only the heads it uses."""
         which = range(self.config.num_heads) if which is None else which
         outs = torch.stack([self.heads[k](hidden) for k in which])          # (k, ..., H or V)
-        ids = getattr(self, "proposal_ids", None)
+        ids = self.proposal_ids
         if ids is None:
             return torch.topk(self._project(outs, lm_head), top_k, dim=-1).indices
         if top_k > ids.numel():
