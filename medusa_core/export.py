@@ -53,6 +53,9 @@ def read_source(source: str) -> tuple[HeadsFiles, HeadsConfig]:
         files = replace(files, base_model=source)   # the hub id, not this machine's cache path
     found = heads_config_from_keys(files.state, files.source)
     check_declared(files, found)
+    if found.root_conditioned:
+        raise LoadError(f"{files.source}: these heads are root-conditioned (root.* blocks, this project's own layout), "
+                        "which TGI and vLLM cannot run: export heads trained without --root-conditioned")
     return files, found
 
 

@@ -4,6 +4,13 @@ Head k guesses the token k + 1 places after the backbone's next token:
 ``h' = h + SiLU(W h + b)`` for each residual block, then a vocabulary
 projection. The module layout makes ``state_dict()`` keys match the published
 Medusa-1 files: ``{head}.{block}.linear.weight/bias`` and ``{head}.{blocks}.weight``.
+
+Root-conditioned heads (this project's own layout, ``root.{head}.linear.weight/bias`` beside the
+published keys) also read the token the backbone itself chose next, the root of the tree, which
+the step knows before the heads run: ``h' = h + SiLU(W [h; e] + b)`` first, with e the lm_head's
+row of that token (SmolLM2 ties it to the embedding), so no new vocabulary-sized weight is added.
+A head that knows x_{t+1} guesses x_{t+2} far better than one that must infer it from h_t
+(docs/cpu_default.md). With W and b zero it is the unconditioned head.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ class HeadsConfig:
     hidden_size: int
     vocab_size: int
     own_projection: bool = True  # False: "version 2" heads that reuse the backbone's lm_head
+    root_conditioned: bool = False  # True: each head first reads the root token (RootBlock)
 
 
 class ResBlock(nn.Module):
@@ -31,6 +39,19 @@ class ResBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.act(self.linear(x))
+
+
+class RootBlock(nn.Module):
+    """h' = h + SiLU(W [h; e] + b): a residual block that also reads e, the lm_head row of the root token."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(2 * hidden_size, hidden_size)
+        self.act = nn.SiLU()
+
+    def forward(self, x: torch.Tensor, root_row: torch.Tensor) -> torch.Tensor:
+        """x (..., H), root_row (..., H) -> (..., H)."""
+        return x + self.act(self.linear(torch.cat([x, root_row], dim=-1)))
 
 
 class MedusaHeads(nn.Module):
@@ -44,6 +65,9 @@ class MedusaHeads(nn.Module):
                 blocks.append(nn.Linear(config.hidden_size, config.vocab_size, bias=False))
             layers.append(nn.Sequential(*blocks))
         self.heads = nn.ModuleList(layers)
+        # named "root" so that state_dict keys read root.{head}.linear.* (heads_io's own-layout keys)
+        self.root = nn.ModuleList([RootBlock(config.hidden_size) for _ in range(config.num_heads)]) \
+            if config.root_conditioned else None
         # The proposal vocabulary (restrict_proposals): None until set; never saved with the weights.
         for name in ("proposal_ids", "proposal_weight", "proposal_bias"):
             self.register_buffer(name, None, persistent=False)
@@ -59,11 +83,37 @@ class MedusaHeads(nn.Module):
                     block.linear.bias.zero_()
                 elif self.config.own_projection:
                     block.weight.copy_(lm_head.weight.to(block.weight.dtype))
+        self.zero_root_blocks()
 
-    def forward(self, hidden: torch.Tensor, lm_head: nn.Module, count: int | None = None) -> torch.Tensor:
+    @torch.no_grad()
+    def zero_root_blocks(self) -> None:
+        """Root blocks that pass h through unchanged: heads warm-started from unconditioned ones
+        begin exactly where those were."""
+        for block in self.root or ():
+            block.linear.weight.zero_()
+            block.linear.bias.zero_()
+
+    def _blocks(self, hidden: torch.Tensor, lm_head: nn.Module, which, root: torch.Tensor | None) -> torch.Tensor:
+        """hidden (..., H), root (...,) token ids -> (k, ..., H or V): the blocks of heads ``which``
+        (and their own projections, if they have them)."""
+        if self.root is None:
+            return torch.stack([self.heads[k](hidden) for k in which])
+        if root is None:
+            raise ValueError("these heads are root-conditioned: pass root, the backbone's own next token ids")
+        weight = lm_head.weight
+        if not weight.is_floating_point():
+            raise ValueError("root-conditioned heads read the lm_head's rows, and this lm_head is quantized: "
+                             "keep the lm_head unquantized")
+        rows = weight.index_select(0, root.reshape(-1)).reshape(*root.shape, -1).to(hidden.dtype)   # (..., H)
+        return torch.stack([self.heads[k](self.root[k](hidden, rows)) for k in which])
+
+    def forward(self, hidden: torch.Tensor, lm_head: nn.Module, count: int | None = None,
+                root: torch.Tensor | None = None) -> torch.Tensor:
         """hidden (..., H) -> logits (count, ..., V) over the whole vocabulary, of the first ``count``
-        heads (all by default). ``lm_head`` serves heads without a projection."""
-        return self._project(torch.stack([head(hidden) for head in self.heads[:count]]), lm_head)
+        heads (all by default). ``lm_head`` serves heads without a projection; ``root`` (...,) is the
+        backbone's next token at each row, needed by root-conditioned heads."""
+        which = range(self.config.num_heads)[:count]
+        return self._project(self._blocks(hidden, lm_head, which, root), lm_head)
 
     def _project(self, outs: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """outs (k, ..., H or V) from the heads' blocks -> logits (k, ..., V)."""
@@ -97,23 +147,40 @@ class MedusaHeads(nn.Module):
     def proposal_vocab_size(self) -> int | None:
         return None if self.proposal_ids is None else int(self.proposal_ids.numel())
 
+    def logits(self, hidden: torch.Tensor, lm_head: nn.Module, which: range | list[int] | None = None,
+               root: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden (..., H) -> logits (len(which), ..., S) over the proposal vocabulary if one is set
+        (column j is token proposal_ids[j]), else (len(which), ..., V) over the whole vocabulary."""
+        which = range(self.config.num_heads) if which is None else which
+        outs = self._blocks(hidden, lm_head, which, root)                   # (k, ..., H or V)
+        if self.proposal_ids is None:
+            return self._project(outs, lm_head)
+        return nn.functional.linear(outs.to(self.proposal_weight.dtype), self.proposal_weight,
+                                    self.proposal_bias)                       # (k, ..., S)
+
+    def logit_columns(self, token_ids: torch.Tensor, ignore: int) -> torch.Tensor:
+        """Token ids (any shape) -> their column in ``logits`` (``ignore`` for ids the heads cannot guess
+        and for ``ignore`` itself): the targets of a loss over the proposal vocabulary."""
+        if self.proposal_ids is None:
+            return token_ids
+        column = torch.full((int(self.proposal_ids.max()) + 2,), ignore, dtype=torch.long, device=token_ids.device)
+        column[self.proposal_ids.to(token_ids.device)] = torch.arange(self.proposal_ids.numel(), device=token_ids.device)
+        inside = (token_ids >= 0) & (token_ids < column.numel())
+        return torch.where(inside, column[token_ids.clamp(0, column.numel() - 1)], ignore)
+
     def guesses(self, hidden: torch.Tensor, lm_head: nn.Module, top_k: int,
-                which: range | list[int] | None = None) -> torch.Tensor:
+                which: range | list[int] | None = None, root: torch.Tensor | None = None) -> torch.Tensor:
         """hidden (..., H) -> token ids (len(which), ..., top_k): each head's top_k guesses, best
         first, over the proposal vocabulary if one is set (else the whole vocabulary). ``which``:
-        the heads to run (all by default); a shallow tree reads only the heads it uses."""
-        which = range(self.config.num_heads) if which is None else which
-        outs = torch.stack([self.heads[k](hidden) for k in which])          # (k, ..., H or V)
+        the heads to run (all by default); a shallow tree reads only the heads it uses. ``root``
+        (...,): the backbone's next token at each row (root-conditioned heads only)."""
         ids = self.proposal_ids
-        if ids is None:
-            return torch.topk(self._project(outs, lm_head), top_k, dim=-1).indices
-        if top_k > ids.numel():
+        if ids is not None and top_k > ids.numel():
             raise ValueError(f"the tree asks each head for its top {top_k} guesses but the proposal vocabulary holds "
                              f"{ids.numel()} tokens: use a tree with at most {ids.numel()} children per node, "
                              "or a larger proposal_vocab.json")
-        logits = nn.functional.linear(outs.to(self.proposal_weight.dtype), self.proposal_weight,
-                                      self.proposal_bias)                                       # (k, ..., S)
-        return ids[torch.topk(logits, top_k, dim=-1).indices]
+        best = torch.topk(self.logits(hidden, lm_head, which, root), top_k, dim=-1).indices
+        return best if ids is None else ids[best]
 
     # The published files' keys are our keys with the "heads." prefix removed.
     def published_state_dict(self) -> dict[str, torch.Tensor]:
@@ -121,4 +188,4 @@ class MedusaHeads(nn.Module):
 
     def load_published_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Strict load: a missing or unexpected key is an error listing the keys."""
-        self.load_state_dict({f"heads.{k}": v for k, v in state.items()}, strict=True)
+        self.load_state_dict({k if k.startswith("root.") else f"heads.{k}": v for k, v in state.items()}, strict=True)

@@ -6,7 +6,9 @@ residual blocks and ``{h}.{L}.weight`` for a head's own vocabulary projection):
 - medusa-1: ``config.json`` + ``medusa_lm_head.safetensors`` or ``.pt`` (FasterDecoding);
 - version-2: the same files without the projections; the heads reuse the backbone's lm_head;
 - medusa-2: a full model whose shards also hold ``medusa_head.{h}...`` keys;
-- medusa-chat: this project's ``save_heads`` output (its config is checked against the weights).
+- medusa-chat: this project's ``save_heads`` output (its config is checked against the weights),
+  which may add root blocks ``root.{h}.linear.weight/bias`` (heads.RootBlock: heads that read the
+  root token; no serving engine knows these, so export refuses them).
 
 Beside the weights, a heads directory may hold ``proposal_vocab.json`` (this project's own
 addition): the token ids the heads guess among (heads.MedusaHeads.restrict_proposals).
@@ -37,6 +39,7 @@ PROPOSAL_FILE = "proposal_vocab.json"   # {"token_ids": [...], ...}: optional
 MEDUSA2_PREFIX = "medusa_head."
 
 _KEY = re.compile(r"^(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
+_ROOT_KEY = re.compile(r"^root\.(\d+)\.linear\.(weight|bias)$")
 
 
 class HeadsLoadError(LoadError, ValueError):
@@ -187,12 +190,15 @@ def save_proposal_vocab(directory: str | Path, token_ids: list[int], about: dict
 
 def heads_config_from_keys(state: dict[str, torch.Tensor], source: str) -> HeadsConfig:
     """Count heads and residual blocks from the keys (vocab_size 0 when heads reuse the lm_head)."""
-    unexpected = sorted(k for k in state if not _KEY.match(k))
+    unexpected = sorted(k for k in state if not (_KEY.match(k) or _ROOT_KEY.match(k)))
     if unexpected:
         raise HeadsLoadError(f"{source}: unexpected keys {unexpected[:8]}: not a Medusa heads file (keys must look like 0.0.linear.weight)")
     if not state:
         raise HeadsLoadError(f"{source}: holds no head weights: point --heads at trained Medusa heads")
-    parsed = [(int(m[1]), int(m[2]), m[3]) for m in map(_KEY.match, state)]
+    root_conditioned = any(map(_ROOT_KEY.match, state))
+    parsed = [(int(m[1]), int(m[2]), m[3]) for m in map(_KEY.match, state) if m]
+    if not parsed:
+        raise HeadsLoadError(f"{source}: holds root blocks but no heads: the file is incomplete; save the heads again")
     num_heads = max(h for h, _, _ in parsed) + 1
     num_layers = max((l for _, l, kind in parsed if kind.startswith("linear")), default=-1) + 1
     projections = [state[f"{h}.{l}.weight"] for h, l, kind in parsed if kind == "weight"]
@@ -200,7 +206,7 @@ def heads_config_from_keys(state: dict[str, torch.Tensor], source: str) -> Heads
     any_block = next((state[k] for k in state if k.endswith("linear.weight")), None)
     hidden = any_block.shape[-1] if any_block is not None else projections[0].shape[-1]
     vocab = projections[0].shape[0] if own_projection else 0
-    return HeadsConfig(num_heads, num_layers, hidden, vocab, own_projection)
+    return HeadsConfig(num_heads, num_layers, hidden, vocab, own_projection, root_conditioned)
 
 
 def check_declared(files: HeadsFiles, found: HeadsConfig) -> None:
@@ -215,10 +221,10 @@ def check_declared(files: HeadsFiles, found: HeadsConfig) -> None:
         )
     if files.layout == "medusa-chat":
         for field, value in (("medusa_num_heads", found.num_heads), ("medusa_num_layers", found.num_layers),
-                             ("hidden_size", found.hidden_size)):
-            if field in config and config[field] != value:
+                             ("hidden_size", found.hidden_size), ("root_conditioned", found.root_conditioned)):
+            if config.get(field, False if field == "root_conditioned" else value) != value:
                 raise HeadsLoadError(
-                    f"{files.source}: config.json says {field}={config[field]} but the weights hold {value}: "
+                    f"{files.source}: config.json says {field}={config.get(field, False)} but the weights hold {value}: "
                     "the directory mixes two saves; save the heads again"
                 )
 
@@ -241,7 +247,8 @@ def heads_from_state(
             f"{source}: heads have vocabulary size {found.vocab_size} but the backbone has {vocab}: "
             "use heads trained for this backbone (or pass the right --model)"
         )
-    heads = MedusaHeads(HeadsConfig(found.num_heads, found.num_layers, found.hidden_size, vocab, found.own_projection))
+    heads = MedusaHeads(HeadsConfig(found.num_heads, found.num_layers, found.hidden_size, vocab, found.own_projection,
+                                    found.root_conditioned))
     expected = heads.published_state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -287,7 +294,8 @@ def load_heads_dir(directory: str | Path, model: nn.Module) -> MedusaHeads:
 
 def save_heads(heads: MedusaHeads, directory: str | Path, base_model: str) -> Path:
     """The project's heads layout: published keys in safetensors, plus a config that records
-    what the loader checks (head count, blocks, sizes, base model). TGI reads it as is."""
+    what the loader checks (head count, blocks, sizes, base model). TGI reads it as is unless the
+    heads are root-conditioned."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
@@ -302,6 +310,7 @@ def save_heads(heads: MedusaHeads, directory: str | Path, base_model: str) -> Pa
         "hidden_size": c.hidden_size,
         "vocab_size": c.vocab_size,
         "own_projection": c.own_projection,
+        "root_conditioned": c.root_conditioned,
         "base_model_name_or_path": base_model,
     }
     if not c.own_projection:

@@ -294,7 +294,8 @@ def load(spec: LoadSpec) -> Loaded:
         c = heads.config
         heads_from = CPU_DEFAULT_HEADS.relative_to(CPU_DEFAULT_DIR.parent.parent) if bundled else spec.heads
         guessing = f", guessing among {heads.proposal_vocab_size:,} tokens" if heads.proposal_vocab_size else ""
-        heads_text = (f" + {c.num_heads} {files.layout} heads x {c.num_layers} block(s)"
+        rooted = " reading the root token" if c.root_conditioned else ""
+        heads_text = (f" + {c.num_heads} {files.layout} heads x {c.num_layers} block(s){rooted}"
                       f"{' (nf4 projections)' if spec.heads_quant == 'nf4' else ''}{guessing} from {heads_from}")
     else:
         heads_text = " (no heads: baseline decoding only)"

@@ -103,7 +103,7 @@ class DecodeStep:
         if self.tree.num_heads == 0:
             return root
         guesses = self.heads.guesses(hidden_row, self.lm_head, self.tree.top_k,
-                                     range(self.tree.num_heads))                        # (K, top_k)
+                                     range(self.tree.num_heads), root=root[0])          # (K, top_k)
         return torch.cat([root, guesses.flatten()])[self.tree.candidate_index]          # (T,)
 
     # ---- prefill (eager: its length varies)

@@ -48,6 +48,19 @@ def test_replay_equals_eager_and_cpu(setup, spec):
         assert max(len(s.tokens) for s in graphed) > 1     # accepted paths were copied down inside the graph
 
 
+def test_root_conditioned_heads_in_a_graph_equal_cpu():
+    """The captured step reads the root token from its own device buffer: the graph proposes what
+    the eager CPU step proposes, so the accepted lengths agree step for step."""
+    model = tiny_model("llama", seed=3)
+    heads = trained_heads(model, root_conditioned=True)
+    tree, config = tree_of("small-16", "cpu"), DecodeConfig(max_new_tokens=80)
+    cpu = list(generate(model, PROMPT, heads=heads, tree=tree, config=config))
+    graphed = list(generate(model.cuda(), PROMPT, heads=heads.cuda(), tree=tree_of("small-16"), config=config,
+                            graphs=True))
+    assert [s.tokens for s in graphed] == [s.tokens for s in cpu]
+    assert max(len(s.tokens) for s in graphed) > 1
+
+
 def test_sampling_in_a_graph_follows_the_seed(setup):
     model, heads = setup
     tree = tree_of("small-16")

@@ -23,7 +23,8 @@ def hf_greedy(model, prompt, n):
 @pytest.fixture(scope="module", params=["llama", "mistral", "qwen2"])
 def backbone(request):
     model = tiny_model(request.param)
-    return model, {"trained": trained_heads(model), "random": random_heads(model)}
+    return model, {"trained": trained_heads(model), "random": random_heads(model),
+                   "root-conditioned": trained_heads(model, root_conditioned=True)}
 
 
 def test_greedy_medusa_equals_baseline_and_transformers(backbone):
@@ -43,6 +44,7 @@ def test_greedy_medusa_equals_baseline_and_transformers(backbone):
                 accepted.setdefault(kind, []).extend(len(s.tokens) for s in steps[1:])
     mean = {kind: sum(v) / len(v) for kind, v in accepted.items()}
     assert mean["trained"] > 1.5      # acceptance of several tokens per step is exercised
+    assert mean["root-conditioned"] > 1.5
     assert mean["random"] < 1.2       # and so is rejection
 
 

@@ -9,7 +9,7 @@ from tiny import char_tokenizer, copied_heads, tiny_model
 from medusa_core.heads import MedusaHeads
 from medusa_core.loading import load_backbone_dir, load_heads_dir
 from medusa_core.train import (
-    IGNORE, TrainConfig, backbone_hidden, fit_heads, head_loss, main, main_with_config, padded,
+    IGNORE, TrainConfig, backbone_hidden, fit_heads, head_loss, main, main_with_config, padded, positions,
 )
 from medusa_core.train_data import answer_row, corpus_rows, read_answers
 
@@ -29,7 +29,8 @@ def backbone_dir(tmp_path_factory):
 def loss_on(model, heads: MedusaHeads, rows) -> float:
     ids, targets = padded(rows, pad=0, device="cpu")
     with torch.no_grad():
-        return head_loss(heads, backbone_hidden(model, ids), targets, model.get_output_embeddings()).total.item()
+        batch = positions(backbone_hidden(model, ids), ids, targets, heads.config.num_heads)
+        return head_loss(heads, batch, model.get_output_embeddings()).total.item()
 
 
 def test_fit_heads_lowers_the_loss():
@@ -48,11 +49,12 @@ def test_ignored_targets_do_not_count():
     heads = copied_heads(model, 2)
     ids, targets = answer_row([5, 6, 7, 8], [9, 10, 11, 12])
     assert targets[:4] == [IGNORE] * 4
-    hidden = backbone_hidden(model, torch.tensor([ids]))
-    masked = head_loss(heads, hidden, torch.tensor([targets]), model.lm_head).per_head
+    ids = torch.tensor([ids])
+    hidden = backbone_hidden(model, ids)
+    masked = head_loss(heads, positions(hidden, ids, torch.tensor([targets]), 2), model.lm_head).per_head
     changed = list(targets)
     changed[2] = 40   # a prompt position turned into a target changes the loss: the mask is what hid it
-    assert head_loss(heads, hidden, torch.tensor([changed]), model.lm_head).per_head != masked
+    assert head_loss(heads, positions(hidden, ids, torch.tensor([changed]), 2), model.lm_head).per_head != masked
 
 
 def test_self_distillation_cli_trains_saves_and_reloads(backbone_dir):
@@ -142,3 +144,29 @@ def test_cli_trains_shared_projection_heads_on_a_bf16_backbone(backbone_dir, cap
     with pytest.raises(SystemExit):
         main(["--help"])
     assert capsys.readouterr().out.startswith("usage: python -m medusa_core.train")
+
+
+def test_root_conditioned_warm_start_on_cached_hidden_states(backbone_dir):
+    """The root stage's recipe in small: version-2 heads with a proposal vocabulary, extended with
+    zero root blocks, trained on hidden states computed once; the result reads the root token, keeps
+    the vocabulary and fits the answers better than the heads it started from."""
+    from medusa_core.heads_io import save_proposal_vocab
+
+    base = dict(model=str(backbone_dir / "backbone"), prompts=str(backbone_dir / "prompts.jsonl"), raw_prompts=True,
+                answer_tokens=24, work_dir=str(backbone_dir / "shared_work"), lr=3e-3, eval_every=30)
+    main_with_config(TrainConfig(out=str(backbone_dir / "v2"), num_heads=3, own_projection=False, steps=30,
+                                 batch_size=4, **base))
+    answers = read_answers(backbone_dir / "shared_work" / "distill_answers.jsonl")
+    used = sorted({t for _, targets in answers for t in targets if t != IGNORE})
+    save_proposal_vocab(backbone_dir / "v2", used, {"about": "every token of the answers"})
+
+    report = main_with_config(TrainConfig(out=str(backbone_dir / "rooted"), init_heads=str(backbone_dir / "v2"),
+                                          root_conditioned=True, cache_hidden=True, positions=64, steps=60,
+                                          root_lr=1e-2, **base))
+    assert [h["step"] for h in report["history"]] == [30, 60]
+    model, _ = load_backbone_dir(backbone_dir / "backbone")
+    before, after = load_heads_dir(backbone_dir / "v2", model), load_heads_dir(backbone_dir / "rooted", model)
+    assert after.config.root_conditioned and not after.config.own_projection and after.config.num_heads == 3
+    assert after.proposal_ids.tolist() == used
+    assert any(block.linear.weight.abs().sum() > 0 for block in after.root)
+    assert loss_on(model, after, answers) < loss_on(model, before, answers)

@@ -60,8 +60,10 @@ def random_heads(model, num_heads: int = 5, seed: int = 1) -> MedusaHeads:
     return MedusaHeads(HeadsConfig(num_heads, 1, c.hidden_size, c.vocab_size)).eval()
 
 
-def trained_heads(model, num_heads: int = 5, steps: int = 150, seed: int = 1) -> MedusaHeads:
-    """Heads fitted to the backbone's own greedy text: often right, so acceptance > 1."""
+def trained_heads(model, num_heads: int = 5, steps: int = 150, seed: int = 1,
+                  root_conditioned: bool = False) -> MedusaHeads:
+    """Heads fitted to the backbone's own greedy text: often right, so acceptance > 1. Root-conditioned
+    heads start with a small random root block, so the root token changes their guesses from step one."""
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     seqs = []
@@ -70,6 +72,11 @@ def trained_heads(model, num_heads: int = 5, steps: int = 150, seed: int = 1) ->
         out = [t for s in generate(model, prompt, config=DecodeConfig(max_new_tokens=40)) for t in s.tokens]
         seqs.append(prompt + out)
     heads = copied_heads(model, num_heads)
+    if root_conditioned:
+        c = heads.config
+        extended = MedusaHeads(HeadsConfig(c.num_heads, c.num_layers, c.hidden_size, c.vocab_size, root_conditioned=True))
+        extended.heads.load_state_dict(heads.heads.state_dict())
+        heads = extended.eval()
     fit_heads(model, heads, seqs, steps=steps, lr=3e-3, seed=seed)
     return heads
 
