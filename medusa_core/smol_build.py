@@ -1,6 +1,7 @@
 """Rebuild the CPU default's Medusa heads and tree in ``assets/smollm2/`` end to end:
 
     python -m medusa_core.smol_build --device cuda            # heads: ~10 min on one H100
+    python -m medusa_core.smol_build --stages prompts root --device cuda   # root-conditioned heads (after vocab)
     python -m medusa_core.smol_build --stages prompts vocab tree   # ~21 min on 2 CPU cores (+3 without the answers)
 
 Stages (each writes under --work and --out; run them in order, on the machines that suit them):
@@ -13,6 +14,9 @@ Stages (each writes under --work and --out; run them in order, on the machines t
            (192 tokens), and the tokens it uses most (at most 8,192; it used 6,185) become
            heads/proposal_vocab.json: the heads guess among those only, a projection 8x smaller per
            step at no loss of accuracy (heads.restrict_proposals; docs/cpu_default.md)
+  root     heads that also read the root token (the backbone's own next token, known before the heads
+           run): the heads stage's heads plus a zero-initialised block per head, trained on the same
+           answers' hidden states (computed once) against the proposal vocabulary (~3 min on one H100)
   tree     per-head rank accuracies on the hand-written held-out prompts (assets/smollm2/prompts.jsonl),
            then the tree with the most expected tokens per second on *this* machine
            (medusa_core.calibrate --budget auto): run it on the CPU the app will run on
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -37,7 +42,7 @@ from . import calibrate, chat_prompts, smollm2, train
 from .heads_io import save_proposal_vocab
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "smollm2"
-STAGES = ("prompts", "heads", "vocab", "tree")
+STAGES = ("prompts", "heads", "vocab", "root", "tree")
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,11 @@ class BuildConfig:
     vocab_every: int = 12             # the vocab stage answers every 12th prompt
     vocab_answer_tokens: int = 192
     vocab_batch: int = 48             # 2 CPU cores: ~1.6 s per answer
+    root_steps: int = 4000            # root stage: steps of root_positions random answer positions
+    root_positions: int = 8192
+    root_lr: float = 1e-3             # the new root blocks
+    root_heads_lr: float = 3e-4       # the warm-started heads
+    root_eval_every: int = 500
     tree_dtype: str = "float32"       # the exact mode the greedy comparison runs in
     max_budget: int = 16
     seed: int = 0
@@ -84,11 +94,13 @@ def run(stages: list[str], work: Path, out: Path, device: str, config: BuildConf
                 work_dir=str(work), num_heads=config.num_heads, num_layers=config.num_layers, own_projection=False,
                 answer_tokens=config.answer_tokens, distill_batch=config.distill_batch,
                 temperatures=config.temperatures, steps=config.steps, batch_size=config.batch_size, lr=config.lr,
-                eval_every=config.eval_every, device=device, seed=config.seed))
+                eval_every=config.eval_every, device=device, seed=config.seed, base_model=smollm2.HUB_ID))
             detail = {"train_sequences": report["train_sequences"], "held_out_sequences": report["held_out_sequences"],
                       "final": report["final"], "history": report["history"]}
         elif stage == "vocab":
             detail = build_proposal_vocab(prompts, work, out / "heads", device, config, model_dir)
+        elif stage == "root":
+            detail = build_root_heads(prompts, work, out / "heads", device, config, model_dir)
         elif stage == "tree":
             result = calibrate.run(calibrate.CalibrateConfig(
                 model=str(model_dir or smollm2.converted_dir()), heads=str(out / "heads"), out=str(out / "tree.json"),
@@ -131,6 +143,34 @@ def build_proposal_vocab(prompts: Path, work: Path, heads_dir: Path, device: str
     return {"proposal_vocab": len(ids), **{k: about[k] for k in ("answers", "tokens", "coverage")}}
 
 
+def build_root_heads(prompts: Path, work: Path, heads_dir: Path, device: str, config: BuildConfig,
+                     model_dir: Path | None) -> dict:
+    """Root-conditioned heads (heads.RootBlock) warm-started from the heads stage's, trained on cached
+    hidden states of the same answers against the proposal vocabulary; written over ``heads_dir``. The
+    heads stage's heads are kept in work/unconditioned_heads, so running this stage again starts from
+    them, not from its own output."""
+    base = work / "unconditioned_heads"
+    if not base.is_dir():
+        if not (heads_dir / "proposal_vocab.json").is_file():
+            raise FileNotFoundError(f"{heads_dir} has no proposal_vocab.json: run the heads and vocab stages first")
+        if json.loads((heads_dir / "config.json").read_text()).get("root_conditioned"):
+            raise ValueError(f"{heads_dir} already holds root-conditioned heads and {base} is missing: "
+                             "run the heads and vocab stages first, or copy the unconditioned heads to " + str(base))
+        shutil.copytree(heads_dir, base)
+    answers = work / "distill_answers.jsonl"
+    if not answers.is_file():
+        raise FileNotFoundError(f"{answers} is missing: the root stage trains on the heads stage's answers; run it first")
+    report = train.main_with_config(train.TrainConfig(
+        model=str(model_dir or smollm2.converted_dir()), out=str(heads_dir), prompts=str(prompts),
+        work_dir=str(work / "root"), answers=str(answers), answer_tokens=config.answer_tokens,
+        distill_batch=config.distill_batch, temperatures=config.temperatures, init_heads=str(base),
+        root_conditioned=True, cache_hidden=True, positions=config.root_positions, steps=config.root_steps,
+        lr=config.root_heads_lr, root_lr=config.root_lr, eval_every=config.root_eval_every, device=device,
+        seed=config.seed, base_model=smollm2.HUB_ID))
+    return {"train_sequences": report["train_sequences"], "held_out_sequences": report["held_out_sequences"],
+            "final": report["final"], "history": report["history"]}
+
+
 def most_used(answers: list[list[int]], size: int) -> tuple[list[int], float]:
     """The ``size`` most frequent token ids over ``answers``, most frequent first (ties: lower id
     first), and the share of all answer tokens they cover."""
@@ -158,9 +198,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-count", type=int, default=BuildConfig.prompt_count)
     p.add_argument("--answer-tokens", type=int, default=BuildConfig.answer_tokens)
     p.add_argument("--eval-every", type=int, default=BuildConfig.eval_every)
+    p.add_argument("--root-steps", type=int, default=BuildConfig.root_steps)
+    p.add_argument("--root-positions", type=int, default=BuildConfig.root_positions)
     a = p.parse_args(argv)
     config = BuildConfig(steps=a.steps, prompt_count=a.prompt_count, answer_tokens=a.answer_tokens,
-                         eval_every=a.eval_every)
+                         eval_every=a.eval_every, root_steps=a.root_steps, root_positions=a.root_positions)
     run(a.stages, Path(a.work), Path(a.out), a.device, config, Path(a.model) if a.model else None)
 
 

