@@ -8,7 +8,7 @@ import torch
 from tiny import random_heads, tiny_checkpoint, tiny_model
 
 from medusa_core.calibrate import (
-    CalibrateConfig, accuracy_table, expected_length, grow_tree, path_value, run,
+    CalibrateConfig, accuracy_table, expected_length, grow_tree, monotone_fit, path_value, run,
 )
 from medusa_core.train import IGNORE, backbone_hidden, rank_histogram
 from medusa_core.tree import build_tree_buffers, load_tree_file
@@ -49,6 +49,15 @@ def test_greedy_tree_is_the_best_tree_of_its_size(budget):
 def test_never_right_guesses_are_not_added():
     acc = [[0.5, 0.0], [0.0, 0.0]]
     assert grow_tree(acc, 10) == [(0,)]
+
+
+def test_step_times_become_non_decreasing_keeping_real_jumps():
+    # 2 CPU cores, ms per step by tree size (2026-11-23): a jump at 4 rows, and a 16-node dip from load
+    measured = {2: 47.5, 3: 57.2, 4: 68.6, 6: 73.0, 8: 90.9, 12: 107.6, 16: 95.6}
+    fitted = monotone_fit(measured)
+    assert [fitted[n] for n in (2, 3, 4, 6, 8)] == [47.5, 57.2, 68.6, 73.0, 90.9]   # untouched, jump kept
+    assert fitted[12] == fitted[16] == pytest.approx((107.6 + 95.6) / 2)            # the dip pooled
+    assert monotone_fit({1: 3.0, 2: 2.0, 3: 1.0}) == {1: 2.0, 2: 2.0, 3: 2.0}
 
 
 def test_accuracy_table_from_rank_counts():
