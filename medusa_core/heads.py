@@ -69,7 +69,7 @@ class MedusaHeads(nn.Module):
         self.root = nn.ModuleList([RootBlock(config.hidden_size) for _ in range(config.num_heads)]) \
             if config.root_conditioned else None
         # The proposal vocabulary (restrict_proposals): None until set; never saved with the weights.
-        for name in ("proposal_ids", "proposal_weight", "proposal_bias"):
+        for name in ("proposal_ids", "proposal_weight", "proposal_bias", "proposal_columns"):
             self.register_buffer(name, None, persistent=False)
 
     @torch.no_grad()
@@ -142,6 +142,9 @@ class MedusaHeads(nn.Module):
         self.proposal_ids = ids                                                                  # (S,)
         self.proposal_weight = weight.index_select(0, ids).clone()                               # (S, H)
         self.proposal_bias = None if bias is None else bias.index_select(0, ids).clone()         # (S,)
+        columns = torch.full((weight.shape[0],), -1, dtype=torch.long, device=weight.device)     # (V,) -1: none
+        columns[ids] = torch.arange(ids.numel(), device=weight.device)
+        self.proposal_columns = columns
 
     @property
     def proposal_vocab_size(self) -> int | None:
@@ -163,10 +166,10 @@ class MedusaHeads(nn.Module):
         and for ``ignore`` itself): the targets of a loss over the proposal vocabulary."""
         if self.proposal_ids is None:
             return token_ids
-        column = torch.full((int(self.proposal_ids.max()) + 2,), ignore, dtype=torch.long, device=token_ids.device)
-        column[self.proposal_ids.to(token_ids.device)] = torch.arange(self.proposal_ids.numel(), device=token_ids.device)
-        inside = (token_ids >= 0) & (token_ids < column.numel())
-        return torch.where(inside, column[token_ids.clamp(0, column.numel() - 1)], ignore)
+        table = self.proposal_columns                                                    # (V,)
+        column = table[token_ids.clamp(0, table.numel() - 1)]
+        inside = (token_ids >= 0) & (token_ids < table.numel()) & (column >= 0)
+        return torch.where(inside, column, ignore)
 
     def guesses(self, hidden: torch.Tensor, lm_head: nn.Module, top_k: int,
                 which: range | list[int] | None = None, root: torch.Tensor | None = None) -> torch.Tensor:

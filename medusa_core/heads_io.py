@@ -203,7 +203,7 @@ def heads_config_from_keys(state: dict[str, torch.Tensor], source: str) -> Heads
     num_layers = max((l for _, l, kind in parsed if kind.startswith("linear")), default=-1) + 1
     projections = [state[f"{h}.{l}.weight"] for h, l, kind in parsed if kind == "weight"]
     own_projection = bool(projections)
-    any_block = next((state[k] for k in state if k.endswith("linear.weight")), None)
+    any_block = next((state[k] for k in state if k.endswith("linear.weight") and _KEY.match(k)), None)
     hidden = any_block.shape[-1] if any_block is not None else projections[0].shape[-1]
     vocab = projections[0].shape[0] if own_projection else 0
     return HeadsConfig(num_heads, num_layers, hidden, vocab, own_projection, root_conditioned)

@@ -146,17 +146,19 @@ def build_proposal_vocab(prompts: Path, work: Path, heads_dir: Path, device: str
 def build_root_heads(prompts: Path, work: Path, heads_dir: Path, device: str, config: BuildConfig,
                      model_dir: Path | None) -> dict:
     """Root-conditioned heads (heads.RootBlock) warm-started from the heads stage's, trained on cached
-    hidden states of the same answers against the proposal vocabulary; written over ``heads_dir``. The
-    heads stage's heads are kept in work/unconditioned_heads, so running this stage again starts from
-    them, not from its own output."""
+    hidden states of the same answers against the proposal vocabulary; written over ``heads_dir``.
+    Unconditioned heads found in ``heads_dir`` (a fresh heads or vocab stage) are first copied to
+    work/unconditioned_heads, so running this stage again starts from them, not from its own output."""
     base = work / "unconditioned_heads"
-    if not base.is_dir():
-        if not (heads_dir / "proposal_vocab.json").is_file():
-            raise FileNotFoundError(f"{heads_dir} has no proposal_vocab.json: run the heads and vocab stages first")
-        if json.loads((heads_dir / "config.json").read_text()).get("root_conditioned"):
-            raise ValueError(f"{heads_dir} already holds root-conditioned heads and {base} is missing: "
-                             "run the heads and vocab stages first, or copy the unconditioned heads to " + str(base))
+    if not (heads_dir / "proposal_vocab.json").is_file():
+        raise FileNotFoundError(f"{heads_dir} has no proposal_vocab.json: run the heads and vocab stages first")
+    if not json.loads((heads_dir / "config.json").read_text()).get("root_conditioned"):
+        if base.is_dir():   # an older copy: these heads are the newer start
+            shutil.rmtree(base)
         shutil.copytree(heads_dir, base)
+    elif not base.is_dir():
+        raise ValueError(f"{heads_dir} already holds root-conditioned heads and {base} is missing: "
+                         f"run the heads and vocab stages first, or copy the unconditioned heads to {base}")
     answers = work / "distill_answers.jsonl"
     if not answers.is_file():
         raise FileNotFoundError(f"{answers} is missing: the root stage trains on the heads stage's answers; run it first")
@@ -167,8 +169,8 @@ def build_root_heads(prompts: Path, work: Path, heads_dir: Path, device: str, co
         root_conditioned=True, cache_hidden=True, positions=config.root_positions, steps=config.root_steps,
         lr=config.root_heads_lr, root_lr=config.root_lr, eval_every=config.root_eval_every, device=device,
         seed=config.seed, base_model=smollm2.HUB_ID))
-    return {"train_sequences": report["train_sequences"], "held_out_sequences": report["held_out_sequences"],
-            "final": report["final"], "history": report["history"]}
+    return {k: report[k] for k in ("train_sequences", "held_out_sequences", "train_positions",
+                                   "held_out_positions", "final", "history")}
 
 
 def most_used(answers: list[list[int]], size: int) -> tuple[list[int], float]:

@@ -129,8 +129,10 @@ def head_loss(heads: MedusaHeads, batch: Positions, lm_head: nn.Module,
     for k in range(min(heads.config.num_heads, batch.targets.shape[0])):
         target = heads.logit_columns(batch.targets[k], IGNORE)                 # (N,)
         valid = target != IGNORE
-        if not bool(valid.any()):
-            break
+        if not bool(valid.any()):   # possible in a small batch; a later head may still have targets
+            per_head.append(float("nan"))
+            top1.append(float("nan"))
+            continue
         logits = heads.logits(batch.hidden[valid], lm_head, [k], batch.root[valid])[0].float()   # (n, V or S)
         ce = nn.functional.cross_entropy(logits, target[valid])
         if backward:
@@ -253,9 +255,12 @@ def train_heads(model: nn.Module, heads: MedusaHeads, rows: list[tuple[list[int]
     device = model.get_output_embeddings().weight.device
     lm_head = model.get_output_embeddings()
     num_heads = heads.config.num_heads
-    groups = [{"params": list(heads.heads.parameters()), "base_lr": config.lr}]
+    groups, base_lrs = [{"params": list(heads.heads.parameters())}], [config.lr]
     if heads.root is not None:
-        groups.append({"params": list(heads.root.parameters()), "base_lr": config.root_lr or config.lr})
+        groups.append({"params": list(heads.root.parameters())})
+        base_lrs.append(config.lr if config.root_lr is None else config.root_lr)
+    # the schedule's peak rates stay with this run's config, not in the optimizer state: a resumed
+    # run follows the --lr / --root-lr it was given
     opt = torch.optim.AdamW(groups, lr=config.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(config.seed)
     ckpt_path = work / "checkpoint.pt"
@@ -277,8 +282,8 @@ def train_heads(model: nn.Module, heads: MedusaHeads, rows: list[tuple[list[int]
 
     def held_counts() -> torch.Tensor:
         if config.cache_hidden:
-            return sum(rank_counts(heads, lm_head, held_cache.select(slice(i, i + 8192)), 5)
-                       for i in range(0, len(held_cache), 8192))
+            return sum((rank_counts(heads, lm_head, held_cache.select(slice(i, i + 8192)), 5)
+                        for i in range(0, len(held_cache), 8192)), torch.zeros(num_heads, 6, dtype=torch.long))
         batches = (padded(held[i:i + config.batch_size], pad, device) for i in range(0, len(held), config.batch_size))
         return rank_histogram(heads, model, batches, top_k=5)
 
@@ -305,8 +310,8 @@ def train_heads(model: nn.Module, heads: MedusaHeads, rows: list[tuple[list[int]
     heads.train()
     bar = tqdm(range(start, config.steps), desc="heads", initial=start, total=config.steps, mininterval=5)
     for step in bar:
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, config.steps, group["base_lr"])
+        for group, base_lr in zip(opt.param_groups, base_lrs):
+            group["lr"] = lr_at(step, config.steps, base_lr)
         batch = next_batch()
         opt.zero_grad(set_to_none=True)
         loss = head_loss(heads, batch, lm_head, config.decay, backward=True)
@@ -322,7 +327,8 @@ def train_heads(model: nn.Module, heads: MedusaHeads, rows: list[tuple[list[int]
             torch.save({"heads": heads.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
                         "step": done, "history": json.dumps(history)}, ckpt_path)
     heads.eval()
-    return {"history": history, "final": history[-1] if history else None}
+    sizes = {"train_positions": len(train_cache), "held_out_positions": len(held_cache)} if config.cache_hidden else {}
+    return {**sizes, "history": history, "final": history[-1] if history else None}
 
 
 def warm_start(directory: str, model: nn.Module, root_conditioned: bool) -> MedusaHeads:
@@ -417,11 +423,12 @@ def main(argv: list[str] | None = None) -> None:
                                         "--num-heads, --num-layers and --shared-projection are then theirs)")
     p.add_argument("--root-conditioned", action="store_true",
                    help="heads also read the backbone's next token (zero-initialised root blocks; this project's own layout)")
-    p.add_argument("--root-lr", type=float, help="learning rate of the root blocks (default: --lr)")
+    p.add_argument("--root-lr", type=float, help="learning rate of root-conditioned heads' root blocks (default: --lr)")
     p.add_argument("--cache-hidden", action="store_true",
                    help="compute the backbone's hidden states once (fp32, ~2.3 KB per token for a 576-wide model) "
                         "and train on --positions random positions per step")
-    p.add_argument("--positions", type=int, default=4096, help="positions per step with --cache-hidden")
+    p.add_argument("--positions", type=int, default=4096,
+                   help="positions per step with --cache-hidden (which ignores --batch-size)")
     a = p.parse_args(argv)
     main_with_config(TrainConfig(
         model=a.model, out=a.out, prompts=a.prompts, corpus=tuple(a.corpus or ()), work_dir=a.work_dir,

@@ -1,6 +1,16 @@
-"""The proposal vocabulary the smol_build recipe ships beside the CPU default's heads."""
+"""The smol_build recipe: the proposal vocabulary it ships beside the CPU default's heads, and its
+root stage's starting point."""
 
-from medusa_core.smol_build import most_used
+import json
+import shutil
+
+import pytest
+import torch
+from tiny import char_tokenizer, tiny_model
+
+from medusa_core.heads import HeadsConfig, MedusaHeads
+from medusa_core.heads_io import read_heads_dir, save_heads, save_proposal_vocab
+from medusa_core.smol_build import BuildConfig, build_root_heads, most_used
 
 
 def test_most_used_ranks_by_count_then_id_and_reports_what_it_covers():
@@ -10,3 +20,44 @@ def test_most_used_ranks_by_count_then_id_and_reports_what_it_covers():
     assert coverage == 7 / 9
     assert most_used(answers, 10) == ([5, 2, 9, 7, 8], 1.0)
     assert most_used([], 4) == ([], 0.0)
+
+
+def test_root_stage_starts_from_the_latest_unconditioned_heads(tmp_path):
+    """The root stage extends whatever unconditioned heads the heads/vocab stages left in heads/, keeps a
+    copy of them, and reruns from that copy (not from its own output) until new ones arrive."""
+    tokenizer, model = char_tokenizer(), tiny_model(vocab=104, hidden=32)
+    backbone, work, heads_dir = tmp_path / "backbone", tmp_path / "work", tmp_path / "out" / "heads"
+    model.save_pretrained(backbone)
+    tokenizer.save_pretrained(backbone)
+    work.mkdir()
+    prompts = work / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(6)))
+    gen = torch.Generator().manual_seed(0)
+    answers = [{"prompt": f"question {i}", "temperature": t, "prompt_ids": [5, 6, 7],
+                "answer_ids": torch.randint(4, 104, (20,), generator=gen).tolist()} for t in (0.0, 0.7) for i in range(6)]
+    (work / "distill_answers.jsonl").write_text("".join(json.dumps(a) + "\n" for a in answers))
+
+    def unconditioned(seed: int) -> None:
+        torch.manual_seed(seed)
+        heads = MedusaHeads(HeadsConfig(2, 1, 32, 104, own_projection=False))
+        save_heads(heads, heads_dir, base_model=str(backbone))
+        save_proposal_vocab(heads_dir, list(range(4, 104)), {"about": "test"})
+
+    config = BuildConfig(num_heads=2, root_steps=4, root_positions=32, root_eval_every=2)
+    unconditioned(seed=1)
+    first = build_root_heads(prompts, work, heads_dir, "cpu", config, backbone)
+    assert first["final"]["step"] == 4 and first["train_positions"] > 0
+    assert json.loads((heads_dir / "config.json").read_text())["root_conditioned"] is True
+    base = read_heads_dir(work / "unconditioned_heads")
+    assert not any(k.startswith("root.") for k in base.state)
+    again = build_root_heads(prompts, work, heads_dir, "cpu", config, backbone)
+    assert again["history"] == first["history"]            # the same start, not its own output
+
+    unconditioned(seed=2)                                    # a fresh heads stage
+    build_root_heads(prompts, work, heads_dir, "cpu", config, backbone)
+    fresh = read_heads_dir(work / "unconditioned_heads").state
+    assert not torch.equal(fresh["0.0.linear.weight"], base.state["0.0.linear.weight"])
+
+    shutil.rmtree(work / "unconditioned_heads")
+    with pytest.raises(ValueError, match="already holds root-conditioned heads"):
+        build_root_heads(prompts, work, heads_dir, "cpu", config, backbone)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny import char_tokenizer, copied_heads, tiny_model
 
-from medusa_core.heads import MedusaHeads
+from medusa_core.heads import HeadsConfig, MedusaHeads
 from medusa_core.loading import load_backbone_dir, load_heads_dir
 from medusa_core.train import (
     IGNORE, TrainConfig, backbone_hidden, fit_heads, head_loss, main, main_with_config, padded, positions,
@@ -55,6 +55,27 @@ def test_ignored_targets_do_not_count():
     changed = list(targets)
     changed[2] = 40   # a prompt position turned into a target changes the loss: the mask is what hid it
     assert head_loss(heads, positions(hidden, ids, torch.tensor([changed]), 2), model.lm_head).per_head != masked
+
+
+def test_positions_line_up_with_the_decoding_step():
+    """At position t the step has hidden state h_t and root x_{t+1}; head k guesses x_{t+k+2}."""
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    targets = torch.tensor([[IGNORE, IGNORE, 12, 13, 14, 15]])     # a 2-token prompt, then the answer
+    hidden = torch.arange(6, dtype=torch.float32)[None, :, None]     # (1, 6, 1): h_t = t
+    pos = positions(hidden, ids, targets, num_heads=2)
+    t = pos.hidden[:, 0].long()
+    assert t.tolist() == [0, 1, 2, 3]               # t = 4, 5: no head has a target left in the answer
+    assert pos.root.tolist() == (ids[0, t + 1]).tolist()
+    assert pos.targets[0].tolist() == [12, 13, 14, 15]
+    assert pos.targets[1].tolist() == [13, 14, 15, IGNORE]
+
+
+def test_loss_targets_are_columns_of_the_proposal_vocabulary():
+    model = tiny_model()
+    heads = MedusaHeads(HeadsConfig(2, 1, model.config.hidden_size, model.config.vocab_size, own_projection=False))
+    heads.restrict_proposals(torch.tensor([7, 3, 9]), model.lm_head)
+    ids = torch.tensor([3, 9, 7, 5, IGNORE, 64, 63])                 # 5 and 63: not proposed; 64: past the vocab
+    assert heads.logit_columns(ids, IGNORE).tolist() == [1, 2, 0, IGNORE, IGNORE, IGNORE, IGNORE]
 
 
 def test_self_distillation_cli_trains_saves_and_reloads(backbone_dir):
