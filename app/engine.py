@@ -121,6 +121,7 @@ class Session:
         self.caches: dict[str, object] = {}
         self.engine: weakref.ref | None = None   # the engine the caches belong to
         self.busy = threading.Lock()        # one request per tab at a time
+        self.export_dir: Path | None = None  # the tab's export files (app/transcript.py), made on first use
 
     def exchanges(self) -> list[tuple[int, str, str]]:
         """(turn index, user, reply) of the turns the next prompt may hold."""

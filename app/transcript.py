@@ -4,10 +4,12 @@ Markdown files the page exports."""
 from __future__ import annotations
 
 import json
+import shutil
+import sys
 import tempfile
 from pathlib import Path
 
-from .engine import Turn
+from .engine import Session, Turn
 from .render import reply_html
 
 FORMAT = "medusa-chat/1"
@@ -52,9 +54,27 @@ def to_markdown(turns: list[Turn], system: str = "") -> str:
     return "\n".join(lines)
 
 
-def write_exports(turns: list[Turn], first_turn: int, system: str = "") -> tuple[str, str]:
-    """(JSON path, Markdown path) of the conversation, in a fresh temporary directory."""
-    folder = Path(tempfile.mkdtemp(prefix="medusa-chat-"))
+def export_folder() -> Path:
+    """A new private temporary directory for one tab's export files."""
+    return Path(tempfile.mkdtemp(prefix="medusa-chat-"))
+
+
+def discard_exports(session: Session) -> None:
+    """Remove a finished tab's export files (``Session.export_dir``), if it wrote any. Gradio calls
+    this in the loop that ends every expired tab, so a failure is reported here, not raised there."""
+    folder, session.export_dir = session.export_dir, None
+    if folder is None or not folder.is_dir():
+        return
+    try:
+        shutil.rmtree(folder)
+    except OSError as err:
+        print(f"medusa-chat: could not remove the export folder {folder} ({err}): delete it by hand",
+              file=sys.stderr, flush=True)
+
+
+def write_exports(turns: list[Turn], first_turn: int, folder: Path, system: str = "") -> tuple[str, str]:
+    """(JSON path, Markdown path) of the conversation, written over the previous export in ``folder``
+    (one per tab: a directory per change left a copy of every state of every chat in /tmp)."""
     as_json, as_md = folder / "conversation.json", folder / "conversation.md"
     saved = to_saved(turns, first_turn) | {"system": system}
     as_json.write_text(json.dumps(saved, ensure_ascii=False, indent=2), encoding="utf-8")

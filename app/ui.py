@@ -21,7 +21,7 @@ from .engine import BASELINE, COMPARISON, MEDUSA, ChatEngine, Session, Settings,
 from .models import KNOWN_MODELS, ModelSlot, default_settings, spec_for
 from .readout import Stats, render_comparison, render_live
 from .render import note_html, reply_html, user_html
-from .transcript import from_saved, to_saved, write_exports
+from .transcript import discard_exports, export_folder, from_saved, to_saved, write_exports
 
 CSS_PATH = Path(__file__).resolve().parent.parent / "assets" / "style.css"
 MODES = [("Greedy", "greedy"), ("Exact sampling", "sample"), ("Typical acceptance", "typical")]
@@ -168,8 +168,10 @@ def build_ui(slot: ModelSlot, *, system_prompt: str = "", base_spec: LoadSpec = 
         box = message if turn.reply is None else gr.update()
         yield turn_views(session, stats, base, comparison, slot.state().line, box)
 
-    with gr.Blocks(title="Medusa chat") as demo:
-        session = gr.State(Session)
+    # delete_cache: Gradio keeps a copy of each export file it serves, one per change; those older than a
+    # day go (checked hourly): a tab left for a day gets fresh links with its next change
+    with gr.Blocks(title="Medusa chat", delete_cache=(3600, 86400)) as demo:
+        session = gr.State(Session, delete_callback=discard_exports)   # called when the tab's session ends
         # a fixed key and secret: the conversation survives a server restart too (it never leaves this browser)
         saved = gr.BrowserState(None, storage_key=STORAGE_KEY, secret=STORAGE_KEY)
         seen = gr.State(-1)            # the slot version the page's model controls show
@@ -307,7 +309,9 @@ def build_ui(slot: ModelSlot, *, system_prompt: str = "", base_spec: LoadSpec = 
             """After each change: the browser's copy of the conversation and the export files."""
             if not session.turns:
                 return None, gr.update(value=None, interactive=False), gr.update(value=None, interactive=False)
-            as_json, as_md = write_exports(session.turns, session.first_turn, system or "")
+            if session.export_dir is None:
+                session.export_dir = export_folder()
+            as_json, as_md = write_exports(session.turns, session.first_turn, session.export_dir, system or "")
             return (to_saved(session.turns, session.first_turn), gr.update(value=as_json, interactive=True),
                     gr.update(value=as_md, interactive=True))
 

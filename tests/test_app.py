@@ -451,3 +451,27 @@ def test_first_capture_is_announced_and_clear_keeps_the_caches(engine, monkeypat
     caches = dict(session.caches)
     session.restart()
     assert session.caches == caches and all(c.length == 0 for c in caches.values()) and not session.turns
+
+
+def test_a_tab_keeps_one_export_folder_and_it_goes_with_the_tab():
+    """Each change rewrites the tab's two export files in place (a folder per change left a copy of
+    every state of every conversation in /tmp); the tab's end removes them."""
+    import json
+
+    from app.engine import Session, Turn
+    from app.transcript import discard_exports, export_folder, write_exports
+
+    session = Session()
+    session.export_dir = export_folder()
+    session.turns.append(Turn(user="hello", reply="hi"))
+    first = write_exports(session.turns, 0, session.export_dir)
+    session.turns.append(Turn(user="and now?", reply="still here"))
+    second = write_exports(session.turns, 0, session.export_dir, system="be brief")
+    assert first == second and sorted(p.name for p in session.export_dir.iterdir()) == ["conversation.json",
+                                                                                       "conversation.md"]
+    saved = json.loads(open(second[0], encoding="utf-8").read())
+    assert [t["user"] for t in saved["turns"]] == ["hello", "and now?"] and saved["system"] == "be brief"
+    folder = session.export_dir
+    discard_exports(session)
+    assert not folder.exists() and session.export_dir is None
+    discard_exports(session)   # a tab that never exported, or already cleaned, is fine
