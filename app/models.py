@@ -38,10 +38,10 @@ KNOWN_MODELS = (
 
 # The page's decoding controls once the CPU default (SmolLM2 + its heads) has loaded: the one
 # place these numbers live. Greedy stays one click away and exact (the same tokens as plain decoding).
-# Exact sampling at 0.7, by measurement (24 held-out prompts, 96 tokens, the shipped tree; share of
-# 4-grams repeated within an answer, mean / worst, and tokens per step): greedy 0.095 / 0.84, 1.35;
-# typical acceptance at 0.7 / 1.0 loops almost like greedy (0.068 / 0.50, 1.45; 0.085 / 0.63, 1.54:
-# it takes each step's first token greedily); exact sampling at 0.7 0.023 / 0.24, 1.29
+# Exact sampling at 0.7, by measurement (24 held-out prompts, 96 tokens, tree [[0], [1]], the root
+# heads; share of 4-grams repeated within an answer, mean / worst, and tokens per step): greedy 0.095 /
+# 0.84, 1.55; typical acceptance at 0.7 / 1.0 loops almost like greedy (0.127 / 0.84, 1.69; 0.096 /
+# 0.43, 1.76: it takes each step's first token greedily); exact sampling at 0.7 0.025 / 0.26, 1.44
 # (docs/cpu_default.md).
 CPU_DEFAULTS = Settings(mode="sample", temperature=0.7, top_p=1.0, epsilon=0.09, delta=0.3)
 
