@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.7, help="for sample/typical")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16")
-    p.add_argument("--quant", default="auto", help="auto|nf4|int8|none")
+    p.add_argument("--quant", default="auto", help="auto|nf4|int8|int4|none (int4: torch's CPU kernel)")
     p.add_argument("--nf4-kernel", choices=NF4_KERNELS, default="auto",
                    help="4-bit matmul for multi-row tree verification: auto picks by measurement on CUDA "
                         "(bitsandbytes elsewhere), triton forces the Triton kernel, bnb keeps bitsandbytes")

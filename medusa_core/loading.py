@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import smollm2
+from . import cpu_int4, smollm2
 from .chat_format import stop_token_ids
 from .errors import LoadError
 from .heads import MedusaHeads
@@ -47,7 +47,7 @@ CPU_DEFAULT_TREE = CPU_DEFAULT_DIR / "tree.json"
 CPU_DEFAULT_PROMPTS = CPU_DEFAULT_DIR / "prompts.jsonl"
 CUDA_MODEL = "lmsys/vicuna-7b-v1.3"
 CUDA_HEADS = "FasterDecoding/medusa-vicuna-7b-v1.3"
-QUANTS = ("auto", "nf4", "int8", "none")
+QUANTS = ("auto", "nf4", "int8", "int4", "none")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HEADS_QUANTS = ("none", "nf4")
 # Default trees for published heads, keyed by the exact repo id (never a substring of it).
@@ -66,7 +66,7 @@ class LoadSpec:
     model: str | None = None          # hub id or local dir; None -> heads' base_model_name_or_path, else default
     heads: str | None = None          # hub id or local dir; None -> no heads (baseline) unless defaults apply
     device: str = "auto"              # auto -> cuda if available else cpu
-    quant: str = "auto"               # auto|nf4|int8|none; auto = nf4 on CUDA, none on CPU
+    quant: str = "auto"               # auto|nf4|int8|int4|none; auto = nf4 on CUDA, int4 for the CPU default, else none
     dtype: str = "auto"               # auto|float32|bfloat16|float16: compute dtype
     heads_quant: str = "none"         # none|nf4: quantize the heads' vocab projections
     trust_remote_code: bool = False
@@ -97,11 +97,16 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def resolve_quant(quant: str, device: str) -> str:
+def resolve_quant(quant: str, device: str, cpu_default: bool = False) -> str:
+    """nf4/int8: bitsandbytes; int4: torch's CPU kernel (cpu_int4.py). auto: nf4 on CUDA; on the CPU,
+    int4 for the CPU default, whose weights are 4-bit already (GGUF Q4_1), if measured faster there,
+    and fp32 for any other model, which int4 would really quantize."""
     if quant not in QUANTS:
         raise LoadError(f"quant {quant!r} is unknown: use one of {', '.join(QUANTS)}")
+    if quant == "int4" and device.startswith("cuda"):
+        raise LoadError("quant 'int4' is torch's CPU kernel: on CUDA use --quant nf4 (or auto)")
     if quant == "auto":
-        return "nf4" if device.startswith("cuda") else "none"
+        return "nf4" if device.startswith("cuda") else "int4" if cpu_default else "none"
     return quant
 
 
@@ -261,7 +266,8 @@ def load(spec: LoadSpec) -> Loaded:
     elif spec.model is None and is_bundled_heads(spec.heads):
         # the bundled heads' config names the hub id of SmolLM2; its local conversion is the same model
         spec = replace(spec, model=str(cpu_default_backbone()))
-    quant, dtype = resolve_quant(spec.quant, device), resolve_dtype(spec.dtype, device)
+    dtype = resolve_dtype(spec.dtype, device)
+    quant = resolve_quant(spec.quant, device)      # validated before anything loads
 
     files: HeadsFiles | None = None
     if spec.heads is not None:
@@ -269,8 +275,17 @@ def load(spec: LoadSpec) -> Loaded:
     model_source = spec.model or (files.base_model if files else None)
     if model_source is None:
         raise LoadError(f"{files.source if files else spec.heads}: the heads' config.json names no base_model_name_or_path: pass --model")
-    model, tokenizer = load_backbone(model_source, device, quant, dtype, spec.trust_remote_code)
+    smol = is_cpu_default_backbone(local_dir(model_source))
+    quant = resolve_quant(spec.quant, device, cpu_default=smol)
+    model, tokenizer = load_backbone(model_source, device, "none" if quant == "int4" else quant, dtype,
+                                     spec.trust_remote_code)
     kernel_text = ""
+    if quant == "int4":
+        try:
+            applied, text = cpu_int4.use_int4(model, measured=spec.quant == "auto")
+        except ValueError as err:
+            raise LoadError(str(err)) from None
+        quant, kernel_text = ("int4" if applied else "none"), "; " + text
     if quant == "nf4":
         try:
             kernel_text = "; " + use_nf4_kernel(model, spec.nf4_kernel)
@@ -280,7 +295,6 @@ def load(spec: LoadSpec) -> Loaded:
     if heads is not None and spec.heads_quant == "nf4":
         heads = quantize_projections(heads, dtype)
 
-    smol = is_cpu_default_backbone(local_dir(model_source))
     bundled = heads is not None and is_bundled_heads(spec.heads)
     cpu_default = smol and bundled and not device.startswith("cuda")
     tree = choose_tree(spec.heads, heads, device, bundled, quant)

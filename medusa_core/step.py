@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .acceptance import accept_match, accept_typical, sample_from, sampling_probs
+from .exact_attention import step_kwargs
 from .heads import MedusaHeads
 from .kv_cache import KVCache, bucket, prefill_mask, tree_step_mask
 from .tree import TreeBuffers
@@ -68,6 +69,7 @@ class DecodeStep:
         self._cache = weakref.ref(cache)
         device = self.lm_head.weight.device
         self.dtype = compute_dtype(model)
+        self.decoder_kwargs = step_kwargs(model)    # row-exact attention where the CPU's int4 mode runs
         self.depth = tree.leaf_paths.shape[1] - 1                          # D
         self.allowed = tree.attn_mask == 0                                  # (T, T) bool
         self.slots = torch.arange(self.depth + 1, device=device)           # (D+1,)
@@ -141,6 +143,7 @@ class DecodeStep:
                 position_ids=(tree.depths + pos)[None],
                 past_key_values=cache,
                 use_cache=True,
+                **self.decoder_kwargs,
             ).last_hidden_state[0]                                                       # (T, H)
         logits = self.lm_head(hidden)                                                    # (T, V)
         targets = self.targets(logits, self.uniforms)                                    # (T,)

@@ -70,8 +70,24 @@ def test_a_turn_ends_at_im_end_and_never_shows_it(engine):
     assert "<|im_end|>" not in last.plain and "im_end" not in last.plain and last.plain.strip()
 
 
-@pytest.mark.parametrize("tree", [None, "small-16"])   # the shipped one-node tree, and a deep 16-node one
-def test_greedy_medusa_gives_plain_decodings_tokens(engine, tree):
+@pytest.fixture(scope="module")
+def fp32_engine():
+    """The exact fp32 mode (--quant none): fp32 weights and torch's own SDPA."""
+    return ChatEngine(load(LoadSpec(device="cpu", quant="none")), max_new_tokens=32)
+
+
+def test_the_default_says_which_matmuls_it_runs(default_loaded, fp32_engine):
+    # int4 where it measured faster and row-invariant on this CPU, else fp32 with the reason
+    assert "int4 weights (group 32) with bf16 matmuls" in default_loaded.description or \
+        "fp32 matmuls (" in default_loaded.description
+    assert "unquantized, float32" in fp32_engine.loaded.description
+    assert "Paris" in answer(fp32_engine, "What is the capital of France?")[-1].plain
+
+
+@pytest.mark.parametrize("mode", ["default", "fp32"])
+@pytest.mark.parametrize("tree", [None, "small-16"])   # the shipped tree, and a deep 16-node one
+def test_greedy_medusa_gives_plain_decodings_tokens(engine, fp32_engine, tree, mode):
+    engine = engine if mode == "default" else fp32_engine
     prompts = [json.loads(line)["prompt"] for line in CPU_DEFAULT_PROMPTS.read_text().splitlines() if line.strip()]
     for prompt in prompts[1:4]:
         updates = answer(engine, prompt, passes=(BASELINE, MEDUSA), **({"tree": tree} if tree else {}))

@@ -1,0 +1,193 @@
+"""Weight-only 4-bit matmuls on the CPU: the decoder's Linear layers as 4-bit codes in groups of 32
+(asymmetric, the layout of GGUF's Q4_1), multiplied by torch's int4 CPU kernel with bf16 activations;
+the lm_head as a bf16 copy. Everything between the matmuls (norms, rotary, attention, residuals)
+stays in the model's own dtype.
+
+Why: a CPU decoding step reads every weight once, so it costs what the weights weigh. fp32 sgemm
+also repacks each weight per call from 4 rows on (docs/cpu_default.md), which makes a tree of 4+
+nodes cost 1.4x a 1-row step. The int4 kernel reads 1/7 of the bytes and computes every output row
+on its own: a T-row verification gives, bit for bit, the rows T 1-row steps give (``row_invariant``
+checks it on this machine). bf16 rounding magnifies any last-bit difference upstream, so attention
+must be row-exact too (exact_attention.py); with both, greedy Medusa stays identical to greedy plain
+decoding in this mode.
+
+SmolLM2-135M-Instruct ships as Q4_1 (group 32, 4-bit codes with an fp16 scale and minimum): its fp32
+weights are already 16 levels per group, and requantizing them finds those levels again, with the
+scale rounded to bf16 (the kernel's scale dtype). A model given in fp32 is really quantized here,
+which is why only the CPU default uses this mode unless ``--quant int4`` asks for it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .exact_attention import use_exact_rows
+
+GROUP = 32          # weights per (scale, zero) pair along the input dimension, as in Q4_1
+_LEVELS = 15        # codes 0..15
+
+
+def kernel_available() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and \
+        hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
+
+
+def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) float -> codes (N, K) int32 in 0..15 and scales_zeros (K/GROUP, N, 2) bf16 with
+    w ~ (code - 8) * scale + zero: round to nearest between each group's minimum and maximum.
+    The codes are computed against the bf16 scale and zero the kernel will use."""
+    n, k = weight.shape
+    groups = weight.float().reshape(n, k // GROUP, GROUP)                      # (N, K/G, G)
+    low, high = groups.amin(-1), groups.amax(-1)                               # (N, K/G)
+    scale = ((high - low) / _LEVELS).bfloat16().float()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))              # a constant group: code 0
+    zero = (low + 8 * scale).bfloat16().float()
+    codes = torch.round((groups - (zero - 8 * scale)[..., None]) / scale[..., None]).clamp(0, _LEVELS)
+    scales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().bfloat16()   # (K/G, N, 2)
+    return codes.reshape(n, k).to(torch.int32), scales_zeros
+
+
+def dequantize(codes: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """The weight the kernel multiplies by: (N, K) float32 (a reference for tests and fidelity checks)."""
+    scale = scales_zeros[..., 0].float().repeat_interleave(GROUP, 0).T        # (N, K)
+    zero = scales_zeros[..., 1].float().repeat_interleave(GROUP, 0).T
+    return (codes.float() - 8) * scale + zero
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T + b with W as 4-bit group codes; x is rounded to bf16 for the kernel, y (fp32
+    accumulated, rounded to bf16 by the kernel) returns in x's dtype."""
+
+    def __init__(self, codes: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        # innerKTiles is ignored by the CPU packing; 1 is its smallest legal value
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+        self.register_buffer("scales_zeros", scales_zeros)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, dense: nn.Linear) -> "Int4Linear":
+        return cls(*quantize_groups(dense.weight.data), dense.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)                  # (M, K)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_zeros)   # (M, N)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}, bf16 activations"
+
+
+class Bf16Head(nn.Module):
+    """The lm_head in bf16 (oneDNN's bf16 GEMM, row-invariant like the int4 kernel): half the bytes
+    of fp32 and no per-call repacking. ``weight`` stays the model's own (tied) parameter: the heads
+    read its rows for the root token and their proposal vocabulary."""
+
+    def __init__(self, dense: nn.Linear):
+        super().__init__()
+        self.out_features, self.in_features = dense.out_features, dense.in_features
+        self.weight = dense.weight
+        self.bias = dense.bias
+        self.register_buffer("weight_bf16", dense.weight.detach().bfloat16(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:                         # (..., H) -> (..., V)
+        y = F.linear(x.to(torch.bfloat16), self.weight_bf16).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+def _decoder_linears(model: nn.Module):
+    """(parent, name, Linear) for every Linear inside the decoder layers."""
+    for layer in model.get_decoder().layers:
+        for parent in list(layer.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.Linear:
+                    yield parent, name, child
+
+
+def row_invariant(layer: nn.Module, in_features: int, rows: int = 5) -> bool:
+    """Whether ``layer`` gives an input row the same bits alone as among ``rows`` rows: what keeps a
+    tree verification identical to plain decoding. A property of the kernel on this CPU."""
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        together = layer(x)
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(rows)])
+    return torch.equal(together, alone)
+
+
+def measure(model: nn.Module, rows: tuple[int, ...] = (1, 4), repeats: int = 15) -> dict[str, float]:
+    """ms for one decoder layer's Linear layers plus the lm_head, fp32 against int4 + bf16 head,
+    summed over ``rows`` (a plain step and a small tree): what ``auto`` chooses by. Each call is
+    timed ``repeats`` times, interleaved, and its fastest time kept: other load only adds time."""
+    layer = model.get_decoder().layers[0]
+    dense = [m for m in layer.modules() if type(m) is nn.Linear and m.in_features % GROUP == 0]
+    head = model.get_output_embeddings()
+    pairs = [(d, Int4Linear.from_linear(d)) for d in dense] + [(head, Bf16Head(head))]
+    best: dict[tuple, float] = {}
+    with torch.no_grad():
+        for m in rows:
+            inputs = [torch.randn(m, fp32.in_features) for fp32, _ in pairs]
+            for _ in range(repeats + 1):              # the first round warms up
+                for n, ((fp32, fast), x) in enumerate(zip(pairs, inputs)):
+                    for kind, fn in (("fp32_ms", fp32), ("int4_ms", fast)):
+                        start = time.perf_counter()
+                        fn(x)
+                        took = time.perf_counter() - start
+                        best[kind, m, n] = min(best.get((kind, m, n), float("inf")), took)
+    return {kind: round(1e3 * sum(t for (k, _, _), t in best.items() if k == kind), 3) for kind in ("fp32_ms", "int4_ms")}
+
+
+@torch.no_grad()
+def quantize_model_int4_(model: nn.Module) -> int:
+    """Every decoder Linear whose input size is a multiple of GROUP -> Int4Linear; the lm_head ->
+    Bf16Head. Returns how many Linear layers kept fp32 (input size not a multiple of GROUP)."""
+    kept = 0
+    for parent, name, dense in list(_decoder_linears(model)):
+        if dense.in_features % GROUP:
+            kept += 1
+            continue
+        setattr(parent, name, Int4Linear.from_linear(dense))
+    head = model.get_output_embeddings()
+    if type(head) is nn.Linear:
+        model.set_output_embeddings(Bf16Head(head))
+    # transformers maps the fp32 safetensors file and the weights left (embeddings, norms) are views
+    # of that mapping: copied, they let it go, and with it ~0.4 GB of resident fp32 pages
+    for param in model.parameters():
+        param.data = param.data.clone()
+    return kept
+
+
+def use_int4(model: nn.Module, measured: bool) -> tuple[bool, str]:
+    """Quantize ``model`` (on the CPU) for the int4 kernel -> (applied, one line saying what and why).
+    ``measured`` (quant auto): only where the kernel is row-invariant and faster than fp32 here;
+    otherwise (quant int4) always, saying so when a tree would no longer equal plain decoding."""
+    if not kernel_available():
+        if measured:
+            return False, f"fp32 matmuls (torch {torch.__version__} has no int4 CPU kernel)"
+        raise ValueError(f"quant int4 needs torch's int4 CPU kernel, which torch {torch.__version__} lacks: "
+                         "use --quant none, or torch>=2.6")
+    sample = next((d for _, _, d in _decoder_linears(model) if d.in_features % GROUP == 0), None)
+    if sample is None:
+        if measured:
+            return False, f"fp32 matmuls (no decoder layer's input size is a multiple of {GROUP})"
+        raise ValueError(f"quant int4 needs decoder layers whose input size is a multiple of {GROUP}: use --quant none")
+    exact = row_invariant(Int4Linear.from_linear(sample), sample.in_features) and \
+        row_invariant(Bf16Head(model.get_output_embeddings()), model.get_output_embeddings().in_features)
+    if measured:
+        if not exact:
+            return False, "fp32 matmuls (the int4 kernel is not row-invariant on this CPU: trees would not equal plain decoding)"
+        times = measure(model)
+        if times["int4_ms"] >= times["fp32_ms"]:
+            return False, f"fp32 matmuls (int4 measured slower here: {times['int4_ms']:.2f} ms against {times['fp32_ms']:.2f})"
+        why = f"measured {times['fp32_ms'] / times['int4_ms']:.1f}x fp32's matmul speed"
+    else:
+        why = "asked for" if exact else "asked for; not row-invariant on this CPU, so trees may differ from plain decoding"
+    kept = quantize_model_int4_(model)
+    use_exact_rows(model)
+    kept_text = f", {kept} layer(s) kept fp32" if kept else ""
+    return True, f"int4 weights (group {GROUP}) with bf16 matmuls, bf16 lm_head, row-exact attention ({why}{kept_text})"

@@ -1,0 +1,70 @@
+"""Attention that computes each query row alone, over exactly the keys it may see, in order: a
+tree row then gets, bit for bit, the output a 1-row step gets for the same token.
+
+Why: with bf16 matmuls (cpu_int4.py) a last-bit difference anywhere upstream can tip a bf16
+rounding, and the tip grows through 30 layers into a different greedy token. torch's CPU SDPA
+is not such a function of the row alone: a row's output changes in the last fp32 bits with the
+number of query rows and with masked-out key columns (measured: 7 of 12 held-out prompts'
+greedy answers left plain decoding's within 96 tokens; with this attention none did). Here every
+row is one SDPA call with no mask over a key tensor of exactly its visible slots, which is what
+a plain 1-row step over the same prefix calls too: the committed prefix is a view, and only a
+row whose tree ancestors are not contiguous after it copies its keys.
+
+It is registered with transformers' ``AttentionInterface`` and used only where cpu_int4 is: on
+the CPU, batch 1. Only a decoding step asks for it (``step_kwargs``): a prefill keeps SDPA, since
+both decoders prefill the same tokens alike, and T calls per layer would slow a long prompt.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "medusa_exact_rows"
+FLAG = "rows_alone"     # the keyword a decoding step passes through the decoder to the attention
+
+
+def visible(mask: torch.Tensor) -> torch.Tensor:
+    """(1, 1, T, W) additive float or bool mask -> (T, W) bool: which keys each row sees."""
+    rows = mask[0, 0]
+    return rows if rows.dtype == torch.bool else rows == 0
+
+
+def exact_rows_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                         **kwargs):
+    """query (1, heads, T, D), key/value (1, kv_heads, W, D) -> ((1, T, heads, D), None)."""
+    rows = query.shape[2]
+    if not kwargs.pop(FLAG, False) or attention_mask is None or query.shape[0] != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    # the CPU only (cpu_int4): reading the mask's indices on the host here is no device sync
+    seen = visible(attention_mask)                                                # (T, W)
+    outs = []
+    for i in range(rows):
+        slots = seen[i].nonzero().squeeze(1)                                      # (n,) ascending; a CPU tensor
+        n = slots.numel()
+        if n and int(slots[-1]) == n - 1:            # the first n slots: a view, as a plain step has
+            k, v = key[:, :, :n], value[:, :, :n]
+        else:
+            k, v = key.index_select(2, slots), value.index_select(2, slots)       # (1, kv_heads, n, D)
+        outs.append(F.scaled_dot_product_attention(query[:, :, i:i + 1], k, v, scale=scaling, enable_gqa=True))
+    return torch.cat(outs, 2).transpose(1, 2).contiguous(), None                 # (1, T, heads, D)
+
+
+AttentionInterface.register(NAME, exact_rows_attention)
+AttentionMaskInterface.register(NAME, sdpa_mask)    # masks transformers builds itself (generate()) are SDPA's
+
+
+def use_exact_rows(model) -> None:
+    """Route ``model``'s attention through ``exact_rows_attention`` (the layers read the shared config)."""
+    model.config._attn_implementation = NAME
+
+
+def step_kwargs(model) -> dict:
+    """What a decoding step passes to the decoder: the flag where ``model`` uses this attention,
+    nothing elsewhere (a model's own attention need not accept unknown keywords)."""
+    return {FLAG: True} if getattr(model.config, "_attn_implementation", None) == NAME else {}

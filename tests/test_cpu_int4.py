@@ -1,0 +1,110 @@
+"""The CPU's 4-bit path (cpu_int4.py): group codes that reproduce a Q4_1 weight, a kernel that
+multiplies by exactly that weight, rows that do not depend on how many are verified together, and a
+loaded model whose greedy Medusa still equals its greedy plain decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import char_tokenizer, copied_heads, tiny_model
+from torch import nn
+
+from medusa_core import cpu_int4, exact_attention
+from medusa_core.errors import LoadError
+from medusa_core.generate import DecodeConfig, generate
+from medusa_core.loading import LoadSpec, load, resolve_quant
+from medusa_core.tree import build_tree_buffers, resolve_tree
+
+pytestmark = pytest.mark.skipif(not cpu_int4.kernel_available(), reason="this torch has no int4 CPU kernel")
+
+
+def q4_1_weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight as GGUF's Q4_1 stores one: per group of 32, (code 0..15) * d + m, every code used."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.stack([torch.randperm(32, generator=g) % 16 for _ in range(n * k // 32)]).reshape(n, k)
+    d = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3).half().float()      # fp16 scales, as stored
+    m = (-8 * d + torch.randn(n, k // 32, generator=g) * 1e-3).half().float()
+    weight = codes.float() * d.repeat_interleave(32, 1) + m.repeat_interleave(32, 1)
+    return weight, codes
+
+
+def test_requantizing_a_q4_1_weight_finds_its_codes_again():
+    weight, codes = q4_1_weight(64, 128)
+    found, scales_zeros = cpu_int4.quantize_groups(weight)
+    assert torch.equal(found, codes.to(torch.int32))
+    step = scales_zeros[..., 0].float().repeat_interleave(32, 0).T                # (N, K)
+    # only the scale's rounding to bf16 (8 bits) moves a weight: far less than a quantization step
+    assert ((cpu_int4.dequantize(found, scales_zeros) - weight).abs() <= step / 16).all()
+
+
+def test_any_weight_is_within_half_a_step():
+    weight = torch.randn(48, 96)
+    codes, scales_zeros = cpu_int4.quantize_groups(weight)
+    step = scales_zeros[..., 0].float().repeat_interleave(32, 0).T
+    assert codes.min() >= 0 and codes.max() <= 15
+    assert ((cpu_int4.dequantize(codes, scales_zeros) - weight).abs() <= 0.55 * step).all()
+
+
+def test_int4_linear_multiplies_by_the_dequantized_weight():
+    dense = nn.Linear(128, 64, bias=True)
+    layer = cpu_int4.Int4Linear.from_linear(dense)
+    x = torch.randn(3, 7, 128)
+    reference = x.bfloat16().float() @ cpu_int4.dequantize(*cpu_int4.quantize_groups(dense.weight)).T + dense.bias
+    out = layer(x)
+    assert out.shape == (3, 7, 64) and out.dtype == torch.float32
+    torch.testing.assert_close(out, reference, rtol=1e-2, atol=1e-2)   # the kernel rounds its output to bf16
+
+
+def test_a_row_gets_the_same_bits_alone_as_in_a_tree():
+    dense = nn.Linear(96, 80, bias=False)
+    assert cpu_int4.row_invariant(cpu_int4.Int4Linear.from_linear(dense), 96, rows=9)
+    head = nn.Linear(64, 500, bias=False)
+    assert cpu_int4.row_invariant(cpu_int4.Bf16Head(head), 64, rows=9)
+    # for contrast: what fp32 sgemm does (it need not be invariant, and is not on this project's CPU)
+    assert cpu_int4.row_invariant(head, 64, rows=9) in (True, False)
+
+
+def test_a_quantized_model_keeps_its_lm_head_weight_and_drops_fp32_layers():
+    model = tiny_model(hidden=64)
+    tied = model.get_output_embeddings().weight
+    kept = cpu_int4.quantize_model_int4_(model)
+    assert kept == 0
+    assert not any(type(m) is nn.Linear for m in model.get_decoder().modules())
+    assert isinstance(model.get_output_embeddings(), cpu_int4.Bf16Head)
+    assert model.get_output_embeddings().weight is tied      # the heads read their rows from it
+
+
+def test_int4_is_refused_on_cuda_in_one_line():
+    with pytest.raises(LoadError, match="quant 'int4' is torch's CPU kernel: on CUDA use --quant nf4"):
+        resolve_quant("int4", "cuda")
+    assert resolve_quant("auto", "cpu") == "none"                  # another model is never quantized unasked
+    assert resolve_quant("auto", "cpu", cpu_default=True) == "int4"
+
+
+@pytest.fixture(scope="module")
+def int4_loaded(tmp_path_factory):
+    backbone = tmp_path_factory.mktemp("int4") / "backbone"
+    tokenizer = char_tokenizer()
+    tiny_model(vocab=len(tokenizer), hidden=64, layers=3).save_pretrained(backbone)
+    tokenizer.save_pretrained(backbone)
+    return load(LoadSpec(model=str(backbone), device="cpu", quant="int4"))
+
+
+def test_quant_int4_loads_and_says_so(int4_loaded):
+    assert "int4 weights (group 32) with bf16 matmuls, bf16 lm_head, row-exact attention" in int4_loaded.description
+    assert int4_loaded.model.config._attn_implementation == exact_attention.NAME
+    assert "asked for" in int4_loaded.description
+
+
+def test_greedy_trees_equal_plain_decoding_in_int4(int4_loaded):
+    model = int4_loaded.model
+    heads = copied_heads(model, num_heads=5)
+    config = DecodeConfig(max_new_tokens=40)
+    for seed in range(3):
+        prompt = torch.randint(4, 104, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
+        plain = [t for s in generate(model, prompt, config=config) for t in s.tokens]
+        assert len(plain) == 40
+        for name in ("small-16", "chain-3"):
+            tree = build_tree_buffers(resolve_tree(name), heads.config.num_heads)
+            medusa = [t for s in generate(model, prompt, heads=heads, tree=tree, config=config) for t in s.tokens]
+            assert medusa == plain, f"{name}, prompt {seed}"

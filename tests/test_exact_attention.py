@@ -1,0 +1,52 @@
+"""Row-exact attention (exact_attention.py): a tree row's output is, bit for bit, what a plain
+1-row step computes for the same token over the same prefix, whatever the tree around it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from medusa_core.exact_attention import exact_rows_attention
+
+HEADS, KV_HEADS, DIM = 6, 2, 32
+NEG = torch.finfo(torch.float32).min
+
+
+def attend(query, key, value, mask):
+    return exact_rows_attention(nn.Module().eval(), query, key, value, mask, scaling=DIM ** -0.5,
+                                rows_alone=True)[0]                                     # (1, T, h, D)
+
+
+@pytest.mark.parametrize("prefix", [1, 17, 63, 200, 513])
+def test_a_tree_row_equals_the_plain_step_for_its_token(prefix):
+    g = torch.Generator().manual_seed(prefix)
+    # tree [[0], [1]]: slot prefix = root, prefix + 1 = child a, prefix + 2 = child b (both see the root)
+    key = torch.randn(1, KV_HEADS, prefix + 3, DIM, generator=g)
+    value = torch.randn(1, KV_HEADS, prefix + 3, DIM, generator=g)
+    query = torch.randn(1, HEADS, 3, DIM, generator=g)
+    mask = torch.zeros(1, 1, 3, prefix + 3)
+    mask[..., 0, prefix + 1:] = NEG
+    mask[..., 1, prefix + 2] = NEG
+    mask[..., 2, prefix + 1] = NEG
+    tree = attend(query, key, value, mask)
+
+    def plain(row, slots):     # a 1-row step: its token's keys right after the prefix, nothing masked
+        k, v = key[:, :, slots], value[:, :, slots]
+        return attend(query[:, :, row:row + 1], k, v, torch.zeros(1, 1, 1, len(slots)))
+
+    upto = list(range(prefix + 1))
+    assert torch.equal(tree[:, 0:1], plain(0, upto))
+    assert torch.equal(tree[:, 1:2], plain(1, upto + [prefix + 1]))
+    assert torch.equal(tree[:, 2:3], plain(2, upto + [prefix + 2]))
+
+
+def test_it_is_attention():
+    g = torch.Generator().manual_seed(0)
+    key, value = torch.randn(1, KV_HEADS, 9, DIM, generator=g), torch.randn(1, KV_HEADS, 9, DIM, generator=g)
+    query = torch.randn(1, HEADS, 4, DIM, generator=g)
+    mask = torch.triu(torch.full((4, 9), NEG), diagonal=6)[None, None]      # rows see 6..9 keys
+    ref = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(attend(query, key, value, mask), ref.transpose(1, 2))
+    bool_mask = mask == 0                                                    # the masks transformers builds
+    assert torch.equal(attend(query, key, value, bool_mask), attend(query, key, value, mask))
