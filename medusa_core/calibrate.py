@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from .cpu_int4 import use_int4
 from .tree import expected_length, grow_tree, path_value  # noqa: F401  (path_value re-exported)
 
 TIMED_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)   # tree sizes without the root
@@ -44,6 +45,7 @@ class CalibrateConfig:
     timing_tokens: int = 64
     timing_count: int = 8             # timing prompts used (the first ones): each is decoded once per size and repeat
     dtype: str = "float32"            # compute dtype of the backbone while measuring
+    quant: str = "none"               # none | int4 (torch's CPU kernel, as the app's CPU default runs)
     threads: int = 0                  # CPU threads for torch (0: torch's default)
     repeats: int = 3
     device: str = "cpu"
@@ -53,6 +55,8 @@ class CalibrateConfig:
             raise ValueError("give exactly one calibration set: --prompts FILE.jsonl or --data answers.jsonl")
         if self.budget != "auto" and not (self.budget.isdigit() and int(self.budget) >= 1):
             raise ValueError(f"budget {self.budget!r} must be a node count >= 1 or 'auto'")
+        if self.quant not in ("none", "int4"):
+            raise ValueError(f"quant {self.quant!r} is unknown: use none or int4")
 
 
 def accuracy_table(counts: torch.Tensor) -> list[list[float]]:
@@ -123,6 +127,8 @@ def run(config: CalibrateConfig) -> dict:
     if config.threads:
         torch.set_num_threads(config.threads)
     model, tokenizer = load_backbone_dir(config.model, device=config.device, dtype=getattr(torch, config.dtype))
+    if config.quant == "int4":
+        print(use_int4(model, measured=False)[1], flush=True)
     heads = load_heads_dir(config.heads, model)
     out = Path(config.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -179,6 +185,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timing-count", type=int, default=8, help="how many timing prompts to decode (the first ones)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="backbone compute dtype while measuring (bfloat16 is faster on CPUs with bf16 instructions)")
+    p.add_argument("--quant", choices=("none", "int4"), default="none",
+                   help="backbone weights while measuring: none, or int4 (torch's CPU kernel, what the app's CPU "
+                        "default runs where it is faster)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: torch's choice)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = p.parse_args(argv)
@@ -186,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
         model=a.model, heads=a.heads, out=a.out, prompts=a.prompts, data=a.data, budget=a.budget,
         max_budget=a.max_budget, top_k=a.top_k, raw_prompts=a.raw_prompts, answer_tokens=a.answer_tokens,
         timing_prompts=a.timing_prompts, timing_tokens=a.timing_tokens, timing_count=a.timing_count,
-        dtype=a.dtype, threads=a.threads, device=a.device,
+        dtype=a.dtype, quant=a.quant, threads=a.threads, device=a.device,
     ))
     print("head top-1 accuracy:", report["top1"])
     for n, t in report.get("timing", {}).items():

@@ -66,7 +66,8 @@ class BuildConfig:
     root_lr: float = 1e-3             # the new root blocks
     root_heads_lr: float = 3e-4       # the warm-started heads
     root_eval_every: int = 500
-    tree_dtype: str = "float32"       # the exact mode the greedy comparison runs in
+    tree_dtype: str = "float32"       # activations between the matmuls
+    tree_quant: str = "int4"          # the CPU default's matmuls (loading.resolve_quant): time what serves
     max_budget: int = 16
     seed: int = 0
 
@@ -107,7 +108,7 @@ def run(stages: list[str], work: Path, out: Path, device: str, config: BuildConf
                 # the held-out prompts' greedy fp32 answers (reused when present: they are the same on any device)
                 prompts=str(ASSETS / "prompts.jsonl"), answers=str(out / "calibration_answers.jsonl"),
                 answer_tokens=256, budget="auto", max_budget=config.max_budget, timing_count=4, timing_tokens=48,
-                dtype=config.tree_dtype, device=device))
+                dtype=config.tree_dtype, quant=config.tree_quant if device == "cpu" else "none", device=device))
             detail = {k: result[k] for k in result if k != "config"}
         else:
             raise ValueError(f"stage {stage!r} is unknown: use {', '.join(STAGES)}")
