@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from medusa_core.cpu_int4 import Int4Linear
 from medusa_core.generate import MODES, DecodeConfig, generate, max_context, new_cache
 from medusa_core.step import compute_dtype, needs_capture
 from medusa_core.tree import PRESETS, TreeBuffers, TreeError, build_tree_buffers, resolve_tree
@@ -227,6 +228,16 @@ class _Pass:
                       error=error, done=self.done or error is not None)
 
 
+def weights_format(model) -> str | None:
+    """"NF4" (bitsandbytes: integer parameters), "int4" (the CPU kernel's packed buffers), or None
+    when the weights are in the compute dtype: what a greedy divergence is explained by."""
+    if any(not p.is_floating_point() for p in model.parameters()):
+        return "NF4"
+    if any(isinstance(m, Int4Linear) for m in model.modules()):
+        return "int4"
+    return None
+
+
 class ChatEngine:
     """The loaded model, its tree buffers (built once per tree choice) and the line for it."""
 
@@ -235,7 +246,7 @@ class ChatEngine:
         self.model, self.tokenizer, self.heads = loaded.model, loaded.tokenizer, loaded.heads
         self.dtype = compute_dtype(self.model)   # the tree mask's dtype (4-bit weights are uint8)
         self.device = self.model.get_output_embeddings().weight.device
-        self.quantized = any(not p.is_floating_point() for p in self.model.parameters())
+        self.weights = weights_format(self.model)
         self.context = max_context(self.model)
         self.max_new_tokens = min(max_new_tokens, self.context)
         self.num_heads = self.heads.config.num_heads if self.heads is not None else 0
@@ -379,6 +390,6 @@ class ChatEngine:
             if not identical:
                 divergence = explain_divergence(
                     base.tokens, medusa.tokens, decode=self.tokenizer.decode, device=self.device.type,
-                    dtype=self.dtype, quantized=self.quantized)
+                    dtype=self.dtype, weights=self.weights)
         return Comparison(base.meter.snapshot(), medusa.meter.snapshot(), tuple(interleaved_ratios(events)),
                           identical, divergence)

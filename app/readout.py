@@ -187,9 +187,10 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 def explain_divergence(baseline: list[int], medusa: list[int], *, decode, device: str, dtype: torch.dtype,
-                       quantized: bool) -> str | None:
+                       weights: str | None) -> str | None:
     """Where two greedy answers first differ, and why: rounding where the model computes in
-    reduced precision, a real bug where it computes in fp32."""
+    reduced precision, a real bug where it is exact (fp32, or the CPU's row-exact int4 mode).
+    ``weights``: "NF4", "int4" (cpu_int4.py) or None for the compute dtype's own weights."""
     at = first_divergence(baseline, medusa)
     if at is None:
         return None
@@ -198,12 +199,15 @@ def explain_divergence(baseline: list[int], medusa: list[int], *, decode, device
         return repr(decode([ids[at]])) if at < len(ids) else "(end of answer)"
 
     where = f"first differ at token {at}: plain decoding {token(baseline)} vs Medusa {token(medusa)}"
-    precision = "NF4" if quantized else {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
+    precision = "NF4" if weights == "NF4" else {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
     if precision:
         on = "CUDA" if device == "cuda" else device
         return (f"{where} · rounding ({precision} on {on}): a T-row tree verification and a 1-row step "
                 "round differently in bf16/NF4; fp32 is identical")
-    return (f"{where} · in fp32 on {device} greedy Medusa must equal plain decoding: this is a bug, "
+    # fp32, and the CPU's int4 mode, whose matmuls and attention give every row the same bits alone
+    # as in a tree (cpu_int4.py, exact_attention.py)
+    mode = "int4 mode (row-exact)" if weights == "int4" else "fp32"
+    return (f"{where} · in {mode} on {device} greedy Medusa must equal plain decoding: this is a bug, "
             "please report it with the prompt and settings")
 
 

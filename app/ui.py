@@ -27,7 +27,8 @@ CSS_PATH = Path(__file__).resolve().parent.parent / "assets" / "style.css"
 MODES = [("Greedy", "greedy"), ("Exact sampling", "sample"), ("Typical acceptance", "typical")]
 CPU_DEFAULT_NOTE = ("**SmolLM2-135M-Instruct on the CPU.** This is what `python launch.py` serves without a CUDA "
                     "GPU: SmolLM2-135M-Instruct, a small instruction-tuned chat model (135 M parameters), with "
-                    "Medusa heads trained for it, running on the CPU. Expect short, simple answers; the speed "
+                    "Medusa heads trained for it, running on the CPU on its own 4-bit weights where that measures "
+                    "faster (the model line says which matmuls run). Expect short, simple answers; the speed "
                     "numbers are real. On a CUDA machine `python launch.py` loads Vicuna-7B with Medusa heads.")
 STORAGE_KEY = "medusa-chat-conversation"
 MAX_NEW_LIMIT = 4096   # the slider's top before a model is loaded; then the model's context

@@ -390,14 +390,16 @@ def test_divergence_names_the_token_and_the_reason():
         return {1: "the", 2: " cat", 3: " dog"}[ids[0]]
 
     on_gpu = explain_divergence([1, 2, 2], [1, 3, 2], decode=decode, device="cuda", dtype=torch.bfloat16,
-                                quantized=True)
+                                weights="NF4")
     assert "token 1" in on_gpu and "' cat'" in on_gpu and "' dog'" in on_gpu
     assert "rounding" in on_gpu and "NF4" in on_gpu and "fp32 is identical" in on_gpu
     on_cpu = explain_divergence([1, 2], [1, 2, 3], decode=decode, device="cpu", dtype=torch.float32,
-                                quantized=False)
+                                weights=None)
     assert "token 2" in on_cpu and "(end of answer)" in on_cpu and "bug" in on_cpu
     assert explain_divergence([1, 2], [1, 2], decode=decode, device="cpu", dtype=torch.float32,
-                              quantized=False) is None
+                              weights=None) is None
+    on_int4 = explain_divergence([1, 2], [1, 3], decode=decode, device="cpu", dtype=torch.float32, weights="int4")
+    assert "int4 mode (row-exact)" in on_int4 and "bug" in on_int4
 
 
 # ---- the model slot: the page opens before the model has loaded
