@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from medusa_core.cpu_int4 import Int4Linear
+from medusa_core.cpu_int4 import Int4Linear, exact_mode
 from medusa_core.generate import MODES, DecodeConfig, generate, max_context, new_cache
 from medusa_core.step import compute_dtype, needs_capture
 from medusa_core.tree import PRESETS, TreeBuffers, TreeError, build_tree_buffers, resolve_tree
@@ -229,12 +229,13 @@ class _Pass:
 
 
 def weights_format(model) -> str | None:
-    """"NF4" (bitsandbytes: integer parameters), "int4" (the CPU kernel's packed buffers), or None
-    when the weights are in the compute dtype: what a greedy divergence is explained by."""
+    """"NF4" (bitsandbytes: integer parameters), "int4" (the CPU's row-exact int4 mode), "int4/bf16"
+    (int4 where trees may differ), or None when the weights are in the compute dtype: what a greedy
+    divergence is explained by."""
     if any(not p.is_floating_point() for p in model.parameters()):
         return "NF4"
     if any(isinstance(m, Int4Linear) for m in model.modules()):
-        return "int4"
+        return "int4" if exact_mode(model) else "int4/bf16"
     return None
 
 

@@ -190,7 +190,8 @@ def explain_divergence(baseline: list[int], medusa: list[int], *, decode, device
                        weights: str | None) -> str | None:
     """Where two greedy answers first differ, and why: rounding where the model computes in
     reduced precision, a real bug where it is exact (fp32, or the CPU's row-exact int4 mode).
-    ``weights``: "NF4", "int4" (cpu_int4.py) or None for the compute dtype's own weights."""
+    ``weights``: "NF4", "int4" (cpu_int4.py, row-exact), "int4/bf16" (not) or None for the compute
+    dtype's own weights."""
     at = first_divergence(baseline, medusa)
     if at is None:
         return None
@@ -199,7 +200,7 @@ def explain_divergence(baseline: list[int], medusa: list[int], *, decode, device
         return repr(decode([ids[at]])) if at < len(ids) else "(end of answer)"
 
     where = f"first differ at token {at}: plain decoding {token(baseline)} vs Medusa {token(medusa)}"
-    precision = "NF4" if weights == "NF4" else {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
+    precision = weights if weights in ("NF4", "int4/bf16") else {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
     if precision:
         on = "CUDA" if device == "cuda" else device
         return (f"{where} · rounding ({precision} on {on}): a T-row tree verification and a 1-row step "

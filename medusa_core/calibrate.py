@@ -57,6 +57,8 @@ class CalibrateConfig:
             raise ValueError(f"budget {self.budget!r} must be a node count >= 1 or 'auto'")
         if self.quant not in ("none", "int4"):
             raise ValueError(f"quant {self.quant!r} is unknown: use none or int4")
+        if self.quant == "int4" and self.device != "cpu":
+            raise ValueError(f"quant int4 is torch's CPU kernel and the device is {self.device}: add --device cpu")
 
 
 def accuracy_table(counts: torch.Tensor) -> list[list[float]]:

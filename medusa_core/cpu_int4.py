@@ -29,6 +29,9 @@ from .exact_attention import use_exact_rows
 
 GROUP = 32          # weights per (scale, zero) pair along the input dimension, as in Q4_1
 _LEVELS = 15        # codes 0..15
+_N_MULTIPLE = 16    # the kernel's packing needs out_features in multiples of 16
+PROBE_ROWS = (5, 64)    # row counts the row-invariance check compares with single rows (trees: 2-64)
+MIN_GAIN = 1.1      # auto takes int4 only if at least this much faster: no flip-flop near parity
 
 
 def kernel_available() -> bool:
@@ -46,6 +49,11 @@ def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = ((high - low) / _LEVELS).bfloat16().float()
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))              # a constant group: code 0
     zero = (low + 8 * scale).bfloat16().float()
+    # a group far from 0 with a small range: zero's bf16 rounding can leave the range outside the
+    # 16 levels; widen its scale (rounded up) to cover [low, high] again. Q4_1 groups stay as they are.
+    needed = torch.maximum((zero - low) / 8, (high - zero) / 7)
+    covered = (zero - 8 * scale <= low + scale / 2) & (zero + 7 * scale >= high - scale / 2)
+    scale = torch.where(covered, scale, (needed * (1 + 2 ** -7)).bfloat16().float())
     codes = torch.round((groups - (zero - 8 * scale)[..., None]) / scale[..., None]).clamp(0, _LEVELS)
     scales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().bfloat16()   # (K/G, N, 2)
     return codes.reshape(n, k).to(torch.int32), scales_zeros
@@ -65,9 +73,10 @@ class Int4Linear(nn.Module):
     def __init__(self, codes: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = codes.shape
-        # innerKTiles is ignored by the CPU packing; 1 is its smallest legal value
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
-        self.register_buffer("scales_zeros", scales_zeros)
+        # innerKTiles is ignored by the CPU packing; 1 is its smallest legal value. Not persistent:
+        # the packing is this CPU kernel's own layout, which no checkpoint should carry
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), persistent=False)
+        self.register_buffer("scales_zeros", scales_zeros, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @classmethod
@@ -101,23 +110,55 @@ class Bf16Head(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def quantizable(dense: nn.Linear) -> bool:
+    return dense.in_features % GROUP == 0 and dense.out_features % _N_MULTIPLE == 0
+
+
 def _decoder_linears(model: nn.Module):
     """(parent, name, Linear) for every Linear inside the decoder layers."""
-    for layer in model.get_decoder().layers:
+    layers = getattr(model.get_decoder(), "layers", None)
+    if layers is None:
+        raise ValueError(f"quant int4 knows decoders with a .layers list, and {type(model).__name__}'s has none: "
+                         "use --quant none")
+    for layer in layers:
         for parent in list(layer.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) is nn.Linear:
                     yield parent, name, child
 
 
-def row_invariant(layer: nn.Module, in_features: int, rows: int = 5) -> bool:
+def row_invariant(layer: nn.Module, in_features: int, rows: int = 5, dtype: torch.dtype = torch.float32) -> bool:
     """Whether ``layer`` gives an input row the same bits alone as among ``rows`` rows: what keeps a
     tree verification identical to plain decoding. A property of the kernel on this CPU."""
-    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
     with torch.no_grad():
         together = layer(x)
         alone = torch.cat([layer(x[i:i + 1]) for i in range(rows)])
     return torch.equal(together, alone)
+
+
+def exact_probe(model: nn.Module) -> bool:
+    """Every distinct decoder shape as Int4Linear, and the head as Bf16Head, row-invariant at
+    PROBE_ROWS rows (the fp32 ``model`` before quantization; a few hundred ms)."""
+    shapes = {(d.out_features, d.in_features): d for _, _, d in _decoder_linears(model) if quantizable(d)}
+    head = model.get_output_embeddings()
+    layers = [(Int4Linear.from_linear(d), d.in_features) for d in shapes.values()]
+    layers += [(Bf16Head(head), head.in_features)] if type(head) is nn.Linear else []
+    dtype = head.weight.dtype
+    return bool(layers) and all(row_invariant(layer, k, rows, dtype) for layer, k in layers for rows in PROBE_ROWS)
+
+
+def exact_mode(model: nn.Module) -> bool:
+    """Whether a quantized ``model`` is all int4 layers, a bf16 head and row-exact attention: then a
+    greedy tree must give plain decoding's tokens (the kernels' row invariance checked again)."""
+    from .exact_attention import NAME
+
+    layers = [m for m in model.get_decoder().modules() if isinstance(m, (nn.Linear, Int4Linear))]
+    head = model.get_output_embeddings()
+    if not layers or not all(isinstance(m, Int4Linear) for m in layers) or not isinstance(head, Bf16Head) \
+            or getattr(model.config, "_attn_implementation", None) != NAME:
+        return False
+    return row_invariant(layers[0], layers[0].in_features, dtype=head.weight.dtype)
 
 
 def measure(model: nn.Module, rows: tuple[int, ...] = (1, 4), repeats: int = 15) -> dict[str, float]:
@@ -125,13 +166,13 @@ def measure(model: nn.Module, rows: tuple[int, ...] = (1, 4), repeats: int = 15)
     summed over ``rows`` (a plain step and a small tree): what ``auto`` chooses by. Each call is
     timed ``repeats`` times, interleaved, and its fastest time kept: other load only adds time."""
     layer = model.get_decoder().layers[0]
-    dense = [m for m in layer.modules() if type(m) is nn.Linear and m.in_features % GROUP == 0]
+    dense = [m for m in layer.modules() if type(m) is nn.Linear and quantizable(m)]
     head = model.get_output_embeddings()
     pairs = [(d, Int4Linear.from_linear(d)) for d in dense] + [(head, Bf16Head(head))]
     best: dict[tuple, float] = {}
     with torch.no_grad():
         for m in rows:
-            inputs = [torch.randn(m, fp32.in_features) for fp32, _ in pairs]
+            inputs = [torch.randn(m, fp32.in_features, dtype=fp32.weight.dtype) for fp32, _ in pairs]
             for _ in range(repeats + 1):              # the first round warms up
                 for n, ((fp32, fast), x) in enumerate(zip(pairs, inputs)):
                     for kind, fn in (("fp32_ms", fp32), ("int4_ms", fast)):
@@ -145,10 +186,10 @@ def measure(model: nn.Module, rows: tuple[int, ...] = (1, 4), repeats: int = 15)
 @torch.no_grad()
 def quantize_model_int4_(model: nn.Module) -> int:
     """Every decoder Linear whose input size is a multiple of GROUP -> Int4Linear; the lm_head ->
-    Bf16Head. Returns how many Linear layers kept fp32 (input size not a multiple of GROUP)."""
+    Bf16Head. Returns how many Linear layers kept their dtype (sizes the kernel cannot take)."""
     kept = 0
     for parent, name, dense in list(_decoder_linears(model)):
-        if dense.in_features % GROUP:
+        if not quantizable(dense):
             kept += 1
             continue
         setattr(parent, name, Int4Linear.from_linear(dense))
@@ -164,30 +205,33 @@ def quantize_model_int4_(model: nn.Module) -> int:
 
 def use_int4(model: nn.Module, measured: bool) -> tuple[bool, str]:
     """Quantize ``model`` (on the CPU) for the int4 kernel -> (applied, one line saying what and why).
-    ``measured`` (quant auto): only where the kernel is row-invariant and faster than fp32 here;
-    otherwise (quant int4) always, saying so when a tree would no longer equal plain decoding."""
+    ``measured`` (quant auto): only where the kernels are row-invariant here and int4 is at least
+    MIN_GAIN times faster than fp32; otherwise (quant int4) always, saying so when a tree would no
+    longer equal plain decoding."""
     if not kernel_available():
         if measured:
             return False, f"fp32 matmuls (torch {torch.__version__} has no int4 CPU kernel)"
         raise ValueError(f"quant int4 needs torch's int4 CPU kernel, which torch {torch.__version__} lacks: "
                          "use --quant none, or torch>=2.6")
-    sample = next((d for _, _, d in _decoder_linears(model) if d.in_features % GROUP == 0), None)
-    if sample is None:
+    if not any(quantizable(d) for _, _, d in _decoder_linears(model)):
         if measured:
-            return False, f"fp32 matmuls (no decoder layer's input size is a multiple of {GROUP})"
-        raise ValueError(f"quant int4 needs decoder layers whose input size is a multiple of {GROUP}: use --quant none")
-    exact = row_invariant(Int4Linear.from_linear(sample), sample.in_features) and \
-        row_invariant(Bf16Head(model.get_output_embeddings()), model.get_output_embeddings().in_features)
+            return False, f"fp32 matmuls (no decoder layer has sizes the int4 kernel takes: in % {GROUP}, out % {_N_MULTIPLE})"
+        raise ValueError(f"quant int4 needs decoder layers with input sizes in multiples of {GROUP} and output sizes "
+                         f"in multiples of {_N_MULTIPLE}: use --quant none")
+    exact = exact_probe(model)
     if measured:
         if not exact:
             return False, "fp32 matmuls (the int4 kernel is not row-invariant on this CPU: trees would not equal plain decoding)"
         times = measure(model)
-        if times["int4_ms"] >= times["fp32_ms"]:
-            return False, f"fp32 matmuls (int4 measured slower here: {times['int4_ms']:.2f} ms against {times['fp32_ms']:.2f})"
-        why = f"measured {times['fp32_ms'] / times['int4_ms']:.1f}x fp32's matmul speed"
+        gain = times["fp32_ms"] / times["int4_ms"]
+        if gain < MIN_GAIN:
+            return False, f"fp32 matmuls (int4 measured {gain:.2f}x fp32's matmul speed here, under {MIN_GAIN}x)"
+        why = f"measured {gain:.1f}x fp32's matmul speed"
     else:
-        why = "asked for" if exact else "asked for; not row-invariant on this CPU, so trees may differ from plain decoding"
+        why = "asked for"
     kept = quantize_model_int4_(model)
     use_exact_rows(model)
-    kept_text = f", {kept} layer(s) kept fp32" if kept else ""
-    return True, f"int4 weights (group {GROUP}) with bf16 matmuls, bf16 lm_head, row-exact attention ({why}{kept_text})"
+    if kept or not exact:
+        why += (f"; {kept} layer(s) kept unquantized" if kept else "") + \
+            ("; not row-invariant on this CPU" if not exact else "") + ", so trees may differ from plain decoding"
+    return True, f"int4 weights (group {GROUP}) with bf16 matmuls, bf16 lm_head, row-exact attention ({why})"

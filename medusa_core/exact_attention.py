@@ -38,11 +38,13 @@ def exact_rows_attention(module, query: torch.Tensor, key: torch.Tensor, value: 
                          **kwargs):
     """query (1, heads, T, D), key/value (1, kv_heads, W, D) -> ((1, T, heads, D), None)."""
     rows = query.shape[2]
-    if not kwargs.pop(FLAG, False) or attention_mask is None or query.shape[0] != 1:
+    # per-row SDPA knows no attention sinks, softcapping or position biases: such models keep SDPA
+    special = any(kwargs.get(k) is not None for k in ("s_aux", "softcap", "position_bias"))
+    if not kwargs.pop(FLAG, False) or attention_mask is None or query.shape[0] != 1 or special:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     # the CPU only (cpu_int4): reading the mask's indices on the host here is no device sync
-    seen = visible(attention_mask)                                                # (T, W)
+    seen = visible(attention_mask)[:, :key.shape[2]]                              # (T, W)
     outs = []
     for i in range(rows):
         slots = seen[i].nonzero().squeeze(1)                                      # (n,) ascending; a CPU tensor

@@ -97,16 +97,20 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def resolve_quant(quant: str, device: str, cpu_default: bool = False) -> str:
+def resolve_quant(quant: str, device: str, cpu_default: bool = False, dtype: torch.dtype = torch.float32) -> str:
     """nf4/int8: bitsandbytes; int4: torch's CPU kernel (cpu_int4.py). auto: nf4 on CUDA; on the CPU,
-    int4 for the CPU default, whose weights are 4-bit already (GGUF Q4_1), if measured faster there,
-    and fp32 for any other model, which int4 would really quantize."""
+    int4 for the CPU default in fp32, whose weights are 4-bit already (GGUF Q4_1), if measured faster
+    there, and none for any other model, which int4 would really quantize."""
     if quant not in QUANTS:
         raise LoadError(f"quant {quant!r} is unknown: use one of {', '.join(QUANTS)}")
-    if quant == "int4" and device.startswith("cuda"):
-        raise LoadError("quant 'int4' is torch's CPU kernel: on CUDA use --quant nf4 (or auto)")
+    on_cpu = torch.device(device).type == "cpu"
+    if quant == "int4" and not on_cpu:
+        raise LoadError(f"quant 'int4' is torch's CPU kernel and the device is {device}: use --device cpu, "
+                        "or --quant nf4 on CUDA")
     if quant == "auto":
-        return "nf4" if device.startswith("cuda") else "int4" if cpu_default else "none"
+        if device.startswith("cuda"):
+            return "nf4"
+        return "int4" if on_cpu and cpu_default and dtype == torch.float32 else "none"
     return quant
 
 
@@ -276,7 +280,7 @@ def load(spec: LoadSpec) -> Loaded:
     if model_source is None:
         raise LoadError(f"{files.source if files else spec.heads}: the heads' config.json names no base_model_name_or_path: pass --model")
     smol = is_cpu_default_backbone(local_dir(model_source))
-    quant = resolve_quant(spec.quant, device, cpu_default=smol)
+    quant = resolve_quant(spec.quant, device, cpu_default=smol, dtype=dtype)
     model, tokenizer = load_backbone(model_source, device, "none" if quant == "int4" else quant, dtype,
                                      spec.trust_remote_code)
     kernel_text = ""

@@ -12,6 +12,7 @@ from torch import nn
 from medusa_core import cpu_int4, exact_attention
 from medusa_core.errors import LoadError
 from medusa_core.generate import DecodeConfig, generate
+from medusa_core.cpu_int4 import exact_mode
 from medusa_core.loading import LoadSpec, load, resolve_quant
 from medusa_core.tree import build_tree_buffers, resolve_tree
 
@@ -45,6 +46,13 @@ def test_any_weight_is_within_half_a_step():
     assert ((cpu_int4.dequantize(codes, scales_zeros) - weight).abs() <= 0.55 * step).all()
 
 
+def test_a_group_far_from_zero_with_a_small_range_is_still_covered():
+    weight = 1.0 + 0.01 * torch.randn(16, 64)        # bf16 rounds a zero near 1 by up to 0.004: 3 steps of 0.0013
+    codes, scales_zeros = cpu_int4.quantize_groups(weight)
+    step = scales_zeros[..., 0].float().repeat_interleave(32, 0).T
+    assert ((cpu_int4.dequantize(codes, scales_zeros) - weight).abs() <= 0.55 * step).all()
+
+
 def test_int4_linear_multiplies_by_the_dequantized_weight():
     dense = nn.Linear(128, 64, bias=True)
     layer = cpu_int4.Int4Linear.from_linear(dense)
@@ -60,25 +68,44 @@ def test_a_row_gets_the_same_bits_alone_as_in_a_tree():
     assert cpu_int4.row_invariant(cpu_int4.Int4Linear.from_linear(dense), 96, rows=9)
     head = nn.Linear(64, 500, bias=False)
     assert cpu_int4.row_invariant(cpu_int4.Bf16Head(head), 64, rows=9)
-    # for contrast: what fp32 sgemm does (it need not be invariant, and is not on this project's CPU)
-    assert cpu_int4.row_invariant(head, 64, rows=9) in (True, False)
 
 
-def test_a_quantized_model_keeps_its_lm_head_weight_and_drops_fp32_layers():
+def test_a_quantized_model_keeps_its_tied_lm_head_weight_and_drops_fp32_layers():
     model = tiny_model(hidden=64)
-    tied = model.get_output_embeddings().weight
+    model.lm_head.weight = model.model.embed_tokens.weight           # tied, as SmolLM2's are
     kept = cpu_int4.quantize_model_int4_(model)
     assert kept == 0
     assert not any(type(m) is nn.Linear for m in model.get_decoder().modules())
     assert isinstance(model.get_output_embeddings(), cpu_int4.Bf16Head)
-    assert model.get_output_embeddings().weight is tied      # the heads read their rows from it
+    # still one tensor: the heads read the root token's and their proposals' rows from it
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
 
-def test_int4_is_refused_on_cuda_in_one_line():
-    with pytest.raises(LoadError, match="quant 'int4' is torch's CPU kernel: on CUDA use --quant nf4"):
-        resolve_quant("int4", "cuda")
+def test_sizes_the_kernel_cannot_take_stay_unquantized_and_are_named():
+    model = tiny_model(hidden=64)
+    model.model.layers[0].mlp.gate_proj = nn.Linear(64, 120, bias=False)    # 120 outputs: not a multiple of 16
+    model.model.layers[0].mlp.up_proj = nn.Linear(64, 120, bias=False)
+    model.model.layers[0].mlp.down_proj = nn.Linear(120, 64, bias=False)    # 120 inputs: not a multiple of 32
+    applied, line = cpu_int4.use_int4(model, measured=False)
+    assert applied and "3 layer(s) kept unquantized" in line and "trees may differ" in line
+    assert not cpu_int4.exact_mode(model)
+
+
+def test_auto_measures_a_bf16_model_without_failing():
+    model = tiny_model(hidden=64).to(torch.bfloat16)
+    applied, line = cpu_int4.use_int4(model, measured=True)
+    assert "\n" not in line and ("measured" in line or "fp32 matmuls (" in line)
+
+
+def test_int4_is_refused_off_the_cpu_in_one_line():
+    for device in ("cuda", "mps"):
+        with pytest.raises(LoadError, match=f"quant 'int4' is torch's CPU kernel and the device is {device}: "
+                                            "use --device cpu"):
+            resolve_quant("int4", device)
     assert resolve_quant("auto", "cpu") == "none"                  # another model is never quantized unasked
     assert resolve_quant("auto", "cpu", cpu_default=True) == "int4"
+    assert resolve_quant("auto", "cpu", cpu_default=True, dtype=torch.bfloat16) == "none"
+    assert resolve_quant("auto", "mps", cpu_default=True) == "none"
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +121,20 @@ def test_quant_int4_loads_and_says_so(int4_loaded):
     assert "int4 weights (group 32) with bf16 matmuls, bf16 lm_head, row-exact attention" in int4_loaded.description
     assert int4_loaded.model.config._attn_implementation == exact_attention.NAME
     assert "asked for" in int4_loaded.description
+
+
+def test_a_decoding_step_takes_the_row_exact_path_and_a_prefill_does_not(int4_loaded, monkeypatch):
+    model = int4_loaded.model
+    fallbacks = []
+    real = exact_attention.sdpa_attention_forward
+    monkeypatch.setattr(exact_attention, "sdpa_attention_forward",
+                        lambda *args, **kwargs: fallbacks.append(1) or real(*args, **kwargs))
+    heads = copied_heads(model, num_heads=5)
+    tree = build_tree_buffers(resolve_tree("small-16"), heads.config.num_heads)
+    steps = list(generate(model, list(range(4, 20)), heads=heads, tree=tree, config=DecodeConfig(max_new_tokens=12)))
+    assert len(steps) > 2
+    assert len(fallbacks) == model.config.num_hidden_layers, "only the prefill may use plain SDPA"
+    assert exact_mode(model)
 
 
 def test_greedy_trees_equal_plain_decoding_in_int4(int4_loaded):

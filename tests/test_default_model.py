@@ -76,6 +76,13 @@ def fp32_engine():
     return ChatEngine(load(LoadSpec(device="cpu", quant="none")), max_new_tokens=32)
 
 
+@pytest.fixture(scope="module")
+def int4_engine(default_loaded):
+    """The int4 mode whatever the load-time measurement chose: the default itself where it chose int4."""
+    loaded = default_loaded if "int4 weights" in default_loaded.description else load(LoadSpec(device="cpu", quant="int4"))
+    return ChatEngine(loaded, max_new_tokens=32)
+
+
 def test_the_default_says_which_matmuls_it_runs(default_loaded, fp32_engine):
     # int4 where it measured faster and row-invariant on this CPU, else fp32 with the reason
     assert "int4 weights (group 32) with bf16 matmuls" in default_loaded.description or \
@@ -84,10 +91,11 @@ def test_the_default_says_which_matmuls_it_runs(default_loaded, fp32_engine):
     assert "Paris" in answer(fp32_engine, "What is the capital of France?")[-1].plain
 
 
-@pytest.mark.parametrize("mode", ["default", "fp32"])
+@pytest.mark.parametrize("mode", ["int4", "fp32"])
 @pytest.mark.parametrize("tree", [None, "small-16"])   # the shipped tree, and a deep 16-node one
-def test_greedy_medusa_gives_plain_decodings_tokens(engine, fp32_engine, tree, mode):
-    engine = engine if mode == "default" else fp32_engine
+def test_greedy_medusa_gives_plain_decodings_tokens(int4_engine, fp32_engine, tree, mode):
+    engine = int4_engine if mode == "int4" else fp32_engine
+    assert engine.weights == ("int4" if mode == "int4" else None)
     prompts = [json.loads(line)["prompt"] for line in CPU_DEFAULT_PROMPTS.read_text().splitlines() if line.strip()]
     for prompt in prompts[1:4]:
         updates = answer(engine, prompt, passes=(BASELINE, MEDUSA), **({"tree": tree} if tree else {}))
