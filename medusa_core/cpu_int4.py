@@ -30,7 +30,8 @@ from .exact_attention import use_exact_rows
 GROUP = 32          # weights per (scale, zero) pair along the input dimension, as in Q4_1
 _LEVELS = 15        # codes 0..15
 _N_MULTIPLE = 16    # the kernel's packing needs out_features in multiples of 16
-PROBE_ROWS = (5, 64)    # row counts the row-invariance check compares with single rows (trees: 2-64)
+PROBE_ROWS = (5, 64, 256)   # row counts the row-invariance check compares with single rows: trees, prefills
+HEAD_PROBE_ROWS = (5, 64)   # the lm_head sees a tree's rows (a prefill's last row only)
 MIN_GAIN = 1.1      # auto takes int4 only if at least this much faster: no flip-flop near parity
 
 
@@ -138,14 +139,14 @@ def row_invariant(layer: nn.Module, in_features: int, rows: int = 5, dtype: torc
 
 
 def exact_probe(model: nn.Module) -> bool:
-    """Every distinct decoder shape as Int4Linear, and the head as Bf16Head, row-invariant at
-    PROBE_ROWS rows (the fp32 ``model`` before quantization; a few hundred ms)."""
+    """Every distinct decoder shape as Int4Linear at PROBE_ROWS rows, and the head as Bf16Head at
+    HEAD_PROBE_ROWS, row-invariant (the fp32 ``model`` before quantization; under a second)."""
     shapes = {(d.out_features, d.in_features): d for _, _, d in _decoder_linears(model) if quantizable(d)}
     head = model.get_output_embeddings()
-    layers = [(Int4Linear.from_linear(d), d.in_features) for d in shapes.values()]
-    layers += [(Bf16Head(head), head.in_features)] if type(head) is nn.Linear else []
+    layers = [(Int4Linear.from_linear(d), d.in_features, PROBE_ROWS) for d in shapes.values()]
+    layers += [(Bf16Head(head), head.in_features, HEAD_PROBE_ROWS)] if type(head) is nn.Linear else []
     dtype = head.weight.dtype
-    return bool(layers) and all(row_invariant(layer, k, rows, dtype) for layer, k in layers for rows in PROBE_ROWS)
+    return bool(layers) and all(row_invariant(layer, k, n, dtype) for layer, k, counts in layers for n in counts)
 
 
 def exact_mode(model: nn.Module) -> bool:

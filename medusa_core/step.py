@@ -69,7 +69,7 @@ class DecodeStep:
         self._cache = weakref.ref(cache)
         device = self.lm_head.weight.device
         self.dtype = compute_dtype(model)
-        self.decoder_kwargs = step_kwargs(model)    # row-exact attention where the CPU's int4 mode runs
+        self.decoder_kwargs = step_kwargs(model)    # row-exact attention where the CPU's int4 mode runs (prefill too)
         self.depth = tree.leaf_paths.shape[1] - 1                          # D
         self.allowed = tree.attn_mask == 0                                  # (T, T) bool
         self.slots = torch.arange(self.depth + 1, device=device)           # (D+1,)
@@ -123,6 +123,7 @@ class DecodeStep:
                 position_ids=torch.arange(start, end, device=device)[None],
                 past_key_values=self.cache,
                 use_cache=True,
+                **self.decoder_kwargs,
             ).last_hidden_state[0, -1]                                                   # (H,)
         root = self.targets(self.lm_head(hidden)[None], uniform)                         # (1,)
         self.tokens.copy_(self.propose(root, hidden))

@@ -123,7 +123,7 @@ def test_quant_int4_loads_and_says_so(int4_loaded):
     assert "asked for" in int4_loaded.description
 
 
-def test_a_decoding_step_takes_the_row_exact_path_and_a_prefill_does_not(int4_loaded, monkeypatch):
+def test_steps_and_prefill_take_the_row_exact_path(int4_loaded, monkeypatch):
     model = int4_loaded.model
     fallbacks = []
     real = exact_attention.sdpa_attention_forward
@@ -133,7 +133,7 @@ def test_a_decoding_step_takes_the_row_exact_path_and_a_prefill_does_not(int4_lo
     tree = build_tree_buffers(resolve_tree("small-16"), heads.config.num_heads)
     steps = list(generate(model, list(range(4, 20)), heads=heads, tree=tree, config=DecodeConfig(max_new_tokens=12)))
     assert len(steps) > 2
-    assert len(fallbacks) == model.config.num_hidden_layers, "only the prefill may use plain SDPA"
+    assert not fallbacks, "every step and the prefill compute each row alone"
     assert exact_mode(model)
 
 
