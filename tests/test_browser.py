@@ -135,11 +135,13 @@ def test_the_page_says_what_it_runs_and_starts_with_its_settings(page):
 
 
 def test_chat_streams_answers_then_compares(page):
+    # greedy from the first turn: a sampled (random-seed) first answer once put SmolLM2 in character
+    # ("I'm Captain Thrax") for the whole conversation, and the next answer never said Paris
+    pick_greedy(page)
     send(page, "Hello, who are you?")
     assert assistant_texts(page, "chat")[-1].strip()
     assert tokens_per_second(page, "readout") > 0
 
-    pick_greedy(page)
     send(page, "What is the capital of France?")
     assert "Paris" in assistant_texts(page, "chat")[-1]
     assert "im_end" not in assistant_texts(page, "chat")[-1]
