@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .exact_attention import NAME as EXACT_ATTENTION
 from .exact_attention import use_exact_rows
 
 GROUP = 32          # weights per (scale, zero) pair along the input dimension, as in Q4_1
@@ -152,12 +153,10 @@ def exact_probe(model: nn.Module) -> bool:
 def exact_mode(model: nn.Module) -> bool:
     """Whether a quantized ``model`` is all int4 layers, a bf16 head and row-exact attention: then a
     greedy tree must give plain decoding's tokens (the kernels' row invariance checked again)."""
-    from .exact_attention import NAME
-
     layers = [m for m in model.get_decoder().modules() if isinstance(m, (nn.Linear, Int4Linear))]
     head = model.get_output_embeddings()
     if not layers or not all(isinstance(m, Int4Linear) for m in layers) or not isinstance(head, Bf16Head) \
-            or getattr(model.config, "_attn_implementation", None) != NAME:
+            or getattr(model.config, "_attn_implementation", None) != EXACT_ATTENTION:
         return False
     return row_invariant(layers[0], layers[0].in_features, dtype=head.weight.dtype)
 

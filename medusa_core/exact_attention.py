@@ -48,13 +48,18 @@ def exact_rows_attention(module, query: torch.Tensor, key: torch.Tensor, value: 
                                       scaling=scaling, **kwargs)
     # the CPU only (cpu_int4): reading the mask's indices on the host here is no device sync
     seen = visible(attention_mask)[:, :key.shape[2]]                              # (T, W)
+    counts = seen.sum(1)                                                          # (T,)
+    # a row that sees exactly the first n slots (every prefill row, a plain step, a tree's first
+    # chain) reads a view; found for all rows at once, not with one nonzero per row and layer
+    prefix = (seen == (torch.arange(seen.shape[1]) < counts[:, None])).all(1).tolist()   # (T,)
+    counts = counts.tolist()
     outs = []
     for i in range(rows):
-        slots = seen[i].nonzero().squeeze(1)                                      # (n,) ascending; a CPU tensor
-        n = slots.numel()
-        if n and int(slots[-1]) == n - 1:            # the first n slots: a view, as a plain step has
+        n = counts[i]
+        if prefix[i]:
             k, v = key[:, :, :n], value[:, :, :n]
         else:
+            slots = seen[i].nonzero().squeeze(1)                                  # (n,) ascending
             k, v = key.index_select(2, slots), value.index_select(2, slots)       # (1, kv_heads, n, D)
         outs.append(F.scaled_dot_product_attention(query[:, :, i:i + 1], k, v, scale=scaling, enable_gqa=True))
     return torch.cat(outs, 2).transpose(1, 2).contiguous(), None                 # (1, T, heads, D)
