@@ -60,7 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     m.add_argument("--trust-remote-code", action="store_true", help="allow a model repo's own Python code to run")
     d = p.add_argument_group("decoding defaults (all can be changed in the page)")
     d.add_argument("--tree", help="candidate tree: a preset (mc_sim_7b_63, small-8, small-16, chain-N, "
-                                  "cartesian-AxB) or a .json file of paths; default: the model's own tree")
+                                  "cartesian-AxB, baseline) or a .json file of paths; default: the tree tuned "
+                                  "for this machine at the first start (remembered in the cache)")
+    d.add_argument("--retune", action="store_true",
+                   help="measure this machine again to choose the tree, even if a choice is cached")
     d.add_argument("--max-new-tokens", type=int, default=256,
                    help="initial limit of tokens per answer (default: %(default)s)")
     d.add_argument("--system-prompt", default="", help="initial system prompt (empty: the model's default)")
@@ -141,7 +144,7 @@ def load_spec(args: argparse.Namespace):
     # model and heads left None: the loader picks the machine's default (and says so)
     return LoadSpec(model=args.model, heads=args.heads, device=args.device, quant=args.quant, dtype=args.dtype,
                     heads_quant=args.heads_quant, trust_remote_code=args.trust_remote_code,
-                    nf4_kernel=args.nf4_kernel)
+                    nf4_kernel=args.nf4_kernel, tree=args.tree, retune=args.retune)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         fail(f"cannot serve on {args.host}:{port} ({err.strerror or err}): pass another --port")
     url_host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"Serving on http://{url_host}:{port}  (Ctrl+C to quit); the model loads in the background", flush=True)
-    slot.start(spec, extra_trees=(args.tree,) if args.tree else ())
+    slot.start(spec)
     try:
         demo.block_thread()
     except KeyboardInterrupt:

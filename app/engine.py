@@ -30,6 +30,8 @@ BASELINE, MEDUSA, COMPARISON = "baseline", "medusa", "comparison"
 LABELS = {BASELINE: "Plain decoding", MEDUSA: "Medusa"}
 UPDATE_SECONDS = 0.05  # stream at most ~20 updates/s: the browser gains nothing from more
 PREPARING = "preparing tree (first use)…"
+# the Medusa pane's label where the tuner found that no tree pays on this machine (tree_tuning.py)
+NO_SPEEDUP = "Plain decoding: Medusa gives no speedup on this device"
 
 
 def _number(name: str, value, kind=float):
@@ -191,12 +193,15 @@ class _Pass:
 
     def __init__(self, engine: "ChatEngine", name: str, prompt_ids: list[int], config: DecodeConfig,
                  tree_name: str, tree: TreeBuffers, cache, should_stop) -> None:
+        label = LABELS[name]
         if name == BASELINE or tree.num_heads == 0:
             tree_name, tree, heads = "baseline", engine.tree("baseline"), None
+            if name == MEDUSA and engine.no_speedup:
+                label = NO_SPEEDUP
         else:
             heads = engine.heads
         self.name, self.tree, self.config, self.cache = name, tree, config, cache
-        self.meter = Meter(LABELS[name], tree_name, tree.size)
+        self.meter = Meter(label, tree_name, tree.size)
         self.detok = Detokenizer(engine.tokenizer, skip=engine.loaded.stop_ids)
         self.segments: list[tuple[str, bool]] = []
         self.tokens: list[int] = []
@@ -251,6 +256,8 @@ class ChatEngine:
         self.context = max_context(self.model)
         self.max_new_tokens = min(max_new_tokens, self.context)
         self.num_heads = self.heads.config.num_heads if self.heads is not None else 0
+        # measured at load: every tree is slower than plain decoding here, which runs instead
+        self.no_speedup = loaded.tuned is not None and not loaded.tuned.pays
         self._trees: dict[str, TreeBuffers] = {}
         self._trees_lock = threading.Lock()
         self.line = Line()

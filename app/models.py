@@ -89,7 +89,8 @@ def downloaded(source: str | None) -> int:
 
 class ModelSlot:
     """The current ChatEngine (or None) and the load in progress. ``loader`` is
-    ``medusa_core.loading.load``; tests pass one that waits, to see the page mid-load."""
+    ``medusa_core.loading.load`` (called with the spec and ``progress=``); tests pass one that
+    waits, to see the page mid-load."""
 
     def __init__(self, *, max_new_tokens: int = 256, loader: Callable[[LoadSpec], object] = load,
                  log: Callable[[str], None] = print) -> None:
@@ -155,7 +156,7 @@ class ModelSlot:
         what = self._describe(spec)
         self._log(f"Loading {what}…")
         try:
-            loaded = self._loader(spec)
+            loaded = self._loader(spec, progress=self._progress)
             with self._lock:
                 self._line = "⏳ Building the decoding trees…"
             engine = ChatEngine(loaded, extra_trees=extra_trees, max_new_tokens=self.max_new_tokens)
@@ -166,8 +167,15 @@ class ModelSlot:
             self._fail(f"out of GPU memory while loading {what}: use quant nf4, a smaller model, or unload first")
             return
         seconds = time.perf_counter() - self._started
-        line = f"Ready · {loaded.description} · loaded in {seconds:.1f} s · {loaded.memory}"
+        tree_note = f" · {loaded.tree_note}" if loaded.tree_note else ""
+        line = f"Ready · {loaded.description}{tree_note} · loaded in {seconds:.1f} s · {loaded.memory}"
         self._set("ready", line, engine, replace_engine=True)
+        self._log(line)
+
+    def _progress(self, line: str) -> None:
+        """A long step of the load (the first start's tree tuning): the page's line and the console."""
+        with self._lock:
+            self._line = f"⏳ {line[:1].upper()}{line[1:]}…"
         self._log(line)
 
     def _fail(self, message: str) -> None:
@@ -192,8 +200,11 @@ class ModelSlot:
 
 
 def spec_for(choice: str | None, model: str, heads: str, base: LoadSpec) -> LoadSpec:
-    """The LoadSpec of the page's model controls: a typed model (and heads) wins over the list."""
+    """The LoadSpec of the page's model controls: a typed model (and heads) wins over the list.
+    The command line's --tree and --retune were for the model it started with: another model gets
+    its own tuned tree (from the cache when this machine has measured it)."""
     model, heads = (model or "").strip(), (heads or "").strip()
+    base = replace(base, tree=None, retune=False)
     if model or heads:
         return replace(base, model=model or None, heads=heads or None)
     for label, backbone, medusa_heads in KNOWN_MODELS:

@@ -37,30 +37,14 @@ from .kv_cache import prefill_mask, tree_step_mask
 from .step import capture_stream, step_for
 from .quantization import NF4_KERNELS
 from .step_report import QuantResult, TreeRow, environment, fold_reports, format_result, summary
+from .head_accuracy import PUBLISHED_ACCURACIES, RANK_DECAY, TOP_K, rank_table  # noqa: F401  (tests read them here)
 from .synthetic import (
     DTYPE, SHAPES, build_heads, build_model, check_not_zero, quantize_backbone_, save_random_checkpoint, weight_bytes,
 )
 from .tree import Paths, TreeBuffers, build_tree_buffers, expected_length, grow_tree
 
-PUBLISHED_ACCURACIES = (0.56, 0.32, 0.20, 0.15, 0.12)   # Medusa-1 heads 0-4, Vicuna-7B (DESIGN §2)
-# Only top-1 accuracies are published. Assumed: head k's rank-i guess is right with a[k] * 0.35**i.
-# 0.35 keeps each head's ranks (exclusive events) summing below 1 and makes the 64-node tree
-# expect 2.42 tokens per step, inside the published 2.3-2.6 for Vicuna-7B heads.
-RANK_DECAY = 0.35
-TOP_K = 10          # ranks a tree may use, as in the reference's trees
-
 
 # ---- trees from accuracies (pure)
-
-def rank_table(accuracies: Sequence[float], top_k: int = TOP_K, decay: float = RANK_DECAY) -> list[list[float]]:
-    """(K, top_k) probability that head k's rank-i guess is right: a[k] * decay**i."""
-    table = [[a * decay**i for i in range(top_k)] for a in accuracies]
-    for k, row in enumerate(table):
-        if sum(row) > 1 + 1e-9:   # a head's ranks are distinct tokens: at most one is right
-            raise ValueError(f"head {k}'s rank accuracies sum to {sum(row):.2f} > 1 with accuracy {accuracies[k]} "
-                             f"and rank decay {decay}: lower --rank-decay or the accuracy")
-    return table
-
 
 def tree_for_size(table: Sequence[Sequence[float]], size: int) -> Paths:
     """The ``size``-node tree (root included) grown greedily by tree.grow_tree (paper §2.3.3).

@@ -24,6 +24,7 @@ import torch
 
 from .cpu_int4 import use_int4
 from .tree import expected_length, grow_tree, path_value  # noqa: F401  (path_value re-exported)
+from .tree_tuning import monotone_fit
 
 TIMED_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)   # tree sizes without the root
 
@@ -101,23 +102,6 @@ def time_sizes(model, heads, acc, prompt_ids: list[list[int]], sizes: Sequence[i
                   "expected_tokens_per_step": round(expected_length(grow_tree(acc, n - 1), acc), 3)}
         out[n]["expected_tokens_per_s"] = round(out[n]["expected_tokens_per_step"] / fitted[n], 1)
     return out
-
-
-def monotone_fit(seconds: dict[int, float]) -> dict[int, float]:
-    """The closest non-decreasing step times by size (least squares: pool adjacent violators).
-    A bigger tree never costs less, so a size measured faster than a smaller one is load noise and
-    is averaged with it; a real jump stays. A straight line did not keep it: on 2 CPU cores torch's
-    fp32 sgemm changes strategy at 4 rows (a 1.6x step), the line smoothed that away and chose a
-    4-node tree that `bench` then measured at 1.04x, against 1.32x for 2 nodes (docs/cpu_default.md)."""
-    pools: list[tuple[float, list[int]]] = []        # (mean seconds, sizes), means non-decreasing
-    for n in sorted(seconds):
-        mean, sizes = seconds[n], [n]
-        while pools and pools[-1][0] > mean:
-            prev_mean, prev_sizes = pools.pop()
-            mean = (prev_mean * len(prev_sizes) + mean * len(sizes)) / (len(prev_sizes) + len(sizes))
-            sizes = prev_sizes + sizes
-        pools.append((mean, sizes))
-    return {n: mean for mean, sizes in pools for n in sizes}
 
 
 def run(config: CalibrateConfig) -> dict:

@@ -10,6 +10,7 @@ Every failure is one LoadError line.
 
 from __future__ import annotations
 
+import json
 import resource
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -37,13 +38,17 @@ from .heads_io import (  # noqa: F401  (re-exported: callers import these names 
 )
 from .heads_quant import quantize_projections  # noqa: F401  (re-exported)
 from .hub import fetch_first, fetch_snapshot, local_dir
+from .head_accuracy import head_accuracy
 from .quantization import NF4_KERNELS, bnb_config, use_nf4_kernel
+from .tree import build_tree_buffers, resolve_tree
+from .tree_tuning import Progress, TunedTree, tuned_tree
 
 # The CPU default's own files (heads trained for SmolLM2-135M-Instruct, their tree, held-out
 # prompts); its backbone is not in the repository but converted into the cache (smollm2.py).
 CPU_DEFAULT_DIR = Path(__file__).resolve().parent.parent / "assets" / "smollm2"
 CPU_DEFAULT_HEADS = CPU_DEFAULT_DIR / "heads"
-CPU_DEFAULT_TREE = CPU_DEFAULT_DIR / "tree.json"
+CPU_DEFAULT_TREE = CPU_DEFAULT_DIR / "tree.json"            # the tree calibrate chose on the project's CPU
+CPU_DEFAULT_CALIBRATION = CPU_DEFAULT_DIR / "tree_calibration.json"   # the heads' rank accuracies
 CPU_DEFAULT_PROMPTS = CPU_DEFAULT_DIR / "prompts.jsonl"
 CUDA_MODEL = "lmsys/vicuna-7b-v1.3"
 CUDA_HEADS = "FasterDecoding/medusa-vicuna-7b-v1.3"
@@ -71,6 +76,8 @@ class LoadSpec:
     heads_quant: str = "none"         # none|nf4: quantize the heads' vocab projections
     trust_remote_code: bool = False
     nf4_kernel: str = "auto"          # auto|triton|bnb: who multiplies NF4 layers (quantization.py)
+    tree: str | None = None           # a preset or .json tree instead of the tree tuned for this machine
+    retune: bool = False              # measure the tree again even if this machine's choice is cached
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,8 @@ class Loaded:
     description: str                  # one line: what was loaded
     cpu_default: bool                 # SmolLM2 with its bundled heads on the CPU: what launch.py serves without CUDA
     memory: str                       # one line memory report after loading
+    tree_note: str = ""               # one line: which tree runs by default and why
+    tuned: TunedTree | None = None    # the tuner's choice, when it chose the tree
 
 
 def resolve_device(device: str) -> str:
@@ -228,6 +237,34 @@ def choose_tree(heads_source: str | None, heads: MedusaHeads | None, device: str
     return "small-16" if n >= 5 else "small-8" if n == 4 else f"chain-{n}"
 
 
+def pick_tree(spec: LoadSpec, model, tokenizer, heads: MedusaHeads | None, heads_dir: Path | None, device: str,
+              bundled: bool, quant: str, dtype: torch.dtype, progress: Progress) -> tuple[str, str, TunedTree | None]:
+    """(default tree, one line saying why, the tuner's choice): the user's --tree; else the tree tuned
+    on this machine from the heads' accuracies (cached per machine, model, heads and mode); else,
+    for heads that carry no accuracies, a preset (choose_tree)."""
+    if heads is None:
+        return "baseline", "", None
+    if spec.tree:
+        build_tree_buffers(resolve_tree(spec.tree), heads.config.num_heads)   # TreeError: it does not fit
+        return spec.tree, f"tree {Path(spec.tree).name if spec.tree.endswith('.json') else spec.tree} (set by --tree)", None
+    accuracy = head_accuracy(heads_dir, spec.heads, heads.config.num_heads,
+                             calibration=CPU_DEFAULT_CALIBRATION if bundled else None)
+    if accuracy is None:
+        tree = choose_tree(spec.heads, heads, device, bundled, quant)
+        return tree, (f"tree {tree}: a preset, since these heads carry no accuracies to tune a tree with "
+                      "(python -m medusa_core.calibrate --out HEADS_DIR/tree.json measures them)"), None
+    mode = {"device": device, "quant": quant, "dtype": str(dtype), "nf4_kernel": spec.nf4_kernel,
+            "heads_quant": spec.heads_quant}
+    try:
+        tuned, tree_file = tuned_tree(model, heads, tokenizer, accuracy.table, accuracy.source, heads_dir=heads_dir,
+                                      mode=json.dumps(mode, sort_keys=True), cache_root=smollm2.cache_root(),
+                                      retune=spec.retune, progress=progress)
+    except OSError as err:
+        raise LoadError(f"could not write the tuned tree into {smollm2.cache_root()} ({err.strerror or err}): "
+                        f"set {smollm2.CACHE_ENV} to a writable directory, or pass --tree") from None
+    return (str(tree_file) if tuned.pays else "baseline"), tuned.line(), tuned
+
+
 def _size(nbytes: float) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
@@ -258,7 +295,8 @@ def _validate(spec: LoadSpec) -> None:
         raise LoadError(f"nf4_kernel {spec.nf4_kernel!r} is unknown: use one of {', '.join(NF4_KERNELS)}")
 
 
-def load(spec: LoadSpec) -> Loaded:
+def load(spec: LoadSpec, progress: Progress | None = None) -> Loaded:
+    """``progress`` hears what a long step is doing (the tree tuning of a first start)."""
     _validate(spec)
     device = resolve_device(spec.device)
     if spec.model is None and spec.heads is None:
@@ -274,8 +312,9 @@ def load(spec: LoadSpec) -> Loaded:
     quant = resolve_quant(spec.quant, device)      # validated before anything loads
 
     files: HeadsFiles | None = None
-    if spec.heads is not None:
-        files = read_heads_dir(heads_source_dir(spec.heads))
+    heads_dir = heads_source_dir(spec.heads) if spec.heads is not None else None
+    if heads_dir is not None:
+        files = read_heads_dir(heads_dir)
     model_source = spec.model or (files.base_model if files else None)
     if model_source is None:
         raise LoadError(f"{files.source if files else spec.heads}: the heads' config.json names no base_model_name_or_path: pass --model")
@@ -301,7 +340,8 @@ def load(spec: LoadSpec) -> Loaded:
 
     bundled = heads is not None and is_bundled_heads(spec.heads)
     cpu_default = smol and bundled and not device.startswith("cuda")
-    tree = choose_tree(spec.heads, heads, device, bundled, quant)
+    tree, tree_note, tuned = pick_tree(spec, model, tokenizer, heads, heads_dir, device, bundled, quant, dtype,
+                                       progress or (lambda line: None))
     gen_eos = getattr(model.generation_config, "eos_token_id", None)
     stops = stop_token_ids(tokenizer) + tuple(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
     stop_ids = tuple(dict.fromkeys(stops))
@@ -324,7 +364,7 @@ def load(spec: LoadSpec) -> Loaded:
         shown = spec.model or (spec.heads if files is not None and files.layout == "medusa-2" else model_source)
         description = f"{shown} ({what}){heads_text}"
     return Loaded(model, tokenizer, heads, tree, stop_ids, description, cpu_default,
-                  memory_report(model, heads, device))
+                  memory_report(model, heads, device), tree_note, tuned)
 
 
 def load_backbone_dir(directory: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):

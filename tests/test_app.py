@@ -417,11 +417,11 @@ def test_model_slot_loads_in_background_and_keeps_old_model_on_failure(model_dir
     spec = LoadSpec(model=str(backbone), heads=str(heads), device="cpu")
     gate, lines = threading.Event(), []
 
-    def gated(s):
+    def gated(s, progress):
         gate.wait(60)
         if s.model == "broken/model":
             raise LoadError("broken/model is not a hub repo: check the id")
-        return load(s)
+        return load(s, progress)
 
     slot = ModelSlot(loader=gated, log=lines.append)
     assert slot.state().phase == "empty" and slot.engine is None

@@ -135,16 +135,16 @@ def test_the_page_says_what_it_runs_and_starts_with_its_settings(page):
 
 
 def test_chat_streams_answers_then_compares(page):
-    # greedy from the first turn: a sampled (random-seed) first answer once put SmolLM2 in character
-    # ("I'm Captain Thrax") for the whole conversation, and the next answer never said Paris
+    # greedy: a sampled (random-seed) answer once put SmolLM2 in character ("I'm Captain Thrax")
     pick_greedy(page)
-    send(page, "Hello, who are you?")
-    assert assistant_texts(page, "chat")[-1].strip()
-    assert tokens_per_second(page, "readout") > 0
-
-    send(page, "What is the capital of France?")
+    # a first turn whose greedy answer has a clear margin on any CPU (test_default_model.FRANCE)
+    send(page, "Complete the sentence: The capital of France is")
     assert "Paris" in assistant_texts(page, "chat")[-1]
     assert "im_end" not in assistant_texts(page, "chat")[-1]
+    assert tokens_per_second(page, "readout") > 0
+
+    send(page, "Hello, who are you?")
+    assert assistant_texts(page, "chat")[-1].strip()
 
     page.locator("#compare input[type=checkbox]").check()
     page.wait_for_selector("#chat-baseline", state="visible", timeout=10_000)
@@ -243,9 +243,9 @@ def test_page_opens_before_the_model_has_loaded(browser):
 
     gate = threading.Event()
 
-    def gated(spec):
+    def gated(spec, progress):
         gate.wait(120)
-        return load(spec)
+        return load(spec, progress)
 
     slot = ModelSlot(loader=gated, log=lambda line: None)
     spec = LoadSpec(device="cpu")   # the default, as launch.py passes it

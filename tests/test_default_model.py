@@ -10,14 +10,21 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from app.engine import BASELINE, MEDUSA, ChatEngine, Session, Settings
 from app.models import CPU_DEFAULTS, ModelSlot, default_settings
 from medusa_core import smollm2
 from medusa_core.errors import LoadError
-from medusa_core.loading import CPU_DEFAULT_PROMPTS, CPU_DEFAULT_TREE, LoadSpec, load
+from medusa_core.loading import CPU_DEFAULT_PROMPTS, LoadSpec, load
 
 REPO = Path(__file__).resolve().parent.parent
+# A question whose greedy answer ("The capital of France is Paris.") wins every token by a clear
+# margin on any CPU. "What is the capital of France?" does not: its first token is a near-tie
+# ("The" vs "L", logits 0.125 apart on an AVX-512 CPU in the int4 mode, tied on an AVX2 one), and
+# on an AVX2 CPU SmolLM2 answers "L'Étoile, la Marseillaise, ..." without ever ending the turn.
+FRANCE = "Complete the sentence: The capital of France is"
+MARGIN = 1.0   # logits between every answer token and the runner-up: ~15x the shift seen between CPUs
 
 
 @pytest.fixture(scope="module")
@@ -31,13 +38,42 @@ def answer(engine: ChatEngine, question: str, passes=(MEDUSA,), max_new_tokens: 
                               passes))
 
 
+def greedy_margin(engine: ChatEngine, question: str, tokens: list[int]) -> float:
+    """The smallest gap, in logits, between each greedy answer token and its runner-up (teacher
+    forced): how far this machine's rounding is from choosing another answer."""
+    prompt = engine.prompt_ids([{"role": "user", "content": question}], None)
+    with torch.no_grad():
+        logits = engine.model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()   # (n, V)
+    assert logits.argmax(-1).tolist() == tokens, "the teacher-forced argmax is not the greedy answer"
+    top2 = logits.topk(2, dim=-1).values                                                          # (n, 2)
+    return float((top2[:, 0] - top2[:, 1]).min())
+
+
+def clear_answer(engine: ChatEngine, question: str):
+    """The greedy answer to ``question``, after checking it is no near-tie on this machine."""
+    last = answer(engine, question)[-1]
+    margin = greedy_margin(engine, question, list(last.tokens))
+    assert margin >= MARGIN, (f"{question!r} is a near-tie here (greedy answer {last.plain!r} wins a token by only "
+                              f"{margin:.3f} logits): a content check on it would test this CPU's rounding")
+    return last
+
+
 def test_default_loads_offline_from_the_installed_package(default_loaded):
     loaded = default_loaded
     assert loaded.cpu_default and loaded.description.startswith("SmolLM2-135M-Instruct")
     backbone = Path(loaded.model.name_or_path).resolve()
     assert backbone == (smollm2.cache_root() / smollm2.NAME).resolve()
     assert REPO not in backbone.parents, "nothing is written into the project tree at run time"
-    assert loaded.heads is not None and loaded.default_tree == str(CPU_DEFAULT_TREE)
+    # the tree was tuned on this machine from the heads' shipped accuracies (or read from its cache)
+    tuned = loaded.tuned
+    assert loaded.heads is not None and tuned is not None and tuned.accuracy_source.startswith("calibrated")
+    assert loaded.tree_note == tuned.line() and ("tree tuned for this machine" in loaded.tree_note or
+                                                  "Medusa gives no speedup on this device" in loaded.tree_note)
+    if tuned.pays:
+        assert Path(loaded.default_tree).name == "tuned.json" and REPO not in Path(loaded.default_tree).parents
+        assert json.loads(Path(loaded.default_tree).read_text()) == tuned.paths and len(tuned.paths) == tuned.nodes - 1
+    else:
+        assert loaded.default_tree == "baseline"
     assert loaded.tokenizer.convert_tokens_to_ids("<|im_end|>") in loaded.stop_ids
     assert default_settings(loaded) == CPU_DEFAULTS
 
@@ -58,13 +94,13 @@ def test_missing_package_is_one_line_naming_the_pip_command(monkeypatch):
 
 
 def test_a_chat_turn_answers_through_the_chat_template(engine):
-    last = answer(engine, "What is the capital of France?")[-1]
+    last = clear_answer(engine, FRANCE)
     assert last.error is None and "Paris" in last.plain
 
 
 def test_a_turn_ends_at_im_end_and_never_shows_it(engine):
     im_end = engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    last = answer(engine, "What is the capital of France?")[-1]
+    last = clear_answer(engine, FRANCE)
     assert last.stats.finish_reason == "eos"
     assert last.tokens[-1] == im_end and im_end not in last.tokens[:-1], "the answer stops at the first <|im_end|>"
     assert "<|im_end|>" not in last.plain and "im_end" not in last.plain and last.plain.strip()
@@ -88,7 +124,7 @@ def test_the_default_says_which_matmuls_it_runs(default_loaded, fp32_engine):
     assert "int4 weights (group 32) with bf16 matmuls" in default_loaded.description or \
         "fp32 matmuls (" in default_loaded.description
     assert "unquantized, float32" in fp32_engine.loaded.description
-    assert "Paris" in answer(fp32_engine, "What is the capital of France?")[-1].plain
+    assert "Paris" in clear_answer(fp32_engine, FRANCE).plain
 
 
 @pytest.mark.parametrize("mode", ["int4", "fp32"])

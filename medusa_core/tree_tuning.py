@@ -1,0 +1,290 @@
+"""The tree chosen by measurement on the machine that runs it, once, and remembered.
+
+A tree is a property of (model, heads, machine): what a node is worth comes from the heads
+(head_accuracy.py), what it costs from this machine's verification step, which no table of
+another machine's figures predicts (2 CPU cores with AVX-512 and bf16 instructions, an AVX2-only
+CPU and an H100 have different cost curves by tree size). So at the first load of a (model,
+heads, machine, mode) the step is timed at a few tree sizes, the grown tree of each size is
+scored by expected tokens per step over the measured step time, and the best is kept, or plain
+decoding when no tree pays. The result is cached in the user's cache directory under a key of
+everything that decides it; later starts read it.
+
+The step timed is the one replies run: generate() around step.DecodeStep (a CUDA graph replay on
+CUDA), wall time per step with its one sync, on a short chat prompt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .step import compute_dtype
+from .tree import build_tree_buffers, expected_length, grow_tree
+
+TUNER_VERSION = 1          # part of the cache key: a change in how trees are measured re-tunes
+CPU_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)             # tree sizes timed, root included: every CPU row costs
+CUDA_SIZES = (1, 2, 4, 8, 16, 32, 64)
+MIN_SPEEDUP = 1.05         # a tree must be expected this much faster than plain decoding to be used:
+                           # below it, timing noise (about +-0.05x on 2 cores) could make it slower
+STEPS, ROUNDS = 6, 3       # steps timed per size and round; rounds after a warm-up, the fastest kept
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+# ISA flags that change which kernels torch and oneDNN run (/proc/cpuinfo names)
+CPU_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+             "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "avx_vnni")
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class TunedTree:
+    """The tuner's choice and why. ``paths`` empty: plain decoding (no tree pays here)."""
+
+    paths: list[list[int]]
+    nodes: int                          # root included
+    expected_tokens_per_step: float
+    expected_speedup: float             # over plain decoding, from the measured step times
+    best_speedup: float                 # the best tree's, even when it did not pay
+    best_nodes: int
+    step_ms: dict[str, float]           # size -> ms per step (non-decreasing in size, see monotone_fit)
+    seconds: float                      # how long measuring took
+    accuracy_source: str
+    machine: str
+    cached: bool = False
+
+    @property
+    def pays(self) -> bool:
+        return self.nodes > 1
+
+    def line(self) -> str:
+        """One line for the page and the console: which tree runs and why."""
+        when = "read from the cache (--retune measures again)" if self.cached else f"measured in {self.seconds:.0f} s"
+        if self.pays:
+            return (f"tree tuned for this machine: {self.nodes} nodes, expected {self.expected_speedup:.2f}x "
+                    f"({self.expected_tokens_per_step:.2f} tokens/step; {when})")
+        return (f"Medusa gives no speedup on this device: the best tree ({self.best_nodes} nodes) is expected at "
+                f"{self.best_speedup:.2f}x, under {MIN_SPEEDUP}x, so plain decoding runs ({when})")
+
+
+# ---------------------------------------------------------------- what decides the choice
+
+def machine_identity(device: torch.device) -> dict:
+    """The hardware and software a step's cost depends on."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return {"gpu": props.name, "capability": f"{props.major}.{props.minor}", "memory": props.total_memory,
+                "cuda": torch.version.cuda, "torch": torch.__version__}
+    flags: set[str] = set()
+    name = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    return {"cpu": name, "isa": sorted(f for f in CPU_FLAGS if f in flags), "threads": torch.get_num_threads(),
+            # what torch and oneDNN dispatch to (ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA lower these)
+            "aten_capability": torch.backends.cpu.get_cpu_capability(),
+            "onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()), "torch": torch.__version__}
+
+
+def machine_line(machine: dict) -> str:
+    if "gpu" in machine:
+        return f"{machine['gpu']} (sm_{machine['capability'].replace('.', '')})"
+    return f"{machine['cpu']}, {machine['aten_capability']}, {machine['threads']} threads"
+
+
+def file_stamp(path: Path) -> list:
+    """Identity of the files under ``path`` (name, size, mtime): a changed file changes the key."""
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path] if path.is_file() else []
+    return [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+
+
+def tuning_key(model, heads_dir: Path | None, mode: str, accuracy: Sequence[Sequence[float]],
+               sizes: Sequence[int], device: torch.device) -> dict:
+    """Everything the choice depends on: machine, torch, model and heads files, mode, accuracies."""
+    source = str(getattr(model, "name_or_path", "") or "")
+    model_files = file_stamp(Path(source)) if source and Path(source).exists() else []
+    return {"tuner": TUNER_VERSION, "machine": machine_identity(device), "model": source,
+            "model_config": model.config.to_json_string(use_diff=True), "model_files": model_files,
+            "heads_files": file_stamp(heads_dir) if heads_dir is not None else [], "mode": mode,
+            "accuracy": [[round(p, 6) for p in row] for row in accuracy], "sizes": list(sizes)}
+
+
+def cache_file(key: dict, root: Path) -> Path:
+    """One folder per key: the choice and its report (``choice.json``) and the tree (``tree_file``)."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return root / "tuned-trees" / digest / "choice.json"
+
+
+def tree_file(entry: Path) -> Path:
+    """The tree's paths file beside the entry: what the engine's tree picker reads (and shows by name)."""
+    return entry.with_name("tuned.json")
+
+
+# ---------------------------------------------------------------- measuring
+
+def monotone_fit(seconds: dict[int, float]) -> dict[int, float]:
+    """The closest non-decreasing step times by size (least squares: pool adjacent violators).
+    A bigger tree never costs less, so a size measured faster than a smaller one is load noise and
+    is averaged with it; a real jump stays. A straight line did not keep it: on 2 CPU cores torch's
+    fp32 sgemm changes strategy at 4 rows (a 1.6x step), the line smoothed that away and chose a
+    4-node tree that `bench` then measured at 1.04x, against 1.32x for 2 nodes (docs/cpu_default.md)."""
+    pools: list[tuple[float, list[int]]] = []        # (mean seconds, sizes), means non-decreasing
+    for n in sorted(seconds):
+        mean, sizes = seconds[n], [n]
+        while pools and pools[-1][0] > mean:
+            prev_mean, prev_sizes = pools.pop()
+            mean = (prev_mean * len(prev_sizes) + mean * len(sizes)) / (len(prev_sizes) + len(sizes))
+            sizes = prev_sizes + sizes
+        pools.append((mean, sizes))
+    return {n: mean for mean, sizes in pools for n in sizes}
+
+
+def time_steps(model, heads, tree, prompt_ids: list[int], cache, steps: int) -> float:
+    """Mean wall seconds of ``steps`` decoding steps after ``prompt_ids`` (the cached prompt is reused)."""
+    from .generate import DecodeConfig, generate
+
+    # room for `steps` steps however many tokens each accepts; stop ids are the model's EOS only
+    config = DecodeConfig(max_new_tokens=steps * tree.size + 1)
+    seconds: list[float] = []
+    run = generate(model, prompt_ids, heads=heads if tree.num_heads else None, tree=tree, config=config, cache=cache)
+    for step in run:
+        if step.prefill:
+            continue
+        if not step.tokens:
+            break
+        seconds.append(step.seconds)
+        if len(seconds) == steps:
+            break
+    run.close()
+    if not seconds:
+        raise RuntimeError("the tuning prompt ended at once: no step to time")
+    return sum(seconds) / len(seconds)
+
+
+def measure_step_seconds(model, heads, trees: dict[int, object], prompt_ids: list[int], lengths: dict[int, float],
+                         progress: Progress, steps: int = STEPS, rounds: int = ROUNDS) -> dict[int, float]:
+    """Seconds per step by tree size: sizes interleaved within each round (load hits all alike), a
+    warm-up round first (on CUDA it captures each tree's graph), the fastest round kept (load only
+    adds time). After the first round, sizes that cannot win are no longer timed (_worth_timing);
+    ``lengths``: expected tokens per step by size."""
+    from .generate import new_cache
+
+    sizes = sorted(trees)
+    caches = {n: new_cache(model) for n in sizes}
+    best: dict[int, float] = {}
+    for round_ in range(rounds + 1):
+        progress(f"tuning the tree for this machine: timing trees of {', '.join(map(str, sizes))} nodes "
+                 f"({'warm-up' if round_ == 0 else f'round {round_} of {rounds}'})")
+        for n in list(sizes):
+            took = time_steps(model, heads, trees[n], prompt_ids, caches[n], steps)
+            if round_:
+                best[n] = min(best.get(n, float("inf")), took)
+        if round_ == 1 and 1 in best:
+            sizes = _worth_timing(best, lengths, sizes)
+    return best
+
+
+def _worth_timing(seconds: dict[int, float], lengths: dict[int, float], sizes: list[int]) -> list[int]:
+    """The sizes still worth timing after a first round. A tree costing c baseline steps gives at
+    most max(lengths) / c, and a bigger tree costs at least as much: from the first size whose bound
+    is below what a smaller tree already gives (or below MIN_SPEEDUP), no bigger one can win."""
+    kept, best_so_far, longest = [], MIN_SPEEDUP, max(lengths.values())
+    for n in sizes:
+        cost = seconds[n] / seconds[1]
+        if n > 1 and longest / cost < best_so_far:
+            break
+        kept.append(n)
+        best_so_far = max(best_so_far, lengths[n] / cost)
+    return kept
+
+
+def choose(acc: Sequence[Sequence[float]], seconds: dict[int, float]) -> tuple[int, float, int, float, dict[int, float]]:
+    """(chosen size, its expected speedup, best size, best speedup, fitted seconds): the size with the
+    most expected tokens per second; plain decoding (1) unless that beats it by MIN_SPEEDUP."""
+    # the baseline skips the heads and the tree bookkeeping: it keeps its own measurement
+    fitted = {**seconds, **monotone_fit({n: s for n, s in seconds.items() if n > 1})}
+    speedup = {n: expected_length(grow_tree(acc, n - 1), acc) * fitted[1] / fitted[n] for n in fitted}
+    best = max((n for n in speedup if n > 1), key=lambda n: speedup[n], default=1)
+    chosen = best if speedup[best] >= MIN_SPEEDUP else 1
+    return chosen, speedup[chosen], best, speedup[best], fitted
+
+
+def tune(model, heads, tokenizer, acc: Sequence[Sequence[float]], accuracy_source: str,
+         progress: Progress = lambda line: None, sizes: Sequence[int] | None = None) -> TunedTree:
+    """Measure this machine and choose (see the module docstring)."""
+    from .chat_format import render_chat
+
+    device = model.get_output_embeddings().weight.device
+    if sizes is None:
+        sizes = CUDA_SIZES if device.type == "cuda" else CPU_SIZES
+    started = time.perf_counter()
+    depth = min(heads.config.num_heads, len(acc))
+    grown = {n: grow_tree(acc[:depth], n - 1) for n in sizes}
+    grown = {n: paths for n, paths in grown.items() if len(paths) == n - 1}   # sizes the accuracies can fill
+    trees = {n: build_tree_buffers(paths, depth if n > 1 else 0, top_k=len(acc[0]), device=device,
+                                   dtype=compute_dtype(model))
+             for n, paths in grown.items()}
+    prompt_ids = render_chat(tokenizer, PROMPT)
+    lengths = {n: expected_length(paths, acc) for n, paths in grown.items()}
+    with torch.inference_mode():
+        seconds = measure_step_seconds(model, heads, trees, prompt_ids, lengths, progress)
+    chosen, speedup, best, best_speedup, fitted = choose(acc, seconds)
+    paths = [list(p) for p in grown[chosen]] if chosen > 1 else []
+    return TunedTree(paths=paths, nodes=chosen, expected_tokens_per_step=round(expected_length(grown[chosen], acc), 4),
+                     expected_speedup=round(speedup, 4), best_speedup=round(best_speedup, 4), best_nodes=best,
+                     step_ms={str(n): round(1e3 * s, 3) for n, s in sorted(fitted.items())},
+                     seconds=round(time.perf_counter() - started, 2), accuracy_source=accuracy_source,
+                     machine=machine_line(machine_identity(device)))
+
+
+# ---------------------------------------------------------------- remembered
+
+def read_cached(entry: Path, key: dict) -> TunedTree | None:
+    """The cached choice for ``key``, or None if there is none (or it was written for another key)."""
+    if not entry.is_file() or not tree_file(entry).is_file():
+        return None
+    try:
+        saved = json.loads(entry.read_text())
+        if saved.get("key") != key:
+            return None
+        return TunedTree(**{**saved["result"], "cached": True})
+    except (ValueError, TypeError, KeyError):
+        return None          # a damaged entry (an interrupted write of an older version) is measured again
+
+
+def write_cached(entry: Path, key: dict, tuned: TunedTree) -> None:
+    """Write the entry and its tree file, each atomically (two apps starting at once never read half a file)."""
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    for path, text in ((tree_file(entry), json.dumps(tuned.paths) + "\n"),
+                       (entry, json.dumps({"key": key, "result": {**asdict(tuned), "cached": False}}, indent=1) + "\n")):
+        partial = path.with_name(f".{path.name}.{os.getpid()}")
+        partial.write_text(text)
+        os.replace(partial, path)
+
+
+def tuned_tree(model, heads, tokenizer, acc: Sequence[Sequence[float]], accuracy_source: str, *, heads_dir: Path | None,
+               mode: str, cache_root: Path, retune: bool = False,
+               progress: Progress = lambda line: None) -> tuple[TunedTree, Path]:
+    """The cached choice for this (model, heads, machine, mode), measured first if there is none or
+    ``retune``; returns it with the tree file the engine reads (its paths, [] for plain decoding)."""
+    device = model.get_output_embeddings().weight.device
+    sizes = CUDA_SIZES if device.type == "cuda" else CPU_SIZES
+    key = tuning_key(model, heads_dir, mode, acc, sizes, device)
+    entry = cache_file(key, cache_root)
+    cached = None if retune else read_cached(entry, key)
+    if cached is not None:
+        return cached, tree_file(entry)
+    tuned = tune(model, heads, tokenizer, acc, accuracy_source, progress, sizes)
+    write_cached(entry, key, tuned)   # OSError: the loader names the directory and the fix
+    return tuned, tree_file(entry)

@@ -1,0 +1,183 @@
+"""The tree tuned on the machine that runs it (medusa_core/tree_tuning.py): measured at the first
+load of a (model, heads, machine, mode), remembered in the user's cache, read back by later loads,
+measured again when what decides it changes or --retune asks; --tree overrides it; where no tree
+pays, plain decoding runs and the page says so. Tiny checkpoints whose heads carry a calibration
+report; the cache lives in a temporary directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import tiny_checkpoint
+
+from app.engine import MEDUSA, NO_SPEEDUP, ChatEngine, Session, Settings
+from app.models import ModelSlot
+from medusa_core import tree_tuning
+from medusa_core.errors import LoadError
+from medusa_core.head_accuracy import CALIBRATION_FILE
+from medusa_core.loading import LoadSpec, load
+from medusa_core.tree import expected_length, grow_tree
+
+ACCURACY = [[0.6, 0.1, 0.05], [0.4, 0.1, 0.05], [0.3, 0.1, 0.05], [0.2, 0.1, 0.05], [0.1, 0.05, 0.02]]
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> tuple[Path, Path]:
+    backbone, heads = tiny_checkpoint(tmp_path_factory.mktemp("tuned"), steps=20)
+    (heads / CALIBRATION_FILE).write_text(json.dumps({"accuracy": ACCURACY}))
+    return backbone, heads
+
+
+@pytest.fixture
+def measured(monkeypatch, tmp_path) -> list[int]:
+    """A fresh cache directory; the list grows by one per measurement the loads make."""
+    monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path / "cache"))
+    calls: list[int] = []
+    real = tree_tuning.measure_step_seconds
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tree_tuning, "measure_step_seconds", counting)
+    return calls
+
+
+def spec(checkpoint, **kw) -> LoadSpec:
+    backbone, heads = checkpoint
+    return LoadSpec(model=str(backbone), heads=str(heads), device="cpu", **kw)
+
+
+def test_the_first_load_measures_and_later_loads_read_the_cache(checkpoint, measured, tmp_path):
+    lines: list[str] = []
+    first = load(spec(checkpoint), progress=lines.append)
+    assert len(measured) == 1 and first.tuned is not None and not first.tuned.cached
+    assert any("tuning the tree for this machine" in line for line in lines)
+    assert first.tree_note == first.tuned.line() and "measured in" in first.tree_note
+    entry = list((tmp_path / "cache" / "tuned-trees").glob("*/choice.json"))
+    assert len(entry) == 1, "one cache entry, in the user's cache directory"
+    if first.tuned.pays:
+        assert Path(first.default_tree) == entry[0].with_name("tuned.json")
+        assert json.loads(Path(first.default_tree).read_text()) == first.tuned.paths
+    else:
+        assert first.default_tree == "baseline"
+    # the choice is the best expected speedup over the measured (fitted) step times
+    fitted = {int(n): ms for n, ms in first.tuned.step_ms.items()}
+    best = max((n for n in fitted if n > 1),
+               key=lambda n: expected_length(grow_tree(ACCURACY, n - 1), ACCURACY) * fitted[1] / fitted[n])
+    assert first.tuned.best_nodes == best
+
+    again = load(spec(checkpoint), progress=lines.append)
+    assert len(measured) == 1, "the second load read the cached choice instead of measuring"
+    assert again.tuned.cached and again.default_tree == first.default_tree
+    assert "read from the cache" in again.tree_note
+
+
+def test_a_changed_key_or_retune_measures_again(checkpoint, measured, monkeypatch):
+    load(spec(checkpoint))
+    load(spec(checkpoint, retune=True))
+    assert len(measured) == 2, "--retune measures even with a cached choice"
+    load(spec(checkpoint, dtype="bfloat16"))
+    assert len(measured) == 3, "another compute dtype is another mode: its own measurement"
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads + 1)
+    load(spec(checkpoint))
+    assert len(measured) == 4, "another thread count is another machine"
+    monkeypatch.undo()
+
+
+def test_changed_accuracies_measure_again(checkpoint, measured):
+    load(spec(checkpoint))
+    calibration = checkpoint[1] / CALIBRATION_FILE
+    try:
+        calibration.write_text(json.dumps({"accuracy": [row[:2] for row in ACCURACY]}))
+        load(spec(checkpoint))
+        assert len(measured) == 2
+    finally:
+        calibration.write_text(json.dumps({"accuracy": ACCURACY}))
+
+
+def test_tree_overrides_the_tuned_choice(checkpoint, measured):
+    loaded = load(spec(checkpoint, tree="chain-2"))
+    assert measured == [] and loaded.tuned is None
+    assert loaded.default_tree == "chain-2" and "set by --tree" in loaded.tree_note
+    assert ChatEngine(loaded).default_tree == "chain-2"
+
+
+def test_where_no_tree_pays_plain_decoding_runs_and_the_page_says_so(checkpoint, measured, monkeypatch):
+    # every node costs a whole step: the best 2-node tree expects 1.6 tokens for 2 steps' time
+    monkeypatch.setattr(tree_tuning, "measure_step_seconds",
+                        lambda model, heads, trees, *args, **kw: {n: 0.01 * n for n in trees})
+    slot = ModelSlot(log=lambda line: None)
+    slot.start(spec(checkpoint))
+    state = slot.wait(120)
+    assert state.phase == "ready", state.line
+    assert "Medusa gives no speedup on this device" in state.line and "plain decoding runs" in state.line
+    engine = slot.engine
+    assert engine.default_tree == "baseline" and engine.no_speedup
+    assert any(name == "small-8" for _, name in engine.tree_choices), "other trees stay on offer"
+    prompt = engine.prompt_ids([{"role": "user", "content": "hello"}], None)
+    last = list(engine.answer(Session(), prompt, Settings(max_new_tokens=8), (MEDUSA,)))[-1]
+    assert last.stats.label == NO_SPEEDUP and last.stats.tree_size == 1
+
+
+def test_heads_without_accuracies_get_a_preset_and_say_how_to_tune(tmp_path, measured):
+    backbone, heads = tiny_checkpoint(tmp_path / "plain", steps=5)
+    loaded = load(LoadSpec(model=str(backbone), heads=str(heads), device="cpu"))
+    assert measured == [] and loaded.tuned is None
+    assert loaded.default_tree == "small-16" and "medusa_core.calibrate" in loaded.tree_note
+
+
+def test_a_broken_calibration_file_is_one_line(checkpoint, measured):
+    calibration = checkpoint[1] / CALIBRATION_FILE
+    try:
+        for text, says in (("{", "not a calibration report"), (json.dumps({"accuracy": [[0.5]]}), "for 1 heads"),
+                           (json.dumps({"accuracy": [[0.9, 0.9]] * 5}), "summing to at most 1"),
+                           (json.dumps({"accuracy": [[0.5, 0.1]] * 4 + [[0.5]]}), "as many ranks")):
+            calibration.write_text(text)
+            with pytest.raises(LoadError, match=says) as err:
+                load(spec(checkpoint))
+            assert "\n" not in str(err.value) and str(calibration) in str(err.value)
+    finally:
+        calibration.write_text(json.dumps({"accuracy": ACCURACY}))
+
+
+# ---- the choice itself (pure)
+
+def test_choose_takes_the_best_expected_speedup_and_refuses_a_loss():
+    acc = [[0.5, 0.2], [0.3, 0.1]]
+    # costs that grow slowly: the biggest tree wins
+    chosen, speedup, best, _, _ = tree_tuning.choose(acc, {1: 1.0, 2: 1.0, 3: 1.0, 5: 1.0})
+    assert chosen == best == 5 and speedup == pytest.approx(expected_length(grow_tree(acc, 4), acc))
+    # a 2-node tree at 1.4x the cost: 1.5 / 1.4 = 1.07x, over MIN_SPEEDUP; 3 nodes at 2x cost lose
+    chosen, speedup, *_ = tree_tuning.choose(acc, {1: 1.0, 2: 1.4, 3: 2.0})
+    assert chosen == 2 and speedup == pytest.approx(1.5 / 1.4)
+    # every tree slower than plain decoding: the baseline, with the best loser reported
+    chosen, speedup, best, best_speedup, _ = tree_tuning.choose(acc, {1: 1.0, 2: 1.6, 3: 2.0})
+    assert (chosen, speedup, best) == (1, 1.0, 2) and best_speedup < tree_tuning.MIN_SPEEDUP
+
+
+def test_sizes_that_cannot_win_are_not_timed_again():
+    lengths = {1: 1.0, 2: 1.5, 4: 1.8, 8: 2.0, 16: 2.1}
+    # 8 nodes at 2.2 steps' cost could give at most 2.1 / 2.2 < 1: neither it nor 16 can win
+    seconds = {1: 1.0, 2: 1.1, 4: 1.3, 8: 2.2, 16: 3.0}
+    assert tree_tuning._worth_timing(seconds, lengths, [1, 2, 4, 8, 16]) == [1, 2, 4]
+
+
+def test_the_key_names_the_kernels_this_cpu_runs():
+    """ATEN_CPU_CAPABILITY=avx2 makes torch run its AVX2 kernels (as on a CPU without AVX-512):
+    a tree measured under it is another machine's, and the key says so."""
+    code = "import json; from medusa_core.tree_tuning import machine_identity; import torch; " \
+           "print(json.dumps(machine_identity(torch.device('cpu'))))"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    machine = json.loads(out.stdout.strip().splitlines()[-1])
+    assert machine["aten_capability"] == "AVX2" and machine["onednn_bf16"] is False
+    assert machine["threads"] >= 1 and machine["torch"] == torch.__version__
