@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from . import cpu_int4, smollm2
-from .chat_format import stop_token_ids
+from .chat_format import render_chat, stop_token_ids
 from .errors import LoadError
 from .heads import MedusaHeads
 from .heads_io import (  # noqa: F401  (re-exported: callers import these names from loading)
@@ -49,6 +49,9 @@ CPU_DEFAULT_DIR = Path(__file__).resolve().parent.parent / "assets" / "smollm2"
 CPU_DEFAULT_HEADS = CPU_DEFAULT_DIR / "heads"
 CPU_DEFAULT_TREE = CPU_DEFAULT_DIR / "tree.json"            # the tree calibrate chose on the project's CPU
 CPU_DEFAULT_CALIBRATION = CPU_DEFAULT_DIR / "tree_calibration.json"   # the heads' rank accuracies
+# SmolLM2's fp32 greedy answers to the held-out prompts: the text the int4 mode's fidelity is scored on
+REFERENCE_ANSWERS = CPU_DEFAULT_DIR / "calibration_answers.jsonl"
+REFERENCE_TOKENS = 300          # answers are taken until this many tokens are scored (~0.3 s a pass on 2 cores)
 CPU_DEFAULT_PROMPTS = CPU_DEFAULT_DIR / "prompts.jsonl"
 CUDA_MODEL = "lmsys/vicuna-7b-v1.3"
 CUDA_HEADS = "FasterDecoding/medusa-vicuna-7b-v1.3"
@@ -212,6 +215,21 @@ def load_backbone(source: str, device: str, quant: str, dtype: torch.dtype | str
     return model, tokenizer
 
 
+def fidelity_reference(tokenizer) -> list[tuple[list[int], int]]:
+    """(prompt + answer ids, where the answer starts) for the first reference answers, tokenized by
+    ``tokenizer``: the fixed text a 4-bit mode is compared with fp32 on."""
+    reference, scored = [], 0
+    for line in REFERENCE_ANSWERS.read_text().splitlines():
+        row = json.loads(line)
+        prompt = render_chat(tokenizer, row["prompt"])
+        answer = tokenizer(row["answer"], add_special_tokens=False)["input_ids"]
+        reference.append((prompt + answer, len(prompt)))
+        scored += len(answer)
+        if scored >= REFERENCE_TOKENS:
+            break
+    return reference
+
+
 def choose_tree(heads_source: str | None, heads: MedusaHeads | None, device: str, bundled: bool,
                 quant: str = "none") -> str:
     """Explicit table first, then the bundled heads' calibrated tree (``bundled``: the heads are
@@ -325,7 +343,8 @@ def load(spec: LoadSpec, progress: Progress | None = None) -> Loaded:
     kernel_text = ""
     if quant == "int4":
         try:
-            applied, text = cpu_int4.use_int4(model, measured=spec.quant == "auto")
+            applied, text = cpu_int4.use_int4(model, measured=spec.quant == "auto",
+                                              reference=fidelity_reference(tokenizer))
         except ValueError as err:
             raise LoadError(str(err)) from None
         quant, kernel_text = ("int4" if applied else "none"), "; " + text

@@ -149,3 +149,42 @@ def test_greedy_trees_equal_plain_decoding_in_int4(int4_loaded):
             tree = build_tree_buffers(resolve_tree(name), heads.config.num_heads)
             medusa = [t for s in generate(model, prompt, heads=heads, tree=tree, config=config) for t in s.tokens]
             assert medusa == plain, f"{name}, prompt {seed}"
+
+
+def reference_texts(seed: int = 0) -> list[tuple[list[int], int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(4, 64, (40,), generator=g).tolist(), 10) for _ in range(3)]
+
+
+def test_fidelity_is_scored_against_fp32_and_reported():
+    model = tiny_model(hidden=64)
+    applied, line = cpu_int4.use_int4(model, measured=False, reference=reference_texts())
+    assert applied and "on a 90-token reference text" in line and "next-token argmaxes as fp32's, NLL" in line
+    # the same quantization, scored by hand: fp32 logits of a fresh copy against the int4 model's
+    fresh = tiny_model(hidden=64)
+    fp32, int4 = cpu_int4.reference_logits(fresh, reference_texts()), cpu_int4.reference_logits(model, reference_texts())
+    scored = cpu_int4.fidelity(fp32, int4, reference_texts())
+    assert scored.tokens == 90 and scored.line() in line and 0 <= scored.agreement <= 1
+
+
+def test_auto_refuses_an_unfaithful_int4_and_puts_fp32_back(monkeypatch):
+    """A kernel that computes something else (here: the codes scrambled) must not serve, however fast:
+    auto measures fidelity on this CPU's own kernels and keeps the fp32 layers."""
+    model = tiny_model(hidden=64)
+    x = torch.randint(4, 64, (1, 20))
+    with torch.no_grad():
+        before = model(x).logits
+    real = cpu_int4.quantize_groups
+
+    def scrambled(weight):
+        codes, scales_zeros = real(weight)
+        return codes.flip(-1).contiguous(), scales_zeros
+
+    monkeypatch.setattr(cpu_int4, "quantize_groups", scrambled)
+    monkeypatch.setattr(cpu_int4, "measure", lambda model: {"fp32_ms": 10.0, "int4_ms": 1.0})   # "10x faster"
+    applied, line = cpu_int4.use_int4(model, measured=True, reference=reference_texts())
+    assert not applied and "not faithful enough" in line and "\n" not in line
+    assert not any(isinstance(m, (cpu_int4.Int4Linear, cpu_int4.Bf16Head)) for m in model.modules())
+    assert model.config._attn_implementation != exact_attention.NAME
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, before), "the fp32 model is back as it was"

@@ -158,3 +158,44 @@ def test_a_comparison_switched_on_mid_conversation_is_exact(int4_engine, fp32_en
     turn("What is the capital of France?", (MEDUSA,), mode="greedy")
     comparison = turn("How do I sort a list in Python?", (BASELINE, MEDUSA), mode="greedy").comparison
     assert comparison.identical is True, comparison.divergence
+
+
+AVX2_RUN = """
+import json, sys, torch
+sys.path.insert(0, "tests")
+from test_default_model import FRANCE, answer, greedy_margin
+from app.engine import BASELINE, MEDUSA, ChatEngine
+from medusa_core.loading import LoadSpec, load
+engine = ChatEngine(load(LoadSpec(device="cpu")), max_new_tokens=32)
+out = {"capability": torch.backends.cpu.get_cpu_capability(), "description": engine.loaded.description,
+       "weights": engine.weights, "tree": engine.default_tree, "identical": []}
+last = answer(engine, FRANCE)[-1]
+out["france"], out["margin"] = last.plain, greedy_margin(engine, FRANCE, list(last.tokens))
+for prompt in sys.argv[1:]:
+    for tree in (None, "small-16"):
+        comparison = answer(engine, prompt, passes=(BASELINE, MEDUSA), **({"tree": tree} if tree else {}))[-1].comparison
+        out["identical"].append(comparison.identical)
+print(json.dumps(out))
+"""
+
+
+def test_the_default_holds_on_an_avx2_cpu():
+    """torch's AVX2 kernels and oneDNN without AVX-512 (what an AMD Zen 3 runs), forced on this CPU:
+    the default load still picks a mode by measurement and fidelity and says so, the clear-margin
+    answer is the same, and greedy Medusa still gives plain decoding's tokens."""
+    import os
+    import subprocess
+    import sys
+
+    prompts = [json.loads(line)["prompt"] for line in CPU_DEFAULT_PROMPTS.read_text().splitlines() if line.strip()]
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    proc = subprocess.run([sys.executable, "-c", AVX2_RUN, *prompts[1:3]], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["capability"] == "AVX2", "ATEN_CPU_CAPABILITY=avx2 did not take effect on this CPU"
+    # int4 with its fidelity where it measured faster here, else fp32 with the reason
+    assert ("int4 weights (group 32)" in out["description"] and "reference text" in out["description"]
+            and out["weights"] == "int4") or ("fp32 matmuls (" in out["description"] and out["weights"] is None)
+    assert out["margin"] >= MARGIN and "Paris" in out["france"]
+    assert out["identical"] == [True] * 4
