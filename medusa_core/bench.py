@@ -207,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     tok = loaded.tokenizer
     encoded = [tok(text)["input_ids"] if args.raw else render_chat(tok, text) for text in prompts]
     print(loaded.description)
+    if loaded.tree_note:
+        print(loaded.tree_note)
     print(loaded.memory)
     on_cpu = device.type == "cpu"
     timed = [loaded.model.get_decoder(), loaded.model.get_output_embeddings(), *([loaded.heads] if loaded.heads else [])]
@@ -253,10 +255,14 @@ def main(argv: list[str] | None = None) -> int:
                         for k, v in r.items()}} for text, ids, r in zip(prompts, encoded, results)],
             "summary": [asdict(r) for r in rows],
         }
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1, allow_nan=True) + "\n")
-        print(f"wrote {args.json}")
+        write_json(args.json, out)
     return 0
+
+
+def write_json(path: str, report: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=1, allow_nan=True) + "\n")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
