@@ -167,8 +167,9 @@ class ModelSlot:
             self._fail(f"out of GPU memory while loading {what}: use quant nf4, a smaller model, or unload first")
             return
         seconds = time.perf_counter() - self._started
-        tree_note = f" · {loaded.tree_note}" if loaded.tree_note else ""
-        line = f"Ready · {loaded.description}{tree_note} · loaded in {seconds:.1f} s · {loaded.memory}"
+        line = f"Ready · {loaded.description} · loaded in {seconds:.1f} s · {loaded.memory}"
+        if loaded.tree_note:   # on a line of its own: which tree runs, and why, is what a user looks for
+            line += f"\n\n{loaded.tree_note}"
         self._set("ready", line, engine, replace_engine=True)
         self._log(line)
 

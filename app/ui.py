@@ -253,7 +253,8 @@ def build_ui(slot: ModelSlot, *, system_prompt: str = "", base_spec: LoadSpec = 
                     current = int(float(max_new_value))
                 except (TypeError, ValueError):
                     current = engine.max_new_tokens
-                tree_update = gr.update(choices=engine.tree_choices, value=engine.default_tree)
+                tree_update = gr.update(choices=engine.tree_choices, value=engine.default_tree,
+                                        info=engine.loaded.tree_note or None)
                 max_update = gr.update(maximum=engine.context, value=min(current, engine.context))
                 decoding_update = decoding_controls(default_settings(engine.loaded))
             return (state.line, gr.update(visible=engine is not None and engine.loaded.cpu_default),

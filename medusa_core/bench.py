@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                                      "prompts in assets/smollm2/prompts.jsonl)")
     p.add_argument("--raw", action="store_true", help="feed prompts as they are, without the chat template")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--tree", nargs="+", help="tree presets or JSON files, each benchmarked (default: the model's default tree)")
+    p.add_argument("--tree", nargs="+", help="tree presets or JSON files, each benchmarked; 'default' is the model's "
+                                             "default tree (tuned for this machine), which also runs when --tree is not given")
     p.add_argument("--mode", choices=MODES, default="greedy")
     p.add_argument("--temperature", type=float, default=0.7, help="for sample/typical")
     p.add_argument("--device", default="auto")
@@ -191,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         loaded = load(LoadSpec(model=args.model, heads=args.heads, device=args.device, dtype=args.dtype, quant=args.quant,
                                nf4_kernel=args.nf4_kernel))
         config = DecodeConfig(mode=args.mode, temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
-        tree_names = [t for t in (args.tree or ([loaded.default_tree] if loaded.heads is not None else []))
-                      if t != "baseline"]     # the baseline always runs
+        asked = [loaded.default_tree if t == "default" else t for t in args.tree or ["default"] * (loaded.heads is not None)]
+        tree_names = list(dict.fromkeys(t for t in asked if t != "baseline"))     # the baseline always runs
         if tree_names and loaded.heads is None:
             raise LoadError(f"trees {', '.join(tree_names)} need Medusa heads, and none were loaded: "
                             "pass --heads, or --tree baseline for plain decoding only")

@@ -142,7 +142,8 @@ def profile(loaded, tree_name: str, prompt_ids: list[list[int]], steps: int) -> 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m medusa_core.profile_cpu_step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tree", nargs="+", default=[], help="trees to profile beside the baseline (default: the tuned one)")
+    p.add_argument("--tree", nargs="+", default=[], help="trees to profile beside the baseline; 'default' (or none given): the "
+                                                                 "model's default tree, tuned for this machine")
     p.add_argument("--quant", default="auto", choices=("auto", "int4", "none"))
     p.add_argument("--prompts", type=int, default=4, help="how many held-out prompts (the first ones)")
     p.add_argument("--steps", type=int, default=32, help="decoding steps per prompt")
@@ -150,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     config = ProfileConfig(trees=tuple(a.tree), quant=a.quant, prompts=a.prompts, steps=a.steps)
     try:
         loaded = load(LoadSpec(device="cpu", quant=config.quant))
-        trees = ["baseline", *[t for t in (config.trees or (loaded.default_tree,)) if t != "baseline"]]
+        asked = [loaded.default_tree if t == "default" else t for t in config.trees or ("default",)]
+        trees = list(dict.fromkeys(["baseline", *asked]))
         for name in trees:
             build_tree_buffers(resolve_tree(name), loaded.heads.config.num_heads)
     except (LoadError, TreeError) as err:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 FLAGS = ["--model", "--heads", "--device", "--quant", "--dtype", "--heads-quant", "--trust-remote-code",
-         "--nf4-kernel", "--tree", "--max-new-tokens", "--system-prompt", "--host", "--port", "--share"]
+         "--nf4-kernel", "--tree", "--retune", "--max-new-tokens", "--system-prompt", "--host", "--port", "--share"]
 
 
 def run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
@@ -76,3 +76,12 @@ def test_unusable_tree_is_one_line_and_exit_1(tiny_dirs):
 def test_bad_choice_flags_are_refused_by_argparse():
     proc = run("--nf4-kernel", "cutlass", timeout=60)
     assert proc.returncode == 2 and "invalid choice: 'cutlass'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_tree_and_retune_reach_the_loader():
+    import launch
+
+    spec = launch.load_spec(launch.parse_args(["--tree", "chain-2", "--retune"]))
+    assert spec.tree == "chain-2" and spec.retune
+    spec = launch.load_spec(launch.parse_args([]))
+    assert spec.tree is None and not spec.retune      # the tuned tree, from the cache when there is one

@@ -181,3 +181,13 @@ def test_the_key_names_the_kernels_this_cpu_runs():
     machine = json.loads(out.stdout.strip().splitlines()[-1])
     assert machine["aten_capability"] == "AVX2" and machine["onednn_bf16"] is False
     assert machine["threads"] >= 1 and machine["torch"] == torch.__version__
+
+
+def test_another_model_picked_in_the_page_gets_its_own_tuned_tree():
+    """--tree and --retune were for the model the app started with: a model picked later is not
+    forced onto a tree its heads may not fill, nor re-measured at every switch."""
+    from app.models import KNOWN_MODELS, spec_for
+
+    base = LoadSpec(device="cpu", tree="chain-2", retune=True)
+    for picked in (spec_for(KNOWN_MODELS[1][0], "", "", base), spec_for(None, "some/model", "some/heads", base)):
+        assert picked.tree is None and not picked.retune and picked.device == "cpu"
