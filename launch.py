@@ -26,6 +26,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 HEADS_QUANTS = ("none", "nf4")
 NF4_KERNELS = ("auto", "triton", "bnb")
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
+API_KEY_ENV = "MEDUSA_CHAT_API_KEY"     # the same name as app.openai_api's (kept here: --help imports no torch)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,6 +73,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                        "the chat to your network (default: %(default)s)")
     s.add_argument("--port", type=int, help=f"port to serve on; default {DEFAULT_PORT}, or a free one if it is busy")
     s.add_argument("--share", action="store_true", help="also open a public gradio.live link (off unless given)")
+    s.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                   help=f"require 'Authorization: Bearer KEY' on the OpenAI API (/v1/...); default ${API_KEY_ENV}. "
+                        "Needed to serve the API on a non-local --host")
+    s.add_argument("--no-api", action="store_true",
+                   help="serve the page only, without the OpenAI-compatible API (/v1/chat/completions, /v1/models)")
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         p.error(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
@@ -150,12 +156,18 @@ def load_spec(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not is_local(args.host):
-        print(f"warning: binding {args.host}: anyone who can reach this machine can use the chat "
+        # An API without a key on the network is an open model server that scripts find and use
+        # unattended: refused. The page alone is a person's tab, as before: a warning.
+        if not args.no_api and not args.api_key:
+            fail(f"--host {args.host} would serve the OpenAI API to anyone on your network: pass --api-key KEY "
+                 f"(or set {API_KEY_ENV}), or --no-api to serve the page only")
+        print(f"warning: binding {args.host}: anyone who can reach this machine can use the chat page "
               "(the default, 127.0.0.1, keeps it local)", file=sys.stderr)
     check_flags(args)
     port = pick_port(args.host, args.port)
 
     from app.models import ModelSlot
+    from app.openai_api import api_routes
     from app.ui import CSS_PATH, build_ui, theme
 
     spec = load_spec(args)
@@ -166,12 +178,18 @@ def main(argv: list[str] | None = None) -> int:
     demo = build_ui(slot, system_prompt=args.system_prompt, base_spec=spec)
     demo.queue(default_concurrency_limit=1)
     try:
+        # the API's routes go first into Gradio's own FastAPI app: same process, port and model
+        routes = [] if args.no_api else api_routes(slot, args.api_key)
         demo.launch(server_name=args.host, server_port=port, share=args.share, inbrowser=False, theme=theme(),
-                    css_paths=[CSS_PATH], show_error=True, quiet=True, prevent_thread_lock=True)
+                    css_paths=[CSS_PATH], show_error=True, quiet=True, prevent_thread_lock=True,
+                    app_kwargs={"routes": routes})
     except OSError as err:  # the port was taken between our check and the bind
         fail(f"cannot serve on {args.host}:{port} ({err.strerror or err}): pass another --port")
     url_host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"Serving on http://{url_host}:{port}  (Ctrl+C to quit); the model loads in the background", flush=True)
+    if not args.no_api:
+        print(f"OpenAI-compatible API: http://{url_host}:{port}/v1  (POST /v1/chat/completions, GET /v1/models"
+              f"{'; key required' if args.api_key else ''})", flush=True)
     slot.start(spec)
     try:
         demo.block_thread()

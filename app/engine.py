@@ -12,7 +12,8 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -200,7 +201,7 @@ class _Pass:
                 label = NO_SPEEDUP
         else:
             heads = engine.heads
-        self.name, self.tree, self.config, self.cache = name, tree, config, cache
+        self.engine, self.name, self.tree, self.config, self.cache = engine, name, tree, config, cache
         self.meter = Meter(label, tree_name, tree.size)
         self.detok = Detokenizer(engine.tokenizer, skip=engine.loaded.stop_ids)
         self.segments: list[tuple[str, bool]] = []
@@ -211,7 +212,7 @@ class _Pass:
 
     def advance(self):
         """Run one forward pass; None once the pass has finished."""
-        step = next(self.steps, None)
+        step = self.engine.on_model_thread(next, self.steps, None)
         if step is None:
             self.done = True
             return None
@@ -260,10 +261,23 @@ class ChatEngine:
         self.no_speedup = loaded.tuned is not None and not loaded.tuned.pays
         self._trees: dict[str, TreeBuffers] = {}
         self._trees_lock = threading.Lock()
+        # Every forward pass runs on this one thread, whichever thread asked (a Gradio worker, an API
+        # request). torch's OpenMP keeps a thread pool per calling thread, and with pools alive in
+        # several threads libgomp throttles them all: on 2 cores an answer decoded from a second
+        # thread ran at 0.55x (25 against 44 tokens/s; docs/cpu_default.md).
+        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self.line = Line()
         self._specs: dict[str, str] = {}          # shown name -> tree spec (a .json path shows as its file name)
         self.tree_choices = self._tree_choices([*extra_trees, loaded.default_tree])  # the user's --tree first
         self.default_tree = self.tree_choices[0][1]
+
+    def on_model_thread(self, fn: Callable, *args):
+        """``fn(*args)`` on the engine's model thread (the caller waits): all torch work goes there."""
+        return self._model_thread.submit(fn, *args).result()
+
+    def close(self) -> None:
+        """Let the model thread go (with its OpenMP pool) once the engine is replaced or unloaded."""
+        self._model_thread.shutdown(wait=False)
 
     # ---- trees
     def _tree_choices(self, preferred: Sequence[str]) -> list[tuple[str, str]]:

@@ -122,6 +122,7 @@ class ModelSlot:
             self._version += 1
             self._ready.notify_all()
         if replace_engine and old is not None:
+            old.close()
             del old
             _free_memory()
 

@@ -27,10 +27,19 @@ def free_port() -> int:
 @contextmanager
 def launched(args: list[str], log: Path, timeout: float = 240) -> Iterator[str]:
     """The app's URL once it answers; the process is stopped on exit."""
+    with launched_process(args, log, timeout) as (url, _):
+        yield url
+
+
+@contextmanager
+def launched_process(args: list[str], log: Path, timeout: float = 240,
+                     env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """(URL, process) of the app once it answers; the process is stopped on exit."""
     port = free_port()
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "launch.py", *args, "--port", str(port)], cwd=REPO, stdout=out,
-                                stderr=subprocess.STDOUT, env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"})
+                                stderr=subprocess.STDOUT,
+                                env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", **(env or {})})
     url = f"http://127.0.0.1:{port}/"
     try:
         deadline = time.time() + timeout
@@ -44,7 +53,7 @@ def launched(args: list[str], log: Path, timeout: float = 240) -> Iterator[str]:
                 if time.time() > deadline:
                     pytest.fail(f"the app did not come up:\n{log.read_text()}")
                 time.sleep(0.5)
-        yield url
+        yield url, proc
     finally:
         proc.terminate()
         proc.wait(timeout=30)

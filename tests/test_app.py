@@ -479,3 +479,32 @@ def test_a_tab_keeps_one_export_folder_and_it_goes_with_the_tab():
     discard_exports(session)
     assert not folder.exists() and session.export_dir is None
     discard_exports(session)   # a tab that never exported, or already cleaned, is fine
+
+
+def test_every_forward_pass_runs_on_the_engines_one_model_thread(model_dirs):
+    """Whichever thread asks (a Gradio worker, an API request), the model runs on one thread: torch's
+    OpenMP keeps a pool per calling thread, and pools in several threads slowed decoding ~1.8x."""
+    import threading
+
+    from app.engine import BASELINE, MEDUSA, ChatEngine, Session, Settings
+    from medusa_core.loading import LoadSpec, load
+
+    backbone, heads = model_dirs
+    engine = ChatEngine(load(LoadSpec(model=str(backbone), heads=str(heads), device="cpu")), max_new_tokens=8)
+    seen: set[str] = set()
+    hook = engine.model.get_decoder().register_forward_pre_hook(lambda *_: seen.add(threading.current_thread().name))
+    prompt = engine.prompt_ids([{"role": "user", "content": "hi"}], None)
+
+    def ask():
+        list(engine.answer(Session(), prompt, Settings(max_new_tokens=8), (BASELINE, MEDUSA)))
+
+    try:
+        askers = [threading.Thread(target=ask, name=f"asker-{i}") for i in range(3)]
+        for t in askers:
+            t.start()
+            t.join(60)
+        ask()
+    finally:
+        hook.remove()
+        engine.close()
+    assert len(seen) == 1 and next(iter(seen)).startswith("model"), seen

@@ -11,12 +11,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 FLAGS = ["--model", "--heads", "--device", "--quant", "--dtype", "--heads-quant", "--trust-remote-code",
-         "--nf4-kernel", "--tree", "--retune", "--max-new-tokens", "--system-prompt", "--host", "--port", "--share"]
+         "--nf4-kernel", "--tree", "--retune", "--max-new-tokens", "--system-prompt", "--host", "--port", "--share",
+         "--api-key", "--no-api"]
 
 
-def run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+def run(*args: str, timeout: int = 120, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "launch.py", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"})
+                          timeout=timeout, env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", **(env_extra or {})})
 
 
 def free_port() -> int:
@@ -57,10 +58,17 @@ def test_missing_model_is_one_line_and_exit_1(tmp_path):
     assert len(lines) == 1 and "no-such-model" in lines[0]
 
 
-def test_non_local_host_warns(tmp_path):
-    proc = run("--host", "0.0.0.0", "--model", str(tmp_path / "missing"), "--device", "cpu")
-    assert "warning: binding 0.0.0.0" in proc.stderr
+def test_non_local_host_warns_and_needs_a_key_for_the_api(tmp_path):
+    missing = str(tmp_path / "missing")     # the run stops at the flag check, before serving anything
+    for extra in (["--no-api"], ["--api-key", "k"]):
+        proc = run("--host", "0.0.0.0", "--model", missing, "--device", "cpu", *extra)
+        assert "warning: binding 0.0.0.0" in proc.stderr
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    proc = run("--host", "0.0.0.0", "--model", missing, "--device", "cpu",
+               env_extra={"MEDUSA_CHAT_API_KEY": ""})
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert error_lines(proc) == ["error: --host 0.0.0.0 would serve the OpenAI API to anyone on your network: pass "
+                                 "--api-key KEY (or set MEDUSA_CHAT_API_KEY), or --no-api to serve the page only"]
 
 
 def test_unusable_tree_is_one_line_and_exit_1(tiny_dirs):

@@ -1,0 +1,416 @@
+"""The OpenAI chat API beside the page: ``POST /v1/chat/completions`` (whole, or streamed as
+server-sent events) and ``GET /v1/models``, served by the page's own server, on its port, from the
+model it has loaded. Editors, agent frameworks and scripts speak this API; Medusa makes it faster.
+
+Requests go through ``ChatEngine.answer`` like a browser tab's: they wait in the same line for the
+model, one generation at a time, first come first served. Each request decodes in a fresh
+``Session`` (its own KV cache), so a tab's cached conversation is never rewound by a request. A
+client that goes away sets the request's cancel flag, and the generation stops at the next step
+and leaves the line. Nothing here reads or writes files.
+
+Every refusal is OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``, with one line
+that names the value and the fix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
+
+from medusa_core.generate import MODES
+
+from .engine import BASELINE, MEDUSA, ChatEngine, Session, Settings, Update
+from .models import ModelSlot
+
+API_KEY_ENV = "MEDUSA_CHAT_API_KEY"
+MAX_BODY_BYTES = 1_000_000     # a bigger request cannot fit any context this app serves: refused unread
+MAX_MESSAGES = 1000
+MAX_STOPS = 4                  # as OpenAI
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
+UNSUPPORTED = {                # fields with no meaning here: refused when they ask for something
+    "tools": "tools (function calling)", "functions": "functions (function calling)",
+    "tool_choice": "tool_choice", "function_call": "function_call", "logprobs": "logprobs",
+    "top_logprobs": "top_logprobs", "response_format": "response_format", "audio": "audio output",
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
+                                       "code": self.code}}, status_code=self.status)
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: list[dict]
+    settings: Settings
+    passes: tuple[str, ...]          # (MEDUSA,) or (BASELINE,) for plain decoding
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+# ---------------------------------------------------------------- reading a request
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def read_body(body: bytes) -> dict:
+    if len(body) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request is {len(body):,} bytes; at most {MAX_BODY_BYTES:,} are read: shorten the "
+                            "messages (no model here has a context that large)", code="request_too_large")
+    try:
+        data = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
+    except UnicodeDecodeError as err:
+        raise ApiError(400, f"the body is not UTF-8 (byte {err.start}): send JSON text in UTF-8",
+                       code="invalid_json") from None
+    except ValueError as err:   # JSONDecodeError, NaN/Infinity
+        raise ApiError(400, f"the body is not valid JSON ({str(err).splitlines()[0][:120]}): send one JSON object",
+                       code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the body is a JSON {type(data).__name__}: send one JSON object", code="invalid_json")
+    return data
+
+
+def number(data: dict, name: str, default, low: float, high: float, integer: bool = False):
+    """``data[name]`` checked to be a finite number (an integer if asked) in [low, high]."""
+    value = data.get(name)
+    if value is None:
+        return default
+    kind = "an integer" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not float(value).is_integer()):
+        raise ApiError(400, f"{name} {value!r} is not {kind}: give {kind} from {low:g} to {high:g}", param=name,
+                       code="invalid_value")
+    if not math.isfinite(value) or not low <= value <= high:
+        raise ApiError(400, f"{name} {value!r} is out of range: give {kind} from {low:g} to {high:g}", param=name,
+                       code="invalid_value")
+    return int(value) if integer else float(value)
+
+
+def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
+    """The OpenAI request ``data`` as the engine's Settings; ApiError names what is wrong."""
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "model is missing: give the id that GET /v1/models lists", param="model")
+    if model != model_id:
+        raise ApiError(404, f"model {model!r} is not served here: use {model_id!r} (GET /v1/models)", param="model",
+                       code="model_not_found")
+    for field, what in UNSUPPORTED.items():
+        if data.get(field) not in (None, False, [], {"type": "text"}, "none"):
+            raise ApiError(400, f"{what} is not supported by this local chat: remove {field!r}", param=field,
+                           code="unsupported_parameter")
+    for field in ("presence_penalty", "frequency_penalty"):
+        if number(data, field, 0.0, -2, 2):
+            raise ApiError(400, f"{field} is not supported (the output would not be the model's own): remove it or "
+                                "give 0", param=field, code="unsupported_parameter")
+    if number(data, "n", 1, 1, 128, integer=True) != 1:
+        raise ApiError(400, f"n {data['n']!r}: this server answers with one choice: give n=1 and send more requests",
+                       param="n", code="unsupported_parameter")
+    messages = data.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages is missing or empty: give a list with at least one user message",
+                       param="messages")
+    if len(messages) > MAX_MESSAGES:
+        raise ApiError(400, f"messages has {len(messages):,} entries; at most {MAX_MESSAGES:,} are accepted: "
+                            "send the recent part of the conversation", param="messages")
+    messages = [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
+                for m in messages]                 # OpenAI's newer name for the system role
+
+    limit = engine.context - 1
+    max_tokens = number(data, "max_completion_tokens", None, 1, limit, integer=True)
+    max_tokens = number(data, "max_tokens", max_tokens, 1, limit, integer=True)
+    temperature = number(data, "temperature", 1.0, 0, 2)
+    top_p = number(data, "top_p", 1.0, 0, 1)
+    if top_p == 0:
+        raise ApiError(400, "top_p 0 keeps no token: give a value in (0, 1], or temperature 0 for greedy",
+                       param="top_p", code="invalid_value")
+    seed = number(data, "seed", None, -(2**63), 2**63 - 1, integer=True)
+    stop = data.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop if stop is not None else []
+    if not isinstance(stop, list) or len(stop) > MAX_STOPS or not all(isinstance(s, str) and s for s in stop):
+        raise ApiError(400, f"stop {data.get('stop')!r}: give a string or a list of at most {MAX_STOPS} non-empty strings",
+                       param="stop", code="invalid_value")
+    stream = data.get("stream", False)
+    options = data.get("stream_options") or {}
+    if not isinstance(stream, bool) or not isinstance(options, dict):
+        raise ApiError(400, "stream must be true or false and stream_options an object", param="stream")
+
+    passes, mode, tree = (MEDUSA,), "greedy" if temperature == 0 else "sample", None
+    epsilon, delta = Settings.epsilon, Settings.delta
+    medusa = data.get("medusa", {})
+    if medusa is False or medusa == "off":
+        passes = (BASELINE,)
+    elif isinstance(medusa, dict):
+        tree = medusa.get("tree")
+        if tree is not None and not isinstance(tree, str):
+            raise ApiError(400, f"medusa.tree {tree!r}: give a tree's name from the page's picker",
+                           param="medusa.tree", code="invalid_value")
+        mode = medusa.get("mode", mode)
+        if mode == "off":
+            passes, mode = (BASELINE,), "greedy" if temperature == 0 else "sample"
+        elif mode not in MODES:
+            raise ApiError(400, f"medusa.mode {mode!r} is unknown: use one of {', '.join(MODES)} or off",
+                           param="medusa.mode", code="invalid_value")
+        epsilon = number(medusa, "epsilon", epsilon, 0, 1)
+        delta = number(medusa, "delta", delta, 0, 1)
+    else:
+        raise ApiError(400, f"medusa {medusa!r}: give an object such as {{\"tree\": ..., \"mode\": \"typical\"}}, "
+                            "or false for plain decoding", param="medusa", code="invalid_value")
+    settings = Settings(mode=mode, temperature=temperature, top_p=top_p, epsilon=epsilon, delta=delta,
+                        max_new_tokens=max_tokens or engine.max_new_tokens, tree=tree, seed=seed)
+    try:
+        engine.check(settings)
+    except ValueError as err:   # an unknown tree or mode, one line from the engine
+        raise ApiError(400, str(err), param="medusa", code="invalid_value") from None
+    return ChatRequest(messages, settings, passes, tuple(stop), stream, bool(options.get("include_usage")))
+
+
+def prompt_for(engine: ChatEngine, request: ChatRequest) -> list[int]:
+    """The prompt's token ids; a conversation that does not fit the context with the reply is refused
+    (a client owns its conversation, so nothing is dropped from it silently)."""
+    chars = sum(len(m.get("content") or "") if isinstance(m, dict) and isinstance(m.get("content"), str) else 0
+                for m in request.messages)
+    if chars > 32 * engine.context:      # no tokenizer packs 32 characters a token: refused untokenized
+        raise ApiError(400, f"the messages hold {chars:,} characters, far more than the model's {engine.context}-token "
+                            "context: shorten them", param="messages", code="context_length_exceeded")
+    try:
+        ids = engine.prompt_ids(request.messages, None)
+    except ValueError as err:   # a role or part the chat cannot take
+        raise ApiError(400, str(err), param="messages") from None
+    room = engine.context - len(ids) - engine.tree(request.settings.tree or engine.default_tree).size
+    if room < request.settings.max_new_tokens:
+        raise ApiError(400, f"the messages take {len(ids):,} tokens and the reply {request.settings.max_new_tokens:,}, "
+                            f"more than the model's {engine.context:,}-token context: shorten the messages or lower "
+                            "max_tokens", param="messages", code="context_length_exceeded")
+    return ids
+
+
+# ---------------------------------------------------------------- answering
+
+class StopText:
+    """Cuts the reply at the first stop string, and holds back a tail that might begin one."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self.sent = 0
+        self.stopped = False
+
+    def release(self, text: str, final: bool) -> str:
+        """The part of ``text`` (the whole reply so far) that may be sent now."""
+        end = len(text)
+        for stop in self.stops:
+            at = text.find(stop)
+            if at >= 0 and at < end:
+                end, self.stopped = at, True
+        if not self.stopped and not final:
+            for stop in self.stops:   # a tail that is the start of a stop string waits for more text
+                for k in range(min(len(stop) - 1, len(text)), 0, -1):
+                    if text.endswith(stop[:k]):
+                        end = min(end, len(text) - k)
+                        break
+        piece = text[self.sent:max(end, self.sent)]
+        self.sent = max(end, self.sent)
+        return piece
+
+
+def generate_updates(engine: ChatEngine, session: Session, prompt: list[int], request: ChatRequest,
+                     emit: Callable[[object], None]) -> None:
+    """Run the request in this (worker) thread, handing each Update to ``emit``; a final None."""
+    try:
+        for update in engine.answer(session, prompt, request.settings, request.passes):
+            emit(update)
+    except Exception as err:     # a thread boundary: the client must hear of it, not wait forever
+        emit(Update(error=f"generation failed: {type(err).__name__}: {str(err)[:200]}", done=True))
+    finally:
+        emit(None)
+
+
+class Completion:
+    """One request's run: its worker thread, its cancel flag and what it has produced so far."""
+
+    def __init__(self, engine: ChatEngine, prompt: list[int], request: ChatRequest, model_id: str) -> None:
+        self.engine, self.prompt, self.request, self.model_id = engine, prompt, request, model_id
+        self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        self.session = Session()
+        self.stop = StopText(request.stop)
+        self.last: Update | None = None
+        self.ahead = 0                 # requests ahead of this one in the line, while it waits
+        self.started = time.perf_counter()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        emit = lambda item: loop.call_soon_threadsafe(self._queue.put_nowait, item)  # noqa: E731
+        threading.Thread(target=generate_updates, args=(engine, self.session, prompt, request, emit),
+                         name="api-request", daemon=True).start()
+
+    def cancel(self) -> None:
+        """The client is gone: the generation stops at its next step (or leaves the line) and frees it."""
+        self.session.cancel.set()
+
+    async def pieces(self) -> AsyncIterator[str]:
+        """Text as it may be sent, "" while waiting in line; ends with the run (ApiError for an error
+        before any token)."""
+        while (update := await self._queue.get()) is not None:
+            if update.queued:
+                self.ahead = update.queued
+                yield ""          # a heartbeat while waiting: lets a stream tell its place and notice a gone client
+                continue
+            if update.notice or update.pass_name not in (MEDUSA, BASELINE):
+                continue
+            if update.error and not update.tokens:
+                raise ApiError(503 if "stopped" in update.error else 500, update.error, kind="server_error",
+                               code="generation_failed")
+            self.last = update
+            piece = self.stop.release(update.plain, final=update.done)
+            if self.stop.stopped:
+                self.cancel()     # the rest of the reply is not wanted: free the model now
+            if piece:
+                yield piece
+
+    def finish_reason(self) -> str:
+        if self.stop.stopped:
+            return "stop"
+        reason = self.last.stats.finish_reason if self.last is not None else None
+        return FINISH.get(reason or "", "stop")
+
+    def usage(self) -> dict:
+        tokens = list(self.last.tokens) if self.last is not None else []
+        if tokens and tokens[-1] in self.engine.loaded.stop_ids:
+            tokens = tokens[:-1]          # the end-of-turn token ends the reply; it is not part of it
+        return {"prompt_tokens": len(self.prompt), "completion_tokens": len(tokens),
+                "total_tokens": len(self.prompt) + len(tokens)}
+
+    def medusa(self) -> dict:
+        """What Medusa did: the tree, tokens per step, speed."""
+        stats = self.last.stats if self.last is not None else None
+        if stats is None:
+            return {}
+        return {"decoder": stats.label, "tree": stats.tree, "tree_size": stats.tree_size,
+                "tokens_per_step": round(stats.mean_accepted, 3), "tokens_per_second": round(stats.tokens_per_second, 2),
+                "time_to_first_token": round(stats.ttft, 4) if stats.ttft is not None else None}
+
+    def chunk(self, delta: dict, finish: str | None = None, **extra) -> str:
+        body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model_id,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+        return f"data: {json.dumps(body)}\n\n"
+
+
+async def stream_events(run: Completion) -> AsyncIterator[str]:
+    try:
+        yield run.chunk({"role": "assistant", "content": ""})
+        try:
+            async for piece in run.pieces():
+                # an SSE comment while waiting (clients skip it); writing it is what reveals a gone client
+                yield run.chunk({"content": piece}) if piece else f": waiting for the model, {run.ahead} ahead\n\n"
+        except ApiError as err:
+            yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.kind, 'code': err.code}})}\n\n"
+            return
+        yield run.chunk({}, run.finish_reason(), medusa=run.medusa())
+        if run.request.include_usage:
+            body = {"id": run.id, "object": "chat.completion.chunk", "created": run.created, "model": run.model_id,
+                    "choices": [], "usage": run.usage()}
+            yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        run.cancel()    # a client that went away mid-stream lands here (the task is cancelled)
+
+
+async def whole_answer(run: Completion, request: Request) -> JSONResponse:
+    text = []
+    pieces = run.pieces()
+    try:
+        while True:
+            next_piece = asyncio.ensure_future(pieces.__anext__())
+            while not next_piece.done():
+                await asyncio.wait([next_piece], timeout=0.5)
+                if not next_piece.done() and await request.is_disconnected():
+                    run.cancel()
+            try:
+                text.append(next_piece.result())
+            except StopAsyncIteration:
+                break
+    except ApiError as err:
+        return err.response()
+    finally:
+        run.cancel()
+    return JSONResponse({
+        "id": run.id, "object": "chat.completion", "created": run.created, "model": run.model_id,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
+                     "finish_reason": run.finish_reason()}],
+        "usage": run.usage(), "medusa": run.medusa()})
+
+
+# ---------------------------------------------------------------- the routes
+
+def model_id(engine: ChatEngine) -> str:
+    """The id clients name: a hub id as it is, a local directory by its folder name."""
+    source = str(getattr(engine.model, "name_or_path", "") or "model")
+    return Path(source).name if Path(source).is_dir() else source
+
+
+def api_routes(slot: ModelSlot, api_key: str | None = None) -> list[APIRoute]:
+    """``/v1/models`` and ``/v1/chat/completions`` over the slot's engine, for FastAPI(routes=...)."""
+
+    def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY' with the key "
+                                f"the app was started with (--api-key or ${API_KEY_ENV})", kind="authentication_error",
+                           code="invalid_api_key")
+
+    def engine_now() -> ChatEngine:
+        state = slot.state()
+        if state.phase == "loading":
+            raise ApiError(503, f"the model is loading ({state.line.lstrip('⏳ ')}): retry in a few seconds",
+                           kind="server_error", code="model_loading")
+        if slot.engine is None:
+            raise ApiError(503, "no model is loaded: load one in the page", kind="server_error", code="no_model")
+        return slot.engine
+
+    async def models(request: Request):
+        try:
+            authorize(request)
+            engine = slot.engine
+        except ApiError as err:
+            return err.response()
+        data = [] if engine is None else [{"id": model_id(engine), "object": "model", "created": 0,
+                                          "owned_by": "medusa-chat", "medusa": engine.loaded.tree_note}]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def chat_completions(request: Request):
+        try:
+            authorize(request)
+            engine = engine_now()
+            body = await request.body()
+            chat = parse_chat(read_body(body), engine, model_id(engine))
+            prompt = prompt_for(engine, chat)
+        except ApiError as err:
+            return err.response()
+        run = Completion(engine, prompt, chat, model_id(engine))
+        if chat.stream:
+            return StreamingResponse(stream_events(run), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await whole_answer(run, request)
+
+    return [APIRoute("/v1/models", models, methods=["GET"]),
+            APIRoute("/v1/chat/completions", chat_completions, methods=["POST"])]
+

@@ -1,0 +1,291 @@
+"""The OpenAI-compatible API (app/openai_api.py) on `python launch.py` without CUDA, as an editor,
+an agent or a script would use it: the official `openai` client streams and not, with the page's
+engine's text and right usage counts; hostile input gets OpenAI-shaped 4xx and the server keeps
+serving; concurrent and disconnecting clients share the page's line fairly; a soak keeps memory
+flat and leaves no files. The key and the loading state are checked on a tiny in-process app."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from served import free_port, launched_process
+
+from app.engine import MEDUSA, ChatEngine, Session, Settings
+
+openai = pytest.importorskip("openai")
+
+MODEL = "SmolLM2-135M-Instruct"
+FRANCE = "Complete the sentence: The capital of France is"   # a clear-margin greedy answer (test_default_model)
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    """(base URL, process, its temp dir) of `python launch.py` on the CPU default, once the model is in."""
+    root = tmp_path_factory.mktemp("api-app")
+    tmp = root / "tmp"
+    tmp.mkdir()
+    env = {"TMPDIR": str(tmp), "GRADIO_TEMP_DIR": str(tmp / "gradio")}
+    with launched_process(["--device", "cpu", "--max-new-tokens", "24"], root / "app.log", env=env) as (url, proc):
+        deadline = time.time() + 240
+        while not httpx.get(url + "v1/models").json()["data"]:
+            assert time.time() < deadline, (root / "app.log").read_text()
+            time.sleep(0.5)
+        yield url.rstrip("/"), proc, tmp
+
+
+@pytest.fixture(scope="module")
+def client(app):
+    return openai.OpenAI(base_url=app[0] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def engine_answer(engine: ChatEngine, question: str, max_new_tokens: int) -> tuple[str, list[int]]:
+    prompt = engine.prompt_ids([{"role": "user", "content": question}], None)
+    last = list(engine.answer(Session(), prompt, Settings(mode="greedy", max_new_tokens=max_new_tokens), (MEDUSA,)))[-1]
+    return last.plain, list(last.tokens)
+
+
+def test_the_openai_client_gets_the_engines_text_and_usage(client, default_loaded):
+    engine = ChatEngine(default_loaded, max_new_tokens=24)
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    for question, limit in ((FRANCE, 24), ("Write a haiku about the sea.", 12)):
+        text, tokens = engine_answer(engine, question, limit)
+        ended = tokens[-1] in default_loaded.stop_ids
+        prompt_tokens = len(engine.prompt_ids([{"role": "user", "content": question}], None))
+        whole = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                               temperature=0, max_tokens=limit)
+        assert whole.choices[0].message.content == text
+        assert whole.choices[0].finish_reason == ("stop" if ended else "length")
+        assert whole.usage.prompt_tokens == prompt_tokens
+        assert whole.usage.completion_tokens == len(tokens) - ended     # the end-of-turn token is not reply text
+        assert whole.model_extra["medusa"]["tokens_per_step"] >= 1
+        chunks = list(client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": question}], temperature=0, max_tokens=limit,
+            stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+        assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert "Paris" in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": FRANCE}],
+                                                     temperature=0).choices[0].message.content
+
+
+def test_stop_strings_cut_the_reply_and_plain_decoding_is_one_switch_away(client):
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": FRANCE}], temperature=0)
+    full = client.chat.completions.create(**ask).choices[0].message.content
+    cut = client.chat.completions.create(**ask, stop=[" Paris"])
+    assert cut.choices[0].message.content == full[:full.index(" Paris")] and cut.choices[0].finish_reason == "stop"
+    plain = client.chat.completions.create(**ask, extra_body={"medusa": False})
+    assert plain.choices[0].message.content == full and plain.model_extra["medusa"]["tree_size"] == 1
+    typical = client.chat.completions.create(**{**ask, "temperature": 0.7},
+                                             extra_body={"medusa": {"mode": "typical", "epsilon": 0.1}})
+    assert typical.choices[0].message.content.strip()
+
+
+HOSTILE = [
+    ({"model": MODEL, "messages": []}, 400, "messages"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x" * 1_000_000}]}, 413, "bytes"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x" * 600_000}]}, 400, "context"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1.5}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 1e9}, 400, "temperature"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "text only"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n=1"),
+    ({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404, "gpt-4o"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}] * 10_000}, 400, "10,000"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"tree": "no-such-tree"}}, 400, "tree"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"mode": "warp"}}, 400, "warp"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+]
+RAW = [
+    (b'{"model": "SmolLM2-135M-Instruct", "messages": [', 400, "not valid JSON"),
+    (b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, "UTF-8"),
+    (b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+     400, "NaN"),
+    (b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": Infinity}',
+     400, "Infinity"),
+    (b'["a list"]', 400, "object"),
+]
+
+
+def assert_openai_error(response: httpx.Response, status: int, says: str) -> None:
+    assert response.status_code == status, response.text[:300]
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert says in error["message"] and "\n" not in error["message"], error["message"]
+
+
+def test_hostile_input_gets_openai_shaped_errors_and_the_server_keeps_serving(app):
+    url = app[0] + "/v1/chat/completions"
+    with httpx.Client(timeout=60) as http:
+        for body, status, says in HOSTILE:
+            assert_openai_error(http.post(url, json=body), status, says)
+        for raw, status, says in RAW:
+            assert_openai_error(http.post(url, content=raw, headers={"content-type": "application/json"}), status, says)
+        ok = http.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": FRANCE}], "temperature": 0})
+        assert ok.status_code == 200 and "Paris" in ok.json()["choices"][0]["message"]["content"]
+
+
+def test_concurrent_clients_and_a_page_request_all_complete_in_order(app, client):
+    from gradio_client import Client
+
+    finished, errors = [], []
+
+    def api(n: int) -> None:
+        try:
+            stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"Count to {n}."}],
+                                                    temperature=0, max_tokens=16, stream=True)
+            text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+            assert text.strip()
+            finished.append(f"api{n}")
+        except Exception as err:   # collected: a failing thread must fail the test, not vanish
+            errors.append(repr(err))
+
+    def page() -> None:
+        try:
+            result = Client(app[0] + "/", verbose=False).predict(message="Hello!", compare=False, max_new_tokens=16,
+                                                                 api_name="/send")
+            assert result[-2]["reply"].strip()
+            finished.append("page")
+        except Exception as err:
+            errors.append(repr(err))
+
+    threads = [threading.Thread(target=api, args=(n,)) for n in range(1, 5)] + [threading.Thread(target=page)]
+    for t in threads:
+        t.start()
+        time.sleep(0.3)          # a fixed order of arrival in the line
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    assert finished == ["api1", "api2", "api3", "api4", "page"], "first come, first served"
+
+
+def test_clients_that_disconnect_free_the_line(app):
+    url = app[0] + "/v1/chat/completions"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+            "max_tokens": 400, "stream": True}
+
+    def leave_after_first_chunk() -> None:
+        with httpx.Client(timeout=60) as http, http.stream("POST", url, json=body) as response:
+            next(response.iter_lines())
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=leave_after_first_chunk) for _ in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    # Had they kept generating, 20 x 400 tokens would hold the line for minutes; each stops at its next step
+    first = time.perf_counter()
+    with httpx.Client(timeout=120) as http, http.stream("POST", url, json={**body, "max_tokens": 4}) as response:
+        for line in response.iter_lines():
+            if '"content": "' in line and '"content": ""' not in line:
+                break
+    waited = time.perf_counter() - first
+    assert waited < 15, f"a new request waited {waited:.1f} s behind clients that had left ({first - started:.1f} s to leave)"
+
+
+def test_a_soak_keeps_memory_flat_and_leaves_no_files(app):
+    url, proc, tmp = app
+    before_files = {p for p in tmp.rglob("*")}
+    curve = []
+    with httpx.Client(timeout=60) as http:
+        for i in range(200):
+            body = {"model": MODEL, "messages": [{"role": "user", "content": f"Say the number {i}."}], "max_tokens": 3,
+                    "temperature": 0.7, "seed": i, "stream": i % 2 == 0}
+            response = http.post(url + "/v1/chat/completions", json=body)
+            assert response.status_code == 200
+            if body["stream"]:
+                events = [line for line in response.text.splitlines() if line.startswith("data: ")]
+                assert events[-1] == "data: [DONE]" and all(json.loads(e[6:])["object"] == "chat.completion.chunk"
+                                                            for e in events[:-1])
+            else:
+                assert response.json()["object"] == "chat.completion"
+            if i % 20 == 19:
+                curve.append(rss_mib(proc.pid))
+    print(f"RSS every 20 requests (MiB): {[round(r) for r in curve]}")
+    assert max(curve[1:]) - curve[1] < 40, f"memory grows under load: {curve}"
+    assert {p for p in tmp.rglob("*")} == before_files, "the API left files behind"
+
+
+# ---- on a tiny model in this process: the key, and a request while a model loads
+
+@pytest.fixture
+def tiny_app(tiny_dirs, request):
+    """A URL serving the tiny checkpoint with the API (key from the test's param), and its slot."""
+    from app.models import ModelSlot
+    from app.openai_api import api_routes
+    from app.ui import build_ui
+    from medusa_core.loading import LoadSpec, load
+
+    gate = threading.Event()
+    gate.set()
+
+    def loader(spec, progress):
+        gate.wait(60)
+        return load(spec, progress)
+
+    backbone, heads = tiny_dirs
+    slot = ModelSlot(loader=loader, log=lambda line: None)
+    spec = LoadSpec(model=str(backbone), heads=str(heads), device="cpu")
+    demo = build_ui(slot, base_spec=spec)
+    demo.queue(default_concurrency_limit=1)
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
+                app_kwargs={"routes": api_routes(slot, getattr(request, "param", None))})
+    try:
+        yield f"http://127.0.0.1:{port}", slot, spec, gate
+    finally:
+        demo.close()
+
+
+@pytest.mark.parametrize("tiny_app", ["s3cret"], indirect=True)
+def test_a_key_guards_the_api(tiny_app):
+    url, slot, spec, _ = tiny_app
+    slot.start(spec)
+    assert slot.wait(60).phase == "ready"
+    body = {"model": "backbone", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    with httpx.Client(timeout=60) as http:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            assert_openai_error(http.post(url + "/v1/chat/completions", json=body, headers=headers), 401, "API key")
+            assert_openai_error(http.get(url + "/v1/models", headers=headers), 401, "API key")
+        good = {"Authorization": "Bearer s3cret"}
+        assert http.get(url + "/v1/models", headers=good).json()["data"][0]["id"] == "backbone"
+        assert http.post(url + "/v1/chat/completions", json=body, headers=good).status_code == 200
+
+
+def test_a_request_while_the_model_loads_is_told_so_at_once(tiny_app):
+    url, slot, spec, gate = tiny_app
+    gate.clear()
+    slot.start(spec)
+    body = {"model": "backbone", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    try:
+        with httpx.Client(timeout=10) as http:
+            started = time.perf_counter()
+            assert_openai_error(http.post(url + "/v1/chat/completions", json=body), 503, "loading")
+            assert time.perf_counter() - started < 5
+            assert http.get(url + "/v1/models").json()["data"] == []
+    finally:
+        gate.set()
+    assert slot.wait(60).phase == "ready"
+    with httpx.Client(timeout=60) as http:
+        assert http.post(url + "/v1/chat/completions", json=body).status_code == 200
