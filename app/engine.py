@@ -264,7 +264,7 @@ class ChatEngine:
         # Every forward pass runs on this one thread, whichever thread asked (a Gradio worker, an API
         # request). torch's OpenMP keeps a thread pool per calling thread, and with pools alive in
         # several threads libgomp throttles them all: on 2 cores an answer decoded from a second
-        # thread ran at 0.55x (25 against 44 tokens/s; docs/cpu_default.md).
+        # thread ran at 0.55x (25 against 44 tokens/s; docs/serving.md, "one model thread").
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self.line = Line()
         self._specs: dict[str, str] = {}          # shown name -> tree spec (a .json path shows as its file name)
