@@ -97,6 +97,7 @@ HOSTILE = [
     ({"model": MODEL, "messages": []}, 400, "messages"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x" * 1_000_000}]}, 413, "bytes"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x" * 600_000}]}, 400, "context"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hello " * 9000}]}, 400, "tokens"),   # tokenized: > 8192
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400, "max_tokens"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}, 400, "max_tokens"),

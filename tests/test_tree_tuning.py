@@ -216,3 +216,14 @@ def test_the_page_and_the_console_show_the_tuning_progress(checkpoint, measured)
     assert slot.wait(120).phase == "ready"
     assert any(line.startswith("tuning the tree for this machine") for line in console)
     assert any("tree tuned for this machine" in line or "no speedup" in line for line in console)
+
+
+def test_published_heads_use_the_published_accuracies_until_calibrated(tmp_path):
+    from medusa_core.head_accuracy import PUBLISHED_ACCURACIES, head_accuracy, rank_table
+
+    vicuna = head_accuracy(None, "FasterDecoding/medusa-vicuna-7b-v1.3", 5)
+    assert vicuna is not None and vicuna.table == rank_table(PUBLISHED_ACCURACIES) and "published" in vicuna.source
+    assert head_accuracy(None, "someone/medusa-vicuna-7b-v1.3-copy", 5) is None     # exact ids only
+    (tmp_path / CALIBRATION_FILE).write_text(json.dumps({"accuracy": ACCURACY}))
+    measured = head_accuracy(tmp_path, "FasterDecoding/medusa-vicuna-7b-v1.3", 5)
+    assert measured.table == ACCURACY and measured.source.startswith("calibrated"), "a calibration file wins"
