@@ -89,9 +89,9 @@ def check_flags(args: argparse.Namespace) -> None:
     show is wrong: an unknown tree, a device torch lacks, a model or heads path that does not
     exist. (Whether a tree fits the heads is known only once they have loaded.)"""
     from medusa_core.errors import LoadError
-    from medusa_core.hub import local_dir
-    from medusa_core.loading import resolve_device
-    from medusa_core.tree import TreeError, resolve_tree
+    from medusa_core.loading.hub import local_dir
+    from medusa_core.loading.policy import resolve_device
+    from medusa_core.decoding.tree import TreeError, resolve_tree
 
     try:
         if args.tree:
@@ -145,7 +145,7 @@ def fail(message: str) -> None:
 
 
 def load_spec(args: argparse.Namespace):
-    from medusa_core.loading import LoadSpec
+    from medusa_core.loading.spec import LoadSpec
 
     # model and heads left None: the loader picks the machine's default (and says so)
     return LoadSpec(model=args.model, heads=args.heads, device=args.device, quant=args.quant, dtype=args.dtype,

@@ -45,7 +45,9 @@ def free_port() -> int:
 
 def direct(engine, prompt: str, max_new_tokens: int) -> tuple[int, float, float, str]:
     """(reply tokens, seconds, seconds to the first token, text) through ChatEngine.answer."""
-    from app.engine import MEDUSA, Session, Settings
+    from app.engine import MEDUSA
+    from app.session import Session
+    from app.settings import Settings
 
     ids = engine.prompt_ids([{"role": "user", "content": prompt}], None)
     started, first, last = time.perf_counter(), None, None
@@ -90,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     from app.models import ModelSlot
     from app.openai_api import api_routes, model_id
     from app.ui import build_ui
-    from medusa_core.loading import CPU_DEFAULT_PROMPTS, LoadSpec
-    from medusa_core.train_data import read_prompts
+    from medusa_core.loading.assets import CPU_DEFAULT_PROMPTS
+    from medusa_core.loading.spec import LoadSpec
+    from medusa_core.training.data import read_prompts
 
     slot = ModelSlot(max_new_tokens=config.max_new_tokens, log=print)
     spec = LoadSpec(device="cpu")

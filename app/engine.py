@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -19,13 +18,16 @@ from pathlib import Path
 
 import torch
 
-from medusa_core.cpu_int4 import Int4Linear, exact_mode
-from medusa_core.generate import MODES, DecodeConfig, generate, max_context, new_cache
-from medusa_core.step import compute_dtype, needs_capture
-from medusa_core.tree import PRESETS, TreeBuffers, TreeError, build_tree_buffers, resolve_tree
+from medusa_core.decoding.config import DecodeConfig
+from medusa_core.decoding.generate import generate, max_context, new_cache
+from medusa_core.decoding.step import compute_dtype
+from medusa_core.decoding.step_store import needs_capture
+from medusa_core.decoding.tree import PRESETS, TreeBuffers, TreeError, build_tree_buffers, resolve_tree
 
 from .detok import Detokenizer
 from .readout import Comparison, Meter, Stats, explain_divergence, interleaved_ratios
+from .session import RequestQueue, Session
+from .settings import Settings
 
 BASELINE, MEDUSA, COMPARISON = "baseline", "medusa", "comparison"
 LABELS = {BASELINE: "Plain decoding", MEDUSA: "Medusa"}
@@ -33,53 +35,6 @@ UPDATE_SECONDS = 0.05  # stream at most ~20 updates/s: the browser gains nothing
 PREPARING = "preparing tree (first use)…"
 # the Medusa pane's label where the tuner found that no tree pays on this machine (tree_tuning.py)
 NO_SPEEDUP = "Plain decoding: Medusa gives no speedup on this device"
-
-
-def _number(name: str, value, kind=float):
-    try:
-        number = kind(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} {value!r} is not a number: give one, e.g. {kind(1)}") from None
-    if kind is int and number != float(value):
-        raise ValueError(f"{name} {value!r} is not a whole number: give an integer")
-    return number
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What the controls say; turned into a DecodeConfig (which validates it) per answer."""
-
-    mode: str = "greedy"
-    temperature: float = 0.7
-    top_p: float = 1.0
-    epsilon: float = 0.09
-    delta: float = 0.3
-    max_new_tokens: int = 256
-    tree: str | None = None        # a name from the engine's tree choices; None = the engine's default
-    seed: int | None = None
-    colour_heads: bool = False
-
-    @classmethod
-    def parse(cls, mode, temperature, top_p, epsilon, delta, max_new_tokens, tree, seed, colour_heads) -> "Settings":
-        """Settings from raw control (or API) values; ValueError names the bad value and the fix."""
-        if mode not in MODES:
-            raise ValueError(f"mode {mode!r} is unknown: use one of {', '.join(MODES)}")
-        seed = None if seed is None or seed == "" else _number("seed", seed, int)
-        return cls(mode, _number("temperature", temperature), _number("top_p", top_p),
-                   _number("epsilon", epsilon), _number("delta", delta),
-                   _number("max_new_tokens", max_new_tokens, int), tree or None,
-                   None if seed is None or seed < 0 else seed, bool(colour_heads))
-
-    def decode_config(self) -> DecodeConfig:
-        return DecodeConfig(
-            mode=self.mode, temperature=float(self.temperature), top_p=float(self.top_p),
-            epsilon=float(self.epsilon), delta=float(self.delta), max_new_tokens=int(self.max_new_tokens),
-            seed=self.seed,
-        )
-
-    @property
-    def greedy(self) -> bool:
-        return self.mode == "greedy" or (self.mode == "sample" and self.temperature == 0)
 
 
 @dataclass(frozen=True)
@@ -101,95 +56,12 @@ class Update:
         return "".join(text for text, _ in self.segments)
 
 
-@dataclass
-class Turn:
-    """One exchange as the tab shows it. Only turns with a reply reach the model's prompt;
-    ``note`` (an error or notice) is shown in the chat and never sent to the model."""
-
-    user: str
-    reply: str | None = None       # Medusa's answer, plain text; None if it failed
-    shown: str = ""                # the same as displayed (HTML, maybe with head colouring)
-    baseline: str | None = None    # the plain-decoding pane's answer in comparison mode
-    baseline_shown: str = ""
-    note: str | None = None
-
-
-class Session:
-    """Per-tab state, kept in a gr.State: the conversation, one KV cache per decoder (the
-    baseline pane's cache must not rewind Medusa's every turn) and the Stop flag."""
-
-    def __init__(self) -> None:
-        self.turns: list[Turn] = []
-        self.first_turn = 0                 # turns before this were cut to fit the context
-        self.cancel = threading.Event()
-        self.caches: dict[str, object] = {}
-        self.engine: weakref.ref | None = None   # the engine the caches belong to
-        self.busy = threading.Lock()        # one request per tab at a time
-        self.export_dir: Path | None = None  # the tab's export files (app/transcript.py), made on first use
-
-    def exchanges(self) -> list[tuple[int, str, str]]:
-        """(turn index, user, reply) of the turns the next prompt may hold."""
-        return [(i, t.user, t.reply) for i, t in enumerate(self.turns)
-                if i >= self.first_turn and t.user and t.reply is not None]
-
-    def __deepcopy__(self, memo: dict) -> "Session":
-        # gr.State deep-copies its value; a Session is made fresh per tab and holds locks
-        return self
-
-    def drop_caches(self) -> None:
-        self.caches.clear()
-
-    def restart(self) -> None:
-        """A new conversation: forget the turns; rewind the caches (keeping their buffers and
-        captured CUDA graphs) unless an answer is running, which ends at the cancel."""
-        self.cancel.set()
-        self.turns.clear()
-        self.first_turn = 0
-        if self.busy.acquire(blocking=False):
-            try:
-                for cache in self.caches.values():
-                    cache.rewind(0)
-            finally:
-                self.busy.release()
-
-    def caches_for(self, engine: "ChatEngine") -> dict[str, object]:
-        if self.engine is None or self.engine() is not engine:   # another model: its caches are useless
-            self.caches.clear()
-            self.engine = weakref.ref(engine)
-        return self.caches
-
-
-class Line:
-    """First come, first served access to the model; waiting callers learn their place."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._line: list[object] = []   # the head of the line is generating
-
-    def join(self) -> object:
-        ticket = object()
-        with self._cond:
-            self._line.append(ticket)
-        return ticket
-
-    def wait(self, ticket: object, timeout: float) -> int:
-        """Block up to ``timeout`` s for the model; return how many are ahead (0 = our turn)."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._line[0] is ticket, timeout)
-            return self._line.index(ticket)
-
-    def leave(self, ticket: object) -> None:
-        with self._cond:
-            self._line.remove(ticket)
-            self._cond.notify_all()
-
-
 def oom_message() -> str:
     return ("out of GPU memory while generating: the conversation's cache was freed; "
             "lower max new tokens, pick a smaller tree, or clear the conversation")
 
 
-class _Pass:
+class DecoderRun:
     """One decoder's run over a prompt: its generate() iterator, meter and text so far."""
 
     def __init__(self, engine: "ChatEngine", name: str, prompt_ids: list[int], config: DecodeConfig,
@@ -234,17 +106,6 @@ class _Pass:
                       error=error, done=self.done or error is not None)
 
 
-def weights_format(model) -> str | None:
-    """"NF4" (bitsandbytes: integer parameters), "int4" (the CPU's row-exact int4 mode), "int4/bf16"
-    (int4 where trees may differ), or None when the weights are in the compute dtype: what a greedy
-    divergence is explained by."""
-    if any(not p.is_floating_point() for p in model.parameters()):
-        return "NF4"
-    if any(isinstance(m, Int4Linear) for m in model.modules()):
-        return "int4" if exact_mode(model) else "int4/bf16"
-    return None
-
-
 class ChatEngine:
     """The loaded model, its tree buffers (built once per tree choice) and the line for it."""
 
@@ -253,7 +114,7 @@ class ChatEngine:
         self.model, self.tokenizer, self.heads = loaded.model, loaded.tokenizer, loaded.heads
         self.dtype = compute_dtype(self.model)   # the tree mask's dtype (4-bit weights are uint8)
         self.device = self.model.get_output_embeddings().weight.device
-        self.weights = weights_format(self.model)
+        self.weights = loaded.weights   # what a greedy divergence is explained by
         self.context = max_context(self.model)
         self.max_new_tokens = min(max_new_tokens, self.context)
         self.num_heads = self.heads.config.num_heads if self.heads is not None else 0
@@ -263,10 +124,10 @@ class ChatEngine:
         self._trees_lock = threading.Lock()
         # Every forward pass runs on this one thread, whichever thread asked (a Gradio worker, an API
         # request). torch's OpenMP keeps a thread pool per calling thread, and with pools alive in
-        # several threads libgomp throttles them all: on 2 cores an answer decoded from a second
-        # thread ran at 0.55x (25 against 44 tokens/s; docs/serving.md, "one model thread").
+        # several threads libgomp throttles them all: an answer decoded from a second thread ran far
+        # slower (measured in docs/serving.md, "one model thread").
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
-        self.line = Line()
+        self.queue = RequestQueue()
         self._specs: dict[str, str] = {}          # shown name -> tree spec (a .json path shows as its file name)
         self.tree_choices = self._tree_choices([*extra_trees, loaded.default_tree])  # the user's --tree first
         self.default_tree = self.tree_choices[0][1]
@@ -318,7 +179,7 @@ class ChatEngine:
 
     # ---- prompts
     def prompt_ids(self, messages: list[dict], system: str | None) -> list[int]:
-        from medusa_core.chat_format import render_chat
+        from medusa_core.loading.chat_format import render_chat
 
         return render_chat(self.tokenizer, messages, system=system or None)
 
@@ -352,9 +213,9 @@ class ChatEngine:
         except ValueError as err:  # DecodeConfig and TreeError give one-line messages
             yield Update(error=str(err), done=True)
             return
-        ticket = self.line.join()
+        ticket = self.queue.join()
         try:
-            while (ahead := self.line.wait(ticket, 0.25)) > 0:
+            while (ahead := self.queue.wait(ticket, 0.25)) > 0:
                 if session.cancel.is_set():
                     yield Update(error="stopped while waiting for the model", done=True)
                     return
@@ -365,14 +226,14 @@ class ChatEngine:
             runs = []
             for name in passes:
                 cache = caches.setdefault(name, new_cache(self.model))
-                runs.append(_Pass(self, name, prompt_ids, config, tree_name, tree, cache, session.cancel.is_set))
+                runs.append(DecoderRun(self, name, prompt_ids, config, tree_name, tree, cache, session.cancel.is_set))
             if any(needs_capture(self.model, r.cache, r.tree, config, len(prompt_ids)) for r in runs):
                 yield Update(notice=PREPARING)
             yield from self._drive(session, runs, settings)
         finally:
-            self.line.leave(ticket)
+            self.queue.leave(ticket)
 
-    def _drive(self, session: Session, runs: list[_Pass], settings: Settings) -> Iterator[Update]:
+    def _drive(self, session: Session, runs: list[DecoderRun], settings: Settings) -> Iterator[Update]:
         """Advance the passes, always the one that has emitted fewer tokens (baseline first on a
         tie): the two decoders alternate at the scale of single steps, so background load hits
         both alike, and both reach the same point of the answer at about the same time."""
@@ -403,7 +264,7 @@ class ChatEngine:
         if len(runs) == 2:
             yield Update(COMPARISON, comparison=self._compare(runs, events, settings), done=True)
 
-    def _compare(self, runs: list[_Pass], events: list, settings: Settings) -> Comparison:
+    def _compare(self, runs: list[DecoderRun], events: list, settings: Settings) -> Comparison:
         base, medusa = runs
         finished = all(r.meter.snapshot().finish_reason in ("eos", "length") for r in runs)
         identical = divergence = None

@@ -15,35 +15,62 @@ from pathlib import Path
 import torch
 
 from medusa_core.errors import LoadError
-from medusa_core.loading import (
-    CPU_DEFAULT_HEADS,
-    CUDA_HEADS,
-    CUDA_MODEL,
-    LoadSpec,
-    is_bundled_heads,
-    load,
-    resolve_device,
+from medusa_core.loading.assets import CPU_DEFAULT_HEADS, CPU_DEFAULT_TREE, is_bundled_heads
+from medusa_core.loading.load import load
+from medusa_core.loading.spec import LoadSpec
+from medusa_core.loading.policy import CUDA_HEADS, CUDA_MODEL, TREE_BY_HEADS, resolve_device
+from medusa_core.loading.smollm2 import NAME as SMOLLM2
+from medusa_core.decoding.tree import TreeError
+
+from .engine import ChatEngine
+from .settings import Settings
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    """A backbone and the Medusa heads people download for it, as the page's model list offers them.
+    Any hub id or local directory can be typed instead."""
+
+    label: str
+    model: str | None   # backbone hub id; None: the heads name it (a Medusa-2 repo is its own backbone,
+                        # the bundled heads' backbone is SmolLM2's converted copy in the user's cache)
+    heads: str          # hub id, or the bundled heads' directory
+    chat: str           # the prompt format the backbone needs, and where it comes from
+    turn_end: str       # the token that ends a reply: the loader's stop ids must hold it
+    device: str         # "cuda" or "cpu": where it is meant to run (a 7B model on a CPU runs, slowly)
+
+    @property
+    def tree(self) -> str:
+        """The tree these heads decode with where no accuracies tune one: the policy's table, or the
+        bundled heads' calibrated tree. Read from there, so the list and the loader never disagree."""
+        return str(CPU_DEFAULT_TREE) if is_bundled_heads(self.heads) else TREE_BY_HEADS[self.heads]
+
+
+_VICUNA_CHAT = "vicuna v1.1 (FastChat's form; the tokenizer carries no chat template)"
+# The CUDA default first, the CPU default second, then the other published heads.
+KNOWN_MODELS: tuple[KnownModel, ...] = (
+    KnownModel("Vicuna-7B v1.3 + Medusa heads (CUDA)", CUDA_MODEL, CUDA_HEADS, _VICUNA_CHAT, "</s>", "cuda"),
+    KnownModel(f"{SMOLLM2} + Medusa heads (CPU)", None, str(CPU_DEFAULT_HEADS),
+               "the tokenizer's chat template (ChatML)", "<|im_end|>", "cpu"),
+    KnownModel("Vicuna-13B v1.3 + Medusa heads (CUDA)", "lmsys/vicuna-13b-v1.3",
+               "FasterDecoding/medusa-vicuna-13b-v1.3", _VICUNA_CHAT, "</s>", "cuda"),
+    KnownModel("Vicuna-33B v1.3 + Medusa heads (CUDA)", "lmsys/vicuna-33b-v1.3",
+               "FasterDecoding/medusa-vicuna-33b-v1.3", _VICUNA_CHAT, "</s>", "cuda"),
+    # a gated backbone: its license is accepted on huggingface.co first (the load says so)
+    KnownModel("Llama-3.1-8B-Instruct + Medusa heads (CUDA)", "meta-llama/Llama-3.1-8B-Instruct",
+               "philschmid/llama-3-1-8b-instruct-medusa", "the tokenizer's chat template (Llama 3 headers)",
+               "<|eot_id|>", "cuda"),
+    KnownModel("Mistral-7B-Instruct-v0.2 + Medusa heads (CUDA)", "mistralai/Mistral-7B-Instruct-v0.2",
+               "text-generation-inference/Mistral-7B-Instruct-v0.2-medusa",
+               "the tokenizer's chat template ([INST] ... [/INST])", "</s>", "cuda"),
+    KnownModel("Zephyr-7B beta, Medusa-2 (CUDA)", None, "FasterDecoding/medusa-1.0-zephyr-7b-beta",
+               "the tokenizer's chat template (<|user|> / <|assistant|>)", "</s>", "cuda"),
 )
-from medusa_core.smollm2 import NAME as SMOLLM2
-from medusa_core.tree import TreeError
 
-from .engine import ChatEngine, Settings
-
-# (label, backbone, heads) offered in the page; any hub id or local directory can be typed instead.
-# SmolLM2's backbone is None: the loader finds its converted copy from the bundled heads.
-KNOWN_MODELS = (
-    ("Vicuna-7B v1.3 + Medusa heads (CUDA)", CUDA_MODEL, CUDA_HEADS),
-    (f"{SMOLLM2} + Medusa heads (CPU)", None, str(CPU_DEFAULT_HEADS)),
-)
-
-# The page's decoding controls once the CPU default (SmolLM2 + its heads) has loaded: the one
-# place these numbers live. Greedy stays one click away and exact (the same tokens as plain decoding).
-# Exact sampling at 0.7, by measurement (24 held-out prompts, 96 tokens, tree [[0], [1]], the root
-# heads; share of 4-grams repeated within an answer, mean / worst, and tokens per step): greedy 0.095 /
-# 0.84, 1.55; typical acceptance at 0.7 / 1.0 loops almost like greedy (0.127 / 0.84, 1.69; 0.096 /
-# 0.43, 1.76: it takes each step's first token greedily); exact sampling at 0.7 0.025 / 0.26, 1.44
-# (docs/cpu_default.md).
-CPU_DEFAULTS = Settings(mode="sample", temperature=0.7, top_p=1.0, epsilon=0.09, delta=0.3)
+# The page's decoding controls once the CPU default (SmolLM2 + its heads) has loaded: exact sampling
+# at the default temperature, which repeats itself far less than greedy or typical acceptance on this
+# small model (measured in docs/cpu_default.md, "Sampling defaults for the app"). Greedy stays one click away.
+CPU_DEFAULTS = Settings(mode="sample")
 
 
 def default_settings(loaded) -> Settings:
@@ -89,7 +116,7 @@ def downloaded(source: str | None) -> int:
 
 class ModelSlot:
     """The current ChatEngine (or None) and the load in progress. ``loader`` is
-    ``medusa_core.loading.load`` (called with the spec and ``progress=``); tests pass one that
+    ``medusa_core.loading.load.load`` (called with the spec and ``progress=``); tests pass one that
     waits, to see the page mid-load."""
 
     def __init__(self, *, max_new_tokens: int = 256, loader: Callable[[LoadSpec], object] = load,
@@ -197,7 +224,7 @@ class ModelSlot:
             return (f"{SMOLLM2} with its Medusa heads (the CPU default; its first start converts it into "
                     "your cache, about half a minute)" if on_cpu
                     else "the default model for this machine")
-        what = spec.model or (SMOLLM2 if is_bundled_heads(spec.heads) else f"the base model of {spec.heads}")
+        what = spec.model or (SMOLLM2 if is_bundled_heads(spec.heads) else f"{spec.heads} (its base model, or itself for a Medusa-2 model)")
         return what + (f" with heads {spec.heads}" if spec.heads else "")
 
 
@@ -209,9 +236,9 @@ def spec_for(choice: str | None, model: str, heads: str, base: LoadSpec) -> Load
     base = replace(base, tree=None, retune=False)
     if model or heads:
         return replace(base, model=model or None, heads=heads or None)
-    for label, backbone, medusa_heads in KNOWN_MODELS:
-        if label == choice:
-            return replace(base, model=backbone, heads=medusa_heads)
+    for entry in KNOWN_MODELS:
+        if entry.label == choice:
+            return replace(base, model=entry.model, heads=entry.heads)
     raise ValueError(f"model choice {choice!r} is unknown: pick one from the list, or type a hub id or directory")
 
 

@@ -29,9 +29,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 
-from medusa_core.generate import MODES
+from medusa_core.decoding.config import DEFAULTS, MODES, limits
 
-from .engine import BASELINE, MEDUSA, ChatEngine, Session, Settings, Update
+from .engine import BASELINE, MEDUSA, ChatEngine, Update
+from .session import Session
+from .settings import Settings
 from .models import ModelSlot
 
 API_KEY_ENV = "MEDUSA_CHAT_API_KEY"
@@ -154,7 +156,7 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
         raise ApiError(400, "stream must be true or false and stream_options an object", param="stream")
 
     passes, mode, tree = (MEDUSA,), "greedy" if temperature == 0 else "sample", None
-    epsilon, delta = Settings.epsilon, Settings.delta
+    epsilon, delta = DEFAULTS.epsilon, DEFAULTS.delta
     medusa = data.get("medusa", {})
     if medusa is False or medusa == "off":
         passes = (BASELINE,)
@@ -169,14 +171,14 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
         elif mode not in MODES:
             raise ApiError(400, f"medusa.mode {mode!r} is unknown: use one of {', '.join(MODES)} or off",
                            param="medusa.mode", code="invalid_value")
-        epsilon = number(medusa, "epsilon", epsilon, 0, 1)
-        delta = number(medusa, "delta", delta, 0, 1)
+        epsilon = number(medusa, "epsilon", epsilon, limits("epsilon").low, limits("epsilon").high)
+        delta = number(medusa, "delta", delta, limits("delta").low, limits("delta").high)
     else:
         raise ApiError(400, f"medusa {medusa!r}: give an object such as {{\"tree\": ..., \"mode\": \"typical\"}}, "
                             "or false for plain decoding", param="medusa", code="invalid_value")
-    settings = Settings(mode=mode, temperature=temperature, top_p=top_p, epsilon=epsilon, delta=delta,
-                        max_new_tokens=max_tokens or engine.max_new_tokens, tree=tree, seed=seed)
     try:
+        settings = Settings(mode=mode, temperature=temperature, top_p=top_p, epsilon=epsilon, delta=delta,
+                            max_new_tokens=max_tokens or engine.max_new_tokens, tree=tree, seed=seed)
         engine.check(settings)
     except ValueError as err:   # an unknown tree or mode, one line from the engine
         raise ApiError(400, str(err), param="medusa", code="invalid_value") from None
@@ -303,7 +305,7 @@ class Completion:
         if stats is None:
             return {}
         return {"decoder": stats.label, "tree": stats.tree, "tree_size": stats.tree_size,
-                "tokens_per_step": round(stats.mean_accepted, 3), "tokens_per_second": round(stats.tokens_per_second, 2),
+                "tokens_per_step": round(stats.tokens_per_step, 3), "tokens_per_second": round(stats.tokens_per_second, 2),
                 "time_to_first_token": round(stats.ttft, 4) if stats.ttft is not None else None}
 
     def chunk(self, delta: dict, finish: str | None = None, **extra) -> str:

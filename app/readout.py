@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from medusa_core.generate import Step
+from medusa_core.decoding.generate import StepResult
 
 _BARS = "▁▂▃▄▅▆▇█"
 SPARK_STEPS = 40  # the readout shows the last 40 steps' accepted lengths
@@ -48,7 +48,7 @@ class Stats:
         return 0.0
 
     @property
-    def mean_accepted(self) -> float:
+    def tokens_per_step(self) -> float:
         return (self.tokens - 1) / self.steps if self.steps else 0.0
 
     @property
@@ -59,7 +59,8 @@ class Stats:
         return {
             "label": self.label, "tree": self.tree, "tree_size": self.tree_size, "tokens": self.tokens,
             "steps": self.steps, "tokens_per_second": round(self.tokens_per_second, 2),
-            "mean_accepted": round(self.mean_accepted, 3), "from_heads": self.from_heads,
+            # "mean_accepted": tokens per step, under the key scripts of the page's API already read
+            "mean_accepted": round(self.tokens_per_step, 3), "from_heads": self.from_heads,
             "ttft": None if self.ttft is None else round(self.ttft, 4),
             "seconds": round(self.total_seconds, 4), "finish_reason": self.finish_reason,
             "last_accepted": list(self.accepted[-SPARK_STEPS:]),
@@ -80,7 +81,7 @@ class Meter:
     _decode: float = 0.0
     _finish: str | None = None
 
-    def add(self, step: Step) -> None:
+    def add(self, step: StepResult) -> None:
         if step.prefill:
             self._ttft = step.seconds
         elif step.tokens:
@@ -115,7 +116,7 @@ def render_live(stats: Stats, depth: int | None = None) -> str:
         "",
         "| tokens/s | tokens/step | time to first token | tokens |",
         "|---:|---:|---:|---:|",
-        f"| {stats.tokens_per_second:.1f} | {stats.mean_accepted:.2f} | {ttft} | {stats.tokens} |",
+        f"| {stats.tokens_per_second:.1f} | {stats.tokens_per_step:.2f} | {ttft} | {stats.tokens} |",
     ]
     if recent:
         lines += ["", f"accepted per step (last {len(recent)}): `{sparkline(recent, depth)}`"]
@@ -128,7 +129,7 @@ def summary(stats: Stats) -> str:
     share = f" ({100 * stats.from_heads / stats.tokens:.0f}%)" if stats.tokens else ""
     return (
         f"Answer: {stats.tokens} tokens in {stats.total_seconds:.2f} s · {stats.tokens_per_second:.1f} tokens/s · "
-        f"{stats.mean_accepted:.2f} tokens/step over {stats.steps} steps · {stats.from_heads} from heads{share} · "
+        f"{stats.tokens_per_step:.2f} tokens/step over {stats.steps} steps · {stats.from_heads} from heads{share} · "
         f"{FINISH_TEXT.get(stats.finish_reason or '', stats.finish_reason)}"
     )
 

@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .engine import Session, Turn
+from .session import Session, Turn
 from .render import reply_html
 
 FORMAT = "medusa-chat/1"

@@ -9,160 +9,26 @@ process, interleaved per prompt after a warm-up, plus transformers' own
 from __future__ import annotations
 
 import argparse
-import json
-import resource
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from .chat_format import render_chat
+from .benchmarks.runs import (ModuleTimer, Run, bench_prompts, format_table, peak_memory, run_hf, run_loop,
+                              summarize, write_json)
+from .decoding.config import DEFAULTS, MODES, DecodeConfig, limits
+from .decoding.step import compute_dtype
+from .decoding.tree import TreeBuffers, TreeError, build_tree_buffers, resolve_tree
 from .errors import LoadError
-from .generate import MODES, DecodeConfig, compute_dtype, generate
-from .loading import CPU_DEFAULT_PROMPTS, LoadSpec, load
-from .quantization import NF4_KERNELS
-from .train_data import read_prompts
-from .tree import TreeError, build_tree_buffers, resolve_tree
+from .loading.chat_format import render_chat
+from .loading.load import load
+from .loading.spec import LoadSpec
+from .quant.bnb import NF4_KERNELS
 
 
-@dataclass
-class Run:
-    """One decoding of one prompt."""
-
-    tokens: list[int]
-    seconds: float                 # wall time, prefill included
-    ttft: float                    # time to the first token
-    steps: int                     # decoding steps after the prefill
-    accepted: list[int] = field(default_factory=list)   # tokens per step
-    host_seconds: float = 0.0      # step time outside the model's modules (CPU only: GPU time is async)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.tokens) / self.seconds if self.seconds else 0.0
-
-
-class ModuleTimer:
-    """Wall time spent inside the model's modules (decoder, lm_head, heads), via hooks.
-    Only meaningful on CPU, where kernels run synchronously."""
-
-    def __init__(self, modules):
-        self.total, self._t0, self._depth = 0.0, 0.0, 0
-        self.handles = []
-        for m in modules:
-            self.handles.append(m.register_forward_pre_hook(self._start))
-            self.handles.append(m.register_forward_hook(self._stop))
-
-    # Only the outermost timed module counts: heads that share the lm_head call it inside their
-    # own forward, and counting both made the time outside the model come out negative.
-    def _start(self, *args):
-        if self._depth == 0:
-            self._t0 = time.perf_counter()
-        self._depth += 1
-
-    def _stop(self, *args):
-        self._depth -= 1
-        if self._depth == 0:
-            self.total += time.perf_counter() - self._t0
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
-
-
-def run_loop(loaded, prompt_ids, tree, config, timer: ModuleTimer | None) -> Run:
-    if timer:
-        timer.total = 0.0
-    t0 = time.perf_counter()
-    steps = list(generate(loaded.model, prompt_ids, heads=loaded.heads if tree is not None else None,
-                          tree=tree, config=config, stop_ids=loaded.stop_ids))
-    seconds = time.perf_counter() - t0
-    decode = [s for s in steps[1:] if s.tokens]
-    model_time = timer.total if timer else 0.0
-    host = (seconds - model_time) / max(1, len(steps)) if timer else 0.0
-    return Run([t for s in steps for t in s.tokens], seconds, steps[0].seconds, len(decode),
-               [len(s.tokens) for s in decode], host)
-
-
-def run_hf(loaded, prompt_ids, max_new_tokens: int, **kwargs) -> Run:
-    """transformers' own generate(): plain greedy, or prompt lookup with ``prompt_lookup_num_tokens``."""
-    model = loaded.model
-    ids = torch.tensor([prompt_ids], device=model.get_output_embeddings().weight.device)
-    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, eos_token_id=list(loaded.stop_ids) or None,
-                         pad_token_id=loaded.tokenizer.pad_token_id or 0, **kwargs)
-    sync()
-    seconds = time.perf_counter() - t0
-    return Run(out[0, len(prompt_ids):].tolist(), seconds, 0.0, 0)
-
-
-@dataclass(frozen=True)
-class Row:
-    name: str
-    tokens_per_s: float
-    speedup: float
-    accepted_per_step: float
-    overhead: float
-    ttft_ms: float
-    host_ms_per_step: float
-    identical: str
-
-
-def summarize(name: str, runs: list[Run], base: list[Run], decoded_by_loop: bool) -> Row:
-    def rate(rs):
-        return sum(len(r.tokens) for r in rs) / sum(r.seconds for r in rs)
-
-    def step_time(rs):  # mean decoding-step time, prefill excluded
-        steps = sum(r.steps for r in rs)
-        return sum(r.seconds - r.ttft for r in rs) / steps if steps else float("nan")
-
-    accepted = [a for r in runs for a in r.accepted]
-    same = all(r.tokens == b.tokens for r, b in zip(runs, base))
-    return Row(
-        name=name,
-        tokens_per_s=rate(runs),
-        speedup=rate(runs) / rate(base),
-        accepted_per_step=sum(accepted) / len(accepted) if accepted else float("nan"),
-        overhead=step_time(runs) / step_time(base) if decoded_by_loop else float("nan"),
-        ttft_ms=1000 * sum(r.ttft for r in runs) / len(runs) if decoded_by_loop else float("nan"),
-        host_ms_per_step=1000 * sum(r.host_seconds for r in runs) / len(runs) if decoded_by_loop else float("nan"),
-        identical="yes" if same else "no",
-    )
-
-
-def format_table(rows: list[Row]) -> str:
-    head = f"{'decoder':<26}{'tok/s':>9}{'speedup':>9}{'acc/step':>10}{'overhead':>10}{'TTFT ms':>9}{'host ms':>9}  same as baseline"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        cells = [f"{r.tokens_per_s:9.1f}", f"{r.speedup:8.2f}x"]
-        for v, fmt in ((r.accepted_per_step, "10.2f"), (r.overhead, "10.2f"), (r.ttft_ms, "9.1f"), (r.host_ms_per_step, "9.2f")):
-            cells.append(format(v, fmt) if v == v else f"{'-':>{fmt.split('.')[0]}}")
-        lines.append(f"{r.name:<26}{''.join(cells)}  {r.identical}")
-    return "\n".join(lines)
-
-
-def bench_prompts(path: str | None) -> list[str]:
-    """The --prompts file, else the held-out chat prompts in assets/smollm2 (no head was trained on them)."""
-    path = path or str(CPU_DEFAULT_PROMPTS)
-    if not Path(path).is_file():
-        raise SystemExit(f"error: prompts file {path} does not exist: give a JSONL file with one {{\"prompt\": ...}} per line")
-    try:
-        return read_prompts(Path(path))
-    except ValueError as err:
-        raise SystemExit(f"error: {err}") from err
-
-
-def peak_memory(device: str) -> str:
-    if device.startswith("cuda"):
-        return f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"
-    return f"peak process RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f} MiB"
-
-
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m medusa_core.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="backbone hub id or local dir (default: Vicuna-7B on CUDA, SmolLM2-135M-Instruct "
@@ -174,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--tree", nargs="+", help="tree presets or JSON files, each benchmarked; 'default' is the model's "
                                              "default tree (tuned for this machine), which also runs when --tree is not given")
-    p.add_argument("--mode", choices=MODES, default="greedy")
-    p.add_argument("--temperature", type=float, default=0.7, help="for sample/typical")
+    p.add_argument("--mode", choices=MODES, default=DEFAULTS.mode)
+    p.add_argument("--temperature", type=float, default=DEFAULTS.temperature, help=limits("temperature").help)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16")
     p.add_argument("--quant", default="auto", help="auto|nf4|int8|int4|none (int4: torch's CPU kernel)")
@@ -186,40 +52,45 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1, help="warm-up runs of each decoder before timing")
     p.add_argument("--no-references", action="store_true", help="skip transformers generate() and prompt lookup")
     p.add_argument("--json", help="write every run and the summary here")
-    args = p.parse_args(argv)
+    return p
 
-    try:
-        loaded = load(LoadSpec(model=args.model, heads=args.heads, device=args.device, dtype=args.dtype, quant=args.quant,
-                               nf4_kernel=args.nf4_kernel))
-        config = DecodeConfig(mode=args.mode, temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
-        asked = [loaded.default_tree if t == "default" else t for t in args.tree or ["default"] * (loaded.heads is not None)]
-        tree_names = list(dict.fromkeys(t for t in asked if t != "baseline"))     # the baseline always runs
-        if tree_names and loaded.heads is None:
-            raise LoadError(f"trees {', '.join(tree_names)} need Medusa heads, and none were loaded: "
-                            "pass --heads, or --tree baseline for plain decoding only")
-        device = loaded.model.get_output_embeddings().weight.device
-        mask_dtype = compute_dtype(loaded.model)
-        trees = {name: build_tree_buffers(resolve_tree(name), loaded.heads.config.num_heads, dtype=mask_dtype, device=device)
-                 for name in tree_names}
-    except (LoadError, TreeError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    prompts = bench_prompts(args.prompts)
-    tok = loaded.tokenizer
-    encoded = [tok(text)["input_ids"] if args.raw else render_chat(tok, text) for text in prompts]
-    print(loaded.description)
-    if loaded.tree_note:
-        print(loaded.tree_note)
-    print(loaded.memory)
-    on_cpu = device.type == "cpu"
+
+@dataclass(frozen=True)
+class Setup:
+    loaded: object                  # loading.load.Loaded
+    config: DecodeConfig
+    trees: dict[str, TreeBuffers]   # the Medusa trees to time, by the name asked (the baseline always runs)
+    device: torch.device
+
+
+def prepare(args) -> Setup:
+    """Load the model and build the trees asked for; LoadError, TreeError or ValueError in one line."""
+    loaded = load(LoadSpec(model=args.model, heads=args.heads, device=args.device, dtype=args.dtype, quant=args.quant,
+                           nf4_kernel=args.nf4_kernel))
+    config = DecodeConfig(mode=args.mode, temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    asked = [loaded.default_tree if t == "default" else t for t in args.tree or ["default"] * (loaded.heads is not None)]
+    tree_names = list(dict.fromkeys(t for t in asked if t != "baseline"))     # the baseline always runs
+    if tree_names and loaded.heads is None:
+        raise LoadError(f"trees {', '.join(tree_names)} need Medusa heads, and none were loaded: "
+                        "pass --heads, or --tree baseline for plain decoding only")
+    device = loaded.model.get_output_embeddings().weight.device
+    mask_dtype = compute_dtype(loaded.model)
+    trees = {name: build_tree_buffers(resolve_tree(name), loaded.heads.config.num_heads, dtype=mask_dtype, device=device)
+             for name in tree_names}
+    return Setup(loaded, config, trees, device)
+
+
+def measure(args, setup: Setup, encoded: list[list[int]]) -> list[dict[str, Run]]:
+    """Every decoder on a prompt, then the next prompt (interleaved, after a warm-up); per prompt, the runs by name."""
+    loaded, trees = setup.loaded, setup.trees
     timed = [loaded.model.get_decoder(), loaded.model.get_output_embeddings(), *([loaded.heads] if loaded.heads else [])]
-    timer = ModuleTimer(timed) if on_cpu else None
+    timer = ModuleTimer(timed) if setup.device.type == "cpu" else None
     greedy_refs = not args.no_references and args.mode == "greedy"
 
     def one_round(ids):
-        res = {"baseline": run_loop(loaded, ids, None, config, timer)}
+        res = {"baseline": run_loop(loaded, ids, None, setup.config, timer)}
         for name, tree in trees.items():
-            res[name] = run_loop(loaded, ids, tree, config, timer)
+            res[name] = run_loop(loaded, ids, tree, setup.config, timer)
         if greedy_refs:
             res["hf_generate"] = run_hf(loaded, ids, args.max_new_tokens)
             res["prompt_lookup"] = run_hf(loaded, ids, args.max_new_tokens, prompt_lookup_num_tokens=10)
@@ -227,20 +98,25 @@ def main(argv: list[str] | None = None) -> int:
 
     for _ in range(args.warmup):
         one_round(encoded[0][:64])
-    if device.type == "cuda":
+    if setup.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     results = []
     started = time.perf_counter()
-    for n, ids in enumerate(encoded, 1):               # interleaved: every decoder on a prompt, then the next
+    for n, ids in enumerate(encoded, 1):
         results.append(one_round(ids))
         print(f"prompt {n}/{len(encoded)} done, {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     if timer:
         timer.remove()
+    return results
 
+
+def report(args, setup: Setup, prompts: list[str], encoded: list[list[int]], results: list[dict[str, Run]]) -> None:
+    """The summary table (and the --json report)."""
+    device, trees = setup.device, setup.trees
     base = [r["baseline"] for r in results]
     rows = [summarize("baseline (1-node tree)", base, base, True)]
     rows += [summarize(f"medusa {Path(n).name}", [r[n] for r in results], base, True) for n in trees]
-    if greedy_refs:
+    if "hf_generate" in results[0]:
         rows.append(summarize("transformers generate()", [r["hf_generate"] for r in results], base, False))
         rows.append(summarize("prompt lookup (10)", [r["prompt_lookup"] for r in results], base, False))
     print(f"{len(prompts)} prompts{' (raw)' if args.raw else ''}, {args.max_new_tokens} new tokens max, "
@@ -249,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     print(peak_memory(str(device)))
     if args.json:
         out = {
-            "args": vars(args), "model": loaded.description, "device": str(device),
+            "args": vars(args), "model": setup.loaded.description, "device": str(device),
             "torch": torch.__version__, "memory": peak_memory(str(device)),
             "trees": {n: t.size for n, t in trees.items()},
             "prompts": [{"prompt": text, "prompt_tokens": len(ids), **{k: {**asdict(v), "tokens_per_s": v.tokens_per_s}
@@ -257,13 +133,24 @@ def main(argv: list[str] | None = None) -> int:
             "summary": [asdict(r) for r in rows],
         }
         write_json(args.json, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        setup = prepare(args)
+    except (LoadError, TreeError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    prompts = bench_prompts(args.prompts)
+    tok = setup.loaded.tokenizer
+    encoded = [tok(text)["input_ids"] if args.raw else render_chat(tok, text) for text in prompts]
+    print(setup.loaded.description)
+    if setup.loaded.tree_note:
+        print(setup.loaded.tree_note)
+    print(setup.loaded.memory)
+    report(args, setup, prompts, encoded, measure(args, setup, encoded))
     return 0
-
-
-def write_json(path: str, report: dict) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(report, indent=1, allow_nan=True) + "\n")
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

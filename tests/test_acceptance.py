@@ -2,13 +2,13 @@ import math
 
 import torch
 
-from medusa_core.acceptance import (
+from medusa_core.decoding.acceptance import (
     accept_match,
     accept_typical,
     sampling_probs,
     typical_threshold,
 )
-from medusa_core.tree import build_tree_buffers
+from medusa_core.decoding.tree import build_tree_buffers
 
 
 def test_greedy_match_takes_the_longest_agreeing_path():

@@ -237,8 +237,11 @@ def test_out_of_memory_frees_cache_and_next_answer_works(model_dirs, monkeypatch
     import torch
 
     import app.engine as engine_module
-    from app.engine import ChatEngine, Session, Settings
-    from medusa_core.loading import LoadSpec, load
+    from app.engine import ChatEngine
+    from app.session import Session
+    from app.settings import Settings
+    from medusa_core.loading.load import load
+    from medusa_core.loading.spec import LoadSpec
 
     backbone, heads = model_dirs
     engine = ChatEngine(load(LoadSpec(model=str(backbone), heads=str(heads), device="cpu")))
@@ -302,7 +305,8 @@ def test_named_tree_shows_as_its_name(client, model_dirs):
 @pytest.fixture(scope="module")
 def engine(model_dirs):
     from app.engine import ChatEngine
-    from medusa_core.loading import LoadSpec, load
+    from medusa_core.loading.load import load
+    from medusa_core.loading.spec import LoadSpec
 
     backbone, heads = model_dirs
     return ChatEngine(load(LoadSpec(model=str(backbone), heads=str(heads), device="cpu")), max_new_tokens=64)
@@ -311,7 +315,8 @@ def engine(model_dirs):
 def test_full_context_cuts_oldest_turns_and_keeps_answering(engine):
     """Issue #13.4: past the context the oldest exchanges leave the prompt (the system prompt
     stays) with a notice, answers keep coming, and the reused cache rewinds correctly."""
-    from app.engine import Session, Settings, Turn
+    from app.session import Session, Turn
+    from app.settings import Settings
 
     session, settings, system = Session(), Settings(max_new_tokens=160, tree="small-8"), "Answer in one line."
     notices = []
@@ -338,7 +343,9 @@ def test_comparison_runs_step_interleaved(engine, monkeypatch):
     """Issue #13.5: plain decoding and Medusa alternate step by step on one prompt (so
     background load hits both), greedy answers match, and the speedup comes with its spread."""
     import app.engine as engine_module
-    from app.engine import BASELINE, COMPARISON, MEDUSA, Session, Settings
+    from app.engine import BASELINE, COMPARISON, MEDUSA
+    from app.session import Session
+    from app.settings import Settings
 
     order: list[str] = []
     real = engine_module.generate
@@ -411,7 +418,8 @@ def test_model_slot_loads_in_background_and_keeps_old_model_on_failure(model_dir
 
     from app.models import ModelSlot
     from medusa_core.errors import LoadError
-    from medusa_core.loading import LoadSpec, load
+    from medusa_core.loading.load import load
+    from medusa_core.loading.spec import LoadSpec
 
     backbone, heads = model_dirs
     spec = LoadSpec(model=str(backbone), heads=str(heads), device="cpu")
@@ -443,7 +451,9 @@ def test_first_capture_is_announced_and_clear_keeps_the_caches(engine, monkeypat
     before the reply; a new conversation rewinds the caches (keeping their graphs) instead of
     dropping them."""
     import app.engine as engine_module
-    from app.engine import PREPARING, Session, Settings
+    from app.engine import PREPARING
+    from app.session import Session
+    from app.settings import Settings
 
     session, settings = Session(), Settings(max_new_tokens=8, tree="small-8")
     prompt = engine.prompt_ids([{"role": "user", "content": "hi"}], None)
@@ -462,7 +472,7 @@ def test_a_tab_keeps_one_export_folder_and_it_goes_with_the_tab():
     every state of every conversation in /tmp); the tab's end removes them."""
     import json
 
-    from app.engine import Session, Turn
+    from app.session import Session, Turn
     from app.transcript import discard_exports, export_folder, write_exports
 
     session = Session()
@@ -486,8 +496,11 @@ def test_every_forward_pass_runs_on_the_engines_one_model_thread(model_dirs):
     OpenMP keeps a pool per calling thread, and pools in several threads slowed decoding ~1.8x."""
     import threading
 
-    from app.engine import BASELINE, MEDUSA, ChatEngine, Session, Settings
-    from medusa_core.loading import LoadSpec, load
+    from app.engine import BASELINE, MEDUSA, ChatEngine
+    from app.session import Session
+    from app.settings import Settings
+    from medusa_core.loading.load import load
+    from medusa_core.loading.spec import LoadSpec
 
     backbone, heads = model_dirs
     engine = ChatEngine(load(LoadSpec(model=str(backbone), heads=str(heads), device="cpu")), max_new_tokens=8)

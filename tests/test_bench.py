@@ -87,8 +87,8 @@ def test_module_time_counts_a_nested_module_once():
 
 
 def test_bench_defaults_to_the_held_out_chat_prompts(checkpoint, tmp_path):
-    from medusa_core.loading import CPU_DEFAULT_PROMPTS
-    from medusa_core.train_data import read_prompts
+    from medusa_core.loading.assets import CPU_DEFAULT_PROMPTS
+    from medusa_core.training.data import read_prompts
 
     backbone, _ = checkpoint
     out = tmp_path / "bench.json"

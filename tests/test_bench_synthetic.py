@@ -6,11 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-from medusa_core import bench_gpu
-from medusa_core.bench_gpu import PUBLISHED_ACCURACIES, check_not_zero, expected_acceptance, rank_table
-from medusa_core.bench_gpu import tree_for_size as grow_tree
-from medusa_core.tree import path_value
-from medusa_core.tree import build_tree_buffers
+from medusa_core import bench_synthetic
+from medusa_core.benchmarks.synthetic import SHAPES, check_not_zero
+from medusa_core.decoding.tree import expected_tokens_per_step
+from medusa_core.decoding.tree import tree_of_size as grow_tree
+from medusa_core.heads.accuracy import PUBLISHED_ACCURACIES, rank_table
+from medusa_core.decoding.tree import path_value
+from medusa_core.decoding.tree import build_tree_buffers
 
 
 def best_by_brute_force(table, size):
@@ -26,14 +28,14 @@ def best_by_brute_force(table, size):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_grown_tree_has_the_size_asked_and_the_best_expected_acceptance(seed):
+def test_grown_tree_has_the_size_asked_and_the_most_expected_tokens_per_step(seed):
     rng = random.Random(seed)
     table = [[rng.random() for _ in range(3)] for _ in range(2)]   # 2 heads x top 3, not sorted by rank
     for size in range(1, 7):
         paths = grow_tree(table, size)
         assert len(paths) == size - 1 and len(set(paths)) == size - 1
         build_tree_buffers(paths, num_heads=2, top_k=3)            # prefix-closed and fillable, or it raises
-        assert expected_acceptance(table, paths) == pytest.approx(1 + best_by_brute_force(table, size))
+        assert expected_tokens_per_step(paths, table) == pytest.approx(1 + best_by_brute_force(table, size))
 
 
 def test_grown_trees_use_the_published_accuracies_sensibly():
@@ -44,15 +46,15 @@ def test_grown_trees_use_the_published_accuracies_sensibly():
     t64 = grow_tree(table, 64)
     assert len(t64) == 63 and max(len(p) for p in t64) <= 5
     # bigger trees never expect fewer tokens, and stay near the published 2.3-2.6 tokens per step
-    accs = [expected_acceptance(table, grow_tree(table, n)) for n in (1, 4, 8, 16, 32, 64, 128)]
+    accs = [expected_tokens_per_step(grow_tree(table, n), table) for n in (1, 4, 8, 16, 32, 64, 128)]
     assert accs == sorted(accs) and 2.3 < accs[5] < 2.6
 
 
-def test_expected_acceptance_is_one_plus_path_probabilities():
+def test_expected_tokens_per_step_is_one_plus_path_probabilities():
     table = [[0.5, 0.25], [0.4, 0.1]]
-    assert expected_acceptance(table, []) == 1.0
-    assert expected_acceptance(table, [(0,), (0, 0)]) == pytest.approx(1 + 0.5 + 0.5 * 0.4)
-    assert expected_acceptance(table, [(0,), (1,), (1, 1)]) == pytest.approx(1 + 0.5 + 0.25 + 0.25 * 0.1)
+    assert expected_tokens_per_step([], table) == 1.0
+    assert expected_tokens_per_step([(0,), (0, 0)], table) == pytest.approx(1 + 0.5 + 0.5 * 0.4)
+    assert expected_tokens_per_step([(0,), (1,), (1, 1)], table) == pytest.approx(1 + 0.5 + 0.25 + 0.25 * 0.1)
 
 
 def test_bad_tree_requests_are_named():
@@ -75,7 +77,7 @@ def test_all_zero_weights_are_refused():
 
 def test_cli_runs_tiny_on_cpu_for_bf16_and_nf4_and_writes_json(tmp_path, capsys):
     out = tmp_path / "gpu.json"
-    code = bench_gpu.main(["--device", "cpu", "--shape", "tiny", "--quant", "none", "nf4", "--tree-sizes", "1", "4", "8",
+    code = bench_synthetic.main(["--device", "cpu", "--shape", "tiny", "--quant", "none", "nf4", "--tree-sizes", "1", "4", "8",
                            "--context", "16", "--iters", "2", "--warmup", "0", "--json", str(out)])
     assert code == 0
     printed = capsys.readouterr().out
@@ -105,7 +107,7 @@ def test_cli_runs_tiny_on_cpu_for_bf16_and_nf4_and_writes_json(tmp_path, capsys)
 
 def test_cli_times_transformers_generate_for_the_baseline_comparison(tmp_path):
     out = tmp_path / "gpu.json"
-    assert bench_gpu.main(["--device", "cpu", "--shape", "tiny", "--quant", "none", "--tree-sizes", "1",
+    assert bench_synthetic.main(["--device", "cpu", "--shape", "tiny", "--quant", "none", "--tree-sizes", "1",
                            "--context", "8", "--iters", "3", "--warmup", "0", "--hf-generate", "--json", str(out)]) == 0
     r = json.loads(out.read_text())["results"][0]
     assert set(r["hf_generate_ms"]) == {"dynamic", "static"}
@@ -114,13 +116,13 @@ def test_cli_times_transformers_generate_for_the_baseline_comparison(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a CPU-only torch gives")
 def test_cuda_request_without_a_gpu_is_one_line_error(capsys):
-    assert bench_gpu.main(["--device", "cuda", "--quant", "none"]) == 1
+    assert bench_synthetic.main(["--device", "cuda", "--quant", "none"]) == 1
     assert "no CUDA GPU" in capsys.readouterr().err
 
 
 def test_fold_merges_the_kernel_and_demo_figures_into_one_report(tmp_path):
     step = tmp_path / "gpu.json"
-    assert bench_gpu.main(["--device", "cpu", "--shape", "tiny", "--quant", "none", "--tree-sizes", "1",
+    assert bench_synthetic.main(["--device", "cpu", "--shape", "tiny", "--quant", "none", "--tree-sizes", "1",
                            "--context", "8", "--iters", "2", "--warmup", "0", "--json", str(step)]) == 0
     nf4 = tmp_path / "nf4.json"
     nf4.write_text(json.dumps({"env": {}, "summary": {"nf4_kernel_m16_us": 21.5, "bnb_m1_us": 24.0}}))
@@ -129,25 +131,25 @@ def test_fold_merges_the_kernel_and_demo_figures_into_one_report(tmp_path):
         {"name": "baseline (1-node tree)", "tokens_per_s": 1000.0},
         {"name": "medusa tree.json", "tokens_per_s": 1700.0}, {"name": "medusa small-16", "tokens_per_s": 1800.0}]}))
     out = tmp_path / "report.json"
-    assert bench_gpu.main(["--fold", str(step), str(nf4), str(demo), "--json", str(out)]) == 0
+    assert bench_synthetic.main(["--fold", str(step), str(nf4), str(demo), "--json", str(out)]) == 0
     summary = json.loads(out.read_text())["summary"]
     assert summary["nf4_kernel_m16_us"] == 21.5 and summary["bnb_m1_us"] == 24.0
     assert summary["demo_cuda_tokens_per_s"] == 1000.0 and summary["demo_cuda_medusa_tokens_per_s"] == 1800.0
     assert summary["bf16_baseline_ms"] == json.loads(step.read_text())["summary"]["bf16_baseline_ms"]
-    assert bench_gpu.main(["--fold", str(step), str(nf4), str(step), "--json", str(out)]) == 0   # a later run adds rows
+    assert bench_synthetic.main(["--fold", str(step), str(nf4), str(step), "--json", str(out)]) == 0   # a later run adds rows
     merged = json.loads(out.read_text())
     assert len(merged["results"]) == 2 * len(json.loads(step.read_text())["results"])
     assert merged["summary"]["nf4_kernel_m16_us"] == 21.5
     (tmp_path / "other.json").write_text(json.dumps({"something": 1}))
-    assert bench_gpu.main(["--fold", str(step), str(tmp_path / "other.json"), "--json", str(out)]) == 1
+    assert bench_synthetic.main(["--fold", str(step), str(tmp_path / "other.json"), "--json", str(out)]) == 1
 
 
 def test_a_saved_random_checkpoint_benchmarks_through_the_real_loader(tmp_path, capsys):
-    """bench_gpu --save-checkpoint writes a random model with SmolLM2's tokenizer cut to the shape's
+    """bench_synthetic --save-checkpoint writes a random model with SmolLM2's tokenizer cut to the shape's
     vocabulary; bench loads it like a download and times it (greedy Medusa = plain decoding)."""
     from medusa_core import bench
 
-    assert bench_gpu.main(["--device", "cpu", "--shape", "tiny", "--quant", "none",
+    assert bench_synthetic.main(["--device", "cpu", "--shape", "tiny", "--quant", "none",
                            "--save-checkpoint", str(tmp_path / "ckpt")]) == 0
     backbone, heads = tmp_path / "ckpt" / "backbone", tmp_path / "ckpt" / "heads"
     assert f"--model {backbone} --heads {heads}" in capsys.readouterr().out
@@ -156,7 +158,7 @@ def test_a_saved_random_checkpoint_benchmarks_through_the_real_loader(tmp_path, 
     tokenizer = AutoTokenizer.from_pretrained(backbone)
     text = "What is the capital of France? Naïve café."
     ids = tokenizer(text)["input_ids"]
-    assert max(ids) < bench_gpu.SHAPES["tiny"].vocab and tokenizer.decode(ids) == text
+    assert max(ids) < SHAPES["tiny"].vocab and tokenizer.decode(ids) == text
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "What is the capital of France?"}\n')
     out = tmp_path / "bench.json"
@@ -169,10 +171,20 @@ def test_a_saved_random_checkpoint_benchmarks_through_the_real_loader(tmp_path, 
 def test_a_vocabulary_below_the_tokenizers_bytes_is_one_line(tmp_path):
     from dataclasses import replace
 
-    from medusa_core.synthetic import save_random_checkpoint
+    from medusa_core.benchmarks.synthetic import save_random_checkpoint
 
     with pytest.raises(ValueError) as err:
-        save_random_checkpoint(replace(bench_gpu.SHAPES["tiny"], vocab=200), 3, tmp_path, 0, torch.device("cpu"))
+        save_random_checkpoint(replace(SHAPES["tiny"], vocab=200), 3, tmp_path, 0, torch.device("cpu"))
     message = str(err.value)
     assert "\n" not in message and "vocabulary of 200" in message and "use --shape 7b" in message
     assert not (tmp_path / "backbone" / "config.json").exists(), "refused before building anything"
+
+
+def test_the_old_command_name_still_runs():
+    """``python -m medusa_core.bench_gpu``, the name the docs of earlier runs give, runs the same benchmark."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "medusa_core.bench_gpu", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "usage: python -m medusa_core.bench_synthetic" in out.stdout

@@ -217,7 +217,7 @@ def test_conversation_past_the_context_keeps_answering(browser, tiny_dirs):
     """Issue #13.4: past a 1024-token context the oldest turns leave the prompt with a one-line
     notice, and answers keep coming."""
     from app.models import ModelSlot
-    from medusa_core.loading import LoadSpec
+    from medusa_core.loading.spec import LoadSpec
 
     backbone, heads = tiny_dirs
     slot = ModelSlot(max_new_tokens=48, log=lambda line: None)
@@ -243,7 +243,8 @@ def test_conversation_past_the_context_keeps_answering(browser, tiny_dirs):
 def test_page_opens_before_the_model_has_loaded(browser):
     """The page is served at once, shows load progress and keeps Send off until the model is in."""
     from app.models import ModelSlot
-    from medusa_core.loading import LoadSpec, load
+    from medusa_core.loading.load import load
+    from medusa_core.loading.spec import LoadSpec
 
     gate = threading.Event()
 

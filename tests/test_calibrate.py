@@ -7,11 +7,12 @@ import pytest
 import torch
 from tiny import random_heads, tiny_checkpoint, tiny_model
 
-from medusa_core.calibrate import (
-    CalibrateConfig, accuracy_table, expected_length, grow_tree, monotone_fit, path_value, run,
-)
-from medusa_core.train import IGNORE, backbone_hidden, rank_histogram
-from medusa_core.tree import build_tree_buffers, load_tree_file
+from medusa_core.training.tree_search import CalibrateConfig, accuracy_table, run
+from medusa_core.loading.tree_tuning import monotone_fit
+from medusa_core.training.data import IGNORE
+from medusa_core.training.evaluation import rank_histogram
+from medusa_core.training.loss import backbone_hidden
+from medusa_core.decoding.tree import build_tree_buffers, expected_tokens_per_step, grow_tree, load_tree_file, path_value
 
 ACC = [[0.6, 0.2, 0.1], [0.5, 0.3, 0.1]]
 
@@ -30,16 +31,16 @@ def test_grow_tree_by_hand():
     assert grow_tree(ACC, 3) == [(0,), (0, 0), (1,)]
     assert grow_tree(ACC, 4) == [(0,), (0, 0), (1,), (0, 1)]
     assert path_value((0, 1), ACC) == pytest.approx(0.18)
-    assert expected_length(grow_tree(ACC, 3), ACC) == pytest.approx(1 + 0.6 + 0.3 + 0.2)
+    assert expected_tokens_per_step(grow_tree(ACC, 3), ACC) == pytest.approx(1 + 0.6 + 0.3 + 0.2)
 
 
 @pytest.mark.parametrize("budget", range(1, 7))
 def test_greedy_tree_is_the_best_tree_of_its_size(budget):
     acc = [[0.55, 0.25, 0.1], [0.7, 0.15, 0.05], [0.4, 0.3, 0.2]][:2]
-    best = max(expected_length(t, acc) for t in all_trees(acc, budget))
+    best = max(expected_tokens_per_step(t, acc) for t in all_trees(acc, budget))
     tree = grow_tree(acc, budget)
     assert len(tree) == budget
-    assert expected_length(tree, acc) == pytest.approx(best)
+    assert expected_tokens_per_step(tree, acc) == pytest.approx(best)
     # every node is worth at least as much as any node left out that could have been added
     chosen = set(tree)
     frontier = [p + (i,) for p in [(), *tree] for i in range(3) if len(p) < 2 and p + (i,) not in chosen]

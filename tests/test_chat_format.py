@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from tiny import char_tokenizer
 
-from medusa_core.chat_format import VICUNA_SYSTEM, render_chat, stop_token_ids, to_messages, vicuna_prompt
+from medusa_core.loading.chat_format import VICUNA_SYSTEM, render_chat, stop_token_ids, to_messages, vicuna_prompt
 
 HISTORY = [
     {"role": "user", "content": [{"type": "text", "text": "Hi"}]},             # Gradio 6 parts

@@ -2,7 +2,7 @@
 
 import json
 
-from medusa_core import chat_prompts
+from medusa_core.training import prompts as chat_prompts
 
 
 def test_the_set_is_the_same_every_time_and_has_no_duplicates():

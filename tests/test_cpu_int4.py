@@ -9,12 +9,15 @@ import torch
 from tiny import char_tokenizer, copied_heads, tiny_model
 from torch import nn
 
-from medusa_core import cpu_int4, exact_attention
+from medusa_core.quant import cpu_int4, exact_attention
 from medusa_core.errors import LoadError
-from medusa_core.generate import DecodeConfig, generate
-from medusa_core.cpu_int4 import exact_mode
-from medusa_core.loading import LoadSpec, load, resolve_quant
-from medusa_core.tree import build_tree_buffers, resolve_tree
+from medusa_core.decoding.config import DecodeConfig
+from medusa_core.decoding.generate import generate
+from medusa_core.quant.cpu_int4 import exact_mode
+from medusa_core.loading.load import load
+from medusa_core.loading.spec import LoadSpec
+from medusa_core.loading.policy import resolve_quant
+from medusa_core.decoding.tree import build_tree_buffers, resolve_tree
 
 pytestmark = pytest.mark.skipif(not cpu_int4.kernel_available(), reason="this torch has no int4 CPU kernel")
 

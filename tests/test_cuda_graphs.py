@@ -9,9 +9,10 @@ import pytest
 import torch
 from tiny import tiny_model, trained_heads
 
-from medusa_core.generate import DecodeConfig, generate, new_cache
-from medusa_core.step import needs_capture, step_for
-from medusa_core.tree import build_tree_buffers, resolve_tree
+from medusa_core.decoding.config import DecodeConfig
+from medusa_core.decoding.generate import generate, new_cache
+from medusa_core.decoding.step_store import needs_capture, step_for
+from medusa_core.decoding.tree import build_tree_buffers, resolve_tree
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -108,7 +109,7 @@ def test_a_step_never_reads_back_to_the_host(setup):
     torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.inference_mode():
-            step.body()
+            step.run_eager()
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -151,8 +152,12 @@ def test_a_cleared_conversation_reuses_its_graph(setup):
 def test_the_chat_engine_on_cuda_announces_the_capture_and_tells_the_truth_about_identity(dtype):
     """The app on a GPU: the first reply of a tree says it is preparing (a capture), the next does
     not; a greedy comparison is identical in fp32, and in bf16 either identical or explained."""
-    from app.engine import BASELINE, MEDUSA, PREPARING, ChatEngine, Session, Settings
-    from medusa_core.loading import CPU_DEFAULT_HEADS, LoadSpec, load
+    from app.engine import BASELINE, MEDUSA, PREPARING, ChatEngine
+    from app.session import Session
+    from app.settings import Settings
+    from medusa_core.loading.assets import CPU_DEFAULT_HEADS
+    from medusa_core.loading.load import load
+    from medusa_core.loading.spec import LoadSpec
 
     # the CPU default's model and heads, here on the GPU and unquantized: fp32 must be exact
     loaded = load(LoadSpec(heads=str(CPU_DEFAULT_HEADS), device="cuda", quant="none", dtype=dtype))

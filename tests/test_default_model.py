@@ -12,11 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.engine import BASELINE, MEDUSA, ChatEngine, Session, Settings
+from app.engine import BASELINE, MEDUSA, ChatEngine
+from app.session import Session
+from app.settings import Settings
 from app.models import CPU_DEFAULTS, ModelSlot, default_settings
-from medusa_core import smollm2
+from medusa_core.loading import smollm2
 from medusa_core.errors import LoadError
-from medusa_core.loading import CPU_DEFAULT_PROMPTS, LoadSpec, load
+from medusa_core.loading.assets import CPU_DEFAULT_PROMPTS
+from medusa_core.loading.load import load
+from medusa_core.loading.spec import LoadSpec
 
 REPO = Path(__file__).resolve().parent.parent
 # A question whose greedy answer ("The capital of France is Paris.") wins every token by a clear
@@ -165,7 +169,8 @@ import json, sys, torch
 sys.path.insert(0, "tests")
 from test_default_model import FRANCE, answer, greedy_margin
 from app.engine import BASELINE, MEDUSA, ChatEngine
-from medusa_core.loading import LoadSpec, load
+from medusa_core.loading.load import load
+from medusa_core.loading.spec import LoadSpec
 engine = ChatEngine(load(LoadSpec(device="cpu")), max_new_tokens=32)
 out = {"capability": torch.backends.cpu.get_cpu_capability(), "description": engine.loaded.description,
        "weights": engine.weights, "tree": engine.default_tree, "identical": []}

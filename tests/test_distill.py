@@ -3,11 +3,11 @@
 import json
 
 import pytest
-import torch
 
-from medusa_core import train_data
-from medusa_core.generate import DecodeConfig, generate
-from medusa_core.train_data import IGNORE
+from medusa_core.training import data as train_data
+from medusa_core.decoding.config import DecodeConfig
+from medusa_core.decoding.generate import generate
+from medusa_core.training.data import IGNORE
 from tests.tiny import char_tokenizer, tiny_model
 
 TEMPLATE = ("{% for m in messages %}<s>{{ m['role'][0] }}:{{ m['content'] }}</s>{% endfor %}"

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from medusa_core.exact_attention import exact_rows_attention
+from medusa_core.quant.exact_attention import exact_rows_attention
 
 HEADS, KV_HEADS, DIM = 6, 2, 32
 NEG = torch.finfo(torch.float32).min

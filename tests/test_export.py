@@ -12,8 +12,9 @@ from torch import nn
 from tiny import char_tokenizer, tiny_model
 
 from medusa_core.export import main
-from medusa_core.heads import HeadsConfig, MedusaHeads
-from medusa_core.loading import LoadError, load_heads_dir, save_heads
+from medusa_core.heads.medusa_heads import HeadsConfig, MedusaHeads
+from medusa_core.heads.files import load_heads_dir, save_heads
+from medusa_core.loading.load import LoadError
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,10 @@ import pytest
 import torch
 from tiny import copied_heads, random_heads, tiny_model, trained_heads
 
-from medusa_core.generate import DecodeConfig, generate
-from medusa_core.kv_cache import ContextOverflowError
-from medusa_core.tree import build_tree_buffers, resolve_tree
+from medusa_core.decoding.config import DecodeConfig
+from medusa_core.decoding.generate import generate
+from medusa_core.decoding.kv_cache import ContextOverflowError
+from medusa_core.decoding.tree import build_tree_buffers, resolve_tree
 
 PROMPTS = [[1, 5, 7, 9, 3], [1, 40, 2, 33, 33, 17, 8, 60, 12], [1, 11]]
 TREES = ["mc_sim_7b_63", "chain-3", "small-16", "cartesian-3x2"]

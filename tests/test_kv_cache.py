@@ -2,9 +2,10 @@ import pytest
 import torch
 from tiny import tiny_model, trained_heads
 
-from medusa_core.generate import DecodeConfig, generate, new_cache
-from medusa_core.kv_cache import prefill_mask
-from medusa_core.tree import build_tree_buffers, resolve_tree
+from medusa_core.decoding.config import DecodeConfig
+from medusa_core.decoding.generate import generate, new_cache
+from medusa_core.decoding.kv_cache import prefill_mask
+from medusa_core.decoding.tree import build_tree_buffers, resolve_tree
 
 
 @pytest.fixture(scope="module")

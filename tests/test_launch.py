@@ -93,3 +93,14 @@ def test_tree_and_retune_reach_the_loader():
     assert spec.tree == "chain-2" and spec.retune
     spec = launch.load_spec(launch.parse_args([]))
     assert spec.tree is None and not spec.retune      # the tuned tree, from the cache when there is one
+
+
+def test_the_flag_choices_are_the_loaders():
+    """launch.py keeps its own copies of the choices (so --help imports no torch): each must be the
+    loader's list, or a choice the loader accepts would be refused here, or the reverse."""
+    import launch
+    from medusa_core.loading.policy import DTYPES, HEADS_QUANTS, QUANTS
+    from medusa_core.quant.bnb import NF4_KERNELS
+
+    assert launch.QUANTS == QUANTS and launch.HEADS_QUANTS == HEADS_QUANTS and launch.NF4_KERNELS == NF4_KERNELS
+    assert set(launch.DTYPES) == set(DTYPES)

@@ -13,25 +13,18 @@ import torch
 from safetensors.torch import save_file
 from tiny import char_tokenizer, copied_heads, tiny_model
 
-from medusa_core.generate import DecodeConfig, generate
-from medusa_core.heads import HeadsConfig, MedusaHeads
-from medusa_core.heads_io import save_proposal_vocab
-from medusa_core.loading import (
-    CPU_DEFAULT_HEADS,
-    CPU_DEFAULT_TREE,
-    HeadsLoadError,
-    LoadError,
-    LoadSpec,
-    choose_tree,
-    cpu_default_backbone,
-    default_spec,
-    load,
-    load_heads_dir,
-    save_heads,
-)
-from medusa_core.step import DecodeStep
-from medusa_core.train import rank_histogram
-from medusa_core.tree import build_tree_buffers, resolve_tree
+from medusa_core.decoding.config import DecodeConfig
+from medusa_core.decoding.generate import generate
+from medusa_core.heads.medusa_heads import HeadsConfig, MedusaHeads
+from medusa_core.heads.files import save_proposal_vocab
+from medusa_core.heads.files import HeadsLoadError, load_heads_dir, save_heads
+from medusa_core.loading.assets import CPU_DEFAULT_HEADS, CPU_DEFAULT_TREE, cpu_default_backbone
+from medusa_core.loading.load import LoadError, default_spec, load
+from medusa_core.loading.spec import LoadSpec
+from medusa_core.loading.policy import choose_tree
+from medusa_core.decoding.step import DecodeStep
+from medusa_core.training.evaluation import rank_histogram
+from medusa_core.decoding.tree import build_tree_buffers, resolve_tree
 
 VOCAB = len(char_tokenizer())
 HIDDEN = 64   # a multiple of bitsandbytes' 64-value block (see test_nf4_backbone)
@@ -368,7 +361,7 @@ def test_heads_quant_refuses_a_broken_quantization(monkeypatch):
     # quantization itself, so it fails the same way on every CPU.
     import bitsandbytes as bnb
 
-    from medusa_core.loading import quantize_projections
+    from medusa_core.heads.quantize import quantize_projections
 
     model = tiny_model("llama", vocab=VOCAB, hidden=64)
     quantize_projections(noisy_heads(model), torch.float32)     # quantized right: accepted

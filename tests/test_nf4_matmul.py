@@ -2,7 +2,7 @@
 weights as stored, dequantizes exactly as bitsandbytes does, multiplies within rounding, never
 reads past its buffers, and decodes the same greedy text as bitsandbytes' own path.
 
-Interpreter facts (DESIGN.md §3): fp32 math is exact there and bf16 is broken, so everything
+Interpreter facts (docs/design.md, "Exactness rules"): fp32 math is exact there and bf16 is broken, so everything
 here computes in fp32 (fp16 once). TRITON_INTERPRET is set only while this module's tests run;
 the kernel picks the interpreter at launch time, so other test modules never see it."""
 
@@ -17,12 +17,14 @@ pytest.importorskip("triton", reason="the NF4 kernel needs Triton: pip install t
 import bitsandbytes.functional as bnbf  # noqa: E402
 from tiny import copied_heads, tiny_model  # noqa: E402
 
-from medusa_core import nf4_matmul as nm  # noqa: E402
+from medusa_core.quant import nf4_matmul as nm  # noqa: E402
 from medusa_core.errors import LoadError  # noqa: E402
-from medusa_core.generate import DecodeConfig, generate  # noqa: E402
-from medusa_core.loading import LoadSpec, load  # noqa: E402
-from medusa_core.quantization import quantize_linear_nf4_, use_nf4_kernel  # noqa: E402
-from medusa_core.tree import build_tree_buffers, resolve_tree  # noqa: E402
+from medusa_core.decoding.config import DecodeConfig  # noqa: E402
+from medusa_core.decoding.generate import generate  # noqa: E402
+from medusa_core.loading.load import load  # noqa: E402
+from medusa_core.loading.spec import LoadSpec  # noqa: E402
+from medusa_core.quant.bnb import quantize_linear_nf4_, use_nf4_kernel  # noqa: E402
+from medusa_core.decoding.tree import build_tree_buffers, resolve_tree  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,9 @@ import httpx
 import pytest
 from served import free_port, launched_process
 
-from app.engine import MEDUSA, ChatEngine, Session, Settings
+from app.engine import MEDUSA, ChatEngine
+from app.session import Session
+from app.settings import Settings
 
 openai = pytest.importorskip("openai")
 
@@ -236,7 +238,8 @@ def tiny_app(tiny_dirs, request):
     from app.models import ModelSlot
     from app.openai_api import api_routes
     from app.ui import build_ui
-    from medusa_core.loading import LoadSpec, load
+    from medusa_core.loading.load import load
+    from medusa_core.loading.spec import LoadSpec
 
     gate = threading.Event()
     gate.set()

@@ -9,8 +9,8 @@ from tiny import copied_heads, tiny_model
 
 from medusa_core.errors import LoadError
 from medusa_core.export import ExportSpec, export
-from medusa_core.heads import HeadsConfig, MedusaHeads
-from medusa_core.heads_io import HeadsLoadError, load_heads_dir, save_heads
+from medusa_core.heads.medusa_heads import HeadsConfig, MedusaHeads
+from medusa_core.heads.files import HeadsLoadError, load_heads_dir, save_heads
 
 
 def root_heads(model, seed: int = 4) -> MedusaHeads:

@@ -8,8 +8,8 @@ import pytest
 import torch
 from tiny import char_tokenizer, tiny_model
 
-from medusa_core.heads import HeadsConfig, MedusaHeads
-from medusa_core.heads_io import read_heads_dir, save_heads, save_proposal_vocab
+from medusa_core.heads.medusa_heads import HeadsConfig, MedusaHeads
+from medusa_core.heads.files import read_heads_dir, save_heads, save_proposal_vocab
 from medusa_core.smol_build import BuildConfig, build_root_heads, most_used
 
 

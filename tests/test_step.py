@@ -4,10 +4,11 @@ steps a conversation's cache keeps (bounded, reused after Clear, dropped on a bu
 import torch
 from tiny import tiny_model, trained_heads
 
-from medusa_core.generate import DecodeConfig, generate, new_cache
-from medusa_core.kv_cache import bucket, tree_step_mask
-from medusa_core.step import MAX_STEPS_PER_CACHE, needs_capture
-from medusa_core.tree import build_tree_buffers, resolve_tree
+from medusa_core.decoding.config import DecodeConfig
+from medusa_core.decoding.generate import generate, new_cache
+from medusa_core.decoding.kv_cache import bucket, tree_step_mask
+from medusa_core.decoding.step_store import MAX_STEPS_PER_CACHE, needs_capture
+from medusa_core.decoding.tree import build_tree_buffers, resolve_tree
 
 PROMPT = [1, 5, 7, 9, 3]
 
@@ -115,7 +116,7 @@ def test_eager_steps_attend_over_the_used_slots_and_decode_as_the_whole_bucket_d
     """Off CUDA a step attends over committed + T slots, not the 256-slot bucket (a graph's
     shape); hiding the empty tail by mask or by not reading it gives the same tokens, greedy,
     sampled and across a second turn that reuses the prefix."""
-    from medusa_core.kv_cache import KVCache, _Layer
+    from medusa_core.decoding.kv_cache import KVCache, _Layer
 
     model = tiny_model("llama", seed=5)
     heads = trained_heads(model, steps=30)

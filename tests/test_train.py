@@ -4,14 +4,16 @@ import json
 
 import pytest
 import torch
-from tiny import char_tokenizer, copied_heads, tiny_model
+from tiny import char_tokenizer, copied_heads, fit_heads, tiny_model
 
-from medusa_core.heads import HeadsConfig, MedusaHeads
-from medusa_core.loading import load_backbone_dir, load_heads_dir
-from medusa_core.train import (
-    IGNORE, TrainConfig, backbone_hidden, fit_heads, head_loss, main, main_with_config, padded, positions,
-)
-from medusa_core.train_data import answer_row, corpus_rows, read_answers
+from medusa_core.heads.medusa_heads import HeadsConfig, MedusaHeads
+from medusa_core.heads.files import load_heads_dir
+from medusa_core.loading.load import load_backbone_dir
+from medusa_core.train import main
+from medusa_core.training.data import IGNORE
+from medusa_core.training.loop import TrainConfig, main_with_config
+from medusa_core.training.loss import backbone_hidden, head_loss, padded, positions
+from medusa_core.training.data import answer_row, corpus_rows, read_answers
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +173,7 @@ def test_root_conditioned_warm_start_on_cached_hidden_states(backbone_dir):
     """The root stage's recipe in small: version-2 heads with a proposal vocabulary, extended with
     zero root blocks, trained on hidden states computed once; the result reads the root token, keeps
     the vocabulary and fits the answers better than the heads it started from."""
-    from medusa_core.heads_io import save_proposal_vocab
+    from medusa_core.heads.files import save_proposal_vocab
 
     base = dict(model=str(backbone_dir / "backbone"), prompts=str(backbone_dir / "prompts.jsonl"), raw_prompts=True,
                 answer_tokens=24, work_dir=str(backbone_dir / "shared_work"), lr=3e-3, eval_every=30)

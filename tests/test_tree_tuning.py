@@ -1,4 +1,4 @@
-"""The tree tuned on the machine that runs it (medusa_core/tree_tuning.py): measured at the first
+"""The tree tuned on the machine that runs it (medusa_core/loading/tree_tuning.py): measured at the first
 load of a (model, heads, machine, mode), remembered in the user's cache, read back by later loads,
 measured again when what decides it changes or --retune asks; --tree overrides it; where no tree
 pays, plain decoding runs and the page says so. Tiny checkpoints whose heads carry a calibration
@@ -16,13 +16,16 @@ import pytest
 import torch
 from tiny import tiny_checkpoint
 
-from app.engine import MEDUSA, NO_SPEEDUP, ChatEngine, Session, Settings
+from app.engine import MEDUSA, NO_SPEEDUP, ChatEngine
+from app.session import Session
+from app.settings import Settings
 from app.models import ModelSlot
-from medusa_core import tree_tuning
+from medusa_core.loading import tree_tuning
 from medusa_core.errors import LoadError
-from medusa_core.head_accuracy import CALIBRATION_FILE
-from medusa_core.loading import LoadSpec, load
-from medusa_core.tree import expected_length, grow_tree
+from medusa_core.heads.accuracy import CALIBRATION_FILE
+from medusa_core.loading.load import load
+from medusa_core.loading.spec import LoadSpec
+from medusa_core.decoding.tree import expected_tokens_per_step, grow_tree
 
 ACCURACY = [[0.6, 0.1, 0.05], [0.4, 0.1, 0.05], [0.3, 0.1, 0.05], [0.2, 0.1, 0.05], [0.1, 0.05, 0.02]]
 REPO = Path(__file__).resolve().parent.parent
@@ -70,7 +73,7 @@ def test_the_first_load_measures_and_later_loads_read_the_cache(checkpoint, meas
         assert first.default_tree == "baseline"
     # the choice is the best expected speedup over the measured (fitted) step times
     fitted = {int(n): ms for n, ms in first.tuned.step_ms.items()}
-    speedup = {n: expected_length(grow_tree(ACCURACY, n - 1), ACCURACY) * fitted[1] / fitted[n] for n in fitted}
+    speedup = {n: expected_tokens_per_step(grow_tree(ACCURACY, n - 1), ACCURACY) * fitted[1] / fitted[n] for n in fitted}
     assert speedup[first.tuned.best_nodes] == pytest.approx(max(speedup[n] for n in fitted if n > 1), rel=1e-3)
     assert first.tuned.best_speedup == pytest.approx(speedup[first.tuned.best_nodes], rel=1e-3)
 
@@ -155,7 +158,7 @@ def test_choose_takes_the_best_expected_speedup_and_refuses_a_loss():
     acc = [[0.5, 0.2], [0.3, 0.1]]
     # costs that grow slowly: the biggest tree wins
     chosen, speedup, best, _, _ = tree_tuning.choose(acc, {1: 1.0, 2: 1.0, 3: 1.0, 5: 1.0})
-    assert chosen == best == 5 and speedup == pytest.approx(expected_length(grow_tree(acc, 4), acc))
+    assert chosen == best == 5 and speedup == pytest.approx(expected_tokens_per_step(grow_tree(acc, 4), acc))
     # a 2-node tree at 1.4x the cost: 1.5 / 1.4 = 1.07x, over MIN_SPEEDUP; 3 nodes at 2x cost lose
     chosen, speedup, *_ = tree_tuning.choose(acc, {1: 1.0, 2: 1.4, 3: 2.0})
     assert chosen == 2 and speedup == pytest.approx(1.5 / 1.4)
@@ -174,7 +177,7 @@ def test_sizes_that_cannot_win_are_not_timed_again():
 def test_the_key_names_the_kernels_this_cpu_runs():
     """ATEN_CPU_CAPABILITY=avx2 makes torch run its AVX2 kernels (as on a CPU without AVX-512):
     a tree measured under it is another machine's, and the key says so."""
-    code = "import json; from medusa_core.tree_tuning import machine_identity; import torch; " \
+    code = "import json; from medusa_core.loading.tree_tuning import machine_identity; import torch; " \
            "print(json.dumps(machine_identity(torch.device('cpu'))))"
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
@@ -189,7 +192,7 @@ def test_another_model_picked_in_the_page_gets_its_own_tuned_tree():
     from app.models import KNOWN_MODELS, spec_for
 
     base = LoadSpec(device="cpu", tree="chain-2", retune=True)
-    for picked in (spec_for(KNOWN_MODELS[1][0], "", "", base), spec_for(None, "some/model", "some/heads", base)):
+    for picked in (spec_for(KNOWN_MODELS[1].label, "", "", base), spec_for(None, "some/model", "some/heads", base)):
         assert picked.tree is None and not picked.retune and picked.device == "cpu"
 
 
@@ -219,7 +222,7 @@ def test_the_page_and_the_console_show_the_tuning_progress(checkpoint, measured)
 
 
 def test_published_heads_use_the_published_accuracies_until_calibrated(tmp_path):
-    from medusa_core.head_accuracy import PUBLISHED_ACCURACIES, head_accuracy, rank_table
+    from medusa_core.heads.accuracy import PUBLISHED_ACCURACIES, head_accuracy, rank_table
 
     vicuna = head_accuracy(None, "FasterDecoding/medusa-vicuna-7b-v1.3", 5)
     assert vicuna is not None and vicuna.table == rank_table(PUBLISHED_ACCURACIES) and "published" in vicuna.source

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import string
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -17,10 +19,11 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from medusa_core.generate import DecodeConfig, generate
-from medusa_core.heads import HeadsConfig, MedusaHeads
-from medusa_core.loading import save_heads
-from medusa_core.train import fit_heads
+from medusa_core.decoding.config import DecodeConfig
+from medusa_core.decoding.generate import generate
+from medusa_core.heads.medusa_heads import HeadsConfig, MedusaHeads
+from medusa_core.heads.files import save_heads
+from medusa_core.training.loss import backbone_hidden, head_loss, padded, positions
 
 ARCHS = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -125,3 +128,35 @@ def app_checkpoint(root: Path) -> tuple[Path, Path]:
     save_heads(heads, heads_dir, base_model=str(backbone_dir))
     (root / "tree.json").write_text(json.dumps([[0], [0, 0], [1], [0, 0, 0], [0, 1], [0, 0, 0, 0]]))
     return backbone_dir, heads_dir
+
+
+# Heads for tiny test models, fitted in a few dozen steps on in-memory sequences with the project's
+# own loss (medusa_core/training/loss.py); the app's heads train in medusa_core/training/loop.py.
+def fit_heads(
+    model: nn.Module,
+    heads: MedusaHeads,
+    sequences: Sequence[Sequence[int]],
+    steps: int = 200,
+    lr: float = 1e-3,
+    batch_size: int = 8,
+    seed: int = 0,
+) -> list[float]:
+    """Train ``heads`` on token sequences of the backbone's own text (every token a target);
+    returns the loss curve. Hidden states are computed once: for small in-memory data sets."""
+    device = model.get_output_embeddings().weight.device
+    data = padded([(list(s), list(s)) for s in sequences], pad=0, device=device)
+    hidden_all = torch.cat([backbone_hidden(model, data[0][i:i + batch_size]) for i in range(0, len(data[0]), batch_size)])
+    lm_head = model.get_output_embeddings()
+    opt = torch.optim.AdamW(heads.parameters(), lr=lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    heads.train()
+    for _ in range(steps):
+        pick = torch.randint(len(data[0]), (min(batch_size, len(data[0])),), generator=gen)
+        opt.zero_grad()
+        batch = positions(hidden_all[pick], data[0][pick], data[1][pick], heads.config.num_heads)
+        loss = head_loss(heads, batch, lm_head, backward=True)
+        opt.step()
+        losses.append(loss.total.item())
+    heads.eval()
+    return losses

@@ -10,10 +10,10 @@ tokens (informational: its Q4_1 kernels are not our converted weights' arithmeti
 part where two candidates are close; llama.cpp's own logits already differ between a token fed in a
 batch and one fed alone).
 
-    python -m medusa_core.bench_llamacpp                          # 4 held-out prompts, 96 new tokens, 2 threads
-    python -m medusa_core.bench_llamacpp --count 24 --max-new-tokens 128 --json out/llamacpp.json
+    python -m medusa_core.benchmarks.llamacpp                          # 4 held-out prompts, 96 new tokens, 2 threads
+    python -m medusa_core.benchmarks.llamacpp --count 24 --max-new-tokens 128 --json out/llamacpp.json
 
-Needs ``pip install llama-cpp-python==0.3.36`` (compiles llama.cpp, ~6 min on 2 cores); it is never a
+Needs ``pip install llama-cpp-python==0.3.36`` (it compiles llama.cpp; docs/cpu_default.md); it is never a
 requirement of the app or its tests. Run it on an otherwise idle machine: the figures are wall times.
 """
 
@@ -28,13 +28,17 @@ from pathlib import Path
 
 import torch
 
-from .bench import Run, bench_prompts, peak_memory, run_loop, write_json
-from .chat_format import render_chat
-from .errors import LoadError
-from .generate import DecodeConfig, compute_dtype, stop_set
-from .loading import CPU_DEFAULT_PROMPTS, LoadSpec, load
-from .smollm2 import NAME, MissingModel, cache_root, gguf_path
-from .tree import TreeError, build_tree_buffers, resolve_tree
+from .runs import Run, bench_prompts, peak_memory, run_loop, write_json
+from ..loading.chat_format import render_chat
+from ..errors import LoadError
+from ..decoding.config import DecodeConfig
+from ..decoding.generate import stop_set
+from ..decoding.step import compute_dtype
+from ..loading.assets import CPU_DEFAULT_PROMPTS
+from ..loading.load import load
+from ..loading.spec import LoadSpec
+from ..loading.smollm2 import NAME, MissingModel, cache_root, gguf_path
+from ..decoding.tree import TreeError, build_tree_buffers, resolve_tree
 
 LLAMA_CPP_PIP = "pip install llama-cpp-python==0.3.36 (compiles llama.cpp, ~6 min on 2 cores)"
 ENGINES = ("plain", "medusa", "llama.cpp")
@@ -67,7 +71,7 @@ def load_llama(path: Path, threads: int, n_ctx: int):
     try:
         import llama_cpp
     except ImportError as err:
-        raise SystemExit(f"error: bench_llamacpp needs llama-cpp-python ({err}): {LLAMA_CPP_PIP}") from None
+        raise SystemExit(f"error: this benchmark needs llama-cpp-python ({err}): {LLAMA_CPP_PIP}") from None
     try:
         # n_threads_batch would default to every core of the machine: the prefill must get the same
         # threads as torch's, or the comparison charges our prefill more cores' worth of time.
@@ -203,7 +207,7 @@ def run(config: LlamaCppBenchConfig) -> tuple[list[Row], dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m medusa_core.bench_llamacpp", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m medusa_core.benchmarks.llamacpp", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", default=str(CPU_DEFAULT_PROMPTS),
                    help="JSONL file, one {\"prompt\": ...} per line (default: the held-out chat prompts in "

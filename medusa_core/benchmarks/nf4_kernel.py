@@ -1,6 +1,6 @@
 """GPU micro-benchmark: one NF4 projection at Medusa's row counts, every way we can multiply it.
 
-    python -m medusa_core.bench_nf4 --json out/nf4.json
+    python -m medusa_core.benchmarks.nf4_kernel --json out/nf4.json
 
 Per shape (Llama-7B projections and the heads' vocab projection) and M rows: bf16 F.linear,
 bitsandbytes Linear4bit's own dispatch, its fused gemv forced, its dequantize + F.linear forced,
@@ -57,7 +57,7 @@ def bench_shape(k: int, n: int, device: torch.device, l2: int) -> tuple[list[Row
     import bitsandbytes as bnb
     import bitsandbytes.functional as bnbf
 
-    from . import nf4_matmul as nm
+    from ..quant import nf4_matmul as nm
 
     gen = torch.Generator(device=device).manual_seed(0)
     w = torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
@@ -113,7 +113,7 @@ def dtype_check(device: torch.device, size: int = 4096, sms: int | None = None) 
     size x size weight, 1 and 16 rows, the first stream config of each class, against x @ dequantized W."""
     import bitsandbytes.functional as bnbf
 
-    from . import nf4_matmul as nm
+    from ..quant import nf4_matmul as nm
 
     gen = torch.Generator(device=device).manual_seed(1)
     w = torch.randn(size, size, device=device, dtype=torch.float32, generator=gen) * 0.02
@@ -136,16 +136,16 @@ def dtype_check(device: torch.device, size: int = 4096, sms: int | None = None) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m medusa_core.bench_nf4", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m medusa_core.benchmarks.nf4_kernel", description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=Path("out/nf4.json"), help="where to write the results")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench_nf4 needs a CUDA GPU: run it on the GPU machine")
+        print("this benchmark needs a CUDA GPU: run it on the GPU machine")
         return 2
     import bitsandbytes
     import triton
 
-    from . import nf4_matmul as nm
+    from ..quant import nf4_matmul as nm
 
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)

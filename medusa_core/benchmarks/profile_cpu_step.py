@@ -7,8 +7,8 @@ the MLP's activation, the norms, the lm_head, the Medusa heads, what else runs i
 outside the model (candidates, acceptance, the KV-cache copy, the one sync, the loop). Each step
 is timed by the generation loop itself, so the categories add up to its wall time.
 
-    python -m medusa_core.profile_cpu_step                          # the app's CPU default, its tuned tree
-    python -m medusa_core.profile_cpu_step --tree baseline chain-1 small-16 --quant none
+    python -m medusa_core.benchmarks.profile_cpu_step                          # the app's CPU default, its tuned tree
+    python -m medusa_core.benchmarks.profile_cpu_step --tree baseline chain-1 small-16 --quant none
 
 CPU only: on a GPU kernels run asynchronously and host-side hooks see launch times, not work.
 """
@@ -24,12 +24,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .chat_format import render_chat
-from .errors import LoadError
-from .generate import DecodeConfig, generate
-from .loading import CPU_DEFAULT_PROMPTS, LoadSpec, load
-from .train_data import read_prompts
-from .tree import TreeError, build_tree_buffers, resolve_tree
+from ..loading.chat_format import render_chat
+from ..errors import LoadError
+from ..decoding.config import DecodeConfig
+from ..decoding.generate import generate
+from ..loading.assets import CPU_DEFAULT_PROMPTS
+from ..loading.load import load
+from ..loading.spec import LoadSpec
+from ..training.data import read_prompts
+from ..decoding.tree import TreeError, build_tree_buffers, resolve_tree
 
 ORDER = ("projections (4-bit or fp32 matmuls)", "attention", "MLP activation", "norms", "lm_head", "Medusa heads",
          "decoder: residuals, rotary tables, layer Python", "outside the model: candidates, acceptance, KV copy, loop")
@@ -140,7 +143,7 @@ def profile(loaded, tree_name: str, prompt_ids: list[list[int]], steps: int) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m medusa_core.profile_cpu_step", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m medusa_core.benchmarks.profile_cpu_step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tree", nargs="+", default=[], help="trees to profile beside the baseline; 'default' (or none given): the "
                                                                  "model's default tree, tuned for this machine")

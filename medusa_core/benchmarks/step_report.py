@@ -34,7 +34,7 @@ class TreeRow:
 @dataclass(frozen=True)
 class QuantResult:
     quant: str                  # none | nf4 (the --nf4-kernel auto choice) | nf4-bnb | nf4-triton
-    routing: str                # which kernel multiplies the NF4 layers (quantization.use_nf4_kernel)
+    routing: str                # which kernel multiplies the NF4 layers (quant/bnb.py, use_nf4_kernel)
     weights_bytes: int          # decoder layers + lm_head (the embedding table is not read, only T rows)
     heads_bytes: int
     kv_bytes: int               # the --context prefix, keys + values, all layers
@@ -96,7 +96,7 @@ def summary(results: list[QuantResult]) -> dict[str, float | None]:
 def fold_reports(step_json: Path, others: Sequence[Path]) -> dict:
     """One report for docs/perf/<gpu>.json: a bench_gpu JSON, with added to its ``summary`` the
     headline figures of later bench_gpu runs (their results appended; a re-measured figure
-    replaces the earlier one), of bench_nf4, and of ``bench`` runs (the demo model, or a saved
+    replaces the earlier one), of benchmarks.nf4_kernel, and of ``bench`` runs (the demo model, or a saved
     random checkpoint), each full JSON kept beside."""
     report = json.loads(step_json.read_text())
     extras: dict = {}
@@ -105,7 +105,7 @@ def fold_reports(step_json: Path, others: Sequence[Path]) -> dict:
         summary_ = data.get("summary")
         if isinstance(summary_, dict) and "results" in data:                     # a later bench_gpu run
             report["results"] += data["results"]
-        elif isinstance(summary_, dict) and any(k.startswith("nf4_kernel_") for k in summary_):   # bench_nf4
+        elif isinstance(summary_, dict) and any(k.startswith("nf4_kernel_") for k in summary_):   # benchmarks.nf4_kernel
             extras.update(summary_)
             report["nf4_matmul"] = data
         elif isinstance(summary_, list) and "model" in data:                    # bench
@@ -118,7 +118,7 @@ def fold_reports(step_json: Path, others: Sequence[Path]) -> dict:
                 extras[f"{name}_hf_generate_tokens_per_s"] = rows["transformers generate()"]["tokens_per_s"]
             report["demo" if name == "demo_cuda" else "checkpoint"] = data
         else:
-            raise ValueError(f"{path}: not a bench_gpu, bench_nf4 or bench JSON: pass those, or leave it out")
+            raise ValueError(f"{path}: not a bench_synthetic, nf4_kernel or bench JSON: pass those, or leave it out")
     # every step result in the order measured: a later result of the same label replaces the earlier figures
     results = [QuantResult(**{**r, "rows": tuple(TreeRow(**w) for w in r["rows"])}) for r in report["results"]]
     report["summary"] = {**summary(results), **extras}

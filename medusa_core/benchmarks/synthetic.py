@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .heads import HeadsConfig, MedusaHeads
-from .quantization import quantize_linear_nf4_
+from ..heads.medusa_heads import HeadsConfig, MedusaHeads
+from ..quant.bnb import quantize_linear_nf4_
 
 DTYPE = torch.bfloat16
 
@@ -108,9 +108,9 @@ def save_cut_tokenizer(vocab: int, directory: Path) -> None:
     """SmolLM2's tokenizer (the CPU default's, on every machine the app runs on) cut to its ``vocab``
     lowest ids, saved in ``directory``. Its BPE merges come in id order, so dropping the merges that
     make a higher id leaves every kept token reachable and text still encodes (in more pieces)."""
-    from . import smollm2
-    from .errors import LoadError
-    from .loading import cpu_default_backbone
+    from ..loading import smollm2
+    from ..errors import LoadError
+    from ..loading.assets import cpu_default_backbone
 
     try:
         source = cpu_default_backbone()
@@ -139,7 +139,7 @@ def save_random_checkpoint(shape: Shape, num_heads: int, directory: Path, seed: 
     Medusa heads in the project's layout and SmolLM2's tokenizer cut to the shape's vocabulary,
     so ``python -m medusa_core.bench --model DIR/backbone --heads DIR/heads`` times the real
     loading path (NF4 quantization at load) on a machine with no hub."""
-    from .heads_io import save_heads
+    from ..heads.files import save_heads
 
     backbone, heads_dir = directory / "backbone", directory / "heads"
     save_cut_tokenizer(shape.vocab, backbone)     # first: a shape it cannot serve fails before the build

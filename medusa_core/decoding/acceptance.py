@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .config import DEFAULTS
 
 Number = float | torch.Tensor   # a Python float, or a 0-dim device tensor a captured step reads
 
@@ -85,8 +86,8 @@ def accept_typical(
     logits: torch.Tensor,
     leaf_paths: torch.Tensor,
     temperature: Number,
-    epsilon: Number = 0.09,
-    delta: Number = 0.3,
+    epsilon: Number = DEFAULTS.epsilon,
+    delta: Number = DEFAULTS.delta,
 ):
     """Typical acceptance: child x accepted when p_parent(x) > min(epsilon, delta * exp(-H(p_parent)))."""
     probs = typical_probs(logits, temperature)              # (T, V)

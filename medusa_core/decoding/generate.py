@@ -14,49 +14,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import nn
 
-from .heads import MedusaHeads
+from ..heads.medusa_heads import MedusaHeads
+from .config import DecodeConfig
 from .kv_cache import ContextOverflowError, KVCache
-from .step import compute_dtype, step_for
+from .step import compute_dtype
+from .step_store import step_for
 from .tree import TreeBuffers, build_tree_buffers
 
-Mode = Literal["greedy", "sample", "typical"]
-MODES: tuple[str, ...] = ("greedy", "sample", "typical")
-
 
 @dataclass(frozen=True)
-class DecodeConfig:
-    mode: Mode = "greedy"
-    temperature: float = 0.7      # sample/typical; greedy ignores it
-    top_p: float = 1.0            # sample only
-    top_k: int = 0                # sample only; 0 = off
-    epsilon: float = 0.09         # typical: posterior threshold
-    delta: float = 0.3            # typical: posterior alpha
-    max_new_tokens: int = 256
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode {self.mode!r} is unknown: use one of {', '.join(MODES)}")
-        checks = [
-            (self.temperature >= 0, f"temperature {self.temperature} is negative: use 0 (greedy) or more"),
-            (0 < self.top_p <= 1, f"top_p {self.top_p} is out of range: use a value in (0, 1]"),
-            (self.top_k >= 0, f"top_k {self.top_k} is negative: use 0 (off) or a positive count"),
-            (0 <= self.epsilon <= 1, f"epsilon {self.epsilon} is out of range: use a value in [0, 1]"),
-            (0 <= self.delta <= 1, f"delta {self.delta} is out of range: use a value in [0, 1]"),
-            (self.max_new_tokens >= 1, f"max_new_tokens {self.max_new_tokens} must be at least 1"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
-
-
-@dataclass(frozen=True)
-class Step:
+class StepResult:
     tokens: list[int]             # new token ids, in order
     from_heads: int               # how many of them were Medusa guesses that the backbone accepted
     seconds: float                # wall time of this step (prefill included for the first)
@@ -86,8 +57,8 @@ def generate(
     stop_ids: Sequence[int] = (),
     should_stop: Callable[[], bool] | None = None,
     graphs: bool | None = None,
-) -> Iterator[Step]:
-    """Decode after ``prompt_ids``; yields one Step per forward pass.
+) -> Iterator[StepResult]:
+    """Decode after ``prompt_ids``; yields one StepResult per forward pass.
 
     ``tree=None`` (or a one-node tree) is the plain baseline. Pass the same ``cache``
     across the turns of a conversation: the cached prefix is reused, a prompt that
@@ -99,29 +70,15 @@ def generate(
         tree = build_tree_buffers([], num_heads=0, dtype=compute_dtype(model), device=device)
     if tree.num_heads and heads is None:
         raise ValueError(f"a tree of depth {tree.num_heads} needs Medusa heads: pass heads, or use the baseline tree")
-    prompt_ids = list(prompt_ids)
-    context = max_context(model)
-    if not prompt_ids:
-        raise ValueError("the prompt is empty: give at least one token")
-    if len(prompt_ids) >= context:
-        raise ContextOverflowError(
-            f"the prompt has {len(prompt_ids)} tokens but the model's context is {context}: "
-            "shorten the conversation or clear it"
-        )
+    prompt_ids = checked_prompt(model, prompt_ids)
     if cache is None:
         cache = new_cache(model)
     # Room for the whole reply up front, so a reply never changes bucket (and recaptures) midway.
     cache.ensure_capacity(len(prompt_ids) + config.max_new_tokens + tree.size)
     step = step_for(model, heads if tree.num_heads else None, tree, config, cache, graphs)
-    step.set_params(config.temperature, config.top_p, config.epsilon, config.delta)
+    step.set_params(config)
     sampling = not step.rule.argmax
-    generator = None
-    if sampling:
-        generator = torch.Generator(device=device)
-        if config.seed is not None:
-            generator.manual_seed(config.seed)
-        else:
-            generator.seed()
+    generator = sampling_generator(device, config.seed) if sampling else None
     stops = stop_set(model, stop_ids)
 
     # ---- prefill: run the uncached part of the prompt, emit the first token
@@ -133,14 +90,14 @@ def generate(
     first = root.item()  # sync: the first token is the time-to-first-token moment
     produced = 1
     reason = _finish(first, stops, produced, config.max_new_tokens, should_stop)
-    yield Step([first], 0, time.perf_counter() - t0, prefill=True, finish_reason=reason)
+    yield StepResult([first], 0, time.perf_counter() - t0, prefill=True, finish_reason=reason)
     if reason:
         return
 
     while True:
         if cache.length + tree.size > cache.capacity:
             # capacity >= prompt + max_new_tokens + T unless the context capped it
-            yield Step([], 0, 0.0, finish_reason="context")
+            yield StepResult([], 0, 0.0, finish_reason="context")
             return
         t0 = time.perf_counter()
         if sampling:
@@ -163,10 +120,33 @@ def generate(
             # Tokens accepted past the cut were never emitted: keep the cache equal to
             # prompt + reply[:-1] so the next turn's prefix match is exact.
             cache.rewind(len(prompt_ids) + produced - 1)
-        yield Step(kept, len(kept) - 1 if len(kept) == len(emitted) else len(kept),
-                   time.perf_counter() - t0, finish_reason=reason)
+        yield StepResult(kept, len(kept) - 1 if len(kept) == len(emitted) else len(kept),
+                         time.perf_counter() - t0, finish_reason=reason)
         if reason:
             return
+
+
+def checked_prompt(model: nn.Module, prompt_ids: Sequence[int]) -> list[int]:
+    """The prompt as a list; ValueError if empty, ContextOverflowError if it leaves no room to answer."""
+    prompt_ids, context = list(prompt_ids), max_context(model)
+    if not prompt_ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    if len(prompt_ids) >= context:
+        raise ContextOverflowError(
+            f"the prompt has {len(prompt_ids)} tokens but the model's context is {context}: "
+            "shorten the conversation or clear it"
+        )
+    return prompt_ids
+
+
+def sampling_generator(device: torch.device, seed: int | None) -> torch.Generator:
+    """The reply's random stream: seeded when asked (a reproducible reply), else fresh."""
+    generator = torch.Generator(device=device)
+    if seed is not None:
+        generator.manual_seed(seed)
+    else:
+        generator.seed()
+    return generator
 
 
 def stop_set(model: nn.Module, stop_ids: Sequence[int] = ()) -> set[int]:

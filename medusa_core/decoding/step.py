@@ -23,44 +23,52 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..heads.medusa_heads import MedusaHeads
 from .acceptance import accept_match, accept_typical, sample_from, sampling_probs
-from .exact_attention import step_kwargs
-from .heads import MedusaHeads
-from .kv_cache import KVCache, bucket, prefill_mask, tree_step_mask
+from .config import DEFAULTS, DecodeConfig
+from .kv_cache import KVCache, prefill_mask, tree_step_mask
+from .graphs import capture_stream
 from .tree import TreeBuffers
 
-# Steps (and their graphs) a cache keeps; older ones are freed. A chat uses one tree at a
-# time, so this only bounds what trying several trees or sampling modes leaves behind.
-MAX_STEPS_PER_CACHE = 4
+# A model can compute each query row alone in attention (quant/exact_attention.py registers such an
+# attention under this name where the CPU's int4 mode runs): the step then passes ROWS_ALONE to every
+# decoder call it makes, prefill included. The name is how the quantization choice reaches the step:
+# through the loaded model's config, not through an import of the quantization code.
+ROW_EXACT_ATTENTION = "medusa_exact_rows"
+ROWS_ALONE = "rows_alone"
+
+
+def decoder_kwargs(model: nn.Module) -> dict:
+    """The flag where ``model`` uses the row-exact attention, nothing elsewhere (a model's own
+    attention need not accept unknown keywords)."""
+    return {ROWS_ALONE: True} if getattr(model.config, "_attn_implementation", None) == ROW_EXACT_ATTENTION else {}
+
+
 WARMUP_RUNS = 2   # before capture: lazy inits and kernel compiles (bitsandbytes, Triton) happen outside the graph
 
 
 @dataclass(frozen=True)
-class Rule:
+class AcceptRule:
     """The part of the decoding configuration that changes the step's code (so a graph is
     captured per rule); temperature, top-p, epsilon and delta are device values instead."""
 
     mode: str            # greedy | sample | typical
-    argmax: bool         # targets are the argmax (greedy, typical, or sampling at temperature 0)
+    argmax: bool         # targets are the argmax (greedy, or typical acceptance)
     top_k: int
     nucleus: bool        # top-p < 1 applies
 
     @staticmethod
-    def of(config) -> "Rule":
-        argmax = config.mode in ("greedy", "typical") or config.temperature == 0
-        if config.mode == "typical" and config.temperature == 0:
-            mode = "greedy"   # typical at temperature 0 accepts exactly the greedy tokens
-        else:
-            mode = config.mode
-        sampling = mode == "sample" and not argmax
-        return Rule(mode, argmax, config.top_k if sampling else 0, sampling and config.top_p < 1.0)
+    def of(config: DecodeConfig) -> "AcceptRule":
+        mode = "greedy" if config.greedy else config.mode
+        sampling = mode == "sample"
+        return AcceptRule(mode, mode != "sample", config.top_k if sampling else 0, sampling and config.top_p < 1.0)
 
 
 class DecodeStep:
     """The decoding step bound to one cache's buffers; made by ``step_for``."""
 
     def __init__(self, model: nn.Module, heads: MedusaHeads | None, tree: TreeBuffers, cache: KVCache,
-                 rule: Rule, graphs: bool):
+                 rule: AcceptRule, graphs: bool):
         self.decoder, self.lm_head = model.get_decoder(), model.get_output_embeddings()
         self.heads, self.tree, self.rule = heads, tree, rule
         # The cache owns its steps (cache.steps); a weak reference back keeps that from being a
@@ -69,13 +77,13 @@ class DecodeStep:
         self._cache = weakref.ref(cache)
         device = self.lm_head.weight.device
         self.dtype = compute_dtype(model)
-        self.decoder_kwargs = step_kwargs(model)    # row-exact attention where the CPU's int4 mode runs (prefill too)
+        self.decoder_kwargs = decoder_kwargs(model)    # row-exact attention where the CPU's int4 mode runs (prefill too)
         self.depth = tree.leaf_paths.shape[1] - 1                          # D
         self.allowed = tree.attn_mask == 0                                  # (T, T) bool
         self.slots = torch.arange(self.depth + 1, device=device)           # (D+1,)
         self.tokens = torch.zeros(tree.size, dtype=torch.long, device=device)     # (T,) next step's tree
         self.uniforms = torch.zeros(tree.size, dtype=torch.float32, device=device)  # (T,) sampling draws
-        self.params = torch.tensor([0.7, 1.0, 0.09, 0.3], device=device)   # temperature, top-p, epsilon, delta
+        self.params = torch.tensor(DEFAULTS.sampling_params(), device=device)   # temperature, top-p, epsilon, delta
         self.use_graph = graphs
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None                                # the graph's output buffer
@@ -88,9 +96,9 @@ class DecodeStep:
     def captured(self) -> bool:
         return self.graph is not None
 
-    def set_params(self, temperature: float, top_p: float, epsilon: float, delta: float) -> None:
+    def set_params(self, config: DecodeConfig) -> None:
         """Device copies of the continuous settings (one small copy per reply, not per step)."""
-        self.params.copy_(torch.tensor([temperature, top_p, epsilon, delta]))
+        self.params.copy_(torch.tensor(config.sampling_params()))
 
     # ---- pieces shared by prefill and step
     def targets(self, logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -130,7 +138,7 @@ class DecodeStep:
         return root
 
     # ---- the step
-    def body(self) -> torch.Tensor:
+    def run_eager(self) -> torch.Tensor:
         """One step, all on the device -> (D + 3,) long: [accepted count n, the path's D + 1
         tokens (root first; the first n are accepted), bonus token]."""
         tree, cache, pos = self.tree, self.cache, self.cache.position
@@ -167,16 +175,16 @@ class DecodeStep:
         return torch.cat([length, path_tokens, bonus])
 
     def run(self) -> torch.Tensor:
-        """One step: a graph replay on CUDA (captured on first use), else the body eagerly."""
+        """One step: a graph replay on CUDA (captured on first use), else eagerly."""
         if self.use_graph and self.graph is None:
             self.capture()
         if self.graph is not None:
             self.graph.replay()
             return self.out
-        return self.body()
+        return self.run_eager()
 
     def capture(self) -> None:
-        """Warm up on a side stream, then record the body. The warm-up runs really execute, so
+        """Warm up on a side stream, then record run_eager. The warm-up runs really execute, so
         the position and tree tokens are restored after each; the KV slots they wrote lie at or
         past the position, which the mask hides and the next step writes over."""
         cache = self.cache
@@ -185,7 +193,7 @@ class DecodeStep:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(WARMUP_RUNS):
-                self.body()
+                self.run_eager()
                 cache.position.copy_(position)
                 self.tokens.copy_(tokens)
         torch.cuda.current_stream().wait_stream(side)
@@ -197,67 +205,13 @@ class DecodeStep:
         gc.disable()
         try:
             with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):   # records, runs nothing
-                self.out = self.body()
+                self.out = self.run_eager()
         finally:
             gc.enable()
         self.graph = graph
-
-
-_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per GPU for every warm-up and capture. Not a new stream each time:
-    cuBLAS keeps a workspace (32 MiB on Hopper) per stream it has seen, for the process's life."""
-    if device not in _CAPTURE_STREAMS:
-        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
-    return _CAPTURE_STREAMS[device]
 
 
 def compute_dtype(model: nn.Module) -> torch.dtype:
     """The dtype activations (and so attention masks) have: that of the first float weight,
     since quantized weights are stored as integers."""
     return next(p for p in model.get_decoder().parameters() if p.is_floating_point()).dtype
-
-
-def use_graphs(model: nn.Module, graphs: bool | None) -> bool:
-    """CUDA graphs by default on CUDA; eager elsewhere (and when asked, to compare)."""
-    on_cuda = model.get_output_embeddings().weight.device.type == "cuda"
-    if graphs and not on_cuda:
-        raise ValueError("CUDA graphs were asked for but the model is not on a CUDA device: pass graphs=None or False")
-    return on_cuda if graphs is None else graphs
-
-
-def _key(model, tree: TreeBuffers, rule: Rule, graphs: bool) -> tuple:
-    return id(model), tuple(tree.paths), rule, graphs
-
-
-def step_for(model: nn.Module, heads: MedusaHeads | None, tree: TreeBuffers, config, cache: KVCache,
-             graphs: bool | None = None) -> DecodeStep:
-    """The step for this tree and rule bound to ``cache``'s current buffers: reused (with its
-    graph) when the cache has one, else made; the least recently used beyond
-    MAX_STEPS_PER_CACHE is freed."""
-    rule, graphs = Rule.of(config), use_graphs(model, graphs)
-    key = _key(model, tree, rule, graphs)
-    step = cache.steps.pop(key, None)
-    if step is None or step.heads is not heads:     # other heads: a step bound to the old ones is stale
-        step = DecodeStep(model, heads, tree, cache, rule, graphs)
-    cache.steps[key] = step
-    while len(cache.steps) > MAX_STEPS_PER_CACHE:
-        cache.steps.popitem(last=False)
-    return step
-
-
-def needs_capture(model: nn.Module, cache: KVCache, tree: TreeBuffers, config, prompt_len: int | None = None,
-                  graphs: bool | None = None) -> bool:
-    """Whether the next generate() with this cache, tree and config first captures a CUDA graph
-    (a one-time cost of about a second on a 7B model): always False off CUDA. With
-    ``prompt_len``, a move to a bigger capacity bucket (which recaptures) counts too."""
-    if not use_graphs(model, graphs):
-        return False
-    if prompt_len is not None:
-        needed = bucket(prompt_len + config.max_new_tokens + tree.size, cache.max_context)
-        if needed > cache.capacity:
-            return True
-    step = cache.steps.get(_key(model, tree, Rule.of(config), True))
-    return step is None or not step.captured

@@ -31,8 +31,8 @@ MC_SIM_7B_63: list[list[int]] = [
 ]
 
 # Its 15 most valuable paths (the list is ordered by value, so the prefix is a valid tree): the
-# default over a 4-bit backbone on CUDA, where each verified row still costs (H100, 7B, NF4 with
-# the Triton kernel: a 16-node step is 1.75x a 1-node step, a 64-node step 2.24x; docs/performance.md).
+# default over a 4-bit backbone on CUDA, where each verified row still costs (the step's price per
+# tree size on an H100 is in docs/performance.md).
 MC_SIM_7B_16: list[list[int]] = MC_SIM_7B_63[:15]
 
 # Small trees for CPU, where verifying many nodes costs real time.
@@ -118,7 +118,6 @@ class TreeBuffers:
     attn_mask: torch.Tensor      # (T, T) additive: 0 where a node sees an ancestor or itself, dtype-min elsewhere
     depths: torch.Tensor         # (T,) long: 0 for the root; rotary position = prefix length + depth
     candidate_index: torch.Tensor  # (T,) long: index into [root, head0 top-k, head1 top-k, ...]
-    parents: torch.Tensor        # (T,) long: parent node (root points to itself)
     leaf_paths: torch.Tensor     # (P, D + 1) long: node ids from the root to each leaf, padded with -1
     num_heads: int               # heads the tree uses (= D)
     top_k: int                   # candidates each head must supply (= max rank + 1)
@@ -193,7 +192,6 @@ def build_tree_buffers(
         attn_mask=mask.to(device),
         depths=torch.tensor([0] + [len(p) for p in paths], dtype=torch.long, device=device),
         candidate_index=torch.tensor(cand, dtype=torch.long, device=device),
-        parents=torch.tensor(parents, dtype=torch.long, device=device),
         leaf_paths=leaf_paths.to(device),
         num_heads=depth_max,
         top_k=used_top_k,
@@ -229,6 +227,21 @@ def grow_tree(acc: Sequence[Sequence[float]], budget: int) -> Paths:
     return chosen
 
 
-def expected_length(paths: Sequence[tuple[int, ...]], acc: Sequence[Sequence[float]]) -> float:
+def expected_tokens_per_step(paths: Sequence[tuple[int, ...]], acc: Sequence[Sequence[float]]) -> float:
     """Expected tokens per step with this tree: 1 + sum of node values."""
     return 1.0 + sum(path_value(p, acc) for p in paths)
+
+
+def tree_of_size(table: Sequence[Sequence[float]], size: int) -> Paths:
+    """The ``size``-node tree (root included) grown greedily by grow_tree (paper §2.3.3).
+    Entries in [0, 1] make a child worth no more than its parent, so the greedy set is the
+    prefix-closed one of largest expected acceptance."""
+    if size < 1:
+        raise ValueError(f"tree size {size} is below 1: the root alone is size 1")
+    if any(not 0 <= p <= 1 for row in table for p in row):
+        raise ValueError(f"accuracies {table} must lie in [0, 1]")
+    paths = grow_tree(table, size - 1)
+    if len(paths) < size - 1:
+        raise ValueError(f"tree size {size} needs more nodes than {len(table)} heads x top {len(table[0]) if table else 0} "
+                         "with nonzero accuracy can fill: lower it")
+    return paths

@@ -1,13 +1,13 @@
 """What a set of heads is worth: a[k][i], the chance that head k's rank-i guess is the token the
 backbone will emit (paper §2.3.3). Trees are grown from it and their expected tokens per step
-computed from it (tree.grow_tree, tree.expected_length); the tuner (tree_tuning.py) weighs that
+computed from it (tree.grow_tree, tree.expected_tokens_per_step); the tuner (tree_tuning.py) weighs that
 against the step times it measures on the user's machine.
 
 Where the table comes from, first match wins:
   1. a calibration report beside the heads: ``tree_calibration.json`` in the heads directory (what
      ``python -m medusa_core.calibrate --out HEADS/tree.json`` writes), measured on real answers;
   2. the published Medusa-1 Vicuna heads: their published top-1 accuracies, ranks assumed to decay;
-  3. nothing: the heads carry no accuracies, and the tree is a preset (loading.choose_tree).
+  3. nothing: the heads carry no accuracies, and the tree is a preset (loading.policy.choose_tree).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import LoadError
+from ..errors import LoadError
 
 CALIBRATION_FILE = "tree_calibration.json"   # calibrate's report for a tree file named tree.json
 # Medusa-1 heads 0-4 on Vicuna-7B, top-1 (the Medusa paper); the 13B/33B heads are assumed alike.

@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .errors import LoadError
-from .heads import HeadsConfig, MedusaHeads
+from ..errors import LoadError
+from .medusa_heads import HeadsConfig, MedusaHeads
 
 HEADS_FILE = "medusa_lm_head.safetensors"
 HEADS_FILES = (HEADS_FILE, "medusa_lm_head.pt")   # order = preference: safetensors never runs code
@@ -131,6 +131,12 @@ def read_heads_file_mmap(path: Path) -> dict[str, torch.Tensor]:
         raise HeadsLoadError(f"{path} is not a readable torch file ({type(err).__name__}): download it again") from err
 
 
+def _has_projections(state: dict[str, torch.Tensor]) -> bool:
+    """Whether the heads carry their own vocabulary projections (``{h}.{L}.weight``): medusa-1 heads
+    do; version-2 heads (philschmid's Llama-3.1 heads, Medusa's train_legacy since medusa2) do not."""
+    return any(m is not None and m[3] == "weight" for m in map(_KEY.match, state))
+
+
 def read_heads_dir(directory: str | Path) -> HeadsFiles:
     """Head weights from a local directory in any published layout."""
     directory = Path(directory)
@@ -141,7 +147,9 @@ def read_heads_dir(directory: str | Path) -> HeadsFiles:
         if (directory / name).is_file():
             path = directory / name
             state = read_heads_file(path)
-            layout = "medusa-chat" if config.get("format") == OWN_FORMAT else "medusa-1"
+            # the same file names hold both published layouts; the keys tell them apart (the load line shows it)
+            layout = ("medusa-chat" if config.get("format") == OWN_FORMAT
+                      else "medusa-1" if _has_projections(state) else "version-2")
             return HeadsFiles(state, str(path), layout, config.get("base_model_name_or_path"), config,
                               read_proposal_vocab(directory))
     if "model_type" in config:

@@ -65,7 +65,7 @@ class MedusaHeads(nn.Module):
                 blocks.append(nn.Linear(config.hidden_size, config.vocab_size, bias=False))
             layers.append(nn.Sequential(*blocks))
         self.heads = nn.ModuleList(layers)
-        # named "root" so that state_dict keys read root.{head}.linear.* (heads_io's own-layout keys)
+        # named "root" so that state_dict keys read root.{head}.linear.* (heads/files.py's own-layout keys)
         self.root = nn.ModuleList([RootBlock(config.hidden_size) for _ in range(config.num_heads)]) \
             if config.root_conditioned else None
         # The proposal vocabulary (restrict_proposals): None until set; never saved with the weights.
@@ -74,8 +74,8 @@ class MedusaHeads(nn.Module):
 
     @torch.no_grad()
     def init_from_lm_head(self, lm_head: nn.Module) -> None:
-        """DESIGN §1: residual weights zero and projection = lm_head, so an untrained head
-        predicts what the backbone predicts."""
+        """Residual weights zero and projection = lm_head, so an untrained head predicts what the
+        backbone predicts and training only learns the shift (docs/design.md, "The method")."""
         for head in self.heads:
             for block in head:
                 if isinstance(block, ResBlock):
@@ -119,8 +119,9 @@ class MedusaHeads(nn.Module):
         """outs (k, ..., H or V) from the heads' blocks -> logits (k, ..., V)."""
         if self.config.own_projection:
             return outs
-        # shared projection: one k-row matmul, not k one-row ones (a 49152-wide projection
-        # reads its whole weight per call; on a CPU one call per head cost ~10 ms each)
+        # shared projection: one k-row matmul, not k one-row ones (a vocabulary-wide projection
+        # reads its whole weight per call, so k calls would read it k times; on a CPU a second head
+        # then costs little: docs/cpu_default.md, "The proposal vocabulary")
         weight = lm_head.weight
         return lm_head(outs.to(weight.dtype) if weight.is_floating_point() else outs)
 
@@ -130,9 +131,9 @@ class MedusaHeads(nn.Module):
         """Let the heads guess only among ``token_ids`` (S,): their projection becomes those S rows of
         the lm_head (a copy: S x H). Guesses are only proposals, which the backbone verifies, so this
         never changes the output, only what the heads can get right. It pays where the vocabulary
-        projection is a large part of a step: on 2 CPU cores SmolLM2's 49152-wide one cost 5.1 ms of
-        a ~55 ms step, and onto the 6,185 tokens of 598 of its own answers 0.55 ms, with no loss of
-        head accuracy (docs/cpu_default.md)."""
+        projection is a large part of a step, as for a small model on a CPU: restricted to the tokens
+        SmolLM2 uses in its own answers, the projection costs a fraction of the whole vocabulary's,
+        with no loss of head accuracy (docs/cpu_default.md, "The proposal vocabulary")."""
         if self.config.own_projection:
             raise ValueError("a proposal vocabulary needs heads that share the backbone's lm_head (version 2 heads)")
         weight, bias = lm_head.weight, getattr(lm_head, "bias", None)

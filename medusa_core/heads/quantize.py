@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .heads import MedusaHeads
-from .heads_io import HeadsLoadError
+from .medusa_heads import MedusaHeads
+from .files import HeadsLoadError
 
 
 def quantize_projections(heads: MedusaHeads, compute_dtype: torch.dtype) -> MedusaHeads:

@@ -1,7 +1,8 @@
 """Chat history -> prompt token ids, and the tokens that end a turn.
 
 The tokenizer's own chat template is used when it has one; vicuna v1.1-style models
-(vicuna v1.3 / v1.5 ship no template) get the vicuna prompt from DESIGN §2.
+(vicuna v1.3 / v1.5 ship no template) get FastChat's vicuna v1.1 prompt, ``vicuna_prompt`` below
+(docs/design.md, "Architecture and data flow").
 """
 
 from __future__ import annotations

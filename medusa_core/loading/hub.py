@@ -11,7 +11,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from .errors import LoadError
+from ..errors import LoadError
 
 # owner/name as the hub spells repo ids; anything else that does not exist locally is a bad path
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
@@ -84,9 +84,3 @@ def _cached(repo_id: str) -> bool:
 
     folder = Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}" / "snapshots"
     return folder.is_dir() and any(folder.iterdir())
-
-
-def source_dir(source: str, patterns: Sequence[str]) -> Path:
-    """A local directory for ``source``: itself if local, else the hub snapshot of ``patterns``."""
-    path = local_dir(source)
-    return path if path is not None else fetch_snapshot(source, patterns)

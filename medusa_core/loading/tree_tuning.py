@@ -1,7 +1,7 @@
 """The tree chosen by measurement on the machine that runs it, once, and remembered.
 
 A tree is a property of (model, heads, machine): what a node is worth comes from the heads
-(head_accuracy.py), what it costs from this machine's verification step, which no table of
+(heads/accuracy.py), what it costs from this machine's verification step, which no table of
 another machine's figures predicts (2 CPU cores with AVX-512 and bf16 instructions, an AVX2-only
 CPU and an H100 have different cost curves by tree size). So at the first load of a (model,
 heads, machine, mode) the step is timed at a few tree sizes, the grown tree of each size is
@@ -26,14 +26,15 @@ from pathlib import Path
 
 import torch
 
-from .step import compute_dtype
-from .tree import build_tree_buffers, expected_length, grow_tree
+from ..decoding.step import compute_dtype
+from ..decoding.tree import build_tree_buffers, expected_tokens_per_step, grow_tree
 
 TUNER_VERSION = 1          # part of the cache key: a change in how trees are measured re-tunes
 CPU_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)             # tree sizes timed, root included: every CPU row costs
 CUDA_SIZES = (1, 2, 4, 8, 16, 32, 64)
 MIN_SPEEDUP = 1.05         # a tree must be expected this much faster than plain decoding to be used:
-                           # below it, timing noise (about +-0.05x on 2 cores) could make it slower
+                           # below it, timing noise could make it slower (docs/cpu_default.md, "Tuned
+                           # on the machine that runs it")
 STEPS, ROUNDS = 6, 3       # steps timed per size and round; rounds after a warm-up, the fastest kept
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 # ISA flags that change which kernels torch and oneDNN run (/proc/cpuinfo names)
@@ -137,8 +138,9 @@ def monotone_fit(seconds: dict[int, float]) -> dict[int, float]:
     """The closest non-decreasing step times by size (least squares: pool adjacent violators).
     A bigger tree never costs less, so a size measured faster than a smaller one is load noise and
     is averaged with it; a real jump stays. A straight line did not keep it: on 2 CPU cores torch's
-    fp32 sgemm changes strategy at 4 rows (a 1.6x step), the line smoothed that away and chose a
-    4-node tree that `bench` then measured at 1.04x, against 1.32x for 2 nodes (docs/cpu_default.md)."""
+    fp32 sgemm changes strategy at a few rows, the line smoothed that jump away and chose a tree past
+    it that `bench` then measured slower than a smaller one (docs/cpu_default.md, "What a verified
+    row costs on 2 CPU cores")."""
     pools: list[tuple[float, list[int]]] = []        # (mean seconds, sizes), means non-decreasing
     for n in sorted(seconds):
         mean, sizes = seconds[n], [n]
@@ -152,7 +154,8 @@ def monotone_fit(seconds: dict[int, float]) -> dict[int, float]:
 
 def time_steps(model, heads, tree, prompt_ids: list[int], cache, steps: int) -> float:
     """Mean wall seconds of ``steps`` decoding steps after ``prompt_ids`` (the cached prompt is reused)."""
-    from .generate import DecodeConfig, generate
+    from ..decoding.config import DecodeConfig
+    from ..decoding.generate import generate
 
     # room for `steps` steps however many tokens each accepts; stop ids are the model's EOS only
     config = DecodeConfig(max_new_tokens=steps * tree.size + 1)
@@ -178,7 +181,7 @@ def measure_step_seconds(model, heads, trees: dict[int, object], prompt_ids: lis
     warm-up round first (on CUDA it captures each tree's graph), the fastest round kept (load only
     adds time). After the first round, sizes that cannot win are no longer timed (_worth_timing);
     ``lengths``: expected tokens per step by size."""
-    from .generate import new_cache
+    from ..decoding.generate import new_cache
 
     sizes = sorted(trees)
     caches = {n: new_cache(model) for n in sizes}
@@ -214,7 +217,7 @@ def choose(acc: Sequence[Sequence[float]], seconds: dict[int, float]) -> tuple[i
     most expected tokens per second; plain decoding (1) unless that beats it by MIN_SPEEDUP."""
     # the baseline skips the heads and the tree bookkeeping: it keeps its own measurement
     fitted = {**seconds, **monotone_fit({n: s for n, s in seconds.items() if n > 1})}
-    speedup = {n: expected_length(grow_tree(acc, n - 1), acc) * fitted[1] / fitted[n] for n in fitted}
+    speedup = {n: expected_tokens_per_step(grow_tree(acc, n - 1), acc) * fitted[1] / fitted[n] for n in fitted}
     best = max((n for n in speedup if n > 1), key=lambda n: speedup[n], default=1)
     chosen = best if speedup[best] >= MIN_SPEEDUP else 1
     return chosen, speedup[chosen], best, speedup[best], fitted
@@ -236,12 +239,12 @@ def tune(model, heads, tokenizer, acc: Sequence[Sequence[float]], accuracy_sourc
                                    dtype=compute_dtype(model))
              for n, paths in grown.items()}
     prompt_ids = render_chat(tokenizer, PROMPT)
-    lengths = {n: expected_length(paths, acc) for n, paths in grown.items()}
+    lengths = {n: expected_tokens_per_step(paths, acc) for n, paths in grown.items()}
     with torch.inference_mode():
         seconds = measure_step_seconds(model, heads, trees, prompt_ids, lengths, progress)
     chosen, speedup, best, best_speedup, fitted = choose(acc, seconds)
     paths = [list(p) for p in grown[chosen]] if chosen > 1 else []
-    return TunedTree(paths=paths, nodes=chosen, expected_tokens_per_step=round(expected_length(grown[chosen], acc), 4),
+    return TunedTree(paths=paths, nodes=chosen, expected_tokens_per_step=round(expected_tokens_per_step(grown[chosen], acc), 4),
                      expected_speedup=round(speedup, 4), best_speedup=round(best_speedup, 4), best_nodes=best,
                      step_ms={str(n): round(1e3 * s, 3) for n, s in sorted(fitted.items())},
                      seconds=round(time.perf_counter() - started, 2), accuracy_source=accuracy_source,

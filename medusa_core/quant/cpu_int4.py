@@ -4,12 +4,13 @@ the lm_head as a bf16 copy. Everything between the matmuls (norms, rotary, atten
 stays in the model's own dtype.
 
 Why: a CPU decoding step reads every weight once, so it costs what the weights weigh. fp32 sgemm
-also repacks each weight per call from 4 rows on (docs/cpu_default.md), which makes a tree of 4+
-nodes cost 1.4x a 1-row step. The int4 kernel reads 1/7 of the bytes and computes every output row
-on its own: a T-row verification gives, bit for bit, the rows T 1-row steps give (``row_invariant``
-checks it on this machine). bf16 rounding magnifies any last-bit difference upstream, so attention
-must be row-exact too (exact_attention.py); with both, greedy Medusa stays identical to greedy plain
-decoding in this mode.
+also repacks each weight per call once a few rows come in, which makes a tree of a few nodes cost
+far more than a 1-row step (docs/cpu_default.md, "What a verified row costs on 2 CPU cores"). The
+int4 kernel reads 1/7 of the bytes and computes every output row on its own: a T-row verification
+gives, bit for bit, the rows T 1-row steps give (``row_invariant`` checks it on this machine).
+bf16 rounding magnifies any last-bit difference upstream, so attention must be row-exact too
+(exact_attention.py); with both, greedy Medusa stays identical to greedy plain decoding in this
+mode (docs/design.md, "Exactness rules").
 
 SmolLM2-135M-Instruct ships as Q4_1 (group 32, 4-bit codes with an fp16 scale and minimum): its fp32
 weights are already 16 levels per group, and requantizing them finds those levels again, with the
@@ -36,8 +37,9 @@ _N_MULTIPLE = 16    # the kernel's packing needs out_features in multiples of 16
 PROBE_ROWS = (5, 64, 256)   # row counts the row-invariance check compares with single rows: trees, prefills
 HEAD_PROBE_ROWS = (5, 64)   # the lm_head sees a tree's rows (a prefill's last row only)
 MIN_GAIN = 1.1      # auto takes int4 only if at least this much faster: no flip-flop near parity
-# auto takes int4 only if faithful to fp32 on a reference text (SmolLM2 measured 97.6-98.5% and
-# NLL +0.4%, on an AVX2 and an AVX-512 CPU): far below these means a broken kernel, not rounding
+# auto takes int4 only if faithful to fp32 on a reference text. SmolLM2 scores well inside both limits
+# on AVX2 and AVX-512 CPUs (docs/cpu_default.md, "Fidelity of the int4 mode on each CPU"): falling
+# far below them means a broken kernel, not rounding
 MIN_AGREEMENT = 0.9     # share of next-token argmaxes equal to fp32's
 MAX_NLL_RATIO = 1.05    # int4's mean NLL over fp32's
 
@@ -186,7 +188,7 @@ def row_invariant(layer: nn.Module, in_features: int, rows: int = 5, dtype: torc
 
 def exact_probe(model: nn.Module) -> bool:
     """Every distinct decoder shape as Int4Linear at PROBE_ROWS rows, and the head as Bf16Head at
-    HEAD_PROBE_ROWS, row-invariant (the fp32 ``model`` before quantization; under a second)."""
+    HEAD_PROBE_ROWS, row-invariant (the fp32 ``model`` before quantization; cheap enough for every load)."""
     shapes = {(d.out_features, d.in_features): d for _, _, d in _decoder_linears(model) if quantizable(d)}
     head = model.get_output_embeddings()
     layers = [(Int4Linear.from_linear(d), d.in_features, PROBE_ROWS) for d in shapes.values()]
@@ -247,7 +249,8 @@ def quantize_model_int4_(model: nn.Module, replaced: list | None = None) -> int:
         if replaced is not None:
             replaced.append((model, None, head))
     # transformers maps the fp32 safetensors file and the weights left (embeddings, norms) are views
-    # of that mapping: copied, they let it go, and with it ~0.4 GB of resident fp32 pages
+    # of that mapping: copied, they let it go, and with it the fp32 file's resident pages
+    # (docs/cpu_default.md, "The 4-bit CPU mode")
     for param in model.parameters():
         param.data = param.data.clone()
     return kept

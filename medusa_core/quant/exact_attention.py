@@ -4,18 +4,19 @@ tree row then gets, bit for bit, the output a 1-row step gets for the same token
 Why: with bf16 matmuls (cpu_int4.py) a last-bit difference anywhere upstream can tip a bf16
 rounding, and the tip grows through 30 layers into a different greedy token. torch's CPU SDPA
 is not such a function of the row alone: a row's output changes in the last fp32 bits with the
-number of query rows and with masked-out key columns (measured: 7 of 12 held-out prompts'
-greedy answers left plain decoding's within 96 tokens; with this attention none did). Here every
+number of query rows and with masked-out key columns, enough for greedy Medusa to leave plain
+decoding's answers (docs/cpu_default.md, "Attention had to become row-exact"). Here every
 row is one SDPA call with no mask over a key tensor of exactly its visible slots, which is what
 a plain 1-row step over the same prefix calls too: the committed prefix is a view, and only a
 row whose tree ancestors are not contiguous after it copies its keys.
 
 It is registered with transformers' ``AttentionInterface`` and used only where cpu_int4 is: on
-the CPU, batch 1. The decoding step asks for it (``step_kwargs``) in its steps and its prefill
+the CPU, batch 1. The decoding step asks for it (``decoding.step.decoder_kwargs``) in its steps and its prefill
 too: a token's keys must not depend on how it was batched either, since the two decoders of a
 comparison can prefill the same conversation in different pieces (the baseline's cache starts
-empty when the comparison is switched on). It costs a long prompt time: one call per token and
-layer (300 tokens: 1.30 s against 0.89 s with one SDPA call per layer).
+empty when the comparison is switched on). It costs a long prompt time to its first token: one
+call per token and layer instead of one per layer (docs/cpu_default.md, "The prefill too", has the
+figures and the command that measures them).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-NAME = "medusa_exact_rows"
-FLAG = "rows_alone"     # the keyword a decoding step passes through the decoder to the attention
+from ..decoding.step import ROW_EXACT_ATTENTION as NAME
+from ..decoding.step import ROWS_ALONE as FLAG
 
 
 def visible(mask: torch.Tensor) -> torch.Tensor:
@@ -72,9 +73,3 @@ AttentionMaskInterface.register(NAME, sdpa_mask)    # masks transformers builds 
 def use_exact_rows(model) -> None:
     """Route ``model``'s attention through ``exact_rows_attention`` (the layers read the shared config)."""
     model.config._attn_implementation = NAME
-
-
-def step_kwargs(model) -> dict:
-    """What a decoding step passes to the decoder: the flag where ``model`` uses this attention,
-    nothing elsewhere (a model's own attention need not accept unknown keywords)."""
-    return {FLAG: True} if getattr(model.config, "_attn_implementation", None) == NAME else {}

@@ -35,7 +35,7 @@ try:
     import triton
     import triton.language as tl
 except ImportError as err:  # one line, naming the fix; the rest of the project never needs Triton
-    raise ImportError(f"medusa_core.nf4_matmul needs Triton ({err}): pip install 'triton>=3.6'") from None
+    raise ImportError(f"medusa_core.quant.nf4_matmul needs Triton ({err}): pip install 'triton>=3.6'") from None
 
 INTERPRET_ENV = "TRITON_INTERPRET"
 
@@ -441,13 +441,12 @@ def row_class(m: int) -> int:
 
 
 # _nf4_stream_kernel configs per row class: (block_n, num_warps, slots, programs per SM to aim at with
-# split-K). From ptxas/SASS for sm_90 with Triton 3.6: 32 rows per warp (block_n = 32 * num_warps)
-# issues the fewest instructions per weight byte (~0.5-0.6 per warp, against ~0.7 at 16 rows), so an
-# H100 issue-bounds 4096->11008 at ~12-14 us, at 80-165 registers (2-6 programs per SM, each with
-# `slots` steps of block_n * 32 bytes in flight). Split-K's fp32 partials cost 8*M*N bytes per split
-# (at M=64 and N=11008, 5.6 MB: ~2 us), hence the low program targets for the wide row classes. Tuning at model load times the first STREAM_SHORT of each class
-# against the tile kernel (a 7B model: 3 shapes x 4 classes in well under 30 s); bench_nf4 times them
-# all (wide=True) and its table shows which won where: put the winners first.
+# split-K). Why these (ptxas/SASS for sm_90, Triton 3.6; the figures are in docs/performance.md): 32 rows
+# per warp (block_n = 32 * num_warps) issues the fewest instructions per weight byte, which bounds a
+# 1-row matmul on an H100; split-K's fp32 partials cost 8*M*N bytes per split, hence the low program
+# targets for the wide row classes. Tuning at model load times the first STREAM_SHORT of each class
+# against the tile kernel; benchmarks/nf4_kernel.py times them all (wide=True) and its table shows
+# which won where: put the winners first.
 STREAM_SHORT = 2
 STREAM_TILES = {
     1: ((128, 4, 4, 4), (64, 4, 4, 4), (128, 4, 2, 4), (256, 8, 4, 2)),

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .generate import DecodeConfig, generate
+from ..decoding.config import DecodeConfig
+from ..decoding.generate import generate
 
 Row = tuple[list[int], list[int]]
 
@@ -107,7 +108,7 @@ def _answer_one_by_one(model, tokenizer, prompts: list[str], raw: bool, answer_t
                        start: int, total: int) -> None:
     from tqdm import tqdm
 
-    from .chat_format import stop_token_ids
+    from ..loading.chat_format import stop_token_ids
 
     stops = list(stop_token_ids(tokenizer))   # every turn end, as in the batched path
     for prompt in tqdm(prompts, desc="self-distillation", initial=start, total=total):
@@ -155,7 +156,7 @@ def _generate_batch(model, tokenizer, prompts: list[list[int]], temperatures: li
                     seed: int) -> list[list[int]]:
     """Left-padded batched generate; each answer ends at (and keeps) its first turn-end token. One
     temperature per call: the batch is split by temperature."""
-    from .chat_format import stop_token_ids
+    from ..loading.chat_format import stop_token_ids
 
     out: list[list[int] | None] = [None] * len(prompts)
     device = model.get_output_embeddings().weight.device
@@ -238,18 +239,3 @@ def split_rows(rows: list[Row], held_out: float, seed: int) -> tuple[list[Row], 
     random.Random(seed).shuffle(order)
     n_held = min(len(rows) - 1, max(1, round(held_out * len(rows))))
     return [rows[i] for i in order[n_held:]], [rows[i] for i in order[:n_held]]
-
-
-def load_backbone_4bit(directory: str, device: str):
-    """CUDA: the backbone's linear layers in NF4 (bf16 compute), embeddings and lm_head in bf16."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .quantization import bnb_config
-
-    if not device.startswith("cuda"):
-        raise ValueError(f"--load-in-4bit needs a CUDA device, got --device {device}: drop --load-in-4bit on CPU")
-    model = AutoModelForCausalLM.from_pretrained(directory, quantization_config=bnb_config("nf4", torch.bfloat16),
-                                                 dtype=torch.bfloat16,
-                                                 device_map={"": device}).eval()
-    model.requires_grad_(False)
-    return model, AutoTokenizer.from_pretrained(directory)

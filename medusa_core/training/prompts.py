@@ -3,7 +3,7 @@
 Heads learn what the backbone tends to say next, so they should see the backbone answer the kinds of
 questions a chat user asks: code, facts, advice, writing, explanations, small maths, and follow-up
 turns. The set is built from topic lists and phrasings (seeded shuffle, no network, no model), so
-``python -m medusa_core.chat_prompts --count 4000 --out prompts.jsonl`` always writes the same 3,117 prompts.
+``python -m medusa_core.training.prompts --count 4000 --out prompts.jsonl`` always writes the same 3,117 prompts.
 Items are ``{"prompt": ...}`` or, for two-turn conversations, ``{"prompt": ..., "followup": ...}``.
 
 The held-out prompts that benchmarks and calibration time with are written by hand elsewhere
@@ -207,7 +207,7 @@ def prompt_set(count: int, seed: int = 0, followup_share: float = 0.15) -> list[
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m medusa_core.chat_prompts", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m medusa_core.training.prompts", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--count", type=int, default=4000)
     p.add_argument("--seed", type=int, default=0)

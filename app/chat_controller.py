@@ -1,0 +1,235 @@
+"""The conversation: a message (or a regenerate) becomes a request to the engine, and its stream
+becomes the chat panes, the readouts and the status line. Clear, Stop, the browser's copy of the
+conversation and the export files are here too."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+
+import gradio as gr
+
+from .engine import BASELINE, COMPARISON, MEDUSA, ChatEngine
+from .layout import Page
+from .models import ModelSlot
+from .readout import Stats, render_comparison, render_live
+from .render import note_html, reply_html, user_html
+from .session import Session, Turn
+from .settings import Settings
+from .transcript import export_folder, from_saved, to_saved, write_exports
+
+
+def _msg(role: str, html: str) -> dict:
+    # Text parts, not bare strings: Gradio runs inspect.cleandoc on bare strings.
+    return {"role": role, "content": [{"type": "text", "text": html}]}
+
+
+def display(turns: list[Turn], pane: str = MEDUSA) -> list[dict]:
+    out: list[dict] = []
+    for turn in turns:
+        if turn.user:
+            out.append(_msg("user", user_html(turn.user)))
+        shown = turn.baseline_shown if pane == BASELINE and turn.baseline is not None else turn.shown
+        if shown:
+            out.append(_msg("assistant", shown))
+        if turn.note:
+            out.append(_msg("assistant", note_html(turn.note)))
+    return out
+
+
+def empty_note(stats: Stats) -> str:
+    if stats.finish_reason == "length":
+        return (f"the answer is blank: its {stats.tokens} token(s) were only spaces or line breaks before "
+                "max new tokens was reached: raise max new tokens")
+    if stats.finish_reason == "eos":
+        return "the model ended its answer at once (end-of-turn token first): rephrase, or try sampling"
+    return "the answer is empty"
+
+
+class ChatController:
+    """Turns one tab's requests into page updates: ``views`` is what every chat event outputs."""
+
+    def __init__(self, slot: ModelSlot) -> None:
+        self.slot = slot
+
+    def views(self, session: Session, stats: Stats | None, base: Stats | None, comparison: str,
+              status_line: str, box: str | dict = gr.update()) -> tuple:
+        """(chat, baseline chat, readout, baseline readout, comparison, status, raw numbers, message box)."""
+        last = session.turns[-1] if session.turns else None
+        raw = {"medusa": stats.as_dict() if stats else None, "baseline": base.as_dict() if base else None,
+               "reply": last.reply if last else None, "baseline_reply": last.baseline if last else None}
+        return (display(session.turns), display(session.turns, BASELINE),
+                render_live(stats, self.depth()) if stats else gr.update(),
+                render_live(base, self.depth()) if base else gr.update(),
+                comparison, status_line, raw, box)
+
+    def depth(self) -> int:
+        engine = self.slot.engine
+        return engine.num_heads + 1 if engine is not None else 1
+
+    def note(self, session: Session, text: str, box: str | dict = gr.update()) -> tuple:
+        """A one-line note in the chat (never sent to the model) and the slot's status line."""
+        session.turns.append(Turn(user="", note=text) if not isinstance(box, str) else Turn(user=box, note=text))
+        return self.views(session, None, None, "", self.slot.state().line, box)
+
+    def engine_or_wait(self, session: Session) -> Iterator[str | ChatEngine]:
+        """Yield status lines while a model loads, then the engine; a str last means no engine."""
+        state = self.slot.state()
+        while state.phase == "loading" and not session.cancel.is_set():
+            yield f"⏳ Waiting for the model: {state.line}"
+            state = self.slot.wait(0.5)
+        engine = self.slot.engine
+        yield engine if engine is not None else ("no model is loaded: pick one under Model and press Load"
+                                                 if state.phase != "failed" else state.line.lstrip("❌ "))
+
+    def run(self, session: Session, message, system, compare, controls: dict) -> Iterator[tuple]:
+        """One request from the tab; ``controls`` are the raw control values by Settings field name."""
+        if not session.busy.acquire(blocking=False):
+            yield self.views(session, None, None, gr.update(),
+                             "⏳ Still answering your previous message: wait, or press Stop")
+            return
+        try:
+            yield from self._run(session, str(message or "").strip(), str(system or ""), bool(compare), controls)
+        finally:
+            session.busy.release()
+
+    def _run(self, session: Session, message: str, system: str, compare: bool, controls: dict) -> Iterator[tuple]:
+        if not message:
+            yield self.note(session, "the message is empty: type a question, then send")
+            return
+        session.cancel.clear()
+        engine = None
+        for engine in self.engine_or_wait(session):
+            if isinstance(engine, str) and engine.startswith("⏳"):
+                yield self.views(session, None, None, "", engine)
+        try:
+            if isinstance(engine, str):
+                raise ValueError(engine)
+            settings = Settings.parse(**controls)
+            engine.check(settings)
+            prompt, cut = engine.fit_prompt(session, message, system, settings)
+        except ValueError as err:   # bad settings, no model, a message longer than the context
+            yield self.note(session, str(err), message)
+            return
+        turn = Turn(user=message, note=cut)
+        session.turns.append(turn)
+        yield self.views(session, None, None, "", "Starting…", "")
+        stats, base, comparison = yield from self._stream(session, turn, engine, prompt, settings, compare)
+        if compare and turn.reply is None and not turn.note:
+            turn.note = "stopped before the Medusa pass"
+        # A failed message goes back into the box so it can be edited and resent.
+        box = message if turn.reply is None else gr.update()
+        yield self.views(session, stats, base, comparison, self.slot.state().line, box)
+
+    def _stream(self, session: Session, turn: Turn, engine: ChatEngine, prompt: list[int], settings: Settings,
+                compare: bool):
+        """Show the engine's updates as they come; returns the last (Medusa stats, baseline stats, comparison)."""
+        passes = (BASELINE, MEDUSA) if compare else (MEDUSA,)
+        cut, stats, base, comparison = turn.note, None, None, ""
+        label = ("plain decoding and Medusa, step-interleaved" if compare
+                 else f"Medusa, tree {settings.tree or engine.default_tree}")
+        for update in engine.answer(session, prompt, settings, passes):
+            if update.queued:
+                yield self.views(session, None, None, "", f"⏳ Queued: {update.queued} request(s) ahead of you; "
+                                 "your answer starts when the model is free")
+                continue
+            if update.notice:
+                yield self.views(session, None, None, "", f"⏳ {update.notice}")
+                continue
+            if update.pass_name == COMPARISON:
+                comparison = render_comparison(update.comparison)
+                continue
+            # an error before the first token leaves the previous readout in place
+            measured = update.stats if update.stats.tokens or not update.error else None
+            shown = reply_html(list(update.segments), settings.colour_heads) if update.segments else ""
+            if update.pass_name == BASELINE:
+                turn.baseline, turn.baseline_shown, base = update.plain, shown, measured or base
+            else:
+                turn.shown, stats = shown, measured or stats
+                if update.done:
+                    turn.reply = update.plain if (update.plain or not update.error) else None
+                    if not update.error and not update.plain.strip():
+                        turn.note = " · ".join(filter(None, [turn.note, empty_note(update.stats)]))
+            if update.error:
+                turn.note = " · ".join(filter(None, [cut, update.error]))
+            yield self.views(session, stats, base, "", f"Generating: {label}…")
+        return stats, base, comparison
+
+    def regenerate(self, session: Session, system, compare, controls: dict) -> Iterator[tuple]:
+        while session.turns and not session.turns[-1].user:
+            session.turns.pop()  # notes after the last message
+        if not session.turns:
+            yield self.note(session, "nothing to regenerate yet: send a message first")
+            return
+        message = session.turns.pop().user
+        session.first_turn = min(session.first_turn, len(session.turns))
+        yield from self.run(session, message, system, compare, controls)
+
+    def clear(self, session: Session) -> tuple:
+        session.restart()
+        return [], [], "", "", "", self.slot.state().line, None
+
+    @staticmethod
+    def save_conversation(session: Session, system: str):
+        """After each change: the browser's copy of the conversation and the export files."""
+        if not session.turns:
+            return None, gr.update(value=None, interactive=False), gr.update(value=None, interactive=False)
+        if session.export_dir is None:
+            session.export_dir = export_folder()
+        as_json, as_md = write_exports(session.turns, session.first_turn, session.export_dir, system or "")
+        return (to_saved(session.turns, session.first_turn), gr.update(value=as_json, interactive=True),
+                gr.update(value=as_md, interactive=True))
+
+    @staticmethod
+    def restored(session: Session, stored) -> tuple:
+        """Page load: the conversation kept in the browser."""
+        if not session.turns:
+            session.turns, session.first_turn = from_saved(stored)
+        return display(session.turns), display(session.turns, BASELINE)
+
+
+def wire_chat(page: Page, chat: ChatController) -> dict:
+    """Attach the conversation's events; returns ``save_after``, the event that follows every change.
+    The chat handlers' parameters are the scripting API's parameter names, and ``page.inputs``
+    picks the components by those names."""
+
+    def on_send(session: Session, message: str, system: str, compare: bool, mode: str, temperature: float,
+                top_p: float, epsilon: float, delta: float, max_new_tokens: int, tree: str | None,
+                seed: int, colour_heads: bool):
+        yield from chat.run(session, message, system, compare, dict(
+            mode=mode, temperature=temperature, top_p=top_p, epsilon=epsilon, delta=delta,
+            max_new_tokens=max_new_tokens, tree=tree, seed=seed, colour_heads=colour_heads))
+
+    def on_regenerate(session: Session, system: str, compare: bool, mode: str, temperature: float,
+                      top_p: float, epsilon: float, delta: float, max_new_tokens: int, tree: str | None,
+                      seed: int, colour_heads: bool):
+        yield from chat.regenerate(session, system, compare, dict(
+            mode=mode, temperature=temperature, top_p=top_p, epsilon=epsilon, delta=delta,
+            max_new_tokens=max_new_tokens, tree=tree, seed=seed, colour_heads=colour_heads))
+
+    def on_stop(session: Session):
+        session.cancel.set()  # the loop checks it after every token: generation ends within one step
+
+    outputs = [page.chat, page.base_chat, page.readout, page.base_readout, page.comparison, page.status,
+               page.raw, page.box]
+    save_after = dict(fn=chat.save_conversation, inputs=[page.session, page.system],
+                      outputs=[page.saved, page.export_json, page.export_md], api_name=False, concurrency_limit=None)
+    # Raw values (preprocess=False): a bad value from the API becomes a one-line note in the
+    # chat instead of a traceback in the console; Settings.parse and the engine validate.
+    events = dict(outputs=outputs, concurrency_limit=16, concurrency_id="chat", preprocess=False)
+    gr.on([page.box.submit, page.send.click], on_send, page.inputs(*_parameters(on_send)), api_name="send",
+          **events).then(**save_after)
+    page.regenerate.click(on_regenerate, page.inputs(*_parameters(on_regenerate)), api_name="regenerate",
+                          **events).then(**save_after)
+    # Stop and Clear must not wait behind a running answer: no concurrency limit.
+    page.stop.click(on_stop, [page.session], None, api_name="stop", concurrency_limit=None)
+    # the chat panes' own bin icons do what Clear does
+    for trigger, name in ((page.clear.click, "clear"), (page.chat.clear, False), (page.base_chat.clear, False)):
+        trigger(chat.clear, [page.session], outputs[:-1], api_name=name, concurrency_limit=None).then(**save_after)
+    page.compare.change(lambda on: gr.update(visible=on), [page.compare], [page.base_column], api_name=False,
+                        concurrency_limit=None)
+    return save_after
+
+
+def _parameters(fn) -> list[str]:
+    return list(inspect.signature(fn).parameters)

@@ -1,0 +1,146 @@
+"""The page's components and where they sit; no behaviour (app/model_panel.py and
+app/chat_controller.py wire them). The decoding controls take their ranges, defaults and labels
+from medusa_core/decoding/config.py and are named by Settings' field names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gradio as gr
+
+from medusa_core.decoding.config import DEFAULTS, limits
+
+from .models import KNOWN_MODELS, ModelSlot
+from .session import Session
+from .transcript import discard_exports
+
+MODE_CHOICES = [("Greedy", "greedy"), ("Exact sampling", "sample"), ("Typical acceptance", "typical")]
+CPU_DEFAULT_NOTE = ("**SmolLM2-135M-Instruct on the CPU.** This is what `python launch.py` serves without a CUDA "
+                    "GPU: SmolLM2-135M-Instruct, a small instruction-tuned chat model (135 M parameters), with "
+                    "Medusa heads trained for it, running on the CPU on its own 4-bit weights where that measures "
+                    "faster (the model line says which matmuls run). Expect short, simple answers; the speed "
+                    "numbers are real. On a CUDA machine `python launch.py` loads Vicuna-7B with Medusa heads.")
+STORAGE_KEY = "medusa-chat-conversation"
+MAX_NEW_LIMIT = 4096   # the slider's top before a model is loaded; then the model's context
+SAMPLING = ("temperature", "top_p", "epsilon", "delta")   # enabled by the mode that uses them
+
+
+@dataclass
+class Page:
+    session: gr.State
+    saved: gr.BrowserState
+    shown_version: gr.State   # the slot version the page's model controls show
+    timer: gr.Timer
+    note: gr.Markdown
+    status: gr.Markdown
+    base_column: gr.Column
+    base_chat: gr.Chatbot
+    base_readout: gr.Markdown
+    chat: gr.Chatbot
+    readout: gr.Markdown
+    comparison: gr.Markdown
+    box: gr.Textbox
+    send: gr.Button
+    stop: gr.Button
+    regenerate: gr.Button
+    clear: gr.Button
+    export_json: gr.DownloadButton
+    export_md: gr.DownloadButton
+    raw: gr.JSON
+    known: gr.Dropdown
+    model_box: gr.Textbox
+    heads_box: gr.Textbox
+    load: gr.Button
+    unload: gr.Button
+    model_status: gr.Markdown
+    system: gr.Textbox
+    compare: gr.Checkbox
+    controls: dict[str, gr.components.Component]   # by Settings field name
+
+    def inputs(self, *names: str) -> list:
+        """Components by the names a handler's parameters carry (the chat's are named as its API is)."""
+        named = {"session": self.session, "message": self.box, "system": self.system, "compare": self.compare,
+                 **self.controls}
+        return [named[name] for name in names]
+
+    @property
+    def sampling(self) -> list:
+        return [self.controls[name] for name in SAMPLING]
+
+
+def _number_control(name: str, **kw):
+    spec, value = limits(name), getattr(DEFAULTS, name)
+    if spec.slider is None:
+        return gr.Number(value, label=spec.label, info=None, **kw)
+    low, high, step = spec.slider
+    return gr.Slider(low, high, value=value, step=step, label=spec.label, **kw)
+
+
+def decoding_controls(max_new_tokens: int) -> dict:
+    """The decoding controls at DecodeConfig's defaults; the sampling ones start disabled (greedy)."""
+    seed = limits("seed")
+    return {
+        "mode": gr.Radio(MODE_CHOICES, value=DEFAULTS.mode, label=limits("mode").label),
+        **{name: _number_control(name, interactive=False) for name in SAMPLING},
+        "max_new_tokens": gr.Slider(limits("max_new_tokens").low, MAX_NEW_LIMIT, value=max_new_tokens, step=1,
+                                    label=limits("max_new_tokens").label, elem_id="max-new"),
+        # "" = the model's default tree (the choices arrive with the model)
+        "tree": gr.Dropdown([], value="", label="Tree (node count)", elem_id="tree", allow_custom_value=True),
+        "seed": gr.Number(-1, precision=0, label=seed.label),
+    }
+
+
+def build_layout(slot: ModelSlot, system_prompt: str) -> Page:
+    """The components, inside the caller's gr.Blocks."""
+    session = gr.State(Session, delete_callback=discard_exports)   # called when the tab's session ends
+    # a fixed key and secret: the conversation survives a server restart too (it never leaves this browser)
+    saved = gr.BrowserState(None, storage_key=STORAGE_KEY, secret=STORAGE_KEY)
+    shown_version, timer = gr.State(-1), gr.Timer(0.5, active=True)
+    gr.Markdown("# Medusa chat")
+    note = gr.Markdown(CPU_DEFAULT_NOTE, elem_id="note", elem_classes="note", visible=False)
+    status = gr.Markdown(slot.state().line, elem_id="status", elem_classes="status")
+    with gr.Row():
+        with gr.Column(scale=3):
+            with gr.Row(equal_height=True):
+                with gr.Column(visible=False, elem_id="pane-baseline") as base_column:
+                    base_chat = gr.Chatbot(label="Plain decoding", elem_id="chat-baseline", buttons=[],
+                                           height=460, render_markdown=False, latex_delimiters=[])
+                    base_readout = gr.Markdown(elem_id="readout-baseline", elem_classes="readout")
+                with gr.Column(elem_id="pane-medusa"):
+                    chat = gr.Chatbot(label="Medusa", elem_id="chat", buttons=[], height=460,
+                                      render_markdown=False, latex_delimiters=[],
+                                      placeholder="Ask something. Speed shows below as it streams.")
+                    readout = gr.Markdown("*tokens/s, tokens per step and time to first token show here*",
+                                          elem_id="readout", elem_classes="readout")
+            comparison = gr.Markdown(elem_id="comparison")
+            with gr.Row():
+                box = gr.Textbox(placeholder="Message (Enter to send)", show_label=False, scale=6,
+                                 elem_id="message", autofocus=True)
+                send = gr.Button("Send", variant="primary", scale=1, elem_id="send",
+                                 interactive=slot.engine is not None)
+            with gr.Row():
+                stop = gr.Button("Stop", variant="stop", elem_id="stop")
+                regenerate = gr.Button("Regenerate", elem_id="regenerate")
+                clear = gr.Button("Clear", elem_id="clear")
+                export_json = gr.DownloadButton("Export JSON", elem_id="export-json", interactive=False)
+                export_md = gr.DownloadButton("Export Markdown", elem_id="export-md", interactive=False)
+            with gr.Accordion("Raw numbers", open=False):
+                raw = gr.JSON(label="Stats of the last answer", elem_id="raw")
+        with gr.Column(scale=1, min_width=280):
+            with gr.Accordion("Model", open=False, elem_id="model-panel"):
+                known = gr.Dropdown([entry.label for entry in KNOWN_MODELS], value=None, label="Known models",
+                                    elem_id="known-model")
+                model_box = gr.Textbox(label="…or a backbone: hub id or local directory", elem_id="model-id")
+                heads_box = gr.Textbox(label="Medusa heads: hub id or local directory (optional)",
+                                       elem_id="heads-id")
+                with gr.Row():
+                    load = gr.Button("Load", elem_id="load-model")
+                    unload = gr.Button("Unload", elem_id="unload-model")
+                model_status = gr.Markdown(elem_id="model-status")
+            system = gr.Textbox(system_prompt, label="System prompt", lines=3, elem_id="system")
+            compare = gr.Checkbox(False, label="Compare with plain decoding", elem_id="compare")
+            colour = gr.Checkbox(False, label="Colour tokens that came from the heads", elem_id="colour")
+            controls = {**decoding_controls(slot.max_new_tokens), "colour_heads": colour}
+    return Page(session, saved, shown_version, timer, note, status, base_column, base_chat, base_readout, chat, readout,
+                comparison, box, send, stop, regenerate, clear, export_json, export_md, raw, known, model_box,
+                heads_box, load, unload, model_status, system, compare, controls)

@@ -1,0 +1,83 @@
+"""The page's model controls: loading another model (with its progress on the status line),
+unloading, and the controls that follow the loaded model (tree choices, context, its decoding
+defaults)."""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from medusa_core.loading.spec import LoadSpec
+
+from .layout import SAMPLING, Page
+from .models import ModelSlot, default_settings, spec_for
+from .settings import Settings
+
+
+def control_state(mode: str) -> tuple[dict, ...]:
+    """Temperature, top-p, ε, δ: enabled only where the mode uses them."""
+    return (gr.update(interactive=mode != "greedy"), gr.update(interactive=mode == "sample"),
+            gr.update(interactive=mode == "typical"), gr.update(interactive=mode == "typical"))
+
+
+def decoding_values(settings: Settings) -> tuple[dict, ...]:
+    """Mode, temperature, top-p, ε, δ set to ``settings`` (a model's defaults), enabled as the mode needs."""
+    enabled = control_state(settings.mode)
+    return (gr.update(value=settings.mode),
+            *({**update, "value": getattr(settings, name)} for update, name in zip(enabled, SAMPLING)))
+
+
+def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec):
+    """Attach the model panel's events; returns ``sync(version, max_new_value)``, the update of
+    ``model_outputs(page)`` the page's load event uses too."""
+    decoding = [page.controls["mode"], *page.sampling]
+
+    def sync(version: int, max_new_value) -> tuple:
+        """The page's model controls for the slot's state; no-ops where nothing changed."""
+        state = slot.state()
+        loading = state.phase == "loading"
+        if state.version == version and not loading:
+            return (*[gr.update()] * (5 + len(decoding)), gr.Timer(active=False), version)
+        engine = slot.engine
+        if engine is None:
+            tree_update, max_update = gr.update(choices=[], value=None), gr.update()
+            decoding_update = (gr.update(),) * len(decoding)
+        else:
+            try:
+                current = int(float(max_new_value))
+            except (TypeError, ValueError):
+                current = engine.max_new_tokens
+            tree_update = gr.update(choices=engine.tree_choices, value=engine.default_tree,
+                                    info=engine.loaded.tree_note or None)
+            max_update = gr.update(maximum=engine.context, value=min(current, engine.context))
+            decoding_update = decoding_values(default_settings(engine.loaded))
+        return (state.line, gr.update(visible=engine is not None and engine.loaded.cpu_default),
+                gr.update(interactive=engine is not None and not loading), tree_update, max_update,
+                *decoding_update, gr.Timer(active=loading), state.version)
+
+    def on_load_model(choice, model_id, heads_id, max_new_value):
+        try:
+            spec = spec_for(choice, model_id, heads_id, base_spec)
+        except ValueError as err:
+            return (f"❌ {err}", *sync(-1, max_new_value))
+        refused = slot.start(spec)
+        return (f"❌ {refused}" if refused else "", *sync(-1, max_new_value))
+
+    def on_unload(max_new_value):
+        return (slot.unload(), *sync(-1, max_new_value))
+
+    max_new, outputs = page.controls["max_new_tokens"], model_outputs(page)
+    page.timer.tick(sync, [page.shown_version, max_new], outputs, api_name=False, concurrency_limit=None,
+                    show_progress="hidden")
+    page.load.click(on_load_model, [page.known, page.model_box, page.heads_box, max_new],
+                    [page.model_status, *outputs], api_name="load_model", concurrency_limit=None)
+    page.unload.click(on_unload, [max_new], [page.model_status, *outputs], api_name="unload_model",
+                      concurrency_limit=None)
+    page.controls["mode"].change(control_state, [page.controls["mode"]], page.sampling, api_name=False,
+                                 concurrency_limit=None)
+    return sync
+
+
+def model_outputs(page: Page) -> list:
+    """What ``sync`` updates, in its order."""
+    return [page.status, page.note, page.send, page.controls["tree"], page.controls["max_new_tokens"],
+            page.controls["mode"], *page.sampling, page.timer, page.shown_version]

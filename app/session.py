@@ -1,0 +1,92 @@
+"""Per-tab state: the conversation as the tab shows it, the tab's KV caches and Stop flag, and
+the line every request waits in for the one model."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Turn:
+    """One exchange as the tab shows it. Only turns with a reply reach the model's prompt;
+    ``note`` (an error or notice) is shown in the chat and never sent to the model."""
+
+    user: str
+    reply: str | None = None       # Medusa's answer, plain text; None if it failed
+    shown: str = ""                # the same as displayed (HTML, maybe with head colouring)
+    baseline: str | None = None    # the plain-decoding pane's answer in comparison mode
+    baseline_shown: str = ""
+    note: str | None = None
+
+
+class Session:
+    """Per-tab state, kept in a gr.State: the conversation, one KV cache per decoder (the
+    baseline pane's cache must not rewind Medusa's every turn) and the Stop flag."""
+
+    def __init__(self) -> None:
+        self.turns: list[Turn] = []
+        self.first_turn = 0                 # turns before this were cut to fit the context
+        self.cancel = threading.Event()
+        self.caches: dict[str, object] = {}
+        self.engine: weakref.ref | None = None   # the engine the caches belong to
+        self.busy = threading.Lock()        # one request per tab at a time
+        self.export_dir: Path | None = None  # the tab's export files (app/transcript.py), made on first use
+
+    def exchanges(self) -> list[tuple[int, str, str]]:
+        """(turn index, user, reply) of the turns the next prompt may hold."""
+        return [(i, t.user, t.reply) for i, t in enumerate(self.turns)
+                if i >= self.first_turn and t.user and t.reply is not None]
+
+    def __deepcopy__(self, memo: dict) -> "Session":
+        # gr.State deep-copies its value; a Session is made fresh per tab and holds locks
+        return self
+
+    def drop_caches(self) -> None:
+        self.caches.clear()
+
+    def restart(self) -> None:
+        """A new conversation: forget the turns; rewind the caches (keeping their buffers and
+        captured CUDA graphs) unless an answer is running, which ends at the cancel."""
+        self.cancel.set()
+        self.turns.clear()
+        self.first_turn = 0
+        if self.busy.acquire(blocking=False):
+            try:
+                for cache in self.caches.values():
+                    cache.rewind(0)
+            finally:
+                self.busy.release()
+
+    def caches_for(self, engine: object) -> dict[str, object]:
+        if self.engine is None or self.engine() is not engine:   # another model: its caches are useless
+            self.caches.clear()
+            self.engine = weakref.ref(engine)
+        return self.caches
+
+
+class RequestQueue:
+    """First come, first served access to the model; waiting callers learn their place."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._waiting: list[object] = []   # the head of the line is generating
+
+    def join(self) -> object:
+        ticket = object()
+        with self._cond:
+            self._waiting.append(ticket)
+        return ticket
+
+    def wait(self, ticket: object, timeout: float) -> int:
+        """Block up to ``timeout`` s for the model; return how many are ahead (0 = our turn)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._waiting[0] is ticket, timeout)
+            return self._waiting.index(ticket)
+
+    def leave(self, ticket: object) -> None:
+        with self._cond:
+            self._waiting.remove(ticket)
+            self._cond.notify_all()

@@ -1,0 +1,37 @@
+"""What a request asks the engine for: the decoding settings (medusa_core/decoding/config.py,
+where their defaults and limits live) plus the page's own choices, the tree and the head colouring.
+The page and the OpenAI endpoint both build one by field name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from medusa_core.decoding.config import SETTINGS, DecodeConfig, limits, number
+
+
+@dataclass(frozen=True)
+class Settings(DecodeConfig):
+    tree: str | None = None        # a name from the engine's tree choices; None = the engine's default
+    colour_heads: bool = False
+
+    @classmethod
+    def parse(cls, **raw) -> "Settings":
+        """Settings from raw control (or API) values, by name; ValueError names the bad value and the fix."""
+        values: dict = {}
+        for name, value in raw.items():
+            if name == "tree":
+                values[name] = value or None
+            elif name == "colour_heads":
+                values[name] = bool(value)
+            elif name == "seed":        # blank or negative: a random seed
+                seed = None if value is None or value == "" else number("seed", value, int)
+                values[name] = None if seed is None or seed < 0 else seed
+            elif name in SETTINGS:
+                kind = limits(name).kind
+                values[name] = value if kind is str else number(name, value, kind)
+            else:
+                raise ValueError(f"setting {name!r} is unknown: use {', '.join(f.name for f in fields(cls))}")
+        return cls(**values)
+
+    def decode_config(self) -> DecodeConfig:
+        return DecodeConfig(**{name: getattr(self, name) for name in SETTINGS})

@@ -1,0 +1,232 @@
+"""Cost of one decoding step at real shapes, on random models (CUDA or CPU; ``python -m
+medusa_core.bench_gpu``, its first name, runs it too).
+
+It times step.DecodeStep, the object generate() runs, per tree size:
+  eager    the step run eagerly, steps queued back to back (launch-bound on a GPU)
+  graphed  its CUDA graph replayed, back to back (device time)
+  loop     generate() around it: wall time per step, host work and the one sync included
+and two references that are not the project's code: the stock transformers forward
+with a StaticCache and a 4D tree mask captured in one CUDA graph (the limit of this
+design), and transformers' own generate() (dynamic and static cache).
+
+Speed does not depend on weight values, so the backbone and heads are random
+(normal, std 0.02: never all zeros) with the shapes of Llama-7B and 5 Medusa
+heads. Acceptance does depend on them, so it is not measured here: each tree is
+grown from head accuracies (default: the published Vicuna-7B top-1 figures) and
+its expected tokens per step divides the measured overhead into a projected speedup.
+
+    python -m medusa_core.bench_synthetic --hf-generate --json out/gpu.json           # 7B, bf16 + NF4, on CUDA
+    python -m medusa_core.bench_synthetic --shape tiny --device cpu --quant none      # smoke check, no speed claims
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from .benchmarks.step_report import QuantResult, TreeRow, environment, fold_reports, format_result, summary
+from .benchmarks.step_timing import (copy_bandwidth, prefilled_cache, time_hf_generate, time_loop,
+                                     time_step, time_stock_forward)
+from .benchmarks.synthetic import (DTYPE, SHAPES, build_heads, build_model, check_not_zero, quantize_backbone_,
+                                   save_random_checkpoint, weight_bytes)
+from .decoding.tree import build_tree_buffers, expected_tokens_per_step, tree_of_size
+from .heads.accuracy import PUBLISHED_ACCURACIES, RANK_DECAY, TOP_K, rank_table
+from .quant.bnb import NF4_KERNELS
+
+
+def bench_quant(args, quant: str, device: torch.device) -> list[QuantResult]:
+    """One backbone precision: for NF4, one result per ``--nf4-kernel`` choice on the same weights."""
+    shape = SHAPES[args.shape]
+    model = build_model(shape, device, args.seed)
+    heads = build_heads(shape, len(args.accuracies), device, args.seed + 1)
+    check_not_zero([model, heads])
+    if args.heads_quant == "nf4":
+        from .heads.quantize import quantize_projections
+        quantize_projections(heads, DTYPE)
+    results = []
+    if quant == "nf4":
+        from .quant.bnb import use_nf4_kernel
+
+        quantize_backbone_(model)
+        for kernel in args.nf4_kernel:
+            routing = use_nf4_kernel(model, kernel)
+            print(f"  [{quant}] {routing}", file=sys.stderr, flush=True)
+            results.append(measure(args, model, heads, "nf4" if kernel == "auto" else f"nf4-{kernel}", routing, device))
+    else:
+        results.append(measure(args, model, heads, quant, "", device))
+    del model, heads
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return results
+
+
+def measure(args, model, heads, label: str, routing: str, device: torch.device) -> QuantResult:
+    shape = SHAPES[args.shape]
+    table = rank_table(args.accuracies, decay=args.rank_decay)
+    sizes = sorted({1, *args.tree_sizes})
+    trees = {n: build_tree_buffers(tree_of_size(table, n), len(args.accuracies), TOP_K, DTYPE, device) for n in sizes}
+    on_cuda = device.type == "cuda"
+
+    # the loop reserves room for its whole reply, so every tree gets the same bucket
+    room = args.context + args.warmup + args.iters + 2 + max(sizes)
+    cache, prompt = prefilled_cache(model, args.context, room, args.seed)
+    loop_cache, _ = prefilled_cache(model, args.context, room, args.seed)
+    decoder, lm_head = model.get_decoder(), model.get_output_embeddings()
+    weights = weight_bytes(decoder) - weight_bytes(decoder.embed_tokens) + weight_bytes(lm_head)
+    heads_bytes = weight_bytes(heads)
+    kv = 2 * shape.layers * shape.hidden * args.context * torch.finfo(DTYPE).bits // 8
+    rows, base_ms = [], None
+    for n, tree in trees.items():
+        # eager attends over the used KV slots only (KVCache.narrowed), the graph over the whole bucket
+        eager = time_step(model, heads, tree, cache, False, args.iters, args.warmup)
+        graphed = time_step(model, heads, tree, cache, True, args.iters, args.warmup) if on_cuda else None
+        stock = time_stock_forward(model, tree, args.context, cache.capacity, args.iters, args.warmup)
+        loop, tokens = time_loop(model, heads, tree, loop_cache, prompt, None, args.iters, args.warmup)
+        loop_ms = 1000 * loop
+        base_ms = base_ms or loop_ms
+        overhead = loop_ms / base_ms
+        acc = expected_tokens_per_step(tree.paths, table)
+        host_ms = loop_ms - 1000 * graphed if graphed is not None else None
+        read = weights + kv + (heads_bytes if tree.num_heads else 0)
+        rows.append(TreeRow(
+            n, tree.num_heads, 1000 * eager, _ms(graphed), loop_ms, _ms(stock), host_ms,
+            None if host_ms is None else 100 * host_ms / loop_ms, overhead, acc, acc / overhead, tokens,
+            read, read / loop / 1e9))
+        print(f"  [{label}] tree {n}: loop {loop_ms:.3f} ms", file=sys.stderr, flush=True)
+    hf: dict[str, float | str] = {}
+    ratio = None
+    if args.hf_generate:
+        hf = {k: 1000 * v if isinstance(v, float) else v
+              for k, v in time_hf_generate(model, args.context, args.iters, device).items()}
+        times = [v for v in hf.values() if isinstance(v, float)]
+        ratio = base_ms / min(times) if times else None
+    capacity = cache.capacity
+    del cache, loop_cache
+    return QuantResult(label, routing, weights, heads_bytes, kv, capacity, copy_bandwidth(device, args.iters) / 1e9,
+                       hf, ratio, tuple(rows))
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1000 * seconds
+
+
+def parser(cuda: bool) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m medusa_core.bench_synthetic", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if cuda else "cpu")
+    p.add_argument("--shape", choices=sorted(SHAPES), help="default: 7b on CUDA, tiny otherwise")
+    p.add_argument("--quant", nargs="+", choices=("none", "nf4"), help="backbone precisions (default: none nf4 on CUDA, none otherwise)")
+    p.add_argument("--heads-quant", choices=("none", "nf4"), default="none", help="NF4 heads' vocab projections")
+    p.add_argument("--nf4-kernel", nargs="+", choices=NF4_KERNELS, default=["auto"],
+                   help="who multiplies NF4 layers, one result each: auto (by measurement on CUDA, bnb elsewhere), "
+                        "triton (the kernel), bnb (bitsandbytes)")
+    p.add_argument("--tree-sizes", nargs="+", type=int, default=[1, 4, 8, 16, 32, 64, 128])
+    p.add_argument("--context", type=int, default=512, help="prefix length in the cache while timing")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--accuracies", nargs="+", type=float, default=list(PUBLISHED_ACCURACIES),
+                   help="top-1 accuracy of each head (one per head), e.g. the top1 list in a calibrate report")
+    p.add_argument("--rank-decay", type=float, default=RANK_DECAY, help="rank i of a head counts a * decay**i")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hf-generate", action="store_true", help="also time transformers' greedy generate() per token")
+    p.add_argument("--json", help="write everything here")
+    p.add_argument("--fold", nargs="+", metavar="JSON",
+                   help="only merge: a bench_synthetic JSON, then later bench_synthetic, nf4_kernel and bench JSONs, into --json")
+    p.add_argument("--save-checkpoint", metavar="DIR",
+                   help="only write a random --shape model (bf16) and heads to DIR/backbone and DIR/heads, for bench")
+    return p
+
+
+def fold_command(args) -> int:
+    """--fold: merge earlier JSON reports into --json; nothing is measured."""
+    if not args.json:
+        print("error: --fold needs --json OUT to write the merged report to", file=sys.stderr)
+        return 1
+    try:
+        report = fold_reports(Path(args.fold[0]), [Path(f) for f in args.fold[1:]])
+    except (OSError, ValueError, KeyError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {args.json}")
+    return 0
+
+
+def checked_device(args, cuda: bool) -> torch.device:
+    """The device, with the defaults that depend on it filled into ``args``; ValueError or
+    ImportError (bitsandbytes) before anything is built."""
+    device = torch.device(args.device)
+    args.shape = args.shape or ("7b" if device.type == "cuda" else "tiny")
+    args.quant = args.quant or (["none", "nf4"] if device.type == "cuda" else ["none"])
+    if device.type == "cuda" and not cuda:
+        raise ValueError(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA GPU: use --device cpu --shape tiny")
+    room = SHAPES[args.shape].max_position
+    if args.context + max(args.tree_sizes) + args.iters + args.warmup + 2 > room:
+        raise ValueError(f"--context {args.context} + tree + steps exceeds the {room}-token context: lower --context")
+    if min(args.iters, args.warmup + 1, args.context) < 1:
+        raise ValueError("--iters and --context must be at least 1 and --warmup at least 0")
+    for n in args.tree_sizes:       # fail before building a 7B model
+        tree_of_size(rank_table(args.accuracies, decay=args.rank_decay), n)
+    if "nf4" in args.quant or args.heads_quant == "nf4":
+        import bitsandbytes  # noqa: F401  (fails here, not after building the bf16 model)
+    return device
+
+
+def save_checkpoint_command(args, device: torch.device) -> int:
+    """--save-checkpoint: a random model and heads on disk, for ``python -m medusa_core.bench``."""
+    try:
+        backbone, heads_dir = save_random_checkpoint(SHAPES[args.shape], len(PUBLISHED_ACCURACIES), Path(args.save_checkpoint),
+                                                    args.seed, device)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {backbone} and {heads_dir}: python -m medusa_core.bench --model {backbone} --heads {heads_dir}")
+    return 0
+
+
+def bench_command(args, device: torch.device) -> int:
+    """Time every tree size, per backbone precision, and print (and write) the results."""
+    env = environment(device)
+    print(", ".join(f"{k} {v}" for k, v in env.items()))
+    print(f"heads' top-1 accuracies {args.accuracies}; rank i of head k counts a[k] * {args.rank_decay}**i")
+    results = []
+    for quant in args.quant:
+        for result in bench_quant(args, quant, device):
+            results.append(result)
+            print(format_result(result, args.shape, args.context), flush=True)
+            if args.json:   # after every result: a later failure keeps what was measured
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                out = {"env": env, "args": vars(args), "summary": summary(results),
+                       "results": [asdict(r) for r in results]}
+                Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    if args.json:
+        print(f"wrote {args.json}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    cuda = torch.cuda.is_available()
+    args = parser(cuda).parse_args(argv)
+    if args.fold:
+        return fold_command(args)
+    try:
+        device = checked_device(args, cuda)
+    except ImportError as err:
+        print(f"error: NF4 needs bitsandbytes ({err}): pip install bitsandbytes==0.50.2, or pass --quant none", file=sys.stderr)
+        return 1
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return save_checkpoint_command(args, device) if args.save_checkpoint else bench_command(args, device)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

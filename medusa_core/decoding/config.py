@@ -1,0 +1,111 @@
+"""The decoding settings: their names, defaults, limits and help text, in one place.
+
+Everything that offers or checks a decoding setting reads it from here: the page's controls and
+its per-request Settings (app/), the CPU default's choices, the step's device parameters, the
+OpenAI endpoint and the command lines. Values travel by field name, never by position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+Mode = Literal["greedy", "sample", "typical"]
+MODES: tuple[str, ...] = ("greedy", "sample", "typical")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a setting may be: ``low``/``high`` bound it (None: unbounded; ``open_low``: ``low`` itself is
+    refused); ``slider`` is the (min, max, step) a page offers, which may be narrower than the limits."""
+
+    label: str
+    help: str
+    kind: type = float
+    low: float | None = None
+    high: float | None = None
+    open_low: bool = False
+    slider: tuple[float, float, float] | None = None
+    fix: str = ""                 # how to put an out-of-range value right, for the error
+
+
+def _setting(default: Any, limits: Limits):
+    return field(default=default, metadata={"limits": limits})
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    mode: Mode = _setting("greedy", Limits(
+        "Decoding mode", "greedy: the argmax; sample: exact sampling; typical: typical acceptance", kind=str))
+    temperature: float = _setting(0.7, Limits(
+        "Temperature", "sample/typical; 0 is greedy", low=0, slider=(0, 2, 0.05),
+        fix="use 0 (greedy) or more"))
+    top_p: float = _setting(1.0, Limits(
+        "Top-p", "sample only: keep the smallest set of tokens holding this much probability",
+        low=0, high=1, open_low=True, slider=(0, 1, 0.01), fix="use a value in (0, 1]"))
+    top_k: int = _setting(0, Limits(
+        "Top-k", "sample only; 0 = off", kind=int, low=0, fix="use 0 (off) or a positive count"))
+    epsilon: float = _setting(0.09, Limits(
+        "ε: posterior threshold (typical)", "typical: a guess is kept while its probability is above "
+        "min(ε, δ·exp(-entropy))", low=0, high=1, fix="use a value in [0, 1]"))
+    delta: float = _setting(0.3, Limits(
+        "δ: posterior alpha (typical)", "typical: how far the threshold falls with the entropy",
+        low=0, high=1, fix="use a value in [0, 1]"))
+    max_new_tokens: int = _setting(256, Limits(
+        "Max new tokens", "the reply's length limit", kind=int, low=1))
+    seed: int | None = _setting(None, Limits("Seed (-1: random)", "sampling seed; none: random", kind=int))
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode {self.mode!r} is unknown: use one of {', '.join(MODES)}")
+        for f in fields(DecodeConfig):
+            limits: Limits = f.metadata["limits"]
+            value = getattr(self, f.name)
+            if limits.kind is str or value is None:
+                continue
+            if limits.low is not None and (value < limits.low or (limits.open_low and value == limits.low)):
+                raise ValueError(_below(f.name, value, limits))
+            if limits.high is not None and value > limits.high:
+                raise ValueError(f"{f.name} {value} is out of range: {limits.fix}")
+
+    @property
+    def greedy(self) -> bool:
+        """The one definition: the argmax token at every position. Sampling and typical acceptance
+        at temperature 0 are greedy too (typical then accepts exactly the argmax tokens)."""
+        return self.mode == "greedy" or self.temperature == 0
+
+    def sampling_params(self) -> tuple[float, float, float, float]:
+        """(temperature, top_p, epsilon, delta): the values a captured step reads from the device."""
+        return (self.temperature, self.top_p, self.epsilon, self.delta)
+
+
+def _below(name: str, value, limits: Limits) -> str:
+    if not limits.fix:
+        return f"{name} {value} must be at least {limits.low}"
+    if limits.low == 0 and limits.high is None:
+        return f"{name} {value} is negative: {limits.fix}"
+    return f"{name} {value} is out of range: {limits.fix}"
+
+
+def limits(name: str) -> Limits:
+    """The limits and help of the DecodeConfig field ``name``."""
+    return SETTINGS[name].metadata["limits"]
+
+
+def default(name: str):
+    return SETTINGS[name].default
+
+
+def number(name: str, value, kind: type = float):
+    """A raw control or request value as the number ``name`` needs; ValueError names the value and the fix."""
+    try:
+        result = kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} {value!r} is not a number: give one, e.g. {kind(1)}") from None
+    if kind is int and result != float(value):
+        raise ValueError(f"{name} {value!r} is not a whole number: give an integer")
+    return result
+
+
+SETTINGS = {f.name: f for f in fields(DecodeConfig)}
+DEFAULTS = DecodeConfig()

@@ -1,0 +1,1 @@
+"""Medusa heads: the module, every published file layout, head quantization, what heads are worth."""

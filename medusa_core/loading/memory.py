@@ -1,0 +1,33 @@
+"""One line on the memory a loaded model and its heads hold."""
+
+from __future__ import annotations
+
+import resource
+from pathlib import Path
+
+import torch
+
+from ..heads.medusa_heads import MedusaHeads
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def memory_report(model, heads: MedusaHeads | None, device: str) -> str:
+    weights = model.get_memory_footprint()
+    # buffers too: a proposal vocabulary's copy of lm_head rows (14 MB for SmolLM2's)
+    tensors = [*heads.parameters(), *heads.buffers()] if heads is not None else []
+    head_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    parts = f"weights {_size(weights)} + heads {_size(head_bytes)}"
+    if device.startswith("cuda"):
+        index = torch.device(device).index or 0
+        total = torch.cuda.get_device_properties(index).total_memory
+        return (f"GPU memory {_size(torch.cuda.memory_allocated(index))} allocated, "
+                f"{_size(torch.cuda.memory_reserved(index))} reserved of {_size(total)} ({parts})")
+    status = Path("/proc/self/status")
+    if status.is_file():
+        rss = next((int(l.split()[1]) * 1024 for l in status.read_text().splitlines() if l.startswith("VmRSS:")), 0)
+        return f"process RSS {_size(rss)} ({parts})"
+    # no /proc (macOS): the peak is what getrusage offers (bytes there)
+    return f"peak RSS {_size(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)} ({parts})"

@@ -1,0 +1,140 @@
+"""Defaults that depend on the machine: which device, quantization and compute dtype a load gets,
+and which tree a model's heads decode with when the user names none (tuned on this machine where
+the heads carry accuracies, a preset where they do not)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..decoding.tree import build_tree_buffers, resolve_tree
+from ..errors import LoadError
+from ..heads.accuracy import head_accuracy
+from ..heads.medusa_heads import MedusaHeads
+from . import smollm2
+from .assets import CPU_DEFAULT_CALIBRATION, CPU_DEFAULT_TREE
+from .spec import LoadSpec
+from .tree_tuning import Progress, TunedTree, tuned_tree
+
+CUDA_MODEL = "lmsys/vicuna-7b-v1.3"
+CUDA_HEADS = "FasterDecoding/medusa-vicuna-7b-v1.3"
+QUANTS = ("auto", "nf4", "int8", "int4", "none")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HEADS_QUANTS = ("none", "nf4")
+# Default trees for published heads, keyed by the exact repo id (never a substring of it): the tree
+# a repo's heads decode with where no accuracies tune one (pick_tree). A tree may not be deeper than
+# the heads are many: depth d reads head d-1. Over NF4 on CUDA, mc_sim_7b_63 becomes its best 16
+# nodes (choose_tree).
+TREE_BY_HEADS = {
+    # Medusa-1, 5 heads each (their configs say 2): the reference ships mc_sim_7b_63 (depth 4) as its
+    # default for all three Vicuna sizes. These heads carry published accuracies, so the loader tunes
+    # a tree from those; this preset is what --tree and the table promise.
+    "FasterDecoding/medusa-vicuna-7b-v1.3": "mc_sim_7b_63",
+    "FasterDecoding/medusa-vicuna-13b-v1.3": "mc_sim_7b_63",
+    "FasterDecoding/medusa-vicuna-33b-v1.3": "mc_sim_7b_63",
+    # Medusa-2 (the backbone fine-tuned with its 5 heads): the reference decodes it with its own
+    # zephyr_stage2 tree (63 nodes, depth 4, not a preset here); mc_sim_7b_63 has the same size and
+    # depth and is the reference's default for heads without a tree of their own.
+    "FasterDecoding/medusa-1.0-zephyr-7b-beta": "mc_sim_7b_63",
+    # 3 heads each (so depth 3 at most, where the mc_sim trees need 4), and no published accuracies:
+    # the top-2 guesses of every head, 14 nodes, inside the 16-row budget a 4-bit backbone on CUDA
+    # affords (docs/performance.md). TGI itself speculates a chain of the 3 top-1 guesses.
+    "text-generation-inference/Mistral-7B-Instruct-v0.2-medusa": "cartesian-2x2x2",
+    "philschmid/llama-3-1-8b-instruct-medusa": "cartesian-2x2x2",
+}
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as err:
+        raise LoadError(f"device {device!r} is unknown: use auto, cpu, cuda or cuda:N") from err
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise LoadError(f"device {device!r} was asked for but torch sees no CUDA GPU: use --device cpu, or install a CUDA build of torch")
+    return device
+
+
+def resolve_quant(quant: str, device: str, cpu_default: bool = False, dtype: torch.dtype = torch.float32) -> str:
+    """nf4/int8: bitsandbytes; int4: torch's CPU kernel (cpu_int4.py). auto: nf4 on CUDA; on the CPU,
+    int4 for the CPU default in fp32, whose weights are 4-bit already (GGUF Q4_1), if measured faster
+    there, and none for any other model, which int4 would really quantize."""
+    if quant not in QUANTS:
+        raise LoadError(f"quant {quant!r} is unknown: use one of {', '.join(QUANTS)}")
+    on_cpu = torch.device(device).type == "cpu"
+    if quant == "int4" and not on_cpu:
+        raise LoadError(f"quant 'int4' is torch's CPU kernel and the device is {device}: use --device cpu, "
+                        "or --quant nf4 on CUDA")
+    if quant == "auto":
+        if device.startswith("cuda"):
+            return "nf4"
+        return "int4" if on_cpu and cpu_default and dtype == torch.float32 else "none"
+    return quant
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        if device.startswith("cuda"):
+            # bf16 keeps fp32's range; fp16 only where the GPU lacks bf16 (pre-Ampere)
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if dtype not in DTYPES:
+        raise LoadError(f"dtype {dtype!r} is unknown: use auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+
+def choose_tree(heads_source: str | None, heads: MedusaHeads | None, device: str, bundled: bool,
+                quant: str = "none") -> str:
+    """Explicit table first, then the bundled heads' calibrated tree (``bundled``: the heads are
+    assets/smollm2/heads), then a preset sized for the device.
+    Over a 4-bit backbone on CUDA the 64-node tree gives way to its best 16 nodes: there every
+    verified row costs, and the smaller tree projects the better speedup with the published head
+    accuracies (docs/performance.md, "Default tree over NF4 on CUDA")."""
+    if heads is None:
+        return "baseline"
+    if heads_source in TREE_BY_HEADS:
+        tree = TREE_BY_HEADS[heads_source]
+        return "mc_sim_7b_16" if tree == "mc_sim_7b_63" and quant == "nf4" and device.startswith("cuda") else tree
+    if bundled:
+        return str(CPU_DEFAULT_TREE)
+    n = heads.config.num_heads
+    if device.startswith("cuda"):
+        # a bf16 GPU verifies 64 nodes for little more than the price of one, while NF4 pays for every
+        # row (docs/performance.md); the mc_sim trees need depth 4
+        if n >= 4:
+            return "mc_sim_7b_16" if quant == "nf4" else "mc_sim_7b_63"
+        return "cartesian-" + "x".join(["6", "4", "3"][:n])
+    # on CPU every node costs: small trees (small-16 has depth 5, small-8 depth 4)
+    return "small-16" if n >= 5 else "small-8" if n == 4 else f"chain-{n}"
+
+
+def pick_tree(spec: LoadSpec, model, tokenizer, heads: MedusaHeads | None, heads_dir: Path | None, device: str,
+              bundled: bool, quant: str, dtype: torch.dtype, progress: Progress) -> tuple[str, str, TunedTree | None]:
+    """(default tree, one line saying why, the tuner's choice): the user's --tree; else the tree tuned
+    on this machine from the heads' accuracies (cached per machine, model, heads and mode); else,
+    for heads that carry no accuracies, a preset (choose_tree)."""
+    if heads is None:
+        return "baseline", "", None
+    if spec.tree:
+        build_tree_buffers(resolve_tree(spec.tree), heads.config.num_heads)   # TreeError: it does not fit
+        return spec.tree, f"tree {Path(spec.tree).name if spec.tree.endswith('.json') else spec.tree} (set by --tree)", None
+    accuracy = head_accuracy(heads_dir, spec.heads, heads.config.num_heads,
+                             calibration=CPU_DEFAULT_CALIBRATION if bundled else None)
+    if accuracy is None:
+        tree = choose_tree(spec.heads, heads, device, bundled, quant)
+        return tree, (f"tree {tree}: a preset, since these heads carry no accuracies to tune a tree with "
+                      "(python -m medusa_core.calibrate --out HEADS_DIR/tree.json measures them)"), None
+    mode = {"device": device, "quant": quant, "dtype": str(dtype), "nf4_kernel": spec.nf4_kernel,
+            "heads_quant": spec.heads_quant}
+    try:
+        tuned, tree_file = tuned_tree(model, heads, tokenizer, accuracy.table, accuracy.source, heads_dir=heads_dir,
+                                      mode=json.dumps(mode, sort_keys=True), cache_root=smollm2.cache_root(),
+                                      retune=spec.retune, progress=progress)
+    except OSError as err:
+        raise LoadError(f"could not write the tuned tree into {smollm2.cache_root()} ({err.strerror or err}): "
+                        f"set {smollm2.CACHE_ENV} to a writable directory, or pass --tree") from None
+    return (str(tree_file) if tuned.pays else "baseline"), tuned.line(), tuned

@@ -1,0 +1,19 @@
+"""What format a loaded backbone's weights are in, in one word the page can explain a greedy
+divergence with: 4-bit weights computed in a compute dtype differ with the number of rows in a
+matmul unless the mode is row-exact."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .cpu_int4 import Int4Linear, exact_mode
+
+
+def weights_format(model: nn.Module) -> str | None:
+    """"NF4" (bitsandbytes: integer parameters), "int4" (the CPU's row-exact int4 mode), "int4/bf16"
+    (int4 where trees may differ), or None when the weights are in the compute dtype."""
+    if any(not p.is_floating_point() for p in model.parameters()):
+        return "NF4"
+    if any(isinstance(m, Int4Linear) for m in model.modules()):
+        return "int4" if exact_mode(model) else "int4/bf16"
+    return None

@@ -1,0 +1,228 @@
+"""The head training loop: warm-up and cosine schedule, periodic held-out evaluation and
+resumable checkpoints; ``main_with_config`` runs a whole training from a TrainConfig (the command
+line is ``python -m medusa_core.train``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..heads.files import PROPOSAL_FILE
+from ..heads.medusa_heads import HeadsConfig, MedusaHeads
+from . import data
+from .evaluation import rank_counts, rank_histogram
+from .loss import Positions, backbone_hidden, cached_positions, head_loss, padded, positions
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: str                          # backbone directory (save_pretrained layout)
+    out: str                            # heads directory written with save_heads
+    prompts: str | None = None          # JSONL {"prompt": ...}: self-distillation
+    corpus: tuple[str, ...] = ()        # text files, or JSONL with "text" (or "prompt" + "answer")
+    work_dir: str | None = None         # answers, checkpoints, report; default: --out/work
+    answers: str | None = None          # self-distilled answers (made if missing); default: WORK_DIR/distill_answers.jsonl
+    base_model: str | None = None       # the backbone the heads' config names (default: model)
+    raw_prompts: bool = False           # prompts are fed as raw text, not through the chat template
+    num_heads: int = 5
+    num_layers: int = 1
+    own_projection: bool = True         # False: heads reuse the backbone's lm_head ("version 2")
+    answer_tokens: int = 256            # tokens generated per answer (at most)
+    distill_batch: int = 1              # answers generated together (transformers' batched generate if > 1)
+    temperatures: tuple[float, ...] = (0.0,)   # one answer per prompt and temperature (0: greedy)
+    seq_len: int = 512                  # corpus chunk length
+    steps: int = 1000
+    batch_size: int = 8
+    lr: float = 1e-3
+    decay: float = 0.8                  # lambda_k = decay**k
+    eval_every: int = 200
+    held_out: float = 0.05              # fraction of sequences kept for top-1/top-5 evaluation
+    resume: bool = False
+    load_in_4bit: bool = False          # CUDA: NF4 backbone via bitsandbytes
+    device: str = "cpu"
+    seed: int = 0
+    dtype: str = "float32"              # backbone compute dtype (distillation and hidden states); heads train in fp32
+    threads: int = 0                    # CPU threads for torch (0: torch's default)
+    init_heads: str | None = None       # start from these heads (their layout and proposal vocabulary)
+    root_conditioned: bool = False      # heads also read the root token (heads.RootBlock; zero-initialised)
+    root_lr: float | None = None        # the root blocks' learning rate (default: lr)
+    cache_hidden: bool = False          # hidden states computed once, then `positions` random positions per step
+    positions: int = 4096               # positions per step with cache_hidden (batch_size counts sequences otherwise)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype {self.dtype!r} is unknown: use float32, bfloat16 or float16")
+        if (self.prompts is None) == (not self.corpus):
+            raise ValueError("give exactly one data source: --prompts FILE.jsonl (self-distillation) or --corpus FILES")
+        if self.steps < 1 or self.batch_size < 1:
+            raise ValueError(f"steps {self.steps} and batch_size {self.batch_size} must be at least 1")
+        if not 0 < self.held_out < 1:
+            raise ValueError(f"held_out {self.held_out} must be a fraction in (0, 1)")
+        if self.cache_hidden and self.positions < 1:
+            raise ValueError(f"positions {self.positions} must be at least 1")
+
+
+def lr_at(step: int, steps: int, lr: float) -> float:
+    """Linear warmup over 5% of the steps, then cosine decay to 10%."""
+    warmup = max(1, steps // 20)
+    return lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * step / steps)))
+
+
+def train_heads(model: nn.Module, heads: MedusaHeads, rows: list[tuple[list[int], list[int]]],
+                held: list[tuple[list[int], list[int]]], config: TrainConfig, pad: int, work: Path) -> dict:
+    """The training loop with progress bar, periodic evaluation and resumable checkpoints."""
+    from tqdm import tqdm
+
+    device = model.get_output_embeddings().weight.device
+    lm_head = model.get_output_embeddings()
+    num_heads = heads.config.num_heads
+    groups, base_lrs = [{"params": list(heads.heads.parameters())}], [config.lr]
+    if heads.root is not None:
+        groups.append({"params": list(heads.root.parameters())})
+        base_lrs.append(config.lr if config.root_lr is None else config.root_lr)
+    # the schedule's peak rates stay with this run's config, not in the optimizer state: a resumed
+    # run follows the --lr / --root-lr it was given
+    opt = torch.optim.AdamW(groups, lr=config.lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(config.seed)
+    ckpt_path = work / "checkpoint.pt"
+    if config.cache_hidden:
+        train_cache = cached_positions(model, rows, pad, num_heads, desc="hidden states (train)")
+        held_cache = cached_positions(model, held, pad, num_heads, desc="hidden states (held-out)")
+        print(f"cached {len(train_cache):,} training and {len(held_cache):,} held-out positions", flush=True)
+    if device.type == "cuda":
+        # TF32 matmuls from here on: the heads' vocabulary projections per step dominate, and their
+        # gradients do not need fp32's last bits (answers and cached hidden states are made by now)
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+    def next_batch() -> Positions:
+        if config.cache_hidden:
+            return train_cache.select(torch.randint(len(train_cache), (config.positions,), generator=gen).to(device))
+        pick = torch.randint(len(rows), (min(config.batch_size, len(rows)),), generator=gen).tolist()
+        ids, targets = padded([rows[i] for i in pick], pad, device)
+        return positions(backbone_hidden(model, ids).to(next(heads.parameters()).dtype), ids, targets, num_heads)
+
+    def evaluate() -> dict:
+        if config.cache_hidden:
+            return held_out_accuracy(heads, lambda: (rank_counts(heads, lm_head, held_cache.select(slice(i, i + 8192)), 5)
+                                                     for i in range(0, len(held_cache), 8192)))
+        batches = (padded(held[i:i + config.batch_size], pad, device) for i in range(0, len(held), config.batch_size))
+        return held_out_accuracy(heads, lambda: [rank_histogram(heads, model, batches, top_k=5)])
+
+    start, history = resume(ckpt_path, heads, opt, gen, device) if config.resume else (0, [])
+
+    heads.train()
+    bar = tqdm(range(start, config.steps), desc="heads", initial=start, total=config.steps, mininterval=5)
+    for step in bar:
+        for group, base_lr in zip(opt.param_groups, base_lrs):
+            group["lr"] = lr_at(step, config.steps, base_lr)
+        batch = next_batch()
+        opt.zero_grad(set_to_none=True)
+        loss = head_loss(heads, batch, lm_head, config.decay, backward=True)
+        opt.step()
+        # the batch's own top-1 flatters (the heads just trained on it): show the last held-out figure
+        held_top1 = f"{history[-1]['top1'][0]:.2f}" if history else "-"
+        bar.set_postfix(loss=f"{loss.total.item():.3f}", held_out_top1=held_top1, refresh=False)
+        done = step + 1
+        if done % config.eval_every == 0 or done == config.steps:
+            result = {"step": done, "loss": round(loss.total.item(), 4), **evaluate()}
+            history.append(result)
+            tqdm.write(f"step {done}: held-out top-1 {result['top1']} top-5 {result['top5']}")
+            torch.save({"heads": heads.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
+                        "step": done, "history": json.dumps(history)}, ckpt_path)
+    heads.eval()
+    sizes = {"train_positions": len(train_cache), "held_out_positions": len(held_cache)} if config.cache_hidden else {}
+    return {**sizes, "history": history, "final": history[-1] if history else None}
+
+
+def held_out_accuracy(heads: MedusaHeads, counts) -> dict:
+    """Top-1 and top-5 accuracy per head from ``counts()``, an iterable of (heads, 6) rank-count
+    tensors computed with the heads in eval mode."""
+    heads.eval()
+    total_counts = sum(counts(), torch.zeros(heads.config.num_heads, 6, dtype=torch.long))
+    heads.train()
+    total = total_counts.sum(1).clamp(min=1)
+    return {"top1": [round(v, 4) for v in (total_counts[:, 0] / total).tolist()],
+            "top5": [round(v, 4) for v in (total_counts[:, :5].sum(1) / total).tolist()]}
+
+
+def resume(ckpt_path: Path, heads: MedusaHeads, opt: torch.optim.Optimizer, gen: torch.Generator,
+           device: torch.device) -> tuple[int, list[dict]]:
+    """Heads, optimizer and sampling state from the checkpoint; (its step, its history)."""
+    if not ckpt_path.is_file():
+        raise FileNotFoundError(f"--resume given but {ckpt_path} does not exist: drop --resume to start fresh")
+    # weights_only: a checkpoint holds tensors and numbers only
+    ckpt = torch.load(ckpt_path, map_location=device, weights_only=True)
+    heads.load_state_dict(ckpt["heads"])
+    opt.load_state_dict(ckpt["optimizer"])
+    gen.set_state(ckpt["generator"].cpu())
+    print(f"resumed from {ckpt_path} at step {ckpt['step']}", flush=True)
+    return ckpt["step"], json.loads(ckpt["history"])
+
+
+def warm_start(directory: str, model: nn.Module, root_conditioned: bool) -> MedusaHeads:
+    """Heads saved in ``directory`` (checked against ``model``, with their proposal vocabulary), given
+    zero root blocks if ``root_conditioned`` and they have none: they start exactly where they were."""
+    from ..heads.files import load_heads_dir
+
+    saved = load_heads_dir(directory, model)
+    if not root_conditioned or saved.config.root_conditioned:
+        return saved
+    heads = MedusaHeads(replace(saved.config, root_conditioned=True))
+    heads.heads.load_state_dict(saved.heads.state_dict())
+    heads.zero_root_blocks()
+    if saved.proposal_ids is not None:
+        heads.restrict_proposals(saved.proposal_ids, model.get_output_embeddings())
+    return heads
+
+
+def main_with_config(config: TrainConfig) -> dict:
+    """Load the backbone, build (or reuse) the data, train, save the heads; returns the report."""
+    from ..heads.files import save_heads
+    from ..loading.load import load_backbone, load_backbone_dir
+
+    torch.manual_seed(config.seed)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    work = Path(config.work_dir or Path(config.out) / "work")
+    work.mkdir(parents=True, exist_ok=True)
+    if config.load_in_4bit:
+        if not config.device.startswith("cuda"):
+            raise ValueError(f"--load-in-4bit needs a CUDA device, got --device {config.device}: "
+                             "drop --load-in-4bit on CPU")
+        model, tokenizer = load_backbone(config.model, config.device, "nf4", torch.bfloat16)
+    else:
+        model, tokenizer = load_backbone_dir(config.model, device=config.device, dtype=getattr(torch, config.dtype))
+    if config.prompts:
+        rows = data.distilled_rows(model, tokenizer, config.prompts, config.raw_prompts,
+                                         config.answer_tokens, Path(config.answers or work / "distill_answers.jsonl"),
+                                         config.distill_batch, config.temperatures, config.seed)
+    else:
+        rows = data.corpus_rows(tokenizer, config.corpus, config.seq_len)
+    rows, held = data.split_rows(rows, config.held_out, config.seed)
+    text = model.config.get_text_config()
+    lm_head = model.get_output_embeddings()
+    if config.init_heads:
+        heads = warm_start(config.init_heads, model, config.root_conditioned)
+    else:
+        heads = MedusaHeads(HeadsConfig(config.num_heads, config.num_layers, text.hidden_size,
+                                        lm_head.weight.shape[0], config.own_projection, config.root_conditioned))
+        heads.init_from_lm_head(lm_head)
+    heads.to(device=lm_head.weight.device, dtype=torch.float32).requires_grad_(True)   # fp32 master weights for AdamW
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    result = train_heads(model, heads, rows, held, config, pad, work)
+    # Saved in the backbone's dtype (bf16 for a 7B: half the file), as the loader would cast anyway.
+    save_heads(heads.to(lm_head.weight.dtype), config.out, base_model=config.base_model or config.model)
+    if heads.proposal_ids is not None:   # trained against that vocabulary: it travels with the heads
+        source, target = Path(config.init_heads) / PROPOSAL_FILE, Path(config.out) / PROPOSAL_FILE
+        if not target.exists() or not target.samefile(source):
+            shutil.copyfile(source, target)
+    report = {"config": asdict(config),
+              "train_sequences": len(rows), "held_out_sequences": len(held), **result}
+    (work / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report

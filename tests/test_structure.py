@@ -1,0 +1,54 @@
+"""The package's layering, read from the imports themselves (docs/design.md, "Architecture"):
+the decoding core stands alone, and the commands at the top of medusa_core are imported by nobody."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "medusa_core"
+COMMANDS = {"bench", "bench_gpu", "bench_synthetic", "calibrate", "export", "smol_build", "train"}
+
+
+def imports(path: Path) -> set[str]:
+    """Absolute module names ``path`` imports, relative imports resolved, at any depth of the file."""
+    package = path.relative_to(ROOT).with_suffix("").parts[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = list(package[:len(package) - node.level + 1]) if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            found.add(module)
+            if not node.module:                      # from . import a, b: the modules a and b
+                found.update(f"{module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def modules(folder: Path) -> list[Path]:
+    return sorted(folder.rglob("*.py"))
+
+
+def test_the_decoding_core_imports_no_quantization_training_benchmark_or_app_code():
+    banned = ("medusa_core.quant", "medusa_core.training", "medusa_core.benchmarks", "medusa_core.loading", "app")
+    for path in modules(PACKAGE / "decoding"):
+        wrong = sorted(m for m in imports(path) if m.startswith(banned))
+        assert not wrong, f"{path.relative_to(ROOT)} imports {wrong}: the step learns about quantization " \
+                          "through the loaded model, not an import"
+
+
+def test_the_package_never_imports_the_app_or_its_own_commands():
+    for path in modules(PACKAGE):
+        name = path.relative_to(ROOT).with_suffix("").as_posix().replace("/", ".")
+        for module in imports(path):
+            assert not module.startswith("app"), f"{name} imports {module}: the core must run without the UI"
+            command = module.removeprefix("medusa_core.")
+            if module.startswith("medusa_core.") and command in COMMANDS and name != "medusa_core.bench_gpu":
+                pytest.fail(f"{name} imports the command {module}: move what it needs into a subpackage")
+
+
+def test_top_level_holds_only_the_commands_and_errors():
+    top = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
+    assert top == COMMANDS | {"errors"}
