@@ -24,7 +24,7 @@ DEFAULT_PORT = 7860
 QUANTS = ("auto", "nf4", "int8", "int4", "none")
 DTYPES = ("float32", "bfloat16", "float16")
 HEADS_QUANTS = ("none", "nf4")
-NF4_KERNELS = ("auto", "triton", "bnb")
+NF4_KERNELS = ("auto", "triton", "bnb", "repacked", "repacked-exact")
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 API_KEY_ENV = "MEDUSA_CHAT_API_KEY"     # the same name as app.openai_api's (kept here: --help imports no torch)
 
@@ -57,7 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Medusa heads' vocabulary projections: none or nf4 (default: %(default)s)")
     m.add_argument("--nf4-kernel", default="auto", choices=NF4_KERNELS,
                    help="4-bit matmul for multi-row tree verification: auto picks by measurement on CUDA, "
-                        "bnb elsewhere; triton forces the Triton kernel (default: %(default)s)")
+                        "bnb elsewhere; triton forces the Triton kernel; repacked / repacked-exact: the "
+                        "repacked kernel, not yet measured on a GPU (default: %(default)s)")
     m.add_argument("--trust-remote-code", action="store_true", help="allow a model repo's own Python code to run")
     d = p.add_argument_group("decoding defaults (all can be changed in the page)")
     d.add_argument("--tree", help="candidate tree: a preset (mc_sim_7b_63, small-8, small-16, chain-N, "

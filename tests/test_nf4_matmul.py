@@ -234,7 +234,8 @@ def test_use_nf4_kernel_choices():
     assert swapped.weight is q_proj.weight                              # the same Params4bit: no copy
     assert "auto: the Triton kernel needs CUDA" in use_nf4_kernel(model, "auto")
     assert type(model.model.layers[0].self_attn.q_proj) is bnb.nn.Linear4bit
-    with pytest.raises(ValueError, match=r"^nf4 kernel 'fast' is unknown: use one of auto, triton, bnb$"):
+    with pytest.raises(ValueError, match=r"^nf4 kernel 'fast' is unknown: use one of auto, triton, bnb, repacked, "
+                                         r"repacked-exact$"):
         use_nf4_kernel(model, "fast")
 
 

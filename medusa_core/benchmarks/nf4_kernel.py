@@ -4,8 +4,13 @@
 
 Per shape (Llama-7B projections and the heads' vocab projection) and M rows: bf16 F.linear,
 bitsandbytes Linear4bit's own dispatch, its fused gemv forced, its dequantize + F.linear forced,
-and the Triton kernel (nf4_matmul.py) with the config its tuner picked per (shape, row class), shown
-in the table's last column; every config the tuner timed is listed after the table and in the JSON.
+torch's tinygemm int4 (``_weight_int4pack_mm``, what gpt-fast uses; asymmetric int4, group 64 and
+128: a different format, the anchor), the Triton kernel reading bitsandbytes' storage (nf4_matmul.py)
+with the config its tuner picked per (shape, row class), and the repacked kernel
+(nf4_repacked_matmul.py) in its fastest per-M choice (tuned here) and in exact mode. The chosen
+configs are in the table's last columns; every config the tuners timed is listed after the table and in
+the JSON. Then: whether exact mode gave each row the bits it gets alone on this GPU (it must) and
+whether fast mode did, and fused q/k/v and gate/up against the separate projections.
 Each is timed inside one CUDA graph (calls back to back, median of replays via CUDA events), rotating
 among weight copies that together exceed L2. A row that fails prints one line and the run goes on.
 """
@@ -24,7 +29,9 @@ import torch.nn.functional as F
 
 SHAPES = ((4096, 11008), (11008, 4096), (4096, 4096), (4096, 32000))   # (K in, N out)
 ROWS = (1, 2, 4, 8, 16, 32, 64)
-METHODS = ("bf16", "bnb", "bnb_gemv", "bnb_dequant", "triton")
+METHODS = ("bf16", "bnb", "bnb_gemv", "bnb_dequant", "tinygemm_g64", "tinygemm_g128", "triton", "repacked",
+           "repacked_exact")
+CHECKED = ("triton", "repacked", "repacked_exact")     # our kernels: checked against x @ dequantized W
 
 
 @dataclass(frozen=True)
@@ -35,7 +42,31 @@ class Row:
     method: str
     us: float | None          # None: failed (see error)
     error: str = ""
-    variant: str = ""         # triton: the config the tuner chose
+    variant: str = ""         # triton, repacked*: the config chosen
+
+
+def tinygemm_quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-fast's asymmetric group int4 for torch's tinygemm: (q int32 (N, K) in 0..15, scales_and_zeros
+    bf16 (K/group, N, 2)), W ~ (q - 8) * scale + zero per group of ``group`` columns."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    scale = (hi - lo).clamp(min=1e-6) / 15
+    q = ((g - lo) / scale).round().clamp(0, 15).to(torch.int32).reshape(n, k)
+    zero = lo + 8 * scale
+    return q, torch.cat([scale, zero], dim=-1).transpose(0, 1).to(torch.bfloat16).contiguous()
+
+
+def tinygemm_dequantize(q: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> torch.Tensor:
+    """(N, K) fp32 that tinygemm multiplies by."""
+    n, k = q.shape
+    scale, zero = (scales_and_zeros[..., i].float().T[:, :, None] for i in (0, 1))    # (N, K/group, 1)
+    return ((q.reshape(n, k // group, group).float() - 8) * scale + zero).reshape(n, k)
+
+
+def tinygemm_pack(q: torch.Tensor, inner_k_tiles: int = 8) -> torch.Tensor:
+    """CUDA: tinygemm's tiled layout from q (N, K) int32 (two codes a byte, even column high, as torch wants)."""
+    return torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), inner_k_tiles)
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -58,54 +89,134 @@ def bench_shape(k: int, n: int, device: torch.device, l2: int) -> tuple[list[Row
     import bitsandbytes.functional as bnbf
 
     from ..quant import nf4_matmul as nm
+    from ..quant import nf4_repack as rp
+    from ..quant import nf4_repacked_matmul as rm
 
     gen = torch.Generator(device=device).manual_seed(0)
     w = torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
     packed, state = bnbf.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
     copies = nm.rotating_copies(packed, state, l2)
+    repacked = [rp.repack_bnb([(p, s)]) for p, s in copies]
+    tiny = {}
+    for group in (64, 128):
+        q, sz = tinygemm_quantize(w, group)
+        packed_q = tinygemm_pack(q)
+        tiny[group] = [(packed_q, sz)] + [(packed_q.clone(), sz.clone()) for _ in range(len(copies) - 1)]
+        del q
     dense = [w] + [w.clone() for _ in range(max(1, -(-2 * l2 // (w.numel() * 2))) - 1)]
     ref_w = bnbf.dequantize_4bit(packed, state).float()                       # (N, K)
     packed_bytes = packed.numel() + state.absmax.numel() * state.absmax.element_size() + \
         (state.state2.absmax.numel() * 4 + state.state2.code.numel() * 4 if state.nested else 0)
-    check = {}
+    check = {method: {} for method in CHECKED}
     rows = []
     tuned = set()
     for m in ROWS:
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen)
-        if nm.row_class(m) not in tuned:   # every config of the class, not the short list a model load times
-            tuned.add(nm.row_class(m))
+        for name, kernel in (("triton", nm), ("repacked", rm)):
+            if (name, kernel.row_class(m)) in tuned:
+                continue         # every config of the class, not the short list a model load times
+            tuned.add((name, kernel.row_class(m)))
             try:
-                nm.tune_shape(m, n, k, x.dtype, device, 64, wide=True)
-            except Exception as err:  # fail soft: one line; the triton row below reports it again
+                if name == "triton":
+                    nm.tune_shape(m, n, k, x.dtype, device, 64, wide=True)
+                else:
+                    rm.tune_shape(m, n, k, x.dtype, device)
+            except Exception as err:  # fail soft: one line; the kernel's row below reports it again
                 line = str(err).strip().splitlines()[0][:160] if str(err).strip() else ""
-                print(f"  {k}->{n} M={m} tuning: FAILED ({type(err).__name__}: {line})")
+                print(f"  {k}->{n} M={m} {name} tuning: FAILED ({type(err).__name__}: {line})")
         calls = {
             "bf16": [functools.partial(F.linear, x, d) for d in dense],
             "bnb": [functools.partial(bnb.matmul_4bit, x, p.t(), quant_state=s) for p, s in copies],
             "bnb_gemv": [functools.partial(bnbf.gemv_4bit, x, p.t(), state=s) for p, s in copies] if m == 1 else None,
             "bnb_dequant": [(lambda p=p, s=s: F.linear(x, bnbf.dequantize_4bit(p, s).to(x.dtype))) for p, s in copies],
+            **{f"tinygemm_g{g}": [functools.partial(torch.ops.aten._weight_int4pack_mm, x, p, g, sz)
+                                  for p, sz in tiny[g]] for g in tiny},
             "triton": [functools.partial(nm.nf4_matmul, x, p, s) for p, s in copies],
+            "repacked": [functools.partial(rm.repacked_matmul, x, r) for r in repacked],
+            "repacked_exact": [functools.partial(rm.repacked_matmul, x, r, exact=True) for r in repacked],
         }
+        variants = {"triton": functools.partial(nm.choose_config, m, n, k, x.dtype, device, 64),
+                    "repacked": functools.partial(rm.choose_config, m, repacked[0], x.dtype, device, False),
+                    "repacked_exact": functools.partial(rm.choose_config, m, repacked[0], x.dtype, device, True)}
         for method in METHODS:
             if calls[method] is None:
                 continue             # bnb's fused gemv takes one row only
             try:
-                if method == "triton":
-                    y = nm.nf4_matmul(x, packed, state).float()
+                if method in CHECKED:
+                    y = calls[method][0]().float()
                     ref = x.float() @ ref_w.T
                     rel = float((y - ref).norm() / ref.norm())
-                    check[m] = rel
+                    check[method][m] = rel
                     if rel > 1e-2:
                         raise RuntimeError(f"wrong result: relative error {rel:.2e} > 1e-2")
                 us = nm.graph_time_us(calls[method])
-                variant = nm.choose_config(m, n, k, x.dtype, device, 64).describe() if method == "triton" else ""
+                variant = variants[method]().describe() if method in variants else ""
                 rows.append(Row(k, n, m, method, us, variant=variant))
             except Exception as err:  # fail soft per row: one line, then the next row
                 line = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
                 print(f"  {k}->{n} M={m} {method}: FAILED ({type(err).__name__}: {line})")
                 rows.append(Row(k, n, m, method, None, line))
-    del copies, dense
-    return rows, {"packed_bytes": packed_bytes, "rel_error_triton": check}
+    exact_rows = rows_identical(repacked[0], k, device, gen)
+    del copies, dense, repacked, tiny
+    return rows, {"packed_bytes": packed_bytes, "repacked_bytes": rp.repacked_nbytes(n, k), "rel_error": check,
+                  "rows_identical_to_alone": exact_rows}
+
+
+def rows_identical(w, k: int, device: torch.device, gen: torch.Generator) -> dict[str, dict[int, bool]]:
+    """Per mode and M: does every row of an M-row call equal that row computed alone, bit for bit?
+    Exact mode must say True everywhere; fast mode is free to round differently."""
+    from ..quant import nf4_repacked_matmul as rm
+
+    x = torch.randn(max(ROWS), k, device=device, dtype=torch.bfloat16, generator=gen)
+    out = {}
+    for mode, exact in (("exact", True), ("fast", False)):
+        alone = torch.cat([rm.repacked_matmul(x[i:i + 1], w, exact=exact) for i in range(x.shape[0])])
+        out[mode] = {m: bool(torch.equal(rm.repacked_matmul(x[:m], w, exact=exact), alone[:m])) for m in ROWS if m > 1}
+    return out
+
+
+FUSED = {"q/k/v": (4096, (4096, 4096, 4096)), "gate/up": (4096, (11008, 11008))}   # K, then each projection's N
+
+
+def bench_fusion(device: torch.device, l2: int) -> list[dict]:
+    """µs per group of one fused repacked matmul against the separate ones back to back, per M, each
+    inside one CUDA graph, rotating among weight copies that together exceed L2."""
+    import dataclasses
+
+    import bitsandbytes.functional as bnbf
+
+    from ..quant import nf4_matmul as nm
+    from ..quant import nf4_repack as rp
+    from ..quant import nf4_repacked_matmul as rm
+
+    def clone(w):
+        return dataclasses.replace(w, words=w.words.clone(), scales=w.scales.clone())
+
+    gen = torch.Generator(device=device).manual_seed(2)
+    out = []
+    for name, (k, ns) in FUSED.items():
+        parts = [bnbf.quantize_4bit(torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02,
+                                    blocksize=64, compress_statistics=True, quant_type="nf4") for n in ns]
+        fused = rp.repack_bnb(parts)
+        count = max(2, -(-2 * l2 // fused.nbytes))
+        fused_copies = [fused] + [clone(fused) for _ in range(count - 1)]
+        separate_copies = [[rp.repack_bnb([p]) for p in parts]]
+        separate_copies += [[clone(w) for w in separate_copies[0]] for _ in range(count - 1)]
+        for m in ROWS:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen)
+            for mode in ("fused", "separate"):
+                try:
+                    if mode == "fused":
+                        calls = [functools.partial(rm.repacked_matmul, x, w) for w in fused_copies]
+                    else:
+                        calls = [functools.partial(rm.repacked_matmul, x, w) for ws in separate_copies for w in ws]
+                    us = nm.graph_time_us(calls) * len(calls) / count       # per group: q, k and v together
+                    out.append({"group": name, "m": m, "mode": mode, "us": us})
+                except Exception as err:  # fail soft: one line, then the next
+                    print(f"  fusion {name} M={m} {mode}: FAILED ({type(err).__name__}: {str(err).strip()[:120]})")
+                    out.append({"group": name, "m": m, "mode": mode, "us": None})
+        del fused_copies, separate_copies
+    return out
 
 
 def dtype_check(device: torch.device, size: int = 4096, sms: int | None = None) -> dict[str, float | str]:
@@ -161,22 +272,30 @@ def main(argv: list[str] | None = None) -> int:
         # write counted, see copy_bandwidth): the least any NF4 kernel can take for this shape
         floor_us = info["packed_bytes"] / bandwidth * 1e6
         shapes[f"{k}->{n}"] = {**info, "floor_us": round(floor_us, 2)}
-        print(f"{k}->{n}: packed weight + scales {info['packed_bytes'] / 1e6:.1f} MB, floor {floor_us:.1f} us; "
-              f"triton rel error {max(info['rel_error_triton'].values(), default=float('nan')):.1e}")
+        errors = ", ".join(f"{meth} {max(v.values(), default=float('nan')):.1e}"
+                           for meth, v in info["rel_error"].items())
+        print(f"{k}->{n}: packed weight + scales {info['packed_bytes'] / 1e6:.1f} MB (repacked "
+              f"{info['repacked_bytes'] / 1e6:.1f} MB), floor {floor_us:.1f} us; rel error {errors}; rows equal "
+              f"alone: exact {all(info['rows_identical_to_alone']['exact'].values())}, "
+              f"fast {all(info['rows_identical_to_alone']['fast'].values())}")
         results.extend(rows)
     table = {(r.k, r.n, r.m, r.method): r.us for r in results}
-    variants = {(r.k, r.n, r.m): r.variant for r in results if r.method == "triton"}
-    print(f"\n{'shape':>12} {'M':>3} " + " ".join(f"{m:>11}" for m in METHODS) + "   (us per call)  triton config")
+    variants = {(r.k, r.n, r.m, r.method): r.variant for r in results if r.variant}
+    print(f"\n{'shape':>12} {'M':>3} " + " ".join(f"{m[:11]:>11}" for m in METHODS)
+          + "   (us per call)  triton | repacked config")
     for k, n in SHAPES:
         for m in ROWS:
             cells = [table.get((k, n, m, meth)) for meth in METHODS]
             print(f"{f'{k}->{n}':>12} {m:>3} " + " ".join(f"{c:>11.1f}" if c else f"{'-':>11}" for c in cells)
-                  + f"  {variants.get((k, n, m), '')}")
-    tuning = [{"n": key[2], "k": key[3], "row_class": key[1], "timed": [{"config": c, "us": us} for c, us in log]}
-              for key, log in nm.TUNING_LOG.items()]
+                  + f"  {variants.get((k, n, m, 'triton'), '')} | {variants.get((k, n, m, 'repacked'), '')}")
+    from ..quant import nf4_repacked_matmul as rm
+
+    tuning = [{"kernel": kernel, "n": key[2], "k": key[3], "row_class": key[1],
+               "timed": [{"config": c, "us": us} for c, us in log]}
+              for kernel, logs in (("triton", nm.TUNING_LOG), ("repacked", rm.TUNING_LOG)) for key, log in logs.items()]
     print("\ntuner timings (us; '-' = skipped):")
     for t in tuning:
-        print(f"  {t['k']}->{t['n']} M<={t['row_class']}: " + ", ".join(
+        print(f"  {t['kernel']} {t['k']}->{t['n']} M<={t['row_class']}: " + ", ".join(
             f"{e['config']} {e['us']:.1f}" if e["us"] is not None else f"{e['config']} -" for e in t["timed"]))
     checks = dtype_check(device)
     print("\nstream kernel, other activation dtypes (relative error, want < 1e-2): " + ", ".join(
@@ -187,12 +306,24 @@ def main(argv: list[str] | None = None) -> int:
         "nf4_kernel_m64_us": get((4096, 11008, 64, "triton")), "bnb_m1_us": get((4096, 11008, 1, "bnb")),
         "bnb_m64_us": get((4096, 11008, 64, "bnb")), "bf16_m64_us": get((4096, 11008, 64, "bf16")),
         "nf4_kernel_m32_us": get((4096, 11008, 32, "triton")), "floor_us": shapes["4096->11008"]["floor_us"],
+        "tinygemm_m1_us": get((4096, 11008, 1, "tinygemm_g128")),
+        "tinygemm_m16_us": get((4096, 11008, 16, "tinygemm_g128")),
+        "tinygemm_g64_m1_us": get((4096, 11008, 1, "tinygemm_g64")),
+        "repacked_m1_us": get((4096, 11008, 1, "repacked")), "repacked_m16_us": get((4096, 11008, 16, "repacked")),
+        "repacked_m64_us": get((4096, 11008, 64, "repacked")),
+        "repacked_exact_m1_us": get((4096, 11008, 1, "repacked_exact")),
+        "repacked_exact_m16_us": get((4096, 11008, 16, "repacked_exact")),
+        "repacked_exact_m64_us": get((4096, 11008, 64, "repacked_exact")),
     }
+    fusion = bench_fusion(device, props.L2_cache_size)
+    print("\nfused against separate repacked matmuls (us): " + "; ".join(
+        f"{f['group']} M={f['m']} {f['mode']} {f['us']:.1f}" if f["us"] is not None else
+        f"{f['group']} M={f['m']} {f['mode']} -" for f in fusion))
     print("\nsummary (4096->11008): " + ", ".join(f"{key} {v:.1f}" if v else f"{key} -" for key, v in summary.items()))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"env": env, "shapes": shapes, "summary": summary,
                                      "rows": [asdict(r) for r in results], "tuning": tuning,
-                                     "dtype_check": checks}, indent=1))
+                                     "dtype_check": checks, "fusion": fusion}, indent=1))
     print(f"wrote {args.json}")
     return 0
 

@@ -2,8 +2,10 @@
 
 The loaders ask ``bnb_config`` for their ``BitsAndBytesConfig``; the random benchmark model uses
 ``quantize_linear_nf4_``; ``use_nf4_kernel`` routes NF4 layers' multi-row inputs (Medusa's tree
-verification, 2..64 rows) to the Triton kernel in nf4_matmul.py. bitsandbytes and Triton are
-imported only where used, so the rest of the project imports without them.
+verification, 2..64 rows) to the Triton kernel in nf4_matmul.py, or (``repacked``, ``repacked-exact``:
+off by default and never chosen by ``auto`` until measured on a GPU) every NF4 layer to the kernel in
+nf4_repacked_matmul.py over weights repacked in memory, q/k/v and gate/up fused (nf4_fused.py).
+bitsandbytes and Triton are imported only where used, so the rest of the project imports without them.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import gc
 import torch
 from torch import nn
 
-NF4_KERNELS = ("auto", "triton", "bnb")
+NF4_KERNELS = ("auto", "triton", "bnb", "repacked", "repacked-exact")
 KERNEL_MAX_ROWS = 64     # tree verification sizes; longer inputs (prefill) are GEMM-bound: bnb's dequant + cuBLAS
 
 
@@ -129,11 +131,15 @@ def _one_row_kernel_faster(layer, dtype: torch.dtype) -> bool:
 
 
 def use_nf4_kernel(model: nn.Module, choice: str) -> str:
-    """Route the decoder's NF4 layers by ``choice`` (auto | triton | bnb); returns one line saying what
-    was chosen. ``bnb`` restores bitsandbytes' own modules; the others swap each NF4 Linear4bit for a
-    TritonNF4Linear holding the same packed weight."""
+    """Route the decoder's NF4 layers by ``choice`` (auto | triton | bnb | repacked | repacked-exact);
+    returns one line saying what was chosen. First, layers a previous ``repacked`` replaced get their
+    bitsandbytes modules back. ``bnb`` restores bitsandbytes' own modules; auto and triton swap each NF4
+    Linear4bit for a TritonNF4Linear holding the same packed weight; repacked* see _use_repacked."""
     if choice not in NF4_KERNELS:
         raise ValueError(f"nf4 kernel {choice!r} is unknown: use one of {', '.join(NF4_KERNELS)}")
+    from . import nf4_fused
+
+    nf4_fused.restore_bitsandbytes(model.get_decoder() if hasattr(model, "get_decoder") else model)
     layers = list(_nf4_layers(model))
     if not layers:
         return "nf4 kernel: no bitsandbytes NF4 layers in this model (nothing to route)"
@@ -159,6 +165,14 @@ def use_nf4_kernel(model: nn.Module, choice: str) -> str:
     except RuntimeError as err:
         raise ValueError(f"--nf4-kernel {choice}: {err}") from None
 
+    if choice.startswith("repacked"):
+        plain = []      # bitsandbytes' own class under everything: what restore and kept layers come back as
+        for parent, name, layer in layers:
+            if type(layer) is not bnb.nn.Linear4bit:
+                layer = _swap_class(layer, bnb.nn.Linear4bit)
+                setattr(parent, name, layer)
+            plain.append((parent, name, layer))
+        return _use_repacked(plain, exact=choice == "repacked-exact", device=device)
     cls = _kernel_linear_class()
     kept, one_row, shapes = 0, 0, set()
     for parent, name, layer in layers:
@@ -185,3 +199,25 @@ def use_nf4_kernel(model: nn.Module, choice: str) -> str:
                (" (measured)" if choice == "auto" else "") + f"; >{KERNEL_MAX_ROWS} rows: bitsandbytes"
     kept_text = f"; {kept} layer(s) kept on bitsandbytes (odd K or CPU-repacked weight)" if kept else ""
     return f"nf4 kernel: Triton for {routed} NF4 layers ({len(shapes)} shapes), {rows}{kept_text}"
+
+
+def _use_repacked(layers, exact: bool, device: torch.device) -> str:
+    """Every NF4 layer -> the repacked kernel for all row counts, q/k/v and gate/up fused; bitsandbytes'
+    packed bytes are freed (rebuilt exactly if another choice is made later). On CUDA, fast mode's
+    configs are timed now, not later inside someone's graph capture."""
+    from . import nf4_fused
+
+    made, kept = nf4_fused.repack_layers(layers, exact=exact)
+    if device.type == "cuda" and not exact:
+        from . import nf4_repacked_matmul as rm
+
+        for shape in {(f.out_features, f.in_features, f.compute_dtype or torch.float32) for f in made}:
+            for m in (1, 2, 4, 16, 32, 64):
+                rm.tune_shape(m, shape[0], shape[1], shape[2], device)
+    fused = sum(len(f.splits) > 1 for f in made)
+    routed = sum(len(f.splits) for f in made)
+    more = ", ..." if len(kept) > 1 else ""
+    kept_text = f"; {len(kept)} layer(s) kept on bitsandbytes ({kept[0]}{more})" if kept else ""
+    mode = "exact mode (rows independent of M)" if exact else "fastest path per row count"
+    return (f"nf4 kernel: repacked Triton kernel for {routed} NF4 layers as {len(made)} matmuls ({fused} fused "
+            f"q/k/v or gate/up), all row counts, {mode}{kept_text}")

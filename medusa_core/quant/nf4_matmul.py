@@ -407,7 +407,7 @@ def _launch(x2, weight, state, bias, out, cfg: KernelConfig, interpret: bool) ->
     splits = max(1, min(cfg.split_k, steps))
     k_per_split = triton.cdiv(steps, splits) * step               # splits end on step boundaries
     splits = triton.cdiv(k, k_per_split)                          # no empty split
-    tile, stream, reduce = _kernels(interpret)
+    tile, stream, _ = _kernels(interpret)
     absmax, code2, absmax2, offset = _scale_args(state, x2.device)
     has_bias = bias is not None
     bias_arg = bias if has_bias else out
@@ -428,9 +428,16 @@ def _launch(x2, weight, state, bias, out, cfg: KernelConfig, interpret: bool) ->
         tile[grid](*ptrs, m, n, k, x2.stride(0), out.stride(0), m * n, k_per_split,
                    ALIGNED=k % state.blocksize == 0, DEQUANT_ONLY=False, **common)
     if part is not None:
-        block = 1024
-        reduce[(triton.cdiv(m * n, block),)](part, bias_arg, out, m, n, splits, out.stride(0),
-                                             HAS_BIAS=has_bias, BLOCK=block, **({} if interpret else {"num_warps": 4}))
+        reduce_partials(part, bias, out, interpret)
+
+
+def reduce_partials(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, interpret: bool) -> None:
+    """out (M, N) = sum of the split-K partials part (splits, M, N), in split order (deterministic), + bias."""
+    splits, m, n = part.shape
+    block = 1024
+    _kernels(interpret)[2][(triton.cdiv(m * n, block),)](
+        part, bias if bias is not None else out, out, m, n, splits, out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK=block, **({} if interpret else {"num_warps": 4}))
 
 
 # ---- configs: a short list per row class, measured once per (GPU, shape, dtype) -------------------

@@ -1,0 +1,155 @@
+"""NF4 layers on the repacked kernel, with q/k/v and gate/up each fused into one matmul.
+
+Why fuse: projections reading the same input make one launch instead of two or three, one pass over x,
+and a wider N (more programs at 1-64 rows, where the step is launch- and bandwidth-bound).
+
+How the stock transformers forward stays unchanged: q_proj, k_proj and v_proj become FusedSlice
+modules sharing one RepackedNF4Linear over the weights stacked by rows (likewise gate_proj, up_proj).
+Whichever slice is called first computes the whole product for its input and keeps its siblings'
+columns; a sibling called with that same input tensor (the same object, and not modified since, where
+autograd's version counter can tell: inference tensors have none) takes its kept columns, and they
+are dropped once all are taken. With any other input a slice recomputes. So every slice returns
+fused(x)[its columns] whatever order the forward calls them in; the cost of an odd order is only a
+second matmul. A wrapper around the attention or MLP forward would need a fork of transformers' code
+per architecture; this needs none. The cache holds tensors only between siblings' calls (inside a CUDA
+graph capture it is Python-side bookkeeping, as the rest of the forward).
+
+bitsandbytes' modules are kept, emptied of their packed bytes (so memory stays the repacked size), and
+``restore_bitsandbytes`` puts them back with bytes rebuilt exactly from the repacked codes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .nf4_repack import RepackedNF4, bitsandbytes_bytes, check_bnb_nf4, repack_bnb
+
+FUSE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class RepackedNF4Linear(nn.Module):
+    """y = x @ W.T + b on a repacked NF4 weight: one projection, or several stacked by rows (``splits``)."""
+
+    def __init__(self, weight: RepackedNF4, bias: torch.Tensor | None, compute_dtype: torch.dtype | None,
+                 exact: bool, originals: tuple[nn.Module, ...], splits: tuple[int, ...]):
+        super().__init__()
+        # buffers, not parameters: .to() moves them, state_dict (checkpoints: bitsandbytes') skips them
+        self.register_buffer("words", weight.words, persistent=False)
+        self.register_buffer("scales", weight.scales, persistent=False)
+        self.register_buffer("code", weight.code, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+        self.layout = (weight.n, weight.k, weight.blocksize, weight.group)
+        self.in_features, self.out_features = weight.k, weight.n
+        self.compute_dtype = compute_dtype
+        self.exact = exact
+        self.splits = splits
+        self._originals = originals     # a tuple: not registered as submodules (no double state_dict)
+        self._pending = None            # (x, version, {slice index: columns}) between siblings' calls
+
+    @property
+    def packed(self) -> RepackedNF4:
+        return RepackedNF4(self.words, self.scales, self.code, *self.layout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from .nf4_repacked_matmul import repacked_matmul  # Triton only once a model uses this kernel
+
+        compute = self.compute_dtype or x.dtype
+        bias = self.bias.to(compute) if self.bias is not None else None
+        return repacked_matmul(x.to(compute), self.packed, bias, exact=self.exact).to(x.dtype)
+
+    def take(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """Columns of projection ``index`` for input x: kept from a sibling's call on this x, or computed."""
+        version = None if x.is_inference() else x._version
+        pending = self._pending
+        if pending is None or pending[0] is not x or pending[1] != version or index not in pending[2]:
+            pending = self._pending = (x, version, dict(enumerate(self(x).split(self.splits, dim=-1))))
+        out = pending[2].pop(index)
+        if not pending[2]:
+            self._pending = None
+        return out
+
+
+class FusedSlice(nn.Module):
+    """Stands where q_proj (k_proj, ...) stood: its columns of the shared fused product."""
+
+    def __init__(self, fused: RepackedNF4Linear, index: int):
+        super().__init__()
+        self.fused = fused               # one module shared by the siblings (named_modules lists it once)
+        self.index = index
+        self.in_features, self.out_features = fused.in_features, fused.splits[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused.take(x, self.index)
+
+
+def _replace(layers: list[tuple[nn.Module, str, nn.Module]], exact: bool, group: int) -> RepackedNF4Linear:
+    """One RepackedNF4Linear over ``layers`` (bitsandbytes Linear4bit NF4, same K) stacked by rows."""
+    mods = [m for _, _, m in layers]
+    weight = repack_bnb([(m.weight.data, m.weight.quant_state) for m in mods], group)
+    splits = tuple(int(m.weight.quant_state.shape[0]) for m in mods)
+    bias = None
+    if any(m.bias is not None for m in mods):
+        bias = torch.cat([m.bias.data if m.bias is not None else torch.zeros(n, device=weight.words.device)
+                          for m, n in zip(mods, splits, strict=True)])
+        bias = bias.to(mods[0].compute_dtype) if mods[0].compute_dtype is not None else bias
+    fused = RepackedNF4Linear(weight, bias, mods[0].compute_dtype, exact, tuple(mods), splits)
+    for m in mods:       # bitsandbytes' bytes are rebuilt from the repacked codes on restore
+        m.weight.data = torch.empty(0, dtype=torch.uint8, device=m.weight.data.device)
+    if len(layers) == 1:
+        parent, name, _ = layers[0]
+        setattr(parent, name, fused)
+    else:
+        for index, (parent, name, _) in enumerate(layers):
+            setattr(parent, name, FusedSlice(fused, index))
+    return fused
+
+
+def repack_layers(layers: list[tuple[nn.Module, str, nn.Module]], exact: bool = False,
+                  group: int = 128) -> tuple[list[RepackedNF4Linear], list[str]]:
+    """Route bitsandbytes NF4 ``layers`` ((parent, name, Linear4bit) as bnb._nf4_layers lists them) to
+    the repacked kernel, fusing FUSE groups found whole under one parent. Returns (the new modules,
+    "name: reason" for each layer kept on bitsandbytes)."""
+    kept, ok = [], []
+    for parent, name, layer in layers:
+        try:
+            check_bnb_nf4(layer.weight.data, layer.weight.quant_state)
+            ok.append((parent, name, layer))
+        except ValueError as err:
+            kept.append(f"{name}: {err}")
+    by_parent: dict[int, dict[str, tuple]] = {}
+    for entry in ok:
+        by_parent.setdefault(id(entry[0]), {})[entry[1]] = entry
+    made = []
+    for named in by_parent.values():
+        for names in FUSE:
+            group_layers = [named.get(n) for n in names]
+            if all(group_layers) and len({(int(e[2].weight.quant_state.shape[1]), e[2].compute_dtype)
+                                          for e in group_layers}) == 1:
+                made.append(_replace(group_layers, exact, group))
+                for n in names:
+                    del named[n]
+        made.extend(_replace([entry], exact, group) for entry in named.values())
+    return made, kept
+
+
+def restore_bitsandbytes(model: nn.Module) -> int:
+    """Put bitsandbytes' modules back where repack_layers replaced them, their packed bytes rebuilt
+    exactly; returns how many."""
+    count = 0
+    for parent in list(model.modules()):
+        if isinstance(parent, FusedSlice):
+            continue            # its .fused is the shared module, not a layer of the model
+        for name, child in list(parent.named_children()):
+            if isinstance(child, FusedSlice):
+                fused, index = child.fused, child.index
+            elif isinstance(child, RepackedNF4Linear):
+                fused, index = child, 0
+            else:
+                continue
+            start = sum(fused.splits[:index])
+            original = fused._originals[index]
+            original.weight.data = bitsandbytes_bytes(fused.packed, slice(start, start + fused.splits[index]))
+            setattr(parent, name, original)
+            count += 1
+    return count

@@ -1,0 +1,326 @@
+"""``y = x @ W.T`` for 1..64 rows against a repacked NF4 weight (nf4_repack.py), in Triton.
+
+One kernel, three constexpr paths over the same step (one group of G columns of BLOCK_N rows):
+- GEMV (DOT False, small M): the products code * x stay in fp32 lanes (BLOCK_N, BLOCK_M, G/8) for
+  the whole K range; the scale multiplies each block's lane sums (reassociated: one multiply per 64
+  values, not per value); the lanes are summed once at the end by a fixed pairwise tree (reshape and
+  split, not tl.reduce, whose order depends on the tensor's layout). Split-K over programs, with a
+  deterministic reduce of fp32 partials.
+- tensor cores (DOT True, M >= 5): each plane (BLOCK_N, G/8) is dequantized once, code * scale in
+  fp32 cast to x's dtype as bitsandbytes casts its dequantized weight, and enters ``tl.dot`` as the
+  tall operand against x.T (G/8, BLOCK_M): every weight tile is decoded once for all the rows.
+- DEQUANT_ONLY: writes code * scale (fp32) to an (N, K) buffer: the bit-exact test of the layout
+  and of the lookup the two matmul paths use.
+The 16-entry NF4 table is applied with a 4-level tree of selects on the nibble's bits between 16
+scalars loaded once per program: no per-element memory gather.
+
+Exact mode: every row's result does not depend on M. It is the GEMV path with one split-K for every
+M (a function of N, K and the GPU only): each (row, output) is then the same lane products in the
+same K order, the same fixed lane tree and the same split order whatever BLOCK_M or the other rows
+are (elementwise lanes never mix rows), so a 16-row verification gives each row the bits a 1-row
+step gives it. Fast mode picks GEMV or tensor cores per M, so its rows may differ by rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as err:  # one line, naming the fix; the rest of the project never needs Triton
+    raise ImportError(f"medusa_core.quant.nf4_repacked_matmul needs Triton ({err}): "
+                      "pip install 'triton>=3.6'") from None
+
+from . import nf4_matmul as nm
+from .nf4_repack import ROWS, RepackedNF4
+
+
+def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr,
+                     M, N, K, KG, stride_xm, stride_om, stride_os, groups_per_split,
+                     GROUP: tl.constexpr, BLOCKSIZE: tl.constexpr, LOG_LANES: tl.constexpr, DOT: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, DEQUANT_ONLY: tl.constexpr,
+                     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # grid: (M tiles, N tiles, K splits): the M tiles of one weight tile are launched side by side, so
+    # past the first they read it from L2. BLOCK_N is a multiple of the 16-row group.
+    LANES: tl.constexpr = GROUP // 8                 # words per row per group = columns per plane
+    PER_SCALE: tl.constexpr = BLOCKSIZE // LANES     # planes sharing one scale
+    SCALES: tl.constexpr = GROUP // BLOCKSIZE
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    row = offs_n.to(tl.int64)
+    slot = (row // 16) * KG * 16 + row % 16          # (BN,) index of (row, group 0) in (N/16, KG, 16)
+    lane = tl.arange(0, LANES)
+    # the table in 16 scalars (registers), once per program
+    c0, c1, c2, c3 = tl.load(code_ptr), tl.load(code_ptr + 1), tl.load(code_ptr + 2), tl.load(code_ptr + 3)
+    c4, c5, c6, c7 = tl.load(code_ptr + 4), tl.load(code_ptr + 5), tl.load(code_ptr + 6), tl.load(code_ptr + 7)
+    c8, c9, c10, c11 = tl.load(code_ptr + 8), tl.load(code_ptr + 9), tl.load(code_ptr + 10), tl.load(code_ptr + 11)
+    c12, c13, c14, c15 = tl.load(code_ptr + 12), tl.load(code_ptr + 13), tl.load(code_ptr + 14), tl.load(code_ptr + 15)
+    acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)            # DOT
+    lanes_acc = tl.full((BLOCK_N, BLOCK_M, LANES), 0.0, tl.float32)   # GEMV
+    g_lo = pid_s * groups_per_split
+    g_hi = tl.minimum(g_lo + groups_per_split, KG)
+    for kg in range(g_lo, g_hi):
+        # (BN, LANES) words: 16 rows x G/2 bytes contiguous per row group; row-only mask keeps 16-byte loads
+        word = tl.max_contiguous(tl.multiple_of(lane, LANES), LANES)
+        words = tl.load(w_ptr + ((slot + kg * 16) * LANES)[:, None] + word[None, :], mask=n_ok[:, None], other=0)
+        for i in tl.static_range(8):
+            if i % PER_SCALE == 0:      # (BN,) the scale of the block planes i.. lie in
+                scale = tl.load(s_ptr + (slot + kg * 16) * SCALES + i // PER_SCALE, mask=n_ok, other=0)
+            nib = (words >> (4 * i)) & 15                                       # (BN, LANES)
+            b0 = (nib & 1) != 0
+            b1 = (nib & 2) != 0
+            b2 = (nib & 4) != 0
+            b3 = (nib & 8) != 0
+            t0, t1 = tl.where(b0, c1, c0), tl.where(b0, c3, c2)
+            t2, t3 = tl.where(b0, c5, c4), tl.where(b0, c7, c6)
+            t4, t5 = tl.where(b0, c9, c8), tl.where(b0, c11, c10)
+            t6, t7 = tl.where(b0, c13, c12), tl.where(b0, c15, c14)
+            u0, u1, u2, u3 = tl.where(b1, t1, t0), tl.where(b1, t3, t2), tl.where(b1, t5, t4), tl.where(b1, t7, t6)
+            code = tl.where(b3, tl.where(b2, u3, u2), tl.where(b2, u1, u0))    # (BN, LANES) fp32
+            col = kg * GROUP + i * LANES + lane                                 # (LANES,) plane i's columns
+            k_ok = col < K
+            if DEQUANT_ONLY:
+                tl.store(out_ptr + row[:, None] * stride_om + col[None, :], code * scale[:, None],
+                         mask=n_ok[:, None] & k_ok[None, :])
+            elif DOT:
+                w_t = (code * scale[:, None]).to(x_ptr.dtype.element_ty)      # bitsandbytes' weight, cast
+                if EVEN_K:
+                    x_ok = m_ok[None, :]
+                else:
+                    x_ok = m_ok[None, :] & k_ok[:, None]
+                x_t = tl.load(x_ptr + offs_m[None, :] * stride_xm + col[:, None], mask=x_ok, other=0)   # (LANES, BM)
+                acc = tl.dot(w_t, x_t, acc, input_precision=PRECISION)
+            else:
+                if EVEN_K:
+                    x_ok = m_ok[:, None]
+                else:
+                    x_ok = m_ok[:, None] & k_ok[None, :]
+                xv = tl.load(x_ptr + offs_m[:, None] * stride_xm + col[None, :], mask=x_ok, other=0).to(tl.float32)
+                prod = code[:, None, :] * xv[None, :, :]                         # (BN, BM, LANES)
+                if i % PER_SCALE == 0:
+                    block = prod
+                else:
+                    block = block + prod
+                if i % PER_SCALE == PER_SCALE - 1:
+                    lanes_acc = lanes_acc + block * scale[:, None, None]
+    if not DEQUANT_ONLY:
+        if not DOT:
+            # lanes -> one sum per (row, output): adjacent pairs, halving, the same tree for every element
+            red = lanes_acc
+            for level in tl.static_range(LOG_LANES):
+                a, b = tl.split(tl.reshape(red, (BLOCK_N, BLOCK_M, LANES >> (level + 1), 2)))
+                red = a + b
+            acc = tl.reshape(red, (BLOCK_N, BLOCK_M))
+        o_ok = n_ok[:, None] & m_ok[None, :]
+        if PARTIAL:   # fp32 partials (splits, M, N); the reduce kernel adds them in order, then the bias
+            tl.store(out_ptr + pid_s * stride_os + offs_m[None, :] * N + offs_n[:, None], acc, mask=o_ok)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0).to(tl.float32)[:, None]
+            tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty),
+                     mask=o_ok)
+
+
+@functools.cache
+def _kernel(interpret: bool):
+    """Compiled for CUDA or run by Triton's interpreter, chosen at first launch (see nf4_matmul._kernels)."""
+    if interpret:
+        from triton.runtime.interpreter import InterpretedFunction
+        return InterpretedFunction(_repacked_kernel)
+    return triton.jit(_repacked_kernel)
+
+
+@dataclass(frozen=True)
+class RepackedConfig:
+    dot: bool           # False: GEMV lanes (block_m 1..16); True: tl.dot (block_m 16, 32 or 64)
+    block_m: int
+    block_n: int        # a multiple of 16 (the layout's row group)
+    split_k: int        # programs along K (in whole groups); > 1 adds the reduce kernel
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if self.block_n % ROWS or self.block_m & (self.block_m - 1) or (self.dot and self.block_m < 16):
+            raise ValueError(f"bad repacked config {self}: block_n a multiple of {ROWS}, block_m a power of two "
+                             "(>= 16 with dot)")
+
+    def describe(self) -> str:
+        return (f"{'dot' if self.dot else 'gemv'} m{self.block_m} n{self.block_n} split{self.split_k} "
+                f"w{self.num_warps} s{self.num_stages}")
+
+
+def _pow2(m: int) -> int:
+    return 1 << max(0, (m - 1).bit_length())
+
+
+def row_class(m: int) -> int:
+    """Row counts sharing a config: 1, 2, 4 (GEMV), 16, 32, 64 (tensor cores; more rows -> 64-row tiles)."""
+    return _pow2(m) if m <= 4 else 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+def split_for(n: int, groups: int, block_n: int, programs: int, min_groups: int = 4) -> int:
+    """The smallest power-of-two split-K giving ``programs`` programs, each at least ``min_groups`` groups."""
+    split = 1
+    while -(-n // block_n) * split < programs and groups // (split * 2) >= min_groups:
+        split *= 2
+    return split
+
+
+# Block sizes below: no register spills when compiled for sm_90 with Triton 3.9 (ptxas -v, GPU-less);
+# speed unmeasured. The lane accumulators cost block_n * block_m * G/8 fp32 per program.
+EXACT_BLOCK_N = 16
+
+
+def exact_config(m: int, n: int, groups: int, sms: int) -> RepackedConfig:
+    """Exact mode: GEMV with one block_n and split for every M (a function of N, K and the GPU only);
+    block_m follows M (it changes no row's arithmetic, only how many rows share a weight read)."""
+    return RepackedConfig(False, min(_pow2(m), 8), EXACT_BLOCK_N, split_for(n, groups, EXACT_BLOCK_N, 2 * sms))
+
+
+def fast_config(m: int, n: int, groups: int, sms: int) -> RepackedConfig:
+    """Untimed per-M choice: GEMV up to 4 rows, tensor cores from 5, ~2-4 waves of programs. A GPU
+    session's tune_shape() replaces it per (GPU, shape, row class)."""
+    cls = row_class(m)
+    if cls <= 4:
+        block_n = 64 if cls == 1 else 32
+        return RepackedConfig(False, cls, block_n, split_for(n, groups, block_n, 4 * sms))
+    return RepackedConfig(True, cls, 64, split_for(n, groups, 64, 2 * sms))
+
+
+def candidates(m: int, n: int, groups: int, sms: int) -> list[RepackedConfig]:
+    """Configs worth timing for one row class on a GPU: the untimed default first (the reference the
+    others must match in pick_fastest), then other tiles, splits and the other path."""
+    cls = row_class(m)
+    first = fast_config(m, n, groups, sms)
+    out = [first]
+    if cls <= 4:
+        for block_n, warps, waves in ((first.block_n, 4, 2), (first.block_n, 4, 8), (2 * first.block_n, 8, 4),
+                                      (16, 4, 4)):
+            out.append(RepackedConfig(False, cls, block_n, split_for(n, groups, block_n, waves * sms), warps))
+        out.append(RepackedConfig(True, 16, 64, split_for(n, groups, 64, 2 * sms)))
+    else:
+        for block_n, warps, waves in ((64, 4, 1), (64, 4, 4), (128, 8, 2), (32, 4, 2)):
+            out.append(RepackedConfig(True, cls, block_n, split_for(n, groups, block_n, waves * sms), warps))
+        if cls == 16:
+            out.append(RepackedConfig(False, 16, 16, split_for(n, groups, 16, 2 * sms), 8))
+    return list(dict.fromkeys(out))     # two wave targets can give the same split
+
+
+_TUNED: dict[tuple, RepackedConfig] = {}
+TUNING_LOG: dict[tuple, list[tuple[str, float | None]]] = {}   # key -> (config, µs or None if skipped)
+
+
+def _key(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, group: int) -> tuple:
+    return torch.cuda.get_device_name(device), row_class(m), n, k, dtype, group
+
+
+def tune_shape(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, group: int = 128) -> RepackedConfig:
+    """CUDA only: time candidates() for M's row class on a random NF4 (n, k) weight, rotating among
+    copies larger than L2, each inside a CUDA graph; cache the fastest for choose_config."""
+    from bitsandbytes.functional import quantize_4bit
+
+    from .nf4_repack import repack_bnb
+
+    props = torch.cuda.get_device_properties(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    dense = torch.randn(n, k, device=device, dtype=dtype, generator=gen) * 0.02
+    w = repack_bnb([quantize_4bit(dense, blocksize=64, compress_statistics=True, quant_type="nf4")], group)
+    del dense
+    count = max(2, min(16, -(-2 * props.L2_cache_size // w.nbytes)))
+    copies = [w] + [dataclasses.replace(w, words=w.words.clone(), scales=w.scales.clone()) for _ in range(count - 1)]
+    x = torch.randn(row_class(m), k, device=device, dtype=dtype, generator=gen)
+    key = _key(m, n, k, dtype, device, group)
+    best, TUNING_LOG[key] = nm.pick_fastest(
+        candidates(m, n, -(-k // group), props.multi_processor_count),
+        run=lambda cfg: repacked_matmul(x, w, config=cfg),
+        time_us=lambda cfg: nm.graph_time_us([functools.partial(repacked_matmul, x, c, config=cfg) for c in copies],
+                                             replays=3),
+        where=f"repacked {n}x{k} M<={row_class(m)} on {key[0]}")
+    if best is None:
+        raise RuntimeError(f"no repacked NF4 config compiled for {n}x{k} on {key[0]}: use --nf4-kernel bnb")
+    _TUNED[key] = best
+    return best
+
+
+def choose_config(m: int, w: RepackedNF4, dtype: torch.dtype, device: torch.device, exact: bool) -> RepackedConfig:
+    groups = -(-w.k // w.group)
+    if device.type != "cuda":      # the interpreter: fewest programs (each costs Python time), the same paths
+        if exact:                  # block sizes change no row's arithmetic: only the split must stay fixed
+            return RepackedConfig(False, min(_pow2(m), 64), 64, 1)
+        return fast_config(m, w.n, groups, 0)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if exact:
+        return exact_config(m, w.n, groups, sms)
+    return _TUNED.get(_key(m, w.n, w.k, dtype, device, w.group)) or fast_config(m, w.n, groups, sms)
+
+
+def repacked_matmul(x: torch.Tensor, w: RepackedNF4, bias: torch.Tensor | None = None, *, exact: bool = False,
+                    config: RepackedConfig | None = None) -> torch.Tensor:
+    """x (..., K) fp16/bf16/fp32 @ W.T (+ bias) -> (..., N) in x's dtype. ``exact``: each row's bits do
+    not depend on how many rows are in the call."""
+    if x.shape[-1] != w.k:
+        raise ValueError(f"x has {x.shape[-1]} features but the NF4 weight is {w.n}x{w.k}: wrong layer")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"the repacked NF4 kernel computes in fp16, bf16 or fp32, got {x.dtype}: cast x first")
+    nm.check_runnable(x.device)
+    x2 = x.reshape(-1, w.k)                                       # (M, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty(m, w.n, dtype=x.dtype, device=x.device)    # (M, N)
+    if m:
+        cfg = config or choose_config(m, w, x.dtype, x.device, exact)
+        _launch(x2, w, bias, out, cfg, x.device.type == "cpu")
+    return out.reshape(*x.shape[:-1], w.n)
+
+
+def _constexprs(w: RepackedNF4, dot: bool, interpret: bool, cfg: RepackedConfig | None) -> dict:
+    lanes = w.group // 8
+    opts = {} if interpret or cfg is None else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                                                "enable_fp_fusion": True}
+    return dict(GROUP=w.group, BLOCKSIZE=w.blocksize, LOG_LANES=lanes.bit_length() - 1, DOT=dot,
+                EVEN_K=w.k % w.group == 0, **opts)
+
+
+def _launch(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: bool) -> None:
+    m = x2.shape[0]
+    groups = -(-w.k // w.group)
+    splits = max(1, min(cfg.split_k, groups))
+    per_split = -(-groups // splits)
+    splits = -(-groups // per_split)                              # no empty split
+    # partials of a split-K launch: allocated per call, so a CUDA graph keeps them in its pool
+    part = torch.empty(splits, m, w.n, dtype=torch.float32, device=x2.device) if splits > 1 else None
+    has_bias = bias is not None
+    bias_arg = bias if has_bias else out
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(w.n, cfg.block_n), splits)
+    _kernel(interpret)[grid](
+        x2, w.words, w.scales, w.code, bias_arg, part if part is not None else out,
+        m, w.n, w.k, groups, x2.stride(0), out.stride(0), m * w.n, per_split,
+        HAS_BIAS=has_bias, PARTIAL=part is not None, DEQUANT_ONLY=False,
+        PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        **_constexprs(w, cfg.dot, interpret, cfg))
+    if part is not None:
+        nm.reduce_partials(part, bias, out, interpret)
+
+
+def dequantize_repacked(w: RepackedNF4, block_n: int = 32) -> torch.Tensor:
+    """(N, K) fp32 through the kernel's own lookup and scale (DEQUANT_ONLY), for bit-exact tests."""
+    nm.check_runnable(w.words.device)
+    interpret = w.words.device.type == "cpu"
+    out = torch.empty(w.n, w.k, dtype=torch.float32, device=w.words.device)
+    groups = -(-w.k // w.group)
+    _kernel(interpret)[(1, triton.cdiv(w.n, block_n), groups)](
+        out, w.words, w.scales, w.code, out, out, 0, w.n, w.k, groups, 0, out.stride(0), 0, 1,
+        HAS_BIAS=False, PARTIAL=False, DEQUANT_ONLY=True, PRECISION="ieee", BLOCK_M=1, BLOCK_N=block_n,
+        **_constexprs(w, False, interpret, None))
+    return out

@@ -1,0 +1,209 @@
+"""The repacked NF4 kernel on CPU, under Triton's interpreter (fp32: its bf16 math is broken): the
+repacked layout dequantizes to bitsandbytes' bits and rebuilds bitsandbytes' bytes, fits in +10%,
+multiplies within rounding for 1..64 rows, gives each row the same bits whatever M in exact mode,
+fuses q/k/v and gate/up without changing a projection, and decodes bitsandbytes' greedy text."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the NF4 kernels need Triton: pip install triton")
+import bitsandbytes.functional as bnbf  # noqa: E402
+from tiny import copied_heads, tiny_model  # noqa: E402
+
+from medusa_core.benchmarks import nf4_kernel as bench  # noqa: E402
+from medusa_core.decoding.config import DecodeConfig  # noqa: E402
+from medusa_core.decoding.generate import generate  # noqa: E402
+from medusa_core.decoding.tree import build_tree_buffers, resolve_tree  # noqa: E402
+from medusa_core.quant import nf4_fused  # noqa: E402
+from medusa_core.quant import nf4_matmul as nm  # noqa: E402
+from medusa_core.quant import nf4_repack as rp  # noqa: E402
+from medusa_core.quant import nf4_repacked_matmul as rm  # noqa: E402
+from medusa_core.quant.bnb import quantize_linear_nf4_, use_nf4_kernel  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def interpret(monkeypatch):
+    monkeypatch.setenv(nm.INTERPRET_ENV, "1")
+
+
+def quantized(n: int, k: int, nested: bool = True, seed: int = 0):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    return bnbf.quantize_4bit(w, blocksize=64, compress_statistics=nested, quant_type="nf4")
+
+
+# N no multiple of the 16-row group or of a 32/64-row tile; K no multiple of the group (padded)
+SHAPES = [(200, 192, 128), (40, 320, 256)]
+
+
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("n,k,group", SHAPES)
+def test_repacked_weight_dequantizes_to_bitsandbytes_bits_and_rebuilds_its_bytes(nested, n, k, group):
+    packed, state = quantized(n, k, nested)
+    theirs = bnbf.dequantize_4bit(packed, state)
+    assert theirs.dtype == torch.float32
+    w = rp.repack_bnb([(packed, state)], group)
+    assert w.words.dtype == torch.int32 and w.scales.dtype == torch.float32
+    assert torch.equal(rm.dequantize_repacked(w), theirs)        # the kernel's own lookup and scale
+    assert torch.equal(rp.dequantize_reference(w), theirs)       # the layout as documented
+    assert torch.equal(rp.bitsandbytes_bytes(w), packed)        # and back, byte for byte
+
+
+def test_repacked_size_within_ten_percent_of_bitsandbytes():
+    for n, k in ((11008, 4096), (4096, 11008), (4096, 4096), (32000, 4096), (3 * 4096, 4096), (2 * 11008, 4096)):
+        assert rp.repacked_nbytes(n, k) <= 1.10 * rp.bnb_nbytes(n, k)
+        assert rp.repacked_nbytes(n, k) <= rp.bnb_nbytes(n, k, nested=False)   # single quant: no larger at all
+    packed, state = quantized(64, 1024)
+    ours = rp.repack_bnb([(packed, state)])
+    theirs = packed.numel() + 4 * state.code.numel() + state.absmax.numel() + \
+        4 * (state.state2.absmax.numel() + state.state2.code.numel() + 1)
+    assert theirs == rp.bnb_nbytes(64, 1024) and ours.nbytes == rp.repacked_nbytes(64, 1024)
+    assert ours.nbytes <= 1.10 * theirs
+    assert ours.words.numel() * 4 == 64 * 1024 // 2                # 4 bits a weight: no 16/32-bit copy
+
+
+def reference(x: torch.Tensor, packed, state, bias=None) -> torch.Tensor:
+    return x.double() @ bnbf.dequantize_4bit(packed, state).double().T + (0 if bias is None else bias.double())
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 16, 33, 64])
+def test_matmul_within_rounding_of_dequantized_reference(m):
+    n, k, group = SHAPES[0]
+    packed, state = quantized(n, k)
+    w = rp.repack_bnb([(packed, state)], group)
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    for b in (None, bias):
+        for exact in (False, True):
+            y = rm.repacked_matmul(x, w, b, exact=exact)
+            assert y.shape == (m, n) and y.dtype == torch.float32
+            torch.testing.assert_close(y.double(), reference(x, packed, state, b), rtol=1e-5, atol=1e-4)
+    assert rm.choose_config(m, w, x.dtype, x.device, exact=False).dot == (m >= 5)   # GEMV, then tensor cores
+
+
+@pytest.mark.parametrize("cfg", [rm.RepackedConfig(False, 4, 32, 2), rm.RepackedConfig(True, 16, 64, 3),
+                                 rm.RepackedConfig(False, 1, 16, 2), rm.RepackedConfig(True, 32, 16, 1)])
+def test_split_k_tiles_and_3d_input(cfg):
+    n, k, group = SHAPES[1]
+    packed, state = quantized(n, k)
+    w = rp.repack_bnb([(packed, state)], group)
+    x = torch.randn(2, 3, k)[:, 1:]          # (2, 2, K): rows at strides, not a contiguous block
+    bias = torch.randn(n)
+    y = rm.repacked_matmul(x, w, bias, config=cfg)
+    assert y.shape == (2, 2, n)
+    torch.testing.assert_close(y.double(), reference(x, packed, state, bias), rtol=1e-5, atol=1e-4)
+
+
+def test_exact_mode_gives_every_row_the_bits_it_gets_alone():
+    n, k, group = 40, 192, 128
+    packed, state = quantized(n, k)
+    w = rp.repack_bnb([(packed, state)], group)
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(3))
+    bias = torch.randn(n)
+    alone = torch.cat([rm.repacked_matmul(x[i:i + 1], w, bias, exact=True) for i in range(64)])
+    for m in (2, 3, 8, 16, 33, 64):
+        assert torch.equal(rm.repacked_matmul(x[:m], w, bias, exact=True), alone[:m]), f"M={m}"
+    # the GPU's tiles (block_n 16, block_m <= 8) and split-K: one split for every M is what makes it
+    # hold, whatever the block sizes
+    split = [rm.RepackedConfig(False, bm, 16, 2) for bm in (1, 4, 8)]
+    rows = [rm.repacked_matmul(x[:33], w, bias, config=cfg) for cfg in split]
+    assert all(torch.equal(r, rows[0]) for r in rows[1:])
+    assert torch.equal(rm.repacked_matmul(x[5:6], w, bias, config=split[0])[0], rows[0][5])
+
+
+def nf4_model(arch: str = "llama"):
+    model = tiny_model(arch, hidden=64, vocab=64)     # widths 64/128: bitsandbytes' CPU NF4 is right there
+    quantize_linear_nf4_(model, torch.float32)
+    return model
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_fused_qkv_and_gate_up_equal_the_separate_projections(exact):
+    model = nf4_model("qwen2")                       # q/k/v with biases
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    names = [(attn, ("q_proj", "k_proj", "v_proj")), (mlp, ("gate_proj", "up_proj"))]
+    x = torch.randn(3, 5, 64)
+    x2 = torch.randn(3, 5, 64)
+
+    def separate(parent, name, inp):   # the projection alone on the same kernel, from bitsandbytes' weight
+        layer = getattr(parent, name)
+        w = rp.repack_bnb([(layer.weight.data, layer.weight.quant_state)])
+        return rm.repacked_matmul(inp, w, layer.bias, exact=exact)
+
+    before = {(id(p), nme): (separate(p, nme, x), separate(p, nme, x2)) for p, group in names for nme in group}
+    bytes_before = {(id(p), nme): getattr(p, nme).weight.data.clone() for p, group in names for nme in group}
+    described = use_nf4_kernel(model, "repacked-exact" if exact else "repacked")
+    assert "for 14 NF4 layers as 8 matmuls (4 fused" in described
+    assert isinstance(attn.q_proj, nf4_fused.FusedSlice) and attn.q_proj.fused is attn.v_proj.fused
+    for parent, group in names:
+        for order in (group[::-1], group):        # any call order; a second input recomputes
+            for inp, which in ((x, 0), (x2, 1)):
+                for name in order:
+                    got, want = getattr(parent, name)(inp), before[(id(parent), name)][which]
+                    if exact:
+                        assert torch.equal(got, want), name
+                    else:
+                        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert getattr(parent, group[0]).fused._pending is None      # nothing kept once all slices are taken
+    assert attn.q_proj.fused.out_features == 64 + 32 + 32 and attn.q_proj.out_features == 64   # one (Nq+Nk+Nv) weight
+    assert "bitsandbytes for all 14" in use_nf4_kernel(model, "bnb")      # back, byte for byte
+    for parent, group in names:
+        for name in group:
+            assert torch.equal(getattr(parent, name).weight.data, bytes_before[(id(parent), name)])
+
+
+def test_greedy_generation_through_the_repacked_kernel_equals_bitsandbytes():
+    prompt = [5, 9, 13, 7, 21]
+
+    def run(model, **kw):
+        return [t for s in generate(model, prompt, config=DecodeConfig(max_new_tokens=12), **kw) for t in s.tokens]
+
+    reference_model = nf4_model()
+    with_bnb = run(reference_model)
+    model = nf4_model()                                # the same seed: the same NF4 weights
+    heads = copied_heads(model, num_heads=3)
+    tree = build_tree_buffers(resolve_tree("cartesian-2x2x2"), 3)
+    assert "for 14 NF4 layers" in use_nf4_kernel(model, "repacked")
+    assert run(model) == with_bnb
+    assert run(model, heads=heads, tree=tree) == with_bnb     # tree verification (multi-row) too
+    assert "exact mode" in use_nf4_kernel(model, "repacked-exact")
+    assert run(model, heads=heads, tree=tree) == with_bnb
+    assert len(with_bnb) == 12
+
+
+def test_auto_never_picks_the_repacked_kernel_and_errors_are_one_line(monkeypatch):
+    model = nf4_model()
+    assert "repacked" not in use_nf4_kernel(model, "auto")
+    with pytest.raises(ValueError, match=r"^nf4 kernel 'fast' is unknown: use one of auto, triton, bnb, repacked, "
+                                         r"repacked-exact$"):
+        use_nf4_kernel(model, "fast")
+    monkeypatch.delenv(nm.INTERPRET_ENV)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1") as err:
+        use_nf4_kernel(model, "repacked")
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=r"^group 64 does not fit blocksize 64: use one of \(128, 256\)"):
+        rp.repack(torch.zeros(16, 128, dtype=torch.uint8), torch.zeros(16, 2), torch.zeros(16), 64, group=64)
+
+
+def test_tinygemm_anchor_quantization_matches_torch_int4_kernel_on_cpu():
+    """The benchmark's tinygemm operands (gpt-fast's asymmetric group int4): torch's CPU int4 kernel
+    with them multiplies within rounding of x @ dequantized W.T, so the CUDA op gets the right format."""
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    for group in (64, 128):
+        q, scales_and_zeros = bench.tinygemm_quantize(w, group)
+        x = torch.randn(3, 256).bfloat16()
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros)
+        ref = x.double() @ bench.tinygemm_dequantize(q, scales_and_zeros, group).double().T
+        assert float((y.double() - ref).norm() / ref.norm()) < 1e-2
+        assert float((bench.tinygemm_dequantize(q, scales_and_zeros, group) - w).abs().max()) < 0.2 * w.abs().max()
+
+
+def test_benchmark_without_cuda_is_one_line(capsys, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the benchmark would run")
+    assert bench.main(["--json", str(tmp_path / "nf4.json")]) == 2
+    out = capsys.readouterr().out.strip()
+    assert "\n" not in out and "needs a CUDA GPU" in out and not (tmp_path / "nf4.json").exists()
