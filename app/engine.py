@@ -2,7 +2,7 @@
 request at a time, and per-tab state (conversation, KV caches, Stop flag) owned by the tab.
 
 ``ChatEngine.answer`` is a generator the UI iterates: it waits its turn in the
-line for the model (yielding its place), then streams each pass's reply and live
+request queue (yielding its place), then streams each pass's reply and live
 Stats. A comparison runs plain decoding and Medusa step-interleaved, so both see
 the same machine load. It holds no Gradio objects, so tests drive it directly.
 """
@@ -107,7 +107,7 @@ class DecoderRun:
 
 
 class ChatEngine:
-    """The loaded model, its tree buffers (built once per tree choice) and the line for it."""
+    """The loaded model, its tree buffers (built once per tree choice) and the request queue for it."""
 
     def __init__(self, loaded, *, extra_trees: Sequence[str] = (), max_new_tokens: int = 256) -> None:
         self.loaded = loaded

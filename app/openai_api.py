@@ -6,7 +6,7 @@ Requests go through ``ChatEngine.answer`` like a browser tab's: they wait in the
 model, one generation at a time, first come first served. Each request decodes in a fresh
 ``Session`` (its own KV cache), so a tab's cached conversation is never rewound by a request. A
 client that goes away sets the request's cancel flag, and the generation stops at the next step
-and leaves the line. Nothing here reads or writes files.
+and leaves the queue. Nothing here reads or writes files.
 
 Every refusal is OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``, with one line
 that names the value and the fix.
@@ -254,7 +254,7 @@ class Completion:
         self.session = Session()
         self.stop = StopText(request.stop)
         self.last: Update | None = None
-        self.ahead = 0                 # requests ahead of this one in the line, while it waits
+        self.ahead = 0                 # requests ahead of this one in the queue, while it waits
         self.started = time.perf_counter()
         self._queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -263,11 +263,11 @@ class Completion:
                          name="api-request", daemon=True).start()
 
     def cancel(self) -> None:
-        """The client is gone: the generation stops at its next step (or leaves the line) and frees it."""
+        """The client is gone: the generation stops at its next step (or leaves the queue) and frees it."""
         self.session.cancel.set()
 
     async def pieces(self) -> AsyncIterator[str]:
-        """Text as it may be sent, "" while waiting in line; ends with the run (ApiError for an error
+        """Text as it may be sent, "" while waiting in the queue; ends with the run (ApiError for an error
         before any token)."""
         while (update := await self._queue.get()) is not None:
             if update.queued:

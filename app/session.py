@@ -1,5 +1,5 @@
 """Per-tab state: the conversation as the tab shows it, the tab's KV caches and Stop flag, and
-the line every request waits in for the one model."""
+the queue every request waits in for the one model."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ class RequestQueue:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._waiting: list[object] = []   # the head of the line is generating
+        self._waiting: list[object] = []   # the head of the queue is generating
 
     def join(self) -> object:
         ticket = object()
