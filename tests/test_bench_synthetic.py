@@ -102,7 +102,9 @@ def test_cli_runs_tiny_on_cpu_for_bf16_and_nf4_and_writes_json(tmp_path, capsys)
     summary = data["summary"]
     assert summary["bf16_baseline_ms"] == results["none"]["rows"][0]["loop_ms"]
     assert summary["nf4_baseline_ms"] == results["nf4"]["rows"][0]["loop_ms"]
-    assert summary["bf16_tree64_ms"] is None           # no 64-node tree was timed
+    assert summary["bf16_tree64_ms"] is None and summary["bf16_tree16_ms"] is None   # no 16 or 64-node tree was timed
+    best = max(1000 * row["expected_acceptance"] / row["loop_ms"] for row in results["nf4"]["rows"])
+    assert summary["nf4_projected_tokens_per_s"] == pytest.approx(best)
 
 
 def test_cli_times_transformers_generate_for_the_baseline_comparison(tmp_path):
