@@ -190,3 +190,28 @@ def test_the_old_command_name_still_runs():
     out = subprocess.run([sys.executable, "-m", "medusa_core.bench_gpu", "--help"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "usage: python -m medusa_core.bench_synthetic" in out.stdout
+
+
+def test_step_profile_charges_each_part_of_the_step_and_folds_into_the_report(tmp_path):
+    """benchmarks.profile_gpu_step (run here on the CPU, where it counts op time): the baseline step
+    spends nothing in the heads, a 16-node step does; every part of the model shows up; the profile
+    lands in the docs/perf report."""
+    from medusa_core.benchmarks import profile_gpu_step
+
+    prof = tmp_path / "profile.json"
+    assert profile_gpu_step.main(["--device", "cpu", "--shape", "tiny", "--quant", "none", "nf4", "--tree-sizes",
+                                  "1", "16", "--context", "8", "--steps", "2", "--json", str(prof)]) == 0
+    profile = json.loads(prof.read_text())["step_profile"]
+    assert set(profile) == {"bf16_t1", "bf16_t16", "nf4_t1", "nf4_t16"}
+    for name, row in profile.items():
+        parts = row["ms_per_step"]
+        assert row["total_ms"] == pytest.approx(sum(parts.values()))
+        for part in ("projections", "attention", "norms", "lm_head", "outside"):
+            assert parts[part] > 0, (name, part)
+        assert (parts["heads"] > 0) == name.endswith("t16"), name      # the baseline step runs no heads
+    step = tmp_path / "gpu.json"
+    assert bench_synthetic.main(["--device", "cpu", "--shape", "tiny", "--quant", "none", "--tree-sizes", "1",
+                                 "--context", "8", "--iters", "2", "--warmup", "0", "--json", str(step)]) == 0
+    out = tmp_path / "report.json"
+    assert bench_synthetic.main(["--fold", str(step), str(prof), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["step_profile"] == profile

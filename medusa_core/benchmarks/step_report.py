@@ -101,7 +101,7 @@ def fold_reports(step_json: Path, others: Sequence[Path]) -> dict:
     """One report for docs/perf/<gpu>.json: a bench_gpu JSON, with added to its ``summary`` the
     headline figures of later bench_gpu runs (their results appended; a re-measured figure
     replaces the earlier one), of benchmarks.nf4_kernel, and of ``bench`` runs (the demo model, or a saved
-    random checkpoint), each full JSON kept beside."""
+    random checkpoint), each full JSON kept beside, and the step profile of benchmarks.profile_gpu_step."""
     report = json.loads(step_json.read_text())
     extras: dict = {}
     for path in others:
@@ -121,8 +121,11 @@ def fold_reports(step_json: Path, others: Sequence[Path]) -> dict:
             if "transformers generate()" in rows:
                 extras[f"{name}_hf_generate_tokens_per_s"] = rows["transformers generate()"]["tokens_per_s"]
             report["demo" if name == "demo_cuda" else "checkpoint"] = data
+        elif isinstance(data.get("step_profile"), dict):                     # benchmarks.profile_gpu_step
+            report["step_profile"] = data["step_profile"]
         else:
-            raise ValueError(f"{path}: not a bench_synthetic, nf4_kernel or bench JSON: pass those, or leave it out")
+            raise ValueError(f"{path}: not a bench_synthetic, nf4_kernel, profile_gpu_step or bench JSON: "
+                             "pass those, or leave it out")
     # every step result in the order measured: a later result of the same label replaces the earlier figures
     results = [QuantResult(**{**r, "rows": tuple(TreeRow(**w) for w in r["rows"])}) for r in report["results"]]
     report["summary"] = {**summary(results), **extras}

@@ -1,0 +1,201 @@
+"""Where one decoding step's device time goes, by category: the step profile issue 22 asks for.
+
+The step (decoding/step.py) runs eagerly under torch.profiler: a graph replay launches the same
+kernels but hides which op launched which. Forward hooks open a named range around every module of
+a kind (the decoder's projections, its attention modules, its norms, the decoder as a whole, the
+lm_head, the Medusa heads), and each op's own device time is charged to the nearest range around
+it; ops outside the model (the tree's tokens, acceptance, the KV copy) fall under "outside".
+Kernels the profiler links to no op are reported as "unlinked", with their names, so the
+categories always add up to the device time measured.
+
+    python -m medusa_core.benchmarks.profile_gpu_step --json out/profile.json     # 7B shapes, bf16 and NF4, T = 1 and 16
+    python -m medusa_core.benchmarks.profile_gpu_step --device cpu --shape tiny --quant none --context 16
+        # a smoke check on the CPU: CPU op time, no claims (medusa_core.benchmarks.profile_cpu_step times the CPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..decoding.config import DecodeConfig
+from ..decoding.step_store import step_for
+from ..decoding.tree import build_tree_buffers, tree_of_size
+from ..heads.accuracy import PUBLISHED_ACCURACIES, TOP_K, rank_table
+from .step_timing import prefilled_cache
+from .synthetic import DTYPE, SHAPES, build_heads, build_model, quantize_backbone_
+
+PREFIX = "medusa:"
+CATEGORIES = {
+    "projections": "decoder projections (4-bit or bf16 matmuls)",
+    "attention": "attention (SDPA, rotary, KV reads)",
+    "norms": "norms",
+    "decoder": "decoder: residuals, activations, rotary tables, other",
+    "lm_head": "lm_head",
+    "heads": "Medusa heads",
+    "outside": "outside the model: tree tokens, acceptance, KV copy",
+    "unlinked": "kernels linked to no op",
+}
+
+
+def module_categories(model: nn.Module, heads: nn.Module | None) -> list[tuple[nn.Module, str]]:
+    """(module, category) for every module a range opens around; the nearest range wins, so a
+    projection inside an attention module counts as a projection."""
+    decoder = model.get_decoder()
+    marked = [(decoder, "decoder"), (model.get_output_embeddings(), "lm_head")]
+    # the step calls heads.guesses, not forward: the heads' own blocks and projections carry the range
+    marked += [(module, "heads") for module in heads.modules()] if heads is not None else []
+    for module in decoder.modules():
+        kind = type(module).__name__
+        if isinstance(module, nn.Linear) or kind in ("FusedSlice", "RepackedNF4Linear"):
+            marked.append((module, "projections"))
+        elif kind.endswith("Attention"):
+            marked.append((module, "attention"))
+        elif "Norm" in kind:
+            marked.append((module, "norms"))
+    return marked
+
+
+def add_ranges(marked: list[tuple[nn.Module, str]]) -> list:
+    """Forward hooks opening a profiler range named PREFIX + category around each marked module."""
+    handles = []
+    for module, category in marked:
+        open_ranges: list = []
+
+        def enter(mod, args, name=PREFIX + category, stack=open_ranges):
+            stack.append(torch.profiler.record_function(name))
+            stack[-1].__enter__()
+
+        def leave(mod, args, out, stack=open_ranges):
+            stack.pop().__exit__(None, None, None)
+
+        handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    return handles
+
+
+def category_of(event) -> str:
+    """The nearest enclosing range's category, walking up the op tree; "outside" if none."""
+    while event is not None:
+        if event.name.startswith(PREFIX):
+            return event.name.removeprefix(PREFIX)
+        event = event.cpu_parent
+    return "outside"
+
+
+def attribute(events, on_cuda: bool) -> tuple[dict[str, float], Counter]:
+    """Microseconds per category: each op's own device time (its own CPU time off CUDA), plus
+    "unlinked" for kernels no op claims; and the unlinked kernels' time by name."""
+    per: dict[str, float] = dict.fromkeys(CATEGORIES, 0.0)
+    host_events = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    for event in host_events:
+        per[category_of(event)] += event.self_device_time_total if on_cuda else event.self_cpu_time_total
+    unlinked: Counter = Counter()
+    if on_cuda:
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        linked = sum(per.values())
+        total = sum(k.device_time for k in kernels)
+        per["unlinked"] = max(0.0, total - linked)
+        if per["unlinked"] > 0:
+            claimed = Counter(k.name for e in host_events for k in e.kernels)
+            for k in kernels:
+                if claimed[k.name] > 0:
+                    claimed[k.name] -= 1
+                else:
+                    unlinked[k.name] += k.device_time
+    return per, unlinked
+
+
+@torch.inference_mode()
+def profile_step(model, heads, size: int, context: int, steps: int, seed: int) -> dict:
+    """One tree size: ms per step by category, over ``steps`` eager steps after the same prefix."""
+    device = model.get_output_embeddings().weight.device
+    table = rank_table(PUBLISHED_ACCURACIES)
+    tree = build_tree_buffers(tree_of_size(table, size), len(PUBLISHED_ACCURACIES), TOP_K, DTYPE, device)
+    cache, _ = prefilled_cache(model, context, context + size + 2, seed)
+    step = step_for(model, heads if tree.num_heads else None, tree, DecodeConfig(), cache, graphs=False)
+    step.tokens.copy_(torch.randint(3, model.config.vocab_size, step.tokens.shape, device=device))
+    length = cache.length
+    for _ in range(2):                              # lazy inits and kernel compiles happen here
+        cache.position.fill_(length)
+        step.run()
+    on_cuda = device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_cuda else [])
+    handles = add_ranges(module_categories(model, heads if tree.num_heads else None))
+    try:
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(steps):
+                cache.position.fill_(length)
+                step.run()
+            if on_cuda:
+                torch.cuda.synchronize(device)
+    finally:
+        for handle in handles:
+            handle.remove()
+    per, unlinked = attribute(prof.events(), on_cuda)
+    ms = {k: v / 1000 / steps for k, v in per.items()}
+    return {"tree_size": size, "ms_per_step": ms, "total_ms": sum(ms.values()),
+            "unlinked_kernels_ms": {name: us / 1000 / steps for name, us in unlinked.most_common(10)},
+            "time": "device (kernels)" if on_cuda else "CPU op time"}
+
+
+def format_profile(label: str, row: dict) -> str:
+    total = row["total_ms"] or 1.0
+    lines = [f"== {label}, T = {row['tree_size']}: {row['total_ms']:.3f} ms per step ({row['time']}) =="]
+    lines += [f"  {CATEGORIES[k]:<55}{v:9.3f} ms {100 * v / total:5.1f}%" for k, v in row["ms_per_step"].items() if v]
+    lines += [f"    unlinked: {name[:70]} {v:.3f} ms" for name, v in row["unlinked_kernels_ms"].items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(prog="python -m medusa_core.benchmarks.profile_gpu_step", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if cuda else "cpu")
+    p.add_argument("--shape", choices=sorted(SHAPES), help="default: 7b on CUDA, tiny otherwise")
+    p.add_argument("--quant", nargs="+", choices=("none", "nf4"), help="default: none nf4 on CUDA, none otherwise")
+    p.add_argument("--nf4-kernel", default="auto", help="who multiplies NF4 layers (quant/bnb.py NF4_KERNELS)")
+    p.add_argument("--tree-sizes", nargs="+", type=int, default=[1, 16])
+    p.add_argument("--context", type=int, default=512, help="prefix length in the cache")
+    p.add_argument("--steps", type=int, default=20, help="profiled steps per tree size")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the profile here (benchmarks.step_report folds it into docs/perf)")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not cuda:
+        print(f"error: --device {args.device}: this torch sees no CUDA GPU: use --device cpu --shape tiny", file=sys.stderr)
+        return 1
+    shape = SHAPES[args.shape or ("7b" if device.type == "cuda" else "tiny")]
+    if args.context + max(args.tree_sizes) + 2 > shape.max_position:
+        print(f"error: --context {args.context} leaves no room in the {shape.max_position}-token context: lower it",
+              file=sys.stderr)
+        return 1
+    profile = {}
+    for quant in args.quant or (["none", "nf4"] if device.type == "cuda" else ["none"]):
+        model = build_model(shape, device, args.seed)
+        heads = build_heads(shape, len(PUBLISHED_ACCURACIES), device, args.seed + 1)
+        label = "bf16" if quant == "none" else "nf4"
+        if quant == "nf4":
+            from ..quant.bnb import use_nf4_kernel
+
+            quantize_backbone_(model)
+            print(use_nf4_kernel(model, args.nf4_kernel), flush=True)
+        for size in args.tree_sizes:
+            row = profile_step(model, heads, size, args.context, args.steps, args.seed)
+            profile[f"{label}_t{size}"] = row
+            print(format_profile(label, row), flush=True)
+        del model, heads
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"step_profile": profile}, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
