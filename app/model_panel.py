@@ -8,6 +8,7 @@ import gradio as gr
 
 from medusa_core.loading.spec import LoadSpec
 
+from .engine import NO_SPEEDUP
 from .layout import SAMPLING, Page
 from .models import ModelSlot, default_settings, spec_for
 from .settings import Settings
@@ -26,6 +27,12 @@ def decoding_values(settings: Settings) -> tuple[dict, ...]:
             *({**update, "value": getattr(settings, name)} for update, name in zip(enabled, SAMPLING)))
 
 
+def medusa_pane(engine) -> dict:
+    """The Medusa pane's title: where the tuner found that no tree pays on this machine, plain
+    decoding runs in it, and its title says so."""
+    return gr.update(label=NO_SPEEDUP if engine is not None and engine.no_speedup else "Medusa")
+
+
 def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec):
     """Attach the model panel's events; returns ``sync(version, max_new_value)``, the update of
     ``model_outputs(page)`` the page's load event uses too."""
@@ -36,7 +43,7 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec):
         state = slot.state()
         loading = state.phase == "loading"
         if state.version == version and not loading:
-            return (*[gr.update()] * (5 + len(decoding)), gr.Timer(active=False), version)
+            return (*[gr.update()] * (5 + len(decoding)), gr.Timer(active=False), version, gr.update())
         engine = slot.engine
         if engine is None:
             tree_update, max_update = gr.update(choices=[], value=None), gr.update()
@@ -52,7 +59,7 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec):
             decoding_update = decoding_values(default_settings(engine.loaded))
         return (state.line, gr.update(visible=engine is not None and engine.loaded.cpu_default),
                 gr.update(interactive=engine is not None and not loading), tree_update, max_update,
-                *decoding_update, gr.Timer(active=loading), state.version)
+                *decoding_update, gr.Timer(active=loading), state.version, medusa_pane(engine))
 
     def on_load_model(choice, model_id, heads_id, max_new_value):
         try:
@@ -78,6 +85,6 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec):
 
 
 def model_outputs(page: Page) -> list:
-    """What ``sync`` updates, in its order."""
+    """What ``sync`` updates, in its order (the Medusa pane last: only its title)."""
     return [page.status, page.note, page.send, page.controls["tree"], page.controls["max_new_tokens"],
-            page.controls["mode"], *page.sampling, page.timer, page.shown_version]
+            page.controls["mode"], *page.sampling, page.timer, page.shown_version, page.chat]

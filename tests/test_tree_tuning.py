@@ -129,6 +129,20 @@ def test_where_no_tree_pays_plain_decoding_runs_and_the_page_says_so(checkpoint,
     prompt = engine.prompt_ids([{"role": "user", "content": "hello"}], None)
     last = list(engine.answer(Session(), prompt, Settings(max_new_tokens=8), (MEDUSA,)))[-1]
     assert last.stats.label == NO_SPEEDUP and last.stats.tree_size == 1
+    from app.model_panel import medusa_pane
+
+    assert medusa_pane(engine)["label"] == NO_SPEEDUP, "the chat pane's title says it too"
+
+
+def test_the_medusa_pane_keeps_its_title_where_a_tree_pays(checkpoint, measured, monkeypatch):
+    from app.model_panel import medusa_pane
+
+    # a node costs nothing extra: every tree pays (set here, not measured: no test rests on this CPU's speed)
+    monkeypatch.setattr(tree_tuning, "measure_step_seconds",
+                        lambda model, heads, trees, *args, **kw: {n: 0.01 for n in trees})
+    engine = ChatEngine(load(spec(checkpoint)))
+    assert not engine.no_speedup and medusa_pane(engine)["label"] == "Medusa"
+    assert medusa_pane(None)["label"] == "Medusa"        # no model loaded
 
 
 def test_heads_without_accuracies_get_a_preset_and_say_how_to_tune(tmp_path, measured):
