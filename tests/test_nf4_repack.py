@@ -207,3 +207,28 @@ def test_benchmark_without_cuda_is_one_line(capsys, tmp_path):
     assert bench.main(["--json", str(tmp_path / "nf4.json")]) == 2
     out = capsys.readouterr().out.strip()
     assert "\n" not in out and "needs a CUDA GPU" in out and not (tmp_path / "nf4.json").exists()
+
+
+def test_the_exactness_count_routes_each_kernel_and_counts_identical_answers():
+    """benchmarks.nf4_exactness on a tiny fp32 NF4 model (where greedy Medusa equals plain decoding
+    by construction): every answer counts as identical on every kernel, and the model goes back to
+    bitsandbytes' own layers afterwards. On a GPU it counts what bf16 rounding changes."""
+    from medusa_core.benchmarks import nf4_exactness
+
+    model = nf4_model()
+    heads = copied_heads(model, num_heads=3)
+    tree = build_tree_buffers(resolve_tree("cartesian-2x2x2"), 3)
+    prompts = [[5, 9, 13, 7, 21], [3, 4, 5]]
+    counts = nf4_exactness.count_identical(model, heads, tree, prompts, 8, ["bnb", "repacked-exact"])
+    assert [(c.kernel, c.identical, c.prompts) for c in counts] == [("bnb", 2, 2), ("repacked-exact", 2, 2)]
+    assert counts[1].first_divergence == [None, None] and "exact mode" in counts[1].routing
+    assert not any(isinstance(m, nf4_fused.RepackedNF4Linear) for m in model.modules())
+    assert nf4_exactness.first_difference([1, 2, 3], [1, 2, 4]) == 2
+    assert nf4_exactness.first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_the_exactness_count_on_a_cpu_is_one_line(capsys):
+    from medusa_core.benchmarks import nf4_exactness
+
+    assert nf4_exactness.main(["--device", "cpu"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1

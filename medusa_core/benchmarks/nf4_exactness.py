@@ -1,0 +1,142 @@
+"""How often greedy Medusa gives exactly plain greedy decoding's answer over a 4-bit backbone, per NF4
+kernel: the count issue 22 asks for with and without the kernel's exact mode.
+
+In fp32 the two are equal by construction. Over NF4 with bf16 compute, a T-row tree verification and a
+1-row step can round differently, and one flipped argmax changes the rest of the answer; the
+``repacked-exact`` kernel gives every matmul row the bits it gets alone (attention and the lm_head
+still run as they do). Each kernel routes the same quantized weights, and every prompt is answered
+both ways; an answer counts as identical when every token matches.
+
+    python -m medusa_core.benchmarks.nf4_exactness --json out/exactness.json              # random 7B shapes
+    python -m medusa_core.benchmarks.nf4_exactness --model smollm2 --json out/exact_smol.json   # SmolLM2, NF4 heads too
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..decoding.config import DecodeConfig
+from ..decoding.generate import generate
+from ..decoding.tree import TreeBuffers, build_tree_buffers, resolve_tree
+
+KERNELS = ("bnb", "triton", "repacked", "repacked-exact")
+
+
+@dataclass(frozen=True)
+class KernelCount:
+    kernel: str
+    routing: str                        # use_nf4_kernel's line: what multiplied the layers
+    identical: int                      # answers equal to plain decoding's, token for token
+    prompts: int
+    first_divergence: list[int | None]  # per prompt: the first differing token, None where identical
+
+
+def answer(model, prompt: list[int], heads, tree: TreeBuffers | None, max_new_tokens: int) -> list[int]:
+    steps = generate(model, prompt, heads=heads, tree=tree, config=DecodeConfig(max_new_tokens=max_new_tokens))
+    return [token for step in steps for token in step.tokens]
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def count_identical(model, heads, tree: TreeBuffers, prompts: list[list[int]], max_new_tokens: int,
+                    kernels: Sequence[str]) -> list[KernelCount]:
+    """For each kernel routing the model's NF4 layers: how many greedy Medusa answers equal plain
+    decoding's on the same kernel."""
+    from ..quant.bnb import use_nf4_kernel
+
+    counts = []
+    for kernel in kernels:
+        routing = use_nf4_kernel(model, kernel)
+        firsts = [first_difference(answer(model, p, None, None, max_new_tokens),
+                                   answer(model, p, heads, tree, max_new_tokens)) for p in prompts]
+        counts.append(KernelCount(kernel, routing, sum(f is None for f in firsts), len(prompts), firsts))
+        print(f"{kernel}: {counts[-1].identical}/{len(prompts)} identical ({routing})", flush=True)
+    use_nf4_kernel(model, "bnb")
+    return counts
+
+
+def random_setup(device: torch.device, shape_name: str, prompts: int, length: int, seed: int):
+    """A random Llama of real shapes in NF4, random heads, random prompts (greedy answers still differ
+    or not by rounding alone: acceptance does not matter to the count)."""
+    from ..heads.accuracy import PUBLISHED_ACCURACIES, TOP_K, rank_table
+    from ..decoding.tree import tree_of_size
+    from .synthetic import DTYPE, SHAPES, build_heads, build_model, quantize_backbone_
+
+    shape = SHAPES[shape_name]
+    model = build_model(shape, device, seed)
+    quantize_backbone_(model)
+    heads = build_heads(shape, len(PUBLISHED_ACCURACIES), device, seed + 1)
+    tree = build_tree_buffers(tree_of_size(rank_table(PUBLISHED_ACCURACIES), 16), len(PUBLISHED_ACCURACIES), TOP_K,
+                              DTYPE, device)
+    gen = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(3, shape.vocab, (length,), generator=gen).tolist() for _ in range(prompts)]
+    return model, heads, tree, ids
+
+
+def smollm2_setup(device: str, prompts: int):
+    """SmolLM2-135M-Instruct in NF4 with its shipped heads (their projections NF4 too) and its tree,
+    on the held-out chat prompts."""
+    from ..decoding.step import compute_dtype
+    from ..loading.assets import CPU_DEFAULT_PROMPTS, CPU_DEFAULT_TREE
+    from ..loading.chat_format import render_chat
+    from ..loading.load import load
+    from ..loading.spec import LoadSpec
+    from ..training.data import read_prompts
+
+    # the shipped tree, not one tuned here: the count must not depend on whether a tree pays on this GPU
+    loaded = load(LoadSpec(device=device, quant="nf4", heads_quant="nf4", nf4_kernel="bnb", tree=str(CPU_DEFAULT_TREE)))
+    model = loaded.model
+    tree = build_tree_buffers(resolve_tree(str(CPU_DEFAULT_TREE)), loaded.heads.config.num_heads,
+                              dtype=compute_dtype(model), device=model.get_output_embeddings().weight.device)
+    texts = read_prompts(CPU_DEFAULT_PROMPTS)[:prompts]
+    return model, loaded.heads, tree, [render_chat(loaded.tokenizer, text) for text in texts]
+
+
+def main(argv: list[str] | None = None) -> int:
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(prog="python -m medusa_core.benchmarks.nf4_exactness", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=("random", "smollm2"), default="random")
+    p.add_argument("--device", default="cuda" if cuda else "cpu")
+    p.add_argument("--shape", default="7b", help="random model's shape (benchmarks/synthetic.py SHAPES)")
+    p.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
+    p.add_argument("--prompts", type=int, default=24)
+    p.add_argument("--prompt-tokens", type=int, default=64, help="random prompts' length")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    if not args.device.startswith("cuda"):
+        print("error: this count is for a GPU (the repacked kernel runs on the CPU only under TRITON_INTERPRET=1, "
+              "far too slowly for a model): run it on the GPU machine", file=sys.stderr)
+        return 2
+    if not cuda:
+        print(f"error: --device {args.device}: this torch sees no CUDA GPU", file=sys.stderr)
+        return 1
+    if args.model == "random":
+        setup = random_setup(torch.device(args.device), args.shape, args.prompts, args.prompt_tokens, args.seed)
+    else:
+        setup = smollm2_setup(args.device, args.prompts)
+    counts = count_identical(*setup, args.max_new_tokens, args.kernels)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"model": args.model, "max_new_tokens": args.max_new_tokens,
+                                               "exactness": [asdict(c) for c in counts]}, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
