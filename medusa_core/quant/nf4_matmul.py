@@ -567,10 +567,15 @@ def pick_fastest(configs: list[KernelConfig], run: Callable[[KernelConfig], torc
     return best, log
 
 
+def rotation_count(nbytes: int, l2_bytes: int, at_least: int = 2) -> int:
+    """How many copies of an ``nbytes`` weight make cycling through them stream from HBM, not L2
+    (twice L2 in all, at most 16)."""
+    return max(at_least, min(16, -(-2 * l2_bytes // max(nbytes, 1))))
+
+
 def rotating_copies(packed: torch.Tensor, state, l2_bytes: int, at_least: int = 2) -> list[tuple]:
     """Enough (packed, state) copies that cycling through them streams from HBM, not L2."""
-    size = packed.numel() + state.absmax.numel() * state.absmax.element_size()
-    count = max(at_least, min(16, -(-2 * l2_bytes // max(size, 1))))
+    count = rotation_count(packed.numel() + state.absmax.numel() * state.absmax.element_size(), l2_bytes, at_least)
     out = [(packed, state)]
     for _ in range(count - 1):
         s = copy.copy(state)

@@ -236,8 +236,8 @@ def tune_shape(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
     dense = torch.randn(n, k, device=device, dtype=dtype, generator=gen) * 0.02
     w = repack_bnb([quantize_4bit(dense, blocksize=64, compress_statistics=True, quant_type="nf4")], group)
     del dense
-    count = max(2, min(16, -(-2 * props.L2_cache_size // w.nbytes)))
-    copies = [w] + [dataclasses.replace(w, words=w.words.clone(), scales=w.scales.clone()) for _ in range(count - 1)]
+    copies = [w] + [dataclasses.replace(w, words=w.words.clone(), scales=w.scales.clone())
+                    for _ in range(nm.rotation_count(w.nbytes, props.L2_cache_size) - 1)]
     x = torch.randn(row_class(m), k, device=device, dtype=dtype, generator=gen)
     key = _key(m, n, k, dtype, device, group)
     best, TUNING_LOG[key] = nm.pick_fastest(
