@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from medusa_core.decoding.generate import StepResult
+from medusa_core.decoding.generate import StepResult, first_divergence
 
 _BARS = "▁▂▃▄▅▆▇█"
 SPARK_STEPS = 40  # the readout shows the last 40 steps' accepted lengths
@@ -177,14 +177,6 @@ def quartiles(values: list[float] | tuple[float, ...]) -> tuple[float, float, fl
     ordered = sorted(values)
     q1, median, q3 = statistics.quantiles(ordered, n=4, method="inclusive") if len(ordered) > 1 else ordered * 3
     return ordered[0], q1, median, q3, ordered[-1]
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    """Index of the first token where ``a`` and ``b`` differ (one ending first counts); None if equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def explain_divergence(baseline: list[int], medusa: list[int], *, decode, device: str, dtype: torch.dtype,

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ..decoding.config import DecodeConfig
-from ..decoding.generate import generate
+from ..decoding.generate import first_divergence, generate
 from ..decoding.tree import TreeBuffers, build_tree_buffers, resolve_tree
 
 KERNELS = ("bnb", "triton", "repacked", "repacked-exact")
@@ -43,13 +43,6 @@ def answer(model, prompt: list[int], heads, tree: TreeBuffers | None, max_new_to
     return [token for step in steps for token in step.tokens]
 
 
-def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def count_identical(model, heads, tree: TreeBuffers, prompts: list[list[int]], max_new_tokens: int,
                     kernels: Sequence[str]) -> list[KernelCount]:
     """For each kernel routing the model's NF4 layers: how many greedy Medusa answers equal plain
@@ -59,7 +52,7 @@ def count_identical(model, heads, tree: TreeBuffers, prompts: list[list[int]], m
     counts = []
     for kernel in kernels:
         routing = use_nf4_kernel(model, kernel)
-        firsts = [first_difference(answer(model, p, None, None, max_new_tokens),
+        firsts = [first_divergence(answer(model, p, None, None, max_new_tokens),
                                    answer(model, p, heads, tree, max_new_tokens)) for p in prompts]
         counts.append(KernelCount(kernel, routing, sum(f is None for f in firsts), len(prompts), firsts))
         print(f"{kernel}: {counts[-1].identical}/{len(prompts)} identical ({routing})", flush=True)

@@ -92,10 +92,6 @@ def limits(name: str) -> Limits:
     return SETTINGS[name].metadata["limits"]
 
 
-def default(name: str):
-    return SETTINGS[name].default
-
-
 def number(name: str, value, kind: type = float):
     """A raw control or request value as the number ``name`` needs; ValueError names the value and the fix."""
     try:

@@ -126,6 +126,15 @@ def generate(
             return
 
 
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where ``a`` and ``b`` differ (one ending first counts); None if equal:
+    how the page's comparison and the benchmarks check greedy Medusa against plain decoding."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
 def checked_prompt(model: nn.Module, prompt_ids: Sequence[int]) -> list[int]:
     """The prompt as a list; ValueError if empty, ContextOverflowError if it leaves no room to answer."""
     prompt_ids, context = list(prompt_ids), max_context(model)
