@@ -1,7 +1,7 @@
 """``y = x @ W.T`` for 1..64 rows against a repacked NF4 weight (nf4_repack.py), in Triton.
 
 One kernel, three constexpr paths over the same step (one group of G columns of BLOCK_N rows):
-- GEMV (DOT False, small M): the products code * x stay in fp32 lanes (BLOCK_N, BLOCK_M, G/8) for
+- GEMV (DOT False, small M): the products x * code stay in fp32 lanes (BLOCK_M, BLOCK_N, G/8) for
   the whole K range; the scale multiplies each block's lane sums (reassociated: one multiply per 64
   values, not per value); the lanes are summed once at the end by a fixed pairwise tree (reshape and
   split, not tl.reduce, whose order depends on the tensor's layout). Split-K over programs, with a
@@ -11,8 +11,11 @@ One kernel, three constexpr paths over the same step (one group of G columns of 
   tall operand against x.T (G/8, BLOCK_M): every weight tile is decoded once for all the rows.
 - DEQUANT_ONLY: writes code * scale (fp32) to an (N, K) buffer: the bit-exact test of the layout
   and of the lookup the two matmul paths use.
-The 16-entry NF4 table is applied with a 4-level tree of selects on the nibble's bits between 16
-scalars loaded once per program: no per-element memory gather.
+The 16-entry NF4 table is looked up with ``tl.gather``, which Triton lowers to one shared-memory load
+per weight from a 64-byte table (conflict-free: 16 words in 16 banks). Compiled for sm_90 the 1-row
+GEMV loop is 6.1 instructions per weight, against 17.9 with the tree of 15 selects it replaced
+(``python -m medusa_core.benchmarks.kernel_sass``: a static count, not a timing). The GEMV's
+accumulator puts the rows first, so one thread holds every row of a weight and looks it up once.
 
 Exact mode: every row's result does not depend on M. It is the GEMV path with one split-K for every
 M (a function of N, K and the GPU only): each (row, output) is then the same lane products in the
@@ -60,33 +63,35 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr,
     row = offs_n.to(tl.int64)
     slot = (row // 16) * KG * 16 + row % 16          # (BN,) index of (row, group 0) in (N/16, KG, 16)
     lane = tl.arange(0, LANES)
-    # the table in 16 scalars (registers), once per program
-    c0, c1, c2, c3 = tl.load(code_ptr), tl.load(code_ptr + 1), tl.load(code_ptr + 2), tl.load(code_ptr + 3)
-    c4, c5, c6, c7 = tl.load(code_ptr + 4), tl.load(code_ptr + 5), tl.load(code_ptr + 6), tl.load(code_ptr + 7)
-    c8, c9, c10, c11 = tl.load(code_ptr + 8), tl.load(code_ptr + 9), tl.load(code_ptr + 10), tl.load(code_ptr + 11)
-    c12, c13, c14, c15 = tl.load(code_ptr + 12), tl.load(code_ptr + 13), tl.load(code_ptr + 14), tl.load(code_ptr + 15)
+    # the table, once per program: tl.gather below looks it up in shared memory (64 bytes, one word per
+    # bank, so no lookup pattern has a bank conflict), one load per weight and no per-element global gather
+    table = tl.load(code_ptr + tl.arange(0, 16))
+    # plane i's nibbles sit at bits 4*i..4*i+3 of a word; unpacked in the order i = bitreversed(t) so that
+    # halving the last axis three times (tl.split takes its low index bit) lists planes 0..7 in order
+    shifts = 4 * ((tl.arange(0, 8) & 1) * 4 + (tl.arange(0, 8) & 2) + (tl.arange(0, 8) & 4) // 4)   # (8,)
     acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)            # DOT
-    lanes_acc = tl.full((BLOCK_N, BLOCK_M, LANES), 0.0, tl.float32)   # GEMV
+    lanes_acc = tl.full((BLOCK_M, BLOCK_N, LANES), 0.0, tl.float32)   # GEMV
     g_lo = pid_s * groups_per_split
     g_hi = tl.minimum(g_lo + groups_per_split, KG)
     for kg in range(g_lo, g_hi):
         # (BN, LANES) words: 16 rows x G/2 bytes contiguous per row group; row-only mask keeps 16-byte loads
         word = tl.max_contiguous(tl.multiple_of(lane, LANES), LANES)
         words = tl.load(w_ptr + ((slot + kg * 16) * LANES)[:, None] + word[None, :], mask=n_ok[:, None], other=0)
+        # every weight of the step looked up at once: one shared-memory table fill per step, not per plane
+        nibs = (words[:, :, None] >> shifts[None, None, :]) & 15                  # (BN, LANES, 8)
+        codes = tl.reshape(tl.gather(table, tl.reshape(nibs, (BLOCK_N * LANES * 8,)), 0), (BLOCK_N, LANES, 8))
+        lo, hi = tl.split(tl.reshape(codes, (BLOCK_N, LANES, 4, 2)))               # planes 0..3, 4..7
+        lo0, lo1 = tl.split(tl.reshape(lo, (BLOCK_N, LANES, 2, 2)))
+        hi0, hi1 = tl.split(tl.reshape(hi, (BLOCK_N, LANES, 2, 2)))
+        p0, p1 = tl.split(lo0)
+        p2, p3 = tl.split(lo1)
+        p4, p5 = tl.split(hi0)
+        p6, p7 = tl.split(hi1)
+        planes = (p0, p1, p2, p3, p4, p5, p6, p7)                                # each (BN, LANES) fp32
         for i in tl.static_range(8):
             if i % PER_SCALE == 0:      # (BN,) the scale of the block planes i.. lie in
                 scale = tl.load(s_ptr + (slot + kg * 16) * SCALES + i // PER_SCALE, mask=n_ok, other=0)
-            nib = (words >> (4 * i)) & 15                                       # (BN, LANES)
-            b0 = (nib & 1) != 0
-            b1 = (nib & 2) != 0
-            b2 = (nib & 4) != 0
-            b3 = (nib & 8) != 0
-            t0, t1 = tl.where(b0, c1, c0), tl.where(b0, c3, c2)
-            t2, t3 = tl.where(b0, c5, c4), tl.where(b0, c7, c6)
-            t4, t5 = tl.where(b0, c9, c8), tl.where(b0, c11, c10)
-            t6, t7 = tl.where(b0, c13, c12), tl.where(b0, c15, c14)
-            u0, u1, u2, u3 = tl.where(b1, t1, t0), tl.where(b1, t3, t2), tl.where(b1, t5, t4), tl.where(b1, t7, t6)
-            code = tl.where(b3, tl.where(b2, u3, u2), tl.where(b2, u1, u0))    # (BN, LANES) fp32
+            code = planes[i]                                                    # (BN, LANES) fp32
             col = kg * GROUP + i * LANES + lane                                 # (LANES,) plane i's columns
             k_ok = col < K
             if DEQUANT_ONLY:
@@ -106,21 +111,21 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr,
                 else:
                     x_ok = m_ok[:, None] & k_ok[None, :]
                 xv = tl.load(x_ptr + offs_m[:, None] * stride_xm + col[None, :], mask=x_ok, other=0).to(tl.float32)
-                prod = code[:, None, :] * xv[None, :, :]                         # (BN, BM, LANES)
+                prod = xv[:, None, :] * code[None, :, :]                         # (BM, BN, LANES)
                 if i % PER_SCALE == 0:
                     block = prod
                 else:
                     block = block + prod
                 if i % PER_SCALE == PER_SCALE - 1:
-                    lanes_acc = lanes_acc + block * scale[:, None, None]
+                    lanes_acc = lanes_acc + block * scale[None, :, None]
     if not DEQUANT_ONLY:
         if not DOT:
             # lanes -> one sum per (row, output): adjacent pairs, halving, the same tree for every element
             red = lanes_acc
             for level in tl.static_range(LOG_LANES):
-                a, b = tl.split(tl.reshape(red, (BLOCK_N, BLOCK_M, LANES >> (level + 1), 2)))
+                a, b = tl.split(tl.reshape(red, (BLOCK_M, BLOCK_N, LANES >> (level + 1), 2)))
                 red = a + b
-            acc = tl.reshape(red, (BLOCK_N, BLOCK_M))
+            acc = tl.trans(tl.reshape(red, (BLOCK_M, BLOCK_N)))
         o_ok = n_ok[:, None] & m_ok[None, :]
         if PARTIAL:   # fp32 partials (splits, M, N); the reduce kernel adds them in order, then the bias
             tl.store(out_ptr + pid_s * stride_os + offs_m[None, :] * N + offs_n[:, None], acc, mask=o_ok)
@@ -176,8 +181,9 @@ def split_for(n: int, groups: int, block_n: int, programs: int, min_groups: int 
     return split
 
 
-# Block sizes below: no register spills when compiled for sm_90 with Triton 3.9 (ptxas -v, GPU-less);
-# speed unmeasured. The lane accumulators cost block_n * block_m * G/8 fp32 per program.
+# Block sizes below: no spills and at most 128 registers compiled for sm_90 with Triton 3.9
+# (benchmarks/kernel_sass.py, GPU-less); speed unmeasured. The lane accumulators cost
+# block_m * block_n * G/8 fp32 per program.
 EXACT_BLOCK_N = 16
 
 
@@ -292,7 +298,9 @@ def _constexprs(w: RepackedNF4, dot: bool, interpret: bool, cfg: RepackedConfig 
                 EVEN_K=w.k % w.group == 0, **opts)
 
 
-def _launch(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: bool) -> None:
+def kernel_call(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: bool) -> tuple:
+    """(grid, args, keyword args, fp32 partials or None) of one launch: ``_launch`` runs it, and
+    benchmarks/kernel_sass.py compiles exactly this call for a GPU without one."""
     m = x2.shape[0]
     groups = -(-w.k // w.group)
     splits = max(1, min(cfg.split_k, groups))
@@ -301,14 +309,18 @@ def _launch(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: bool)
     # partials of a split-K launch: allocated per call, so a CUDA graph keeps them in its pool
     part = torch.empty(splits, m, w.n, dtype=torch.float32, device=x2.device) if splits > 1 else None
     has_bias = bias is not None
-    bias_arg = bias if has_bias else out
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(w.n, cfg.block_n), splits)
-    _kernel(interpret)[grid](
-        x2, w.words, w.scales, w.code, bias_arg, part if part is not None else out,
-        m, w.n, w.k, groups, x2.stride(0), out.stride(0), m * w.n, per_split,
-        HAS_BIAS=has_bias, PARTIAL=part is not None, DEQUANT_ONLY=False,
-        PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        **_constexprs(w, cfg.dot, interpret, cfg))
+    args = (x2, w.words, w.scales, w.code, bias if has_bias else out, part if part is not None else out,
+            m, w.n, w.k, groups, x2.stride(0), out.stride(0), m * w.n, per_split)
+    meta = dict(HAS_BIAS=has_bias, PARTIAL=part is not None, DEQUANT_ONLY=False,
+                PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n, **_constexprs(w, cfg.dot, interpret, cfg))
+    return grid, args, meta, part
+
+
+def _launch(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: bool) -> None:
+    grid, args, meta, part = kernel_call(x2, w, bias, out, cfg, interpret)
+    _kernel(interpret)[grid](*args, **meta)
     if part is not None:
         nm.reduce_partials(part, bias, out, interpret)
 

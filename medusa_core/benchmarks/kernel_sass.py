@@ -1,0 +1,241 @@
+"""The repacked NF4 kernel as a GPU would run it, read without one: compile, disassemble, count.
+
+    python -m medusa_core.benchmarks.kernel_sass --json out/sass.json          # 7B shapes, sm_90
+    python -m medusa_core.benchmarks.kernel_sass --shape 4096x11008 --rows 1 16 --arch 90
+
+Triton compiles for any NVIDIA architecture on a CPU machine (its wheel ships ptxas and nvdisasm),
+so the machine code of every config the tuner would try can be read here: registers, spills (local
+memory loads and stores), shared memory, the width of each global load, and the instructions of the
+main loop per weight. The launch compiled is exactly ``repacked_matmul``'s (``kernel_call``, with
+Triton's own argument specialization: pointers 16-byte aligned, sizes divisible by 16, as at run
+time), so the vector widths are the ones a GPU gets.
+
+What it does not do is time anything. From the counts it derives two lower bounds a config cannot
+beat on the target, named as estimates in the report: the issue bound (every warp instruction of the
+main loop, 4 issued per clock per SM) and the shared-memory bound (the table lookups, one warp load
+per clock per SM), at the boost clock. The HBM floor beside them is the packed bytes at the copy
+bandwidth measured on an H100 (docs/performance.md). A GPU session's timings replace all three.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import re
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+SHAPES = ((4096, 11008), (11008, 4096), (4096, 4096), (4096, 32000))   # (K in, N out), as nf4_kernel
+ROWS = (1, 2, 4, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class Gpu:
+    arch: int                  # compute capability, 90 = sm_90
+    sms: int
+    boost_ghz: float
+    copy_tb_s: float           # the measured copy bandwidth that sets the HBM floor
+
+
+# H100 SXM 80GB: 132 SMs, 1.98 GHz boost; 2.98 TB/s is the copy bandwidth measured on it (docs/performance.md)
+H100 = Gpu(90, 132, 1.98, 2.98)
+
+
+@dataclass(frozen=True)
+class SassReport:
+    k: int
+    n: int
+    m: int
+    config: str
+    registers: int
+    local_bytes: int               # > 0: spills to local memory
+    shared_bytes: int
+    loop_instructions: int         # per thread, one pass of the main loop (one group of G columns)
+    weights_per_thread: int        # weights one thread handles per pass
+    instructions_per_weight: float
+    lookups_per_weight: float      # shared-memory loads (the NF4 table) per weight
+    global_loads: dict             # per pass: opcode (with its width) -> count
+    opcodes: dict                  # per pass: base opcode -> count, most frequent first
+    issue_us: float                # estimate: main-loop warp instructions at 4 per clock per SM
+    shared_us: float               # estimate: shared-memory warp loads at 1 per clock per SM
+    floor_us: float                # packed words + scales at the copy bandwidth
+
+
+def _triton_tools():
+    import triton
+
+    from ..quant import nf4_repacked_matmul as rm
+    return triton, rm
+
+
+def compile_call(x2: torch.Tensor, w, bias, out, cfg, arch: int):
+    """Compile ``kernel_call``'s launch (meta tensors are fine) for sm_<arch>: Triton's CompiledKernel."""
+    triton, rm = _triton_tools()
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction, native_specialize_impl
+
+    _, args, meta, _ = rm.kernel_call(x2, w, bias, out, cfg, interpret=False)
+    options = {key: meta.pop(key) for key in ("num_warps", "num_stages", "enable_fp_fusion")}
+    names = list(inspect.signature(rm._repacked_kernel).parameters)
+    signature, constexprs, attrs = {}, {}, {}
+    for i, (name, value) in enumerate(zip(names, args)):
+        kind, spec = native_specialize_impl(CUDABackend, value, False, True, True)   # what a launch does
+        if kind == "constexpr":        # an int equal to 1
+            constexprs[(i,)] = spec
+        elif spec:
+            attrs[(i,)] = CUDABackend.parse_attr(spec)
+        signature[name] = kind
+    for name in names[len(args):]:
+        signature[name] = "constexpr"
+        constexprs[(names.index(name),)] = meta[name]
+    # JITFunction, not triton.jit: under TRITON_INTERPRET=1 (the tests) triton.jit returns the interpreter's
+    source = ASTSource(JITFunction(rm._repacked_kernel), signature, constexprs, attrs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def _tool(name: str) -> str:
+    triton, _ = _triton_tools()
+    return getattr(triton.knobs.nvidia, name).path
+
+
+def disassemble(cubin: bytes, workdir: Path) -> list[str]:
+    """The SASS instructions of a cubin, in order, predicates kept, addresses and comments dropped."""
+    path = workdir / "kernel.cubin"
+    path.write_bytes(cubin)
+    text = subprocess.run([_tool("nvdisasm"), "-c", str(path)], capture_output=True, text=True, check=True).stdout
+    lines = []
+    for line in text.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            lines.append(label.group(1) + ":")
+            continue
+        ins = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
+        if ins:
+            lines.append(ins.group(1))
+    return lines
+
+
+def resources(cubin: bytes, workdir: Path) -> dict[str, int]:
+    """REG, LOCAL, SHARED of the kernel, as cuobjdump reports them."""
+    path = workdir / "kernel.cubin"
+    path.write_bytes(cubin)
+    text = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", str(path)],
+                          capture_output=True, text=True, check=True).stdout
+    found = dict(re.findall(r"\b(REG|LOCAL|SHARED):(\d+)", text))
+    return {key: int(found.get(key, 0)) for key in ("REG", "LOCAL", "SHARED")}
+
+
+def opcode(ins: str) -> str:
+    """``@!P0 LDG.E.128 R4, desc[UR6][R2.64]`` -> ``LDG.E.128``."""
+    return re.sub(r"^@!?U?P[T0-9]+\s+", "", ins).split()[0]
+
+
+def main_loop(lines: list[str]) -> list[str]:
+    """The instructions of the largest backward branch's body: the kernel's loop over K groups."""
+    labels = {line[:-1]: i for i, line in enumerate(lines) if line.endswith(":")}
+    best: list[str] = []
+    for i, line in enumerate(lines):
+        target = re.search(r"\bBRA\b.*?(\.L_x_\d+)", line)
+        if target and labels.get(target.group(1), i + 1) <= i:
+            body = [ins for ins in lines[labels[target.group(1)]: i + 1] if not ins.endswith(":")]
+            best = max(best, body, key=len)
+    if not best:
+        raise ValueError("no loop found in the kernel's SASS: is K a single group?")
+    return best
+
+
+def report(k: int, n: int, m: int, cfg, gpu: Gpu, workdir: Path, dtype: torch.dtype = torch.bfloat16,
+           group: int = 128) -> SassReport:
+    """Compile ``cfg`` for an (n, k) repacked weight and m rows of ``dtype``, and count."""
+    from ..quant.nf4_repack import ROWS as R, RepackedNF4, repacked_nbytes
+
+    meta = torch.device("meta")
+    n_pad, k_pad = -(-n // R) * R, -(-k // group) * group
+    w = RepackedNF4(torch.empty(n_pad // R, k_pad // group, R, group // 8, dtype=torch.int32, device=meta),
+                    torch.empty(n_pad // R, k_pad // group, R, group // 64, device=meta),
+                    torch.empty(16, device=meta), n, k, 64, group)
+    x2 = torch.empty(m, k, dtype=dtype, device=meta)
+    out = torch.empty(m, n, dtype=dtype, device=meta)
+    kernel = compile_call(x2, w, None, out, cfg, gpu.arch)
+    res = resources(kernel.asm["cubin"], workdir)
+    loop = main_loop(disassemble(kernel.asm["cubin"], workdir))
+    ops = Counter(opcode(ins) for ins in loop)
+    per_thread = cfg.block_n * group // (32 * cfg.num_warps)
+    lds = sum(count for op, count in ops.items() if op.startswith("LDS"))
+    # every (row tile, N tile, K group) runs the loop once in each of the program's warps
+    passes = -(-m // cfg.block_m) * -(-n // cfg.block_n) * -(-k // group) * cfg.num_warps
+    per_us = gpu.sms * gpu.boost_ghz * 1e3           # clocks of all SMs per µs
+    return SassReport(
+        k=k, n=n, m=m, config=cfg.describe(), registers=res["REG"], local_bytes=res["LOCAL"],
+        shared_bytes=res["SHARED"], loop_instructions=len(loop), weights_per_thread=per_thread,
+        instructions_per_weight=round(len(loop) / per_thread, 2), lookups_per_weight=round(lds / per_thread, 2),
+        global_loads={op: c for op, c in sorted(ops.items()) if op.startswith("LDG")},
+        opcodes=dict(Counter(opcode(ins).split(".")[0] for ins in loop).most_common()),
+        issue_us=round(passes * len(loop) / (4 * per_us), 2),
+        shared_us=round(passes * lds / per_us, 2),
+        floor_us=round(repacked_nbytes(n, k, 64, group) / (gpu.copy_tb_s * 1e6), 2))
+
+
+def configs_for(m: int, n: int, k: int, gpu: Gpu, every: bool, group: int = 128) -> list[tuple[str, object]]:
+    """(mode, config) pairs: the untimed fast choice and exact mode's, or every tuner candidate too."""
+    _, rm = _triton_tools()
+    groups = -(-k // group)
+    out = [("fast", rm.fast_config(m, n, groups, gpu.sms)), ("exact", rm.exact_config(m, n, groups, gpu.sms))]
+    if every:
+        out += [("candidate", cfg) for cfg in rm.candidates(m, n, groups, gpu.sms)[1:]]
+    return out
+
+
+def _shape(text: str) -> tuple[int, int]:
+    try:
+        k, n = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape {text!r} is not KxN (in x out features), e.g. 4096x11008") from None
+    return k, n
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", type=_shape, nargs="+", default=list(SHAPES), help="KxN, e.g. 4096x11008")
+    parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
+    parser.add_argument("--arch", type=int, default=H100.arch, help="compute capability: 90 is sm_90 (H100)")
+    parser.add_argument("--candidates", action="store_true", help="every config the tuner would time, too")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    gpu = Gpu(args.arch, H100.sms, H100.boost_ghz, H100.copy_tb_s)
+    try:
+        _triton_tools()
+    except ImportError as err:
+        print(err, file=sys.stderr)
+        return 2
+    import tempfile
+
+    rows = []
+    print(f"{'K->N':>12} {'M':>3} {'mode':>9} {'config':<28} {'reg':>4} {'spill':>5} {'instr/w':>7} "
+          f"{'lds/w':>5} {'issue':>6} {'smem':>6} {'floor':>6}  (µs: estimates for {H100.sms} SMs at "
+          f"{H100.boost_ghz} GHz, not timings)")
+    with tempfile.TemporaryDirectory() as tmp:
+        for k, n in args.shape:
+            for m in args.rows:
+                for mode, cfg in configs_for(m, n, k, gpu, args.candidates):
+                    r = report(k, n, m, cfg, gpu, Path(tmp))
+                    rows.append(dict(mode=mode, **asdict(r)))
+                    print(f"{f'{k}->{n}':>12} {m:>3} {mode:>9} {r.config:<28} {r.registers:>4} {r.local_bytes:>5} "
+                          f"{r.instructions_per_weight:>7} {r.lookups_per_weight:>5} {r.issue_us:>6} {r.shared_us:>6} "
+                          f"{r.floor_us:>6}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(dict(gpu=asdict(gpu), rows=rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

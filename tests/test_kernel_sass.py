@@ -1,0 +1,77 @@
+"""The repacked NF4 kernel compiled for an H100 (sm_90) on this GPU-less machine, and read back.
+
+What a GPU session relies on before it times anything: every config compiles for the target, the
+weight words arrive in 16-byte loads, nothing spills, and the NF4 table is one shared-memory lookup
+per weight (not a chain of selects, and not repeated for every row of a multi-row GEMV).
+"""
+
+import json
+
+import pytest
+import torch
+
+from medusa_core.benchmarks import kernel_sass as ks
+from medusa_core.quant import nf4_repacked_matmul as rm
+
+
+@pytest.fixture(autouse=True)
+def _fp_fusion(monkeypatch):
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")     # the launch passes it explicitly; silences a warning
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_gemv_loads_words_16_bytes_at_a_time_and_looks_each_weight_up_once(tmp_path, m):
+    k, n = 4096, 11008
+    cfg = rm.fast_config(m, n, k // 128, ks.H100.sms)
+    assert not cfg.dot
+    r = ks.report(k, n, m, cfg, ks.H100, tmp_path)
+    assert r.registers > 0 and r.local_bytes == 0, r
+    assert r.global_loads.get("LDG.E.128", 0) >= 1, r.global_loads       # words: 16-byte vectors
+    # one table lookup per weight, whatever the row count (rows share a weight's code)
+    assert 1 <= r.lookups_per_weight < 1.1, r
+    assert r.issue_us > 0 and r.shared_us > 0 and r.floor_us > 0
+
+
+def test_tensor_core_path_compiles_without_spills(tmp_path):
+    k, n = 4096, 4096
+    cfg = rm.fast_config(16, n, k // 128, ks.H100.sms)
+    assert cfg.dot
+    r = ks.report(k, n, 16, cfg, ks.H100, tmp_path)
+    assert r.local_bytes == 0 and r.shared_bytes > 0, r
+    assert "HGMMA" in r.opcodes or "HMMA" in r.opcodes, r.opcodes     # the weight tile meets the tensor cores
+
+
+def test_main_loop_is_the_largest_backward_branch():
+    lines = ["MOV R1, c[0x0][0x28]", ".L_x_0:", "LDG.E.128 R4, desc[UR4][R2.64]", "@P0 LDS R6, [R5]",
+             "FFMA R8, R6, R7, R8", "@P1 BRA `(.L_x_0)", "EXIT", ".L_x_1:", "BRA `(.L_x_1)"]
+    loop = ks.main_loop(lines)
+    assert [ks.opcode(ins) for ins in loop] == ["LDG.E.128", "LDS", "FFMA", "BRA"]
+    with pytest.raises(ValueError, match="no loop"):
+        ks.main_loop(["MOV R1, R2", "EXIT"])
+
+
+def test_cli_reports_fast_and_exact_configs_as_json(tmp_path, capsys):
+    out = tmp_path / "sass.json"
+    assert ks.main(["--shape", "4096x4096", "--rows", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["mode"], r["m"], r["n"], r["k"]) for r in rows] == [("fast", 1, 4096, 4096), ("exact", 1, 4096, 4096)]
+    assert "not timings" in capsys.readouterr().out
+
+
+def test_a_malformed_shape_is_one_line(capsys):
+    with pytest.raises(SystemExit):
+        ks.main(["--shape", "4096"])
+    assert "shape '4096' is not KxN" in capsys.readouterr().err
+
+
+def test_compiles_the_launch_repacked_matmul_makes():
+    # the same arguments as a real launch, on meta tensors: a change to the launch reaches the report
+    meta = torch.device("meta")
+    from medusa_core.quant.nf4_repack import RepackedNF4
+
+    w = RepackedNF4(torch.empty(2, 1, 16, 16, dtype=torch.int32, device=meta), torch.empty(2, 1, 16, 2, device=meta),
+                    torch.empty(16, device=meta), 32, 128, 64, 128)
+    x = torch.empty(3, 128, dtype=torch.bfloat16, device=meta)
+    grid, args, kw, part = rm.kernel_call(x, w, None, torch.empty(3, 32, dtype=torch.bfloat16, device=meta),
+                                          rm.RepackedConfig(False, 4, 16, 1), interpret=False)
+    assert grid == (1, 2, 1) and part is None and kw["BLOCK_M"] == 4 and args[6:10] == (3, 32, 128, 1)
