@@ -96,6 +96,19 @@ def test_split_k_tiles_and_3d_input(cfg):
     torch.testing.assert_close(y.double(), reference(x, packed, state, bias), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("m", [1, 33, 70])
+def test_the_tensor_core_exact_candidate_computes_the_product_for_any_m(m):
+    # the candidate a GPU session times (benchmarks/nf4_kernel.py); its row exactness is the GPU's to show
+    cfg = rm.exact_tensor_core_config(11008, 32, 132)
+    assert cfg.dot and cfg.block_m == 64          # no M argument: one tile for 1 row or 64
+    n, k, group = SHAPES[1]
+    packed, state = quantized(n, k)
+    w = rp.repack_bnb([(packed, state)], group)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    y = rm.repacked_matmul(x, w, config=rm.exact_tensor_core_config(n, -(-k // group), 4))
+    torch.testing.assert_close(y.double(), reference(x, packed, state), rtol=1e-5, atol=1e-4)
+
+
 def test_exact_mode_gives_every_row_the_bits_it_gets_alone():
     n, k, group = 40, 192, 128
     packed, state = quantized(n, k)

@@ -193,6 +193,14 @@ def exact_config(m: int, n: int, groups: int, sms: int) -> RepackedConfig:
     return RepackedConfig(False, min(_pow2(m), 8), EXACT_BLOCK_N, split_for(n, groups, EXACT_BLOCK_N, 2 * sms))
 
 
+def exact_tensor_core_config(n: int, groups: int, sms: int) -> RepackedConfig:
+    """A candidate exact mode for CUDA, measured by benchmarks/nf4_kernel.py and not used yet: the
+    tensor-core path with one 64-row tile, block_n and split for every M. Its rows are exact only if
+    the MMA gives an output row the same bits at any position in the tile, which only a GPU can show
+    (on the CPU interpreter numpy's matmul is itself position-dependent on some CPUs)."""
+    return RepackedConfig(True, 64, 64, split_for(n, groups, 64, 2 * sms))
+
+
 def fast_config(m: int, n: int, groups: int, sms: int) -> RepackedConfig:
     """Untimed per-M choice: GEMV up to 4 rows, tensor cores from 5, ~2-4 waves of programs. A GPU
     session's tune_shape() replaces it per (GPU, shape, row class)."""
