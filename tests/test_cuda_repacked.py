@@ -1,0 +1,82 @@
+"""The repacked NF4 kernel on CUDA in bf16: what Triton's CPU interpreter cannot show (issue 22).
+The layout dequantizes to the bits bitsandbytes' CUDA kernel gives; every path multiplies within
+bf16 rounding; exact mode gives each row the bits it gets alone; and a captured decoding step through
+the fused, repacked layers decodes what the eager step decodes. Skipped without CUDA: run
+``python -m pytest -q tests/test_cuda_repacked.py`` on a GPU whenever you have one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytest.importorskip("triton", reason="the NF4 kernels need Triton: pip install triton")
+bnbf = pytest.importorskip("bitsandbytes.functional")
+
+from tiny import copied_heads, tiny_model  # noqa: E402
+
+from medusa_core.decoding.config import DecodeConfig  # noqa: E402
+from medusa_core.decoding.generate import generate  # noqa: E402
+from medusa_core.decoding.tree import build_tree_buffers, resolve_tree  # noqa: E402
+from medusa_core.quant import nf4_repack as rp  # noqa: E402
+from medusa_core.quant import nf4_repacked_matmul as rm  # noqa: E402
+from medusa_core.quant.bnb import quantize_linear_nf4_, use_nf4_kernel  # noqa: E402
+
+ROWS = (1, 2, 3, 4, 8, 16, 33, 64)
+
+
+def quantized(n: int, k: int, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    return bnbf.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+
+
+@pytest.mark.parametrize("n,k", [(1000, 4096), (512, 4160)])     # N off the tiles; K off the 128-column group
+def test_repacked_weights_dequantize_to_bitsandbytes_cuda_bits(n, k):
+    packed, state = quantized(n, k)
+    w = rp.repack_bnb([(packed, state)])
+    theirs = bnbf.dequantize_4bit(packed, state)                      # (N, K) bf16: fp32 product, then cast
+    assert torch.equal(rm.dequantize_repacked(w).to(theirs.dtype), theirs)
+    assert torch.equal(rp.bitsandbytes_bytes(w), packed)
+
+
+@pytest.mark.parametrize("m", ROWS)
+def test_every_path_multiplies_within_bf16_rounding(m):
+    n, k = 1000, 4096
+    packed, state = quantized(n, k)
+    w = rp.repack_bnb([(packed, state)])
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=torch.Generator(device="cuda").manual_seed(m))
+    ref = x.float() @ bnbf.dequantize_4bit(packed, state).float().T
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for name, kw in (("fast", {}), ("exact", {"exact": True}),
+                     ("exact_tc", {"config": rm.exact_tensor_core_config(n, k // 128, sms)})):
+        y = rm.repacked_matmul(x, w, **kw)
+        assert y.shape == (m, n) and y.dtype == torch.bfloat16, name
+        rel = float((y.float() - ref).norm() / ref.norm())
+        assert rel < 1e-2, f"{name}: relative error {rel:.1e}"
+
+
+def test_exact_mode_gives_every_bf16_row_the_bits_it_gets_alone():
+    n, k = 1000, 4096
+    w = rp.repack_bnb([quantized(n, k)])
+    x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16, generator=torch.Generator(device="cuda").manual_seed(1))
+    alone = torch.cat([rm.repacked_matmul(x[i:i + 1], w, exact=True) for i in range(64)])
+    for m in ROWS[1:]:
+        assert torch.equal(rm.repacked_matmul(x[:m], w, exact=True), alone[:m]), f"M={m}"
+
+
+@pytest.mark.parametrize("choice", ["repacked", "repacked-exact"])
+def test_a_captured_step_through_fused_repacked_layers_decodes_what_the_eager_step_does(choice):
+    # the fused q/k/v and gate/up slices hand their columns over inside the graph as they do eagerly
+    model = tiny_model("llama", hidden=64, vocab=64, seed=3).to("cuda", torch.bfloat16)
+    quantize_linear_nf4_(model, torch.bfloat16)
+    described = use_nf4_kernel(model, choice)
+    assert "fused" in described and "for 14 NF4 layers" in described, described
+    heads = copied_heads(model, num_heads=3).to("cuda", torch.bfloat16)
+    config = DecodeConfig(max_new_tokens=40)
+    for spec in ("baseline", "cartesian-2x2x2"):
+        tree = build_tree_buffers(resolve_tree(spec), 3, device="cuda")
+        runs = [[t for s in generate(model, [1, 5, 7, 9, 3], heads=heads, tree=tree, config=config, graphs=graphs)
+                 for t in s.tokens] for graphs in (True, False)]
+        assert runs[0] == runs[1], spec
+        assert len(runs[0]) == 40
