@@ -16,6 +16,7 @@ grown from head accuracies (default: the published Vicuna-7B top-1 figures) and
 its expected tokens per step divides the measured overhead into a projected speedup.
 
     python -m medusa_core.bench_synthetic --hf-generate --json out/gpu.json           # 7B, bf16 + NF4, on CUDA
+    python -m medusa_core.bench_synthetic --quant nf4 tinygemm --json out/int4.json     # NF4 beside torch's int4
     python -m medusa_core.bench_synthetic --shape tiny --device cpu --quant none      # smoke check, no speed claims
 """
 
@@ -58,6 +59,13 @@ def bench_quant(args, quant: str, device: torch.device) -> list[QuantResult]:
             routing = use_nf4_kernel(model, kernel)
             print(f"  [{quant}] {routing}", file=sys.stderr, flush=True)
             results.append(measure(args, model, heads, "nf4" if kernel == "auto" else f"nf4-{kernel}", routing, device))
+    elif quant == "tinygemm":     # the anchor: torch's int4 kernel, as gpt-fast decodes with it
+        from .quant.tinygemm import quantize_linear_tinygemm_
+
+        replaced = quantize_linear_tinygemm_(model, args.tinygemm_group)
+        routing = f"tinygemm int4 (group {args.tinygemm_group}) for {replaced} layers"
+        print(f"  [{quant}] {routing}", file=sys.stderr, flush=True)
+        results.append(measure(args, model, heads, quant, routing, device))
     else:
         results.append(measure(args, model, heads, quant, "", device))
     del model, heads
@@ -122,7 +130,10 @@ def parser(cuda: bool) -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if cuda else "cpu")
     p.add_argument("--shape", choices=sorted(SHAPES), help="default: 7b on CUDA, tiny otherwise")
-    p.add_argument("--quant", nargs="+", choices=("none", "nf4"), help="backbone precisions (default: none nf4 on CUDA, none otherwise)")
+    p.add_argument("--quant", nargs="+", choices=("none", "nf4", "tinygemm"),
+                   help="backbone precisions (default: none nf4 on CUDA, none otherwise); tinygemm: torch's int4 "
+                        "kernel, the anchor gpt-fast decodes with (asymmetric int4, not NF4)")
+    p.add_argument("--tinygemm-group", type=int, default=128, help="input columns per int4 scale and zero (32-256)")
     p.add_argument("--heads-quant", choices=("none", "nf4"), default="none", help="NF4 heads' vocab projections")
     p.add_argument("--nf4-kernel", nargs="+", choices=NF4_KERNELS, default=["auto"],
                    help="who multiplies NF4 layers, one result each: auto (by measurement on CUDA, bnb elsewhere), "
@@ -175,6 +186,12 @@ def checked_device(args, cuda: bool) -> torch.device:
         raise ValueError("--iters and --context must be at least 1 and --warmup at least 0")
     for n in args.tree_sizes:       # fail before building a 7B model
         tree_of_size(rank_table(args.accuracies, decay=args.rank_decay), n)
+    if "tinygemm" in args.quant:     # every projection's shape, before a 7B model is built
+        from .quant.tinygemm import check_shape
+
+        s = SHAPES[args.shape]
+        for n, k in ((s.hidden, s.hidden), (s.intermediate, s.hidden), (s.hidden, s.intermediate)):
+            check_shape(n, k, args.tinygemm_group, device)
     if "nf4" in args.quant or args.heads_quant == "nf4":
         import bitsandbytes  # noqa: F401  (fails here, not after building the bf16 model)
     return device

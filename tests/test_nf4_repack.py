@@ -200,20 +200,6 @@ def test_auto_never_picks_the_repacked_kernel_and_errors_are_one_line(monkeypatc
         rp.repack(torch.zeros(16, 128, dtype=torch.uint8), torch.zeros(16, 2), torch.zeros(16), 64, group=64)
 
 
-def test_tinygemm_anchor_quantization_matches_torch_int4_kernel_on_cpu():
-    """The benchmark's tinygemm operands (gpt-fast's asymmetric group int4): torch's CPU int4 kernel
-    with them multiplies within rounding of x @ dequantized W.T, so the CUDA op gets the right format."""
-    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
-    for group in (64, 128):
-        q, scales_and_zeros = bench.tinygemm_quantize(w, group)
-        x = torch.randn(3, 256).bfloat16()
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros)
-        ref = x.double() @ bench.tinygemm_dequantize(q, scales_and_zeros, group).double().T
-        assert float((y.double() - ref).norm() / ref.norm()) < 1e-2
-        assert float((bench.tinygemm_dequantize(q, scales_and_zeros, group) - w).abs().max()) < 0.2 * w.abs().max()
-
-
 def test_benchmark_without_cuda_is_one_line(capsys, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the benchmark would run")

@@ -45,30 +45,6 @@ class Row:
     variant: str = ""         # triton, repacked*: the config chosen
 
 
-def tinygemm_quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """gpt-fast's asymmetric group int4 for torch's tinygemm: (q int32 (N, K) in 0..15, scales_and_zeros
-    bf16 (K/group, N, 2)), W ~ (q - 8) * scale + zero per group of ``group`` columns."""
-    n, k = w.shape
-    g = w.float().reshape(n, k // group, group)
-    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-    scale = (hi - lo).clamp(min=1e-6) / 15
-    q = ((g - lo) / scale).round().clamp(0, 15).to(torch.int32).reshape(n, k)
-    zero = lo + 8 * scale
-    return q, torch.cat([scale, zero], dim=-1).transpose(0, 1).to(torch.bfloat16).contiguous()
-
-
-def tinygemm_dequantize(q: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> torch.Tensor:
-    """(N, K) fp32 that tinygemm multiplies by."""
-    n, k = q.shape
-    scale, zero = (scales_and_zeros[..., i].float().T[:, :, None] for i in (0, 1))    # (N, K/group, 1)
-    return ((q.reshape(n, k // group, group).float() - 8) * scale + zero).reshape(n, k)
-
-
-def tinygemm_pack(q: torch.Tensor, inner_k_tiles: int = 8) -> torch.Tensor:
-    """CUDA: tinygemm's tiled layout from q (N, K) int32 (two codes a byte, even column high, as torch wants)."""
-    return torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), inner_k_tiles)
-
-
 def copy_bandwidth(device: torch.device) -> float:
     """Bytes/s of a device-to-device copy (read + write counted), the floor's denominator."""
     src = torch.empty(256 << 20, dtype=torch.uint8, device=device)
@@ -91,6 +67,7 @@ def bench_shape(k: int, n: int, device: torch.device, l2: int) -> tuple[list[Row
     from ..quant import nf4_matmul as nm
     from ..quant import nf4_repack as rp
     from ..quant import nf4_repacked_matmul as rm
+    from ..quant import tinygemm
 
     gen = torch.Generator(device=device).manual_seed(0)
     w = torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
@@ -99,8 +76,8 @@ def bench_shape(k: int, n: int, device: torch.device, l2: int) -> tuple[list[Row
     repacked = [rp.repack_bnb([(p, s)]) for p, s in copies]
     tiny = {}
     for group in (64, 128):
-        q, sz = tinygemm_quantize(w, group)
-        packed_q = tinygemm_pack(q)
+        q, sz = tinygemm.quantize(w, group)
+        packed_q = tinygemm.pack(q)
         tiny[group] = [(packed_q, sz)] + [(packed_q.clone(), sz.clone()) for _ in range(len(copies) - 1)]
         del q
     dense = [w] + [w.clone() for _ in range(max(1, -(-2 * l2 // (w.numel() * 2))) - 1)]

@@ -33,7 +33,7 @@ class TreeRow:
 
 @dataclass(frozen=True)
 class QuantResult:
-    quant: str                  # none | nf4 (the --nf4-kernel auto choice) | nf4-bnb | nf4-triton
+    quant: str                  # none | nf4 (the --nf4-kernel auto choice) | nf4-<kernel> | tinygemm (the int4 anchor)
     routing: str                # which kernel multiplies the NF4 layers (quant/bnb.py, use_nf4_kernel)
     weights_bytes: int          # decoder layers + lm_head (the embedding table is not read, only T rows)
     heads_bytes: int
