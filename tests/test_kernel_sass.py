@@ -24,7 +24,7 @@ def test_gemv_loads_words_16_bytes_at_a_time_and_looks_each_weight_up_once(tmp_p
     k, n = 4096, 11008
     cfg = rm.fast_config(m, n, k // 128, ks.H100.sms)
     assert not cfg.dot
-    r = ks.report(k, n, m, cfg, ks.H100, tmp_path)
+    r = ks.report(ks.repacked_launch(k, n, m, cfg), ks.H100, tmp_path)
     assert r.registers > 0 and r.local_bytes == 0, r
     assert r.global_loads.get("LDG.E.128", 0) >= 1, r.global_loads       # words: 16-byte vectors
     # one table lookup per weight, whatever the row count (rows share a weight's code)
@@ -36,7 +36,7 @@ def test_tensor_core_path_compiles_without_spills(tmp_path):
     k, n = 4096, 4096
     cfg = rm.fast_config(16, n, k // 128, ks.H100.sms)
     assert cfg.dot
-    r = ks.report(k, n, 16, cfg, ks.H100, tmp_path)
+    r = ks.report(ks.repacked_launch(k, n, 16, cfg), ks.H100, tmp_path)
     assert r.local_bytes == 0 and r.shared_bytes > 0, r
     assert "HGMMA" in r.opcodes or "HMMA" in r.opcodes, r.opcodes     # the weight tile meets the tensor cores
 
@@ -74,6 +74,27 @@ def test_compiles_the_launch_repacked_matmul_makes():
     w = RepackedNF4(torch.empty(2, 1, 16, 16, dtype=torch.int32, device=meta), torch.empty(2, 1, 16, 2, device=meta),
                     torch.empty(16, device=meta), 32, 128, 64, 128)
     x = torch.empty(3, 128, dtype=torch.bfloat16, device=meta)
-    grid, args, kw, part = rm.kernel_call(x, w, None, torch.empty(3, 32, dtype=torch.bfloat16, device=meta),
+    fn, grid, args, kw, part = rm.kernel_call(x, w, None, torch.empty(3, 32, dtype=torch.bfloat16, device=meta),
                                           rm.RepackedConfig(False, 4, 16, 1), interpret=False)
-    assert grid == (1, 2, 1) and part is None and kw["BLOCK_M"] == 4 and args[6:10] == (3, 32, 128, 1)
+    assert fn is rm._repacked_kernel and grid == (1, 2, 1) and part is None and kw["BLOCK_M"] == 4 and args[6:10] == (3, 32, 128, 1)
+
+
+def test_calibration_sets_the_committed_kernel_estimate_beside_its_measured_time(tmp_path, capsys):
+    # the shape of benchmarks.nf4_kernel's rows, as docs/perf/h100.json keeps them
+    rows = [{"k": 4096, "n": 4096, "m": 1, "method": "triton", "us": 17.16,
+             "variant": "stream sub1 slots2 m1 n128 split8 w4 s1"},
+            {"k": 4096, "n": 4096, "m": 64, "method": "triton", "us": 24.65, "variant": "tile m64 n64 split2 w4 s1"},
+            {"k": 4096, "n": 4096, "m": 1, "method": "bnb", "us": 11.0, "variant": ""}]
+    report = tmp_path / "h100.json"
+    report.write_text(json.dumps({"nf4_matmul": {"rows": rows}}))
+    got = ks.calibrate(report, ks.H100, tmp_path)
+    assert [(r["m"], r["config"]) for r in got] == [(1, rows[0]["variant"]), (64, rows[1]["variant"])]
+    for r, row in zip(got, rows):
+        assert r["measured_us"] == row["us"] and r["measured_over_issue"] == pytest.approx(row["us"] / r["issue_us"], rel=0.01)
+        assert r["local_bytes"] == 0
+    assert ks.parse_bnb_storage_config("tile m64 n64 split2 w4 s1").sub == 0
+    with pytest.raises(ValueError, match="is not a KernelConfig description"):
+        ks.parse_bnb_storage_config("gemv m1 n64")
+    report.write_text(json.dumps({"rows": []}))
+    assert ks.main(["--calibrate", str(report)]) == 1
+    assert "no timed nf4_matmul rows" in capsys.readouterr().err

@@ -1,20 +1,22 @@
-"""The repacked NF4 kernel as a GPU would run it, read without one: compile, disassemble, count.
+"""The NF4 kernels as a GPU would run them, read without one: compile, disassemble, count.
 
-    python -m medusa_core.benchmarks.kernel_sass --json out/sass.json          # 7B shapes, sm_90
-    python -m medusa_core.benchmarks.kernel_sass --shape 4096x11008 --rows 1 16 --arch 90
+    python -m medusa_core.benchmarks.kernel_sass --json out/sass.json          # the repacked kernel, 7B shapes
+    python -m medusa_core.benchmarks.kernel_sass --shape 4096x11008 --rows 1 16 --candidates
+    python -m medusa_core.benchmarks.kernel_sass --calibrate docs/perf/h100.json   # estimates vs a GPU's times
 
-Triton compiles for any NVIDIA architecture on a CPU machine (its wheel ships ptxas and nvdisasm),
-so the machine code of every config the tuner would try can be read here: registers, spills (local
-memory loads and stores), shared memory, the width of each global load, and the instructions of the
-main loop per weight. The launch compiled is exactly ``repacked_matmul``'s (``kernel_call``, with
+Triton compiles for any NVIDIA architecture on a CPU machine (its wheel ships ptxas, nvdisasm and
+cuobjdump), so the machine code of every config the tuner would try can be read here: registers,
+spills (local memory), shared memory, the width of each global load, and the main loop's instructions
+per weight. The launch compiled is exactly the project's (each kernel module's ``kernel_call``, with
 Triton's own argument specialization: pointers 16-byte aligned, sizes divisible by 16, as at run
 time), so the vector widths are the ones a GPU gets.
 
-What it does not do is time anything. From the counts it derives two lower bounds a config cannot
-beat on the target, named as estimates in the report: the issue bound (every warp instruction of the
-main loop, 4 issued per clock per SM) and the shared-memory bound (the table lookups, one warp load
-per clock per SM), at the boost clock. The HBM floor beside them is the packed bytes at the copy
-bandwidth measured on an H100 (docs/performance.md). A GPU session's timings replace all three.
+It times nothing. From the counts it derives two lower bounds, named as estimates in the report: the
+issue bound (every warp instruction of the main loop, 4 issued per clock per SM) and the
+shared-memory bound (one warp load per clock per SM), at the boost clock; beside them the HBM floor,
+the weight's bytes at the copy bandwidth measured on an H100. ``--calibrate`` sets the committed
+kernel's bounds beside the times a GPU report measured for it: the measure of how far a bound is from
+a timing (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -74,30 +76,84 @@ def _triton_tools():
     return triton, rm
 
 
-def compile_call(x2: torch.Tensor, w, bias, out, cfg, arch: int):
-    """Compile ``kernel_call``'s launch (meta tensors are fine) for sm_<arch>: Triton's CompiledKernel."""
-    triton, rm = _triton_tools()
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch as the project makes it (meta tensors), and what a pass of its main loop covers."""
+    k: int
+    n: int
+    m: int
+    fn: object                 # the undecorated Triton kernel function
+    args: tuple
+    meta: dict                 # constexprs and the compile options
+    config: str
+    tiles: int                 # (row tile, N tile) pairs: programs over all K splits
+    block_n: int
+    columns_per_pass: int      # K columns one pass of the main loop takes, for block_n rows
+    num_warps: int
+    floor_bytes: int           # what the weight and its scales weigh
+
+
+def repacked_launch(k: int, n: int, m: int, cfg, dtype: torch.dtype = torch.bfloat16, group: int = 128) -> Launch:
+    """``repacked_matmul`` of m rows against an (n, k) repacked weight, with ``cfg``."""
+    _, rm = _triton_tools()
+    from ..quant.nf4_repack import ROWS as R, RepackedNF4, repacked_nbytes
+
+    meta = torch.device("meta")
+    n_pad, k_pad = -(-n // R) * R, -(-k // group) * group
+    w = RepackedNF4(torch.empty(n_pad // R, k_pad // group, R, group // 8, dtype=torch.int32, device=meta),
+                    torch.empty(n_pad // R, k_pad // group, R, group // 64, device=meta),
+                    torch.empty(16, device=meta), n, k, 64, group)
+    fn, grid, args, kw, _ = rm.kernel_call(torch.empty(m, k, dtype=dtype, device=meta), w, None,
+                                           torch.empty(m, n, dtype=dtype, device=meta), cfg, interpret=False)
+    return Launch(k, n, m, fn, args, kw, cfg.describe(), grid[0] * grid[1], cfg.block_n, group, cfg.num_warps,
+                  repacked_nbytes(n, k, 64, group))
+
+
+def bnb_storage_launch(k: int, n: int, m: int, cfg, dtype: torch.dtype = torch.bfloat16) -> Launch:
+    """``nf4_matmul`` (the committed kernel reading bitsandbytes' double-quant storage) with ``cfg``."""
+    from types import SimpleNamespace
+
+    from ..quant import nf4_matmul as nm
+    from ..quant.nf4_repack import bnb_nbytes
+
+    meta = torch.device("meta")
+    blocks = n * k // 64
+    state = SimpleNamespace(code=torch.empty(16, device=meta), absmax=torch.empty(blocks, dtype=torch.uint8, device=meta),
+                            state2=SimpleNamespace(code=torch.empty(256, device=meta), blocksize=256,
+                                                   absmax=torch.empty(-(-blocks // 256), device=meta)),
+                            offset=torch.empty((), device=meta), nested=True, blocksize=64, shape=(n, k))
+    fn, grid, args, kw, _ = nm.kernel_call(torch.empty(m, k, dtype=dtype, device=meta),
+                                           torch.empty(n * k // 2, 1, dtype=torch.uint8, device=meta), state, None,
+                                           torch.empty(m, n, dtype=dtype, device=meta), cfg, interpret=False)
+    columns = 64 * (kw["SLOTS"] * kw["SUB"] if "SUB" in kw else 1)
+    return Launch(k, n, m, fn, args, kw, cfg.describe(), grid[0] * grid[2], cfg.block_n, columns, cfg.num_warps,
+                  bnb_nbytes(n, k))
+
+
+def compile_launch(launch: Launch, arch: int):
+    """Compile the launch for sm_<arch> with Triton's own argument specialization: a CompiledKernel."""
+    triton, _ = _triton_tools()
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction, native_specialize_impl
 
-    _, args, meta, _ = rm.kernel_call(x2, w, bias, out, cfg, interpret=False)
+    meta = dict(launch.meta)
     options = {key: meta.pop(key) for key in ("num_warps", "num_stages", "enable_fp_fusion")}
-    names = list(inspect.signature(rm._repacked_kernel).parameters)
+    names = list(inspect.signature(launch.fn).parameters)
     signature, constexprs, attrs = {}, {}, {}
-    for i, (name, value) in enumerate(zip(names, args)):
+    for i, (name, value) in enumerate(zip(names, launch.args)):
         kind, spec = native_specialize_impl(CUDABackend, value, False, True, True)   # what a launch does
         if kind == "constexpr":        # an int equal to 1
             constexprs[(i,)] = spec
         elif spec:
             attrs[(i,)] = CUDABackend.parse_attr(spec)
         signature[name] = kind
-    for name in names[len(args):]:
+    for name in names[len(launch.args):]:
         signature[name] = "constexpr"
         constexprs[(names.index(name),)] = meta[name]
     # JITFunction, not triton.jit: under TRITON_INTERPRET=1 (the tests) triton.jit returns the interpreter's
-    source = ASTSource(JITFunction(rm._repacked_kernel), signature, constexprs, attrs)
+    source = ASTSource(JITFunction(launch.fn), signature, constexprs, attrs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 
@@ -152,36 +208,26 @@ def main_loop(lines: list[str]) -> list[str]:
     return best
 
 
-def report(k: int, n: int, m: int, cfg, gpu: Gpu, workdir: Path, dtype: torch.dtype = torch.bfloat16,
-           group: int = 128) -> SassReport:
-    """Compile ``cfg`` for an (n, k) repacked weight and m rows of ``dtype``, and count."""
-    from ..quant.nf4_repack import ROWS as R, RepackedNF4, repacked_nbytes
-
-    meta = torch.device("meta")
-    n_pad, k_pad = -(-n // R) * R, -(-k // group) * group
-    w = RepackedNF4(torch.empty(n_pad // R, k_pad // group, R, group // 8, dtype=torch.int32, device=meta),
-                    torch.empty(n_pad // R, k_pad // group, R, group // 64, device=meta),
-                    torch.empty(16, device=meta), n, k, 64, group)
-    x2 = torch.empty(m, k, dtype=dtype, device=meta)
-    out = torch.empty(m, n, dtype=dtype, device=meta)
-    kernel = compile_call(x2, w, None, out, cfg, gpu.arch)
+def report(launch: Launch, gpu: Gpu, workdir: Path) -> SassReport:
+    """Compile ``launch`` for the GPU and count its main loop."""
+    kernel = compile_launch(launch, gpu.arch)
     res = resources(kernel.asm["cubin"], workdir)
     loop = main_loop(disassemble(kernel.asm["cubin"], workdir))
     ops = Counter(opcode(ins) for ins in loop)
-    per_thread = cfg.block_n * group // (32 * cfg.num_warps)
+    per_thread = launch.block_n * launch.columns_per_pass // (32 * launch.num_warps)
     lds = sum(count for op, count in ops.items() if op.startswith("LDS"))
-    # every (row tile, N tile, K group) runs the loop once in each of the program's warps
-    passes = -(-m // cfg.block_m) * -(-n // cfg.block_n) * -(-k // group) * cfg.num_warps
+    # every (row tile, N tile) runs the loop once per pass over K, in each of the program's warps
+    passes = launch.tiles * -(-launch.k // launch.columns_per_pass) * launch.num_warps
     per_us = gpu.sms * gpu.boost_ghz * 1e3           # clocks of all SMs per µs
     return SassReport(
-        k=k, n=n, m=m, config=cfg.describe(), registers=res["REG"], local_bytes=res["LOCAL"],
+        k=launch.k, n=launch.n, m=launch.m, config=launch.config, registers=res["REG"], local_bytes=res["LOCAL"],
         shared_bytes=res["SHARED"], loop_instructions=len(loop), weights_per_thread=per_thread,
         instructions_per_weight=round(len(loop) / per_thread, 2), lookups_per_weight=round(lds / per_thread, 2),
         global_loads={op: c for op, c in sorted(ops.items()) if op.startswith("LDG")},
         opcodes=dict(Counter(opcode(ins).split(".")[0] for ins in loop).most_common()),
         issue_us=round(passes * len(loop) / (4 * per_us), 2),
         shared_us=round(passes * lds / per_us, 2),
-        floor_us=round(repacked_nbytes(n, k, 64, group) / (gpu.copy_tb_s * 1e6), 2))
+        floor_us=round(launch.floor_bytes / (gpu.copy_tb_s * 1e6), 2))
 
 
 def configs_for(m: int, n: int, k: int, gpu: Gpu, every: bool, group: int = 128) -> list[tuple[str, object]]:
@@ -193,6 +239,36 @@ def configs_for(m: int, n: int, k: int, gpu: Gpu, every: bool, group: int = 128)
            ("exact_tc", rm.exact_tensor_core_config(n, groups, gpu.sms))]
     if every:
         out += [("candidate", cfg) for cfg in rm.candidates(m, n, groups, gpu.sms)[1:]]
+    return out
+
+
+def parse_bnb_storage_config(text: str):
+    """``KernelConfig.describe()``'s text back: "stream sub1 slots2 m1 n128 split8 w4 s1", "tile m64 n64 ..."."""
+    from ..quant.nf4_matmul import KernelConfig
+
+    fields = dict(re.findall(r"\b(sub|slots|m|n|split|w|s)(\d+)\b", text))
+    if not text.startswith(("stream", "tile")) or not {"m", "n", "split", "w", "s"} <= set(fields):
+        raise ValueError(f"{text!r} is not a KernelConfig description (e.g. 'tile m64 n64 split2 w4 s1')")
+    return KernelConfig(int(fields["m"]), int(fields["n"]), int(fields["split"]), int(fields["w"]), int(fields["s"]),
+                        sub=int(fields.get("sub", 0)), slots=int(fields.get("slots", 1)))
+
+
+def calibrate(report_json: Path, gpu: Gpu, workdir: Path) -> list[dict]:
+    """The committed kernel (nf4_matmul over bitsandbytes' storage) at the configs a GPU run chose and
+    timed (a report with ``nf4_matmul.rows``, e.g. docs/perf/h100.json): its estimates beside its
+    measured µs. How far the issue bound falls short of a measurement is what to expect of it elsewhere."""
+    data = json.loads(report_json.read_text())
+    rows = data.get("nf4_matmul", data).get("rows", [])
+    out = []
+    for row in rows:
+        if row["method"] != "triton" or not row.get("variant") or row.get("us") is None:
+            continue
+        r = report(bnb_storage_launch(row["k"], row["n"], row["m"], parse_bnb_storage_config(row["variant"])),
+                   gpu, workdir)
+        out.append(dict(mode="measured", measured_us=round(row["us"], 2),
+                        measured_over_issue=round(row["us"] / r.issue_us, 2), **asdict(r)))
+    if not out:
+        raise ValueError(f"{report_json} has no timed nf4_matmul rows with their config: pass a kernel benchmark report")
     return out
 
 
@@ -210,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     parser.add_argument("--arch", type=int, default=H100.arch, help="compute capability: 90 is sm_90 (H100)")
     parser.add_argument("--candidates", action="store_true", help="every config the tuner would time, too")
+    parser.add_argument("--calibrate", type=Path, metavar="REPORT",
+                        help="instead: the committed bnb-storage kernel at the configs a GPU report timed "
+                             "(e.g. docs/perf/h100.json), estimates beside the measured µs")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     gpu = Gpu(args.arch, H100.sms, H100.boost_ghz, H100.copy_tb_s)
@@ -220,6 +299,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import tempfile
 
+    if args.calibrate:
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                rows = calibrate(args.calibrate, gpu, Path(tmp))
+            except (OSError, ValueError, KeyError) as err:
+                print(f"error: {err}", file=sys.stderr)
+                return 1
+        print(f"{'K->N':>12} {'M':>3} {'config':<40} {'instr/w':>7} {'issue':>6} {'measured':>8} {'ratio':>5}")
+        for r in rows:
+            shape = f"{r['k']}->{r['n']}"
+            print(f"{shape:>12} {r['m']:>3} {r['config']:<40} {r['instructions_per_weight']:>7} "
+                  f"{r['issue_us']:>6} {r['measured_us']:>8} {r['measured_over_issue']:>5}")
+        _write(args.json, gpu, rows)
+        return 0
     rows = []
     print(f"{'K->N':>12} {'M':>3} {'mode':>9} {'config':<28} {'reg':>4} {'spill':>5} {'instr/w':>7} "
           f"{'lds/w':>5} {'issue':>6} {'smem':>6} {'floor':>6}  (µs: estimates for {H100.sms} SMs at "
@@ -228,15 +321,19 @@ def main(argv: list[str] | None = None) -> int:
         for k, n in args.shape:
             for m in args.rows:
                 for mode, cfg in configs_for(m, n, k, gpu, args.candidates):
-                    r = report(k, n, m, cfg, gpu, Path(tmp))
+                    r = report(repacked_launch(k, n, m, cfg), gpu, Path(tmp))
                     rows.append(dict(mode=mode, **asdict(r)))
                     print(f"{f'{k}->{n}':>12} {m:>3} {mode:>9} {r.config:<28} {r.registers:>4} {r.local_bytes:>5} "
                           f"{r.instructions_per_weight:>7} {r.lookups_per_weight:>5} {r.issue_us:>6} {r.shared_us:>6} "
                           f"{r.floor_us:>6}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(dict(gpu=asdict(gpu), rows=rows), indent=1))
+    _write(args.json, gpu, rows)
     return 0
+
+
+def _write(path: Path | None, gpu: Gpu, rows: list[dict]) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(dict(gpu=asdict(gpu), rows=rows), indent=1))
 
 
 if __name__ == "__main__":

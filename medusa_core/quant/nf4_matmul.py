@@ -398,7 +398,9 @@ def nf4_matmul(x: torch.Tensor, weight: torch.Tensor, state, bias: torch.Tensor 
     return out.reshape(*x.shape[:-1], n)
 
 
-def _launch(x2, weight, state, bias, out, cfg: KernelConfig, interpret: bool) -> None:
+def kernel_call(x2, weight, state, bias, out, cfg: KernelConfig, interpret: bool) -> tuple:
+    """(kernel function, grid, args, keyword args, fp32 partials or None) of one launch: ``_launch``
+    runs it, and benchmarks/kernel_sass.py compiles exactly this call for a GPU without one."""
     m, k = x2.shape
     n = out.shape[1]
     use_stream = cfg.sub > 0 and k % (cfg.slots * cfg.sub * state.blocksize) == 0 and weight.data_ptr() % 4 == 0
@@ -407,7 +409,6 @@ def _launch(x2, weight, state, bias, out, cfg: KernelConfig, interpret: bool) ->
     splits = max(1, min(cfg.split_k, steps))
     k_per_split = triton.cdiv(steps, splits) * step               # splits end on step boundaries
     splits = triton.cdiv(k, k_per_split)                          # no empty split
-    tile, stream, _ = _kernels(interpret)
     absmax, code2, absmax2, offset = _scale_args(state, x2.device)
     has_bias = bias is not None
     bias_arg = bias if has_bias else out
@@ -421,12 +422,17 @@ def _launch(x2, weight, state, bias, out, cfg: KernelConfig, interpret: bool) ->
                   BLOCK_N=cfg.block_n, **_launch_options(cfg, interpret, use_stream))
     ptrs = (x2, weight, state.code, absmax, code2, absmax2, offset, bias_arg, dst)
     if use_stream:
-        stream[grid](*ptrs, m, n, k, k // 8, x2.stride(0), out.stride(0), m * n, k_per_split,
-                     SUB=cfg.sub, SLOTS=cfg.slots,
-                     X_WORDS=x2.element_size() == 2 and x2.stride(0) % 2 == 0 and x2.data_ptr() % 4 == 0, **common)
-    else:
-        tile[grid](*ptrs, m, n, k, x2.stride(0), out.stride(0), m * n, k_per_split,
-                   ALIGNED=k % state.blocksize == 0, DEQUANT_ONLY=False, **common)
+        return _nf4_stream_kernel, grid, (*ptrs, m, n, k, k // 8, x2.stride(0), out.stride(0), m * n, k_per_split), \
+            dict(SUB=cfg.sub, SLOTS=cfg.slots,
+                 X_WORDS=x2.element_size() == 2 and x2.stride(0) % 2 == 0 and x2.data_ptr() % 4 == 0, **common), part
+    return _nf4_kernel, grid, (*ptrs, m, n, k, x2.stride(0), out.stride(0), m * n, k_per_split), \
+        dict(ALIGNED=k % state.blocksize == 0, DEQUANT_ONLY=False, **common), part
+
+
+def _launch(x2, weight, state, bias, out, cfg: KernelConfig, interpret: bool) -> None:
+    fn, grid, args, meta, part = kernel_call(x2, weight, state, bias, out, cfg, interpret)
+    tile, stream, _ = _kernels(interpret)
+    (stream if fn is _nf4_stream_kernel else tile)[grid](*args, **meta)
     if part is not None:
         reduce_partials(part, bias, out, interpret)
 

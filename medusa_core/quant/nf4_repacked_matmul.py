@@ -307,8 +307,8 @@ def _constexprs(w: RepackedNF4, dot: bool, interpret: bool, cfg: RepackedConfig 
 
 
 def kernel_call(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: bool) -> tuple:
-    """(grid, args, keyword args, fp32 partials or None) of one launch: ``_launch`` runs it, and
-    benchmarks/kernel_sass.py compiles exactly this call for a GPU without one."""
+    """(kernel function, grid, args, keyword args, fp32 partials or None) of one launch: ``_launch``
+    runs it, and benchmarks/kernel_sass.py compiles exactly this call for a GPU without one."""
     m = x2.shape[0]
     groups = -(-w.k // w.group)
     splits = max(1, min(cfg.split_k, groups))
@@ -323,11 +323,11 @@ def kernel_call(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: b
     meta = dict(HAS_BIAS=has_bias, PARTIAL=part is not None, DEQUANT_ONLY=False,
                 PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", BLOCK_M=cfg.block_m,
                 BLOCK_N=cfg.block_n, **_constexprs(w, cfg.dot, interpret, cfg))
-    return grid, args, meta, part
+    return _repacked_kernel, grid, args, meta, part
 
 
 def _launch(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: bool) -> None:
-    grid, args, meta, part = kernel_call(x2, w, bias, out, cfg, interpret)
+    _, grid, args, meta, part = kernel_call(x2, w, bias, out, cfg, interpret)
     _kernel(interpret)[grid](*args, **meta)
     if part is not None:
         nm.reduce_partials(part, bias, out, interpret)
