@@ -28,9 +28,9 @@ def interpret(monkeypatch):
     monkeypatch.setenv(nm.INTERPRET_ENV, "1")
 
 
-def quantized(n: int, k: int, nested: bool = True, seed: int = 0):
+def quantized(n: int, k: int, nested: bool = True, seed: int = 0, blocksize: int = 64):
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
-    return bnbf.quantize_4bit(w, blocksize=64, compress_statistics=nested, quant_type="nf4")
+    return bnbf.quantize_4bit(w, blocksize=blocksize, compress_statistics=nested, quant_type="nf4")
 
 
 # N no multiple of the 16-row group or of a 32/64-row tile; K no multiple of the group (padded)
@@ -84,7 +84,8 @@ def test_matmul_within_rounding_of_dequantized_reference(m):
 
 
 @pytest.mark.parametrize("cfg", [rm.RepackedConfig(False, 4, 32, 2), rm.RepackedConfig(True, 16, 64, 3),
-                                 rm.RepackedConfig(False, 1, 16, 2), rm.RepackedConfig(True, 32, 16, 1)])
+                                 rm.RepackedConfig(False, 1, 16, 2), rm.RepackedConfig(True, 32, 16, 1),
+                                 rm.RepackedConfig(False, 2, 16, 3, prefetch=True)])
 def test_split_k_tiles_and_3d_input(cfg):
     n, k, group = SHAPES[1]
     packed, state = quantized(n, k)
@@ -94,6 +95,22 @@ def test_split_k_tiles_and_3d_input(cfg):
     y = rm.repacked_matmul(x, w, bias, config=cfg)
     assert y.shape == (2, 2, n)
     torch.testing.assert_close(y.double(), reference(x, packed, state, bias), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("n,k,group,blocksize", [(*shape, 64) for shape in SHAPES] + [(40, 256, 128, 128)])
+def test_prefetching_the_next_group_changes_no_bit(n, k, group, blocksize):
+    # the same products and sums, only loaded a group earlier: a tuner may pick either. 1, 2 and 4 scale
+    # blocks per group
+    packed, state = quantized(n, k, blocksize=blocksize)
+    w = rp.repack_bnb([(packed, state)], group)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(2))
+    for block_m, block_n, split in ((1, 16, 1), (4, 32, 2), (8, 16, 3)):
+        plain = rm.repacked_matmul(x, w, config=rm.RepackedConfig(False, block_m, block_n, split))
+        ahead = rm.repacked_matmul(x, w, config=rm.RepackedConfig(False, block_m, block_n, split, prefetch=True))
+        assert torch.equal(plain, ahead), (block_m, block_n, split)
+    torch.testing.assert_close(ahead.double(), reference(x, packed, state), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="prefetch for GEMV only"):
+        rm.RepackedConfig(True, 16, 64, 1, prefetch=True)
 
 
 @pytest.mark.parametrize("m", [1, 33, 70])

@@ -154,7 +154,14 @@ def compile_launch(launch: Launch, arch: int):
         constexprs[(names.index(name),)] = meta[name]
     # JITFunction, not triton.jit: under TRITON_INTERPRET=1 (the tests) triton.jit returns the interpreter's
     source = ASTSource(JITFunction(launch.fn), signature, constexprs, attrs)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    try:
+        return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    except RuntimeError as err:
+        if "InterpretedFunction" not in str(err):
+            raise
+        # a helper the kernel calls was jit-decorated for the interpreter when its module was imported
+        raise RuntimeError(f"{launch.fn.__name__} calls a helper imported under TRITON_INTERPRET=1: run this "
+                           "in a process without it") from None
 
 
 def _tool(name: str) -> str:
@@ -303,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             try:
                 rows = calibrate(args.calibrate, gpu, Path(tmp))
-            except (OSError, ValueError, KeyError) as err:
+            except (OSError, ValueError, KeyError, RuntimeError) as err:
                 print(f"error: {err}", file=sys.stderr)
                 return 1
         print(f"{'K->N':>12} {'M':>3} {'config':<40} {'instr/w':>7} {'issue':>6} {'measured':>8} {'ratio':>5}")
@@ -321,7 +328,11 @@ def main(argv: list[str] | None = None) -> int:
         for k, n in args.shape:
             for m in args.rows:
                 for mode, cfg in configs_for(m, n, k, gpu, args.candidates):
-                    r = report(repacked_launch(k, n, m, cfg), gpu, Path(tmp))
+                    try:
+                        r = report(repacked_launch(k, n, m, cfg), gpu, Path(tmp))
+                    except (RuntimeError, ValueError, subprocess.CalledProcessError) as err:   # one line, go on
+                        print(f"{f'{k}->{n}':>12} {m:>3} {mode:>9} {cfg.describe()}: FAILED ({err})")
+                        continue
                     rows.append(dict(mode=mode, **asdict(r)))
                     print(f"{f'{k}->{n}':>12} {m:>3} {mode:>9} {r.config:<28} {r.registers:>4} {r.local_bytes:>5} "
                           f"{r.instructions_per_weight:>7} {r.lookups_per_weight:>5} {r.issue_us:>6} {r.shared_us:>6} "

@@ -35,7 +35,7 @@ try:
     import triton
     import triton.language as tl
 except ImportError as err:  # one line, naming the fix; the rest of the project never needs Triton
-    raise ImportError(f"medusa_core.quant.nf4_matmul needs Triton ({err}): pip install 'triton>=3.6'") from None
+    raise ImportError(f"medusa_core.quant.nf4_matmul needs Triton ({err}): pip install 'triton>=3.7'") from None
 
 INTERPRET_ENV = "TRITON_INTERPRET"
 

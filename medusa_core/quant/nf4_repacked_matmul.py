@@ -5,7 +5,9 @@ One kernel, three constexpr paths over the same step (one group of G columns of 
   the whole K range; the scale multiplies each block's lane sums (reassociated: one multiply per 64
   values, not per value); the lanes are summed once at the end by a fixed pairwise tree (reshape and
   split, not tl.reduce, whose order depends on the tensor's layout). Split-K over programs, with a
-  deterministic reduce of fp32 partials.
+  deterministic reduce of fp32 partials. With PREFETCH the next group's words and scales are loaded
+  before this group is computed, so their latency hides behind a group's work (Triton pipelines the
+  tensor-core path's loads itself, but not these, which go to registers).
 - tensor cores (DOT True, M >= 5): each plane (BLOCK_N, G/8) is dequantized once, code * scale in
   fp32 cast to x's dtype as bitsandbytes casts its dequantized weight, and enters ``tl.dot`` as the
   tall operand against x.T (G/8, BLOCK_M): every weight tile is decoded once for all the rows.
@@ -37,7 +39,7 @@ try:
     import triton.language as tl
 except ImportError as err:  # one line, naming the fix; the rest of the project never needs Triton
     raise ImportError(f"medusa_core.quant.nf4_repacked_matmul needs Triton ({err}): "
-                      "pip install 'triton>=3.6'") from None
+                      "pip install 'triton>=3.7'") from None
 
 from . import nf4_matmul as nm
 from .nf4_repack import ROWS, RepackedNF4
@@ -47,7 +49,8 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr,
                      M, N, K, KG, stride_xm, stride_om, stride_os, groups_per_split,
                      GROUP: tl.constexpr, BLOCKSIZE: tl.constexpr, LOG_LANES: tl.constexpr, DOT: tl.constexpr,
                      HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, DEQUANT_ONLY: tl.constexpr,
-                     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     PREFETCH: tl.constexpr = False):
     # grid: (M tiles, N tiles, K splits): the M tiles of one weight tile are launched side by side, so
     # past the first they read it from L2. BLOCK_N is a multiple of the 16-row group.
     LANES: tl.constexpr = GROUP // 8                 # words per row per group = columns per plane
@@ -73,10 +76,24 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr,
     lanes_acc = tl.full((BLOCK_M, BLOCK_N, LANES), 0.0, tl.float32)   # GEMV
     g_lo = pid_s * groups_per_split
     g_hi = tl.minimum(g_lo + groups_per_split, KG)
+    # (BN, LANES) words: 16 rows x G/2 bytes contiguous per row group; row-only mask keeps 16-byte loads
+    word = tl.max_contiguous(tl.multiple_of(lane, LANES), LANES)
+    scale_col = tl.arange(0, SCALES)
+    if PREFETCH:   # GEMV: the next group's words and scales are in flight while this group is computed
+        first = (offs_n < tl.where(g_lo < g_hi, N, 0))[:, None]                          # (BN, 1)
+        words_next = tl.load(w_ptr + ((slot + g_lo * 16) * LANES)[:, None] + word[None, :], mask=first, other=0)
+        scales_next = tl.load(s_ptr + ((slot + g_lo * 16) * SCALES)[:, None] + scale_col[None, :], mask=first,
+                              other=0)                                                    # (BN, SCALES)
     for kg in range(g_lo, g_hi):
-        # (BN, LANES) words: 16 rows x G/2 bytes contiguous per row group; row-only mask keeps 16-byte loads
-        word = tl.max_contiguous(tl.multiple_of(lane, LANES), LANES)
-        words = tl.load(w_ptr + ((slot + kg * 16) * LANES)[:, None] + word[None, :], mask=n_ok[:, None], other=0)
+        if PREFETCH:
+            words = words_next
+            scales = scales_next
+            ahead = (offs_n < tl.where(kg + 1 < g_hi, N, 0))[:, None]                # (BN, 1): not past the split
+            words_next = tl.load(w_ptr + ((slot + (kg + 1) * 16) * LANES)[:, None] + word[None, :], mask=ahead, other=0)
+            scales_next = tl.load(s_ptr + ((slot + (kg + 1) * 16) * SCALES)[:, None] + scale_col[None, :], mask=ahead,
+                                  other=0)
+        else:
+            words = tl.load(w_ptr + ((slot + kg * 16) * LANES)[:, None] + word[None, :], mask=n_ok[:, None], other=0)
         # every weight of the step looked up at once: one shared-memory table fill per step, not per plane
         nibs = (words[:, :, None] >> shifts[None, None, :]) & 15                  # (BN, LANES, 8)
         codes = tl.reshape(tl.gather(table, tl.reshape(nibs, (BLOCK_N * LANES * 8,)), 0), (BLOCK_N, LANES, 8))
@@ -88,9 +105,23 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr,
         p4, p5 = tl.split(hi0)
         p6, p7 = tl.split(hi1)
         planes = (p0, p1, p2, p3, p4, p5, p6, p7)                                # each (BN, LANES) fp32
+        if PREFETCH:    # the prefetched (BN, SCALES) tile by column, halving like the planes (no tl.sum: see
+            #             nf4_matmul's note on Triton's jit-decorated standard library under the interpreter)
+            if SCALES == 1:
+                block_scales = (tl.reshape(scales, (BLOCK_N,)),)
+            elif SCALES == 2:
+                block_scales = tl.split(scales)
+            else:
+                even, odd = tl.split(tl.reshape(scales, (BLOCK_N, SCALES // 2, 2)))   # columns 0, 2 | 1, 3
+                s0, s2 = tl.split(even)
+                s1, s3 = tl.split(odd)
+                block_scales = (s0, s1, s2, s3)
         for i in tl.static_range(8):
             if i % PER_SCALE == 0:      # (BN,) the scale of the block planes i.. lie in
-                scale = tl.load(s_ptr + (slot + kg * 16) * SCALES + i // PER_SCALE, mask=n_ok, other=0)
+                if PREFETCH:
+                    scale = block_scales[i // PER_SCALE]
+                else:
+                    scale = tl.load(s_ptr + (slot + kg * 16) * SCALES + i // PER_SCALE, mask=n_ok, other=0)
             code = planes[i]                                                    # (BN, LANES) fp32
             col = kg * GROUP + i * LANES + lane                                 # (LANES,) plane i's columns
             k_ok = col < K
@@ -153,15 +184,18 @@ class RepackedConfig:
     split_k: int        # programs along K (in whole groups); > 1 adds the reduce kernel
     num_warps: int = 4
     num_stages: int = 2
+    prefetch: bool = False   # GEMV: load the next group's words and scales before computing this one
+    #                          (the tensor-core path gets the same from Triton's pipeliner, num_stages)
 
     def __post_init__(self):
-        if self.block_n % ROWS or self.block_m & (self.block_m - 1) or (self.dot and self.block_m < 16):
+        if self.block_n % ROWS or self.block_m & (self.block_m - 1) or (self.dot and self.block_m < 16) \
+                or (self.dot and self.prefetch):
             raise ValueError(f"bad repacked config {self}: block_n a multiple of {ROWS}, block_m a power of two "
-                             "(>= 16 with dot)")
+                             "(>= 16 with dot), prefetch for GEMV only")
 
     def describe(self) -> str:
         return (f"{'dot' if self.dot else 'gemv'} m{self.block_m} n{self.block_n} split{self.split_k} "
-                f"w{self.num_warps} s{self.num_stages}")
+                f"w{self.num_warps} s{self.num_stages}{' prefetch' if self.prefetch else ''}")
 
 
 def _pow2(m: int) -> int:
@@ -190,7 +224,8 @@ EXACT_BLOCK_N = 16
 def exact_config(m: int, n: int, groups: int, sms: int) -> RepackedConfig:
     """Exact mode: GEMV with one block_n and split for every M (a function of N, K and the GPU only);
     block_m follows M (it changes no row's arithmetic, only how many rows share a weight read)."""
-    return RepackedConfig(False, min(_pow2(m), 8), EXACT_BLOCK_N, split_for(n, groups, EXACT_BLOCK_N, 2 * sms))
+    return RepackedConfig(False, min(_pow2(m), 8), EXACT_BLOCK_N, split_for(n, groups, EXACT_BLOCK_N, 2 * sms),
+                          prefetch=True)
 
 
 def exact_tensor_core_config(n: int, groups: int, sms: int) -> RepackedConfig:
@@ -207,7 +242,7 @@ def fast_config(m: int, n: int, groups: int, sms: int) -> RepackedConfig:
     cls = row_class(m)
     if cls <= 4:
         block_n = 64 if cls == 1 else 32
-        return RepackedConfig(False, cls, block_n, split_for(n, groups, block_n, 4 * sms))
+        return RepackedConfig(False, cls, block_n, split_for(n, groups, block_n, 4 * sms), prefetch=True)
     return RepackedConfig(True, cls, 64, split_for(n, groups, 64, 2 * sms))
 
 
@@ -218,15 +253,17 @@ def candidates(m: int, n: int, groups: int, sms: int) -> list[RepackedConfig]:
     first = fast_config(m, n, groups, sms)
     out = [first]
     if cls <= 4:
+        out.append(dataclasses.replace(first, prefetch=False))     # what the prefetch's registers cost
         for block_n, warps, waves in ((first.block_n, 4, 2), (first.block_n, 4, 8), (2 * first.block_n, 8, 4),
                                       (16, 4, 4)):
-            out.append(RepackedConfig(False, cls, block_n, split_for(n, groups, block_n, waves * sms), warps))
+            out.append(RepackedConfig(False, cls, block_n, split_for(n, groups, block_n, waves * sms), warps,
+                                      prefetch=True))
         out.append(RepackedConfig(True, 16, 64, split_for(n, groups, 64, 2 * sms)))
     else:
         for block_n, warps, waves in ((64, 4, 1), (64, 4, 4), (128, 8, 2), (32, 4, 2)):
             out.append(RepackedConfig(True, cls, block_n, split_for(n, groups, block_n, waves * sms), warps))
         if cls == 16:
-            out.append(RepackedConfig(False, 16, 16, split_for(n, groups, 16, 2 * sms), 8))
+            out.append(RepackedConfig(False, 16, 16, split_for(n, groups, 16, 2 * sms), 8, prefetch=True))
     return list(dict.fromkeys(out))     # two wave targets can give the same split
 
 
@@ -270,7 +307,7 @@ def choose_config(m: int, w: RepackedNF4, dtype: torch.dtype, device: torch.devi
     groups = -(-w.k // w.group)
     if device.type != "cuda":      # the interpreter: fewest programs (each costs Python time), the same paths
         if exact:                  # block sizes change no row's arithmetic: only the split must stay fixed
-            return RepackedConfig(False, min(_pow2(m), 64), 64, 1)
+            return RepackedConfig(False, min(_pow2(m), 64), 64, 1, prefetch=True)
         return fast_config(m, w.n, groups, 0)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     if exact:
@@ -310,6 +347,9 @@ def kernel_call(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: b
     """(kernel function, grid, args, keyword args, fp32 partials or None) of one launch: ``_launch``
     runs it, and benchmarks/kernel_sass.py compiles exactly this call for a GPU without one."""
     m = x2.shape[0]
+    if cfg.prefetch and w.group // w.blocksize > 4:
+        raise ValueError(f"prefetch takes at most 4 scale blocks per group, and group {w.group} holds "
+                         f"{w.group // w.blocksize} of {w.blocksize}: repack with group 128 or use prefetch=False")
     groups = -(-w.k // w.group)
     splits = max(1, min(cfg.split_k, groups))
     per_split = -(-groups // splits)
@@ -322,7 +362,7 @@ def kernel_call(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: b
             m, w.n, w.k, groups, x2.stride(0), out.stride(0), m * w.n, per_split)
     meta = dict(HAS_BIAS=has_bias, PARTIAL=part is not None, DEQUANT_ONLY=False,
                 PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", BLOCK_M=cfg.block_m,
-                BLOCK_N=cfg.block_n, **_constexprs(w, cfg.dot, interpret, cfg))
+                BLOCK_N=cfg.block_n, PREFETCH=cfg.prefetch, **_constexprs(w, cfg.dot, interpret, cfg))
     return _repacked_kernel, grid, args, meta, part
 
 
