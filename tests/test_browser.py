@@ -152,6 +152,8 @@ def test_chat_streams_answers_then_compares(page):
 
     page.locator("#compare input[type=checkbox]").check()
     page.wait_for_selector("#chat-baseline", state="visible", timeout=10_000)
+    # the spread needs 2 windows of 8 Medusa steps: 24 tokens gave only 8 steps once a tree accepted ~3 a step
+    set_max_new(page, 48)
     page.locator("#message textarea").fill("How do I sort a list in Python?")
     page.locator("#send").click()
     page.wait_for_function("() => document.querySelector('#comparison')?.innerText.includes('Speedup')",

@@ -29,7 +29,7 @@ def test_gemv_loads_words_16_bytes_at_a_time_and_looks_each_weight_up_once(tmp_p
     assert r.registers > 0 and r.local_bytes == 0, r
     assert r.global_loads.get("LDG.E.128", 0) >= 1, r.global_loads       # words: 16-byte vectors
     # one table lookup per weight, whatever the row count (rows share a weight's code)
-    assert 1 <= r.lookups_per_weight < 1.5, r
+    assert 1 <= r.shared_loads_per_weight < 1.5, r
     assert r.issue_us > 0 and r.shared_us > 0 and r.floor_us > 0
 
 
@@ -40,6 +40,11 @@ def test_tensor_core_path_compiles_without_spills(tmp_path):
     r = ks.report(ks.repacked_launch(k, n, 16, cfg), ks.H100, tmp_path)
     assert r.local_bytes == 0 and r.shared_bytes > 0, r
     assert "HGMMA" in r.opcodes or "HMMA" in r.opcodes, r.opcodes     # the weight tile meets the tensor cores
+
+
+def test_shared_memory_clocks_follow_the_width():
+    assert [ks.shared_clocks_of(op) for op in ("LDS", "LDS.U16", "LDS.64", "STS.128", "LDSM.16.M88.4", "FFMA")] == \
+        [1, 1, 2, 4, 4, 0]
 
 
 def test_main_loop_is_the_largest_backward_branch():

@@ -113,6 +113,16 @@ def test_prefetching_the_next_group_changes_no_bit(n, k, group, blocksize):
         rm.RepackedConfig(True, 16, 64, 1, prefetch=True)
 
 
+def test_a_weight_of_eight_scale_blocks_a_group_runs_without_the_prefetch():
+    packed, state = quantized(40, 256, blocksize=32)
+    w = rp.repack_bnb([(packed, state)], 256)                  # 8 blocks of 32 in a group of 256
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(4))
+    assert rm.fast_config(2, 40, 1, 0).prefetch and not rm.choose_config(2, w, x.dtype, x.device, False).prefetch
+    torch.testing.assert_close(rm.repacked_matmul(x, w).double(), reference(x, packed, state), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match=r"^prefetch takes at most 4 scale blocks per group, and group 256 holds 8"):
+        rm.repacked_matmul(x, w, config=rm.RepackedConfig(False, 2, 16, 1, prefetch=True))
+
+
 @pytest.mark.parametrize("m", [1, 33, 70])
 def test_the_tensor_core_exact_candidate_computes_the_product_for_any_m(m):
     # the candidate a GPU session times (benchmarks/nf4_kernel.py); its row exactness is the GPU's to show

@@ -11,6 +11,7 @@ from tiny import tiny_model
 from torch import nn
 
 from medusa_core import bench_synthetic
+from medusa_core.benchmarks.synthetic import SHAPES
 from medusa_core.quant import tinygemm
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"),
@@ -58,6 +59,12 @@ def test_bench_synthetic_times_the_step_through_tinygemm(tmp_path, capsys):
     data = json.loads(out.read_text())
     (result,) = data["results"]
     assert result["quant"] == "tinygemm" and "tinygemm int4 (group 64) for 14 layers" in result["routing"]
+    # what a step reads: the int4 codes (half a byte a weight) and a bf16 scale and zero per 64, the bf16
+    # norms (two a layer and the final one) and lm_head
+    shape = SHAPES["tiny"]
+    per_layer = 4 * shape.hidden * shape.hidden + 3 * shape.hidden * shape.intermediate
+    bf16 = 2 * ((2 * shape.layers + 1) * shape.hidden + shape.vocab * shape.hidden)
+    assert result["weights_bytes"] == shape.layers * per_layer * (1 / 2 + 4 / 64) + bf16
     assert data["summary"]["tinygemm_baseline_ms"] == result["rows"][0]["loop_ms"] > 0
     assert data["summary"]["tinygemm_tree16_ms"] == result["rows"][1]["loop_ms"] > 0
     assert bench_synthetic.main(["--device", "cpu", "--shape", "tiny", "--quant", "tinygemm", "--tree-sizes", "1",

@@ -61,11 +61,12 @@ class SassReport:
     loop_instructions: int         # per thread, one pass of the main loop (one group of G columns)
     weights_per_thread: int        # weights one thread handles per pass
     instructions_per_weight: float
-    lookups_per_weight: float      # shared-memory loads (the NF4 table) per weight
+    shared_loads_per_weight: float  # shared-memory load instructions per weight: table lookups, and the
+    #                                 layout conversions Triton routes through shared memory
     global_loads: dict             # per pass: opcode (with its width) -> count
     opcodes: dict                  # per pass: base opcode -> count, most frequent first
     issue_us: float                # estimate: main-loop warp instructions at 4 per clock per SM
-    shared_us: float               # estimate: shared-memory warp loads at 1 per clock per SM
+    shared_us: float               # estimate: shared-memory traffic (loads and stores) at 128 bytes per clock per SM
     floor_us: float                # packed words + scales at the copy bandwidth
 
 
@@ -89,6 +90,7 @@ class Launch:
     tiles: int                 # (row tile, N tile) pairs: programs over all K splits
     block_n: int
     columns_per_pass: int      # K columns one pass of the main loop takes, for block_n rows
+    extra_passes: int          # passes beyond K's, per (row tile, N tile): the stream kernel's filling ones
     num_warps: int
     floor_bytes: int           # what the weight and its scales weigh
 
@@ -105,7 +107,7 @@ def repacked_launch(k: int, n: int, m: int, cfg, dtype: torch.dtype = torch.bflo
                     torch.empty(16, device=meta), n, k, 64, group)
     fn, grid, args, kw, _ = rm.kernel_call(torch.empty(m, k, dtype=dtype, device=meta), w, None,
                                            torch.empty(m, n, dtype=dtype, device=meta), cfg, interpret=False)
-    return Launch(k, n, m, fn, args, kw, cfg.describe(), grid[0] * grid[1], cfg.block_n, group, cfg.num_warps,
+    return Launch(k, n, m, fn, args, kw, cfg.describe(), grid[0] * grid[1], cfg.block_n, group, 0, cfg.num_warps,
                   repacked_nbytes(n, k, 64, group))
 
 
@@ -126,7 +128,9 @@ def bnb_storage_launch(k: int, n: int, m: int, cfg, dtype: torch.dtype = torch.b
                                            torch.empty(n * k // 2, 1, dtype=torch.uint8, device=meta), state, None,
                                            torch.empty(m, n, dtype=dtype, device=meta), cfg, interpret=False)
     columns = 64 * (kw["SLOTS"] * kw["SUB"] if "SUB" in kw else 1)
-    return Launch(k, n, m, fn, args, kw, cfg.describe(), grid[0] * grid[2], cfg.block_n, columns, cfg.num_warps,
+    # the stream kernel's loop starts one pass early in each split, to fill its slots
+    return Launch(k, n, m, fn, args, kw, cfg.describe(), grid[0] * grid[2], cfg.block_n, columns,
+                  grid[1] if "SUB" in kw else 0, cfg.num_warps,
                   bnb_nbytes(n, k))
 
 
@@ -196,6 +200,16 @@ def resources(cubin: bytes, workdir: Path) -> dict[str, int]:
     return {key: int(found.get(key, 0)) for key in ("REG", "LOCAL", "SHARED")}
 
 
+def shared_clocks_of(op: str) -> int:
+    """Clocks of an SM's shared-memory bandwidth (128 bytes a clock) one warp's instruction takes."""
+    if op.startswith("LDSM"):                 # ldmatrix: .x4 moves 4 8x8 matrices of 16-bit values, 512 bytes
+        return int(re.search(r"\.(\d)$", op).group(1)) if re.search(r"\.\d$", op) else 1
+    if not op.startswith(("LDS", "STS")):
+        return 0
+    width = re.search(r"\.(32|64|128)\b", op)
+    return int(width.group(1)) // 32 if width else 1     # LDS/STS: 4 bytes a lane unless widened
+
+
 def opcode(ins: str) -> str:
     """``@!P0 LDG.E.128 R4, desc[UR6][R2.64]`` -> ``LDG.E.128``."""
     return re.sub(r"^@!?U?P[T0-9]+\s+", "", ins).split()[0]
@@ -223,17 +237,18 @@ def report(launch: Launch, gpu: Gpu, workdir: Path) -> SassReport:
     ops = Counter(opcode(ins) for ins in loop)
     per_thread = launch.block_n * launch.columns_per_pass // (32 * launch.num_warps)
     lds = sum(count for op, count in ops.items() if op.startswith("LDS"))
+    shared_clocks = sum(count * shared_clocks_of(op) for op, count in ops.items())     # per warp and pass
     # every (row tile, N tile) runs the loop once per pass over K, in each of the program's warps
-    passes = launch.tiles * -(-launch.k // launch.columns_per_pass) * launch.num_warps
+    passes = launch.tiles * (-(-launch.k // launch.columns_per_pass) + launch.extra_passes) * launch.num_warps
     per_us = gpu.sms * gpu.boost_ghz * 1e3           # clocks of all SMs per µs
     return SassReport(
         k=launch.k, n=launch.n, m=launch.m, config=launch.config, registers=res["REG"], local_bytes=res["LOCAL"],
         shared_bytes=res["SHARED"], loop_instructions=len(loop), weights_per_thread=per_thread,
-        instructions_per_weight=round(len(loop) / per_thread, 2), lookups_per_weight=round(lds / per_thread, 2),
+        instructions_per_weight=round(len(loop) / per_thread, 2), shared_loads_per_weight=round(lds / per_thread, 2),
         global_loads={op: c for op, c in sorted(ops.items()) if op.startswith("LDG")},
         opcodes=dict(Counter(opcode(ins).split(".")[0] for ins in loop).most_common()),
         issue_us=round(passes * len(loop) / (4 * per_us), 2),
-        shared_us=round(passes * lds / per_us, 2),
+        shared_us=round(passes * shared_clocks / per_us, 2),
         floor_us=round(launch.floor_bytes / (gpu.copy_tb_s * 1e6), 2))
 
 
@@ -291,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", type=_shape, nargs="+", default=list(SHAPES), help="KxN, e.g. 4096x11008")
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
-    parser.add_argument("--arch", type=int, default=H100.arch, help="compute capability: 90 is sm_90 (H100)")
+    parser.add_argument("--arch", type=int, default=H100.arch,
+                        help="compute capability: 90 is sm_90 (H100); the estimates keep the H100's SMs and clock")
     parser.add_argument("--candidates", action="store_true", help="every config the tuner would time, too")
     parser.add_argument("--calibrate", type=Path, metavar="REPORT",
                         help="instead: the committed bnb-storage kernel at the configs a GPU report timed "
@@ -306,11 +322,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import tempfile
 
+    from triton.errors import TritonError    # compilation and ptxas errors
+
     if args.calibrate:
         with tempfile.TemporaryDirectory() as tmp:
             try:
                 rows = calibrate(args.calibrate, gpu, Path(tmp))
-            except (OSError, ValueError, KeyError, RuntimeError) as err:
+            except (OSError, ValueError, KeyError, RuntimeError, TritonError, subprocess.SubprocessError) as err:
                 print(f"error: {err}", file=sys.stderr)
                 return 1
         print(f"{'K->N':>12} {'M':>3} {'config':<40} {'instr/w':>7} {'issue':>6} {'measured':>8} {'ratio':>5}")
@@ -330,12 +348,12 @@ def main(argv: list[str] | None = None) -> int:
                 for mode, cfg in configs_for(m, n, k, gpu, args.candidates):
                     try:
                         r = report(repacked_launch(k, n, m, cfg), gpu, Path(tmp))
-                    except (RuntimeError, ValueError, subprocess.CalledProcessError) as err:   # one line, go on
+                    except (RuntimeError, ValueError, TritonError, subprocess.SubprocessError) as err:   # go on
                         print(f"{f'{k}->{n}':>12} {m:>3} {mode:>9} {cfg.describe()}: FAILED ({err})")
                         continue
                     rows.append(dict(mode=mode, **asdict(r)))
                     print(f"{f'{k}->{n}':>12} {m:>3} {mode:>9} {r.config:<28} {r.registers:>4} {r.local_bytes:>5} "
-                          f"{r.instructions_per_weight:>7} {r.lookups_per_weight:>5} {r.issue_us:>6} {r.shared_us:>6} "
+                          f"{r.instructions_per_weight:>7} {r.shared_loads_per_weight:>5} {r.issue_us:>6} {r.shared_us:>6} "
                           f"{r.floor_us:>6}")
     _write(args.json, gpu, rows)
     return 0

@@ -92,7 +92,11 @@ def tensor_bytes(t: torch.Tensor | None) -> int:
 
 
 def weight_bytes(module: nn.Module) -> int:
-    """Bytes a forward reads from ``module``'s weights; NF4 adds its block scales."""
+    """Bytes a forward reads from ``module``'s weights: its parameters (bitsandbytes' NF4 adds its block
+    scales), and the buffers in which the repacked NF4 and tinygemm layers keep theirs."""
+    from ..quant.nf4_fused import RepackedNF4Linear
+    from ..quant.tinygemm import TinygemmLinear
+
     total = 0
     for p in module.parameters():
         total += tensor_bytes(p)
@@ -101,6 +105,9 @@ def weight_bytes(module: nn.Module) -> int:
             total += tensor_bytes(state.absmax)
             if state.nested:
                 total += tensor_bytes(state.state2.absmax) + tensor_bytes(state.state2.code)
+    for m in module.modules():       # a fused weight shared by q/k/v slices is one module, counted once
+        if isinstance(m, (RepackedNF4Linear, TinygemmLinear)):
+            total += sum(tensor_bytes(b) for b in m.buffers(recurse=False))
     return total
 
 

@@ -15,7 +15,8 @@ One kernel, three constexpr paths over the same step (one group of G columns of 
   and of the lookup the two matmul paths use.
 The 16-entry NF4 table is looked up with ``tl.gather``, which Triton lowers to one shared-memory load
 per weight from a 64-byte table (conflict-free: 16 words in 16 banks). Compiled for sm_90 the 1-row
-GEMV loop is 6.1 instructions per weight, against 17.9 with the tree of 15 selects it replaced
+GEMV loop is 5.6 instructions per weight with PREFETCH (6.1 without), against 17.9 with the tree of 15
+selects it replaced
 (``python -m medusa_core.benchmarks.kernel_sass``: a static count, not a timing). The GEMV's
 accumulator puts the rows first, so one thread holds every row of a weight and looks it up once.
 
@@ -215,6 +216,8 @@ def split_for(n: int, groups: int, block_n: int, programs: int, min_groups: int 
     return split
 
 
+PREFETCH_MAX_SCALES = 4     # scale blocks per group the GEMV's prefetch splits out (1, 2 or 4)
+
 # Block sizes below: no spills and at most 128 registers compiled for sm_90 with Triton 3.9
 # (benchmarks/kernel_sass.py, GPU-less); speed unmeasured. The lane accumulators cost
 # block_m * block_n * G/8 fp32 per program.
@@ -224,8 +227,7 @@ EXACT_BLOCK_N = 16
 def exact_config(m: int, n: int, groups: int, sms: int) -> RepackedConfig:
     """Exact mode: GEMV with one block_n and split for every M (a function of N, K and the GPU only);
     block_m follows M (it changes no row's arithmetic, only how many rows share a weight read)."""
-    return RepackedConfig(False, min(_pow2(m), 8), EXACT_BLOCK_N, split_for(n, groups, EXACT_BLOCK_N, 2 * sms),
-                          prefetch=True)
+    return RepackedConfig(False, min(_pow2(m), 8), EXACT_BLOCK_N, split_for(n, groups, EXACT_BLOCK_N, 2 * sms))
 
 
 def exact_tensor_core_config(n: int, groups: int, sms: int) -> RepackedConfig:
@@ -306,13 +308,16 @@ def tune_shape(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
 def choose_config(m: int, w: RepackedNF4, dtype: torch.dtype, device: torch.device, exact: bool) -> RepackedConfig:
     groups = -(-w.k // w.group)
     if device.type != "cuda":      # the interpreter: fewest programs (each costs Python time), the same paths
-        if exact:                  # block sizes change no row's arithmetic: only the split must stay fixed
-            return RepackedConfig(False, min(_pow2(m), 64), 64, 1, prefetch=True)
-        return fast_config(m, w.n, groups, 0)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if exact:
-        return exact_config(m, w.n, groups, sms)
-    return _TUNED.get(_key(m, w.n, w.k, dtype, device, w.group)) or fast_config(m, w.n, groups, sms)
+        # exact: block sizes change no row's arithmetic, only the split must stay fixed
+        cfg = RepackedConfig(False, min(_pow2(m), 64), 64, 1) if exact else fast_config(m, w.n, groups, 0)
+    elif exact:
+        cfg = exact_config(m, w.n, groups, torch.cuda.get_device_properties(device).multi_processor_count)
+    else:
+        cfg = _TUNED.get(_key(m, w.n, w.k, dtype, device, w.group)) or \
+            fast_config(m, w.n, groups, torch.cuda.get_device_properties(device).multi_processor_count)
+    if cfg.prefetch and w.group // w.blocksize > PREFETCH_MAX_SCALES:
+        cfg = dataclasses.replace(cfg, prefetch=False)       # a weight of small blocks: the kernel cannot
+    return cfg
 
 
 def repacked_matmul(x: torch.Tensor, w: RepackedNF4, bias: torch.Tensor | None = None, *, exact: bool = False,
@@ -347,9 +352,9 @@ def kernel_call(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: b
     """(kernel function, grid, args, keyword args, fp32 partials or None) of one launch: ``_launch``
     runs it, and benchmarks/kernel_sass.py compiles exactly this call for a GPU without one."""
     m = x2.shape[0]
-    if cfg.prefetch and w.group // w.blocksize > 4:
-        raise ValueError(f"prefetch takes at most 4 scale blocks per group, and group {w.group} holds "
-                         f"{w.group // w.blocksize} of {w.blocksize}: repack with group 128 or use prefetch=False")
+    if cfg.prefetch and w.group // w.blocksize > PREFETCH_MAX_SCALES:
+        raise ValueError(f"prefetch takes at most {PREFETCH_MAX_SCALES} scale blocks per group, and group {w.group} "
+                         f"holds {w.group // w.blocksize} of {w.blocksize}: repack with group 128 or use prefetch=False")
     groups = -(-w.k // w.group)
     splits = max(1, min(cfg.split_k, groups))
     per_split = -(-groups // splits)

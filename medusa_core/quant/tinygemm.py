@@ -66,7 +66,7 @@ class TinygemmLinear(nn.Module):
         self.bias = None if dense.bias is None else nn.Parameter(dense.bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)                           # (M, K)
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()              # (M, K)
         mm = torch.ops.aten._weight_int4pack_mm if x.device.type == "cuda" else \
             torch.ops.aten._weight_int4pack_mm_for_cpu
         y = mm(rows, self.packed, self.group, self.scales_and_zeros).to(x.dtype)           # (M, N)
