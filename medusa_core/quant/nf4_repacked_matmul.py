@@ -16,9 +16,8 @@ One kernel, three constexpr paths over the same step (one group of G columns of 
 The 16-entry NF4 table is looked up with ``tl.gather``, which Triton lowers to one shared-memory load
 per weight from a 64-byte table (conflict-free: 16 words in 16 banks). Compiled for sm_90 the 1-row
 GEMV loop is 5.6 instructions per weight with PREFETCH (6.1 without), against 17.9 with the tree of 15
-selects it replaced
-(``python -m medusa_core.benchmarks.kernel_sass``: a static count, not a timing). The GEMV's
-accumulator puts the rows first, so one thread holds every row of a weight and looks it up once.
+selects it replaced (``python -m medusa_core.benchmarks.kernel_sass``: a static count, not a timing).
+The GEMV's accumulator puts the rows first, so one thread holds every row of a weight and looks it up once.
 
 Exact mode: every row's result does not depend on M. It is the GEMV path with one split-K for every
 M (a function of N, K and the GPU only): each (row, output) is then the same lane products in the
@@ -90,9 +89,9 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr,
             words = words_next
             scales = scales_next
             ahead = (offs_n < tl.where(kg + 1 < g_hi, N, 0))[:, None]                # (BN, 1): not past the split
-            words_next = tl.load(w_ptr + ((slot + (kg + 1) * 16) * LANES)[:, None] + word[None, :], mask=ahead, other=0)
-            scales_next = tl.load(s_ptr + ((slot + (kg + 1) * 16) * SCALES)[:, None] + scale_col[None, :], mask=ahead,
-                                  other=0)
+            nxt = slot + (kg + 1) * 16                                              # (BN,) the next group's slots
+            words_next = tl.load(w_ptr + (nxt * LANES)[:, None] + word[None, :], mask=ahead, other=0)
+            scales_next = tl.load(s_ptr + (nxt * SCALES)[:, None] + scale_col[None, :], mask=ahead, other=0)
         else:
             words = tl.load(w_ptr + ((slot + kg * 16) * LANES)[:, None] + word[None, :], mask=n_ok[:, None], other=0)
         # every weight of the step looked up at once: one shared-memory table fill per step, not per plane
