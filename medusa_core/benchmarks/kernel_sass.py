@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-SHAPES = ((4096, 11008), (11008, 4096), (4096, 4096), (4096, 32000))   # (K in, N out), as nf4_kernel
+from .nf4_kernel import SHAPES   # (K in, N out): the shapes the kernel benchmark times
+
 ROWS = (1, 2, 4, 16, 32, 64)
 
 
@@ -173,10 +174,8 @@ def _tool(name: str) -> str:
     return getattr(triton.knobs.nvidia, name).path
 
 
-def disassemble(cubin: bytes, workdir: Path) -> list[str]:
-    """The SASS instructions of a cubin, in order, predicates kept, addresses and comments dropped."""
-    path = workdir / "kernel.cubin"
-    path.write_bytes(cubin)
+def disassemble(path: Path) -> list[str]:
+    """The SASS instructions of a cubin file, in order, predicates kept, addresses and comments dropped."""
     text = subprocess.run([_tool("nvdisasm"), "-c", str(path)], capture_output=True, text=True, check=True).stdout
     lines = []
     for line in text.splitlines():
@@ -190,10 +189,8 @@ def disassemble(cubin: bytes, workdir: Path) -> list[str]:
     return lines
 
 
-def resources(cubin: bytes, workdir: Path) -> dict[str, int]:
-    """REG, LOCAL, SHARED of the kernel, as cuobjdump reports them."""
-    path = workdir / "kernel.cubin"
-    path.write_bytes(cubin)
+def resources(path: Path) -> dict[str, int]:
+    """REG, LOCAL, SHARED of the kernel in a cubin file, as cuobjdump reports them."""
     text = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", str(path)],
                           capture_output=True, text=True, check=True).stdout
     found = dict(re.findall(r"\b(REG|LOCAL|SHARED):(\d+)", text))
@@ -231,9 +228,10 @@ def main_loop(lines: list[str]) -> list[str]:
 
 def report(launch: Launch, gpu: Gpu, workdir: Path) -> SassReport:
     """Compile ``launch`` for the GPU and count its main loop."""
-    kernel = compile_launch(launch, gpu.arch)
-    res = resources(kernel.asm["cubin"], workdir)
-    loop = main_loop(disassemble(kernel.asm["cubin"], workdir))
+    cubin = workdir / "kernel.cubin"
+    cubin.write_bytes(compile_launch(launch, gpu.arch).asm["cubin"])
+    res = resources(cubin)
+    loop = main_loop(disassemble(cubin))
     ops = Counter(opcode(ins) for ins in loop)
     per_thread = launch.block_n * launch.columns_per_pass // (32 * launch.num_warps)
     lds = sum(count for op, count in ops.items() if op.startswith("LDS"))
