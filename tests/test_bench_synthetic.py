@@ -146,6 +146,34 @@ def test_fold_merges_the_kernel_and_demo_figures_into_one_report(tmp_path):
     assert bench_synthetic.main(["--fold", str(step), str(tmp_path / "other.json"), "--json", str(out)]) == 1
 
 
+def test_fold_adds_up_kernel_runs_split_by_shape_or_cut_short(tmp_path):
+    """A GPU call has a time limit: nf4_kernel --shapes runs one shape at a time, a run cut short leaves
+    its finished shapes (partial); folded, each shape's rows come from the run that measured it last."""
+    step = tmp_path / "gpu.json"
+    assert bench_synthetic.main(["--device", "cpu", "--shape", "tiny", "--quant", "none", "--tree-sizes", "1",
+                                 "--context", "8", "--iters", "2", "--warmup", "0", "--json", str(step)]) == 0
+
+    def run(name, shapes, summary, partial=False):
+        rows = [{"k": k, "n": n, "m": 1, "method": "triton", "us": us} for (k, n), us in shapes.items()]
+        path = tmp_path / name
+        path.write_text(json.dumps({"env": {}, "shapes": {f"{k}->{n}": {} for k, n in shapes}, "summary": summary,
+                                    "rows": rows, "tuning": [{"kernel": "triton", "k": k, "n": n, "row_class": 1,
+                                                              "timed": []} for k, n in shapes], "partial": partial}))
+        return path
+
+    first = run("a.json", {(4096, 11008): 31.0, (11008, 4096): 29.0},
+                {"nf4_kernel_m1_us": 31.0, "bnb_m1_us": 24.0}, partial=True)
+    again = run("b.json", {(11008, 4096): 27.0}, {"nf4_kernel_m1_us": None, "bnb_m1_us": 23.5})
+    out = tmp_path / "report.json"
+    assert bench_synthetic.main(["--fold", str(step), str(first), str(again), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["summary"]["nf4_kernel_m1_us"] == 31.0 and report["summary"]["bnb_m1_us"] == 23.5
+    kernel = report["nf4_matmul"]
+    assert sorted((r["k"], r["n"], r["us"]) for r in kernel["rows"]) == [(4096, 11008, 31.0), (11008, 4096, 27.0)]
+    assert sorted((t["k"], t["n"]) for t in kernel["tuning"]) == [(4096, 11008), (11008, 4096)]
+    assert set(kernel["shapes"]) == {"4096->11008", "11008->4096"} and kernel["partial"] is False
+
+
 def test_a_saved_random_checkpoint_benchmarks_through_the_real_loader(tmp_path, capsys):
     """bench_synthetic --save-checkpoint writes a random model with SmolLM2's tokenizer cut to the shape's
     vocabulary; bench loads it like a download and times it (greedy Medusa = plain decoding)."""

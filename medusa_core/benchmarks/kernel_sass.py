@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from .nf4_kernel import SHAPES   # (K in, N out): the shapes the kernel benchmark times
+from .nf4_kernel import SHAPES, parse_shape   # SHAPES (K in, N out): what the kernel benchmark times
 
 ROWS = (1, 2, 4, 16, 32, 64)
 
@@ -292,17 +292,9 @@ def calibrate(report_json: Path, gpu: Gpu, workdir: Path) -> list[dict]:
     return out
 
 
-def _shape(text: str) -> tuple[int, int]:
-    try:
-        k, n = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"shape {text!r} is not KxN (in x out features), e.g. 4096x11008") from None
-    return k, n
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", type=_shape, nargs="+", default=list(SHAPES), help="KxN, e.g. 4096x11008")
+    parser.add_argument("--shape", type=parse_shape, nargs="+", default=list(SHAPES), help="KxN, e.g. 4096x11008")
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     parser.add_argument("--arch", type=int, default=H100.arch,
                         help="compute capability: 90 is sm_90 (H100); the estimates keep the H100's SMs and clock")

@@ -21,6 +21,7 @@ import argparse
 import functools
 import json
 import platform
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -230,17 +231,56 @@ def dtype_check(device: torch.device, size: int = 4096, sms: int | None = None) 
     return out
 
 
+def headline(results: list[Row], shapes: dict) -> dict:
+    """The report's summary keys: 4096->11008 per method and M (None where not measured yet)."""
+    table = {(r.k, r.n, r.m, r.method): r.us for r in results}
+
+    def get(m: int, method: str) -> float | None:
+        return table.get((4096, 11008, m, method))
+
+    return {
+        "nf4_kernel_m1_us": get(1, "triton"), "nf4_kernel_m16_us": get(16, "triton"),
+        "nf4_kernel_m64_us": get(64, "triton"), "bnb_m1_us": get(1, "bnb"), "bnb_m64_us": get(64, "bnb"),
+        "bf16_m64_us": get(64, "bf16"), "nf4_kernel_m32_us": get(32, "triton"),
+        "floor_us": shapes.get("4096->11008", {}).get("floor_us"),
+        "tinygemm_m1_us": get(1, "tinygemm_g128"), "tinygemm_m16_us": get(16, "tinygemm_g128"),
+        "tinygemm_g64_m1_us": get(1, "tinygemm_g64"),
+        **{f"repacked_m{m}_us": get(m, "repacked") for m in (1, 16, 64)},
+        **{f"repacked_exact_m{m}_us": get(m, "repacked_exact") for m in (1, 16, 64)},
+        **{f"repacked_exact_tc_m{m}_us": get(m, "repacked_exact_tc") for m in (1, 16, 64)},
+    }
+
+
+def tuning_log() -> list[dict]:
+    """Every config both tuners timed so far, per (kernel, shape, row class)."""
+    from ..quant import nf4_matmul as nm
+    from ..quant import nf4_repacked_matmul as rm
+
+    return [{"kernel": kernel, "n": key[2], "k": key[3], "row_class": key[1],
+             "timed": [{"config": c, "us": us} for c, us in log]}
+            for kernel, logs in (("triton", nm.TUNING_LOG), ("repacked", rm.TUNING_LOG)) for key, log in logs.items()]
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    try:
+        k, n = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape {text!r} is not KxN (in x out features), e.g. 4096x11008") from None
+    return k, n
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m medusa_core.benchmarks.nf4_kernel", description=__doc__.splitlines()[0])
-    parser.add_argument("--json", type=Path, default=Path("out/nf4.json"), help="where to write the results")
+    parser.add_argument("--json", type=Path, default=Path("out/nf4.json"),
+                        help="where to write the results (rewritten after each shape, so a run cut short keeps them)")
+    parser.add_argument("--shapes", type=parse_shape, nargs="+", default=list(SHAPES), metavar="KxN",
+                        help="projections to time, in features x out features (default: the 7B ones and the heads')")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("this benchmark needs a CUDA GPU: run it on the GPU machine")
         return 2
     import bitsandbytes
     import triton
-
-    from ..quant import nf4_matmul as nm
 
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
@@ -250,7 +290,9 @@ def main(argv: list[str] | None = None) -> int:
            "copy_bandwidth_gbps": round(bandwidth / 1e9, 1), "l2_bytes": props.L2_cache_size}
     print(f"{env['device']}: copy bandwidth {bandwidth / 1e9:.0f} GB/s, L2 {props.L2_cache_size >> 20} MB")
     results, shapes = [], {}
-    for k, n in SHAPES:
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    for k, n in args.shapes:
         rows, info = bench_shape(k, n, device, props.L2_cache_size)
         # HBM time to read the packed weight and its scales once, at the rate a copy moves bytes (read +
         # write counted, see copy_bandwidth): the least any NF4 kernel can take for this shape
@@ -264,20 +306,21 @@ def main(argv: list[str] | None = None) -> int:
               f"fast {all(info['rows_identical_to_alone']['fast'].values())}, "
               f"exact_tc {all(info['rows_identical_to_alone']['exact_tc'].values())}")
         results.extend(rows)
+        # a device call has a time limit: what is measured so far is on disk before the next shape starts
+        args.json.write_text(json.dumps({"env": env, "shapes": shapes, "summary": headline(results, shapes),
+                                         "partial": True, "rows": [asdict(r) for r in results],
+                                         "tuning": tuning_log()}, indent=1))
+        print(f"  {k}->{n} done at {time.monotonic() - started:.0f} s; wrote {args.json}")
     table = {(r.k, r.n, r.m, r.method): r.us for r in results}
     variants = {(r.k, r.n, r.m, r.method): r.variant for r in results if r.variant}
     print(f"\n{'shape':>12} {'M':>3} " + " ".join(f"{m[:11]:>11}" for m in METHODS)
           + "   (us per call)  triton | repacked config")
-    for k, n in SHAPES:
+    for k, n in args.shapes:
         for m in ROWS:
             cells = [table.get((k, n, m, meth)) for meth in METHODS]
             print(f"{f'{k}->{n}':>12} {m:>3} " + " ".join(f"{c:>11.1f}" if c else f"{'-':>11}" for c in cells)
                   + f"  {variants.get((k, n, m, 'triton'), '')} | {variants.get((k, n, m, 'repacked'), '')}")
-    from ..quant import nf4_repacked_matmul as rm
-
-    tuning = [{"kernel": kernel, "n": key[2], "k": key[3], "row_class": key[1],
-               "timed": [{"config": c, "us": us} for c, us in log]}
-              for kernel, logs in (("triton", nm.TUNING_LOG), ("repacked", rm.TUNING_LOG)) for key, log in logs.items()]
+    tuning = tuning_log()
     print("\ntuner timings (us; '-' = skipped):")
     for t in tuning:
         print(f"  {t['kernel']} {t['k']}->{t['n']} M<={t['row_class']}: " + ", ".join(
@@ -285,28 +328,12 @@ def main(argv: list[str] | None = None) -> int:
     checks = dtype_check(device)
     print("\nstream kernel, other activation dtypes (relative error, want < 1e-2): " + ", ".join(
         f"{key} {v:.1e}" if isinstance(v, float) else f"{key} {v}" for key, v in checks.items()))
-    get = functools.partial(lambda key: table.get(key))
-    summary = {
-        "nf4_kernel_m1_us": get((4096, 11008, 1, "triton")), "nf4_kernel_m16_us": get((4096, 11008, 16, "triton")),
-        "nf4_kernel_m64_us": get((4096, 11008, 64, "triton")), "bnb_m1_us": get((4096, 11008, 1, "bnb")),
-        "bnb_m64_us": get((4096, 11008, 64, "bnb")), "bf16_m64_us": get((4096, 11008, 64, "bf16")),
-        "nf4_kernel_m32_us": get((4096, 11008, 32, "triton")), "floor_us": shapes["4096->11008"]["floor_us"],
-        "tinygemm_m1_us": get((4096, 11008, 1, "tinygemm_g128")),
-        "tinygemm_m16_us": get((4096, 11008, 16, "tinygemm_g128")),
-        "tinygemm_g64_m1_us": get((4096, 11008, 1, "tinygemm_g64")),
-        "repacked_m1_us": get((4096, 11008, 1, "repacked")), "repacked_m16_us": get((4096, 11008, 16, "repacked")),
-        "repacked_m64_us": get((4096, 11008, 64, "repacked")),
-        "repacked_exact_m1_us": get((4096, 11008, 1, "repacked_exact")),
-        "repacked_exact_m16_us": get((4096, 11008, 16, "repacked_exact")),
-        "repacked_exact_m64_us": get((4096, 11008, 64, "repacked_exact")),
-        **{f"repacked_exact_tc_m{m}_us": get((4096, 11008, m, "repacked_exact_tc")) for m in (1, 16, 64)},
-    }
     fusion = bench_fusion(device, props.L2_cache_size)
     print("\nfused against separate repacked matmuls (us): " + "; ".join(
         f"{f['group']} M={f['m']} {f['mode']} {f['us']:.1f}" if f["us"] is not None else
         f"{f['group']} M={f['m']} {f['mode']} -" for f in fusion))
+    summary = headline(results, shapes)
     print("\nsummary (4096->11008): " + ", ".join(f"{key} {v:.1f}" if v else f"{key} -" for key, v in summary.items()))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"env": env, "shapes": shapes, "summary": summary,
                                      "rows": [asdict(r) for r in results], "tuning": tuning,
                                      "dtype_check": checks, "fusion": fusion}, indent=1))

@@ -97,6 +97,19 @@ def summary(results: list[QuantResult]) -> dict[str, float | None]:
     return out
 
 
+def merge_kernel_runs(earlier: dict | None, later: dict) -> dict:
+    """Two benchmarks.nf4_kernel reports as one: the later run's shapes, rows and tuner timings replace
+    the earlier run's for the same shape; the earlier run's other shapes stay."""
+    if earlier is None:
+        return later
+    shapes = {(r["k"], r["n"]) for r in later.get("rows", [])}
+    merged = {**earlier, **later, "shapes": {**earlier.get("shapes", {}), **later.get("shapes", {})}}
+    merged["rows"] = [r for r in earlier.get("rows", []) if (r["k"], r["n"]) not in shapes] + later.get("rows", [])
+    merged["tuning"] = [t for t in earlier.get("tuning", []) if (t["k"], t["n"]) not in shapes] + later.get("tuning", [])
+    merged["summary"] = {**earlier["summary"], **{k: v for k, v in later["summary"].items() if v is not None}}
+    return merged
+
+
 def fold_reports(step_json: Path, others: Sequence[Path]) -> dict:
     """One report for docs/perf/<gpu>.json: a bench_gpu JSON, with added to its ``summary`` the
     headline figures of later bench_gpu runs (their results appended; a re-measured figure
@@ -110,8 +123,10 @@ def fold_reports(step_json: Path, others: Sequence[Path]) -> dict:
         if isinstance(summary_, dict) and "results" in data:                     # a later bench_gpu run
             report["results"] += data["results"]
         elif isinstance(summary_, dict) and any(k.startswith("nf4_kernel_") for k in summary_):   # benchmarks.nf4_kernel
-            extras.update(summary_)
-            report["nf4_matmul"] = data
+            # runs split by --shapes (or one cut short, "partial") add up: a figure measured again replaces
+            # the earlier one, one not measured in this run keeps it
+            extras.update({k: v for k, v in summary_.items() if v is not None or k not in extras})
+            report["nf4_matmul"] = merge_kernel_runs(report.get("nf4_matmul"), data)
         elif isinstance(summary_, list) and "model" in data:                    # bench
             name = "demo_cuda" if "demo model" in data["model"] else "checkpoint"
             rows = {r["name"]: r for r in summary_}
