@@ -5,6 +5,7 @@ weight words arrive in 16-byte loads, nothing spills, and the NF4 table is one s
 per weight (not a chain of selects, and not repeated for every row of a multi-row GEMV).
 """
 
+import dataclasses
 import json
 
 import pytest
@@ -33,9 +34,10 @@ def test_gemv_loads_words_16_bytes_at_a_time_and_looks_each_weight_up_once(tmp_p
     assert r.issue_us > 0 and r.shared_us > 0 and r.floor_us > 0
 
 
-def test_tensor_core_path_compiles_without_spills(tmp_path):
+@pytest.mark.parametrize("plane_lookup", [False, True])
+def test_tensor_core_path_compiles_without_spills(tmp_path, plane_lookup):
     k, n = 4096, 4096
-    cfg = rm.fast_config(16, n, k // 128, ks.H100.sms)
+    cfg = dataclasses.replace(rm.fast_config(16, n, k // 128, ks.H100.sms), plane_lookup=plane_lookup)
     assert cfg.dot
     r = ks.report(ks.repacked_launch(k, n, 16, cfg), ks.H100, tmp_path)
     assert r.local_bytes == 0 and r.shared_bytes > 0, r

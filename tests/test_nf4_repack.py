@@ -5,6 +5,8 @@ fuses q/k/v and gate/up without changing a projection, and decodes bitsandbytes'
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -111,6 +113,23 @@ def test_prefetching_the_next_group_changes_no_bit(n, k, group, blocksize):
     torch.testing.assert_close(ahead.double(), reference(x, packed, state), rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="prefetch for GEMV only"):
         rm.RepackedConfig(True, 16, 64, 1, prefetch=True)
+
+
+@pytest.mark.parametrize("n,k,group", SHAPES)
+def test_looking_up_one_plane_at_a_time_changes_no_bit(n, k, group):
+    # the tensor-core path's two lookups (all planes of a group at once, or each before its dot) give the
+    # same codes to the same dots: a tuner may pick either
+    packed, state = quantized(n, k)
+    w = rp.repack_bnb([(packed, state)], group)
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(3))
+    for block_m, block_n, split in ((16, 64, 1), (32, 16, 2)):
+        cfg = rm.RepackedConfig(True, block_m, block_n, split)
+        plane = rm.repacked_matmul(x, w, config=dataclasses.replace(cfg, plane_lookup=True))
+        assert torch.equal(rm.repacked_matmul(x, w, config=cfg), plane), cfg
+    torch.testing.assert_close(plane.double(), reference(x, packed, state), rtol=1e-5, atol=1e-4)
+    assert any(c.plane_lookup for c in rm.candidates(16, 11008, 32, 132))     # the GPU tuner times it
+    with pytest.raises(ValueError, match="plane_lookup for dot only"):
+        rm.RepackedConfig(False, 1, 16, 1, plane_lookup=True)
 
 
 def test_a_weight_of_eight_scale_blocks_a_group_runs_without_the_prefetch():

@@ -18,6 +18,7 @@ per weight from a 64-byte table (conflict-free: 16 words in 16 banks). Compiled 
 GEMV loop is 5.6 instructions per weight with PREFETCH (6.1 without), against 17.9 with the tree of 15
 selects it replaced (``python -m medusa_core.benchmarks.kernel_sass``: a static count, not a timing).
 The GEMV's accumulator puts the rows first, so one thread holds every row of a weight and looks it up once.
+The tensor-core path can instead look each plane up just before its dot (PLANE_LOOKUP, a tuner choice).
 
 Exact mode: every row's result does not depend on M. It is the GEMV path with one split-K for every
 M (a function of N, K and the GPU only): each (row, output) is then the same lane products in the
@@ -50,7 +51,7 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr,
                      GROUP: tl.constexpr, BLOCKSIZE: tl.constexpr, LOG_LANES: tl.constexpr, DOT: tl.constexpr,
                      HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, DEQUANT_ONLY: tl.constexpr,
                      EVEN_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     PREFETCH: tl.constexpr = False):
+                     PREFETCH: tl.constexpr = False, PLANE_LOOKUP: tl.constexpr = False):
     # grid: (M tiles, N tiles, K splits): the M tiles of one weight tile are launched side by side, so
     # past the first they read it from L2. BLOCK_N is a multiple of the 16-row group.
     LANES: tl.constexpr = GROUP // 8                 # words per row per group = columns per plane
@@ -94,17 +95,17 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr,
             scales_next = tl.load(s_ptr + (nxt * SCALES)[:, None] + scale_col[None, :], mask=ahead, other=0)
         else:
             words = tl.load(w_ptr + ((slot + kg * 16) * LANES)[:, None] + word[None, :], mask=n_ok[:, None], other=0)
-        # every weight of the step looked up at once: one shared-memory table fill per step, not per plane
-        nibs = (words[:, :, None] >> shifts[None, None, :]) & 15                  # (BN, LANES, 8)
-        codes = tl.reshape(tl.gather(table, tl.reshape(nibs, (BLOCK_N * LANES * 8,)), 0), (BLOCK_N, LANES, 8))
-        lo, hi = tl.split(tl.reshape(codes, (BLOCK_N, LANES, 4, 2)))               # planes 0..3, 4..7
-        lo0, lo1 = tl.split(tl.reshape(lo, (BLOCK_N, LANES, 2, 2)))
-        hi0, hi1 = tl.split(tl.reshape(hi, (BLOCK_N, LANES, 2, 2)))
-        p0, p1 = tl.split(lo0)
-        p2, p3 = tl.split(lo1)
-        p4, p5 = tl.split(hi0)
-        p6, p7 = tl.split(hi1)
-        planes = (p0, p1, p2, p3, p4, p5, p6, p7)                                # each (BN, LANES) fp32
+        if not PLANE_LOOKUP:   # every weight of the step looked up at once: one table fill per step, not per plane
+            nibs = (words[:, :, None] >> shifts[None, None, :]) & 15              # (BN, LANES, 8)
+            codes = tl.reshape(tl.gather(table, tl.reshape(nibs, (BLOCK_N * LANES * 8,)), 0), (BLOCK_N, LANES, 8))
+            lo, hi = tl.split(tl.reshape(codes, (BLOCK_N, LANES, 4, 2)))           # planes 0..3, 4..7
+            lo0, lo1 = tl.split(tl.reshape(lo, (BLOCK_N, LANES, 2, 2)))
+            hi0, hi1 = tl.split(tl.reshape(hi, (BLOCK_N, LANES, 2, 2)))
+            p0, p1 = tl.split(lo0)
+            p2, p3 = tl.split(lo1)
+            p4, p5 = tl.split(hi0)
+            p6, p7 = tl.split(hi1)
+            planes = (p0, p1, p2, p3, p4, p5, p6, p7)                            # each (BN, LANES) fp32
         if PREFETCH:    # the prefetched (BN, SCALES) tile by column, halving like the planes (no tl.sum: see
             #             nf4_matmul's note on Triton's jit-decorated standard library under the interpreter)
             if SCALES == 1:
@@ -122,7 +123,11 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr,
                     scale = block_scales[i // PER_SCALE]
                 else:
                     scale = tl.load(s_ptr + (slot + kg * 16) * SCALES + i // PER_SCALE, mask=n_ok, other=0)
-            code = planes[i]                                                    # (BN, LANES) fp32
+            if PLANE_LOOKUP:   # tensor cores: one plane at a time (see RepackedConfig.plane_lookup)
+                nib = tl.reshape((words >> (4 * i)) & 15, (BLOCK_N * LANES,))
+                code = tl.reshape(tl.gather(table, nib, 0), (BLOCK_N, LANES))     # (BN, LANES) fp32
+            else:
+                code = planes[i]                                                # (BN, LANES) fp32
             col = kg * GROUP + i * LANES + lane                                 # (LANES,) plane i's columns
             k_ok = col < K
             if DEQUANT_ONLY:
@@ -186,16 +191,21 @@ class RepackedConfig:
     num_stages: int = 2
     prefetch: bool = False   # GEMV: load the next group's words and scales before computing this one
     #                          (the tensor-core path gets the same from Triton's pipeliner, num_stages)
+    plane_lookup: bool = False   # tensor cores: look each plane up just before its dot, not all 8 at once.
+    # Compiled for sm_90 (kernel_sass, M = 16): 8.5 instructions per weight against 9.6, 64 registers
+    # against 96, 8-byte shared stores of the dequantized tile against 2-byte ones, but 33 barriers a
+    # group against 19 (Triton refills the table per lookup). Which is faster is the GPU's to measure.
 
     def __post_init__(self):
         if self.block_n % ROWS or self.block_m & (self.block_m - 1) or (self.dot and self.block_m < 16) \
-                or (self.dot and self.prefetch):
+                or (self.dot and self.prefetch) or (self.plane_lookup and not self.dot):
             raise ValueError(f"bad repacked config {self}: block_n a multiple of {ROWS}, block_m a power of two "
-                             "(>= 16 with dot), prefetch for GEMV only")
+                             "(>= 16 with dot), prefetch for GEMV only, plane_lookup for dot only")
 
     def describe(self) -> str:
         return (f"{'dot' if self.dot else 'gemv'} m{self.block_m} n{self.block_n} split{self.split_k} "
-                f"w{self.num_warps} s{self.num_stages}{' prefetch' if self.prefetch else ''}")
+                f"w{self.num_warps} s{self.num_stages}{' prefetch' if self.prefetch else ''}"
+                f"{' plane' if self.plane_lookup else ''}")
 
 
 def _pow2(m: int) -> int:
@@ -263,6 +273,9 @@ def candidates(m: int, n: int, groups: int, sms: int) -> list[RepackedConfig]:
     else:
         for block_n, warps, waves in ((64, 4, 1), (64, 4, 4), (128, 8, 2), (32, 4, 2)):
             out.append(RepackedConfig(True, cls, block_n, split_for(n, groups, block_n, waves * sms), warps))
+        # the per-plane lookup at the default tile, and with more programs (its fewer registers fit more per SM)
+        out.append(dataclasses.replace(first, plane_lookup=True))
+        out.append(RepackedConfig(True, cls, 64, split_for(n, groups, 64, 4 * sms), plane_lookup=True))
         if cls == 16:
             out.append(RepackedConfig(False, 16, 16, split_for(n, groups, 16, 2 * sms), 8, prefetch=True))
     return list(dict.fromkeys(out))     # two wave targets can give the same split
@@ -366,7 +379,8 @@ def kernel_call(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: b
             m, w.n, w.k, groups, x2.stride(0), out.stride(0), m * w.n, per_split)
     meta = dict(HAS_BIAS=has_bias, PARTIAL=part is not None, DEQUANT_ONLY=False,
                 PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", BLOCK_M=cfg.block_m,
-                BLOCK_N=cfg.block_n, PREFETCH=cfg.prefetch, **_constexprs(w, cfg.dot, interpret, cfg))
+                BLOCK_N=cfg.block_n, PREFETCH=cfg.prefetch, PLANE_LOOKUP=cfg.plane_lookup,
+                **_constexprs(w, cfg.dot, interpret, cfg))
     return _repacked_kernel, grid, args, meta, part
 
 
