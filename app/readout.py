@@ -182,9 +182,9 @@ def quartiles(values: list[float] | tuple[float, ...]) -> tuple[float, float, fl
 def explain_divergence(baseline: list[int], medusa: list[int], *, decode, device: str, dtype: torch.dtype,
                        weights: str | None) -> str | None:
     """Where two greedy answers first differ, and why: rounding where the model computes in
-    reduced precision, a real bug where it is exact (fp32, or the CPU's row-exact int4 mode).
-    ``weights``: "NF4", "int4" (cpu_int4.py, row-exact), "int4/bf16" (not) or None for the compute
-    dtype's own weights."""
+    reduced precision, a real bug where it is exact (fp32, the CPU's row-exact int4 mode, NF4's exact mode).
+    ``weights``: "NF4", "NF4-exact" (the repacked kernel's exact mode, row-exact), "int4" (cpu_int4.py,
+    row-exact), "int4/bf16" (not) or None for the compute dtype's own weights."""
     at = first_divergence(baseline, medusa)
     if at is None:
         return None
@@ -193,14 +193,16 @@ def explain_divergence(baseline: list[int], medusa: list[int], *, decode, device
         return repr(decode([ids[at]])) if at < len(ids) else "(end of answer)"
 
     where = f"first differ at token {at}: plain decoding {token(baseline)} vs Medusa {token(medusa)}"
-    precision = weights if weights in ("NF4", "int4/bf16") else {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
+    exact = {"int4": "int4 mode (row-exact)", "NF4-exact": "NF4 exact mode (row-exact)"}
+    precision = None if weights in exact else weights if weights in ("NF4", "int4/bf16") else \
+        {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
     if precision:
         on = "CUDA" if device == "cuda" else device
         return (f"{where} · rounding ({precision} on {on}): a T-row tree verification and a 1-row step "
                 "round differently in bf16/NF4; fp32 is identical")
-    # fp32, and the CPU's int4 mode, whose matmuls and attention give every row the same bits alone
-    # as in a tree (cpu_int4.py, exact_attention.py)
-    mode = "int4 mode (row-exact)" if weights == "int4" else "fp32"
+    # fp32, the CPU's int4 mode and NF4's exact mode, whose matmuls and attention give every row the
+    # same bits alone as in a tree (cpu_int4.py, nf4_fused.py, exact_attention.py)
+    mode = exact.get(weights, "fp32")
     return (f"{where} · in {mode} on {device} greedy Medusa must equal plain decoding: this is a bug, "
             "please report it with the prompt and settings")
 

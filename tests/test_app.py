@@ -407,6 +407,9 @@ def test_divergence_names_the_token_and_the_reason():
                               weights=None) is None
     on_int4 = explain_divergence([1, 2], [1, 3], decode=decode, device="cpu", dtype=torch.float32, weights="int4")
     assert "int4 mode (row-exact)" in on_int4 and "bug" in on_int4
+    nf4_exact = explain_divergence([1, 2], [1, 3], decode=decode, device="cuda", dtype=torch.bfloat16,
+                                   weights="NF4-exact")
+    assert "NF4 exact mode (row-exact) on cuda" in nf4_exact and "bug" in nf4_exact and "rounding" not in nf4_exact
     forced = explain_divergence([1, 2], [1, 3], decode=decode, device="cpu", dtype=torch.float32, weights="int4/bf16")
     assert "rounding (int4/bf16 on cpu)" in forced and "bug" not in forced
 

@@ -1,7 +1,8 @@
 """The repacked NF4 kernel on CUDA in bf16: what Triton's CPU interpreter cannot show (issue 22).
 The layout dequantizes to the bits bitsandbytes' CUDA kernel gives; every path multiplies within
-bf16 rounding; exact mode gives each bf16 row the bits it gets alone; and a captured decoding step
-through the fused, repacked layers decodes what the eager step decodes (fp32). Skipped without CUDA: run
+bf16 rounding; exact mode gives each bf16 row the bits it gets alone, its attention kernel too, and
+(where this GPU keeps the norms row-invariant) bf16 greedy Medusa decodes plain decoding's tokens; and a
+captured decoding step through the fused, repacked layers decodes what the eager step decodes (fp32). Skipped without CUDA: run
 ``python -m pytest -q tests/test_cuda_repacked.py`` on a GPU whenever you have one."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 pytest.importorskip("triton", reason="the NF4 kernels need Triton: pip install triton")
 bnbf = pytest.importorskip("bitsandbytes.functional")
 
-from tiny import copied_heads, tiny_model  # noqa: E402
+from tiny import copied_heads, tiny_model, tree_seen  # noqa: E402
 
 from medusa_core.decoding.config import DecodeConfig  # noqa: E402
 from medusa_core.decoding.generate import generate  # noqa: E402
@@ -84,3 +85,49 @@ def test_a_captured_step_through_fused_repacked_layers_decodes_what_the_eager_st
                  for t in s.tokens] for graphs in (True, False)]
         assert runs[0] == runs[1], spec
         assert len(runs[0]) == 40
+
+
+def test_the_row_exact_attention_gives_a_bf16_tree_row_the_bits_it_gets_alone():
+    from medusa_core.quant.rows_alone_attention import rows_alone_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    heads, kv_heads, dim, prefix, parents = 32, 8, 128, 300, [-1, 0, 0, 1, 1, 2, 3]
+    width = prefix + len(parents) + 20
+    q = torch.randn(1, heads, len(parents), dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(1, kv_heads, width, dim, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    seen = tree_seen(parents, prefix, width, "cuda")
+    tree = rows_alone_attention(q, k, v, seen)
+    mask = torch.zeros(seen.shape, device="cuda", dtype=torch.bfloat16).masked_fill(~seen, float("-inf"))[None, None]
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(tree, ref, rtol=2e-2, atol=2e-2)
+    for i in range(len(parents)):
+        slots = seen[i].nonzero().squeeze(1)
+        k_plain, v_plain = torch.zeros_like(k), torch.zeros_like(v)
+        k_plain[:, :, :len(slots)], v_plain[:, :, :len(slots)] = k[:, :, slots], v[:, :, slots]
+        alone_seen = torch.zeros(1, width, dtype=torch.bool, device="cuda")
+        alone_seen[0, :len(slots)] = True
+        assert torch.equal(rows_alone_attention(q[:, :, i:i + 1].contiguous(), k_plain, v_plain, alone_seen)[0, 0],
+                           tree[0, i]), f"row {i}"
+
+
+def test_bf16_exact_mode_decodes_plain_decodings_tokens_where_this_gpu_keeps_the_rest_row_invariant():
+    # what the comparison toggle's "identical" rests on: bf16, graphs, a tree, the heads
+    from medusa_core.quant import nf4_fused
+    from medusa_core.quant.formats import weights_format
+
+    model = tiny_model("llama", hidden=64, vocab=64, seed=4).cuda().to(torch.bfloat16)
+    quantize_linear_nf4_(model, torch.bfloat16)
+    described = use_nf4_kernel(model, "repacked-exact")
+    checks = nf4_fused.row_invariance(model)
+    print(described, checks)                # the GPU session's record of what this GPU keeps row-invariant
+    if not all(checks.values()):
+        pytest.skip(f"not row-invariant on this GPU: {checks} ({described})")
+    assert weights_format(model) == "NF4-exact"
+    heads = copied_heads(model, num_heads=3).cuda().to(torch.bfloat16)
+    tree = build_tree_buffers(resolve_tree("cartesian-2x2x2"), 3, dtype=torch.bfloat16, device="cuda")
+    config = DecodeConfig(max_new_tokens=48)
+    for prompt in ([1, 5, 7, 9, 3], [2, 4, 6], [11, 13, 17, 19, 23, 29]):
+        plain = [t for s in generate(model, prompt, config=config, graphs=True) for t in s.tokens]
+        medusa = [t for s in generate(model, prompt, heads=heads, tree=tree, config=config, graphs=True)
+                  for t in s.tokens]
+        assert medusa == plain, prompt

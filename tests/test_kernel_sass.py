@@ -44,6 +44,14 @@ def test_tensor_core_path_compiles_without_spills(tmp_path, plane_lookup):
     assert "HGMMA" in r.opcodes or "HMMA" in r.opcodes, r.opcodes     # the weight tile meets the tensor cores
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim", [(32, 32, 128), (9, 3, 64)])     # Llama-2-7B; SmolLM2 (GQA)
+def test_exact_modes_attention_compiles_with_nothing_in_local_memory(tmp_path, heads, kv_heads, dim):
+    cubin = tmp_path / "attention.cubin"
+    cubin.write_bytes(ks.compile_launch(ks.attention_launch(heads, kv_heads, dim, rows=16), ks.H100.arch).asm["cubin"])
+    res = ks.resources(cubin)
+    assert res["REG"] > 0 and res["LOCAL"] == 0 and res["STACK"] == 0, res     # a group axis once cost 73 KB of stack
+
+
 def test_shared_memory_clocks_follow_the_width():
     assert [ks.shared_clocks_of(op) for op in ("LDS", "LDS.U16", "LDS.64", "STS.128", "LDSM.16.M88.4", "FFMA")] == \
         [1, 1, 2, 4, 4, 0]

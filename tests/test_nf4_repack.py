@@ -17,12 +17,14 @@ from tiny import copied_heads, tiny_model  # noqa: E402
 from medusa_core.benchmarks import nf4_kernel as bench  # noqa: E402
 from medusa_core.decoding.config import DecodeConfig  # noqa: E402
 from medusa_core.decoding.generate import generate  # noqa: E402
+from medusa_core.decoding.step import ROW_EXACT_ATTENTION  # noqa: E402
 from medusa_core.decoding.tree import build_tree_buffers, resolve_tree  # noqa: E402
 from medusa_core.quant import nf4_fused  # noqa: E402
 from medusa_core.quant import nf4_matmul as nm  # noqa: E402
 from medusa_core.quant import nf4_repack as rp  # noqa: E402
 from medusa_core.quant import nf4_repacked_matmul as rm  # noqa: E402
 from medusa_core.quant.bnb import quantize_linear_nf4_, use_nf4_kernel  # noqa: E402
+from medusa_core.quant.formats import weights_format  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -230,6 +232,25 @@ def test_greedy_generation_through_the_repacked_kernel_equals_bitsandbytes():
     assert "exact mode" in use_nf4_kernel(model, "repacked-exact")
     assert run(model, heads=heads, tree=tree) == with_bnb
     assert len(with_bnb) == 12
+
+
+def test_exact_mode_takes_the_row_exact_attention_and_says_what_else_this_machine_keeps_row_invariant():
+    model = nf4_model()
+    before = model.config._attn_implementation
+    text = use_nf4_kernel(model, "repacked-exact")
+    assert model.config._attn_implementation == ROW_EXACT_ATTENTION and "row-exact attention and lm_head" in text
+    assert isinstance(model.get_output_embeddings(), nf4_fused.RowsAloneHead)
+    checks = nf4_fused.row_invariance(model)          # measured here: the answer may differ by machine
+    assert set(checks) == {"norm", "lm_head"}
+    broken = [name for name, ok in checks.items() if not ok]
+    assert ("greedy trees give plain decoding's tokens" in text) == (not broken)
+    assert all(f"{name}" in text for name in broken)
+    assert weights_format(model) == ("NF4" if broken else "NF4-exact")
+    assert "exact" not in use_nf4_kernel(model, "repacked")           # fast mode: its attention back
+    assert model.config._attn_implementation == before and weights_format(model) == "NF4"
+    assert type(model.get_output_embeddings()) is torch.nn.Linear
+    use_nf4_kernel(model, "bnb")
+    assert model.config._attn_implementation == before and weights_format(model) == "NF4"
 
 
 def test_auto_never_picks_the_repacked_kernel_and_errors_are_one_line(monkeypatch):

@@ -160,3 +160,16 @@ def fit_heads(
         losses.append(loss.total.item())
     heads.eval()
     return losses
+
+
+def tree_seen(parents: list[int], prefix: int, width: int, device: str = "cpu") -> torch.Tensor:
+    """(T, W) bool of a verification step over a tree given by each node's parent (-1: the root): every
+    row sees the committed prefix, then itself and its ancestors among the T tree slots after it."""
+    seen = torch.zeros(len(parents), width, dtype=torch.bool, device=device)
+    seen[:, :prefix] = True
+    for i in range(len(parents)):
+        j = i
+        while j >= 0:
+            seen[i, prefix + j] = True
+            j = parents[j]
+    return seen

@@ -112,6 +112,22 @@ def repacked_launch(k: int, n: int, m: int, cfg, dtype: torch.dtype = torch.bflo
                   repacked_nbytes(n, k, 64, group))
 
 
+def attention_launch(heads: int, kv_heads: int, dim: int, rows: int, width: int = 1024,
+                     dtype: torch.dtype = torch.bfloat16) -> Launch:
+    """``rows_alone_attention`` (exact mode's attention) of ``rows`` query rows over ``width`` cache slots."""
+    from ..quant import rows_alone_attention as ra
+
+    meta = torch.device("meta")
+    q = torch.empty(1, heads, rows, dim, dtype=dtype, device=meta)
+    k = torch.empty(1, kv_heads, width, dim, dtype=dtype, device=meta)
+    slots = torch.empty(rows, width, dtype=torch.int32, device=meta)
+    fn, grid, args, kw = ra.kernel_call(q, k, k, slots, slots[:, 0], torch.empty(1, rows, heads, dim, dtype=dtype,
+                                                                                   device=meta), dim ** -0.5, False)
+    # for compile_launch and resources (no per-weight counts: it is no matmul); the floor: keys and values once
+    return Launch(width, heads * dim, rows, fn, args, kw, f"rows_alone w{ra.BLOCK_W}", grid[0] * grid[1], 1,
+                  ra.BLOCK_W, 0, kw["num_warps"], 2 * kv_heads * width * dim * dtype.itemsize)
+
+
 def bnb_storage_launch(k: int, n: int, m: int, cfg, dtype: torch.dtype = torch.bfloat16) -> Launch:
     """``nf4_matmul`` (the committed kernel reading bitsandbytes' double-quant storage) with ``cfg``."""
     from types import SimpleNamespace
@@ -190,11 +206,12 @@ def disassemble(path: Path) -> list[str]:
 
 
 def resources(path: Path) -> dict[str, int]:
-    """REG, LOCAL, SHARED of the kernel in a cubin file, as cuobjdump reports them."""
+    """REG, LOCAL, STACK, SHARED of the kernel in a cubin file, as cuobjdump reports them (STACK: an
+    array ptxas could not keep in registers, in local memory like a spill)."""
     text = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", str(path)],
                           capture_output=True, text=True, check=True).stdout
-    found = dict(re.findall(r"\b(REG|LOCAL|SHARED):(\d+)", text))
-    return {key: int(found.get(key, 0)) for key in ("REG", "LOCAL", "SHARED")}
+    found = dict(re.findall(r"\b(REG|LOCAL|STACK|SHARED):(\d+)", text))
+    return {key: int(found.get(key, 0)) for key in ("REG", "LOCAL", "STACK", "SHARED")}
 
 
 def shared_clocks_of(op: str) -> int:
@@ -240,7 +257,7 @@ def report(launch: Launch, gpu: Gpu, workdir: Path) -> SassReport:
     passes = launch.tiles * (-(-launch.k // launch.columns_per_pass) + launch.extra_passes) * launch.num_warps
     per_us = gpu.sms * gpu.boost_ghz * 1e3           # clocks of all SMs per µs
     return SassReport(
-        k=launch.k, n=launch.n, m=launch.m, config=launch.config, registers=res["REG"], local_bytes=res["LOCAL"],
+        k=launch.k, n=launch.n, m=launch.m, config=launch.config, registers=res["REG"], local_bytes=res["LOCAL"] + res["STACK"],
         shared_bytes=res["SHARED"], loop_instructions=len(loop), weights_per_thread=per_thread,
         instructions_per_weight=round(len(loop) / per_thread, 2), shared_loads_per_weight=round(lds / per_thread, 2),
         global_loads={op: c for op, c in sorted(ops.items()) if op.startswith("LDG")},

@@ -3,9 +3,11 @@ kernel: the count issue 22 asks for with and without the kernel's exact mode.
 
 In fp32 the two are equal by construction. Over NF4 with bf16 compute, a T-row tree verification and a
 1-row step can round differently, and one flipped argmax changes the rest of the answer; the
-``repacked-exact`` kernel gives every matmul row the bits it gets alone (attention and the lm_head
-still run as they do). Each kernel routes the same quantized weights, and every prompt is answered
-both ways; an answer counts as identical when every token matches.
+``repacked-exact`` choice gives every matmul row the bits it gets alone, and takes a row-exact attention
+(rows_alone_attention.py) and an lm_head called one row at a time; its routing line says whether the
+norms and the head are row-invariant on this GPU (measured at load). Each kernel routes the same
+quantized weights, and every prompt is answered both ways; an answer counts as identical when every
+token matches.
 
     python -m medusa_core.benchmarks.nf4_exactness --json out/exactness.json              # random 7B shapes
     python -m medusa_core.benchmarks.nf4_exactness --model smollm2 --json out/exact_smol.json   # SmolLM2, NF4 heads too

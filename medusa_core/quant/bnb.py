@@ -140,6 +140,7 @@ def use_nf4_kernel(model: nn.Module, choice: str) -> str:
     from . import nf4_fused
 
     nf4_fused.restore_bitsandbytes(model.get_decoder() if hasattr(model, "get_decoder") else model)
+    nf4_fused.leave_exact(model)        # exact mode's attention and lm_head go with its kernel
     layers = list(_nf4_layers(model))
     if not layers:
         return "nf4 kernel: no bitsandbytes NF4 layers in this model (nothing to route)"
@@ -172,7 +173,7 @@ def use_nf4_kernel(model: nn.Module, choice: str) -> str:
                 layer = _swap_class(layer, bnb.nn.Linear4bit)
                 setattr(parent, name, layer)
             plain.append((parent, name, layer))
-        return _use_repacked(plain, exact=choice == "repacked-exact", device=device)
+        return _use_repacked(model, plain, exact=choice == "repacked-exact", device=device)
     cls = _kernel_linear_class()
     kept, one_row, shapes = 0, 0, set()
     for parent, name, layer in layers:
@@ -201,10 +202,11 @@ def use_nf4_kernel(model: nn.Module, choice: str) -> str:
     return f"nf4 kernel: Triton for {routed} NF4 layers ({len(shapes)} shapes), {rows}{kept_text}"
 
 
-def _use_repacked(layers, exact: bool, device: torch.device) -> str:
+def _use_repacked(model: nn.Module, layers, exact: bool, device: torch.device) -> str:
     """Every NF4 layer -> the repacked kernel for all row counts, q/k/v and gate/up fused; bitsandbytes'
     packed bytes are freed (rebuilt exactly if another choice is made later). On CUDA, fast mode's
-    configs are timed now, not later inside someone's graph capture."""
+    configs are timed now, not later inside someone's graph capture. Exact mode takes the row-exact
+    attention too, and says which other pieces of the step are row-invariant on this machine."""
     from . import nf4_fused
 
     made, kept = nf4_fused.repack_layers(layers, exact=exact)
@@ -218,6 +220,14 @@ def _use_repacked(layers, exact: bool, device: torch.device) -> str:
     routed = sum(len(f.splits) for f in made)
     more = ", ..." if len(kept) > 1 else ""
     kept_text = f"; {len(kept)} layer(s) kept on bitsandbytes ({kept[0]}{more})" if kept else ""
-    mode = "exact mode (rows independent of M)" if exact else "fastest path per row count"
+    mode = "fastest path per row count"
+    if exact:
+        nf4_fused.enter_exact(model)
+        checks = nf4_fused.row_invariance(model)
+        broken = [name for name, ok in checks.items() if not ok]
+        mode = ("exact mode (rows independent of M), row-exact attention and lm_head, " +
+                (f"{' and '.join(broken)} not row-invariant on this {device.type}, so trees may differ from plain "
+                 "decoding" if broken else f"the rest row-invariant on this {device.type}: greedy trees give plain "
+                 "decoding's tokens"))
     return (f"nf4 kernel: repacked Triton kernel for {routed} NF4 layers as {len(made)} matmuls ({fused} fused "
             f"q/k/v or gate/up), all row counts, {mode}{kept_text}")

@@ -10,8 +10,10 @@ row is one SDPA call with no mask over a key tensor of exactly its visible slots
 a plain 1-row step over the same prefix calls too: the committed prefix is a view, and only a
 row whose tree ancestors are not contiguous after it copies its keys.
 
-It is registered with transformers' ``AttentionInterface`` and used only where cpu_int4 is: on
-the CPU, batch 1. The decoding step asks for it (``decoding.step.decoder_kwargs``) in its steps and its prefill
+It is registered with transformers' ``AttentionInterface`` and used where cpu_int4 is (the CPU,
+batch 1) and under the repacked NF4 kernel's exact mode (quant/bnb.py). On CUDA the same contract is
+kept by a Triton kernel (rows_alone_attention.py) that lists each row's keys on the device, since a
+CUDA graph cannot read indices on the host. The decoding step asks for it (``decoding.step.decoder_kwargs``) in its steps and its prefill
 too: a token's keys must not depend on how it was batched either, since the two decoders of a
 comparison can prefill the same conversation in different pieces (the baseline's cache starts
 empty when the comparison is switched on). It costs a long prompt time to its first token: one
@@ -47,7 +49,11 @@ def exact_rows_attention(module, query: torch.Tensor, key: torch.Tensor, value: 
     if not kwargs.pop(FLAG, False) or attention_mask is None or query.shape[0] != 1 or special:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    # the CPU only (cpu_int4): reading the mask's indices on the host here is no device sync
+    if query.is_cuda:       # no host read: the kernel lists each row's keys itself
+        from .rows_alone_attention import rows_alone_attention
+
+        return rows_alone_attention(query, key, value, visible(attention_mask)[:, :key.shape[2]], scaling), None
+    # the CPU: reading the mask's indices on the host here is no device sync
     seen = visible(attention_mask)[:, :key.shape[2]]                              # (T, W)
     counts = seen.sum(1)                                                          # (T,)
     # a row that sees exactly the first n slots (every prefill row, a plain step, a tree's first
@@ -72,4 +78,12 @@ AttentionMaskInterface.register(NAME, sdpa_mask)    # masks transformers builds 
 
 def use_exact_rows(model) -> None:
     """Route ``model``'s attention through ``exact_rows_attention`` (the layers read the shared config)."""
+    if model.config._attn_implementation != NAME:
+        model.config._medusa_attention_before = model.config._attn_implementation
     model.config._attn_implementation = NAME
+
+
+def stop_exact_rows(model) -> None:
+    """Give ``model`` back the attention it had before ``use_exact_rows``."""
+    if model.config._attn_implementation == NAME:
+        model.config._attn_implementation = getattr(model.config, "_medusa_attention_before", "sdpa")

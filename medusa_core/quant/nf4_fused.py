@@ -153,3 +153,82 @@ def restore_bitsandbytes(model: nn.Module) -> int:
             setattr(parent, name, original)
             count += 1
     return count
+
+
+class RowsAloneHead(nn.Module):
+    """Exact mode's lm_head: one row per call, so a tree row's logits are the very call a 1-row step
+    makes (a dense GEMM is not row-invariant on every machine: this CPU's fp32 GEMM is not, at 5 rows).
+    It costs a read of the head's weight per row; a row-exact GEMV kernel would cost one."""
+
+    def __init__(self, dense: nn.Module):
+        super().__init__()
+        self.dense = dense
+        self.in_features, self.out_features = dense.in_features, dense.out_features
+
+    @property
+    def weight(self) -> torch.Tensor:       # the heads read its rows (tied to the embeddings in some models)
+        return self.dense.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.dense.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:                       # (..., H) -> (..., V)
+        rows = x.reshape(-1, x.shape[-1])                                      # (R, H)
+        out = torch.cat([self.dense(rows[i:i + 1]) for i in range(rows.shape[0])])   # (R, V)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def enter_exact(model: nn.Module) -> None:
+    """Exact mode's attention and lm_head (the repacked layers are made exact by repack_layers)."""
+    from .exact_attention import use_exact_rows
+
+    use_exact_rows(model)
+    head = model.get_output_embeddings()
+    if not isinstance(head, RowsAloneHead):
+        model.set_output_embeddings(RowsAloneHead(head))
+
+
+def leave_exact(model: nn.Module) -> None:
+    """The attention and lm_head ``model`` had before ``enter_exact``."""
+    from .exact_attention import stop_exact_rows
+
+    stop_exact_rows(model)
+    head = model.get_output_embeddings()
+    if isinstance(head, RowsAloneHead):
+        model.set_output_embeddings(head.dense)
+
+
+# Row counts the exact mode's checks compare with single rows: trees and prefills (the lm_head sees a
+# tree's rows; a prefill's last row only)
+PROBE_ROWS = (5, 16, 64)
+
+
+def row_invariance(model: nn.Module) -> dict[str, bool]:
+    """Per piece of the step whose kernel exact mode does not choose: does it give a row the same bits
+    alone as among PROBE_ROWS rows, measured on this machine? (The repacked layers, the attention and
+    RowsAloneHead are exact by construction: their tests check it; the head is probed all the same.) The
+    norms are one module type: the decoder's final norm stands for them."""
+    from .cpu_int4 import row_invariant
+
+    head = model.get_output_embeddings()
+    device, dtype = head.weight.device, head.weight.dtype
+    pieces = {"norm": getattr(model.get_decoder(), "norm", None), "lm_head": head}
+    return {name: all(row_invariant(_on(module, device), head.in_features, rows, dtype) for rows in PROBE_ROWS)
+            for name, module in pieces.items() if module is not None}
+
+
+def _on(module: nn.Module, device: torch.device):
+    """``module`` called with its input moved to ``device`` (row_invariant makes CPU inputs)."""
+    return lambda x: module(x.to(device))
+
+
+def exact_mode(model: nn.Module) -> bool:
+    """Whether greedy Medusa must give plain decoding's tokens on this NF4 model: every NF4 layer on the
+    repacked kernel's exact mode, the row-exact attention, and the rest of the step row-invariant here."""
+    from ..decoding.step import ROW_EXACT_ATTENTION
+
+    layers = [m for m in model.modules() if isinstance(m, RepackedNF4Linear)]
+    return bool(layers) and all(m.exact for m in layers) and \
+        getattr(model.config, "_attn_implementation", None) == ROW_EXACT_ATTENTION and \
+        all(row_invariance(model).values())
