@@ -164,6 +164,9 @@ def test_fold_adds_up_kernel_runs_split_by_shape_or_cut_short(tmp_path):
     first = run("a.json", {(4096, 11008): 31.0, (11008, 4096): 29.0},
                 {"nf4_kernel_m1_us": 31.0, "bnb_m1_us": 24.0}, partial=True)
     again = run("b.json", {(11008, 4096): 27.0}, {"nf4_kernel_m1_us": None, "bnb_m1_us": 23.5})
+    data = json.loads(again.read_text())
+    del data["partial"]                       # as an older run wrote it: a finished run is not partial
+    again.write_text(json.dumps(data))
     out = tmp_path / "report.json"
     assert bench_synthetic.main(["--fold", str(step), str(first), str(again), "--json", str(out)]) == 0
     report = json.loads(out.read_text())
@@ -172,6 +175,9 @@ def test_fold_adds_up_kernel_runs_split_by_shape_or_cut_short(tmp_path):
     assert sorted((r["k"], r["n"], r["us"]) for r in kernel["rows"]) == [(4096, 11008, 31.0), (11008, 4096, 27.0)]
     assert sorted((t["k"], t["n"]) for t in kernel["tuning"]) == [(4096, 11008), (11008, 4096)]
     assert set(kernel["shapes"]) == {"4096->11008", "11008->4096"} and kernel["partial"] is False
+    # folded again into that report with nothing new: the kernel figures stay
+    assert bench_synthetic.main(["--fold", str(out), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["summary"]["nf4_kernel_m1_us"] == 31.0
 
 
 def test_a_saved_random_checkpoint_benchmarks_through_the_real_loader(tmp_path, capsys):

@@ -244,7 +244,7 @@ def test_exact_mode_takes_the_row_exact_attention_and_says_what_else_this_machin
     assert set(checks) == {"norm", "lm_head"}
     broken = [name for name, ok in checks.items() if not ok]
     assert ("greedy trees give plain decoding's tokens" in text) == (not broken)
-    assert all(f"{name}" in text for name in broken)
+    assert not broken or f"{' and '.join(broken)} not row-invariant" in text
     assert weights_format(model) == ("NF4" if broken else "NF4-exact")
     assert "exact" not in use_nf4_kernel(model, "repacked")           # fast mode: its attention back
     assert model.config._attn_implementation == before and weights_format(model) == "NF4"

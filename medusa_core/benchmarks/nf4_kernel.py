@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{f['group']} M={f['m']} {f['mode']} -" for f in fusion))
     summary = headline(results, shapes)
     print("\nsummary (4096->11008): " + ", ".join(f"{key} {v:.1f}" if v else f"{key} -" for key, v in summary.items()))
-    args.json.write_text(json.dumps({"env": env, "shapes": shapes, "summary": summary,
+    args.json.write_text(json.dumps({"env": env, "shapes": shapes, "summary": summary, "partial": False,
                                      "rows": [asdict(r) for r in results], "tuning": tuning,
                                      "dtype_check": checks, "fusion": fusion}, indent=1))
     print(f"wrote {args.json}")

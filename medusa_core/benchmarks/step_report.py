@@ -107,6 +107,7 @@ def merge_kernel_runs(earlier: dict | None, later: dict) -> dict:
     merged["rows"] = [r for r in earlier.get("rows", []) if (r["k"], r["n"]) not in shapes] + later.get("rows", [])
     merged["tuning"] = [t for t in earlier.get("tuning", []) if (t["k"], t["n"]) not in shapes] + later.get("tuning", [])
     merged["summary"] = {**earlier["summary"], **{k: v for k, v in later["summary"].items() if v is not None}}
+    merged["partial"] = later.get("partial", False)     # what the later run left unmeasured, if cut short
     return merged
 
 
@@ -124,8 +125,7 @@ def fold_reports(step_json: Path, others: Sequence[Path]) -> dict:
             report["results"] += data["results"]
         elif isinstance(summary_, dict) and any(k.startswith("nf4_kernel_") for k in summary_):   # benchmarks.nf4_kernel
             # runs split by --shapes (or one cut short, "partial") add up: a figure measured again replaces
-            # the earlier one, one not measured in this run keeps it
-            extras.update({k: v for k, v in summary_.items() if v is not None or k not in extras})
+            # the earlier one, one not measured in this run keeps it (headline keys taken after the loop)
             report["nf4_matmul"] = merge_kernel_runs(report.get("nf4_matmul"), data)
         elif isinstance(summary_, list) and "model" in data:                    # bench
             name = "demo_cuda" if "demo model" in data["model"] else "checkpoint"
@@ -143,7 +143,9 @@ def fold_reports(step_json: Path, others: Sequence[Path]) -> dict:
                              "pass those, or leave it out")
     # every step result in the order measured: a later result of the same label replaces the earlier figures
     results = [QuantResult(**{**r, "rows": tuple(TreeRow(**w) for w in r["rows"])}) for r in report["results"]]
-    report["summary"] = {**summary(results), **extras}
+    # the kernel figures from the merged kernel report: also those an earlier fold brought in
+    kernel = report.get("nf4_matmul", {}).get("summary", {})
+    report["summary"] = {**summary(results), **kernel, **extras}
     return report
 
 

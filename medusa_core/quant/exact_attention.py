@@ -52,7 +52,10 @@ def exact_rows_attention(module, query: torch.Tensor, key: torch.Tensor, value: 
     if query.is_cuda:       # no host read: the kernel lists each row's keys itself
         from .rows_alone_attention import rows_alone_attention
 
-        return rows_alone_attention(query, key, value, visible(attention_mask)[:, :key.shape[2]], scaling), None
+        seen = visible(attention_mask)[:, :key.shape[2]]                             # (T, <= W)
+        if seen.shape[1] < key.shape[2]:                                              # slots past the mask: unseen
+            seen = torch.cat([seen, seen.new_zeros(seen.shape[0], key.shape[2] - seen.shape[1])], 1)
+        return rows_alone_attention(query, key, value, seen, scaling), None
     # the CPU: reading the mask's indices on the host here is no device sync
     seen = visible(attention_mask)[:, :key.shape[2]]                              # (T, W)
     counts = seen.sum(1)                                                          # (T,)

@@ -158,7 +158,8 @@ def restore_bitsandbytes(model: nn.Module) -> int:
 class RowsAloneHead(nn.Module):
     """Exact mode's lm_head: one row per call, so a tree row's logits are the very call a 1-row step
     makes (a dense GEMM is not row-invariant on every machine: this CPU's fp32 GEMM is not, at 5 rows).
-    It costs a read of the head's weight per row; a row-exact GEMV kernel would cost one."""
+    It costs a read of the head's weight per row; a row-exact GEMV kernel would cost one. ``weight`` is
+    the wrapped module's (no setter): re-tying weights (resize_token_embeddings) needs leave_exact first."""
 
     def __init__(self, dense: nn.Module):
         super().__init__()
@@ -199,9 +200,9 @@ def leave_exact(model: nn.Module) -> None:
         model.set_output_embeddings(head.dense)
 
 
-# Row counts the exact mode's checks compare with single rows: trees and prefills (the lm_head sees a
-# tree's rows; a prefill's last row only)
-PROBE_ROWS = (5, 16, 64)
+# Row counts the exact mode's checks compare with single rows: trees and prefills, a spread of sizes
+# (torch's CUDA reductions choose their split from the number of rows)
+PROBE_ROWS = (2, 3, 5, 7, 16, 26, 42, 64, 100, 256)
 
 
 def row_invariance(model: nn.Module) -> dict[str, bool]:
@@ -214,8 +215,9 @@ def row_invariance(model: nn.Module) -> dict[str, bool]:
     head = model.get_output_embeddings()
     device, dtype = head.weight.device, head.weight.dtype
     pieces = {"norm": getattr(model.get_decoder(), "norm", None), "lm_head": head}
-    return {name: all(row_invariant(_on(module, device), head.in_features, rows, dtype) for rows in PROBE_ROWS)
-            for name, module in pieces.items() if module is not None}
+    # a decoder whose final norm has another name is not verified, so not exact
+    return {name: module is not None and all(row_invariant(_on(module, device), head.in_features, rows, dtype)
+                                             for rows in PROBE_ROWS) for name, module in pieces.items()}
 
 
 def _on(module: nn.Module, device: torch.device):
@@ -229,6 +231,8 @@ def exact_mode(model: nn.Module) -> bool:
     from ..decoding.step import ROW_EXACT_ATTENTION
 
     layers = [m for m in model.modules() if isinstance(m, RepackedNF4Linear)]
-    return bool(layers) and all(m.exact for m in layers) and \
+    # a layer kept on bitsandbytes (or left dense: bnb's Linear4bit is an nn.Linear) is not row-exact
+    dense = any(isinstance(m, nn.Linear) for m in model.get_decoder().modules())
+    return bool(layers) and all(m.exact for m in layers) and not dense and \
         getattr(model.config, "_attn_implementation", None) == ROW_EXACT_ATTENTION and \
         all(row_invariance(model).values())
