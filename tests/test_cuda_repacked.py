@@ -131,3 +131,20 @@ def test_bf16_exact_mode_decodes_plain_decodings_tokens_where_this_gpu_keeps_the
         medusa = [t for s in generate(model, prompt, heads=heads, tree=tree, config=config, graphs=True)
                   for t in s.tokens]
         assert medusa == plain, prompt
+
+
+def test_the_row_exact_norm_gives_a_bf16_row_the_bits_it_gets_alone():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from medusa_core.quant.rows_alone_norm import RowsAloneRMSNorm
+
+    norm = LlamaRMSNorm(4096, eps=1e-5).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(4096, device="cuda") * 0.1 + 1)
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    exact = RowsAloneRMSNorm(norm)
+    together = exact(x)
+    with torch.no_grad():
+        torch.testing.assert_close(together, norm(x), rtol=2e-2, atol=2e-2)
+    for rows in (1, 5, 16, 64):
+        assert torch.equal(torch.cat([exact(x[i:i + 1]) for i in range(rows)]), together[:rows]), rows

@@ -52,6 +52,14 @@ def test_exact_modes_attention_compiles_with_nothing_in_local_memory(tmp_path, h
     assert res["REG"] > 0 and res["LOCAL"] == 0 and res["STACK"] == 0, res     # a group axis once cost 73 KB of stack
 
 
+@pytest.mark.parametrize("hidden", [4096, 576])      # Llama-2-7B; SmolLM2
+def test_exact_modes_norm_compiles_with_nothing_in_local_memory(tmp_path, hidden):
+    cubin = tmp_path / "norm.cubin"
+    cubin.write_bytes(ks.compile_launch(ks.norm_launch(hidden), ks.H100.arch).asm["cubin"])
+    res = ks.resources(cubin)
+    assert res["REG"] > 0 and res["LOCAL"] == 0 and res["STACK"] == 0, res
+
+
 def test_shared_memory_clocks_follow_the_width():
     assert [ks.shared_clocks_of(op) for op in ("LDS", "LDS.U16", "LDS.64", "STS.128", "LDSM.16.M88.4", "FFMA")] == \
         [1, 1, 2, 4, 4, 0]

@@ -241,7 +241,8 @@ def test_exact_mode_takes_the_row_exact_attention_and_says_what_else_this_machin
     assert model.config._attn_implementation == ROW_EXACT_ATTENTION and "row-exact attention and lm_head" in text
     assert isinstance(model.get_output_embeddings(), nf4_fused.RowsAloneHead)
     checks = nf4_fused.row_invariance(model)          # measured here: the answer may differ by machine
-    assert set(checks) == {"norm", "lm_head"}
+    assert set(checks) == {"RowsAloneRMSNorm", "lm_head"} and all(checks.values())   # every norm replaced
+    assert sum(type(m).__name__ == "LlamaRMSNorm" for m in model.modules()) == 0
     broken = [name for name, ok in checks.items() if not ok]
     assert ("greedy trees give plain decoding's tokens" in text) == (not broken)
     assert not broken or f"{' and '.join(broken)} not row-invariant" in text
@@ -249,6 +250,7 @@ def test_exact_mode_takes_the_row_exact_attention_and_says_what_else_this_machin
     assert "exact" not in use_nf4_kernel(model, "repacked")           # fast mode: its attention back
     assert model.config._attn_implementation == before and weights_format(model) == "NF4"
     assert type(model.get_output_embeddings()) is torch.nn.Linear
+    assert sum(type(m).__name__ == "LlamaRMSNorm" for m in model.modules()) == 2 * 2 + 1     # 2 layers: back
     use_nf4_kernel(model, "bnb")
     assert model.config._attn_implementation == before and weights_format(model) == "NF4"
 

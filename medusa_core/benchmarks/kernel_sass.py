@@ -128,6 +128,18 @@ def attention_launch(heads: int, kv_heads: int, dim: int, rows: int, width: int 
                   ra.BLOCK_W, 0, kw["num_warps"], 2 * kv_heads * width * dim * dtype.itemsize)
 
 
+def norm_launch(hidden: int, rows: int = 16, dtype: torch.dtype = torch.bfloat16) -> Launch:
+    """``rows_alone_rms_norm`` (exact mode's norm) over ``rows`` rows of ``hidden``."""
+    from ..quant import rows_alone_norm as rn
+
+    meta = torch.device("meta")
+    x = torch.empty(rows, hidden, dtype=dtype, device=meta)
+    fn, grid, args, kw = rn.kernel_call(x, torch.empty(hidden, dtype=dtype, device=meta), x, 1e-5, False)
+    # for compile_launch and resources (no per-weight counts: it is no matmul)
+    return Launch(hidden, hidden, rows, fn, args, kw, "rms_norm", grid[0], 1, hidden, 0, kw["num_warps"],
+                  2 * rows * hidden * dtype.itemsize)
+
+
 def bnb_storage_launch(k: int, n: int, m: int, cfg, dtype: torch.dtype = torch.bfloat16) -> Launch:
     """``nf4_matmul`` (the committed kernel reading bitsandbytes' double-quant storage) with ``cfg``."""
     from types import SimpleNamespace

@@ -4,8 +4,8 @@ kernel: the count issue 22 asks for with and without the kernel's exact mode.
 In fp32 the two are equal by construction. Over NF4 with bf16 compute, a T-row tree verification and a
 1-row step can round differently, and one flipped argmax changes the rest of the answer; the
 ``repacked-exact`` choice gives every matmul row the bits it gets alone, and takes a row-exact attention
-(rows_alone_attention.py) and an lm_head called one row at a time; its routing line says whether the
-norms and the head are row-invariant on this GPU (measured at load). Each kernel routes the same
+(rows_alone_attention.py), norm (rows_alone_norm.py) and an lm_head called one row at a time; its
+routing line names any piece not row-invariant on this GPU (measured at load). Each kernel routes the same
 quantized weights, and every prompt is answered both ways; an answer counts as identical when every
 token matches.
 

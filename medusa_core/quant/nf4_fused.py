@@ -180,21 +180,33 @@ class RowsAloneHead(nn.Module):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def _children(model: nn.Module):
+    """(parent, name, child) for every module of the model, listed before any is replaced."""
+    return [(parent, name, child) for parent in list(model.modules()) for name, child in list(parent.named_children())]
+
+
 def enter_exact(model: nn.Module) -> None:
-    """Exact mode's attention and lm_head (the repacked layers are made exact by repack_layers)."""
+    """Exact mode's attention, norms and lm_head (the repacked layers are made exact by repack_layers)."""
     from .exact_attention import use_exact_rows
+    from .rows_alone_norm import RowsAloneRMSNorm, is_rms_norm
 
     use_exact_rows(model)
+    for parent, name, child in _children(model.get_decoder()):
+        if is_rms_norm(child):
+            setattr(parent, name, RowsAloneRMSNorm(child))
     head = model.get_output_embeddings()
     if not isinstance(head, RowsAloneHead):
         model.set_output_embeddings(RowsAloneHead(head))
 
 
 def leave_exact(model: nn.Module) -> None:
-    """The attention and lm_head ``model`` had before ``enter_exact``."""
+    """The attention, norms and lm_head ``model`` had before ``enter_exact``."""
     from .exact_attention import stop_exact_rows
 
     stop_exact_rows(model)
+    for parent, name, child in _children(model):
+        if type(child).__name__ == "RowsAloneRMSNorm":     # by name: Triton is imported only where it ran
+            setattr(parent, name, child.original[0])
     head = model.get_output_embeddings()
     if isinstance(head, RowsAloneHead):
         model.set_output_embeddings(head.dense)
@@ -206,16 +218,21 @@ PROBE_ROWS = (2, 3, 5, 7, 16, 26, 42, 64, 100, 256)
 
 
 def row_invariance(model: nn.Module) -> dict[str, bool]:
-    """Per piece of the step whose kernel exact mode does not choose: does it give a row the same bits
-    alone as among PROBE_ROWS rows, measured on this machine? (The repacked layers, the attention and
-    RowsAloneHead are exact by construction: their tests check it; the head is probed all the same.) The
-    norms are one module type: the decoder's final norm stands for them."""
+    """Per norm class in the decoder (one instance stands for its class) and for the lm_head: does it give
+    a row the same bits alone as among PROBE_ROWS rows, measured on this machine? Exact mode's own
+    pieces (RowsAloneRMSNorm, RowsAloneHead) are exact by construction and pass; a norm it could not
+    replace is what this finds. The repacked layers and the attention are exact by construction: their
+    tests check it."""
     from .cpu_int4 import row_invariant
 
     head = model.get_output_embeddings()
     device, dtype = head.weight.device, head.weight.dtype
-    pieces = {"norm": getattr(model.get_decoder(), "norm", None), "lm_head": head}
-    # a decoder whose final norm has another name is not verified, so not exact
+    norms = {}
+    for module in model.get_decoder().modules():
+        if type(module).__name__.endswith("Norm") and getattr(module, "weight", None) is not None \
+                and module.weight.shape == (head.in_features,):
+            norms.setdefault(type(module).__name__, module)
+    pieces = {**norms, "lm_head": head} if norms else {"norm (none found)": None, "lm_head": head}
     return {name: module is not None and all(row_invariant(_on(module, device), head.in_features, rows, dtype)
                                              for rows in PROBE_ROWS) for name, module in pieces.items()}
 

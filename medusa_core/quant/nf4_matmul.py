@@ -42,7 +42,7 @@ INTERPRET_ENV = "TRITON_INTERPRET"
 
 # The kernels use core builtins only (tl.full, tl.reduce with this combine function, not tl.zeros or
 # tl.sum): Triton's standard library is jit-decorated when triton is imported, so under an interpreter
-# chosen later (see _kernels) its functions would refuse to run.
+# chosen later (see launchable) its functions would refuse to run.
 @triton.jit
 def _add(a, b):
     return a + b
@@ -261,14 +261,19 @@ def _reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, splits, stride_om,
 
 
 @functools.cache
-def _kernels(interpret: bool):
-    """(tile matmul, streaming matmul, reduce) kernels: compiled for CUDA, or run by Triton's interpreter
-    for CPU tensors. Built on first use, so the interpreter choice follows the environment at launch time."""
+@functools.cache
+def launchable(fn, interpret: bool):
+    """A kernel function compiled for CUDA (triton.jit) or run by Triton's interpreter for CPU tensors,
+    chosen at first launch: the interpreter choice follows the environment then, not at import."""
     if interpret:
-        from triton.runtime.interpreter import InterpretedFunction as wrap
-    else:
-        wrap = triton.jit
-    return wrap(_nf4_kernel), wrap(_nf4_stream_kernel), wrap(_reduce_kernel)
+        from triton.runtime.interpreter import InterpretedFunction
+        return InterpretedFunction(fn)
+    return triton.jit(fn)
+
+
+def _kernels(interpret: bool):
+    """(tile matmul, streaming matmul, reduce) kernels, for CUDA or the interpreter (see launchable)."""
+    return tuple(launchable(fn, interpret) for fn in (_nf4_kernel, _nf4_stream_kernel, _reduce_kernel))
 
 
 @dataclass(frozen=True)

@@ -172,15 +172,6 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr,
                      mask=o_ok)
 
 
-@functools.cache
-def _kernel(interpret: bool):
-    """Compiled for CUDA or run by Triton's interpreter, chosen at first launch (see nf4_matmul._kernels)."""
-    if interpret:
-        from triton.runtime.interpreter import InterpretedFunction
-        return InterpretedFunction(_repacked_kernel)
-    return triton.jit(_repacked_kernel)
-
-
 @dataclass(frozen=True)
 class RepackedConfig:
     dot: bool           # False: GEMV lanes (block_m 1..16); True: tl.dot (block_m 16, 32 or 64)
@@ -386,7 +377,7 @@ def kernel_call(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: b
 
 def _launch(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: bool) -> None:
     _, grid, args, meta, part = kernel_call(x2, w, bias, out, cfg, interpret)
-    _kernel(interpret)[grid](*args, **meta)
+    nm.launchable(_repacked_kernel, interpret)[grid](*args, **meta)
     if part is not None:
         nm.reduce_partials(part, bias, out, interpret)
 
@@ -397,7 +388,7 @@ def dequantize_repacked(w: RepackedNF4, block_n: int = 32) -> torch.Tensor:
     interpret = w.words.device.type == "cpu"
     out = torch.empty(w.n, w.k, dtype=torch.float32, device=w.words.device)
     groups = -(-w.k // w.group)
-    _kernel(interpret)[(1, triton.cdiv(w.n, block_n), groups)](
+    nm.launchable(_repacked_kernel, interpret)[(1, triton.cdiv(w.n, block_n), groups)](
         out, w.words, w.scales, w.code, out, out, 0, w.n, w.k, groups, 0, out.stride(0), 0, 1,
         HAS_BIAS=False, PARTIAL=False, DEQUANT_ONLY=True, PRECISION="ieee", BLOCK_M=1, BLOCK_N=block_n,
         **_constexprs(w, False, interpret, None))

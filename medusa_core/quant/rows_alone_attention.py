@@ -22,7 +22,6 @@ Triton's interpreter.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
@@ -33,7 +32,7 @@ except ImportError as err:  # one line, naming the fix; the rest of the project 
     raise ImportError(f"medusa_core.quant.rows_alone_attention needs Triton ({err}): "
                       "pip install 'triton>=3.7'") from None
 
-from .nf4_matmul import check_runnable
+from .nf4_matmul import check_runnable, launchable
 
 BLOCK_W = 32      # keys per block of a row's list: fixed, so that a list is always cut at the same places
 
@@ -95,15 +94,6 @@ def _rows_alone_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, count_ptr, out_ptr,
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-@functools.cache
-def _kernel(interpret: bool):
-    """Compiled for CUDA or run by Triton's interpreter, chosen at first launch (see nf4_matmul._kernels)."""
-    if interpret:
-        from triton.runtime.interpreter import InterpretedFunction
-        return InterpretedFunction(_rows_alone_kernel)
-    return triton.jit(_rows_alone_kernel)
-
-
 def visible_slots(seen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """seen (T, W) bool -> (slots (T, W) int32: each row's visible slots in ascending order, then
     filler; counts (T,) int32). On the device, no host read."""
@@ -131,7 +121,7 @@ def rows_alone_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     out = torch.empty(1, rows, heads, dim, dtype=query.dtype, device=query.device)  # (1, T, heads, D)
     interpret = query.device.type == "cpu"
     _, grid, args, meta = kernel_call(q, k, v, slots, counts, out, dim ** -0.5 if scale is None else scale, interpret)
-    _kernel(interpret)[grid](*args, **meta)
+    launchable(_rows_alone_kernel, interpret)[grid](*args, **meta)
     return out
 
 

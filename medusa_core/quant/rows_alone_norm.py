@@ -1,0 +1,90 @@
+"""RMSNorm in which a row's output is a function of that row alone (Triton): exact mode's norm.
+
+Why: torch's CUDA reductions choose how to split a row's sum from the number of rows (few rows: a
+row spread over several blocks), so a row can round differently in a 16-row tree than alone, and in
+bf16 one last bit grows through the layers into a different greedy token. Here one program takes one
+row and sums its squares with a fixed pairwise tree (reshape and split, halving): the same order for
+every row whatever the row count. The arithmetic is transformers' LlamaRMSNorm's (fp32 inside, the
+normalized row cast back to the input dtype, then times the weight), so it agrees with it to rounding.
+"""
+
+from __future__ import annotations
+
+
+import torch
+from torch import nn
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as err:  # one line, naming the fix; the rest of the project never needs Triton
+    raise ImportError(f"medusa_core.quant.rows_alone_norm needs Triton ({err}): pip install 'triton>=3.7'") from None
+
+from .nf4_matmul import check_runnable, launchable
+
+
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, eps, H: tl.constexpr, BLOCK_H: tl.constexpr,
+                     LOG_H: tl.constexpr):
+    # grid: (rows,). Reductions written out as a halving tree, not tl.sum (see rows_alone_attention.py)
+    row = tl.program_id(0)
+    col = tl.arange(0, BLOCK_H)
+    ok = col < H
+    x = tl.load(x_ptr + row * stride_x + col, mask=ok, other=0)
+    xf = x.to(tl.float32)                                                          # (BH,)
+    sq = (xf * xf)[None, :]
+    for level in tl.static_range(LOG_H):
+        lo, hi = tl.split(tl.reshape(sq, (1, BLOCK_H >> (level + 1), 2)))
+        sq = lo + hi
+    inv = 1.0 / tl.sqrt(tl.reshape(sq, (1,)) / H + eps)                           # (1,)
+    normed = (xf * inv).to(x.dtype)                                                # back to the input dtype
+    w = tl.load(w_ptr + col, mask=ok, other=0)
+    tl.store(out_ptr + row * stride_o + col, (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty),
+             mask=ok)
+
+
+def rows_alone_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x (..., H) -> weight * (x / rms(x)) in torch's result dtype of the two, each row on its own."""
+    check_runnable(x.device)
+    h = x.shape[-1]
+    if weight.shape != (h,):
+        raise ValueError(f"RMSNorm weight {tuple(weight.shape)} does not match rows of {h}: wrong layer")
+    rows = x.reshape(-1, h)
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    out = torch.empty(rows.shape, dtype=torch.result_type(weight, x), device=x.device)    # (R, H)
+    interpret = x.device.type == "cpu"
+    if rows.shape[0]:
+        _, grid, args, meta = kernel_call(rows, weight, out, eps, interpret)
+        launchable(_rms_norm_kernel, interpret)[grid](*args, **meta)
+    return out.reshape(x.shape)
+
+
+def kernel_call(rows: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float, interpret: bool) -> tuple:
+    """(kernel function, grid, args, constexprs) of one launch over rows (R, H): ``rows_alone_rms_norm``
+    runs it, and benchmarks/kernel_sass.py compiles exactly this call for a GPU without one."""
+    h = rows.shape[-1]
+    block = triton.next_power_of_2(h)
+    # FP fusion named, not left to Triton's default (which 3.10 flips): every launch compiles alike
+    opts = {} if interpret else {"num_warps": 4 if block <= 2048 else 8, "num_stages": 2, "enable_fp_fusion": True}
+    return (_rms_norm_kernel, (rows.shape[0],), (rows, weight, out, rows.stride(0), out.stride(0), eps),
+            dict(H=h, BLOCK_H=block, LOG_H=block.bit_length() - 1, **opts))
+
+
+class RowsAloneRMSNorm(nn.Module):
+    """Stands where an RMSNorm stood in exact mode: its weight (the same parameter, under the same
+    state_dict key) and epsilon, the kernel above. The original is kept unregistered, to put back."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.weight = norm.weight
+        self.eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+        self.original = (norm,)         # a tuple: not a submodule (no second copy of it in modules())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rows_alone_rms_norm(x, self.weight, self.eps)
+
+
+def is_rms_norm(module: nn.Module) -> bool:
+    """A transformers RMSNorm of the plain kind (weight times x / rms(x)): what RowsAloneRMSNorm replaces.
+    Gemma's (1 + weight) norms are of another kind and are left alone (and so not verified exact)."""
+    return type(module).__name__ in ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm") and \
+        isinstance(getattr(module, "weight", None), torch.Tensor)
