@@ -148,3 +148,15 @@ def test_the_row_exact_norm_gives_a_bf16_row_the_bits_it_gets_alone():
         torch.testing.assert_close(together, norm(x), rtol=2e-2, atol=2e-2)
     for rows in (1, 5, 16, 64):
         assert torch.equal(torch.cat([exact(x[i:i + 1]) for i in range(rows)]), together[:rows]), rows
+
+
+def test_the_row_exact_head_gives_a_bf16_row_the_bits_it_gets_alone():
+    from medusa_core.quant.rows_alone_linear import rows_alone_linear
+
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    w = torch.randn(32000, 4096, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
+    together = rows_alone_linear(x, w)
+    torch.testing.assert_close(together.float(), x.float() @ w.float().T, rtol=2e-2, atol=2e-2)
+    for rows in (1, 5, 16, 64):
+        assert torch.equal(torch.cat([rows_alone_linear(x[i:i + 1], w) for i in range(rows)]), together[:rows]), rows

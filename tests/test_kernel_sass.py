@@ -60,6 +60,13 @@ def test_exact_modes_norm_compiles_with_nothing_in_local_memory(tmp_path, hidden
     assert res["REG"] > 0 and res["LOCAL"] == 0 and res["STACK"] == 0, res
 
 
+@pytest.mark.parametrize("k,n", [(4096, 32000), (576, 49152)])     # Llama-2-7B's head; SmolLM2's
+def test_exact_modes_head_compiles_with_nothing_in_local_memory(tmp_path, k, n):
+    r = ks.report(ks.head_launch(k, n, rows=8), ks.H100, tmp_path)
+    assert r.registers > 0 and r.local_bytes == 0, r
+    assert r.opcodes.get("FFMA", 0) > 0, r.opcodes                 # CUDA cores: one FMA per weight per row
+
+
 def test_shared_memory_clocks_follow_the_width():
     assert [ks.shared_clocks_of(op) for op in ("LDS", "LDS.U16", "LDS.64", "STS.128", "LDSM.16.M88.4", "FFMA")] == \
         [1, 1, 2, 4, 4, 0]

@@ -239,7 +239,7 @@ def test_exact_mode_takes_the_row_exact_attention_and_says_what_else_this_machin
     before = model.config._attn_implementation
     text = use_nf4_kernel(model, "repacked-exact")
     assert model.config._attn_implementation == ROW_EXACT_ATTENTION and "row-exact attention and lm_head" in text
-    assert isinstance(model.get_output_embeddings(), nf4_fused.RowsAloneHead)
+    assert type(model.get_output_embeddings()).__name__ == "RowsAloneHead"
     checks = nf4_fused.row_invariance(model)          # measured here: the answer may differ by machine
     assert set(checks) == {"RowsAloneRMSNorm", "lm_head"} and all(checks.values())   # every norm replaced
     assert sum(type(m).__name__ == "LlamaRMSNorm" for m in model.modules()) == 0

@@ -140,6 +140,18 @@ def norm_launch(hidden: int, rows: int = 16, dtype: torch.dtype = torch.bfloat16
                   2 * rows * hidden * dtype.itemsize)
 
 
+def head_launch(k: int, n: int, rows: int = 16, dtype: torch.dtype = torch.bfloat16) -> Launch:
+    """``rows_alone_linear`` (exact mode's lm_head) of ``rows`` rows against a dense (n, k) weight."""
+    from ..quant import rows_alone_linear as rl
+
+    meta = torch.device("meta")
+    x = torch.empty(rows, k, dtype=dtype, device=meta)
+    fn, grid, args, kw = rl.kernel_call(x, torch.empty(n, k, dtype=dtype, device=meta), None,
+                                        torch.empty(rows, n, dtype=dtype, device=meta), False)
+    return Launch(k, n, rows, fn, args, kw, f"rows_alone m{kw['BLOCK_M']} n{rl.BLOCK_N}", grid[0] * grid[1],
+                  rl.BLOCK_N, rl.LANES, 0, kw["num_warps"], n * k * dtype.itemsize)
+
+
 def bnb_storage_launch(k: int, n: int, m: int, cfg, dtype: torch.dtype = torch.bfloat16) -> Launch:
     """``nf4_matmul`` (the committed kernel reading bitsandbytes' double-quant storage) with ``cfg``."""
     from types import SimpleNamespace

@@ -155,31 +155,6 @@ def restore_bitsandbytes(model: nn.Module) -> int:
     return count
 
 
-class RowsAloneHead(nn.Module):
-    """Exact mode's lm_head: one row per call, so a tree row's logits are the very call a 1-row step
-    makes (a dense GEMM is not row-invariant on every machine: this CPU's fp32 GEMM is not, at 5 rows).
-    It costs a read of the head's weight per row; a row-exact GEMV kernel would cost one. ``weight`` is
-    the wrapped module's (no setter): re-tying weights (resize_token_embeddings) needs leave_exact first."""
-
-    def __init__(self, dense: nn.Module):
-        super().__init__()
-        self.dense = dense
-        self.in_features, self.out_features = dense.in_features, dense.out_features
-
-    @property
-    def weight(self) -> torch.Tensor:       # the heads read its rows (tied to the embeddings in some models)
-        return self.dense.weight
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.dense.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:                       # (..., H) -> (..., V)
-        rows = x.reshape(-1, x.shape[-1])                                      # (R, H)
-        out = torch.cat([self.dense(rows[i:i + 1]) for i in range(rows.shape[0])])   # (R, V)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
 def _children(model: nn.Module):
     """(parent, name, child) for every module of the model, listed before any is replaced."""
     return [(parent, name, child) for parent in list(model.modules()) for name, child in list(parent.named_children())]
@@ -188,6 +163,7 @@ def _children(model: nn.Module):
 def enter_exact(model: nn.Module) -> None:
     """Exact mode's attention, norms and lm_head (the repacked layers are made exact by repack_layers)."""
     from .exact_attention import use_exact_rows
+    from .rows_alone_linear import RowsAloneHead
     from .rows_alone_norm import RowsAloneRMSNorm, is_rms_norm
 
     use_exact_rows(model)
@@ -200,15 +176,16 @@ def enter_exact(model: nn.Module) -> None:
 
 
 def leave_exact(model: nn.Module) -> None:
-    """The attention, norms and lm_head ``model`` had before ``enter_exact``."""
+    """The attention, norms and lm_head ``model`` had before ``enter_exact`` (found by class name: their
+    modules import Triton, and this runs on every kernel choice)."""
     from .exact_attention import stop_exact_rows
 
     stop_exact_rows(model)
     for parent, name, child in _children(model):
-        if type(child).__name__ == "RowsAloneRMSNorm":     # by name: Triton is imported only where it ran
+        if type(child).__name__ == "RowsAloneRMSNorm":
             setattr(parent, name, child.original[0])
     head = model.get_output_embeddings()
-    if isinstance(head, RowsAloneHead):
+    if type(head).__name__ == "RowsAloneHead":
         model.set_output_embeddings(head.dense)
 
 
