@@ -195,21 +195,26 @@ PROBE_ROWS = (2, 3, 5, 7, 16, 26, 42, 64, 100, 256)
 
 
 def row_invariance(model: nn.Module) -> dict[str, bool]:
-    """Per norm class in the decoder (one instance stands for its class) and for the lm_head: does it give
-    a row the same bits alone as among PROBE_ROWS rows, measured on this machine? Exact mode's own
-    pieces (RowsAloneRMSNorm, RowsAloneHead) are exact by construction and pass; a norm it could not
-    replace is what this finds. The repacked layers and the attention are exact by construction: their
-    tests check it."""
+    """Per piece of the step exact mode could not replace (a norm class it does not know, a head it did
+    not wrap; one instance stands for its class): does it give a row the same bits alone as among
+    PROBE_ROWS rows, measured on this machine? Exact mode's own pieces (the repacked layers, the
+    attention, RowsAloneRMSNorm, RowsAloneHead) are exact by construction, which their tests check, and
+    are not measured. A decoder with no norm found is reported as unverified."""
     from .cpu_int4 import row_invariant
 
     head = model.get_output_embeddings()
     device, dtype = head.weight.device, head.weight.dtype
-    norms = {}
+    norms, found = {}, False
     for module in model.get_decoder().modules():
-        if type(module).__name__.endswith("Norm") and getattr(module, "weight", None) is not None \
+        name = type(module).__name__
+        if name.endswith("Norm") and getattr(module, "weight", None) is not None \
                 and module.weight.shape == (head.in_features,):
-            norms.setdefault(type(module).__name__, module)
-    pieces = {**norms, "lm_head": head} if norms else {"norm (none found)": None, "lm_head": head}
+            found = True
+            if name != "RowsAloneRMSNorm":
+                norms.setdefault(name, module)
+    pieces = {**norms, **({} if type(head).__name__ == "RowsAloneHead" else {"lm_head": head})}
+    if not found:
+        pieces["norm (none found)"] = None
     return {name: module is not None and all(row_invariant(_on(module, device), head.in_features, rows, dtype)
                                              for rows in PROBE_ROWS) for name, module in pieces.items()}
 
