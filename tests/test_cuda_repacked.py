@@ -146,8 +146,9 @@ def test_the_row_exact_norm_gives_a_bf16_row_the_bits_it_gets_alone():
     together = exact(x)
     with torch.no_grad():
         torch.testing.assert_close(together, norm(x), rtol=2e-2, atol=2e-2)
-    for rows in (1, 5, 16, 64):
-        assert torch.equal(torch.cat([exact(x[i:i + 1]) for i in range(rows)]), together[:rows]), rows
+    for rows in (1, 2, 3, 4, 5, 16, 33, 64):
+        assert torch.equal(exact(x[:rows]), together[:rows]), rows
+    assert torch.equal(torch.cat([exact(x[i:i + 1]) for i in range(64)]), together)
 
 
 def test_the_row_exact_head_gives_a_bf16_row_the_bits_it_gets_alone():
@@ -158,5 +159,6 @@ def test_the_row_exact_head_gives_a_bf16_row_the_bits_it_gets_alone():
     x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
     together = rows_alone_linear(x, w)
     torch.testing.assert_close(together.float(), x.float() @ w.float().T, rtol=2e-2, atol=2e-2)
-    for rows in (1, 5, 16, 64):
-        assert torch.equal(torch.cat([rows_alone_linear(x[i:i + 1], w) for i in range(rows)]), together[:rows]), rows
+    for rows in (1, 2, 3, 4, 5, 16, 33, 64):                   # row tiles of 1, 2, 4 and 8
+        assert torch.equal(rows_alone_linear(x[:rows], w), together[:rows]), rows
+    assert torch.equal(torch.cat([rows_alone_linear(x[i:i + 1], w) for i in range(64)]), together)

@@ -238,7 +238,7 @@ def test_exact_mode_takes_the_row_exact_attention_and_says_what_else_this_machin
     model = nf4_model()
     before = model.config._attn_implementation
     text = use_nf4_kernel(model, "repacked-exact")
-    assert model.config._attn_implementation == ROW_EXACT_ATTENTION and "row-exact attention and lm_head" in text
+    assert model.config._attn_implementation == ROW_EXACT_ATTENTION and "row-exact attention, norms and lm_head" in text
     assert type(model.get_output_embeddings()).__name__ == "RowsAloneHead"
     assert nf4_fused.row_invariance(model) == {}      # every norm and the head replaced: nothing to measure
     assert sum(type(m).__name__ == "LlamaRMSNorm" for m in model.modules()) == 0

@@ -226,7 +226,7 @@ def _use_repacked(model: nn.Module, layers, exact: bool, device: torch.device) -
         checks = nf4_fused.row_invariance(model)
         broken = [name for name, ok in checks.items() if not ok] + \
             ([f"{len(kept)} layer(s) kept on bitsandbytes"] if kept else [])
-        mode = ("exact mode (rows independent of M), row-exact attention and lm_head, " +
+        mode = ("exact mode (rows independent of M), row-exact attention, norms and lm_head, " +
                 (f"{' and '.join(broken)} not row-invariant on this {device.type}, so trees may differ from plain "
                  "decoding" if broken else f"the rest row-invariant on this {device.type}: greedy trees give plain "
                  "decoding's tokens"))

@@ -183,7 +183,9 @@ def leave_exact(model: nn.Module) -> None:
     stop_exact_rows(model)
     for parent, name, child in _children(model):
         if type(child).__name__ == "RowsAloneRMSNorm":
-            setattr(parent, name, child.original[0])
+            original = child.original[0]
+            original.weight = child.weight          # the parameter as it is now, were it reassigned meanwhile
+            setattr(parent, name, original)
     head = model.get_output_embeddings()
     if type(head).__name__ == "RowsAloneHead":
         model.set_output_embeddings(head.dense)
@@ -207,16 +209,21 @@ def row_invariance(model: nn.Module) -> dict[str, bool]:
     norms, found = {}, False
     for module in model.get_decoder().modules():
         name = type(module).__name__
-        if name.endswith("Norm") and getattr(module, "weight", None) is not None \
-                and module.weight.shape == (head.in_features,):
+        if name.endswith("Norm") and isinstance(getattr(module, "weight", None), torch.Tensor):
             found = True
-            if name != "RowsAloneRMSNorm":
-                norms.setdefault(name, module)
+            if name != "RowsAloneRMSNorm":          # per class and width: a per-head q/k norm is its own piece
+                norms.setdefault(f"{name}" if module.weight.shape[-1] == head.in_features
+                                 else f"{name} ({module.weight.shape[-1]})", module)
     pieces = {**norms, **({} if type(head).__name__ == "RowsAloneHead" else {"lm_head": head})}
     if not found:
         pieces["norm (none found)"] = None
-    return {name: module is not None and all(row_invariant(_on(module, device), head.in_features, rows, dtype)
+    return {name: module is not None and all(row_invariant(_on(module, device), _width(module), rows, dtype)
                                              for rows in PROBE_ROWS) for name, module in pieces.items()}
+
+
+def _width(module: nn.Module) -> int:
+    """Input features of a norm (its weight's size) or of the head."""
+    return module.in_features if hasattr(module, "in_features") else module.weight.shape[-1]
 
 
 def _on(module: nn.Module, device: torch.device):

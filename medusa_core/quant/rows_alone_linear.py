@@ -35,8 +35,9 @@ def _rows_alone_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, 
     # grid: (M tiles, N tiles): the row tiles of one weight tile side by side, the later ones from L2
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # int64 offsets: a long prefill times a large vocabulary passes 2**31 elements
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     lane = tl.arange(0, LANES)
     m_ok = offs_m < M
     n_ok = offs_n < N

@@ -35,7 +35,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, eps, H: tl.const
     for level in tl.static_range(LOG_H):
         lo, hi = tl.split(tl.reshape(sq, (1, BLOCK_H >> (level + 1), 2)))
         sq = lo + hi
-    inv = 1.0 / tl.sqrt(tl.reshape(sq, (1,)) / H + eps)                           # (1,)
+    # IEEE-rounded square root and division (tl.sqrt is the approximate one): the same bits on any GPU
+    inv = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.reshape(sq, (1,)), H * 1.0) + eps))   # (1,)
     normed = (xf * inv).to(x.dtype)                                                # back to the input dtype
     w = tl.load(w_ptr + col, mask=ok, other=0)
     tl.store(out_ptr + row * stride_o + col, (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty),
