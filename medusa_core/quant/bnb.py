@@ -223,9 +223,7 @@ def _use_repacked(model: nn.Module, layers, exact: bool, device: torch.device) -
     mode = "fastest path per row count"
     if exact:
         nf4_fused.enter_exact(model)
-        checks = nf4_fused.row_invariance(model)
-        broken = [name for name, ok in checks.items() if not ok] + \
-            ([f"{len(kept)} layer(s) kept on bitsandbytes"] if kept else [])
+        broken = nf4_fused.exact_gaps(model)
         mode = ("exact mode (rows independent of M), row-exact attention, norms and lm_head, " +
                 (f"{' and '.join(broken)} not row-invariant on this {device.type}, so trees may differ from plain "
                  "decoding" if broken else f"the rest row-invariant on this {device.type}: greedy trees give plain "

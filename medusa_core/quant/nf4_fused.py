@@ -212,7 +212,7 @@ def row_invariance(model: nn.Module) -> dict[str, bool]:
         if name.endswith("Norm") and isinstance(getattr(module, "weight", None), torch.Tensor):
             found = True
             if name != "RowsAloneRMSNorm":          # per class and width: a per-head q/k norm is its own piece
-                norms.setdefault(f"{name}" if module.weight.shape[-1] == head.in_features
+                norms.setdefault(name if module.weight.shape[-1] == head.in_features
                                  else f"{name} ({module.weight.shape[-1]})", module)
     pieces = {**norms, **({} if type(head).__name__ == "RowsAloneHead" else {"lm_head": head})}
     if not found:
@@ -231,14 +231,20 @@ def _on(module: nn.Module, device: torch.device):
     return lambda x: module(x.to(device))
 
 
+def exact_gaps(model: nn.Module) -> list[str]:
+    """What keeps exact mode's step from being row-exact on this machine: pieces row_invariance found
+    not row-invariant, and decoder layers left off the repacked kernel (kept on bitsandbytes, whose
+    Linear4bit is an nn.Linear, or dense). Empty: greedy trees give plain decoding's tokens."""
+    left = sum(isinstance(m, nn.Linear) for m in model.get_decoder().modules())
+    return [name for name, ok in row_invariance(model).items() if not ok] + \
+        ([f"{left} layer(s) off the repacked kernel"] if left else [])
+
+
 def exact_mode(model: nn.Module) -> bool:
     """Whether greedy Medusa must give plain decoding's tokens on this NF4 model: every NF4 layer on the
-    repacked kernel's exact mode, the row-exact attention, and the rest of the step row-invariant here."""
+    repacked kernel's exact mode, the row-exact attention, and no gap in the rest of the step here."""
     from ..decoding.step import ROW_EXACT_ATTENTION
 
     layers = [m for m in model.modules() if isinstance(m, RepackedNF4Linear)]
-    # a layer kept on bitsandbytes (or left dense: bnb's Linear4bit is an nn.Linear) is not row-exact
-    dense = any(isinstance(m, nn.Linear) for m in model.get_decoder().modules())
-    return bool(layers) and all(m.exact for m in layers) and not dense and \
-        getattr(model.config, "_attn_implementation", None) == ROW_EXACT_ATTENTION and \
-        all(row_invariance(model).values())
+    return bool(layers) and all(m.exact for m in layers) and \
+        getattr(model.config, "_attn_implementation", None) == ROW_EXACT_ATTENTION and not exact_gaps(model)
