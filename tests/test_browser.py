@@ -167,9 +167,20 @@ def test_chat_streams_answers_then_compares(page):
     assert "identical" in comparison and "step-interleaved" in comparison, comparison
 
 
+def pick_tree(page, name: str) -> None:
+    box = page.locator("#tree input")
+    box.fill(name)
+    box.press("Enter")
+    page.wait_for_function(f"() => document.querySelector('#tree input')?.value.startsWith('{name}')",
+                           timeout=10_000)
+
+
 def test_colouring_shows_spans_and_no_tag_text(page):
     """Issue #13.1: a code answer (an indented or fenced block) gets spans, never tag text."""
     pick_greedy(page)
+    # a tree with heads in it: the tuned default is plain decoding where the tuner measured no speedup
+    # (a loaded 2-core CI machine once measured that)
+    pick_tree(page, "chain-2")
     set_max_new(page, 48)   # the bundled heads' guesses land in the prose after the code
     page.locator("#colour input[type=checkbox]").check()
     send(page, "Write a Python function that returns the list of even numbers in a list.")
