@@ -179,7 +179,7 @@ def test_colouring_shows_spans_and_no_tag_text(page):
     """Issue #13.1: a code answer (an indented or fenced block) gets spans, never tag text."""
     pick_greedy(page)
     # a tree with heads in it: the tuned default is plain decoding where the tuner measured no speedup
-    # (a loaded 2-core CI machine once measured that)
+    # (a CI run on this machine once measured 0.95x for the best tree)
     pick_tree(page, "chain-2")
     set_max_new(page, 48)   # the bundled heads' guesses land in the prose after the code
     page.locator("#colour input[type=checkbox]").check()
