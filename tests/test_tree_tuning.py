@@ -188,6 +188,46 @@ def test_sizes_that_cannot_win_are_not_timed_again():
     assert tree_tuning._worth_timing(seconds, lengths, [1, 2, 4, 8, 16]) == [1, 2, 4]
 
 
+def test_load_that_comes_and_goes_moves_no_size():
+    """On 2 shared cores load slows every step for a few hundred ms at a time, longer than a block
+    of one size's steps: the sizes are timed in turn, each step against the plain step of its cycle,
+    so a slow phase cancels, even one over most of the cycles, and a spike in a few steps is
+    outvoted. Steps are counted on one clock across all sizes, as wall time runs."""
+    import itertools
+
+    cost = {1: 1.0, 2: 1.2, 4: 1.5, 8: 2.5}
+    lengths = {1: 1.0, 2: 1.5, 4: 1.8, 8: 2.0}        # 8 nodes can give at most 2.0 / 2.5: dropped early
+    clock = itertools.count()
+
+    def loop(n):
+        while True:
+            k = next(clock)
+            yield cost[n] * (1.6 if 30 <= k < 75 else 3.0 if k in (13, 21, 77) else 1.0)
+
+    lines: list[str] = []
+    got = tree_tuning.time_in_cycles({n: loop(n) for n in cost}, lengths, lines.append)
+    assert {n: s / got[1] for n, s in got.items()} == pytest.approx(cost)     # what the choice reads
+    assert lines[0].endswith("nodes (warm-up)") and "timing trees of 1, 2, 4 nodes" in lines[-1]
+
+
+def test_a_reply_that_ends_is_decoded_again(checkpoint, monkeypatch):
+    """A size's loop keeps giving steps after its reply ends (here every 2 steps)."""
+    import itertools
+
+    from medusa_core.decoding.generate import new_cache
+    from medusa_core.decoding.tree import build_tree_buffers
+
+    loaded = load(spec(checkpoint, tree="chain-2"))
+    monkeypatch.setattr(tree_tuning, "RUN_STEPS", 2)
+    tree = build_tree_buffers([[0], [0, 0]], 2)
+    ids = loaded.tokenizer("a lighthouse keeper finds a bottle").input_ids
+    loop = tree_tuning.step_seconds(loaded.model, loaded.heads, tree, ids, new_cache(loaded.model))
+    with torch.inference_mode():
+        seconds = list(itertools.islice(loop, 7))
+    loop.close()
+    assert len(seconds) == 7 and all(s > 0 for s in seconds)
+
+
 def test_the_key_names_the_kernels_this_cpu_runs():
     """ATEN_CPU_CAPABILITY=avx2 makes torch run its AVX2 kernels (as on a CPU without AVX-512):
     a tree measured under it is another machine's, and the key says so."""
@@ -216,7 +256,7 @@ def test_the_page_and_the_console_show_the_tuning_progress(checkpoint, measured)
     gate, console = threading.Event(), []
 
     def tuning(spec, progress):
-        progress("tuning the tree for this machine: timing trees of 1, 2 nodes (round 1 of 3)")
+        progress("tuning the tree for this machine: timing trees of 1, 2 nodes (step 1 of 20)")
         gate.wait(60)
         return load(spec, progress)
 

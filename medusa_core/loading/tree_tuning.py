@@ -19,8 +19,9 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -29,13 +30,16 @@ import torch
 from ..decoding.step import compute_dtype
 from ..decoding.tree import build_tree_buffers, expected_tokens_per_step, grow_tree
 
-TUNER_VERSION = 1          # part of the cache key: a change in how trees are measured re-tunes
+TUNER_VERSION = 2          # part of the cache key: a change in how trees are measured re-tunes
 CPU_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)             # tree sizes timed, root included: every CPU row costs
 CUDA_SIZES = (1, 2, 4, 8, 16, 32, 64)
 MIN_SPEEDUP = 1.05         # a tree must be expected this much faster than plain decoding to be used:
                            # below it, timing noise could make it slower (docs/cpu_default.md, "Tuned
                            # on the machine that runs it")
-STEPS, ROUNDS = 6, 3       # steps timed per size and round; rounds after a warm-up, the fastest kept
+CYCLES, WARMUP = 20, 2     # steps timed per size (one per cycle, measure_step_seconds), after warm-up steps
+PRUNE_AFTER = 6            # cycles before sizes that cannot win stop being timed
+REPORT_EVERY = 5           # cycles between progress lines
+RUN_STEPS = 16             # steps per reply at most, then it is decoded again from the cached prompt
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 # ISA flags that change which kernels torch and oneDNN run (/proc/cpuinfo names)
 CPU_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
@@ -152,50 +156,75 @@ def monotone_fit(seconds: dict[int, float]) -> dict[int, float]:
     return {n: mean for mean, sizes in pools for n in sizes}
 
 
-def time_steps(model, heads, tree, prompt_ids: list[int], cache, steps: int) -> float:
-    """Mean wall seconds of ``steps`` decoding steps after ``prompt_ids`` (the cached prompt is reused)."""
+def step_seconds(model, heads, tree, prompt_ids: list[int], cache) -> Iterator[float]:
+    """Wall seconds of each decoding step after ``prompt_ids``, without end: the reply is decoded
+    again from the cached prompt whenever it ends."""
     from ..decoding.config import DecodeConfig
     from ..decoding.generate import generate
 
-    # room for `steps` steps however many tokens each accepts; stop ids are the model's EOS only
-    config = DecodeConfig(max_new_tokens=steps * tree.size + 1)
-    seconds: list[float] = []
-    run = generate(model, prompt_ids, heads=heads if tree.num_heads else None, tree=tree, config=config, cache=cache)
-    for step in run:
-        if step.prefill:
-            continue
-        if not step.tokens:
-            break
-        seconds.append(step.seconds)
-        if len(seconds) == steps:
-            break
-    run.close()
-    if not seconds:
-        raise RuntimeError("the tuning prompt ended at once: no step to time")
-    return sum(seconds) / len(seconds)
+    # a step emits at most depth + 1 tokens: room for RUN_STEPS steps, a small cache (one per size is
+    # alive while tuning: on a 7B, 256 slots are 128 MB); stop ids are the model's EOS only
+    config = DecodeConfig(max_new_tokens=RUN_STEPS * (tree.num_heads + 1) + 1)
+    while True:
+        timed = 0
+        run = generate(model, prompt_ids, heads=heads if tree.num_heads else None, tree=tree, config=config, cache=cache)
+        try:
+            for step in run:
+                if step.prefill or not step.tokens:
+                    continue
+                timed += 1
+                yield step.seconds
+        finally:
+            run.close()
+        if not timed:
+            raise RuntimeError("the tuning prompt ended at once: no step to time")
+
+
+def paired_seconds(times: dict[int, list[float]]) -> dict[int, float]:
+    """Seconds per step by size from steps timed in cycles (``times[n][c]``: size n's step in cycle c,
+    size 1 in every cycle): the plain step's median, times each size's median over cycles of its
+    step over the plain step of the same cycle. A slow phase that slows a whole cycle cancels in the
+    ratio, and a spike in a minority of cycles is outvoted."""
+    base = times[1]
+    plain = statistics.median(base)
+    return {n: plain * statistics.median(t / base[c] for c, t in enumerate(steps)) for n, steps in times.items()}
 
 
 def measure_step_seconds(model, heads, trees: dict[int, object], prompt_ids: list[int], lengths: dict[int, float],
-                         progress: Progress, steps: int = STEPS, rounds: int = ROUNDS) -> dict[int, float]:
-    """Seconds per step by tree size: sizes interleaved within each round (load hits all alike), a
-    warm-up round first (on CUDA it captures each tree's graph), the fastest round kept (load only
-    adds time). After the first round, sizes that cannot win are no longer timed (_worth_timing);
-    ``lengths``: expected tokens per step by size."""
+                         progress: Progress, cycles: int = CYCLES) -> dict[int, float]:
+    """Seconds per step by tree size: each size runs its own generation loop on its own cache, and
+    the loops are timed in turn (time_in_cycles). ``lengths``: expected tokens per step by size."""
     from ..decoding.generate import new_cache
 
-    sizes = sorted(trees)
-    caches = {n: new_cache(model) for n in sizes}
-    best: dict[int, float] = {}
-    for round_ in range(rounds + 1):
-        progress(f"tuning the tree for this machine: timing trees of {', '.join(map(str, sizes))} nodes "
-                 f"({'warm-up' if round_ == 0 else f'round {round_} of {rounds}'})")
-        for n in list(sizes):
-            took = time_steps(model, heads, trees[n], prompt_ids, caches[n], steps)
-            if round_:
-                best[n] = min(best.get(n, float("inf")), took)
-        if round_ == 1 and 1 in best:
-            sizes = _worth_timing(best, lengths, sizes)
-    return best
+    loops = {n: step_seconds(model, heads, trees[n], prompt_ids, new_cache(model)) for n in sorted(trees)}
+    try:
+        return time_in_cycles(loops, lengths, progress, cycles)
+    finally:
+        for loop in loops.values():
+            loop.close()
+
+
+def time_in_cycles(loops: dict[int, Iterator[float]], lengths: dict[int, float], progress: Progress,
+                   cycles: int = CYCLES) -> dict[int, float]:
+    """Seconds per step by size (paired_seconds) from loops that each take one step in turn, a cycle.
+    Timing each size in a block of steps let load fall on one size: on 2 shared cores a slow phase
+    lasts a few hundred ms (a block of 12 plain steps measured at 29 ms each, the blocks around it at
+    19.5), as long as a block, and three fresh starts on one machine chose 1.39x, 0.95x and 1.30x.
+    Warm-up cycles first (on CUDA they capture each tree's graph); after PRUNE_AFTER cycles, sizes
+    that cannot win are no longer timed (_worth_timing)."""
+    sizes = sorted(loops)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for cycle in range(-WARMUP, cycles):
+        if cycle % REPORT_EVERY == 0 or cycle == -WARMUP:
+            when = "warm-up" if cycle < 0 else f"step {cycle + 1} of {cycles}"
+            progress(f"tuning the tree for this machine: timing trees of {', '.join(map(str, sizes))} nodes ({when})")
+        for n in sizes:
+            took = next(loops[n])
+            if cycle >= 0:
+                times[n].append(took)
+        if cycle + 1 == PRUNE_AFTER and 1 in sizes:
+            sizes = _worth_timing(paired_seconds(times), lengths, sizes)
+    return paired_seconds(times)
 
 
 def _worth_timing(seconds: dict[int, float], lengths: dict[int, float], sizes: list[int]) -> list[int]:
