@@ -69,7 +69,7 @@ class DecoderRun:
         label = LABELS[name]
         if name == BASELINE or tree.num_heads == 0:
             tree_name, tree, heads = "baseline", engine.tree("baseline"), None
-            if name == MEDUSA and engine.no_speedup:
+            if name == MEDUSA and engine.runs_plain(tree_name):
                 label = NO_SPEEDUP
         else:
             heads = engine.heads
@@ -165,6 +165,12 @@ class ChatEngine:
                 self._trees[spec] = build_tree_buffers(
                     resolve_tree(spec), self.num_heads, dtype=self.dtype, device=self.device)
             return self._trees[spec]
+
+    def runs_plain(self, tree_name: str | None) -> bool:
+        """Whether the Medusa pane decodes plainly with ``tree_name`` ("" or None: the default tree)
+        because the tuner found no tree that pays here; a tree with heads picked since runs Medusa."""
+        name = tree_name or self.default_tree
+        return self.no_speedup and name in self._specs and self.tree(name).num_heads == 0
 
     def check(self, settings: Settings) -> tuple[DecodeConfig, str, TreeBuffers]:
         """The decode config, tree name and tree of ``settings``; ValueError in one line."""

@@ -27,10 +27,11 @@ def decoding_values(settings: Settings) -> tuple[dict, ...]:
             *({**update, "value": getattr(settings, name)} for update, name in zip(enabled, SAMPLING)))
 
 
-def medusa_pane(engine) -> dict:
+def medusa_pane(engine, tree_name: str | None = None) -> dict:
     """The Medusa pane's title: where the tuner found that no tree pays on this machine, plain
-    decoding runs in it, and its title says so."""
-    return gr.update(label=NO_SPEEDUP if engine is not None and engine.no_speedup else "Medusa")
+    decoding runs in it, and its title says so, until the user picks a tree with heads
+    (``tree_name``: the tree control's value; None or "": the model's default tree)."""
+    return gr.update(label=NO_SPEEDUP if engine is not None and engine.runs_plain(tree_name) else "Medusa")
 
 
 def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec):
@@ -81,6 +82,8 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec):
                       concurrency_limit=None)
     page.controls["mode"].change(control_state, [page.controls["mode"]], page.sampling, api_name=False,
                                  concurrency_limit=None)
+    page.controls["tree"].change(lambda tree: medusa_pane(slot.engine, tree), [page.controls["tree"]], [page.chat],
+                                 api_name=False, concurrency_limit=None, show_progress="hidden")
     return sync
 
 

@@ -132,6 +132,11 @@ def test_where_no_tree_pays_plain_decoding_runs_and_the_page_says_so(checkpoint,
     from app.model_panel import medusa_pane
 
     assert medusa_pane(engine)["label"] == NO_SPEEDUP, "the chat pane's title says it too"
+    # the user picks a tree with heads anyway: Medusa runs, and the title and the readout say so
+    assert medusa_pane(engine, "small-8")["label"] == "Medusa"
+    assert medusa_pane(engine, "baseline")["label"] == NO_SPEEDUP
+    last = list(engine.answer(Session(), prompt, Settings(max_new_tokens=8, tree="small-8"), (MEDUSA,)))[-1]
+    assert last.stats.label == "Medusa" and last.stats.tree == "small-8" and last.stats.tree_size > 1
 
 
 def test_the_medusa_pane_keeps_its_title_where_a_tree_pays(checkpoint, measured, monkeypatch):
