@@ -7,15 +7,17 @@ import pytest
 import torch
 from torch import nn
 
+from medusa_core.quant import exact_attention
 from medusa_core.quant.exact_attention import exact_rows_attention
 
 HEADS, KV_HEADS, DIM = 6, 2, 32
 NEG = torch.finfo(torch.float32).min
 
 
-def attend(query, key, value, mask):
+def attend(query, key, value, mask, shared=None):
+    """One layer's attention; ``shared``: the forward's scratch (decoding.step.decoder_kwargs), fresh if None."""
     return exact_rows_attention(nn.Module().eval(), query, key, value, mask, scaling=DIM ** -0.5,
-                                rows_alone=True)[0]                                     # (1, T, h, D)
+                                rows_alone={} if shared is None else shared)[0]          # (1, T, h, D)
 
 
 @pytest.mark.parametrize("prefix", [1, 17, 63, 200, 513])
@@ -50,3 +52,40 @@ def test_it_is_attention():
     torch.testing.assert_close(attend(query, key, value, mask), ref.transpose(1, 2))
     bool_mask = mask == 0                                                    # the masks transformers builds
     assert torch.equal(attend(query, key, value, bool_mask), attend(query, key, value, mask))
+
+
+def tree_mask(prefix: int) -> torch.Tensor:
+    """(1, 1, 3, prefix + 3) additive: root, then two children that each see the root only."""
+    mask = torch.zeros(1, 1, 3, prefix + 3)
+    mask[..., 0, prefix + 1:] = NEG
+    mask[..., 1, prefix + 2] = NEG
+    mask[..., 2, prefix + 1] = NEG
+    return mask
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_the_layers_of_a_forward_share_one_listing_of_each_rows_keys(kernel, monkeypatch):
+    """The forward's first layer works out which keys each row reads, the others reuse it: once per
+    step instead of once per layer (on CUDA, small kernels inside the graph). Another mask is worked
+    out again, never served a stale listing. ``kernel``: the CUDA path (the Triton kernel, run here by
+    its interpreter)."""
+    if kernel:
+        pytest.importorskip("triton", reason="the row-exact attention kernel needs Triton: pip install triton")
+        from medusa_core.quant import nf4_matmul as nm
+
+        monkeypatch.setenv(nm.INTERPRET_ENV, "1")              # the kernel on CPU tensors
+    monkeypatch.setattr(exact_attention, "kernel_path", lambda query: kernel)
+    listed = []
+    real = exact_attention.visible
+    monkeypatch.setattr(exact_attention, "visible", lambda mask: (listed.append(1), real(mask))[1])
+    g = torch.Generator().manual_seed(3)
+    key, value = torch.randn(1, KV_HEADS, 13, DIM, generator=g), torch.randn(1, KV_HEADS, 13, DIM, generator=g)
+    layers = [torch.randn(1, HEADS, 3, DIM, generator=g) for _ in range(4)]
+    mask, shared = tree_mask(10), {}
+    outs = [attend(q, key, value, mask, shared) for q in layers]
+    assert len(listed) == 1
+    assert all(torch.equal(out, attend(q, key, value, mask)) for q, out in zip(layers, outs))
+    other = torch.triu(torch.full((3, 13), NEG), diagonal=11)[None, None]           # a causal mask, new object
+    assert torch.equal(attend(layers[0], key, value, other, shared), attend(layers[0], key, value, other))
+    ref = torch.nn.functional.scaled_dot_product_attention(layers[0], key, value, attn_mask=other, enable_gqa=True)
+    torch.testing.assert_close(attend(layers[0], key, value, other, shared), ref.transpose(1, 2))

@@ -38,10 +38,18 @@ ROW_EXACT_ATTENTION = "medusa_exact_rows"
 ROWS_ALONE = "rows_alone"
 
 
-def decoder_kwargs(model: nn.Module) -> dict:
-    """The flag where ``model`` uses the row-exact attention, nothing elsewhere (a model's own
-    attention need not accept unknown keywords)."""
-    return {ROWS_ALONE: True} if getattr(model.config, "_attn_implementation", None) == ROW_EXACT_ATTENTION else {}
+def uses_exact_rows(model: nn.Module) -> bool:
+    """Whether ``model`` uses the row-exact attention."""
+    return getattr(model.config, "_attn_implementation", None) == ROW_EXACT_ATTENTION
+
+
+def decoder_kwargs(exact_rows: bool) -> dict:
+    """The keywords of one decoder forward: ROWS_ALONE where the row-exact attention runs, nothing
+    elsewhere (a model's own attention need not accept unknown keywords). Its value is a fresh dict
+    per forward, where the attention keeps what all the layers of that forward share: each row's
+    visible slots, listed from the one mask once instead of once per layer (on CUDA a handful of
+    small kernels per layer, all inside the step's graph)."""
+    return {ROWS_ALONE: {}} if exact_rows else {}
 
 
 WARMUP_RUNS = 2   # before capture: lazy inits and kernel compiles (bitsandbytes, Triton) happen outside the graph
@@ -77,7 +85,7 @@ class DecodeStep:
         self._cache = weakref.ref(cache)
         device = self.lm_head.weight.device
         self.dtype = compute_dtype(model)
-        self.decoder_kwargs = decoder_kwargs(model)    # row-exact attention where the CPU's int4 mode runs (prefill too)
+        self.rows_alone = uses_exact_rows(model)    # row-exact attention (CPU int4, NF4 exact mode), prefill too
         self.depth = tree.leaf_paths.shape[1] - 1                          # D
         self.allowed = tree.attn_mask == 0                                  # (T, T) bool
         self.slots = torch.arange(self.depth + 1, device=device)           # (D+1,)
@@ -131,7 +139,7 @@ class DecodeStep:
                 position_ids=torch.arange(start, end, device=device)[None],
                 past_key_values=self.cache,
                 use_cache=True,
-                **self.decoder_kwargs,
+                **decoder_kwargs(self.rows_alone),
             ).last_hidden_state[0, -1]                                                   # (H,)
         root = self.targets(self.lm_head(hidden)[None], uniform)                         # (1,)
         self.tokens.copy_(self.propose(root, hidden))
@@ -152,7 +160,7 @@ class DecodeStep:
                 position_ids=(tree.depths + pos)[None],
                 past_key_values=cache,
                 use_cache=True,
-                **self.decoder_kwargs,
+                **decoder_kwargs(self.rows_alone),
             ).last_hidden_state[0]                                                       # (T, H)
         logits = self.lm_head(hidden)                                                    # (T, V)
         targets = self.targets(logits, self.uniforms)                                    # (T,)

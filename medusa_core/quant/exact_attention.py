@@ -13,7 +13,9 @@ row whose tree ancestors are not contiguous after it copies its keys.
 It is registered with transformers' ``AttentionInterface`` and used where cpu_int4 is (the CPU,
 batch 1) and under the repacked NF4 kernel's exact mode (quant/bnb.py). On CUDA the same contract is
 kept by a Triton kernel (rows_alone_attention.py) that lists each row's keys on the device, since a
-CUDA graph cannot read indices on the host. The decoding step asks for it (``decoding.step.decoder_kwargs``) in its steps and its prefill
+CUDA graph cannot read indices on the host. Which keys each row reads is worked out once per
+forward, by its first layer, and kept in the forward's scratch for the others (``row_keys``). The
+decoding step asks for it (``decoding.step.decoder_kwargs``) in its steps and its prefill
 too: a token's keys must not depend on how it was batched either, since the two decoders of a
 comparison can prefill the same conversation in different pieces (the baseline's cache starts
 empty when the comparison is switched on). It costs a long prompt time to its first token: one
@@ -43,36 +45,59 @@ def exact_rows_attention(module, query: torch.Tensor, key: torch.Tensor, value: 
                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                          **kwargs):
     """query (1, heads, T, D), key/value (1, kv_heads, W, D) -> ((1, T, heads, D), None)."""
-    rows = query.shape[2]
     # per-row SDPA knows no attention sinks, softcapping or position biases: such models keep SDPA
     special = any(kwargs.get(k) is not None for k in ("s_aux", "softcap", "position_bias"))
-    if not kwargs.pop(FLAG, False) or attention_mask is None or query.shape[0] != 1 or special:
+    shared = kwargs.pop(FLAG, None)         # the forward's scratch (decoding.step.decoder_kwargs)
+    if shared is None or attention_mask is None or query.shape[0] != 1 or special:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    if query.is_cuda:       # no host read: the kernel lists each row's keys itself
-        from .rows_alone_attention import rows_alone_attention
+    rows = row_keys(shared, attention_mask, key.shape[2], on_device=kernel_path(query))
+    if kernel_path(query):       # no host read: the kernel walks each row's listed slots itself
+        from .rows_alone_attention import attend_listed
 
-        seen = visible(attention_mask)[:, :key.shape[2]]                             # (T, <= W)
-        if seen.shape[1] < key.shape[2]:                                              # slots past the mask: unseen
-            seen = torch.cat([seen, seen.new_zeros(seen.shape[0], key.shape[2] - seen.shape[1])], 1)
-        return rows_alone_attention(query, key, value, seen, scaling), None
-    # the CPU: reading the mask's indices on the host here is no device sync
-    seen = visible(attention_mask)[:, :key.shape[2]]                              # (T, W)
-    counts = seen.sum(1)                                                          # (T,)
-    # a row that sees exactly the first n slots (every prefill row, a plain step, a tree's first
-    # chain) reads a view; found for all rows at once, not with one nonzero per row and layer
-    prefix = (seen == (torch.arange(seen.shape[1]) < counts[:, None])).all(1).tolist()   # (T,)
-    counts = counts.tolist()
+        return attend_listed(query, key, value, *rows, scaling), None
+    prefix, counts, slots = rows
     outs = []
-    for i in range(rows):
+    for i in range(query.shape[2]):
         n = counts[i]
         if prefix[i]:
             k, v = key[:, :, :n], value[:, :, :n]
         else:
-            slots = seen[i].nonzero().squeeze(1)                                  # (n,) ascending
-            k, v = key.index_select(2, slots), value.index_select(2, slots)       # (1, kv_heads, n, D)
+            k, v = key.index_select(2, slots[i]), value.index_select(2, slots[i])   # (1, kv_heads, n, D)
         outs.append(F.scaled_dot_product_attention(query[:, :, i:i + 1], k, v, scale=scaling, enable_gqa=True))
     return torch.cat(outs, 2).transpose(1, 2).contiguous(), None                 # (1, T, heads, D)
+
+
+def kernel_path(query: torch.Tensor) -> bool:
+    """CUDA runs the Triton kernel (no host read inside a graph); the CPU one SDPA call per row."""
+    return query.is_cuda
+
+
+def row_keys(shared: dict, mask: torch.Tensor, width: int, on_device: bool) -> tuple:
+    """Which keys each row reads, from the forward's mask, worked out by the forward's first layer
+    and kept in ``shared`` for the others (they get the same mask object; another mask is worked out
+    again). On the device: visible_slots' (slots (T, W), counts (T,)). On the host: (prefix (T,) bool
+    list, counts (T,) int list, slots: per row its (n,) ascending slot tensor, None where prefix)."""
+    kept = shared.get("rows")
+    if kept is not None and kept[0] is mask and kept[1] == (width, on_device):
+        return kept[2]
+    seen = visible(mask)[:, :width]                                                   # (T, <= W)
+    if on_device:
+        from .rows_alone_attention import visible_slots
+
+        if seen.shape[1] < width:                                                     # slots past the mask: unseen
+            seen = torch.cat([seen, seen.new_zeros(seen.shape[0], width - seen.shape[1])], 1)
+        rows = visible_slots(seen)
+    else:
+        # reading the mask's indices on the host is no device sync on the CPU
+        counts = seen.sum(1)                                                          # (T,)
+        # a row that sees exactly the first n slots (every prefill row, a plain step, a tree's first
+        # chain) reads a view; found for all rows at once, not with one nonzero per row
+        prefix = (seen == (torch.arange(seen.shape[1]) < counts[:, None])).all(1).tolist()   # (T,)
+        slots = [None if p else seen[i].nonzero().squeeze(1) for i, p in enumerate(prefix)]
+        rows = (prefix, counts.tolist(), slots)
+    shared["rows"] = (mask, (width, on_device), rows)
+    return rows
 
 
 AttentionInterface.register(NAME, exact_rows_attention)

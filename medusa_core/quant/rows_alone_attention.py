@@ -110,19 +110,31 @@ def rows_alone_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
                          scale: float | None = None) -> torch.Tensor:
     """query (1, heads, T, D), key/value (1, kv_heads, W, D), seen (T, W) bool: which slots each row
     may attend to -> (1, T, heads, D) in query's dtype, each row computed from its own visible keys alone."""
+    check_shapes(query, key, seen.shape)
+    return attend_listed(query, key, value, *visible_slots(seen), scale)
+
+
+def attend_listed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
+                  counts: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """rows_alone_attention from each row's listed slots (``visible_slots``: slots (T, W), counts (T,)),
+    which all the layers of a forward share."""
     check_runnable(query.device)
+    check_shapes(query, key, slots.shape)
     _, heads, rows, dim = query.shape
-    kv_heads, width = key.shape[1], key.shape[2]
-    if query.shape[0] != 1 or heads % kv_heads or seen.shape != (rows, width):
-        raise ValueError(f"rows_alone_attention takes batch 1, query heads a multiple of kv heads and a (T, W) mask; "
-                         f"got query {tuple(query.shape)}, key {tuple(key.shape)}, mask {tuple(seen.shape)}")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    slots, counts = visible_slots(seen)
     out = torch.empty(1, rows, heads, dim, dtype=query.dtype, device=query.device)  # (1, T, heads, D)
     interpret = query.device.type == "cpu"
     _, grid, args, meta = kernel_call(q, k, v, slots, counts, out, dim ** -0.5 if scale is None else scale, interpret)
     launchable(_rows_alone_kernel, interpret)[grid](*args, **meta)
     return out
+
+
+def check_shapes(query: torch.Tensor, key: torch.Tensor, rows_by_slots: torch.Size) -> None:
+    """ValueError in one line unless batch 1, query heads a multiple of kv heads and a (T, W) mask."""
+    _, heads, rows, _ = query.shape
+    if query.shape[0] != 1 or heads % key.shape[1] or tuple(rows_by_slots) != (rows, key.shape[2]):
+        raise ValueError(f"rows_alone_attention takes batch 1, query heads a multiple of kv heads and a (T, W) mask; "
+                         f"got query {tuple(query.shape)}, key {tuple(key.shape)}, mask {tuple(rows_by_slots)}")
 
 
 def kernel_call(q, k, v, slots, counts, out, scale: float, interpret: bool) -> tuple:
