@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import gradio as gr
 
-from .engine import BASELINE, COMPARISON, MEDUSA, ChatEngine
+from .engine import BASELINE, COMPARISON, LABELS, MEDUSA, ChatEngine
 from .layout import Page
 from .models import ModelSlot
 from .readout import Stats, render_comparison, render_live
@@ -127,7 +127,8 @@ class ChatController:
         passes = (BASELINE, MEDUSA) if compare else (MEDUSA,)
         cut, stats, base, comparison = turn.note, None, None, ""
         label = ("plain decoding and Medusa, step-interleaved" if compare
-                 else f"Medusa, tree {settings.tree or engine.default_tree}")
+                 else f"{'Medusa' if engine.medusa_label(settings.tree) == LABELS[MEDUSA] else 'plain decoding'}, "
+                      f"tree {settings.tree or engine.default_tree}")
         for update in engine.answer(session, prompt, settings, passes):
             if update.queued:
                 yield self.views(session, None, None, "", f"⏳ Queued: {update.queued} request(s) ahead of you; "

@@ -66,11 +66,9 @@ class DecoderRun:
 
     def __init__(self, engine: "ChatEngine", name: str, prompt_ids: list[int], config: DecodeConfig,
                  tree_name: str, tree: TreeBuffers, cache, should_stop) -> None:
-        label = LABELS[name]
+        label = engine.medusa_label(tree_name) if name == MEDUSA else LABELS[name]
         if name == BASELINE or tree.num_heads == 0:
             tree_name, tree, heads = "baseline", engine.tree("baseline"), None
-            if name == MEDUSA and engine.runs_plain(tree_name):
-                label = NO_SPEEDUP
         else:
             heads = engine.heads
         self.engine, self.name, self.tree, self.config, self.cache = engine, name, tree, config, cache
@@ -166,11 +164,14 @@ class ChatEngine:
                     resolve_tree(spec), self.num_heads, dtype=self.dtype, device=self.device)
             return self._trees[spec]
 
-    def runs_plain(self, tree_name: str | None) -> bool:
-        """Whether the Medusa pane decodes plainly with ``tree_name`` ("" or None: the default tree)
-        because the tuner found no tree that pays here; a tree with heads picked since runs Medusa."""
+    def medusa_label(self, tree_name: str | None) -> str:
+        """What the Medusa pane runs with ``tree_name`` ("" or None: the default tree), as its title
+        and its readout name it: Medusa; plain decoding where the tree has no heads, and why where
+        the tuner found that no tree pays on this machine."""
         name = tree_name or self.default_tree
-        return self.no_speedup and name in self._specs and self.tree(name).num_heads == 0
+        if name not in self._specs or self.tree(name).num_heads:
+            return LABELS[MEDUSA]
+        return NO_SPEEDUP if self.no_speedup else LABELS[BASELINE]
 
     def check(self, settings: Settings) -> tuple[DecodeConfig, str, TreeBuffers]:
         """The decode config, tree name and tree of ``settings``; ValueError in one line."""

@@ -8,7 +8,7 @@ import gradio as gr
 
 from medusa_core.loading.spec import LoadSpec
 
-from .engine import NO_SPEEDUP
+from .engine import LABELS, MEDUSA
 from .layout import SAMPLING, Page
 from .models import ModelSlot, default_settings, spec_for
 from .settings import Settings
@@ -28,10 +28,10 @@ def decoding_values(settings: Settings) -> tuple[dict, ...]:
 
 
 def medusa_pane(engine, tree_name: str | None = None) -> dict:
-    """The Medusa pane's title: where the tuner found that no tree pays on this machine, plain
-    decoding runs in it, and its title says so, until the user picks a tree with heads
-    (``tree_name``: the tree control's value; None or "": the model's default tree)."""
-    return gr.update(label=NO_SPEEDUP if engine is not None and engine.runs_plain(tree_name) else "Medusa")
+    """The Medusa pane's title: what its next answer runs with the tree control's value ``tree_name``
+    (None or "": the model's default tree), as ``ChatEngine.medusa_label`` names it. The readout
+    under each answer names what decoded that answer."""
+    return gr.update(label=engine.medusa_label(tree_name) if engine is not None else LABELS[MEDUSA])
 
 
 def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec):

@@ -148,6 +148,11 @@ def test_the_medusa_pane_keeps_its_title_where_a_tree_pays(checkpoint, measured,
     engine = ChatEngine(load(spec(checkpoint)))
     assert not engine.no_speedup and medusa_pane(engine)["label"] == "Medusa"
     assert medusa_pane(None)["label"] == "Medusa"        # no model loaded
+    # the user picks the plain tree: the pane decodes plainly, and its title and readout say so
+    assert medusa_pane(engine, "baseline")["label"] == "Plain decoding"
+    prompt = engine.prompt_ids([{"role": "user", "content": "hello"}], None)
+    last = list(engine.answer(Session(), prompt, Settings(max_new_tokens=4, tree="baseline"), (MEDUSA,)))[-1]
+    assert last.stats.label == "Plain decoding" and last.stats.tree_size == 1
 
 
 def test_heads_without_accuracies_get_a_preset_and_say_how_to_tune(tmp_path, measured):
@@ -196,41 +201,67 @@ def test_sizes_that_cannot_win_are_not_timed_again():
 def test_load_that_comes_and_goes_moves_no_size():
     """On 2 shared cores load slows every step for a few hundred ms at a time, longer than a block
     of one size's steps: the sizes are timed in turn, each step against the plain step of its cycle,
-    so a slow phase cancels, even one over most of the cycles, and a spike in a few steps is
-    outvoted. Steps are counted on one clock across all sizes, as wall time runs."""
+    so a slow phase cancels, even one over half of the cycles, and a spike or a dip in a few steps
+    is outvoted. Steps are counted on one clock across all sizes, as wall time runs. Neither each
+    size's median step (the phase) nor its fastest (the dip) gives the costs."""
     import itertools
 
     cost = {1: 1.0, 2: 1.2, 4: 1.5, 8: 2.5}
     lengths = {1: 1.0, 2: 1.5, 4: 1.8, 8: 2.0}        # 8 nodes can give at most 2.0 / 2.5: dropped early
-    clock = itertools.count()
+    clock, closed = itertools.count(), []
+
+    def load(k: int) -> float:         # 22 cycles: 4 steps each up to step 31, then 3 (size 8 dropped)
+        return 1.6 if 30 <= k < 62 else 3.0 if k in (13, 21, 67) else 0.5 if k == 70 else 1.0
 
     def loop(n):
-        while True:
-            k = next(clock)
-            yield cost[n] * (1.6 if 30 <= k < 75 else 3.0 if k in (13, 21, 77) else 1.0)
+        try:
+            while True:
+                yield cost[n] * load(next(clock))
+        finally:
+            closed.append(n)
 
-    lines: list[str] = []
-    got = tree_tuning.time_in_cycles({n: loop(n) for n in cost}, lengths, lines.append)
+    lines, loops = [], {n: loop(n) for n in cost}
+    got = tree_tuning.time_in_cycles(loops, lengths, lines.append)
+    assert next(clock) == 74, "the clock the loads are placed on"
     assert {n: s / got[1] for n, s in got.items()} == pytest.approx(cost)     # what the choice reads
     assert lines[0].endswith("nodes (warm-up)") and "timing trees of 1, 2, 4 nodes" in lines[-1]
+    assert closed == [8], "a size no longer timed lets its loop (its cache) go at once"
 
 
 def test_a_reply_that_ends_is_decoded_again(checkpoint, monkeypatch):
-    """A size's loop keeps giving steps after its reply ends (here every 2 steps)."""
+    """A size's loop keeps giving steps past its reply: cut after RUN_STEPS steps (2 here) or ended
+    sooner, the reply is decoded again from the cached prompt, so 7 steps take at least 4 replies."""
     import itertools
 
+    from medusa_core.decoding import generate as generation
     from medusa_core.decoding.generate import new_cache
     from medusa_core.decoding.tree import build_tree_buffers
 
     loaded = load(spec(checkpoint, tree="chain-2"))
     monkeypatch.setattr(tree_tuning, "RUN_STEPS", 2)
+    replies, real = [], generation.generate
+    monkeypatch.setattr(generation, "generate", lambda *a, **kw: (replies.append(1), real(*a, **kw))[1])
     tree = build_tree_buffers([[0], [0, 0]], 2)
     ids = loaded.tokenizer("a lighthouse keeper finds a bottle").input_ids
     loop = tree_tuning.step_seconds(loaded.model, loaded.heads, tree, ids, new_cache(loaded.model))
     with torch.inference_mode():
         seconds = list(itertools.islice(loop, 7))
     loop.close()
-    assert len(seconds) == 7 and all(s > 0 for s in seconds)
+    assert len(seconds) == 7 and all(s > 0 for s in seconds) and len(replies) >= 4
+
+
+def test_a_prompt_answered_with_nothing_is_a_load_error(checkpoint, monkeypatch):
+    """No step to time is a one-line LoadError naming the fix, which the model slot shows (the
+    page never stays on "loading")."""
+    from medusa_core.decoding.generate import new_cache
+    from medusa_core.decoding.tree import build_tree_buffers
+
+    loaded = load(spec(checkpoint, tree="chain-2"))
+    loaded.model.generation_config.eos_token_id = list(range(loaded.model.config.vocab_size))   # every token ends it
+    ids = loaded.tokenizer("hello").input_ids
+    loop = tree_tuning.step_seconds(loaded.model, loaded.heads, build_tree_buffers([], 0), ids, new_cache(loaded.model))
+    with pytest.raises(LoadError, match="no step to time: pass --tree"), torch.inference_mode():
+        next(loop)
 
 
 def test_the_key_names_the_kernels_this_cpu_runs():

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..decoding.step import compute_dtype
+from ..errors import LoadError
 from ..decoding.tree import build_tree_buffers, expected_tokens_per_step, grow_tree
 
 TUNER_VERSION = 2          # part of the cache key: a change in how trees are measured re-tunes
@@ -36,10 +37,10 @@ CUDA_SIZES = (1, 2, 4, 8, 16, 32, 64)
 MIN_SPEEDUP = 1.05         # a tree must be expected this much faster than plain decoding to be used:
                            # below it, timing noise could make it slower (docs/cpu_default.md, "Tuned
                            # on the machine that runs it")
-CYCLES, WARMUP = 20, 2     # steps timed per size (one per cycle, measure_step_seconds), after warm-up steps
+CYCLES, WARMUP = 20, 2     # steps timed per size (one per cycle, time_in_cycles), after warm-up steps
 PRUNE_AFTER = 6            # cycles before sizes that cannot win stop being timed
 REPORT_EVERY = 5           # cycles between progress lines
-RUN_STEPS = 16             # steps per reply at most, then it is decoded again from the cached prompt
+RUN_STEPS = 16             # steps timed per reply, then it is decoded again from the cached prompt
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 # ISA flags that change which kernels torch and oneDNN run (/proc/cpuinfo names)
 CPU_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
@@ -157,14 +158,13 @@ def monotone_fit(seconds: dict[int, float]) -> dict[int, float]:
 
 
 def step_seconds(model, heads, tree, prompt_ids: list[int], cache) -> Iterator[float]:
-    """Wall seconds of each decoding step after ``prompt_ids``, without end: the reply is decoded
-    again from the cached prompt whenever it ends."""
+    """Wall seconds of each decoding step after ``prompt_ids``, without end: a reply is cut after
+    RUN_STEPS steps (or ends sooner) and decoded again from the cached prompt, so every size is timed
+    over the same stretch of context."""
     from ..decoding.config import DecodeConfig
     from ..decoding.generate import generate
 
-    # a step emits at most depth + 1 tokens: room for RUN_STEPS steps, a small cache (one per size is
-    # alive while tuning: on a 7B, 256 slots are 128 MB); stop ids are the model's EOS only
-    config = DecodeConfig(max_new_tokens=RUN_STEPS * (tree.num_heads + 1) + 1)
+    config = DecodeConfig(max_new_tokens=reply_tokens(tree))     # stop ids: the model's EOS only
     while True:
         timed = 0
         run = generate(model, prompt_ids, heads=heads if tree.num_heads else None, tree=tree, config=config, cache=cache)
@@ -174,10 +174,18 @@ def step_seconds(model, heads, tree, prompt_ids: list[int], cache) -> Iterator[f
                     continue
                 timed += 1
                 yield step.seconds
+                if timed == RUN_STEPS:
+                    break
         finally:
             run.close()
         if not timed:
-            raise RuntimeError("the tuning prompt ended at once: no step to time")
+            raise LoadError("the tree tuner's prompt got an empty answer, so there was no step to time: "
+                            "pass --tree to choose a tree without measuring")
+
+
+def reply_tokens(tree) -> int:
+    """Room for RUN_STEPS steps of ``tree``: a step emits at most depth + 1 tokens."""
+    return RUN_STEPS * (tree.num_heads + 1) + 1
 
 
 def paired_seconds(times: dict[int, list[float]]) -> dict[int, float]:
@@ -196,7 +204,10 @@ def measure_step_seconds(model, heads, trees: dict[int, object], prompt_ids: lis
     the loops are timed in turn (time_in_cycles). ``lengths``: expected tokens per step by size."""
     from ..decoding.generate import new_cache
 
-    loops = {n: step_seconds(model, heads, trees[n], prompt_ids, new_cache(model)) for n in sorted(trees)}
+    # one capacity for all: a CUDA graph attends over its cache's whole capacity, so sizes timed on
+    # caches of different capacities would differ by more than their trees
+    capacity = len(prompt_ids) + max(reply_tokens(tree) + tree.size for tree in trees.values())
+    loops = {n: step_seconds(model, heads, trees[n], prompt_ids, new_cache(model, capacity)) for n in sorted(trees)}
     try:
         return time_in_cycles(loops, lengths, progress, cycles)
     finally:
@@ -224,11 +235,13 @@ def time_in_cycles(loops: dict[int, Iterator[float]], lengths: dict[int, float],
                 times[n].append(took)
         if cycle + 1 == PRUNE_AFTER and 1 in sizes:
             sizes = _worth_timing(paired_seconds(times), lengths, sizes)
+            for n in set(loops) - set(sizes):
+                loops[n].close()           # its cache (and graph) can go now
     return paired_seconds(times)
 
 
 def _worth_timing(seconds: dict[int, float], lengths: dict[int, float], sizes: list[int]) -> list[int]:
-    """The sizes still worth timing after a first round. A tree costing c baseline steps gives at
+    """The sizes still worth timing after PRUNE_AFTER cycles. A tree costing c baseline steps gives at
     most max(lengths) / c, and a bigger tree costs at least as much: from the first size whose bound
     is below what a smaller tree already gives (or below MIN_SPEEDUP), no bigger one can win."""
     kept, best_so_far, longest = [], MIN_SPEEDUP, max(lengths.values())
