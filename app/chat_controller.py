@@ -126,9 +126,9 @@ class ChatController:
         """Show the engine's updates as they come; returns the last (Medusa stats, baseline stats, comparison)."""
         passes = (BASELINE, MEDUSA) if compare else (MEDUSA,)
         cut, stats, base, comparison = turn.note, None, None, ""
-        label = ("plain decoding and Medusa, step-interleaved" if compare
-                 else f"{'Medusa' if engine.medusa_label(settings.tree) == LABELS[MEDUSA] else 'plain decoding'}, "
-                      f"tree {settings.tree or engine.default_tree}")
+        medusa = engine.medusa_label(settings.tree) == LABELS[MEDUSA]
+        label = (f"plain decoding and {'Medusa' if medusa else 'plain decoding again'}, step-interleaved" if compare
+                 else f"{'Medusa' if medusa else 'plain decoding'}, tree {settings.tree or engine.default_tree}")
         for update in engine.answer(session, prompt, settings, passes):
             if update.queued:
                 yield self.views(session, None, None, "", f"⏳ Queued: {update.queued} request(s) ahead of you; "

@@ -89,3 +89,24 @@ def test_the_layers_of_a_forward_share_one_listing_of_each_rows_keys(kernel, mon
     assert torch.equal(attend(layers[0], key, value, other, shared), attend(layers[0], key, value, other))
     ref = torch.nn.functional.scaled_dot_product_attention(layers[0], key, value, attn_mask=other, enable_gqa=True)
     torch.testing.assert_close(attend(layers[0], key, value, other, shared), ref.transpose(1, 2))
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_a_model_forward_lists_the_keys_once_for_all_its_layers(arch, monkeypatch):
+    """Through a real decoder (prefill and tree steps): transformers hands every layer the step's one
+    mask and the one scratch, so the listing is worked out once per forward, not once per layer."""
+    from tiny import copied_heads, tiny_model
+
+    from medusa_core.decoding.config import DecodeConfig
+    from medusa_core.decoding.generate import generate
+    from medusa_core.decoding.tree import build_tree_buffers
+
+    model = tiny_model(arch, layers=3)
+    exact_attention.use_exact_rows(model)
+    listed, forwards = [], []
+    real = exact_attention.visible
+    monkeypatch.setattr(exact_attention, "visible", lambda mask: (listed.append(1), real(mask))[1])
+    model.get_decoder().register_forward_hook(lambda *args: forwards.append(1))
+    tree = build_tree_buffers([[0], [1], [0, 0]], 2)
+    steps = list(generate(model, [5, 6, 7], heads=copied_heads(model), tree=tree, config=DecodeConfig(max_new_tokens=8)))
+    assert len(steps) > 2 and len(forwards) == len(steps) and len(listed) == len(forwards)

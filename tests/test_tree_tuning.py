@@ -260,7 +260,7 @@ def test_a_prompt_answered_with_nothing_is_a_load_error(checkpoint, monkeypatch)
     loaded.model.generation_config.eos_token_id = list(range(loaded.model.config.vocab_size))   # every token ends it
     ids = loaded.tokenizer("hello").input_ids
     loop = tree_tuning.step_seconds(loaded.model, loaded.heads, build_tree_buffers([], 0), ids, new_cache(loaded.model))
-    with pytest.raises(LoadError, match="no step to time: pass --tree"), torch.inference_mode():
+    with pytest.raises(LoadError, match="no step to time: start with --tree"), torch.inference_mode():
         next(loop)
 
 

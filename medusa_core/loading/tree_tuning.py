@@ -31,7 +31,7 @@ from ..decoding.step import compute_dtype
 from ..errors import LoadError
 from ..decoding.tree import build_tree_buffers, expected_tokens_per_step, grow_tree
 
-TUNER_VERSION = 2          # part of the cache key: a change in how trees are measured re-tunes
+TUNER_VERSION = 3          # part of the cache key: a change in how trees are measured re-tunes
 CPU_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)             # tree sizes timed, root included: every CPU row costs
 CUDA_SIZES = (1, 2, 4, 8, 16, 32, 64)
 MIN_SPEEDUP = 1.05         # a tree must be expected this much faster than plain decoding to be used:
@@ -160,7 +160,8 @@ def monotone_fit(seconds: dict[int, float]) -> dict[int, float]:
 def step_seconds(model, heads, tree, prompt_ids: list[int], cache) -> Iterator[float]:
     """Wall seconds of each decoding step after ``prompt_ids``, without end: a reply is cut after
     RUN_STEPS steps (or ends sooner) and decoded again from the cached prompt, so every size is timed
-    over the same stretch of context."""
+    over the same number of steps after the prompt (a tree covers more positions in them: its
+    accepted tokens)."""
     from ..decoding.config import DecodeConfig
     from ..decoding.generate import generate
 
@@ -180,7 +181,7 @@ def step_seconds(model, heads, tree, prompt_ids: list[int], cache) -> Iterator[f
             run.close()
         if not timed:
             raise LoadError("the tree tuner's prompt got an empty answer, so there was no step to time: "
-                            "pass --tree to choose a tree without measuring")
+                            "start with --tree to choose a tree without measuring")
 
 
 def reply_tokens(tree) -> int:
@@ -202,11 +203,13 @@ def measure_step_seconds(model, heads, trees: dict[int, object], prompt_ids: lis
                          progress: Progress, cycles: int = CYCLES) -> dict[int, float]:
     """Seconds per step by tree size: each size runs its own generation loop on its own cache, and
     the loops are timed in turn (time_in_cycles). ``lengths``: expected tokens per step by size."""
+    from ..decoding.config import DecodeConfig
     from ..decoding.generate import new_cache
 
-    # one capacity for all: a CUDA graph attends over its cache's whole capacity, so sizes timed on
-    # caches of different capacities would differ by more than their trees
-    capacity = len(prompt_ids) + max(reply_tokens(tree) + tree.size for tree in trees.values())
+    # one capacity for all, a chat reply's: a CUDA graph attends over its cache's whole capacity, so
+    # sizes timed at other capacities than each other's, or than a reply's, would cost other than they do
+    reply = max(DecodeConfig().max_new_tokens, *(reply_tokens(tree) for tree in trees.values()))
+    capacity = len(prompt_ids) + reply + max(tree.size for tree in trees.values())
     loops = {n: step_seconds(model, heads, trees[n], prompt_ids, new_cache(model, capacity)) for n in sorted(trees)}
     try:
         return time_in_cycles(loops, lengths, progress, cycles)
