@@ -51,8 +51,9 @@ def exact_rows_attention(module, query: torch.Tensor, key: torch.Tensor, value: 
     if shared is None or attention_mask is None or query.shape[0] != 1 or special:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    rows = row_keys(shared, attention_mask, key.shape[2], on_device=kernel_path(query))
-    if kernel_path(query):       # no host read: the kernel walks each row's listed slots itself
+    on_device = kernel_path(query)
+    rows = row_keys(shared, attention_mask, key.shape[2], on_device)
+    if on_device:       # no host read: the kernel walks each row's listed slots itself
         from .rows_alone_attention import attend_listed
 
         return attend_listed(query, key, value, *rows, scaling), None
