@@ -31,7 +31,7 @@ from ..decoding.step import compute_dtype
 from ..errors import LoadError
 from ..decoding.tree import build_tree_buffers, expected_tokens_per_step, grow_tree
 
-TUNER_VERSION = 3          # part of the cache key: a change in how trees are measured re-tunes
+TUNER_VERSION = 4          # part of the cache key: a change in how trees are measured re-tunes
 CPU_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)             # tree sizes timed, root included: every CPU row costs
 CUDA_SIZES = (1, 2, 4, 8, 16, 32, 64)
 MIN_SPEEDUP = 1.05         # a tree must be expected this much faster than plain decoding to be used:
@@ -203,13 +203,13 @@ def measure_step_seconds(model, heads, trees: dict[int, object], prompt_ids: lis
                          progress: Progress, cycles: int = CYCLES) -> dict[int, float]:
     """Seconds per step by tree size: each size runs its own generation loop on its own cache, and
     the loops are timed in turn (time_in_cycles). ``lengths``: expected tokens per step by size."""
-    from ..decoding.config import DecodeConfig
     from ..decoding.generate import new_cache
 
-    # one capacity for all, a chat reply's: a CUDA graph attends over its cache's whole capacity, so
-    # sizes timed at other capacities than each other's, or than a reply's, would cost other than they do
-    reply = max(DecodeConfig().max_new_tokens, *(reply_tokens(tree) for tree in trees.values()))
-    capacity = len(prompt_ids) + reply + max(tree.size for tree in trees.values())
+    # One capacity for all: a CUDA graph attends over its cache's whole capacity, so sizes timed at
+    # different capacities would differ by more than their trees. The smallest that holds every size:
+    # all the caches are alive at once (a 7B's 256 slots are 128 MB each, 7 sizes on CUDA), and a
+    # chat's own capacity moves with the conversation anyway.
+    capacity = len(prompt_ids) + max(reply_tokens(tree) + tree.size for tree in trees.values())
     loops = {n: step_seconds(model, heads, trees[n], prompt_ids, new_cache(model, capacity)) for n in sorted(trees)}
     try:
         return time_in_cycles(loops, lengths, progress, cycles)
