@@ -80,7 +80,7 @@ def row_keys(shared: dict, mask: torch.Tensor, width: int, on_device: bool) -> t
     again). On the device: visible_slots' (slots (T, W), counts (T,)). On the host: (prefix (T,) bool
     list, counts (T,) int list, slots: per row its (n,) ascending slot tensor, None where prefix)."""
     kept = shared.get("rows")
-    if kept is not None and kept[0] is mask and kept[1] == (width, on_device):
+    if kept is not None and kept[0] is mask and kept[1] == width:   # one forward runs on one device
         return kept[2]
     seen = visible(mask)[:, :width]                                                   # (T, <= W)
     if on_device:
@@ -97,7 +97,7 @@ def row_keys(shared: dict, mask: torch.Tensor, width: int, on_device: bool) -> t
         prefix = (seen == (torch.arange(seen.shape[1]) < counts[:, None])).all(1).tolist()   # (T,)
         slots = [None if p else seen[i].nonzero().squeeze(1) for i, p in enumerate(prefix)]
         rows = (prefix, counts.tolist(), slots)
-    shared["rows"] = (mask, (width, on_device), rows)
+    shared["rows"] = (mask, width, rows)
     return rows
 
 
