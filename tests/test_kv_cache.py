@@ -1,10 +1,12 @@
+import warnings
+
 import pytest
 import torch
 from tiny import tiny_model, trained_heads
 
 from medusa_core.decoding.config import DecodeConfig
 from medusa_core.decoding.generate import generate, new_cache
-from medusa_core.decoding.kv_cache import prefill_mask
+from medusa_core.decoding.kv_cache import cache_keyword, prefill_mask
 from medusa_core.decoding.tree import build_tree_buffers, resolve_tree
 
 
@@ -42,7 +44,7 @@ def test_compacted_cache_gives_the_logits_of_a_full_recompute(setup):
     with torch.inference_mode():
         hidden = model.get_decoder()(
             input_ids=torch.tensor([[out[-1]]]), attention_mask=prefill_mask(n, 1, cache.capacity, torch.float32, "cpu"),
-            position_ids=torch.tensor([[n]]), past_key_values=cache, use_cache=True,
+            position_ids=torch.tensor([[n]]), use_cache=True, **{cache_keyword(model.get_decoder()): cache},
         ).last_hidden_state
         cached = model.lm_head(hidden)[0, -1]
         full = model(torch.tensor([cache.token_ids + [out[-1]]])).logits[0, -1]
@@ -87,3 +89,24 @@ def test_cache_grows_between_turns_when_needed(setup):
     long = tokens_of(generate(model, prompt, heads=heads, tree=tree, cache=cache, config=DecodeConfig(max_new_tokens=200)))
     assert cache.capacity > small
     assert long == tokens_of(generate(model, prompt, heads=heads, tree=tree, config=DecodeConfig(max_new_tokens=200)))
+
+
+def test_decoding_passes_the_cache_under_the_name_the_installed_transformers_takes(setup):
+    """transformers 5.24 renamed the forward's ``past_key_values`` to ``cache``; the old name warns
+    on every forward (a console full of warnings in the app) and is removed in 5.40. The step must
+    use whichever name the installed version's forward declares."""
+    model, heads, tree = setup
+
+    def forward_new(input_ids, cache=None, past_key_values=None):       # 5.24 keeps both, old one deprecated
+        pass
+
+    def forward_old(input_ids, past_key_values=None):                   # 5.17-5.23
+        pass
+
+    assert cache_keyword(type("New", (), {"forward": staticmethod(forward_new)})) == "cache"
+    assert cache_keyword(type("Old", (), {"forward": staticmethod(forward_old)})) == "past_key_values"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)       # a deprecated keyword would raise here
+        steps = list(generate(model, [1, 9, 4, 22], heads=heads, tree=tree, cache=new_cache(model, 0),
+                              config=DecodeConfig(max_new_tokens=12)))
+    assert sum(len(s.tokens) for s in steps) == 12

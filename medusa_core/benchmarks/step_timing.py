@@ -13,7 +13,7 @@ import torch
 from ..decoding.config import DecodeConfig
 from ..decoding.generate import generate, new_cache
 from ..decoding.graphs import capture_stream
-from ..decoding.kv_cache import prefill_mask, tree_step_mask
+from ..decoding.kv_cache import cache_keyword, prefill_mask, tree_step_mask
 from ..decoding.step_store import step_for
 from ..decoding.tree import TreeBuffers, build_tree_buffers
 from .synthetic import DTYPE
@@ -95,9 +95,10 @@ def time_stock_forward(model, tree: TreeBuffers, context: int, capacity: int, it
     if device.type != "cuda":
         return None
     cache = StaticCache(config=model.config, max_cache_len=capacity)
+    keyword = cache_keyword(model)
     prefix = torch.randint(3, model.config.vocab_size, (1, context), device=device)
     model(input_ids=prefix, attention_mask=prefill_mask(0, context, capacity, DTYPE, device),
-          position_ids=torch.arange(context, device=device)[None], past_key_values=cache, use_cache=True)
+          position_ids=torch.arange(context, device=device)[None], use_cache=True, **{keyword: cache})
     tokens = torch.randint(3, model.config.vocab_size, (1, tree.size), device=device)
     position = torch.full((1,), context, device=device)
     mask = tree_step_mask(tree.attn_mask == 0, position, torch.arange(capacity, device=device), DTYPE)
@@ -106,8 +107,8 @@ def time_stock_forward(model, tree: TreeBuffers, context: int, capacity: int, it
     def forward():
         for layer in cache.layers:     # StaticCache advances its write position per update: set it back
             layer.cumulative_length.fill_(context)
-        return model(input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                     use_cache=True).logits
+        return model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
+                     **{keyword: cache}).logits
 
     side = capture_stream(device)
     side.wait_stream(torch.cuda.current_stream())

@@ -19,11 +19,13 @@ steps (and their CUDA graphs) that were bound to the old buffers.
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections import OrderedDict
 from contextlib import contextmanager
 
 import torch
+from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 SMALLEST_BUCKET = 256
@@ -31,6 +33,13 @@ SMALLEST_BUCKET = 256
 
 class ContextOverflowError(ValueError):
     """The conversation does not fit the model's context window."""
+
+
+def cache_keyword(module: nn.Module) -> str:
+    """The name under which ``module``'s forward takes a KV cache. transformers 5.24 renamed
+    ``past_key_values`` to ``cache``: the old name still works there but warns on every forward
+    and goes in 5.40, while 5.17-5.23 (the GPU image has 5.17) know only the old one."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
 
 def bucket(needed: int, max_context: int) -> int:

@@ -26,7 +26,7 @@ from torch import nn
 from ..heads.medusa_heads import MedusaHeads
 from .acceptance import accept_match, accept_typical, sample_from, sampling_probs
 from .config import DEFAULTS, DecodeConfig
-from .kv_cache import KVCache, prefill_mask, tree_step_mask
+from .kv_cache import KVCache, cache_keyword, prefill_mask, tree_step_mask
 from .graphs import capture_stream
 from .tree import TreeBuffers
 
@@ -78,6 +78,7 @@ class DecodeStep:
     def __init__(self, model: nn.Module, heads: MedusaHeads | None, tree: TreeBuffers, cache: KVCache,
                  rule: AcceptRule, graphs: bool):
         self.decoder, self.lm_head = model.get_decoder(), model.get_output_embeddings()
+        self.cache_keyword = cache_keyword(self.decoder)
         self.heads, self.tree, self.rule = heads, tree, rule
         # The cache owns its steps (cache.steps); a weak reference back keeps that from being a
         # cycle, so a dropped conversation frees its buffers and graphs at once, never later in a
@@ -137,7 +138,7 @@ class DecodeStep:
                 input_ids=ids,
                 attention_mask=prefill_mask(start, len(new_ids), self.cache.width, self.dtype, device),
                 position_ids=torch.arange(start, end, device=device)[None],
-                past_key_values=self.cache,
+                **{self.cache_keyword: self.cache},
                 use_cache=True,
                 **decoder_kwargs(self.rows_alone),
             ).last_hidden_state[0, -1]                                                   # (H,)
@@ -158,7 +159,7 @@ class DecodeStep:
                 input_ids=self.tokens[None],
                 attention_mask=tree_step_mask(self.allowed, pos, cache.slot_ids[:cache.width], self.dtype),
                 position_ids=(tree.depths + pos)[None],
-                past_key_values=cache,
+                **{self.cache_keyword: cache},
                 use_cache=True,
                 **decoder_kwargs(self.rows_alone),
             ).last_hidden_state[0]                                                       # (T, H)
