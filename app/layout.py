@@ -71,9 +71,9 @@ class Page:
 def _number_control(name: str, **kw):
     spec, value = limits(name), getattr(DEFAULTS, name)
     if spec.slider is None:
-        return gr.Number(value, label=spec.label, info=None, **kw)
+        return gr.Number(value, label=spec.label, info=None, elem_id=name, **kw)
     low, high, step = spec.slider
-    return gr.Slider(low, high, value=value, step=step, label=spec.label, **kw)
+    return gr.Slider(low, high, value=value, step=step, label=spec.label, elem_id=name, **kw)
 
 
 def decoding_controls(max_new_tokens: int) -> dict:

@@ -138,6 +138,29 @@ def test_the_page_says_what_it_runs_and_starts_with_its_settings(page):
     assert page.locator(f"input[value={CPU_DEFAULTS.mode}]").is_checked()
 
 
+def slider_enabled(page, name: str) -> bool | None:
+    return page.evaluate(f"() => {{ const r = document.querySelector('#{name} input[type=range]');"
+                         f" return r ? !r.disabled : null; }}")
+
+
+def test_typical_acceptance_is_tuned_with_sliders(page):
+    """Temperature, ε and δ are sliders, live in typical acceptance and off in greedy decoding."""
+    pick_greedy(page)
+    assert [slider_enabled(page, name) for name in ("temperature", "epsilon", "delta")] == [False] * 3
+    page.get_by_label("Typical acceptance").check()
+    page.wait_for_function("() => ['temperature', 'epsilon', 'delta'].every(n => "
+                           "document.querySelector(`#${n} input[type=range]`)?.disabled === false)", timeout=10_000)
+    box = page.locator("#epsilon input[type=number]")
+    box.fill("0.2")
+    box.press("Enter")
+    page.wait_for_function("() => document.querySelector('#epsilon input[type=range]')?.value === '0.2'",
+                           timeout=10_000)
+    send(page, "Name a colour.")
+    shoot(page, "typical_sliders.png")
+    assert assistant_texts(page, "chat")[-1].strip()
+    assert "Ready" in page.locator("#status").inner_text()
+
+
 def test_chat_streams_answers_then_compares(page):
     # greedy: a sampled (random-seed) answer once put SmolLM2 in character ("I'm Captain Thrax")
     pick_greedy(page)
