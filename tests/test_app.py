@@ -474,6 +474,7 @@ def test_a_tab_keeps_one_export_folder_and_it_goes_with_the_tab():
     """Each change rewrites the tab's two export files in place (a folder per change left a copy of
     every state of every conversation in /tmp); the tab's end removes them."""
     import json
+    from pathlib import Path
 
     from app.session import Session, Turn
     from app.transcript import discard_exports, export_folder, write_exports
@@ -486,7 +487,7 @@ def test_a_tab_keeps_one_export_folder_and_it_goes_with_the_tab():
     second = write_exports(session.turns, 0, session.export_dir, system="be brief")
     assert first == second and sorted(p.name for p in session.export_dir.iterdir()) == ["conversation.json",
                                                                                        "conversation.md"]
-    saved = json.loads(open(second[0], encoding="utf-8").read())
+    saved = json.loads(Path(second[0]).read_text(encoding="utf-8"))
     assert [t["user"] for t in saved["turns"]] == ["hello", "and now?"] and saved["system"] == "be brief"
     folder = session.export_dir
     discard_exports(session)
