@@ -71,9 +71,9 @@ def test_the_layers_of_a_forward_share_one_listing_of_each_rows_keys(kernel, mon
     its interpreter)."""
     if kernel:
         pytest.importorskip("triton", reason="the row-exact attention kernel needs Triton: pip install triton")
-        from medusa_core.quant import nf4_matmul as nm
+        from medusa_core.quant.triton_runtime import INTERPRET_ENV
 
-        monkeypatch.setenv(nm.INTERPRET_ENV, "1")              # the kernel on CPU tensors
+        monkeypatch.setenv(INTERPRET_ENV, "1")              # the kernel on CPU tensors
     monkeypatch.setattr(exact_attention, "kernel_path", lambda query: kernel)
     listed = []
     real = exact_attention.visible

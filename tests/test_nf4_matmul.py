@@ -18,6 +18,8 @@ import bitsandbytes.functional as bnbf  # noqa: E402
 from tiny import copied_heads, tiny_model  # noqa: E402
 
 from medusa_core.quant import nf4_matmul as nm  # noqa: E402
+from medusa_core.quant.kernel_timing import pick_fastest  # noqa: E402
+from medusa_core.quant.triton_runtime import INTERPRET_ENV  # noqa: E402
 from medusa_core.errors import LoadError  # noqa: E402
 from medusa_core.decoding.config import DecodeConfig  # noqa: E402
 from medusa_core.decoding.generate import generate  # noqa: E402
@@ -29,7 +31,7 @@ from medusa_core.decoding.tree import build_tree_buffers, resolve_tree  # noqa: 
 
 @pytest.fixture(autouse=True)
 def interpret(monkeypatch):
-    monkeypatch.setenv(nm.INTERPRET_ENV, "1")
+    monkeypatch.setenv(INTERPRET_ENV, "1")
 
 
 def quantized(n: int, k: int, nested: bool, seed: int = 0, flat: bool = False):
@@ -147,14 +149,14 @@ def test_tuner_skips_configs_that_fail_or_disagree_with_one_line_each(capsys):
         y = nm.nf4_matmul(x, packed, state, config=cfg)
         return y * 1.1 if cfg == wrong else y
 
-    best, log = nm.pick_fastest([tile, broken, stream, wrong], run, time_us=lambda cfg: 10.0 if cfg == tile else 5.0,
+    best, log = pick_fastest([tile, broken, stream, wrong], run, time_us=lambda cfg: 10.0 if cfg == tile else 5.0,
                                 where="72x256")
     assert best == stream                     # the stream kernel agrees with the tile kernel and is "faster"
     assert log == [(tile.describe(), 10.0), (broken.describe(), None), (stream.describe(), 5.0), (wrong.describe(), None)]
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 and "Illegal shared layout" in lines[0] and "wrong result" in lines[1]
-    assert all(line.startswith("nf4_matmul: ") and "skipped for 72x256" in line for line in lines)
-    none, log = nm.pick_fastest([broken], run, time_us=lambda cfg: 1.0, where="72x256")
+    assert all(line.startswith("kernel tuning: ") and "skipped for 72x256" in line for line in lines)
+    none, log = pick_fastest([broken], run, time_us=lambda cfg: 1.0, where="72x256")
     assert none is None and log == [(broken.describe(), None)]
 
 
@@ -240,7 +242,7 @@ def test_use_nf4_kernel_choices():
 
 
 def test_triton_on_cpu_without_the_interpreter_is_one_line(monkeypatch):
-    monkeypatch.delenv(nm.INTERPRET_ENV)
+    monkeypatch.delenv(INTERPRET_ENV)
     model = nf4_tiny_model()
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1") as err:
         use_nf4_kernel(model, "triton")

@@ -20,7 +20,7 @@ from medusa_core.decoding.generate import generate  # noqa: E402
 from medusa_core.decoding.step import ROW_EXACT_ATTENTION  # noqa: E402
 from medusa_core.decoding.tree import build_tree_buffers, resolve_tree  # noqa: E402
 from medusa_core.quant import nf4_fused  # noqa: E402
-from medusa_core.quant import nf4_matmul as nm  # noqa: E402
+from medusa_core.quant.triton_runtime import INTERPRET_ENV  # noqa: E402
 from medusa_core.quant import nf4_repack as rp  # noqa: E402
 from medusa_core.quant import nf4_repacked_matmul as rm  # noqa: E402
 from medusa_core.quant.bnb import quantize_linear_nf4_, use_nf4_kernel  # noqa: E402
@@ -29,7 +29,7 @@ from medusa_core.quant.formats import weights_format  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def interpret(monkeypatch):
-    monkeypatch.setenv(nm.INTERPRET_ENV, "1")
+    monkeypatch.setenv(INTERPRET_ENV, "1")
 
 
 def quantized(n: int, k: int, nested: bool = True, seed: int = 0, blocksize: int = 64):
@@ -268,7 +268,7 @@ def test_auto_never_picks_the_repacked_kernel_and_errors_are_one_line(monkeypatc
     with pytest.raises(ValueError, match=r"^nf4 kernel 'fast' is unknown: use one of auto, triton, bnb, repacked, "
                                          r"repacked-exact$"):
         use_nf4_kernel(model, "fast")
-    monkeypatch.delenv(nm.INTERPRET_ENV)
+    monkeypatch.delenv(INTERPRET_ENV)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1") as err:
         use_nf4_kernel(model, "repacked")
     assert "\n" not in str(err.value)

@@ -11,13 +11,13 @@ import torch.nn.functional as F
 pytest.importorskip("triton", reason="the row-exact attention kernel needs Triton: pip install triton")
 from tiny import tree_seen  # noqa: E402
 
-from medusa_core.quant import nf4_matmul as nm  # noqa: E402
+from medusa_core.quant.triton_runtime import INTERPRET_ENV  # noqa: E402
 from medusa_core.quant.rows_alone_attention import rows_alone_attention, visible_slots  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def interpret(monkeypatch):
-    monkeypatch.setenv(nm.INTERPRET_ENV, "1")
+    monkeypatch.setenv(INTERPRET_ENV, "1")
 
 
 PARENTS = [-1, 0, 0, 1, 1, 2, 3]      # a 7-node tree: node i's parent

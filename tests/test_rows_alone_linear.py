@@ -7,13 +7,13 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="the row-exact linear kernel needs Triton: pip install triton")
-from medusa_core.quant import nf4_matmul as nm  # noqa: E402
+from medusa_core.quant.triton_runtime import INTERPRET_ENV  # noqa: E402
 from medusa_core.quant.rows_alone_linear import RowsAloneHead, rows_alone_linear  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def interpret(monkeypatch):
-    monkeypatch.setenv(nm.INTERPRET_ENV, "1")
+    monkeypatch.setenv(INTERPRET_ENV, "1")
 
 
 def test_a_row_gets_its_bits_alone_and_the_product_to_rounding():

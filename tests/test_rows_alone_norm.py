@@ -8,13 +8,13 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 pytest.importorskip("triton", reason="the row-exact norm kernel needs Triton: pip install triton")
-from medusa_core.quant import nf4_matmul as nm  # noqa: E402
+from medusa_core.quant.triton_runtime import INTERPRET_ENV  # noqa: E402
 from medusa_core.quant.rows_alone_norm import RowsAloneRMSNorm, is_rms_norm, rows_alone_rms_norm  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def interpret(monkeypatch):
-    monkeypatch.setenv(nm.INTERPRET_ENV, "1")
+    monkeypatch.setenv(INTERPRET_ENV, "1")
 
 
 @pytest.mark.parametrize("hidden", [64, 48])          # a power of two, and not

@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..quant.kernel_timing import graph_time_us, rotating_copies, rotation_count
+
 SHAPES = ((4096, 11008), (11008, 4096), (4096, 4096), (4096, 32000))   # (K in, N out)
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 METHODS = ("bf16", "bnb", "bnb_gemv", "bnb_dequant", "tinygemm_g64", "tinygemm_g128", "triton", "repacked",
@@ -73,7 +75,7 @@ def bench_shape(k: int, n: int, device: torch.device, l2: int) -> tuple[list[Row
     gen = torch.Generator(device=device).manual_seed(0)
     w = torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
     packed, state = bnbf.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
-    copies = nm.rotating_copies(packed, state, l2)
+    copies = rotating_copies(packed, state, l2)
     repacked = [rp.repack_bnb([(p, s)]) for p, s in copies]
     tiny = {}
     for group in (64, 128):
@@ -131,7 +133,7 @@ def bench_shape(k: int, n: int, device: torch.device, l2: int) -> tuple[list[Row
                     check[method][m] = rel
                     if rel > 1e-2:
                         raise RuntimeError(f"wrong result: relative error {rel:.2e} > 1e-2")
-                us = nm.graph_time_us(calls[method])
+                us = graph_time_us(calls[method])
                 variant = variants[method]().describe() if method in variants else ""
                 rows.append(Row(k, n, m, method, us, variant=variant))
             except Exception as err:  # fail soft per row: one line, then the next row
@@ -170,7 +172,6 @@ def bench_fusion(device: torch.device, l2: int) -> list[dict]:
 
     import bitsandbytes.functional as bnbf
 
-    from ..quant import nf4_matmul as nm
     from ..quant import nf4_repack as rp
     from ..quant import nf4_repacked_matmul as rm
 
@@ -183,7 +184,7 @@ def bench_fusion(device: torch.device, l2: int) -> list[dict]:
         parts = [bnbf.quantize_4bit(torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02,
                                     blocksize=64, compress_statistics=True, quant_type="nf4") for n in ns]
         fused = rp.repack_bnb(parts)
-        count = max(2, -(-2 * l2 // fused.nbytes))
+        count = rotation_count(fused.nbytes, l2)
         fused_copies = [fused] + [clone(fused) for _ in range(count - 1)]
         separate_copies = [[rp.repack_bnb([p]) for p in parts]]
         separate_copies += [[clone(w) for w in separate_copies[0]] for _ in range(count - 1)]
@@ -195,7 +196,7 @@ def bench_fusion(device: torch.device, l2: int) -> list[dict]:
                         calls = [functools.partial(rm.repacked_matmul, x, w) for w in fused_copies]
                     else:
                         calls = [functools.partial(rm.repacked_matmul, x, w) for ws in separate_copies for w in ws]
-                    us = nm.graph_time_us(calls) * len(calls) / count       # per group: q, k and v together
+                    us = graph_time_us(calls) * len(calls) / count       # per group: q, k and v together
                     out.append({"group": name, "m": m, "mode": mode, "us": us})
                 except Exception as err:  # fail soft: one line, then the next
                     print(f"  fusion {name} M={m} {mode}: FAILED ({type(err).__name__}: {str(err).strip()[:120]})")

@@ -115,16 +115,17 @@ def _one_row_kernel_faster(layer, dtype: torch.dtype) -> bool:
     import bitsandbytes as bnb
 
     from . import nf4_matmul
+    from .kernel_timing import graph_time_us, rotating_copies
 
     state = layer.weight.quant_state
     n, k = (int(s) for s in state.shape)
     device = layer.weight.device
     key = (torch.cuda.get_device_name(device), n, k, dtype)
     if key not in _ONE_ROW:
-        copies = nf4_matmul.rotating_copies(layer.weight.data, state, torch.cuda.get_device_properties(device).L2_cache_size)
+        copies = rotating_copies(layer.weight.data, state, torch.cuda.get_device_properties(device).L2_cache_size)
         x = torch.randn(1, k, device=device, dtype=dtype)
-        bnb_us = nf4_matmul.graph_time_us([functools.partial(bnb.matmul_4bit, x, p.t(), quant_state=s) for p, s in copies])
-        kernel_us = nf4_matmul.graph_time_us([functools.partial(nf4_matmul.nf4_matmul, x, p, s) for p, s in copies])
+        bnb_us = graph_time_us([functools.partial(bnb.matmul_4bit, x, p.t(), quant_state=s) for p, s in copies])
+        kernel_us = graph_time_us([functools.partial(nf4_matmul.nf4_matmul, x, p, s) for p, s in copies])
         _ONE_ROW[key] = kernel_us < bnb_us
         del copies
     return _ONE_ROW[key]
@@ -159,10 +160,11 @@ def use_nf4_kernel(model: nn.Module, choice: str) -> str:
         return f"nf4 kernel: bitsandbytes for all {len(layers)} NF4 layers (auto: the Triton kernel needs CUDA)"
     try:
         from . import nf4_matmul
+        from .triton_runtime import check_runnable
     except ImportError as err:
         raise ValueError(f"--nf4-kernel {choice}: {err}") from None
     try:
-        nf4_matmul.check_runnable(device)
+        check_runnable(device)
     except RuntimeError as err:
         raise ValueError(f"--nf4-kernel {choice}: {err}") from None
 

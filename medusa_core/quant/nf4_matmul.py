@@ -23,10 +23,7 @@ the split-K partials), never sync, and so can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-import copy
 import functools
-import os
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +34,8 @@ try:
 except ImportError as err:  # one line, naming the fix; the rest of the project never needs Triton
     raise ImportError(f"medusa_core.quant.nf4_matmul needs Triton ({err}): pip install 'triton>=3.7'") from None
 
-INTERPRET_ENV = "TRITON_INTERPRET"
+from .kernel_timing import graph_time_us, pick_fastest, rotating_copies
+from .triton_runtime import check_runnable, launchable
 
 
 # The kernels use core builtins only (tl.full, tl.reduce with this combine function, not tl.zeros or
@@ -260,17 +258,6 @@ def _reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, splits, stride_om,
     tl.store(out_ptr + (offs // N) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@functools.cache
-@functools.cache
-def launchable(fn, interpret: bool):
-    """A kernel function compiled for CUDA (triton.jit) or run by Triton's interpreter for CPU tensors,
-    chosen at first launch: the interpreter choice follows the environment then, not at import."""
-    if interpret:
-        from triton.runtime.interpreter import InterpretedFunction
-        return InterpretedFunction(fn)
-    return triton.jit(fn)
-
-
 def _kernels(interpret: bool):
     """(tile matmul, streaming matmul, reduce) kernels, for CUDA or the interpreter (see launchable)."""
     return tuple(launchable(fn, interpret) for fn in (_nf4_kernel, _nf4_stream_kernel, _reduce_kernel))
@@ -294,20 +281,6 @@ class KernelConfig:
     def describe(self) -> str:
         kind = f"stream sub{self.sub} slots{self.slots}" if self.sub else "tile"
         return f"{kind} m{self.block_m} n{self.block_n} split{self.split_k} w{self.num_warps} s{self.num_stages}"
-
-
-def interpret_enabled() -> bool:
-    return os.environ.get(INTERPRET_ENV, "0") == "1"
-
-
-def check_runnable(device: torch.device) -> None:
-    """One-line error where Triton cannot run this kernel on ``device``."""
-    if device.type == "cuda":
-        return
-    if device.type == "cpu" and interpret_enabled():
-        return
-    raise RuntimeError(f"the Triton NF4 kernel needs a CUDA device; on {device.type} it runs only under Triton's "
-                       f"interpreter: set {INTERPRET_ENV}=1 (slow, for tests) or use --nf4-kernel bnb")
 
 
 def check_state(weight: torch.Tensor, state, in_features: int) -> tuple[int, int]:
@@ -552,72 +525,3 @@ def tune_shape(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
     return best
 
 
-def pick_fastest(configs: list[KernelConfig], run: Callable[[KernelConfig], torch.Tensor],
-                 time_us: Callable[[KernelConfig], float], where: str) -> tuple[KernelConfig | None, list]:
-    """(fastest config, [(config, µs or None)]) of ``configs``. The first one that runs is the reference
-    (the known-good tile kernel, first in candidates()); a config that fails to compile or run, or whose
-    result is off the reference by more than 1e-2 (relative), is skipped with one printed line."""
-    best, best_us, reference, log = None, float("inf"), None, []
-    for cfg in configs:
-        try:
-            y = run(cfg).float()
-            if reference is None:
-                reference = y
-            error = float((y - reference).norm() / reference.norm().clamp_min(1e-30))
-            if not error <= 1e-2:
-                raise RuntimeError(f"wrong result: relative error {error:.1e} against the first config")
-            us = time_us(cfg)
-        except Exception as err:  # e.g. a tile Triton cannot compile for this GPU: skipped, loudly
-            line = str(err).strip().splitlines()[0][:120] if str(err).strip() else ""
-            print(f"nf4_matmul: {cfg.describe()} skipped for {where} ({type(err).__name__}: {line})")
-            log.append((cfg.describe(), None))
-            continue
-        log.append((cfg.describe(), us))
-        if us < best_us:
-            best, best_us = cfg, us
-    return best, log
-
-
-def rotation_count(nbytes: int, l2_bytes: int, at_least: int = 2) -> int:
-    """How many copies of an ``nbytes`` weight make cycling through them stream from HBM, not L2
-    (twice L2 in all, at most 16)."""
-    return max(at_least, min(16, -(-2 * l2_bytes // max(nbytes, 1))))
-
-
-def rotating_copies(packed: torch.Tensor, state, l2_bytes: int, at_least: int = 2) -> list[tuple]:
-    """Enough (packed, state) copies that cycling through them streams from HBM, not L2."""
-    count = rotation_count(packed.numel() + state.absmax.numel() * state.absmax.element_size(), l2_bytes, at_least)
-    out = [(packed, state)]
-    for _ in range(count - 1):
-        s = copy.copy(state)
-        s.absmax = state.absmax.clone()
-        out.append((packed.clone(), s))
-    return out
-
-
-def graph_time_us(calls: list[Callable[[], object]], replays: int = 5, repeat: int = 4) -> float:
-    """Median µs per call: ``calls`` (cycled ``repeat`` times) captured back to back in one CUDA graph,
-    replayed and timed with CUDA events; launch overhead is gone, as in the decoding loop's graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):        # warm-up compiles and fills allocator pools outside capture
-        for fn in calls:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeat):
-            for fn in calls:
-                fn()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / (repeat * len(calls)))
-    del graph
-    return sorted(times)[len(times) // 2]

@@ -43,6 +43,8 @@ except ImportError as err:  # one line, naming the fix; the rest of the project 
                       "pip install 'triton>=3.7'") from None
 
 from . import nf4_matmul as nm
+from .kernel_timing import graph_time_us, pick_fastest, rotation_count
+from .triton_runtime import check_runnable, launchable
 from .nf4_repack import ROWS, RepackedNF4
 
 
@@ -293,13 +295,13 @@ def tune_shape(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
     w = repack_bnb([quantize_4bit(dense, blocksize=64, compress_statistics=True, quant_type="nf4")], group)
     del dense
     copies = [w] + [dataclasses.replace(w, words=w.words.clone(), scales=w.scales.clone())
-                    for _ in range(nm.rotation_count(w.nbytes, props.L2_cache_size) - 1)]
+                    for _ in range(rotation_count(w.nbytes, props.L2_cache_size) - 1)]
     x = torch.randn(row_class(m), k, device=device, dtype=dtype, generator=gen)
     key = _key(m, n, k, dtype, device, group)
-    best, TUNING_LOG[key] = nm.pick_fastest(
+    best, TUNING_LOG[key] = pick_fastest(
         candidates(m, n, -(-k // group), props.multi_processor_count),
         run=lambda cfg: repacked_matmul(x, w, config=cfg),
-        time_us=lambda cfg: nm.graph_time_us([functools.partial(repacked_matmul, x, c, config=cfg) for c in copies],
+        time_us=lambda cfg: graph_time_us([functools.partial(repacked_matmul, x, c, config=cfg) for c in copies],
                                              replays=3),
         where=f"repacked {n}x{k} M<={row_class(m)} on {key[0]}")
     if best is None:
@@ -331,7 +333,7 @@ def repacked_matmul(x: torch.Tensor, w: RepackedNF4, bias: torch.Tensor | None =
         raise ValueError(f"x has {x.shape[-1]} features but the NF4 weight is {w.n}x{w.k}: wrong layer")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"the repacked NF4 kernel computes in fp16, bf16 or fp32, got {x.dtype}: cast x first")
-    nm.check_runnable(x.device)
+    check_runnable(x.device)
     x2 = x.reshape(-1, w.k)                                       # (M, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -377,18 +379,18 @@ def kernel_call(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: b
 
 def _launch(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: bool) -> None:
     _, grid, args, meta, part = kernel_call(x2, w, bias, out, cfg, interpret)
-    nm.launchable(_repacked_kernel, interpret)[grid](*args, **meta)
+    launchable(_repacked_kernel, interpret)[grid](*args, **meta)
     if part is not None:
         nm.reduce_partials(part, bias, out, interpret)
 
 
 def dequantize_repacked(w: RepackedNF4, block_n: int = 32) -> torch.Tensor:
     """(N, K) fp32 through the kernel's own lookup and scale (DEQUANT_ONLY), for bit-exact tests."""
-    nm.check_runnable(w.words.device)
+    check_runnable(w.words.device)
     interpret = w.words.device.type == "cpu"
     out = torch.empty(w.n, w.k, dtype=torch.float32, device=w.words.device)
     groups = -(-w.k // w.group)
-    nm.launchable(_repacked_kernel, interpret)[(1, triton.cdiv(w.n, block_n), groups)](
+    launchable(_repacked_kernel, interpret)[(1, triton.cdiv(w.n, block_n), groups)](
         out, w.words, w.scales, w.code, out, out, 0, w.n, w.k, groups, 0, out.stride(0), 0, 1,
         HAS_BIAS=False, PARTIAL=False, DEQUANT_ONLY=True, PRECISION="ieee", BLOCK_M=1, BLOCK_N=block_n,
         **_constexprs(w, False, interpret, None))

@@ -22,7 +22,7 @@ try:
 except ImportError as err:  # one line, naming the fix; the rest of the project never needs Triton
     raise ImportError(f"medusa_core.quant.rows_alone_linear needs Triton ({err}): pip install 'triton>=3.7'") from None
 
-from .nf4_matmul import check_runnable, launchable
+from .triton_runtime import check_runnable, launchable
 
 BLOCK_N = 32        # output features per program
 LANES = 32          # columns per step: the lanes each (row, output) accumulates in

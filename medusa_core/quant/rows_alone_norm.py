@@ -20,7 +20,7 @@ try:
 except ImportError as err:  # one line, naming the fix; the rest of the project never needs Triton
     raise ImportError(f"medusa_core.quant.rows_alone_norm needs Triton ({err}): pip install 'triton>=3.7'") from None
 
-from .nf4_matmul import check_runnable, launchable
+from .triton_runtime import check_runnable, launchable
 
 
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, eps, H: tl.constexpr, BLOCK_H: tl.constexpr,

@@ -1,0 +1,85 @@
+"""Timing kernel candidates as the decoding step runs them: inside a CUDA graph (no launch
+overhead), cycling through copies of the weight that together exceed L2 (a model's layers are not
+L2-resident either), and keeping the fastest config that agrees with a reference. The NF4 tuners
+(nf4_matmul, nf4_repacked_matmul), the bitsandbytes routing and the kernel benchmark use it."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+Config = TypeVar("Config")     # a kernel's config: any object with describe() -> str
+
+
+def pick_fastest(configs: list[Config], run: Callable[[Config], torch.Tensor],
+                 time_us: Callable[[Config], float], where: str) -> tuple[Config | None, list]:
+    """(fastest config, [(config, µs or None)]) of ``configs``. The first one that runs is the reference
+    (each tuner lists its known-good config first); a config that fails to compile or run, or whose
+    result is off the reference by more than 1e-2 (relative), is skipped with one printed line."""
+    best, best_us, reference, log = None, float("inf"), None, []
+    for cfg in configs:
+        try:
+            y = run(cfg).float()
+            if reference is None:
+                reference = y
+            error = float((y - reference).norm() / reference.norm().clamp_min(1e-30))
+            if not error <= 1e-2:
+                raise RuntimeError(f"wrong result: relative error {error:.1e} against the first config")
+            us = time_us(cfg)
+        except Exception as err:  # e.g. a tile Triton cannot compile for this GPU: skipped, loudly
+            line = str(err).strip().splitlines()[0][:120] if str(err).strip() else ""
+            print(f"kernel tuning: {cfg.describe()} skipped for {where} ({type(err).__name__}: {line})")
+            log.append((cfg.describe(), None))
+            continue
+        log.append((cfg.describe(), us))
+        if us < best_us:
+            best, best_us = cfg, us
+    return best, log
+
+
+def rotation_count(nbytes: int, l2_bytes: int, at_least: int = 2) -> int:
+    """How many copies of an ``nbytes`` weight make cycling through them stream from HBM, not L2
+    (twice L2 in all, at most 16)."""
+    return max(at_least, min(16, -(-2 * l2_bytes // max(nbytes, 1))))
+
+
+def rotating_copies(packed: torch.Tensor, state, l2_bytes: int, at_least: int = 2) -> list[tuple]:
+    """Enough (packed, state) copies that cycling through them streams from HBM, not L2."""
+    count = rotation_count(packed.numel() + state.absmax.numel() * state.absmax.element_size(), l2_bytes, at_least)
+    out = [(packed, state)]
+    for _ in range(count - 1):
+        s = copy.copy(state)
+        s.absmax = state.absmax.clone()
+        out.append((packed.clone(), s))
+    return out
+
+
+def graph_time_us(calls: list[Callable[[], object]], replays: int = 5, repeat: int = 4) -> float:
+    """Median µs per call: ``calls`` (cycled ``repeat`` times) captured back to back in one CUDA graph,
+    replayed and timed with CUDA events; launch overhead is gone, as in the decoding loop's graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):        # warm-up compiles and fills allocator pools outside capture
+        for fn in calls:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeat):
+            for fn in calls:
+                fn()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / (repeat * len(calls)))
+    del graph
+    return sorted(times)[len(times) // 2]

@@ -1,0 +1,44 @@
+"""Where the project's Triton kernels run: compiled for CUDA, or on CPU tensors under Triton's
+interpreter (``TRITON_INTERPRET=1``, how CI tests them). The choice is made at a kernel's first
+launch, not at import, so a test can switch the interpreter on after triton was imported.
+
+Every kernel module (the NF4 matmuls, the row-exact attention, norm and lm_head) launches through
+``launchable`` and refuses a device it cannot run on through ``check_runnable``."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:
+    import triton
+except ImportError as err:  # one line, naming the fix; the rest of the project never needs Triton
+    raise ImportError(f"medusa_core's Triton kernels need Triton ({err}): pip install 'triton>=3.7'") from None
+
+INTERPRET_ENV = "TRITON_INTERPRET"
+
+
+def interpret_enabled() -> bool:
+    return os.environ.get(INTERPRET_ENV, "0") == "1"
+
+
+def check_runnable(device: torch.device) -> None:
+    """One-line error where Triton cannot run the project's kernels on ``device``."""
+    if device.type == "cuda":
+        return
+    if device.type == "cpu" and interpret_enabled():
+        return
+    raise RuntimeError(f"the Triton NF4 kernels need a CUDA device; on {device.type} they run only under Triton's "
+                       f"interpreter: set {INTERPRET_ENV}=1 (slow, for tests) or use --nf4-kernel bnb")
+
+
+@functools.cache
+def launchable(fn, interpret: bool):
+    """A kernel function compiled for CUDA (triton.jit) or run by Triton's interpreter for CPU tensors,
+    chosen at first launch: the interpreter choice follows the environment then, not at import."""
+    if interpret:
+        from triton.runtime.interpreter import InterpretedFunction
+        return InterpretedFunction(fn)
+    return triton.jit(fn)
