@@ -16,7 +16,9 @@ from .readout import Stats, render_comparison, render_live
 from .render import note_html, reply_html, user_html
 from .session import Session, Turn
 from .settings import Settings
-from .transcript import export_folder, from_saved, to_saved, write_exports
+from .transcript import export_folder, from_saved, saved_system, to_saved, write_exports
+
+INTERRUPTED = "the page was reloaded before this answer finished: press Regenerate to answer it"
 
 
 def _msg(role: str, html: str) -> dict:
@@ -172,21 +174,37 @@ class ChatController:
 
     @staticmethod
     def save_conversation(session: Session, system: str):
-        """After each change: the browser's copy of the conversation and the export files."""
+        """After each change: the browser's copy of the conversation and the export files. An empty
+        conversation is saved too: Clear must also empty the browser's copy, or a reload brings it back."""
         if not session.turns:
-            return None, gr.update(value=None, interactive=False), gr.update(value=None, interactive=False)
+            return (to_saved([], 0, system or ""), gr.update(value=None, interactive=False),
+                    gr.update(value=None, interactive=False))
         if session.export_dir is None:
             session.export_dir = export_folder()
         as_json, as_md = write_exports(session.turns, session.first_turn, session.export_dir, system or "")
-        return (to_saved(session.turns, session.first_turn), gr.update(value=as_json, interactive=True),
+        return (to_saved(session.turns, session.first_turn, system or ""), gr.update(value=as_json, interactive=True),
                 gr.update(value=as_md, interactive=True))
 
     @staticmethod
-    def restored(session: Session, stored) -> tuple:
-        """Page load: the conversation kept in the browser."""
+    def save_pending(session: Session, message, system: str):
+        """Just before a send: the browser's copy with the message in it, so a reload during the
+        answer loses nothing typed. The copy written after the answer replaces it."""
+        message = str(message or "").strip()
+        if not message:
+            return gr.update()
+        return to_saved([*session.turns, Turn(user=message)], session.first_turn, system or "")
+
+    @staticmethod
+    def restored(session: Session, stored, system: str) -> tuple:
+        """Page load: (chat, baseline chat, system prompt) from the conversation kept in the browser.
+        A message whose answer a reload cut off comes back with a note saying so."""
         if not session.turns:
             session.turns, session.first_turn = from_saved(stored)
-        return display(session.turns), display(session.turns, BASELINE)
+            last = session.turns[-1] if session.turns else None
+            if last is not None and last.user and last.reply is None and not last.note:
+                last.note = INTERRUPTED
+        kept = saved_system(stored)
+        return display(session.turns), display(session.turns, BASELINE), system if kept is None else kept
 
 
 def wire_chat(page: Page, chat: ChatController) -> dict:
@@ -218,8 +236,9 @@ def wire_chat(page: Page, chat: ChatController) -> dict:
     # Raw values (preprocess=False): a bad value from the API becomes a one-line note in the
     # chat instead of a traceback in the console; Settings.parse and the engine validate.
     events = dict(outputs=outputs, concurrency_limit=16, concurrency_id="chat", preprocess=False)
-    gr.on([page.box.submit, page.send.click], on_send, page.inputs(*_parameters(on_send)), api_name="send",
-          **events).then(**save_after)
+    gr.on([page.box.submit, page.send.click], chat.save_pending, [page.session, page.box, page.system], [page.saved],
+          api_name=False, concurrency_limit=None, show_progress="hidden").then(
+        on_send, page.inputs(*_parameters(on_send)), api_name="send", **events).then(**save_after)
     page.regenerate.click(on_regenerate, page.inputs(*_parameters(on_regenerate)), api_name="regenerate",
                           **events).then(**save_after)
     # Stop and Clear must not wait behind a running answer: no concurrency limit.

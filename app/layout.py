@@ -29,7 +29,7 @@ SAMPLING = ("temperature", "top_p", "epsilon", "delta")   # enabled by the mode 
 class Page:
     session: gr.State
     saved: gr.BrowserState
-    shown_version: gr.State   # the slot version the page's model controls show
+    shown_version: gr.State   # (slot version, engine version) the page's model controls show; None at first
     timer: gr.Timer
     note: gr.Markdown
     status: gr.Markdown
@@ -95,7 +95,7 @@ def build_layout(slot: ModelSlot, system_prompt: str) -> Page:
     session = gr.State(Session, delete_callback=discard_exports)   # called when the tab's session ends
     # a fixed key and secret: the conversation survives a server restart too (it never leaves this browser)
     saved = gr.BrowserState(None, storage_key=STORAGE_KEY, secret=STORAGE_KEY)
-    shown_version, timer = gr.State(-1), gr.Timer(0.5, active=True)
+    shown_version, timer = gr.State(None), gr.Timer(0.5, active=True)
     gr.Markdown("# Medusa chat")
     note = gr.Markdown(CPU_DEFAULT_NOTE, elem_id="note", elem_classes="note", visible=False)
     status = gr.Markdown(slot.state().line, elem_id="status", elem_classes="status")

@@ -35,19 +35,26 @@ def medusa_pane(engine, tree_name: str | None = None) -> dict:
 
 
 def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec):
-    """Attach the model panel's events; returns ``sync(version, max_new_value)``, the update of
+    """Attach the model panel's events; returns ``sync(shown, max_new_value)``, the update of
     ``model_outputs(page)`` the page's load event uses too."""
     decoding = [page.controls["mode"], *page.sampling]
 
-    def sync(version: int, max_new_value) -> tuple:
-        """The page's model controls for the slot's state; no-ops where nothing changed."""
+    def sync(shown: tuple[int, int] | None, max_new_value) -> tuple:
+        """The page's model controls for the slot's state; ``shown`` is the (slot version, engine
+        version) the page shows now (None: nothing yet). The tree, max new tokens and the decoding
+        settings go to the model's defaults only when the model itself changed: a status change
+        (a load starting, or failing while the previous model stays) keeps the user's choices."""
         state = slot.state()
         loading = state.phase == "loading"
-        if state.version == version and not loading:
-            return (*[gr.update()] * (5 + len(decoding)), gr.Timer(active=False), version, gr.update())
+        now = (state.version, state.engine_version)
+        if shown == now and not loading:
+            return (*[gr.update()] * (5 + len(decoding)), gr.Timer(active=False), shown, gr.update())
         engine = slot.engine
-        if engine is None:
-            tree_update, max_update = gr.update(choices=[], value=None), gr.update()
+        if shown is not None and shown[1] == state.engine_version:
+            tree_update = max_update = pane = gr.update()
+            decoding_update = (gr.update(),) * len(decoding)
+        elif engine is None:
+            tree_update, max_update, pane = gr.update(choices=[], value=None), gr.update(), medusa_pane(None)
             decoding_update = (gr.update(),) * len(decoding)
         else:
             try:
@@ -58,27 +65,28 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec):
                                     info=engine.loaded.tree_note or None)
             max_update = gr.update(maximum=engine.context, value=min(current, engine.context))
             decoding_update = decoding_values(default_settings(engine.loaded))
+            pane = medusa_pane(engine)
         return (state.line, gr.update(visible=engine is not None and engine.loaded.cpu_default),
                 gr.update(interactive=engine is not None and not loading), tree_update, max_update,
-                *decoding_update, gr.Timer(active=loading), state.version, medusa_pane(engine))
+                *decoding_update, gr.Timer(active=loading), now, pane)
 
-    def on_load_model(choice, model_id, heads_id, max_new_value):
+    def on_load_model(choice, model_id, heads_id, max_new_value, shown):
         try:
             spec = spec_for(choice, model_id, heads_id, base_spec)
         except ValueError as err:
-            return (f"❌ {err}", *sync(-1, max_new_value))
+            return (f"❌ {err}", *sync(shown, max_new_value))
         refused = slot.start(spec)
-        return (f"❌ {refused}" if refused else "", *sync(-1, max_new_value))
+        return (f"❌ {refused}" if refused else "", *sync(shown, max_new_value))
 
-    def on_unload(max_new_value):
-        return (slot.unload(), *sync(-1, max_new_value))
+    def on_unload(max_new_value, shown):
+        return (slot.unload(), *sync(shown, max_new_value))
 
     max_new, outputs = page.controls["max_new_tokens"], model_outputs(page)
     page.timer.tick(sync, [page.shown_version, max_new], outputs, api_name=False, concurrency_limit=None,
                     show_progress="hidden")
-    page.load.click(on_load_model, [page.known, page.model_box, page.heads_box, max_new],
+    page.load.click(on_load_model, [page.known, page.model_box, page.heads_box, max_new, page.shown_version],
                     [page.model_status, *outputs], api_name="load_model", concurrency_limit=None)
-    page.unload.click(on_unload, [max_new], [page.model_status, *outputs], api_name="unload_model",
+    page.unload.click(on_unload, [max_new, page.shown_version], [page.model_status, *outputs], api_name="unload_model",
                       concurrency_limit=None)
     page.controls["mode"].change(control_state, [page.controls["mode"]], page.sampling, api_name=False,
                                  concurrency_limit=None)

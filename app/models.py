@@ -85,6 +85,7 @@ class SlotState:
     phase: str
     line: str                 # one line for the status bar
     version: int              # changes whenever the engine or phase changes
+    engine_version: int       # changes only when the engine is replaced (a load that fails keeps it)
 
 
 def _size(nbytes: float) -> str:
@@ -127,6 +128,7 @@ class ModelSlot:
         self._ready = threading.Condition(self._lock)
         self.engine: ChatEngine | None = None
         self._phase, self._line, self._version = "empty", "No model loaded: pick one under Model and press Load", 0
+        self._engine_version = 0
         self._loading: LoadSpec | None = None
         self._started = 0.0
 
@@ -138,13 +140,14 @@ class ModelSlot:
                 got = sum(downloaded(s) for s in (self._loading.model, self._loading.heads))
                 line += f" {time.perf_counter() - self._started:.0f} s"
                 line += f" · downloaded {_size(got)}" if got else ""
-            return SlotState(self._phase, line, self._version)
+            return SlotState(self._phase, line, self._version, self._engine_version)
 
     def _set(self, phase: str, line: str, engine: ChatEngine | None = None, replace_engine: bool = False) -> None:
         with self._lock:
             old = self.engine
             if replace_engine:
                 self.engine = engine
+                self._engine_version += 1
             self._phase, self._line = phase, line
             self._version += 1
             self._ready.notify_all()

@@ -15,10 +15,19 @@ from .render import reply_html
 FORMAT = "medusa-chat/1"
 
 
-def to_saved(turns: list[Turn], first_turn: int) -> dict:
-    """JSON-ready form of a conversation (the text only: caches and colouring are rebuilt)."""
-    return {"format": FORMAT, "first_turn": first_turn,
+def to_saved(turns: list[Turn], first_turn: int, system: str = "") -> dict:
+    """JSON-ready form of a conversation and its system prompt (the text only: caches and colouring
+    are rebuilt)."""
+    return {"format": FORMAT, "first_turn": first_turn, "system": system,
             "turns": [{"user": t.user, "reply": t.reply, "baseline": t.baseline, "note": t.note} for t in turns]}
+
+
+def saved_system(saved) -> str | None:
+    """The system prompt kept with a saved conversation that has turns; None otherwise (an empty
+    conversation does not override the prompt the app was started with)."""
+    if not isinstance(saved, dict) or not saved.get("turns") or not isinstance(saved.get("system"), str):
+        return None
+    return saved["system"]
 
 
 def from_saved(saved) -> tuple[list[Turn], int]:
@@ -76,7 +85,7 @@ def write_exports(turns: list[Turn], first_turn: int, folder: Path, system: str 
     """(JSON path, Markdown path) of the conversation, written over the previous export in ``folder``
     (one per tab: a directory per change left a copy of every state of every chat in /tmp)."""
     as_json, as_md = folder / "conversation.json", folder / "conversation.md"
-    saved = to_saved(turns, first_turn) | {"system": system}
+    saved = to_saved(turns, first_turn, system)
     as_json.write_text(json.dumps(saved, ensure_ascii=False, indent=2), encoding="utf-8")
     as_md.write_text(to_markdown(turns, system), encoding="utf-8")
     return str(as_json), str(as_md)

@@ -33,15 +33,15 @@ def build_ui(slot: ModelSlot, *, system_prompt: str = "", base_spec: LoadSpec = 
         chat = ChatController(slot)
         save_after = wire_chat(page, chat)
 
-        def restore(session, stored, max_new_value):
-            """Page load: the conversation kept in the browser, and the model controls (the Medusa
-            pane, last of them, gets the conversation and its title in one update)."""
-            medusa, baseline = chat.restored(session, stored)
-            *controls, pane = sync(-1, max_new_value)
-            return (baseline, *controls, {**pane, "value": medusa})
+        def restore(session, stored, max_new_value, system):
+            """Page load: the conversation and its system prompt kept in the browser, and the model
+            controls (the Medusa pane, last of them, gets the conversation and its title in one update)."""
+            medusa, baseline, system = chat.restored(session, stored, system)
+            *controls, pane = sync(None, max_new_value)
+            return (baseline, system, *controls, {**pane, "value": medusa})
 
-        demo.load(restore, [page.session, page.saved, page.controls["max_new_tokens"]],
-                  [page.base_chat, *model_outputs(page)], api_name=False).then(**save_after)
+        demo.load(restore, [page.session, page.saved, page.controls["max_new_tokens"], page.system],
+                  [page.base_chat, page.system, *model_outputs(page)], api_name=False).then(**save_after)
     return demo
 
 

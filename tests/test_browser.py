@@ -237,6 +237,52 @@ def test_conversation_survives_a_reload_and_exports(page):
     assert page.locator("#chat .message.bot").count() >= 1
 
 
+def test_clear_and_reload_keep_what_the_user_expects(page):
+    """Clear empties the browser's copy too (a reload must not bring the conversation back); a
+    reload keeps the system prompt, and a message whose answer it cut off."""
+    send(page, "Remember the word banana.")
+    page.locator("#clear").click()
+    page.wait_for_function("() => document.querySelectorAll('#chat .message').length === 0", timeout=10_000)
+    page.wait_for_timeout(1000)            # the copy is written after Clear's own update
+    page.reload()
+    page.wait_for_function(READY, timeout=60_000)
+    page.wait_for_timeout(1000)
+    assert page.locator("#chat .message").count() == 0, "a cleared conversation came back after a reload"
+
+    page.locator("#system textarea").fill("You are a pirate.")
+    set_max_new(page, 400)
+    page.locator("#message textarea").fill("Tell me a long story about a cat.")
+    page.locator("#send").click()
+    page.wait_for_function("() => document.querySelectorAll('#chat .message.bot').length >= 1", timeout=60_000)
+    page.reload()                          # mid-answer
+    page.wait_for_function("() => document.querySelectorAll('#chat .message.user').length === 1", timeout=60_000)
+    shoot(page, "reloaded_mid_answer.png")
+    assert "long story about a cat" in page.locator("#chat .message.user").inner_text()
+    assert "press Regenerate" in page.locator("#chat").inner_text()
+    assert page.locator("#system textarea").input_value() == "You are a pirate."
+
+
+def test_a_failed_load_keeps_the_decoding_settings(page):
+    """Loading a model that fails leaves the previous model, and the user's mode and tree, as they were."""
+    pick_greedy(page)
+    tree = page.locator("#tree input")
+    tree.click()
+    page.get_by_role("option", name="chain-2").click()
+    page.wait_for_function("() => document.querySelector('#tree input')?.value.startsWith('chain-2')",
+                           timeout=10_000)
+    page.locator("#model-panel").click()   # the accordion
+    page.locator("#model-id textarea, #model-id input").first.fill("/nonexistent/model-dir")
+    page.locator("#load-model").click()
+    # the load fails in the background; the status line says so once the page's timer looks
+    page.wait_for_function("() => document.querySelector('#status')?.innerText.includes('does not exist')",
+                           timeout=60_000)
+    page.wait_for_timeout(1000)
+    shoot(page, "failed_load.png")
+    assert "previous model is still loaded" in page.locator("#status").inner_text()
+    assert page.locator("input[value=greedy]").is_checked()
+    assert tree.input_value().startswith("chain-2")
+
+
 def test_bin_icon_clears_the_conversation(page):
     """Issue #13.3: the chat pane's own bin icon does what Clear does: the next answer
     starts a new conversation."""
