@@ -181,8 +181,23 @@ class ChatEngine:
                              f"({self.context} tokens): use at most {self.context}")
         name = settings.tree or self.default_tree
         if name not in self._specs:
-            raise ValueError(f"tree {name!r} is not offered for this model: use one of {', '.join(self._specs)}")
+            self._offer(name)
         return config, name, self.tree(name)
+
+    def _offer(self, name: str) -> None:
+        """A tree typed in the page or asked for by the API, not in the list: any preset form the
+        command line takes (chain-N, cartesian-AxB...) that the loaded heads can fill. Files only
+        through --tree: a page or API request does not make the app read files of its choosing."""
+        if name.endswith(".json"):
+            raise ValueError(f"tree {name!r}: tree files are read at start only: run launch.py --tree {name}, "
+                             "or type a preset (chain-N, cartesian-AxB...) or pick one from the list")
+        try:
+            self.tree(name)        # builds it: a preset the heads cannot fill is a TreeError here
+        except TreeError as err:
+            if not self.num_heads:
+                raise ValueError(f"tree {name!r}: this model has no Medusa heads: use baseline") from None
+            raise ValueError(str(err)) from None
+        self._specs.setdefault(name, name)
 
     # ---- prompts
     def prompt_ids(self, messages: list[dict], system: str | None) -> list[int]:

@@ -281,7 +281,10 @@ def test_bad_api_values_give_one_line_notes_not_tracebacks(client, app):
     ask(client, "keep me")
     for kw, words in [(dict(mode="nosuch"), "mode 'nosuch' is unknown"),
                       (dict(max_new=99999), "max_new_tokens 99999 is more than the model's context"),
-                      (dict(tree="nosuch"), "tree 'nosuch' is not offered"),
+                      (dict(tree="nosuch"), "unknown tree 'nosuch'"),
+                      (dict(tree="/tmp/t.json"), "tree files are read at start only: run launch.py --tree /tmp/t.json"),
+                      (dict(tree="cartesian-1000x1000x1000"), "has more than 1024 nodes"),
+                      (dict(tree="chain-9"), "has depth 6 but the model has 5 Medusa heads"),
                       (dict(temperature="hot", mode="sample"), "temperature 'hot' is not a number")]:
         _, (chat, *_, box) = ask(client, "x", **kw)
         assert words in texts(chat)[-1][1] and box == "x"
@@ -300,6 +303,13 @@ def test_one_token_answer_is_never_a_silent_empty_bubble(client):
 def test_named_tree_shows_as_its_name(client, model_dirs):
     _, (chat, _, readout, *_rest) = ask(client, "hi", tree="tree.json", max_new=8)
     assert "tree.json" in readout and str(model_dirs[0].parent) not in readout
+
+
+def test_a_typed_preset_outside_the_list_decodes(client):
+    """The tree box takes any preset form the command line takes, not only the listed ones."""
+    _, (chat, _, readout, *_rest, raw, _) = ask(client, "hi", tree="cartesian-2x2", max_new=8)
+    assert raw["medusa"]["tree"] == "cartesian-2x2" and raw["medusa"]["tokens"] > 0
+    assert "cartesian-2x2" in readout and "(7 nodes)" in readout
 
 
 @pytest.fixture(scope="module")

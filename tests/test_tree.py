@@ -71,6 +71,14 @@ def test_malformed_trees_raise(paths, message):
         build_tree_buffers(paths, num_heads=2, top_k=10)
 
 
+def test_a_generated_tree_too_large_is_refused_before_it_is_built():
+    """A typed cartesian-1000x1000x1000 would build a billion paths (and hang the app): refused by count."""
+    assert len(resolve_tree("cartesian-4x4x4x3")) + 1 == 1 + 4 + 16 + 64 + 192      # 277 nodes: built
+    for spec in ("cartesian-1000x1000x1000", "cartesian-32x32", "chain-1024"):
+        with pytest.raises(TreeError, match=f"tree '{spec}' has more than 1024 nodes"):
+            resolve_tree(spec)
+
+
 def test_bad_names_and_files(tmp_path):
     with pytest.raises(TreeError, match="unknown tree 'mc_sim_9000'"):
         resolve_tree("mc_sim_9000")

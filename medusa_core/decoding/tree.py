@@ -50,6 +50,12 @@ PRESETS: dict[str, list[list[int]]] = {
 }
 
 
+# A generated tree (chain-N, cartesian-AxB...) is refused past this many nodes before it is built:
+# a typed "cartesian-1000x1000x1000" would otherwise build a billion paths. Trees that pay verify a few
+# dozen rows; the published 7B tree has 64.
+MAX_GENERATED_NODES = 1024
+
+
 class TreeError(ValueError):
     """A tree that cannot be used: unknown name, malformed paths, or one the heads cannot fill."""
 
@@ -68,7 +74,7 @@ def cartesian(widths: list[int]) -> Paths:
 
 
 def preset_names() -> list[str]:
-    return [*PRESETS, *(f"chain-{d}" for d in range(1, 6)), "cartesian-WxW..."]
+    return [*PRESETS, *(f"chain-{d}" for d in range(1, 6)), "cartesian-AxB..."]
 
 
 def resolve_tree(spec: str) -> Paths:
@@ -78,16 +84,29 @@ def resolve_tree(spec: str) -> Paths:
     if spec in PRESETS:
         return [tuple(p) for p in PRESETS[spec]]
     if spec.startswith("chain-") and spec[6:].isdigit():
+        _check_generated(spec, [1] * int(spec[6:]))
         return chain(int(spec[6:]))
     if spec.startswith("cartesian-"):
         parts = spec[len("cartesian-"):].split("x")
         if all(p.isdigit() and int(p) > 0 for p in parts):
+            _check_generated(spec, [int(p) for p in parts])
             return cartesian([int(p) for p in parts])
     if spec.endswith(".json"):
         return load_tree_file(Path(spec))
     raise TreeError(
         f"unknown tree {spec!r}: use one of {', '.join(preset_names())}, or a path to a .json file of paths"
     )
+
+
+def _check_generated(spec: str, widths: list[int]) -> None:
+    """Refuse a generated tree of more than MAX_GENERATED_NODES nodes, counted without building it."""
+    nodes, level = 1, 1
+    for width in widths:
+        level *= width
+        nodes += level
+        if nodes > MAX_GENERATED_NODES:
+            raise TreeError(f"tree {spec!r} has more than {MAX_GENERATED_NODES} nodes: "
+                            f"use a smaller one (mc_sim_7b_63 has 64)")
 
 
 def load_tree_file(path: Path) -> Paths:
