@@ -78,7 +78,7 @@ class ChatController:
         """Yield status lines while a model loads, then the engine; a str last means no engine."""
         state = self.slot.state()
         while state.phase == "loading" and not session.cancel.is_set():
-            yield f"⏳ Waiting for the model: {state.line}"
+            yield f"⏳ Waiting for the model: {state.line.removeprefix('⏳ ')}"
             state = self.slot.wait(0.5)
         engine = self.slot.engine
         yield engine if engine is not None else ("no model is loaded: pick one under Model and press Load"

@@ -242,6 +242,8 @@ def spec_for(choice: str | None, model: str, heads: str, base: LoadSpec) -> Load
     for entry in KNOWN_MODELS:
         if entry.label == choice:
             return replace(base, model=entry.model, heads=entry.heads)
+    if not choice:
+        raise ValueError("no model given: pick one from Known models, or type a hub id or local directory")
     raise ValueError(f"model choice {choice!r} is unknown: pick one from the list, or type a hub id or directory")
 
 

@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 
 from medusa_core.decoding.config import DEFAULTS, MODES, limits
+from medusa_core.loading.chat_format import to_messages
 
 from .engine import BASELINE, MEDUSA, ChatEngine, Update
 from .session import Session
@@ -45,7 +46,16 @@ UNSUPPORTED = {                # fields with no meaning here: refused when they 
     "tools": "tools (function calling)", "functions": "functions (function calling)",
     "tool_choice": "tool_choice", "function_call": "function_call", "logprobs": "logprobs",
     "top_logprobs": "top_logprobs", "response_format": "response_format", "audio": "audio output",
+    "logit_bias": "logit_bias",
 }
+# What a request may hold: OpenAI's chat-completions fields this server reads, the ones above (refused
+# when they ask for something), ones with no effect on a local answer, and this server's "medusa".
+# Anything else is refused by name, as OpenAI refuses an unrecognized argument: a misspelt field
+# must not pass unnoticed.
+READ = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream",
+        "stream_options", "n", "presence_penalty", "frequency_penalty", "medusa")
+NO_EFFECT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "reasoning_effort", "modalities",
+             "verbosity", "prompt_cache_key", "safety_identifier")
 
 
 class ApiError(Exception):
@@ -98,11 +108,12 @@ def number(data: dict, name: str, default, low: float, high: float, integer: boo
     if value is None:
         return default
     kind = "an integer" if integer else "a number"
+    span = f"{int(low):,} to {int(high):,}" if integer else f"{low:g} to {high:g}"
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not float(value).is_integer()):
-        raise ApiError(400, f"{name} {value!r} is not {kind}: give {kind} from {low:g} to {high:g}", param=name,
+        raise ApiError(400, f"{name} {value!r} is not {kind}: give {kind} from {span}", param=name,
                        code="invalid_value")
     if not math.isfinite(value) or not low <= value <= high:
-        raise ApiError(400, f"{name} {value!r} is out of range: give {kind} from {low:g} to {high:g}", param=name,
+        raise ApiError(400, f"{name} {value!r} is out of range: give {kind} from {span}", param=name,
                        code="invalid_value")
     return int(value) if integer else float(value)
 
@@ -115,8 +126,12 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
     if model != model_id:
         raise ApiError(404, f"model {model!r} is not served here: use {model_id!r} (GET /v1/models)", param="model",
                        code="model_not_found")
+    unknown = [field for field in data if field not in (*READ, *UNSUPPORTED, *NO_EFFECT)]
+    if unknown:
+        raise ApiError(400, f"unknown field {unknown[0]!r}: remove it (this server reads OpenAI's chat-completions "
+                            "fields and \"medusa\")", param=unknown[0], code="unknown_parameter")
     for field, what in UNSUPPORTED.items():
-        if data.get(field) not in (None, False, [], {"type": "text"}, "none"):
+        if data.get(field) not in (None, False, [], {}, {"type": "text"}, "none"):
             raise ApiError(400, f"{what} is not supported by this local chat: remove {field!r}", param=field,
                            code="unsupported_parameter")
     for field in ("presence_penalty", "frequency_penalty"):
@@ -135,10 +150,24 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
                             "send the recent part of the conversation", param="messages")
     messages = [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
                 for m in messages]                 # OpenAI's newer name for the system role
+    try:
+        texts = to_messages(messages)
+    except ValueError as err:   # a role or part the chat cannot take
+        raise ApiError(400, str(err), param="messages") from None
+    asked = [i for i, m in enumerate(texts) if m["role"] == "user"]
+    if not asked:
+        raise ApiError(400, "messages holds no user message: add one with the question", param="messages")
+    if not texts[asked[-1]]["content"].strip():
+        raise ApiError(400, f"message {asked[-1]}, the last user message, is empty: give the question's text",
+                       param="messages")
 
-    limit = engine.context - 1
+    limit = engine.context          # as the page: the prompt check below refuses a reply that leaves it no room
     max_tokens = number(data, "max_completion_tokens", None, 1, limit, integer=True)
-    max_tokens = number(data, "max_tokens", max_tokens, 1, limit, integer=True)
+    older = number(data, "max_tokens", None, 1, limit, integer=True)      # OpenAI's older name for the same limit
+    if None not in (max_tokens, older) and older != max_tokens:
+        raise ApiError(400, f"max_tokens {older} and max_completion_tokens {max_tokens} disagree: give one of them",
+                       param="max_tokens", code="invalid_value")
+    max_tokens = max_tokens or older
     temperature = number(data, "temperature", 1.0, 0, 2)
     top_p = number(data, "top_p", 1.0, 0, 1)
     if top_p == 0:
@@ -182,7 +211,7 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
         engine.check(settings)
     except ValueError as err:   # an unknown tree or mode, one line from the engine
         raise ApiError(400, str(err), param="medusa", code="invalid_value") from None
-    return ChatRequest(messages, settings, passes, tuple(stop), stream, bool(options.get("include_usage")))
+    return ChatRequest(texts, settings, passes, tuple(stop), stream, bool(options.get("include_usage")))
 
 
 def prompt_for(engine: ChatEngine, request: ChatRequest) -> list[int]:
@@ -385,7 +414,8 @@ def api_routes(slot: ModelSlot, api_key: str | None = None) -> list[APIRoute]:
             raise ApiError(503, f"the model is loading ({state.line.lstrip('⏳ ')}): retry in a few seconds",
                            kind="server_error", code="model_loading")
         if slot.engine is None:
-            raise ApiError(503, "no model is loaded: load one in the page", kind="server_error", code="no_model")
+            why = state.line.removeprefix("❌ ") if state.phase == "failed" else "no model is loaded: load one in the page"
+            raise ApiError(503, why, kind="server_error", code="no_model")
         return slot.engine
 
     async def models(request: Request):

@@ -118,6 +118,14 @@ HOSTILE = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"tree": "no-such-tree"}}, 400, "tree"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"mode": "warp"}}, 400, "warp"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "bogus_param": 1}, 400, "'bogus_param'"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": " "}]}, 400, "the last user message, is empty"),
+    ({"model": MODEL, "messages": [{"role": "assistant", "content": "hello"}]}, 400, "no user message"),
+    ({"model": MODEL, "messages": [{"role": "user"}]}, 400, "message 0 has no content"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "max_completion_tokens": 7},
+     400, "disagree"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": "abc"}, 400,
+     "from -9,223,372,036,854,775,808 to 9,223,372,036,854,775,807"),
 ]
 RAW = [
     (b'{"model": "SmolLM2-135M-Instruct", "messages": [', 400, "not valid JSON"),

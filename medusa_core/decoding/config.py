@@ -38,8 +38,8 @@ class DecodeConfig:
     mode: Mode = _setting("greedy", Limits(
         "Decoding mode", "greedy: the argmax; sample: exact sampling; typical: typical acceptance", kind=str))
     temperature: float = _setting(0.7, Limits(
-        "Temperature", "sample/typical; 0 is greedy", low=0, slider=(0, 2, 0.05),
-        fix="use 0 (greedy) or more"))
+        "Temperature", "sample/typical; 0 is greedy", low=0, high=2, slider=(0, 2, 0.05),
+        fix="use a value from 0 (greedy) to 2"))
     top_p: float = _setting(1.0, Limits(
         "Top-p", "sample only: keep the smallest set of tokens holding this much probability",
         low=0, high=1, open_low=True, slider=(0, 1, 0.01), fix="use a value in (0, 1]"))

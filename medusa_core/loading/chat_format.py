@@ -45,8 +45,11 @@ def to_messages(history: Any) -> list[dict]:
         return [{"role": "user", "content": history}]
     messages = []
     for i, message in enumerate(history):
-        if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
-            raise ValueError(f"message {i} is {type(message).__name__} without role/content: give {{'role': ..., 'content': ...}} dicts")
+        if not isinstance(message, Mapping):
+            raise ValueError(f"message {i} is a {type(message).__name__}: give {{'role': ..., 'content': ...}} objects")
+        missing = [key for key in ("role", "content") if key not in message]
+        if missing:
+            raise ValueError(f"message {i} has no {' or '.join(missing)}: give {{'role': ..., 'content': ...}} objects")
         role = message["role"]
         if role not in ROLES:
             raise ValueError(f"message {i} has role {role!r}: use one of {', '.join(ROLES)}")
