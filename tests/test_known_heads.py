@@ -265,6 +265,8 @@ def test_the_list_offers_every_published_layout_and_the_cpu_default():
         spec = spec_for(known.label, "", "", LoadSpec(device="cpu", tree="chain-2"))
         assert (spec.model, spec.heads, spec.tree) == (known.model, known.heads, None)
         assert known.tree == TREE_BY_HEADS.get(known.heads, str(CPU_DEFAULT_TREE))
+    with pytest.raises(ValueError, match="no model given: pick one from Known models"):
+        spec_for(None, " ", "", LoadSpec(device="cpu"))
 
 
 @pytest.mark.parametrize("repo", list(LAYOUTS))

@@ -301,3 +301,15 @@ def test_a_request_while_the_model_loads_is_told_so_at_once(tiny_app):
     assert slot.wait(60).phase == "ready"
     with httpx.Client(timeout=60) as http:
         assert http.post(url + "/v1/chat/completions", json=body).status_code == 200
+
+
+def test_after_a_failed_start_the_api_gives_the_loads_error(tiny_app, tmp_path):
+    """A start that failed (here a directory with no model) is explained by the API as by the page."""
+    from dataclasses import replace
+
+    url, slot, spec, _ = tiny_app
+    slot.start(replace(spec, model=str(tmp_path)))
+    assert slot.wait(60).phase == "failed"
+    body = {"model": "backbone", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    with httpx.Client(timeout=10) as http:
+        assert_openai_error(http.post(url + "/v1/chat/completions", json=body), 503, "has no config.json")
