@@ -87,8 +87,9 @@ class ChatController:
     def run(self, session: Session, message, system, compare, controls: dict) -> Iterator[tuple]:
         """One request from the tab; ``controls`` are the raw control values by Settings field name."""
         if not session.busy.acquire(blocking=False):
-            yield self.views(session, None, None, gr.update(),
-                             "⏳ Still answering your previous message: wait, or press Stop")
+            busy = "Still answering your previous message: wait, or press Stop (your text stays in the box)"
+            gr.Warning(busy)     # a toast: the running answer's next update rewrites the status line at once
+            yield self.views(session, None, None, gr.update(), f"⏳ {busy}")
             return
         try:
             yield from self._run(session, str(message or "").strip(), str(system or ""), bool(compare), controls)
@@ -235,9 +236,12 @@ def wire_chat(page: Page, chat: ChatController) -> dict:
                       outputs=[page.saved, page.export_json, page.export_md], api_name=False, concurrency_limit=None)
     # Raw values (preprocess=False): a bad value from the API becomes a one-line note in the
     # chat instead of a traceback in the console; Settings.parse and the engine validate.
-    events = dict(outputs=outputs, concurrency_limit=16, concurrency_id="chat", preprocess=False)
+    # trigger_mode "multiple": a send while the tab answers reaches run(), which says why it waits (Gradio's
+    # default drops it without a word while the first is pending)
+    events = dict(outputs=outputs, concurrency_limit=16, concurrency_id="chat", preprocess=False,
+                  trigger_mode="multiple")
     gr.on([page.box.submit, page.send.click], chat.save_pending, [page.session, page.box, page.system], [page.saved],
-          api_name=False, concurrency_limit=None, show_progress="hidden").then(
+          api_name=False, concurrency_limit=None, show_progress="hidden", trigger_mode="multiple").then(
         on_send, page.inputs(*_parameters(on_send)), api_name="send", **events).then(**save_after)
     page.regenerate.click(on_regenerate, page.inputs(*_parameters(on_regenerate)), api_name="regenerate",
                           **events).then(**save_after)

@@ -116,7 +116,9 @@ def render_live(stats: Stats, depth: int | None = None) -> str:
         "",
         "| tokens/s | tokens/step | time to first token | tokens |",
         "|---:|---:|---:|---:|",
-        f"| {stats.tokens_per_second:.1f} | {stats.tokens_per_step:.2f} | {ttft} | {stats.tokens} |",
+        # no decoding step yet (or a one-token answer): no speed to show, not a speed of 0
+        f"| {f'{stats.tokens_per_second:.1f}' if stats.steps else '–'} | "
+        f"{f'{stats.tokens_per_step:.2f}' if stats.steps else '–'} | {ttft} | {stats.tokens} |",
     ]
     if recent:
         lines += ["", f"accepted per step (last {len(recent)}): `{sparkline(recent, depth)}`"]
@@ -125,12 +127,18 @@ def render_live(stats: Stats, depth: int | None = None) -> str:
     return "\n".join(lines)
 
 
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
 def summary(stats: Stats) -> str:
     share = f" ({100 * stats.from_heads / stats.tokens:.0f}%)" if stats.tokens else ""
+    # the speed leaves the first token out: it comes from the prompt's pass, timed as time to first token
+    speed = (f"{stats.tokens_per_second:.1f} tokens/s after the first · {stats.tokens_per_step:.2f} tokens/step "
+             f"over {_count(stats.steps, 'step')}" if stats.steps else "no decoding step after the first token")
     return (
-        f"Answer: {stats.tokens} tokens in {stats.total_seconds:.2f} s · {stats.tokens_per_second:.1f} tokens/s · "
-        f"{stats.tokens_per_step:.2f} tokens/step over {stats.steps} steps · {stats.from_heads} from heads{share} · "
-        f"{FINISH_TEXT.get(stats.finish_reason or '', stats.finish_reason)}"
+        f"Answer: {_count(stats.tokens, 'token')} in {stats.total_seconds:.2f} s · {speed} · "
+        f"{stats.from_heads} from heads{share} · {FINISH_TEXT.get(stats.finish_reason or '', stats.finish_reason)}"
     )
 
 
@@ -211,8 +219,13 @@ def render_comparison(comparison: Comparison) -> str:
     """The speedup with its spread over the interleaved steps, and whether the answers match."""
     baseline, medusa = comparison.baseline, comparison.medusa
     ratio = speedup(baseline, medusa)
-    parts = [f"**Speedup: {ratio:.2f}×**" if ratio else "**Speedup: –** (an answer was too short to time)",
-             f"({medusa.tokens_per_second:.1f} vs {baseline.tokens_per_second:.1f} tokens/s)"]
+    if medusa.tree_size == 1:      # the Medusa pane ran a one-node tree: plain decoding on both sides
+        headline = (f"**Plain decoding on both sides** (tree `{medusa.tree}`): their ratio, {ratio:.2f}×, is "
+                    "run-to-run noise" if ratio else "**Plain decoding on both sides** (tree "
+                    f"`{medusa.tree}`)")
+    else:
+        headline = f"**Speedup: {ratio:.2f}×**" if ratio else "**Speedup: –** (an answer was too short to time)"
+    parts = [headline, f"({medusa.tokens_per_second:.1f} vs {baseline.tokens_per_second:.1f} tokens/s)"]
     if len(comparison.ratios) >= 2:
         low, q1, median, q3, high = quartiles(comparison.ratios)
         parts.append(f"· step-interleaved, over {len(comparison.ratios)} windows of {RATIO_WINDOW} steps: "

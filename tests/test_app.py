@@ -394,8 +394,23 @@ def test_interleaved_speedup_is_immune_to_load_that_hits_both():
     assert len(ratios) == 33 and all(abs(r - 2.0) < 1e-9 for r in ratios)
     assert quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == (1.0, 2.0, 3.0, 4.0, 5.0)
     shown = render_comparison(Comparison(Stats(tokens=121, steps=120, decode_seconds=1.2),
-                                         Stats(tokens=121, steps=40, decode_seconds=0.6), tuple(ratios), True))
+                                         Stats(tree_size=2, tokens=121, steps=40, decode_seconds=0.6), tuple(ratios),
+                                         True))
     assert "Speedup: 2.00×" in shown and "median 2.00×" in shown and "identical" in shown
+    # the baseline tree in the Medusa pane: plain decoding twice, and a ratio that is not a speedup
+    same = render_comparison(Comparison(Stats(tokens=121, steps=120, decode_seconds=1.2),
+                                        Stats(tree="baseline", tokens=121, steps=120, decode_seconds=1.05)))
+    assert "Speedup" not in same and "Plain decoding on both sides" in same and "1.14×, is run-to-run noise" in same
+
+
+def test_a_one_token_answer_has_no_speed_to_show():
+    from app.readout import Stats, render_live
+
+    one = render_live(Stats(tokens=1, steps=0, ttft=0.37, finish_reason="length"))
+    assert "| – | – | 370 ms | 1 |" in one
+    assert "Answer: 1 token in 0.37 s · no decoding step after the first token" in one
+    many = render_live(Stats(tokens=9, steps=4, ttft=0.2, decode_seconds=0.4, finish_reason="length"))
+    assert "Answer: 9 tokens in 0.60 s · 20.0 tokens/s after the first · 2.00 tokens/step over 4 steps" in many
 
 
 def test_divergence_names_the_token_and_the_reason():

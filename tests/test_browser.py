@@ -262,6 +262,20 @@ def test_clear_and_reload_keep_what_the_user_expects(page):
     assert page.locator("#system textarea").input_value() == "You are a pirate."
 
 
+def test_a_send_during_an_answer_says_why_it_waits(page):
+    """A second message while the tab answers is not dropped without a word: a toast says why, and
+    the text stays in the box."""
+    set_max_new(page, 400)
+    page.locator("#message textarea").fill("Tell me a long story about a cat.")
+    page.locator("#send").click()
+    page.wait_for_function("() => document.querySelectorAll('#chat .message.bot').length >= 1", timeout=60_000)
+    page.locator("#message textarea").fill("another one")
+    page.locator("#message textarea").press("Enter")
+    page.get_by_text("Still answering your previous message").first.wait_for(timeout=10_000)
+    assert page.locator("#message textarea").input_value() == "another one"
+    page.locator("#stop").click()
+
+
 def test_a_failed_load_keeps_the_decoding_settings(page):
     """Loading a model that fails leaves the previous model, and the user's mode and tree, as they were."""
     pick_greedy(page)
