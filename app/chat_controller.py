@@ -87,14 +87,20 @@ class ChatController:
     def run(self, session: Session, message, system, compare, controls: dict) -> Iterator[tuple]:
         """One request from the tab; ``controls`` are the raw control values by Settings field name."""
         if not session.busy.acquire(blocking=False):
-            busy = "Still answering your previous message: wait, or press Stop (your text stays in the box)"
-            gr.Warning(busy)     # a toast: the running answer's next update rewrites the status line at once
-            yield self.views(session, None, None, gr.update(), f"⏳ {busy}")
+            yield self.refused(" (your text stays in the box)")
             return
         try:
             yield from self._run(session, str(message or "").strip(), str(system or ""), bool(compare), controls)
         finally:
             session.busy.release()
+
+    @staticmethod
+    def refused(more: str = "") -> tuple:
+        """A request while the tab answers: a toast says why (the running answer's next update would
+        overwrite a status line), and nothing on the page changes; the raw output says it for scripts."""
+        busy = f"Still answering your previous message: wait, or press Stop{more}"
+        gr.Warning(busy)
+        return (*[gr.update()] * 6, {"error": busy}, gr.update())
 
     def _run(self, session: Session, message: str, system: str, compare: bool, controls: dict) -> Iterator[tuple]:
         if not message:
@@ -160,14 +166,21 @@ class ChatController:
         return stats, base, comparison
 
     def regenerate(self, session: Session, system, compare, controls: dict) -> Iterator[tuple]:
-        while session.turns and not session.turns[-1].user:
-            session.turns.pop()  # notes after the last message
-        if not session.turns:
-            yield self.note(session, "nothing to regenerate yet: send a message first")
+        # the tab's lock first: a second click while the first regenerates must not pop the turn it answers
+        if not session.busy.acquire(blocking=False):
+            yield self.refused()
             return
-        message = session.turns.pop().user
-        session.first_turn = min(session.first_turn, len(session.turns))
-        yield from self.run(session, message, system, compare, controls)
+        try:
+            while session.turns and not session.turns[-1].user:
+                session.turns.pop()  # notes after the last message
+            if not session.turns:
+                yield self.note(session, "nothing to regenerate yet: send a message first")
+                return
+            message = session.turns.pop().user
+            session.first_turn = min(session.first_turn, len(session.turns))
+            yield from self._run(session, message, str(system or ""), bool(compare), controls)
+        finally:
+            session.busy.release()
 
     def clear(self, session: Session) -> tuple:
         session.restart()

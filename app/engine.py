@@ -35,6 +35,7 @@ UPDATE_SECONDS = 0.05  # stream at most ~20 updates/s: the browser gains nothing
 PREPARING = "preparing tree (first use)…"
 # the Medusa pane's label where the tuner found that no tree pays on this machine (tree_tuning.py)
 NO_SPEEDUP = "Plain decoding: Medusa gives no speedup on this device"
+TYPED_TREES = 8        # typed-in trees kept beside the listed ones (each holds its masks and buffers)
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,7 @@ class ChatEngine:
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self.queue = RequestQueue()
         self._specs: dict[str, str] = {}          # shown name -> tree spec (a .json path shows as its file name)
+        self._typed: list[str] = []               # trees typed in, not listed: the oldest go first
         self.tree_choices = self._tree_choices([*extra_trees, loaded.default_tree])  # the user's --tree first
         self.default_tree = self.tree_choices[0][1]
 
@@ -180,24 +182,31 @@ class ChatEngine:
             raise ValueError(f"max_new_tokens {config.max_new_tokens} is more than the model's context "
                              f"({self.context} tokens): use at most {self.context}")
         name = settings.tree or self.default_tree
-        if name not in self._specs:
+        if name not in self._specs and name not in self._specs.values():   # the --tree file by its path too
             self._offer(name)
         return config, name, self.tree(name)
 
     def _offer(self, name: str) -> None:
         """A tree typed in the page or asked for by the API, not in the list: any preset form the
         command line takes (chain-N, cartesian-AxB...) that the loaded heads can fill. Files only
-        through --tree: a page or API request does not make the app read files of its choosing."""
+        through --tree: a page or API request does not make the app read files of its choosing.
+        The last TYPED_TREES typed trees are kept, so that no stream of spellings grows memory."""
         if name.endswith(".json"):
             raise ValueError(f"tree {name!r}: tree files are read at start only: run launch.py --tree {name}, "
                              "or type a preset (chain-N, cartesian-AxB...) or pick one from the list")
         try:
-            self.tree(name)        # builds it: a preset the heads cannot fill is a TreeError here
+            self.on_model_thread(self.tree, name)   # builds it (torch work: on the model thread)
         except TreeError as err:
             if not self.num_heads:
                 raise ValueError(f"tree {name!r}: this model has no Medusa heads: use baseline") from None
             raise ValueError(str(err)) from None
-        self._specs.setdefault(name, name)
+        with self._trees_lock:
+            self._specs.setdefault(name, name)
+            self._typed.append(name)
+            while len(self._typed) > TYPED_TREES:
+                old = self._typed.pop(0)
+                self._specs.pop(old, None)
+                self._trees.pop(old, None)
 
     # ---- prompts
     def prompt_ids(self, messages: list[dict], system: str | None) -> list[int]:

@@ -68,6 +68,13 @@ class Page:
         return [self.controls[name] for name in SAMPLING]
 
 
+def end_tab(session: Session) -> None:
+    """A tab closed or reloaded: stop its answer, so the model is free for the next request, and
+    remove its export files."""
+    session.cancel.set()
+    discard_exports(session)
+
+
 def _number_control(name: str, **kw):
     spec, value = limits(name), getattr(DEFAULTS, name)
     if spec.slider is None:
@@ -92,7 +99,7 @@ def decoding_controls(max_new_tokens: int) -> dict:
 
 def build_layout(slot: ModelSlot, system_prompt: str) -> Page:
     """The components, inside the caller's gr.Blocks."""
-    session = gr.State(Session, delete_callback=discard_exports)   # called when the tab's session ends
+    session = gr.State(Session, delete_callback=end_tab)   # called when the tab's session ends
     # a fixed key and secret: the conversation survives a server restart too (it never leaves this browser)
     saved = gr.BrowserState(None, storage_key=STORAGE_KEY, secret=STORAGE_KEY)
     shown_version, timer = gr.State(None), gr.Timer(0.5, active=True)

@@ -49,7 +49,7 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec):
         now = (state.version, state.engine_version)
         if shown == now and not loading:
             return (*[gr.update()] * (5 + len(decoding)), gr.Timer(active=False), shown, gr.update())
-        engine = slot.engine
+        engine = state.engine
         if shown is not None and shown[1] == state.engine_version:
             tree_update = max_update = pane = gr.update()
             decoding_update = (gr.update(),) * len(decoding)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -87,6 +88,7 @@ class SlotState:
     line: str                 # one line for the status bar
     version: int              # changes whenever the engine or phase changes
     engine_version: int       # changes only when the engine is replaced (a load that fails keeps it)
+    engine: ChatEngine | None = None   # the engine of that version, read in the same snapshot
 
 
 def _size(nbytes: float) -> str:
@@ -130,6 +132,7 @@ class ModelSlot:
         self.engine: ChatEngine | None = None
         self._phase, self._line, self._version = "empty", "No model loaded: pick one under Model and press Load", 0
         self._engine_version = 0
+        self._ready_line = ""       # the loaded model's "Ready · ..." line, shown again under a failed switch
         self._loading: LoadSpec | None = None
         self._started = 0.0
 
@@ -141,7 +144,7 @@ class ModelSlot:
                 got = sum(downloaded(s) for s in (self._loading.model, self._loading.heads))
                 line += f" {time.perf_counter() - self._started:.0f} s"
                 line += f" · downloaded {_size(got)}" if got else ""
-            return SlotState(self._phase, line, self._version, self._engine_version)
+            return SlotState(self._phase, line, self._version, self._engine_version, self.engine)
 
     def _set(self, phase: str, line: str, engine: ChatEngine | None = None, replace_engine: bool = False) -> None:
         with self._lock:
@@ -202,6 +205,7 @@ class ModelSlot:
         line = f"Ready · {loaded.description} · loaded in {seconds:.1f} s · {loaded.memory}"
         if loaded.tree_note:   # on a line of its own: which tree runs, and why, is what a user looks for
             line += f"\n\n{loaded.tree_note}"
+        self._ready_line = line
         self._set("ready", line, engine, replace_engine=True)
         self._log(line)
 
@@ -215,7 +219,7 @@ class ModelSlot:
         keep = self.engine is not None
         self._log(f"error: {message}")
         self._set("failed" if not keep else "ready",
-                  f"❌ {message}" + (" · the previous model is still loaded" if keep else ""))
+                  f"❌ {message}" + (f" · the previous model is still loaded:\n\n{self._ready_line}" if keep else ""))
 
     @staticmethod
     def _describe(spec: LoadSpec) -> str:
@@ -255,6 +259,7 @@ def _free_memory() -> None:
     # glibc keeps freed heap pages for the process to reuse, so an unloaded model's CPU weights still
     # counted as resident (SmolLM2 unloaded: 1.09 GiB resident, 531 MiB after a trim); other C
     # libraries have no malloc_trim, and their freed memory is what it is
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
+    if sys.platform.startswith("linux"):
+        trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+        if trim is not None:
+            trim(0)

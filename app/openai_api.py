@@ -46,16 +46,17 @@ UNSUPPORTED = {                # fields with no meaning here: refused when they 
     "tools": "tools (function calling)", "functions": "functions (function calling)",
     "tool_choice": "tool_choice", "function_call": "function_call", "logprobs": "logprobs",
     "top_logprobs": "top_logprobs", "response_format": "response_format", "audio": "audio output",
-    "logit_bias": "logit_bias",
+    "logit_bias": "logit_bias", "web_search_options": "web search",
 }
 # What a request may hold: OpenAI's chat-completions fields this server reads, the ones above (refused
 # when they ask for something), ones with no effect on a local answer, and this server's "medusa".
 # Anything else is refused by name, as OpenAI refuses an unrecognized argument: a misspelt field
 # must not pass unnoticed.
 READ = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream",
-        "stream_options", "n", "presence_penalty", "frequency_penalty", "medusa")
+        "stream_options", "n", "presence_penalty", "frequency_penalty", "medusa",
+        "top_k")        # not OpenAI's, but local servers take it and so does the sampler here
 NO_EFFECT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "reasoning_effort", "modalities",
-             "verbosity", "prompt_cache_key", "safety_identifier")
+             "verbosity", "prompt_cache_key", "safety_identifier", "prediction")
 
 
 class ApiError(Exception):
@@ -129,7 +130,7 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
     unknown = [field for field in data if field not in (*READ, *UNSUPPORTED, *NO_EFFECT)]
     if unknown:
         raise ApiError(400, f"unknown field {unknown[0]!r}: remove it (this server reads OpenAI's chat-completions "
-                            "fields and \"medusa\")", param=unknown[0], code="unknown_parameter")
+                            "fields, top_k and \"medusa\")", param=unknown[0], code="unknown_parameter")
     for field, what in UNSUPPORTED.items():
         if data.get(field) not in (None, False, [], {}, {"type": "text"}, "none"):
             raise ApiError(400, f"{what} is not supported by this local chat: remove {field!r}", param=field,
@@ -174,6 +175,7 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
         raise ApiError(400, "top_p 0 keeps no token: give a value in (0, 1], or temperature 0 for greedy",
                        param="top_p", code="invalid_value")
     seed = number(data, "seed", None, -(2**63), 2**63 - 1, integer=True)
+    top_k = number(data, "top_k", 0, 0, 2**31 - 1, integer=True)          # 0: off
     stop = data.get("stop")
     stop = [stop] if isinstance(stop, str) else stop if stop is not None else []
     if not isinstance(stop, list) or len(stop) > MAX_STOPS or not all(isinstance(s, str) and s for s in stop):
@@ -206,7 +208,7 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
         raise ApiError(400, f"medusa {medusa!r}: give an object such as {{\"tree\": ..., \"mode\": \"typical\"}}, "
                             "or false for plain decoding", param="medusa", code="invalid_value")
     try:
-        settings = Settings(mode=mode, temperature=temperature, top_p=top_p, epsilon=epsilon, delta=delta,
+        settings = Settings(mode=mode, temperature=temperature, top_p=top_p, top_k=top_k, epsilon=epsilon, delta=delta,
                             max_new_tokens=max_tokens or engine.max_new_tokens, tree=tree, seed=seed)
         engine.check(settings)
     except ValueError as err:   # an unknown tree or mode, one line from the engine

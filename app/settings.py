@@ -19,8 +19,8 @@ class Settings(DecodeConfig):
         """Settings from raw control (or API) values, by name; ValueError names the bad value and the fix."""
         values: dict = {}
         for name, value in raw.items():
-            if name == "tree":
-                values[name] = value or None
+            if name == "tree":        # any value the API sends is a name: 5 is tree '5', unknown, not a crash
+                values[name] = (str(value).strip() or None) if value is not None else None
             elif name == "colour_heads":
                 values[name] = bool(value)
             elif name == "seed":        # blank or negative: a random seed

@@ -305,6 +305,33 @@ def test_named_tree_shows_as_its_name(client, model_dirs):
     assert "tree.json" in readout and str(model_dirs[0].parent) not in readout
 
 
+def test_typed_trees_are_kept_only_a_few_at_a_time(engine):
+    """Typed trees beyond the list are built once and kept, but only the last few: a stream of
+    spellings (cartesian-2x2, cartesian-02x2, ...) cannot grow memory."""
+    from app.engine import TYPED_TREES
+    from app.settings import Settings
+
+    listed = len(engine._trees)
+    for zeros in range(TYPED_TREES + 4):
+        name = f"cartesian-{'0' * zeros}2x2"
+        assert engine.check(Settings(tree=name))[2].size == 7
+    assert len(engine._trees) <= listed + TYPED_TREES
+    assert engine.check(Settings(tree="cartesian-2x2"))[2].size == 7      # the evicted first one comes back
+
+
+def test_regenerate_while_answering_changes_nothing():
+    """A second Regenerate click (or one during a Send) must not pop the exchange being answered."""
+    from app.chat_controller import ChatController
+    from app.session import Session, Turn
+
+    session = Session()
+    session.turns = [Turn(user="q", reply="a")]
+    session.busy.acquire()          # an answer is running
+    (out,) = list(ChatController(None).regenerate(session, "", False, {}))
+    assert [(t.user, t.reply) for t in session.turns] == [("q", "a")]
+    assert out[6]["error"].startswith("Still answering your previous message")
+
+
 def test_a_typed_preset_outside_the_list_decodes(client):
     """The tree box takes any preset form the command line takes, not only the listed ones."""
     _, (chat, _, readout, *_rest, raw, _) = ask(client, "hi", tree="cartesian-2x2", max_new=8)

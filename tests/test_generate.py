@@ -121,7 +121,7 @@ def test_context_limits_are_clear():
 
 @pytest.mark.parametrize("bad, message", [
     (dict(mode="beam"), "mode 'beam' is unknown"),
-    (dict(temperature=-1), "temperature -1 is negative"),
+    (dict(temperature=-1), "temperature -1 is out of range: use a value from 0 \\(greedy\\) to 2"),
     (dict(top_p=0), "top_p 0 is out of range"),
     (dict(max_new_tokens=0), "max_new_tokens 0 must be at least 1"),
 ])

@@ -90,6 +90,9 @@ def test_stop_strings_cut_the_reply_and_plain_decoding_is_one_switch_away(client
     assert cut.choices[0].message.content == full[:full.index(" Paris")] and cut.choices[0].finish_reason == "stop"
     plain = client.chat.completions.create(**ask, extra_body={"medusa": False})
     assert plain.choices[0].message.content == full and plain.model_extra["medusa"]["tree_size"] == 1
+    # top_k (local servers' field) reaches the sampler: sampling among one token is the greedy answer
+    top1 = client.chat.completions.create(**{**ask, "temperature": 1.0, "seed": 3}, extra_body={"top_k": 1})
+    assert top1.choices[0].message.content == full
     typical = client.chat.completions.create(**{**ask, "temperature": 0.7},
                                              extra_body={"medusa": {"mode": "typical", "epsilon": 0.1}})
     assert typical.choices[0].message.content.strip()
@@ -119,6 +122,8 @@ HOSTILE = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"mode": "warp"}}, 400, "warp"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "bogus_param": 1}, 400, "'bogus_param'"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "min_p": 0.1}, 400, "unknown field 'min_p'"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_k": -1}, 400, "top_k"),
     ({"model": MODEL, "messages": [{"role": "user", "content": " "}]}, 400, "the last user message, is empty"),
     ({"model": MODEL, "messages": [{"role": "assistant", "content": "hello"}]}, 400, "no user message"),
     ({"model": MODEL, "messages": [{"role": "user"}]}, 400, "message 0 has no content"),

@@ -30,8 +30,9 @@ def check_runnable(device: torch.device) -> None:
         return
     if device.type == "cpu" and interpret_enabled():
         return
-    raise RuntimeError(f"the Triton NF4 kernels need a CUDA device; on {device.type} they run only under Triton's "
-                       f"interpreter: set {INTERPRET_ENV}=1 (slow, for tests) or use --nf4-kernel bnb")
+    raise RuntimeError(f"the Triton kernels of --nf4-kernel triton/repacked/repacked-exact need a CUDA device; on "
+                       f"{device.type} they run only under Triton's interpreter: set {INTERPRET_ENV}=1 (slow, for "
+                       "tests) or use --nf4-kernel bnb")
 
 
 @functools.cache
