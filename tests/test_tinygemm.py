@@ -31,8 +31,8 @@ def test_gpt_fast_operands_multiply_within_rounding_of_the_dequantized_weight(gr
     x = torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         y = int4(x)
+        ref = x.bfloat16().double() @ dense.double().T + layer.bias.double()
     assert y.shape == (2, 3, 64) and y.dtype == x.dtype
-    ref = x.bfloat16().double() @ dense.double().T + layer.bias.double()
     assert float((y.double() - ref).norm() / ref.norm()) < 1e-2
 
 
