@@ -317,6 +317,39 @@ def test_hub_medusa2_from_the_cache_offline(root, offline_cache):
     assert loaded.heads.config.num_heads == 5
 
 
+def test_an_unreachable_hub_is_read_from_the_cache_without_waiting_on_it(root, tmp_path, monkeypatch):
+    """Without HF_HUB_OFFLINE, a hub that cannot be reached made huggingface_hub retry each request for
+    ~23 s before it read its cache, once per file a repo may lack (here the heads' safetensors, before
+    the .pt). Unreachable, every request is cache-only, and a repo not cached is the one-line error."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from medusa_core.loading import hub
+
+    for proxy in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")      # nothing listens: refused
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hub, "_probed", None)
+    asked = []
+    real = huggingface_hub.hf_hub_download
+
+    def spy(*args, local_files_only=False, **kwargs):
+        asked.append(local_files_only)
+        return real(*args, local_files_only=local_files_only, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", spy)
+    _cache_repo(tmp_path / "hub", "tiny/backbone", root / "backbone")
+    _cache_repo(tmp_path / "hub", "tiny/medusa-heads", root / "medusa1_pt")
+    loaded = load(LoadSpec(model="tiny/backbone", heads="tiny/medusa-heads", device="cpu"))
+    assert loaded.heads.config.num_heads == 5
+    assert asked and all(asked), "a request went to the unreachable hub"
+    with pytest.raises(LoadError, match="not in the local cache and the hub cannot be reached"):
+        load(LoadSpec(model="someone/not-cached", device="cpu"))
+
+
 def test_offline_missing_model_is_one_line(offline_cache):
     with pytest.raises(LoadError) as err:
         load(LoadSpec(heads="FasterDecoding/medusa-vicuna-7b-v1.3", device="cpu"))

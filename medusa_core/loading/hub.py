@@ -7,9 +7,13 @@ the files, never a stack trace.
 
 from __future__ import annotations
 
+import os
 import re
+import socket
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from ..errors import LoadError
 
@@ -27,6 +31,36 @@ def local_dir(source: str) -> Path | None:
     if not _REPO_ID.match(source) or source.startswith((".", "/", "~")):
         raise LoadError(f"{source} does not exist: give an existing local directory or a hub id like owner/name")
     return None
+
+
+PROBE_SECONDS = 3          # a reachable hub answers a TCP connect well within this
+_probed: tuple[float, bool] | None = None     # (when, reachable): one probe serves a whole load
+
+
+def hub_reachable() -> bool:
+    """Whether a connection to the hub's endpoint opens (checked at most once a minute). Offline,
+    huggingface_hub retries each request for about 23 s before it reads its cache, and the loader
+    asks for files a repo may not have (safetensors before .pt, the optional proposal file), so an
+    offline start waited that long for each. Unreachable, the loader reads the cache only; a file not
+    there is the one-line "not in the local cache" error. With a proxy set, the hub is reached
+    through it, which a direct probe cannot see: no probe then."""
+    global _probed
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    now = time.monotonic()
+    if _probed is None or now - _probed[0] > 60:
+        url = urlsplit(constants.ENDPOINT)
+        try:
+            socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                     timeout=PROBE_SECONDS).close()
+            _probed = (now, True)
+        except OSError:           # no route, no DNS, refused, timed out: offline for this load
+            _probed = (now, False)
+    return _probed[1]
 
 
 def _hub_error(repo_id: str, err: Exception) -> LoadError:
@@ -53,10 +87,10 @@ def fetch_first(repo_id: str, filenames: Sequence[str], revision: str | None = N
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError
 
-    offline_misses = 0
+    offline_misses, cache_only = 0, not hub_reachable()
     for name in filenames:
         try:
-            return Path(hf_hub_download(repo_id, name, revision=revision))
+            return Path(hf_hub_download(repo_id, name, revision=revision, local_files_only=cache_only))
         except LocalEntryNotFoundError:   # subclass of EntryNotFoundError: check it first
             offline_misses += 1
         except EntryNotFoundError:
@@ -74,7 +108,8 @@ def fetch_snapshot(repo_id: str, patterns: Sequence[str], revision: str | None =
     from huggingface_hub.errors import HfHubHTTPError
 
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(patterns)))
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(patterns),
+                                      local_files_only=not hub_reachable()))
     except (HfHubHTTPError, OSError, ValueError) as err:
         raise _hub_error(repo_id, err) from err
 

@@ -28,7 +28,7 @@ from . import smollm2
 from .assets import (CPU_DEFAULT_DIR, CPU_DEFAULT_HEADS, cpu_default_backbone, fidelity_reference,
                      is_bundled_heads, is_cpu_default_backbone)
 from .chat_format import stop_token_ids
-from .hub import fetch_first, fetch_snapshot, local_dir
+from .hub import fetch_first, fetch_snapshot, hub_reachable, local_dir
 from .memory import memory_report
 from .spec import LoadSpec
 from .policy import CUDA_HEADS, CUDA_MODEL, HEADS_QUANTS, pick_tree, resolve_device, resolve_dtype, resolve_quant
@@ -95,9 +95,12 @@ def load_backbone(source: str, device: str, quant: str, dtype: torch.dtype | str
     if quant != "none":
         kwargs["quantization_config"] = bnb_config(quant, dtype)
     name = str(path) if path is not None else source
+    # a hub id goes through transformers' own requests: cache-only where the hub is unreachable (hub.py)
+    cache_only = path is None and not hub_reachable()
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(name, local_files_only=cache_only, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code,
+                                                  local_files_only=cache_only)
     except (OSError, ValueError, ImportError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         hint = "pass --trust-remote-code if you trust that code" if "trust_remote_code" in str(err) else \
