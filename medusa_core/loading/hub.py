@@ -71,9 +71,12 @@ def _hub_error(repo_id: str, err: Exception) -> LoadError:
     if isinstance(err, RepositoryNotFoundError):
         return LoadError(f"{repo_id} is not a hub repo (or is private): check the id, or `hf auth login` for private repos")
     if isinstance(err, LocalEntryNotFoundError):
+        from huggingface_hub import constants
+
         return LoadError(
-            f"{repo_id} is not in the local cache and the hub cannot be reached (offline or HF_HUB_OFFLINE=1): "
-            f"run `hf download {repo_id}` on a machine with network, or pass a local directory"
+            f"{repo_id} is not in the local cache and the hub cannot be reached (no connection to "
+            f"{constants.ENDPOINT}, or HF_HUB_OFFLINE=1): run `hf download {repo_id}` on a machine with network, "
+            "or pass a local directory"
         )
     return LoadError(f"{repo_id}: download failed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}): retry, or pass a local directory")
 
