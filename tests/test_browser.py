@@ -146,6 +146,9 @@ def slider_enabled(page, name: str) -> bool | None:
 def test_typical_acceptance_is_tuned_with_sliders(page):
     """Temperature, ε and δ are sliders, live in typical acceptance and off in greedy decoding."""
     pick_greedy(page)
+    # the mode's change event disables them: a round trip after the radio is checked
+    page.wait_for_function("() => ['temperature', 'epsilon', 'delta'].every(n => "
+                           "document.querySelector(`#${n} input[type=range]`)?.disabled === true)", timeout=10_000)
     assert [slider_enabled(page, name) for name in ("temperature", "epsilon", "delta")] == [False] * 3
     page.get_by_label("Typical acceptance").check()
     page.wait_for_function("() => ['temperature', 'epsilon', 'delta'].every(n => "
