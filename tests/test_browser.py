@@ -246,9 +246,11 @@ def test_clear_and_reload_keep_what_the_user_expects(page):
     """Clear empties the browser's copy too (a reload must not bring the conversation back); a
     reload keeps the system prompt, and a message whose answer it cut off."""
     send(page, "Remember the word banana.")
+    page.wait_for_function("() => !document.querySelector('#export-md')?.disabled", timeout=30_000)
     page.locator("#clear").click()
     page.wait_for_function("() => document.querySelectorAll('#chat .message').length === 0", timeout=10_000)
-    page.wait_for_timeout(1000)            # the copy is written after Clear's own update
+    # the copy is written by the event after Clear's own update, the one that also turns the exports off
+    page.wait_for_function("() => document.querySelector('#export-md')?.disabled", timeout=30_000)
     page.reload()
     page.wait_for_function(READY, timeout=60_000)
     page.wait_for_timeout(1000)
