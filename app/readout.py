@@ -220,9 +220,9 @@ def render_comparison(comparison: Comparison) -> str:
     baseline, medusa = comparison.baseline, comparison.medusa
     ratio = speedup(baseline, medusa)
     if medusa.tree_size == 1:      # the Medusa pane ran a one-node tree: plain decoding on both sides
-        headline = (f"**Plain decoding on both sides** (tree `{medusa.tree}`): their ratio, {ratio:.2f}×, is "
-                    "run-to-run noise" if ratio else "**Plain decoding on both sides** (tree "
-                    f"`{medusa.tree}`)")
+        headline = f"**Plain decoding on both sides** (tree `{medusa.tree}`)"
+        if ratio:
+            headline += f": their ratio, {ratio:.2f}×, is run-to-run noise"
     else:
         headline = f"**Speedup: {ratio:.2f}×**" if ratio else "**Speedup: –** (an answer was too short to time)"
     parts = [headline, f"({medusa.tokens_per_second:.1f} vs {baseline.tokens_per_second:.1f} tokens/s)"]

@@ -84,15 +84,20 @@ def resolve_tree(spec: str) -> Paths:
     if spec in PRESETS:
         return [tuple(p) for p in PRESETS[spec]]
     if spec.startswith("chain-") and spec[6:].isdigit():
-        if int(spec[6:]) + 1 > MAX_GENERATED_NODES:       # counted, not built: chain-1000000000 is one check
-            raise TreeError(f"tree {spec!r} has more than {MAX_GENERATED_NODES} nodes: use a smaller one "
-                            "(mc_sim_7b_63 has 64)")
+        _check_generated(spec, 1 + int(spec[6:]))
         return chain(int(spec[6:]))
     if spec.startswith("cartesian-"):
-        parts = spec[len("cartesian-"):].split("x")
-        if all(p.isdigit() and int(p) > 0 for p in parts):
-            _check_generated(spec, [int(p) for p in parts])
-            return cartesian([int(p) for p in parts])
+        widths = spec[len("cartesian-"):].split("x")
+        if all(w.isdigit() and int(w) > 0 for w in widths):
+            widths = [int(w) for w in widths]
+            nodes, level = 1, 1
+            for width in widths:            # level by level, stopping past the limit: no huge products
+                level *= width
+                nodes += level
+                if nodes > MAX_GENERATED_NODES:
+                    break
+            _check_generated(spec, nodes)
+            return cartesian(widths)
     if spec.endswith(".json"):
         return load_tree_file(Path(spec))
     raise TreeError(
@@ -100,15 +105,11 @@ def resolve_tree(spec: str) -> Paths:
     )
 
 
-def _check_generated(spec: str, widths: list[int]) -> None:
-    """Refuse a generated tree of more than MAX_GENERATED_NODES nodes, counted without building it."""
-    nodes, level = 1, 1
-    for width in widths:
-        level *= width
-        nodes += level
-        if nodes > MAX_GENERATED_NODES:
-            raise TreeError(f"tree {spec!r} has more than {MAX_GENERATED_NODES} nodes: "
-                            f"use a smaller one (mc_sim_7b_63 has 64)")
+def _check_generated(spec: str, nodes: int) -> None:
+    """Refuse a generated tree of more than MAX_GENERATED_NODES nodes, counted before it is built."""
+    if nodes > MAX_GENERATED_NODES:
+        raise TreeError(f"tree {spec!r} has more than {MAX_GENERATED_NODES} nodes: use a smaller one "
+                        "(mc_sim_7b_63 has 64)")
 
 
 def load_tree_file(path: Path) -> Paths:
