@@ -132,8 +132,12 @@ def test_fold_merges_the_kernel_and_demo_figures_into_one_report(tmp_path):
     demo.write_text(json.dumps({"model": "demo model: assets/demo", "summary": [
         {"name": "baseline (1-node tree)", "tokens_per_s": 1000.0},
         {"name": "medusa tree.json", "tokens_per_s": 1700.0}, {"name": "medusa small-16", "tokens_per_s": 1800.0}]}))
+    exact = tmp_path / "exactness.json"
+    counts = {"model": "random", "max_new_tokens": 96, "exactness": [{"kernel": "repacked-exact", "identical": 24}]}
+    exact.write_text(json.dumps(counts))
     out = tmp_path / "report.json"
-    assert bench_synthetic.main(["--fold", str(step), str(nf4), str(demo), "--json", str(out)]) == 0
+    assert bench_synthetic.main(["--fold", str(step), str(nf4), str(demo), str(exact), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["exactness"] == {"random": counts}
     summary = json.loads(out.read_text())["summary"]
     assert summary["nf4_kernel_m16_us"] == 21.5 and summary["bnb_m1_us"] == 24.0
     assert summary["demo_cuda_tokens_per_s"] == 1000.0 and summary["demo_cuda_medusa_tokens_per_s"] == 1800.0

@@ -294,8 +294,11 @@ def test_the_exactness_count_routes_each_kernel_and_counts_identical_answers():
     heads = copied_heads(model, num_heads=3)
     tree = build_tree_buffers(resolve_tree("cartesian-2x2x2"), 3)
     prompts = [[5, 9, 13, 7, 21], [3, 4, 5]]
-    counts = nf4_exactness.count_identical(model, heads, tree, prompts, 8, ["bnb", "repacked-exact"])
+    seen = []   # what a run cut short by the device call's limit has written: the counts after each kernel
+    counts = nf4_exactness.count_identical(model, heads, tree, prompts, 8, ["bnb", "repacked-exact"],
+                                           on_count=lambda so_far: seen.append([c.kernel for c in so_far]))
     assert [(c.kernel, c.identical, c.prompts) for c in counts] == [("bnb", 2, 2), ("repacked-exact", 2, 2)]
+    assert seen == [["bnb"], ["bnb", "repacked-exact"]]
     assert counts[1].first_divergence == [None, None] and "exact mode" in counts[1].routing
     assert not any(isinstance(m, nf4_fused.RepackedNF4Linear) for m in model.modules())
 

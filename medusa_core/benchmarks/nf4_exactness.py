@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -46,9 +46,10 @@ def answer(model, prompt: list[int], heads, tree: TreeBuffers | None, max_new_to
 
 
 def count_identical(model, heads, tree: TreeBuffers, prompts: list[list[int]], max_new_tokens: int,
-                    kernels: Sequence[str]) -> list[KernelCount]:
+                    kernels: Sequence[str], on_count: Callable[[list[KernelCount]], None] | None = None
+                    ) -> list[KernelCount]:
     """For each kernel routing the model's NF4 layers: how many greedy Medusa answers equal plain
-    decoding's on the same kernel."""
+    decoding's on the same kernel. ``on_count`` is given the counts so far after each kernel."""
     from ..quant.bnb import use_nf4_kernel
 
     counts = []
@@ -58,6 +59,8 @@ def count_identical(model, heads, tree: TreeBuffers, prompts: list[list[int]], m
                                    answer(model, p, heads, tree, max_new_tokens)) for p in prompts]
         counts.append(KernelCount(kernel, routing, sum(f is None for f in firsts), len(prompts), firsts))
         print(f"{kernel}: {counts[-1].identical}/{len(prompts)} identical ({routing})", flush=True)
+        if on_count is not None:
+            on_count(counts)
     use_nf4_kernel(model, "bnb")
     return counts
 
@@ -99,8 +102,7 @@ def smollm2_setup(device: str, prompts: int):
     return model, loaded.heads, tree, [render_chat(loaded.tokenizer, text) for text in texts]
 
 
-def main(argv: list[str] | None = None) -> int:
-    cuda = torch.cuda.is_available()
+def parser(cuda: bool) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m medusa_core.benchmarks.nf4_exactness", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=("random", "smollm2"), default="random")
@@ -112,7 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    cuda = torch.cuda.is_available()
+    args = parser(cuda).parse_args(argv)
     if not args.device.startswith("cuda"):
         print("error: this count is for a GPU (the repacked kernel runs on the CPU only under TRITON_INTERPRET=1, "
               "far too slowly for a model): run it on the GPU machine", file=sys.stderr)
@@ -124,11 +131,15 @@ def main(argv: list[str] | None = None) -> int:
         setup = random_setup(torch.device(args.device), args.shape, args.prompts, args.prompt_tokens, args.seed)
     else:
         setup = smollm2_setup(args.device, args.prompts)
-    counts = count_identical(*setup, args.max_new_tokens, args.kernels)
-    if args.json:
+
+    def write(counts: list[KernelCount]) -> None:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"model": args.model, "max_new_tokens": args.max_new_tokens,
                                                "exactness": [asdict(c) for c in counts]}, indent=1) + "\n")
+
+    # written after every kernel: a device call has a time limit, and a run cut short keeps its counts
+    count_identical(*setup, args.max_new_tokens, args.kernels, on_count=write if args.json else None)
+    if args.json:
         print(f"wrote {args.json}")
     return 0
 

@@ -270,13 +270,18 @@ def parse_shape(text: str) -> tuple[int, int]:
     return k, n
 
 
+def parser(cuda: bool = True) -> argparse.ArgumentParser:
+    """(``cuda``: the other benchmarks' signature; this one runs on CUDA only, so nothing defaults by it.)"""
+    p = argparse.ArgumentParser(prog="python -m medusa_core.benchmarks.nf4_kernel", description=__doc__.splitlines()[0])
+    p.add_argument("--json", type=Path, default=Path("out/nf4.json"),
+                   help="where to write the results (rewritten after each shape, so a run cut short keeps them)")
+    p.add_argument("--shapes", type=parse_shape, nargs="+", default=list(SHAPES), metavar="KxN",
+                   help="projections to time, in features x out features (default: the 7B ones and the heads')")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m medusa_core.benchmarks.nf4_kernel", description=__doc__.splitlines()[0])
-    parser.add_argument("--json", type=Path, default=Path("out/nf4.json"),
-                        help="where to write the results (rewritten after each shape, so a run cut short keeps them)")
-    parser.add_argument("--shapes", type=parse_shape, nargs="+", default=list(SHAPES), metavar="KxN",
-                        help="projections to time, in features x out features (default: the 7B ones and the heads')")
-    args = parser.parse_args(argv)
+    args = parser(torch.cuda.is_available()).parse_args(argv)
     if not torch.cuda.is_available():
         print("this benchmark needs a CUDA GPU: run it on the GPU machine")
         return 2

@@ -152,8 +152,7 @@ def format_profile(label: str, row: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    cuda = torch.cuda.is_available()
+def parser(cuda: bool) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m medusa_core.benchmarks.profile_gpu_step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if cuda else "cpu")
@@ -164,8 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=512, help="prefix length in the cache")
     p.add_argument("--steps", type=int, default=20, help="profiled steps per tree size")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", help="write the profile here (benchmarks.step_report folds it into docs/perf)")
-    args = p.parse_args(argv)
+    p.add_argument("--json", help="write the profile here after every row (benchmarks.step_report folds it into docs/perf)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    cuda = torch.cuda.is_available()
+    args = parser(cuda).parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not cuda:
         print(f"error: --device {args.device}: this torch sees no CUDA GPU: use --device cpu --shape tiny", file=sys.stderr)
@@ -189,10 +193,11 @@ def main(argv: list[str] | None = None) -> int:
             row = profile_step(model, heads, size, args.context, args.steps, args.seed)
             profile[f"{label}_t{size}"] = row
             print(format_profile(label, row), flush=True)
+            if args.json:   # a device call has a time limit: a run cut short keeps the rows it profiled
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.json).write_text(json.dumps({"step_profile": profile}, indent=1) + "\n")
         del model, heads
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"step_profile": profile}, indent=1) + "\n")
         print(f"wrote {args.json}")
     return 0
 

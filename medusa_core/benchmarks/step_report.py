@@ -115,7 +115,8 @@ def fold_reports(step_json: Path, others: Sequence[Path]) -> dict:
     """One report for docs/perf/<gpu>.json: a bench_gpu JSON, with added to its ``summary`` the
     headline figures of later bench_gpu runs (their results appended; a re-measured figure
     replaces the earlier one), of benchmarks.nf4_kernel, and of ``bench`` runs (the demo model, or a saved
-    random checkpoint), each full JSON kept beside, and the step profile of benchmarks.profile_gpu_step."""
+    random checkpoint), each full JSON kept beside, the step profile of benchmarks.profile_gpu_step, and the
+    greedy-equality counts of benchmarks.nf4_exactness (per model)."""
     report = json.loads(step_json.read_text())
     extras: dict = {}
     for path in others:
@@ -138,9 +139,11 @@ def fold_reports(step_json: Path, others: Sequence[Path]) -> dict:
             report["demo" if name == "demo_cuda" else "checkpoint"] = data
         elif isinstance(data.get("step_profile"), dict):                     # benchmarks.profile_gpu_step
             report["step_profile"] = data["step_profile"]
+        elif isinstance(data.get("exactness"), list):                        # benchmarks.nf4_exactness
+            report["exactness"] = {**report.get("exactness", {}), data["model"]: data}
         else:
-            raise ValueError(f"{path}: not a bench_synthetic, nf4_kernel, profile_gpu_step or bench JSON: "
-                             "pass those, or leave it out")
+            raise ValueError(f"{path}: not a bench_synthetic, nf4_kernel, profile_gpu_step, nf4_exactness or bench "
+                             "JSON: pass those, or leave it out")
     # every step result in the order measured: a later result of the same label replaces the earlier figures
     results = [QuantResult(**{**r, "rows": tuple(TreeRow(**w) for w in r["rows"])}) for r in report["results"]]
     # the kernel figures from the merged kernel report: also those an earlier fold brought in

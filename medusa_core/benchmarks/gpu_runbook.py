@@ -1,0 +1,153 @@
+"""Issue 22's GPU measurements, most valuable first, inside one device call's time limit.
+
+    python3 -m medusa_core.benchmarks.gpu_runbook --out $OUT                    # every stage, 570 s in all
+    python3 -m medusa_core.benchmarks.gpu_runbook --out $OUT --from profile     # a later call: the rest
+
+A lent GPU comes with 30 minutes of device time for a whole session and 10 minutes per command, and a
+machine found cold costs a minute or more to start: few, full calls are worth more than many small
+ones, and a call that runs past its limit is killed. Each stage runs as its own process with the time
+that is left, and is stopped before the deadline, so the command returns on its own and $OUT comes
+back whole. Each benchmark rewrites its JSON after every result, so a stage cut short keeps what it
+measured. ``runbook.json`` in --out says per stage: the command, its exit status, its seconds, and
+whether the deadline cut it or left it unstarted. Each stage's output is in ``<stage>.log``.
+
+Back on the development machine, the JSONs fold into one report (docs/performance.md):
+``python -m medusa_core.bench_synthetic --fold step.json nf4.json profile.json exactness.json --json docs/perf/h100.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+# the device tool stops a command at 600 s; 30 s are left for stopping a stage and writing the manifest
+DEFAULT_BUDGET_S = 570
+MIN_STAGE_S = 30      # a stage is not started with less left: it would be cut before measuring anything
+STOP_GRACE_S = 10     # after SIGTERM, how long a stage may take to exit before SIGKILL
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    what: str
+    module: str                 # run as `python -m module *args`
+    args: tuple[str, ...]       # "{out}" stands for the output folder
+
+
+# In order of value (docs/performance.md, "Issue 22 on a GPU"): correctness on CUDA first, then the kernel
+# table, the step with each kernel beside torch's int4, where the step's time goes, and the equality count.
+STAGES = (
+    Stage("cuda-tests", "the CUDA tests: the repacked kernel and the graphed step on a GPU", "pytest",
+          ("-q", "-p", "no:cacheprovider", "tests/test_cuda_repacked.py", "tests/test_cuda_graphs.py",
+           "--junitxml={out}/cuda_tests.xml")),
+    Stage("kernels", "every NF4 kernel per projection and row count, the tuners' timings",
+          "medusa_core.benchmarks.nf4_kernel", ("--json", "{out}/nf4.json")),
+    Stage("step", "the 7B step with each kernel, bf16 and torch's int4 beside it",
+          "medusa_core.bench_synthetic",
+          ("--quant", "none", "nf4", "tinygemm", "--nf4-kernel", "auto", "repacked", "repacked-exact",
+           "--tree-sizes", "1", "16", "64", "--json", "{out}/step.json")),
+    Stage("profile", "the 7B step's device time by category, bf16 and NF4, T = 1 and 16",
+          "medusa_core.benchmarks.profile_gpu_step", ("--json", "{out}/profile.json")),
+    Stage("exactness", "how often greedy NF4 Medusa equals plain decoding, per kernel (random 7B)",
+          "medusa_core.benchmarks.nf4_exactness", ("--json", "{out}/exactness.json")),
+)
+STAGE_NAMES = tuple(s.name for s in STAGES)
+
+
+@dataclass(frozen=True)
+class StageResult:
+    name: str
+    command: list[str]
+    status: str                 # "done", "failed", "cut" (stopped at the deadline) or "not started"
+    returncode: int | None
+    seconds: float
+    log: str | None
+
+
+def command_of(stage: Stage, out: Path) -> list[str]:
+    return [sys.executable, "-m", stage.module, *(a.replace("{out}", str(out)) for a in stage.args)]
+
+
+def run_stage(command: list[str], log: Path, seconds: float, grace_s: float = STOP_GRACE_S) -> tuple[int, bool]:
+    """(exit status, cut): the command with its output in ``log``, stopped after ``seconds`` (SIGTERM, then
+    SIGKILL ``grace_s`` later)."""
+    with log.open("w") as sink:
+        # its own process group, so that stopping it also stops what it started (pytest's, compilers)
+        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return proc.wait(timeout=seconds), False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            return proc.returncode, True
+
+
+def run_stages(stages: list[Stage], out: Path, deadline: float, commands: dict[str, list[str]] | None = None,
+               min_stage_s: float = MIN_STAGE_S, grace_s: float = STOP_GRACE_S) -> list[StageResult]:
+    """Each stage in order with the time left before ``deadline`` (time.monotonic()), less ``grace_s`` to
+    stop it; runbook.json in ``out`` is rewritten after each. ``commands`` replaces a stage's command by
+    name (tests)."""
+    out.mkdir(parents=True, exist_ok=True)
+    results: list[StageResult] = []
+    for stage in stages:
+        command = (commands or {}).get(stage.name) or command_of(stage, out)
+        left = deadline - time.monotonic() - grace_s
+        if left < min_stage_s:
+            results.append(StageResult(stage.name, command, "not started", None, 0.0, None))
+        else:
+            print(f"[{stage.name}] {stage.what}: {' '.join(command)} ({left:.0f} s left)", flush=True)
+            log = out / f"{stage.name}.log"
+            started = time.monotonic()
+            code, cut = run_stage(command, log, left, grace_s)
+            status = "cut" if cut else "done" if code == 0 else "failed"
+            results.append(StageResult(stage.name, command, status, code, round(time.monotonic() - started, 1),
+                                       log.name))
+            print(f"[{stage.name}] {status} (exit {code}) in {results[-1].seconds:.0f} s; output in {log}", flush=True)
+        (out / "runbook.json").write_text(json.dumps([asdict(r) for r in results], indent=1) + "\n")
+    return results
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m medusa_core.benchmarks.gpu_runbook", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="where every JSON, log and runbook.json go ($OUT)")
+    p.add_argument("--stages", nargs="+", choices=STAGE_NAMES, help="these stages only (default: all, in order)")
+    p.add_argument("--from", dest="start", choices=STAGE_NAMES, help="this stage and the ones after it")
+    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                   help="seconds for the whole run; stages are stopped before it ends")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("error: this torch sees no CUDA GPU: run the runbook through the device tool", file=sys.stderr)
+        return 2
+    try:
+        import bitsandbytes  # noqa: F401  (the NF4 stages need it; the GPU image has none)
+    except ImportError:
+        print("error: bitsandbytes is not installed: carry .gpuwheels and run docs/performance.md's install line "
+              "before the runbook", file=sys.stderr)
+        return 2
+    deadline = time.monotonic() + args.budget_s
+    names = args.stages or STAGE_NAMES[STAGE_NAMES.index(args.start or STAGE_NAMES[0]):]
+    results = run_stages([s for s in STAGES if s.name in names], args.out, deadline)
+    print("\n" + "\n".join(f"{r.name:<12} {r.status:<12} {r.seconds:>6.0f} s" for r in results))
+    return 0 if all(r.status == "done" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

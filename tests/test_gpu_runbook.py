@@ -1,0 +1,75 @@
+"""The GPU runbook (medusa_core/benchmarks/gpu_runbook.py): its commands are ones the benchmarks accept,
+and a stage that outruns the device call's time is stopped, with what it wrote kept."""
+
+import importlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from medusa_core.benchmarks import gpu_runbook
+from medusa_core.benchmarks.gpu_runbook import STAGES, command_of, run_stages
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_stage_command_is_one_its_benchmark_accepts(tmp_path):
+    # a renamed option or choice in a benchmark would otherwise surface only on a lent GPU, costing its time
+    for stage in STAGES:
+        args = command_of(stage, tmp_path)[3:]
+        if stage.module == "pytest":
+            files = [a for a in args if a.endswith(".py")]
+            assert files and all((ROOT / f).is_file() for f in files), stage
+        else:
+            parsed = importlib.import_module(stage.module).parser(True).parse_args(args)
+            assert str(tmp_path) in str(parsed.json), stage
+
+
+def test_a_stage_past_the_deadline_is_stopped_with_its_output_kept_and_the_rest_not_started(tmp_path):
+    out = tmp_path / "out"
+    grandchild = tmp_path / "grandchild.pid"
+    # writes a partial result, starts a process of its own, both ignore SIGTERM, then would run for ten minutes
+    stubborn = ("import json, signal, subprocess, sys, time\n"
+                f"json.dump({{'partial': True}}, open({str(out / 'slow.json')!r}, 'w'))\n"
+                "p = subprocess.Popen([sys.executable, '-c', 'import signal, time; '\n"
+                "                      'signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'])\n"
+                f"open({str(grandchild)!r}, 'w').write(str(p.pid))\n"
+                "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                "print('measuring', flush=True)\n"
+                "time.sleep(600)\n")
+    commands = {STAGES[0].name: [sys.executable, "-c", "print('quick')"],
+                STAGES[1].name: [sys.executable, "-c", stubborn],
+                STAGES[2].name: [sys.executable, "-c", "print('never')"]}
+    started = time.monotonic()
+    results = run_stages(list(STAGES[:3]), out, started + 5, commands, min_stage_s=1, grace_s=1)
+    assert time.monotonic() - started < 30
+    assert [r.status for r in results] == ["done", "cut", "not started"]
+    assert json.loads((out / "slow.json").read_text()) == {"partial": True}
+    assert "measuring" in (out / f"{STAGES[1].name}.log").read_text()
+    assert json.loads((out / "runbook.json").read_text())[1]["status"] == "cut"
+    pid = int(grandchild.read_text())
+    for _ in range(50):   # the whole process group was killed: the stage's own child too
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the stage's child {pid} outlived the stage")
+
+
+def test_a_failing_stage_does_not_stop_the_next(tmp_path):
+    commands = {STAGES[0].name: [sys.executable, "-c", "raise SystemExit(3)"],
+                STAGES[1].name: [sys.executable, "-c", "print('ran')"]}
+    results = run_stages(list(STAGES[:2]), tmp_path, time.monotonic() + 60, commands, min_stage_s=1, grace_s=1)
+    assert [(r.status, r.returncode) for r in results] == [("failed", 3), ("done", 0)]
+
+
+def test_without_a_gpu_it_says_where_to_run_it(tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_runbook.main(["--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA GPU" in err and "device tool" in err and len(err.strip().splitlines()) == 1
