@@ -265,6 +265,9 @@ def wire_chat(page: Page, chat: ChatController) -> dict:
         trigger(chat.clear, [page.session], outputs[:-1], api_name=name, concurrency_limit=None).then(**save_after)
     page.compare.change(lambda on: gr.update(visible=on), [page.compare], [page.base_column], api_name=False,
                         concurrency_limit=None)
+    # a system prompt edited after the last message is kept with the conversation when the user leaves the
+    # box, not only with the next message (a reload in between would bring back the old one)
+    page.system.blur(**save_after)
     return save_after
 
 

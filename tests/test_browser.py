@@ -235,11 +235,23 @@ def test_conversation_survives_a_reload_and_exports(page):
         page.locator("#export-md").click()
     text = Path(download.value.path()).read_text()
     assert "**User:**" in text and "remember me" in text and "**Assistant:**" in text
+    # a system prompt edited after the last message is saved when the box is left, not with the next message
+    page.locator("#system textarea").fill("Answer in one word.")
+    page.locator("#message textarea").click()
+    for _ in range(40):
+        with page.expect_download() as download:
+            page.locator("#export-md").click()
+        if "Answer in one word." in Path(download.value.path()).read_text():
+            break
+        page.wait_for_timeout(250)
+    else:
+        raise AssertionError("the edited system prompt never reached the saved conversation")
     page.reload()
     page.wait_for_function("() => document.querySelectorAll('#chat .message.user').length === 1", timeout=30_000)
     shoot(page, "reloaded.png")
     assert page.locator("#chat .message.user").inner_text().strip() == "remember me"
     assert page.locator("#chat .message.bot").count() >= 1
+    assert page.locator("#system textarea").input_value() == "Answer in one word."
 
 
 def test_clear_and_reload_keep_what_the_user_expects(page):
