@@ -19,6 +19,9 @@ from .settings import Settings
 from .transcript import export_folder, from_saved, saved_system, to_saved, write_exports
 
 INTERRUPTED = "the page was reloaded before this answer finished: press Regenerate to answer it"
+NOT_COMPARED = "plain decoding did not answer this message (compare was off): Medusa's answer is in its pane"
+BUSY = "Still answering your previous message: wait, or press Stop"
+STOPPING_WAIT_S = 30.0   # a stopped answer ends within one step; a long prefill is not interrupted
 
 
 def _msg(role: str, html: str) -> dict:
@@ -31,8 +34,9 @@ def display(turns: list[Turn], pane: str = MEDUSA) -> list[dict]:
     for turn in turns:
         if turn.user:
             out.append(_msg("user", user_html(turn.user)))
-        shown = turn.baseline_shown if pane == BASELINE and turn.baseline is not None else turn.shown
-        if shown:
+        if pane == BASELINE and turn.baseline is None and turn.shown:
+            out.append(_msg("assistant", note_html(NOT_COMPARED)))
+        elif shown := turn.baseline_shown if pane == BASELINE and turn.baseline is not None else turn.shown:
             out.append(_msg("assistant", shown))
         if turn.note:
             out.append(_msg("assistant", note_html(turn.note)))
@@ -55,14 +59,16 @@ class ChatController:
         self.slot = slot
 
     def views(self, session: Session, stats: Stats | None, base: Stats | None, comparison: str,
-              status_line: str, box: str | dict = gr.update()) -> tuple:
-        """(chat, baseline chat, readout, baseline readout, comparison, status, raw numbers, message box)."""
+              status_line: str, box: str | dict = gr.update(), readouts: str | None = None) -> tuple:
+        """(chat, baseline chat, readout, baseline readout, comparison, status, raw numbers, message box).
+        A readout without stats stays as it is, or becomes ``readouts`` where that is given."""
+        keep = gr.update() if readouts is None else readouts
         last = session.turns[-1] if session.turns else None
         raw = {"medusa": stats.as_dict() if stats else None, "baseline": base.as_dict() if base else None,
                "reply": last.reply if last else None, "baseline_reply": last.baseline if last else None}
         return (display(session.turns), display(session.turns, BASELINE),
-                render_live(stats, self.depth()) if stats else gr.update(),
-                render_live(base, self.depth()) if base else gr.update(),
+                render_live(stats, self.depth()) if stats else keep,
+                render_live(base, self.depth()) if base else keep,
                 comparison, status_line, raw, box)
 
     def depth(self) -> int:
@@ -84,10 +90,18 @@ class ChatController:
         yield engine if engine is not None else ("no model is loaded: pick one under Model and press Load"
                                                  if state.phase != "failed" else state.line.lstrip("❌ "))
 
+    @staticmethod
+    def take_turn(session: Session) -> bool:
+        """The tab's lock: at once, or, where Stop (or Clear) was pressed and the answer is ending, as soon
+        as it has ended: a message sent right after Stop is answered, not refused."""
+        if session.busy.acquire(blocking=False):
+            return True
+        return session.cancel.is_set() and session.busy.acquire(timeout=STOPPING_WAIT_S)
+
     def run(self, session: Session, message, system, compare, controls: dict) -> Iterator[tuple]:
         """One request from the tab; ``controls`` are the raw control values by Settings field name."""
-        if not session.busy.acquire(blocking=False):
-            yield self.refused(" (your text stays in the box)")
+        if not self.take_turn(session):
+            yield self.refused(BUSY + " (your text stays in the box)")
             return
         try:
             yield from self._run(session, str(message or "").strip(), str(system or ""), bool(compare), controls)
@@ -95,16 +109,16 @@ class ChatController:
             session.busy.release()
 
     @staticmethod
-    def refused(more: str = "") -> tuple:
-        """A request while the tab answers: a toast says why (the running answer's next update would
-        overwrite a status line), and nothing on the page changes; the raw output says it for scripts."""
-        busy = f"Still answering your previous message: wait, or press Stop{more}"
-        gr.Warning(busy)
-        return (*[gr.update()] * 6, {"error": busy}, gr.update())
+    def refused(reason: str) -> tuple:
+        """A request the tab does not take: a toast says why (a note in the chat would stay in the
+        conversation, and a running answer's next update would overwrite a status line), and nothing on
+        the page changes; the raw output says it for scripts."""
+        gr.Warning(reason)
+        return (*[gr.update()] * 6, {"error": reason}, gr.update())
 
     def _run(self, session: Session, message: str, system: str, compare: bool, controls: dict) -> Iterator[tuple]:
         if not message:
-            yield self.note(session, "the message is empty: type a question, then send")
+            yield self.refused("The message is empty: type a question, then send")
             return
         session.cancel.clear()
         engine = None
@@ -126,6 +140,9 @@ class ChatController:
         stats, base, comparison = yield from self._stream(session, turn, engine, prompt, settings, compare)
         if compare and turn.reply is None and not turn.note:
             turn.note = "stopped before the Medusa pass"
+        if not any(t is turn for t in session.turns):   # Clear during the answer: its readouts went with it
+            yield self.views(session, None, None, "", self.slot.state().line, readouts="")
+            return
         # A failed message goes back into the box so it can be edited and resent.
         box = message if turn.reply is None else gr.update()
         yield self.views(session, stats, base, comparison, self.slot.state().line, box)
@@ -167,14 +184,14 @@ class ChatController:
 
     def regenerate(self, session: Session, system, compare, controls: dict) -> Iterator[tuple]:
         # the tab's lock first: a second click while the first regenerates must not pop the turn it answers
-        if not session.busy.acquire(blocking=False):
-            yield self.refused()
+        if not self.take_turn(session):
+            yield self.refused(BUSY)
             return
         try:
             while session.turns and not session.turns[-1].user:
                 session.turns.pop()  # notes after the last message
             if not session.turns:
-                yield self.note(session, "nothing to regenerate yet: send a message first")
+                yield self.refused("Nothing to regenerate yet: send a message first")
                 return
             message = session.turns.pop().user
             session.first_turn = min(session.first_turn, len(session.turns))
@@ -263,8 +280,8 @@ def wire_chat(page: Page, chat: ChatController) -> dict:
     # the chat panes' own bin icons do what Clear does
     for trigger, name in ((page.clear.click, "clear"), (page.chat.clear, False), (page.base_chat.clear, False)):
         trigger(chat.clear, [page.session], outputs[:-1], api_name=name, concurrency_limit=None).then(**save_after)
-    page.compare.change(lambda on: gr.update(visible=on), [page.compare], [page.base_column], api_name=False,
-                        concurrency_limit=None)
+    page.compare.change(lambda on: (gr.update(visible=on), gr.update() if on else ""), [page.compare],
+                        [page.base_column, page.comparison], api_name=False, concurrency_limit=None)
     # a system prompt edited after the last message is kept with the conversation when the user leaves the
     # box, not only with the next message (a reload in between would bring back the old one)
     page.system.blur(**save_after)

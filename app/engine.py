@@ -254,10 +254,15 @@ class ChatEngine:
             if session.cancel.is_set():
                 return
             caches = session.caches_for(self)
-            runs = []
-            for name in passes:
-                cache = caches.setdefault(name, new_cache(self.model))
-                runs.append(DecoderRun(self, name, prompt_ids, config, tree_name, tree, cache, session.cancel.is_set))
+            pane_caches = [caches.setdefault(name, new_cache(self.model)) for name in passes]
+            if len(pane_caches) > 1:
+                # Both panes prefill the same tokens: a pane whose cache fell behind (compare was off for some
+                # turns) would otherwise prefill the whole conversation and show a slower first token.
+                shared = min(cache.reuse_prefix(prompt_ids) for cache in pane_caches)
+                for cache in pane_caches:
+                    cache.rewind(shared)
+            runs = [DecoderRun(self, name, prompt_ids, config, tree_name, tree, cache, session.cancel.is_set)
+                    for name, cache in zip(passes, pane_caches)]
             if any(needs_capture(self.model, r.cache, r.tree, config, len(prompt_ids)) for r in runs):
                 yield Update(notice=PREPARING)
             yield from self._drive(session, runs, settings)

@@ -223,9 +223,15 @@ def render_comparison(comparison: Comparison) -> str:
         headline = f"**Plain decoding on both sides** (tree `{medusa.tree}`)"
         if ratio:
             headline += f": their ratio, {ratio:.2f}×, is run-to-run noise"
+    elif ratio:
+        headline = f"**Speedup: {ratio:.2f}×**"
     else:
-        headline = f"**Speedup: {ratio:.2f}×**" if ratio else "**Speedup: –** (an answer was too short to time)"
-    parts = [headline, f"({medusa.tokens_per_second:.1f} vs {baseline.tokens_per_second:.1f} tokens/s)"]
+        stopped = "cancelled" in (baseline.finish_reason, medusa.finish_reason)
+        headline = "**Speedup: –** " + ("(stopped before both answers could be timed)" if stopped
+                                        else "(an answer was too short to time)")
+    # no rates beside "–": they would read 0.0 where the readouts say "–"
+    parts = [headline] + ([f"({medusa.tokens_per_second:.1f} vs {baseline.tokens_per_second:.1f} tokens/s)"]
+                          if ratio else [])
     if len(comparison.ratios) >= 2:
         low, q1, median, q3, high = quartiles(comparison.ratios)
         parts.append(f"· step-interleaved, over {len(comparison.ratios)} windows of {RATIO_WINDOW} steps: "

@@ -124,8 +124,8 @@ def test_comparison_gives_both_answers_and_speedup(client, mode):
 
 def test_bad_inputs_give_messages_and_next_request_works(client):
     ask(client, "keep me")
-    _, (chat, *_rest) = ask(client, "   ")
-    assert "empty" in texts(chat)[-1][1]
+    _, (*_, raw, _) = ask(client, "   ")
+    assert raw["error"] == "The message is empty: type a question, then send"   # a toast on the page
     _, (chat, *_, box) = ask(client, "x", mode="typical", epsilon=1.5)
     assert "epsilon 1.5 is out of range" in texts(chat)[-1][1]
     assert box == "x", "a message that failed goes back into the box"
@@ -137,6 +137,7 @@ def test_bad_inputs_give_messages_and_next_request_works(client):
     assert raw["medusa"]["tokens"] > 0
     sent = [t for r, t in texts(chat) if r == "user"]
     assert sent[0] == "keep me" and sent[-1] == "still there?", "the conversation is kept"
+    assert not any("empty" in t for _, t in texts(chat)), "an empty send leaves no note in the conversation"
 
 
 def test_regenerate_and_clear(client):
@@ -145,6 +146,48 @@ def test_regenerate_and_clear(client):
     assert [r for r, _ in texts(chat)] == ["user", "assistant"]
     chat, *_ = client.predict(api_name="/clear")
     assert not chat
+    chat, *_, raw, _ = client.submit(*send_args("")[1:], api_name="/regenerate").result(timeout=120)
+    assert raw["error"] == "Nothing to regenerate yet: send a message first"
+    assert chat == {"__type__": "update"}, "the chat is left as it is: no note is added to it"
+
+
+def test_clear_during_an_answer_clears_its_readout(client):
+    job = client.submit(*send_args("tell me a long story", max_new=300), api_name="/send")
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(o[6] and o[6]["medusa"] for o in job.outputs()):
+        time.sleep(0.02)
+    client.predict(api_name="/clear")
+    chat, _, readout, base_readout, *_ = job.result(timeout=120)
+    assert not chat and readout == "" and base_readout == "", "the cleared answer's readout came back"
+
+
+def test_a_message_sent_just_after_stop_waits_for_the_stopped_answer():
+    """Stop, then Send at once: the stopped answer ends within a step, and the new message is answered
+    (it was refused with "press Stop"); a send while an answer runs on is still refused at once."""
+    import threading
+
+    from app.chat_controller import ChatController
+    from app.session import Session
+
+    session = Session()
+    session.busy.acquire()                      # an answer is running
+    assert not ChatController.take_turn(session)
+    session.cancel.set()                        # Stop: the answer ends after its current step
+    threading.Timer(0.3, session.busy.release).start()
+    started = time.monotonic()
+    assert ChatController.take_turn(session) and time.monotonic() - started >= 0.2
+    session.busy.release()
+
+
+def test_the_plain_pane_shows_no_answer_plain_decoding_did_not_give():
+    from app.chat_controller import display
+    from app.engine import BASELINE
+    from app.session import Turn
+
+    turns = [Turn(user="q", reply="MEDUSA-ONLY", shown="MEDUSA-ONLY"),
+             Turn(user="r", reply="BOTH", shown="BOTH", baseline="PLAIN", baseline_shown="PLAIN")]
+    shown = [m["content"][0]["text"] for m in display(turns, BASELINE)]
+    assert "MEDUSA-ONLY" not in " ".join(shown) and "compare was off" in shown[1] and shown[3] == "PLAIN"
 
 
 def test_tabs_are_independent_and_queued(app_url):
@@ -404,6 +447,30 @@ def test_comparison_runs_step_interleaved(engine, monkeypatch):
     assert len(comparison.ratios) >= 2 and all(r > 0 for r in comparison.ratios)
 
 
+def test_comparison_panes_prefill_the_same_tokens_after_turns_without_it(engine):
+    """Compare switched on after Medusa-only turns: the plain pane's cache holds none of the conversation.
+    Both panes must prefill the same tokens, or the plain pane's time to first token counts the whole
+    conversation against the Medusa pane's last message (388 against 81 ms measured here)."""
+    from app.engine import BASELINE, MEDUSA
+    from app.session import Session
+    from app.settings import Settings
+
+    session, settings = Session(), Settings(max_new_tokens=8, tree="small-16")
+    first = engine.prompt_ids([{"role": "user", "content": "How do I sort a list?"}], None)
+    reply = [u for u in engine.answer(session, first, settings, (MEDUSA,)) if u.pass_name == MEDUSA][-1].plain
+    second = engine.prompt_ids([{"role": "user", "content": "How do I sort a list?"},
+                                {"role": "assistant", "content": reply},
+                                {"role": "user", "content": "And a dict?"}], None)
+    prefills: list[int] = []   # tokens per forward pass, in order: the first two are the panes' prefills
+    hook = engine.model.get_input_embeddings().register_forward_pre_hook(
+        lambda module, args: prefills.append(args[0].shape[-1]))
+    try:
+        list(engine.answer(session, second, settings, (BASELINE, MEDUSA)))
+    finally:
+        hook.remove()
+    assert prefills[0] == prefills[1], prefills[:2]
+
+
 def test_interleaved_speedup_is_immune_to_load_that_hits_both():
     from app.readout import (
         Comparison,
@@ -428,6 +495,10 @@ def test_interleaved_speedup_is_immune_to_load_that_hits_both():
     same = render_comparison(Comparison(Stats(tokens=121, steps=120, decode_seconds=1.2),
                                         Stats(tree="baseline", tokens=121, steps=120, decode_seconds=1.05)))
     assert "Speedup" not in same and "Plain decoding on both sides" in same and "1.14×, is run-to-run noise" in same
+    # Stop right after sending: one token each, no rate, and the line says why instead of "0.0 vs 0.0"
+    stopped = render_comparison(Comparison(Stats(tokens=1, finish_reason="cancelled"),
+                                           Stats(tree_size=2, tokens=1, finish_reason="cancelled")))
+    assert stopped == "**Speedup: –** (stopped before both answers could be timed)"
 
 
 def test_a_one_token_answer_has_no_speed_to_show():
