@@ -20,7 +20,6 @@ CPU_DEFAULT_NOTE = ("**SmolLM2-135M-Instruct on the CPU.** This is what `python 
                     "Medusa heads trained for it, running on the CPU on its own 4-bit weights where that measures "
                     "faster (the model line says which matmuls run). Expect short, simple answers; the speed "
                     "numbers are real. On a CUDA machine `python launch.py` loads Vicuna-7B with Medusa heads.")
-STORAGE_KEY = "medusa-chat-conversation"
 MAX_NEW_LIMIT = 4096   # the slider's top before a model is loaded; then the model's context
 SAMPLING = ("temperature", "top_p", "epsilon", "delta")   # enabled by the mode that uses them
 
@@ -28,7 +27,7 @@ SAMPLING = ("temperature", "top_p", "epsilon", "delta")   # enabled by the mode 
 @dataclass
 class Page:
     session: gr.State
-    saved: gr.BrowserState
+    saved: gr.JSON               # the conversation's copy in the browser (app/browser_copy.py)
     shown_version: gr.State   # (slot version, engine version) the page's model controls show; None at first
     timer: gr.Timer
     note: gr.Markdown
@@ -100,8 +99,7 @@ def decoding_controls(max_new_tokens: int) -> dict:
 def build_layout(slot: ModelSlot, system_prompt: str) -> Page:
     """The components, inside the caller's gr.Blocks."""
     session = gr.State(Session, delete_callback=end_tab)   # called when the tab's session ends
-    # a fixed key and secret: the conversation survives a server restart too (it never leaves this browser)
-    saved = gr.BrowserState(None, storage_key=STORAGE_KEY, secret=STORAGE_KEY)
+    saved = gr.JSON(None, visible=False, elem_id="saved")   # filled and stored by app/browser_copy.py's scripts
     shown_version, timer = gr.State(None), gr.Timer(0.5, active=True)
     gr.Markdown("# Medusa chat")
     note = gr.Markdown(CPU_DEFAULT_NOTE, elem_id="note", elem_classes="note", visible=False)

@@ -1,7 +1,7 @@
 """The Gradio page, assembled from its parts: the layout (app/layout.py), the model panel's wiring
 (app/model_panel.py) and the chat controller (app/chat_controller.py), all over one ModelSlot.
-Per-tab state lives in a gr.State(Session), and the conversation is also kept in the browser
-(gr.BrowserState) so it survives a reload.
+Per-tab state lives in a gr.State(Session), and the conversation is also kept in the browser, per
+tab (app/browser_copy.py), so it survives a reload.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import gradio as gr
 
 from medusa_core.loading.spec import LoadSpec
 
+from . import browser_copy
 from .chat_controller import ChatController, wire_chat
 from .layout import build_layout
 from .model_panel import model_outputs, wire_model_panel
@@ -40,8 +41,11 @@ def build_ui(slot: ModelSlot, *, system_prompt: str = "", base_spec: LoadSpec = 
             *controls, pane = sync(None, max_new_value)
             return (baseline, system, *controls, {**pane, "value": medusa})
 
-        demo.load(restore, [page.session, page.saved, page.controls["max_new_tokens"], page.system],
-                  [page.base_chat, page.system, *model_outputs(page)], api_name=False).then(**save_after)
+        # this tab's copy of the conversation from the browser first, then the page built from it
+        demo.load(None, None, [page.saved], js=browser_copy.READ, api_name=False).then(
+            restore, [page.session, page.saved, page.controls["max_new_tokens"], page.system],
+            [page.base_chat, page.system, *model_outputs(page)], api_name=False).then(**save_after)
+        page.saved.change(None, [page.saved], None, js=browser_copy.WRITE, api_name=False)
     return demo
 
 

@@ -193,6 +193,11 @@ def test_chat_streams_answers_then_compares(page):
     comparison = page.locator("#comparison").inner_text()
     # fp32 on the CPU: greedy Medusa is plain decoding, token for token
     assert "identical" in comparison and "step-interleaved" in comparison, comparison
+    # the plain pane says which answers it did not give, instead of showing Medusa's as its own
+    assert "compare was off" in assistant_texts(page, "chat-baseline")[0]
+    # compare off: the speedup line goes with the plain pane
+    page.locator("#compare input[type=checkbox]").uncheck()
+    page.wait_for_function("() => !document.querySelector('#comparison')?.innerText.trim()", timeout=10_000)
 
 
 def pick_tree(page, name: str) -> None:
@@ -279,6 +284,34 @@ def test_clear_and_reload_keep_what_the_user_expects(page):
     assert "long story about a cat" in page.locator("#chat .message.user").inner_text()
     assert "press Regenerate" in page.locator("#chat").inner_text()
     assert page.locator("#system textarea").input_value() == "You are a pirate."
+
+
+def test_two_tabs_each_reload_their_own_conversation(browser, default_app):
+    """Two tabs of one browser: a reload brings back that tab's conversation and system prompt (the
+    browser's one shared copy gave it the other tab's), and a new tab starts from the copy written last."""
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    try:
+        first, second = context.new_page(), context.new_page()
+        for tab in (first, second):
+            tab.goto(default_app)
+            tab.wait_for_function(READY, timeout=120_000)
+        first.locator("#system textarea").fill("You are a pirate.")
+        send(first, "Tab A: name a fruit.")
+        send(second, "Tab B: name a car brand.")
+        for tab, question, system in ((first, "Tab A: name a fruit.", "You are a pirate."),
+                                      (second, "Tab B: name a car brand.", "")):
+            tab.reload()
+            tab.wait_for_function("() => document.querySelectorAll('#chat .message.user').length === 1",
+                                  timeout=60_000)
+            assert tab.locator("#chat .message.user").inner_text().strip() == question
+            assert tab.locator("#system textarea").input_value() == system
+        third = context.new_page()
+        third.goto(default_app)
+        third.wait_for_function("() => document.querySelectorAll('#chat .message.user').length === 1",
+                                timeout=60_000)
+        assert third.locator("#chat .message.user").inner_text().strip() == "Tab B: name a car brand."
+    finally:
+        context.close()
 
 
 def test_a_send_during_an_answer_says_why_it_waits(page):
