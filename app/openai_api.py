@@ -57,6 +57,7 @@ READ = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature
         "top_k")        # not OpenAI's, but local servers take it and so does the sampler here
 NO_EFFECT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "reasoning_effort", "modalities",
              "verbosity", "prompt_cache_key", "safety_identifier", "prediction")
+MEDUSA_KEYS = ("tree", "mode", "epsilon", "delta")   # what "medusa" may hold: a misspelt key is refused too
 
 
 class ApiError(Exception):
@@ -119,6 +120,15 @@ def number(data: dict, name: str, default, low: float, high: float, integer: boo
     return int(value) if integer else float(value)
 
 
+def unknown_tree(engine: ChatEngine, tree: str) -> str:
+    """The refusal of a tree name that is no tree: what a request may name instead, the page's list
+    (the launch tree and baseline included) and the generated forms (a model without heads is told
+    "use baseline" by the engine before this)."""
+    names = ", ".join(name for _, name in engine.tree_choices)
+    return (f"medusa.tree {tree!r} is unknown: use one of {names}, or a chain-N or cartesian-AxB... tree the "
+            "heads can fill")
+
+
 def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
     """The OpenAI request ``data`` as the engine's Settings; ApiError names what is wrong."""
     model = data.get("model")
@@ -139,8 +149,9 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
         if number(data, field, 0.0, -2, 2):
             raise ApiError(400, f"{field} is not supported (the output would not be the model's own): remove it or "
                                 "give 0", param=field, code="unsupported_parameter")
-    if number(data, "n", 1, 1, 128, integer=True) != 1:
-        raise ApiError(400, f"n {data['n']!r}: this server answers with one choice: give n=1 and send more requests",
+    n = data.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):   # one message for every other n, in range or not
+        raise ApiError(400, f"n {n!r}: this server answers with one choice: give n=1 and send more requests",
                        param="n", code="unsupported_parameter")
     messages = data.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -188,15 +199,22 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
 
     passes, mode, tree = (MEDUSA,), "greedy" if temperature == 0 else "sample", None
     epsilon, delta = DEFAULTS.epsilon, DEFAULTS.delta
-    medusa = data.get("medusa", {})
+    medusa = data.get("medusa")
+    if medusa is None:          # null means the default, as in every other field
+        medusa = {}
     if medusa is False or medusa == "off":
         passes = (BASELINE,)
     elif isinstance(medusa, dict):
+        unknown = [key for key in medusa if key not in MEDUSA_KEYS]
+        if unknown:
+            raise ApiError(400, f"unknown field 'medusa.{unknown[0]}': remove it (\"medusa\" takes "
+                                f"{', '.join(MEDUSA_KEYS)})", param=f"medusa.{unknown[0]}", code="unknown_parameter")
         tree = medusa.get("tree")
         if tree is not None and not isinstance(tree, str):
             raise ApiError(400, f"medusa.tree {tree!r}: give a tree's name from the page's picker",
                            param="medusa.tree", code="invalid_value")
-        mode = medusa.get("mode", mode)
+        if medusa.get("mode") is not None:
+            mode = medusa["mode"]
         if mode == "off":
             passes, mode = (BASELINE,), "greedy" if temperature == 0 else "sample"
         elif mode not in MODES:
@@ -212,6 +230,9 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
                             max_new_tokens=max_tokens or engine.max_new_tokens, tree=tree, seed=seed)
         engine.check(settings)
     except ValueError as err:   # an unknown tree or mode, one line from the engine
+        if tree is not None and str(err).startswith(f"unknown tree {tree!r}"):
+            # the tree module's own line offers a .json path, which a request may not name: offer what it may
+            raise ApiError(400, unknown_tree(engine, tree), param="medusa.tree", code="invalid_value") from None
         raise ApiError(400, str(err), param="medusa", code="invalid_value") from None
     return ChatRequest(texts, settings, passes, tuple(stop), stream, bool(options.get("include_usage")))
 

@@ -4,6 +4,7 @@ Markdown files the page exports."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -13,6 +14,9 @@ from .session import Session, Turn
 from .render import reply_html
 
 FORMAT = "medusa-chat/1"
+# A line that opens or closes a fenced code block (CommonMark): up to 3 spaces, then 3 or more
+# backticks or tildes, then the rest of the line (an info string, or nothing on a closing fence).
+FENCE = re.compile(r"( {0,3})(`{3,}|~{3,})(.*)")
 
 
 def to_saved(turns: list[Turn], first_turn: int, system: str = "") -> dict:
@@ -47,17 +51,40 @@ def from_saved(saved) -> tuple[list[Turn], int]:
     return turns, first if isinstance(first, int) and 0 <= first <= len(turns) else 0
 
 
+def closed_fences(text: str) -> str:
+    """``text`` with the code fence it leaves open, if any, closed. A reply cut off inside a code
+    block (max new tokens reached, or Stop) would otherwise turn the rest of the Markdown file into
+    code."""
+    open_fence = None      # (indent, fence) of the block the text is inside
+    for line in text.split("\n"):
+        found = FENCE.fullmatch(line)
+        if found is None:
+            continue
+        indent, fence, rest = found.groups()
+        if open_fence is None:
+            if not (fence[0] == "`" and "`" in rest):   # a backtick fence's info string holds no backtick
+                open_fence = indent, fence
+        elif fence[0] == open_fence[1][0] and len(fence) >= len(open_fence[1]) and not rest.strip():
+            open_fence = None
+    if open_fence is None:
+        return text
+    indent, fence = open_fence     # closed at the opening's indent: a block in a list item ends in the item
+    return text + ("" if text.endswith("\n") else "\n") + indent + fence
+
+
 def to_markdown(turns: list[Turn], system: str = "") -> str:
+    """The conversation as a Markdown file; each text is closed off on its own (see closed_fences),
+    so one cut-off reply does not swallow the rest."""
     lines = ["# Medusa chat conversation", ""]
     if system:
-        lines += [f"**System:** {system}", ""]
+        lines += [f"**System:** {closed_fences(system)}", ""]
     for t in turns:
         if t.user:
-            lines += ["**User:**", "", t.user, ""]
+            lines += ["**User:**", "", closed_fences(t.user), ""]
         if t.reply is not None:
-            lines += ["**Assistant:**", "", t.reply, ""]
+            lines += ["**Assistant:**", "", closed_fences(t.reply), ""]
         if t.baseline is not None:
-            lines += ["**Assistant (plain decoding):**", "", t.baseline, ""]
+            lines += ["**Assistant (plain decoding):**", "", closed_fences(t.baseline), ""]
         if t.note:
             lines += [f"> ⚠️ {t.note}", ""]
     return "\n".join(lines)

@@ -115,11 +115,15 @@ HOSTILE = [
      400, "text only"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n=1"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 0}, 400, "give n=1"),   # not "1 to 128"
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 200}, 400, "give n=1"),
     ({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404, "gpt-4o"),
     ({"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}] * 10_000}, 400, "10,000"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"tree": "no-such-tree"}}, 400, "tree"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"mode": "warp"}}, 400, "warp"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"treee": "small-8"}}, 400,
+     "unknown field 'medusa.treee': remove it (\"medusa\" takes tree, mode, epsilon, delta)"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "bogus_param": 1}, 400, "'bogus_param'"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "min_p": 0.1}, 400, "unknown field 'min_p'"),
@@ -159,6 +163,28 @@ def test_hostile_input_gets_openai_shaped_errors_and_the_server_keeps_serving(ap
             assert_openai_error(http.post(url, content=raw, headers={"content-type": "application/json"}), status, says)
         ok = http.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": FRANCE}], "temperature": 0})
         assert ok.status_code == 200 and "Paris" in ok.json()["choices"][0]["message"]["content"]
+
+
+def test_an_unknown_tree_is_told_the_trees_a_request_may_name(client):
+    """Not a .json path (the API reads no files) but the page's list, baseline and the default tree included."""
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": FRANCE}], temperature=0, max_tokens=2)
+    default_tree = client.chat.completions.create(**ask).model_extra["medusa"]["tree"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(**ask, extra_body={"medusa": {"tree": "no-such-tree"}})
+    message = refused.value.body["message"]
+    assert "'no-such-tree'" in message and ".json file" not in message and "path" not in message, message
+    for offered in ("baseline", default_tree):
+        assert offered in message, message
+        assert client.chat.completions.create(**ask, extra_body={"medusa": {"tree": offered}}).choices
+
+
+def test_null_medusa_settings_mean_the_default(client):
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": FRANCE}], temperature=0, max_tokens=8)
+    default = client.chat.completions.create(**ask)
+    for medusa in (None, {"tree": None, "mode": None, "epsilon": None, "delta": None}):
+        answer = client.chat.completions.create(**ask, extra_body={"medusa": medusa})
+        assert answer.choices[0].message.content == default.choices[0].message.content
+        assert answer.model_extra["medusa"]["tree"] == default.model_extra["medusa"]["tree"]
 
 
 def test_concurrent_clients_and_a_page_request_all_complete_in_order(app, client):

@@ -1,0 +1,69 @@
+"""The exported conversation (app/transcript.py): a reply cut off inside a code block (max new
+tokens reached, or Stop) must not turn the rest of the Markdown file into code, while the JSON
+export keeps every text exactly as it was."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from markdown_it import MarkdownIt
+
+from app.session import Turn
+from app.transcript import write_exports
+
+LATER = Turn(user="And a tuple?", reply="Use `tuple(x)`.")
+
+
+def rendered(markdown: str) -> str:
+    return MarkdownIt("commonmark").render(markdown)
+
+
+def export(tmp_path: Path, turns: list[Turn], system: str = "") -> tuple[str, dict]:
+    as_json, as_md = write_exports(turns, 0, tmp_path, system)
+    return Path(as_md).read_text(encoding="utf-8"), json.loads(Path(as_json).read_text(encoding="utf-8"))
+
+
+def assert_later_turn_renders_normally(html: str) -> None:
+    assert "<p><strong>User:</strong></p>\n<p>And a tuple?</p>" in html, html
+    assert "<p><strong>Assistant:</strong></p>\n<p>Use <code>tuple(x)</code>.</p>" in html, html
+
+
+CLOSED = "Sort it:\n\n```python\nsorted(x)\n```\n\nor ``` inline ```, and then\n\n"   # a block that is finished
+
+
+@pytest.mark.parametrize("cut", [
+    "```python\nmy_list = [[",            # the tester's reply, cut by max new tokens
+    "~~~\nmy_list = [[\n",                # a tilde fence, cut after a newline
+    "````markdown\n```python\nx = 1\n```\n",   # a longer fence: the ``` inside does not close it
+])
+def test_a_reply_cut_off_inside_a_code_block_leaves_the_rest_of_the_markdown_normal(tmp_path, cut):
+    reply = CLOSED + cut
+    markdown, saved = export(tmp_path, [Turn(user="How do I nest lists?", reply=reply), LATER])
+    html = rendered(markdown)
+    assert_later_turn_renders_normally(html)
+    assert f"**Assistant:**\n\n{reply}" in markdown          # the reply itself is as written, with a fence added
+    assert html.count("<pre>") == 2 and "sorted(x)" in html, html   # the cut code is still shown as code
+    assert saved["turns"][0]["reply"] == reply                # the JSON keeps the raw text
+
+
+def test_a_block_cut_inside_a_list_item_is_closed_inside_the_item(tmp_path):
+    """A closing fence at the left margin would end the list item and open a new block there."""
+    turns = [Turn(user="Steps?", reply="1. Install it:\n\n   ```bash\n   pip install"),
+             Turn(user="Code?", reply="```python\nx = [["), LATER]
+    html = rendered(export(tmp_path, turns)[0])
+    assert "<p><strong>User:</strong></p>\n<p>Code?</p>" in html, html
+    assert_later_turn_renders_normally(html)
+    assert html.count("<pre>") == 2, html
+
+
+def test_user_messages_baseline_answers_and_the_system_prompt_are_closed_too(tmp_path):
+    cut = "```js\nconst a = ["
+    turns = [Turn(user=cut), Turn(user="Compare:", reply="Fine.", baseline=cut), LATER]
+    markdown, saved = export(tmp_path, turns, system="Answer in code:\n```")
+    html = rendered(markdown)
+    assert "<p><strong>User:</strong></p>\n<p>Compare:</p>" in html, html
+    assert "<p><strong>Assistant (plain decoding):</strong></p>" in html
+    assert_later_turn_renders_normally(html)
+    assert saved["system"] == "Answer in code:\n```" and saved["turns"][1]["baseline"] == cut
