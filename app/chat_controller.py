@@ -75,10 +75,11 @@ class ChatController:
         engine = self.slot.engine
         return engine.num_heads + 1 if engine is not None else 1
 
-    def note(self, session: Session, text: str, box: str | dict = gr.update()) -> tuple:
-        """A one-line note in the chat (never sent to the model) and the slot's status line."""
-        session.turns.append(Turn(user="", note=text) if not isinstance(box, str) else Turn(user=box, note=text))
-        return self.views(session, None, None, "", self.slot.state().line, box)
+    def failed(self, session: Session, message: str, error: str) -> tuple:
+        """A message that could not be answered: kept in the chat with its one-line error (never sent to
+        the model), and put back in the box to be edited and resent."""
+        session.turns.append(Turn(user=message, note=error))
+        return self.views(session, None, None, "", self.slot.state().line, message)
 
     def engine_or_wait(self, session: Session) -> Iterator[str | ChatEngine]:
         """Yield status lines while a model loads, then the engine; a str last means no engine."""
@@ -132,7 +133,7 @@ class ChatController:
             engine.check(settings)
             prompt, cut = engine.fit_prompt(session, message, system, settings)
         except ValueError as err:   # bad settings, no model, a message longer than the context
-            yield self.note(session, str(err), message)
+            yield self.failed(session, message, str(err))
             return
         turn = Turn(user=message, note=cut)
         session.turns.append(turn)

@@ -22,7 +22,8 @@ from medusa_core.decoding.config import DecodeConfig
 from medusa_core.decoding.generate import generate, max_context, new_cache
 from medusa_core.decoding.step import compute_dtype
 from medusa_core.decoding.step_store import needs_capture
-from medusa_core.decoding.tree import PRESETS, TreeBuffers, TreeError, build_tree_buffers, resolve_tree
+from medusa_core.decoding.tree import (PRESETS, TreeBuffers, TreeError, UnknownTreeError, build_tree_buffers,
+                                      resolve_tree)
 
 from .detok import Detokenizer
 from .readout import Comparison, Meter, Stats, explain_divergence, interleaved_ratios
@@ -199,6 +200,10 @@ class ChatEngine:
         except TreeError as err:
             if not self.num_heads:
                 raise ValueError(f"tree {name!r}: this model has no Medusa heads: use baseline") from None
+            if isinstance(err, UnknownTreeError):   # the tree module's line offers files, which are not taken here
+                names = ", ".join(choice for _, choice in self.tree_choices)
+                raise ValueError(f"unknown tree {name!r}: use one of {names}, or a chain-N or cartesian-AxB... "
+                                 "tree the heads can fill") from None
             raise ValueError(str(err)) from None
         with self._trees_lock:
             self._specs.setdefault(name, name)

@@ -120,15 +120,6 @@ def number(data: dict, name: str, default, low: float, high: float, integer: boo
     return int(value) if integer else float(value)
 
 
-def unknown_tree(engine: ChatEngine, tree: str) -> str:
-    """The refusal of a tree name that is no tree: what a request may name instead, the page's list
-    (the launch tree and baseline included) and the generated forms (a model without heads is told
-    "use baseline" by the engine before this)."""
-    names = ", ".join(name for _, name in engine.tree_choices)
-    return (f"medusa.tree {tree!r} is unknown: use one of {names}, or a chain-N or cartesian-AxB... tree the "
-            "heads can fill")
-
-
 def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
     """The OpenAI request ``data`` as the engine's Settings; ApiError names what is wrong."""
     model = data.get("model")
@@ -230,9 +221,6 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
                             max_new_tokens=max_tokens or engine.max_new_tokens, tree=tree, seed=seed)
         engine.check(settings)
     except ValueError as err:   # an unknown tree or mode, one line from the engine
-        if tree is not None and str(err).startswith(f"unknown tree {tree!r}"):
-            # the tree module's own line offers a .json path, which a request may not name: offer what it may
-            raise ApiError(400, unknown_tree(engine, tree), param="medusa.tree", code="invalid_value") from None
         raise ApiError(400, str(err), param="medusa", code="invalid_value") from None
     return ChatRequest(texts, settings, passes, tuple(stop), stream, bool(options.get("include_usage")))
 

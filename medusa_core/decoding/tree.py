@@ -60,6 +60,11 @@ class TreeError(ValueError):
     """A tree that cannot be used: unknown name, malformed paths, or one the heads cannot fill."""
 
 
+class UnknownTreeError(TreeError):
+    """A name that is no preset, generated form or file: a caller that offers other trees (the app)
+    says which instead."""
+
+
 def chain(depth: int) -> Paths:
     """Top-1 guesses of heads 0..depth-1, one after another."""
     return [tuple([0] * d) for d in range(1, depth + 1)]
@@ -100,7 +105,7 @@ def resolve_tree(spec: str) -> Paths:
             return cartesian(widths)
     if spec.endswith(".json"):
         return load_tree_file(Path(spec))
-    raise TreeError(
+    raise UnknownTreeError(
         f"unknown tree {spec!r}: use one of {', '.join(preset_names())}, or a path to a .json file of paths"
     )
 
