@@ -128,7 +128,7 @@ class ChatEngine:
         # slower (measured in docs/serving.md, "one model thread").
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self.queue = RequestQueue()
-        self._specs: dict[str, str] = {}          # shown name -> tree spec (a .json path shows as its file name)
+        self._specs: dict[str, str] = {}          # shown name -> tree spec (a .json path shows as its file's stem)
         self._typed: list[str] = []               # trees typed in, not listed: the oldest go first
         self.tree_choices = self._tree_choices([*extra_trees, loaded.default_tree])  # the user's --tree first
         self.default_tree = self.tree_choices[0][1]
@@ -147,7 +147,7 @@ class ChatEngine:
         user named come first. A named tree that does not fit raises TreeError at startup."""
         for spec in [*dict.fromkeys(s for s in preferred if s)]:
             if self.num_heads or spec == "baseline":
-                self._specs.setdefault(Path(spec).name if spec.endswith(".json") else spec, spec)
+                self._specs.setdefault(Path(spec).stem if spec.endswith(".json") else spec, spec)
                 self.tree(spec)
         for spec in [*PRESETS, *(f"chain-{d}" for d in range(1, self.num_heads + 1))]:
             try:
@@ -159,8 +159,15 @@ class ChatEngine:
         return [(f"{name} ({self.tree(spec).size} node{'s' if self.tree(spec).size > 1 else ''})", name)
                 for name, spec in self._specs.items()]
 
+    def shown_name(self, name: str) -> str:
+        """The listed name of tree ``name``: a tree file read at start is also named by its path or its
+        file name (listed as its stem); any other name is itself."""
+        if name in self._specs:
+            return name
+        return next((shown for shown, spec in self._specs.items() if name in (spec, Path(spec).name)), name)
+
     def tree(self, name: str) -> TreeBuffers:
-        spec = self._specs.get(name, name)
+        spec = self._specs.get(self.shown_name(name), name)
         with self._trees_lock:
             if spec not in self._trees:
                 self._trees[spec] = build_tree_buffers(
@@ -171,7 +178,7 @@ class ChatEngine:
         """What the Medusa pane runs with ``tree_name`` ("" or None: the default tree), as its title
         and its readout name it: Medusa; plain decoding where the tree has no heads, and why where
         the tuner found that no tree pays on this machine."""
-        name = tree_name or self.default_tree
+        name = self.shown_name(tree_name or self.default_tree)
         if name not in self._specs or self.tree(name).num_heads:
             return LABELS[MEDUSA]
         return NO_SPEEDUP if self.no_speedup else LABELS[BASELINE]
@@ -182,8 +189,8 @@ class ChatEngine:
         if config.max_new_tokens > self.context:
             raise ValueError(f"max_new_tokens {config.max_new_tokens} is more than the model's context "
                              f"({self.context} tokens): use at most {self.context}")
-        name = settings.tree or self.default_tree
-        if name not in self._specs and name not in self._specs.values():   # the --tree file by its path too
+        name = self.shown_name(settings.tree or self.default_tree)
+        if name not in self._specs:
             self._offer(name)
         return config, name, self.tree(name)
 

@@ -61,8 +61,8 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec):
                 current = int(float(max_new_value))
             except (TypeError, ValueError):
                 current = engine.max_new_tokens
-            tree_update = gr.update(choices=engine.tree_choices, value=engine.default_tree,
-                                    info=engine.loaded.tree_note or None)
+            # why this tree (tuned, preset...) is on the status line: not repeated under the picker
+            tree_update = gr.update(choices=engine.tree_choices, value=engine.default_tree)
             max_update = gr.update(maximum=engine.context, value=min(current, engine.context))
             decoding_update = decoding_values(default_settings(engine.loaded))
             pane = medusa_pane(engine)

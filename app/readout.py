@@ -229,9 +229,11 @@ def render_comparison(comparison: Comparison) -> str:
         stopped = "cancelled" in (baseline.finish_reason, medusa.finish_reason)
         headline = "**Speedup: –** " + ("(stopped before both answers could be timed)" if stopped
                                         else "(an answer was too short to time)")
-    # no rates beside "–": they would read 0.0 where the readouts say "–"
-    parts = [headline] + ([f"({medusa.tokens_per_second:.1f} vs {baseline.tokens_per_second:.1f} tokens/s)"]
-                          if ratio else [])
+    # no rates beside "–": they would read 0.0 where the readouts say "–". The headline is the whole
+    # answers' ratio, the windows are stretches of both answers: on a short answer the headline can
+    # fall outside the windows' range, so say which is which
+    parts = [headline] + ([f"(whole answers: {medusa.tokens_per_second:.1f} vs {baseline.tokens_per_second:.1f} "
+                           "tokens/s)"] if ratio else [])
     if len(comparison.ratios) >= 2:
         low, q1, median, q3, high = quartiles(comparison.ratios)
         parts.append(f"· step-interleaved, over {len(comparison.ratios)} windows of {RATIO_WINDOW} steps: "

@@ -344,8 +344,11 @@ def test_one_token_answer_is_never_a_silent_empty_bubble(client):
 
 
 def test_named_tree_shows_as_its_name(client, model_dirs):
-    _, (chat, _, readout, *_rest) = ask(client, "hi", tree="tree.json", max_new=8)
-    assert "tree.json" in readout and str(model_dirs[0].parent) not in readout
+    """A tree file given at start shows as its file's stem, and a script may name it by its file
+    name too; the readout never shows the path."""
+    for name in ("tree", "tree.json"):
+        _, (chat, _, readout, *_rest) = ask(client, "hi", tree=name, max_new=8)
+        assert "tree `tree`" in readout and str(model_dirs[0].parent) not in readout
 
 
 def test_typed_trees_are_kept_only_a_few_at_a_time(engine):
@@ -491,6 +494,7 @@ def test_interleaved_speedup_is_immune_to_load_that_hits_both():
                                          Stats(tree_size=2, tokens=121, steps=40, decode_seconds=0.6), tuple(ratios),
                                          True))
     assert "Speedup: 2.00×" in shown and "median 2.00×" in shown and "identical" in shown
+    assert "(whole answers: 200.0 vs 100.0 tokens/s)" in shown   # what the headline is, beside the windows
     # the baseline tree in the Medusa pane: plain decoding twice, and a ratio that is not a speedup
     same = render_comparison(Comparison(Stats(tokens=121, steps=120, decode_seconds=1.2),
                                         Stats(tree="baseline", tokens=121, steps=120, decode_seconds=1.05)))
