@@ -8,13 +8,16 @@ tree for a node budget and, with ``--budget auto``, time this device to pick its
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
+from .errors import run_command
+from .loading.policy import resolve_device
 from .training.tree_search import CalibrateConfig, run
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m medusa_core.calibrate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="backbone directory")
     p.add_argument("--heads", required=True, help="heads directory (medusa_lm_head.safetensors)")
@@ -38,11 +41,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: torch's choice)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = p.parse_args(argv)
+    return run_command(lambda: calibrate(a))
+
+
+def calibrate(a: argparse.Namespace) -> None:
     report = run(CalibrateConfig(
         model=a.model, heads=a.heads, out=a.out, prompts=a.prompts, data=a.data, budget=a.budget,
         max_budget=a.max_budget, top_k=a.top_k, raw_prompts=a.raw_prompts, answer_tokens=a.answer_tokens,
         timing_prompts=a.timing_prompts, timing_tokens=a.timing_tokens, timing_count=a.timing_count,
-        dtype=a.dtype, quant=a.quant, threads=a.threads, device=a.device,
+        dtype=a.dtype, quant=a.quant, threads=a.threads, device=resolve_device(a.device),
     ))
     print("head top-1 accuracy:", report["top1"])
     for n, t in report.get("timing", {}).items():
@@ -54,8 +61,8 @@ def main(argv: list[str] | None = None) -> None:
               "matmul path (--dtype bfloat16)")
     elif "auto_size" in report:
         print(f"auto: tree size {report['auto_size']} (root included)")
-    print(f"wrote {a.out}: {report['budget']} nodes, expected {report['expected_tokens_per_step']:.2f} tokens/step")
+    print(f"wrote {a.out}: {report['budget'] + 1} nodes (root included, as the app counts), expected {report['expected_tokens_per_step']:.2f} tokens/step")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

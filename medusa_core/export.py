@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import LoadError
+from .errors import LoadError, run_command
 from .heads.medusa_heads import HeadsConfig
 from .heads.files import HEADS_FILE, HeadsFiles, check_declared, heads_config_from_keys, read_heads_dir
 
@@ -161,14 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="backbone; needed for vLLM when the heads reuse its lm_head (version 2)")
     parser.add_argument("--dtype", default="keep", choices=list(DTYPES), help="cast the weights (default: as stored)")
     args = parser.parse_args(argv)
-    try:
-        written = export(ExportSpec(args.heads, args.out, args.format, args.model, args.dtype))
-    except LoadError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    for path in written:
-        print(f"wrote {path}")
-    return 0
+
+    def body() -> None:
+        for path in export(ExportSpec(args.heads, args.out, args.format, args.model, args.dtype)):
+            print(f"wrote {path}")
+
+    return run_command(body)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import argparse
 import json
 import platform
 import shutil
+import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -40,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from .errors import run_command
+from .loading.policy import resolve_device
 from .training import tree_search
 from .training import prompts as chat_prompts
 from .training.loop import TrainConfig, main_with_config
@@ -194,7 +197,7 @@ def _device_name(device: str) -> str:
     return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m medusa_core.smol_build", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", nargs="+", choices=STAGES, default=["prompts", "heads"])
@@ -211,8 +214,10 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     config = BuildConfig(steps=a.steps, prompt_count=a.prompt_count, answer_tokens=a.answer_tokens,
                          eval_every=a.eval_every, root_steps=a.root_steps, root_positions=a.root_positions)
-    run(a.stages, Path(a.work), Path(a.out), a.device, config, Path(a.model) if a.model else None)
+    # the device is checked before the first stage: a stage's output must not be written by a run that cannot finish
+    return run_command(lambda: run(a.stages, Path(a.work), Path(a.out), resolve_device(a.device), config,
+                                   Path(a.model) if a.model else None))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

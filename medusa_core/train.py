@@ -7,19 +7,23 @@ generated first and stored as JSONL) or a text/JSONL corpus.
 
     python -m medusa_core.train --model DIR --out HEADS_DIR --prompts prompts.jsonl
     python -m medusa_core.train --model DIR --out HEADS_DIR --corpus a.txt b.jsonl
-    python -m medusa_core.train --model DIR --out HEADS_DIR --prompts p.jsonl --init-heads OLD_HEADS \
-        --root-conditioned --cache-hidden      # heads that also read the root token, warm-started
+    # heads that also read the root token, warm-started from OLD_HEADS:
+    python -m medusa_core.train --model DIR --out HEADS_DIR --prompts p.jsonl --init-heads OLD_HEADS --root-conditioned --cache-hidden
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+
 import torch
 
+from .errors import run_command
+from .loading.policy import resolve_device
 from .training.loop import TrainConfig, main_with_config
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m medusa_core.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="backbone directory (save_pretrained layout with tokenizer)")
     p.add_argument("--out", required=True, help="directory for the trained heads")
@@ -59,16 +63,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--positions", type=int, default=4096,
                    help="positions per step with --cache-hidden (which ignores --batch-size)")
     a = p.parse_args(argv)
-    main_with_config(TrainConfig(
+    return run_command(lambda: main_with_config(TrainConfig(
         model=a.model, out=a.out, prompts=a.prompts, corpus=tuple(a.corpus or ()), work_dir=a.work_dir,
         raw_prompts=a.raw_prompts, num_heads=a.num_heads, num_layers=a.num_layers,
         own_projection=not a.shared_projection, answer_tokens=a.answer_tokens, distill_batch=a.distill_batch,
         temperatures=tuple(a.temperatures), seq_len=a.seq_len, steps=a.steps,
         batch_size=a.batch_size, lr=a.lr, eval_every=a.eval_every, resume=a.resume, load_in_4bit=a.load_in_4bit,
-        device=a.device, seed=a.seed, dtype=a.dtype, threads=a.threads, init_heads=a.init_heads,
+        device=resolve_device(a.device), seed=a.seed, dtype=a.dtype, threads=a.threads, init_heads=a.init_heads,
         root_conditioned=a.root_conditioned, root_lr=a.root_lr, cache_hidden=a.cache_hidden, positions=a.positions,
-    ))
+    )))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -123,3 +123,23 @@ def test_auto_times_sizes_and_writes_the_chosen_one(checkpoint, tmp_path, capsys
     best = max(report["timing"], key=lambda n: report["timing"][n]["expected_tokens_per_s"])
     assert report["auto_size"] == int(best)
     assert len(load_tree_file(out)) <= int(best) - 1
+
+
+def test_cli_errors_are_one_line(checkpoint, tmp_path, capsys):
+    """Bad values are refused in one line before any answer is generated (--top-k 0 used to crash
+    after them), and the tree written is counted as the app counts it, root included."""
+    from medusa_core.calibrate import main
+
+    backbone, heads, prompts = checkpoint
+    common = ["--model", str(backbone), "--heads", str(heads), "--prompts", str(prompts), "--raw-prompts",
+              "--out", str(tmp_path / "t.json")]
+    for extra, why in ((["--budget", "abc"], "budget 'abc' must be"), (["--budget", "3", "--top-k", "0"], "top_k 0"),
+                       (["--budget", "3", "--max-budget", "0"], "max_budget 0"),
+                       (["--budget", "3", "--device", "tpu"], "device 'tpu' is unknown")):
+        assert main([*common, *extra]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and why in err and err.count("\n") == 1, err
+    assert not (tmp_path / "t_calibration_answers.jsonl").exists()
+    assert main([*common, "--budget", "3", "--top-k", "4", "--answer-tokens", "8"]) == 0
+    written = len(load_tree_file(tmp_path / "t.json"))
+    assert f"wrote {tmp_path / 't.json'}: {written + 1} nodes (root included" in capsys.readouterr().out

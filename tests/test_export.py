@@ -130,6 +130,11 @@ def test_export_errors_are_one_line(setup, tmp_path, capsys):
     assert main(["--heads", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "does not exist" in err and err.count("\n") == 1
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert main(["--heads", str(setup[0] / "heads"), "--out", str(a_file)]) == 1   # a file where a folder goes
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {a_file}") and "Not a directory" in err and err.count("\n") == 1
     with pytest.raises(LoadError, match="pass --model"):
         from medusa_core.export import ExportSpec, export
 

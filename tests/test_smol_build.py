@@ -61,3 +61,14 @@ def test_root_stage_starts_from_the_latest_unconditioned_heads(tmp_path):
     shutil.rmtree(work / "unconditioned_heads")
     with pytest.raises(ValueError, match="already holds root-conditioned heads"):
         build_root_heads(prompts, work, heads_dir, "cpu", config, backbone)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where torch sees no CUDA GPU")
+def test_a_cuda_build_without_cuda_is_refused_before_any_stage(tmp_path, capsys):
+    """README's `smol_build --device cuda` on a CPU machine: one line, and no stage has written anything."""
+    from medusa_core.smol_build import main
+
+    assert main(["--device", "cuda", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: device 'cuda' was asked for but torch sees no CUDA GPU") and err.count("\n") == 1
+    assert not (tmp_path / "work").exists() and not (tmp_path / "out").exists()

@@ -98,6 +98,24 @@ def test_self_distillation_cli_trains_saves_and_reloads(backbone_dir):
     assert loss_on(model, trained, answers) < loss_on(model, untrained, answers)
 
 
+def test_cli_errors_are_one_line_before_any_work(backbone_dir, tmp_path, capsys):
+    """A missing prompts file, an --out that is a file, --num-heads 0: one line and exit 1, nothing
+    trained first (--num-heads 0 used to crash after the whole self-distillation)."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    common = ["--model", str(backbone_dir / "backbone"), "--raw-prompts", "--steps", "2"]
+    cases = [(["--out", str(tmp_path / "h"), "--prompts", str(tmp_path / "missing.jsonl")],
+              f"{tmp_path / 'missing.jsonl'}: No such file or directory"),
+             (["--out", str(a_file), "--prompts", str(backbone_dir / "prompts.jsonl")], "Not a directory"),
+             (["--out", str(tmp_path / "h"), "--prompts", str(backbone_dir / "prompts.jsonl"), "--num-heads", "0"],
+              "num_heads 0: train at least 1 head (--num-heads)")]
+    for args, why in cases:
+        assert main([*common, *args]) == 1
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith("error: ") and why in err, err
+    assert not (tmp_path / "h" / "work" / "distill_answers.jsonl").exists()
+
+
 class Crash(Exception):
     pass
 

@@ -60,6 +60,10 @@ class TrainConfig:
             raise ValueError(f"dtype {self.dtype!r} is unknown: use float32, bfloat16 or float16")
         if (self.prompts is None) == (not self.corpus):
             raise ValueError("give exactly one data source: --prompts FILE.jsonl (self-distillation) or --corpus FILES")
+        if self.num_heads < 1:
+            raise ValueError(f"num_heads {self.num_heads}: train at least 1 head (--num-heads)")
+        if self.num_layers < 0:
+            raise ValueError(f"num_layers {self.num_layers}: give 0 or more residual blocks per head (--num-layers)")
         if self.steps < 1 or self.batch_size < 1:
             raise ValueError(f"steps {self.steps} and batch_size {self.batch_size} must be at least 1")
         if not 0 < self.held_out < 1:

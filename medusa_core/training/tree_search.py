@@ -55,6 +55,10 @@ class CalibrateConfig:
             raise ValueError("give exactly one calibration set: --prompts FILE.jsonl or --data answers.jsonl")
         if self.budget != "auto" and not (self.budget.isdigit() and int(self.budget) >= 1):
             raise ValueError(f"budget {self.budget!r} must be a node count >= 1 or 'auto'")
+        if self.top_k < 1:
+            raise ValueError(f"top_k {self.top_k}: measure at least rank 1 of each head (--top-k)")
+        if self.max_budget < 1:
+            raise ValueError(f"max_budget {self.max_budget}: allow at least 1 node besides the root (--max-budget)")
         if self.quant not in ("none", "int4"):
             raise ValueError(f"quant {self.quant!r} is unknown: use none or int4")
         if self.quant == "int4" and self.device != "cpu":
