@@ -88,14 +88,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def check_flags(args: argparse.Namespace) -> None:
     """Fail in one line, before the server starts or anything loads, on what the flags alone
     show is wrong: an unknown tree, a device torch lacks, a model or heads path that does not
-    exist. (Whether a tree fits the heads is known only once they have loaded.)"""
+    exist, a tree file that is malformed whatever heads run it. (Whether a tree fits the heads is
+    known only once they have loaded.)"""
     from medusa_core.errors import LoadError
     from medusa_core.loading.hub import local_dir
     from medusa_core.loading.policy import resolve_device
     from medusa_core.decoding.tree import TreeError, resolve_tree
 
     try:
-        if args.tree:
+        if args.tree is not None:   # --tree '' too: an empty name is no tree, not "the default"
             resolve_tree(args.tree)
         resolve_device(args.device)
         for source in (args.model, args.heads):

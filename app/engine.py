@@ -23,7 +23,7 @@ from medusa_core.decoding.generate import generate, max_context, new_cache
 from medusa_core.decoding.step import compute_dtype
 from medusa_core.decoding.step_store import needs_capture
 from medusa_core.decoding.tree import (PRESETS, TreeBuffers, TreeError, UnknownTreeError, build_tree_buffers,
-                                      resolve_tree)
+                                      resolve_tree, tree_name)
 
 from .detok import Detokenizer
 from .readout import Comparison, Meter, Stats, explain_divergence, interleaved_ratios
@@ -147,7 +147,7 @@ class ChatEngine:
         user named come first. A named tree that does not fit raises TreeError at startup."""
         for spec in [*dict.fromkeys(s for s in preferred if s)]:
             if self.num_heads or spec == "baseline":
-                self._specs.setdefault(Path(spec).stem if spec.endswith(".json") else spec, spec)
+                self._specs.setdefault(tree_name(spec), spec)
                 self.tree(spec)
         for spec in [*PRESETS, *(f"chain-{d}" for d in range(1, self.num_heads + 1))]:
             try:

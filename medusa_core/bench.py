@@ -20,7 +20,7 @@ from .benchmarks.runs import (ModuleTimer, Run, bench_prompts, format_table, pea
                               summarize, write_json)
 from .decoding.config import DEFAULTS, MODES, DecodeConfig, limits
 from .decoding.step import compute_dtype
-from .decoding.tree import TreeBuffers, TreeError, build_tree_buffers, resolve_tree
+from .decoding.tree import TreeBuffers, TreeError, build_tree_buffers, resolve_tree, tree_name
 from .errors import LoadError
 from .loading.chat_format import render_chat
 from .loading.load import load
@@ -75,8 +75,8 @@ def prepare(args) -> Setup:
                         "pass --heads, or --tree baseline for plain decoding only")
     device = loaded.model.get_output_embeddings().weight.device
     mask_dtype = compute_dtype(loaded.model)
-    trees = {name: build_tree_buffers(resolve_tree(name), loaded.heads.config.num_heads, dtype=mask_dtype, device=device)
-             for name in tree_names}
+    trees = {tree_name(spec): build_tree_buffers(resolve_tree(spec), loaded.heads.config.num_heads, dtype=mask_dtype,
+                                                 device=device) for spec in tree_names}
     return Setup(loaded, config, trees, device)
 
 

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 FLAGS = ["--model", "--heads", "--device", "--quant", "--dtype", "--heads-quant", "--trust-remote-code",
          "--nf4-kernel", "--tree", "--retune", "--max-new-tokens", "--system-prompt", "--host", "--port", "--share",
@@ -79,6 +81,28 @@ def test_unusable_tree_is_one_line_and_exit_1(tiny_dirs):
     lines = error_lines(proc)
     assert len(lines) == 1 and "unknown tree 'nonsense'" in lines[0]
     assert "Loading" not in proc.stdout and "Serving" not in proc.stdout, "the flag is checked before any load"
+
+
+@pytest.mark.parametrize("tree, why", [
+    ("[[0, 0]]", "tree path [0, 0] has no parent [0] in the tree"),
+    ("[[0], [true]]", "must hold a list of non-empty integer lists"),
+    ("[[0], [0]]", "tree path [0] appears twice"),
+    ("[[-1]]", "tree path [-1] is invalid"),
+])
+def test_a_malformed_tree_file_is_refused_before_anything_loads(tmp_path, tree, why):
+    path = tmp_path / "tree.json"
+    path.write_text(tree)
+    proc = run("--device", "cpu", "--tree", str(path), "--port", str(free_port()))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    lines = error_lines(proc)
+    assert len(lines) == 1 and why in lines[0] and str(path) in lines[0]
+    assert "Loading" not in proc.stdout and "Serving" not in proc.stdout
+
+
+@pytest.mark.parametrize("tree", ["", "chain-0"])
+def test_an_empty_or_zero_tree_name_is_refused(tree):
+    proc = run("--device", "cpu", "--tree", tree, "--port", str(free_port()))
+    assert proc.returncode == 1 and error_lines(proc)[0].startswith(f"error: unknown tree {tree!r}")
 
 
 def test_bad_choice_flags_are_refused_by_argparse():

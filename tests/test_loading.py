@@ -270,6 +270,23 @@ def test_nonexistent_paths(root, tmp_path):
         load(LoadSpec(heads=str(d), device="cpu"))
 
 
+def test_a_directory_that_is_not_a_model_gets_local_advice(root, tmp_path):
+    """A local directory whose config names no model: the hint is about the directory, not the hub."""
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(LoadError) as err:
+        load(LoadSpec(model=str(tmp_path), device="cpu"))
+    line = _one_line(err)
+    assert "check that the directory holds a transformers model" in line and "hf download" not in line
+
+
+def test_a_tree_for_a_model_without_heads_is_said_to_go_unused(root):
+    loaded = load(LoadSpec(model=str(root / "backbone"), device="cpu", tree="chain-2"))
+    assert loaded.default_tree == "baseline"
+    assert loaded.tree_note == ("--tree chain-2 is not used: this model has no Medusa heads, so it runs plain "
+                                "decoding (add --heads)")
+    assert load(LoadSpec(model=str(root / "backbone"), device="cpu")).tree_note == ""
+
+
 def test_bad_options():
     with pytest.raises(LoadError, match="quant 'q3' is unknown"):
         load(LoadSpec(model="x/y", device="cpu", quant="q3"))

@@ -38,7 +38,7 @@ from ..loading.assets import CPU_DEFAULT_PROMPTS
 from ..loading.load import load
 from ..loading.spec import LoadSpec
 from ..loading.smollm2 import NAME, MissingModel, cache_root, gguf_path
-from ..decoding.tree import TreeError, build_tree_buffers, resolve_tree
+from ..decoding.tree import TreeError, build_tree_buffers, resolve_tree, tree_name
 
 LLAMA_CPP_PIP = "pip install llama-cpp-python==0.3.36 (compiles llama.cpp, ~6 min on 2 cores)"
 ENGINES = ("plain", "medusa", "llama.cpp")
@@ -189,7 +189,7 @@ def run(config: LlamaCppBenchConfig) -> tuple[list[Row], dict]:
         print(f"prompt {n}/{len(encoded)} done, {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
 
     plain = [r["plain"] for r in results]
-    names = {"plain": "plain decoding (ours)", "medusa": f"medusa {Path(loaded.default_tree).name} ({tree.size} nodes)",
+    names = {"plain": "plain decoding (ours)", "medusa": f"medusa {tree_name(loaded.default_tree)} ({tree.size} nodes)",
              "llama.cpp": "llama.cpp Q4_1"}
     rows = [summarize(names[e], [r[e] for r in results], plain) for e in ENGINES]
     report = {

@@ -32,7 +32,7 @@ from ..loading.assets import CPU_DEFAULT_PROMPTS
 from ..loading.load import load
 from ..loading.spec import LoadSpec
 from ..training.data import read_prompts
-from ..decoding.tree import TreeError, build_tree_buffers, resolve_tree
+from ..decoding.tree import TreeError, build_tree_buffers, resolve_tree, tree_name
 
 ORDER = ("projections (4-bit or fp32 matmuls)", "attention", "MLP activation", "norms", "lm_head", "Medusa heads",
          "decoder: residuals, rotary tables, layer Python", "outside the model: candidates, acceptance, KV copy, loop")
@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()} kernels; "
           f"ms per decoding step, {config.prompts} prompts x {config.steps} steps")
     results = {name: profile(loaded, name, prompts, config.steps) for name in trees}
-    labels = [f"{name.rsplit('/', 1)[-1]} ({build_tree_buffers(resolve_tree(name), loaded.heads.config.num_heads).size} nodes)" for name in trees]
+    sizes = [build_tree_buffers(resolve_tree(name), loaded.heads.config.num_heads).size for name in trees]
+    labels = [f"{tree_name(name)} ({size} node{'s' if size > 1 else ''})" for name, size in zip(trees, sizes)]
     print(f"{'category':<58}" + "".join(f"{label:>24}" for label in labels))
     for kind in ORDER:
         row = "".join(f"{results[n][0][kind]:>15.2f} ({100 * results[n][0][kind] / results[n][1]:>4.1f}%)"

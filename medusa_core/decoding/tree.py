@@ -88,7 +88,7 @@ def resolve_tree(spec: str) -> Paths:
         return []
     if spec in PRESETS:
         return [tuple(p) for p in PRESETS[spec]]
-    if spec.startswith("chain-") and spec[6:].isdigit():
+    if spec.startswith("chain-") and spec[6:].isdigit() and int(spec[6:]) > 0:   # chain-0 would be baseline
         _check_generated(spec, 1 + int(spec[6:]))
         return chain(int(spec[6:]))
     if spec.startswith("cartesian-"):
@@ -110,6 +110,12 @@ def resolve_tree(spec: str) -> Paths:
     )
 
 
+def tree_name(spec: str) -> str:
+    """A tree as the user reads its name: a file by its stem (the tuner's cache file shows as "tuned"),
+    any other spec as given."""
+    return Path(spec).stem if spec.endswith(".json") else spec
+
+
 def _check_generated(spec: str, nodes: int) -> None:
     """Refuse a generated tree of more than MAX_GENERATED_NODES nodes, counted before it is built."""
     if nodes > MAX_GENERATED_NODES:
@@ -128,10 +134,15 @@ def load_tree_file(path: Path) -> Paths:
     if isinstance(data, dict):
         data = data.get("paths")
     if not isinstance(data, list) or not all(
-        isinstance(p, list) and p and all(isinstance(i, int) for i in p) for p in data
+        isinstance(p, list) and p and all(type(i) is int for i in p) for p in data   # true/false are no ranks
     ):
         raise TreeError(f"tree file {path} must hold a list of non-empty integer lists, e.g. [[0], [0, 0], [1]]")
-    return [tuple(p) for p in data]
+    paths = [tuple(p) for p in data]
+    try:
+        check_shape(paths)   # what the file alone shows is wrong, before any model loads
+    except TreeError as err:
+        raise TreeError(f"tree file {path}: {err}") from None
+    return paths
 
 
 @dataclass(frozen=True)
@@ -154,8 +165,9 @@ class TreeBuffers:
         return int(self.depths.shape[0])
 
 
-def validate_paths(paths: Paths, num_heads: int, top_k: int) -> None:
-    """Raise TreeError naming the first path that the heads cannot fill or that has no parent."""
+def check_shape(paths: Paths) -> None:
+    """Raise TreeError naming the first path that is listed twice, malformed, or without its parent:
+    what is wrong with a tree whatever heads run it."""
     seen = set(paths)
     if len(seen) != len(paths):
         dup = next(p for p in paths if paths.count(p) > 1)
@@ -163,6 +175,14 @@ def validate_paths(paths: Paths, num_heads: int, top_k: int) -> None:
     for p in paths:
         if len(p) == 0 or any(i < 0 for i in p):
             raise TreeError(f"tree path {list(p)} is invalid: paths are non-empty lists of ranks >= 0")
+        if len(p) > 1 and p[:-1] not in seen:
+            raise TreeError(f"tree path {list(p)} has no parent {list(p[:-1])} in the tree: add the prefix")
+
+
+def validate_paths(paths: Paths, num_heads: int, top_k: int) -> None:
+    """Raise TreeError naming the first path that is malformed (check_shape) or that the heads cannot fill."""
+    check_shape(paths)
+    for p in paths:
         if len(p) > num_heads:
             raise TreeError(
                 f"tree path {list(p)} has depth {len(p)} but the model has {num_heads} Medusa heads: "
@@ -173,8 +193,6 @@ def validate_paths(paths: Paths, num_heads: int, top_k: int) -> None:
                 f"tree path {list(p)} uses rank {max(p)} but heads supply only their top {top_k}: "
                 f"use ranks < {top_k} or raise top_k"
             )
-        if len(p) > 1 and p[:-1] not in seen:
-            raise TreeError(f"tree path {list(p)} has no parent {list(p[:-1])} in the tree: add the prefix")
 
 
 def build_tree_buffers(

@@ -103,8 +103,9 @@ def load_backbone(source: str, device: str, quant: str, dtype: torch.dtype | str
                                                   local_files_only=cache_only)
     except (OSError, ValueError, ImportError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        hint = "pass --trust-remote-code if you trust that code" if "trust_remote_code" in str(err) else \
-            "check the id or directory, or download it with `hf download`"
+        hint = ("pass --trust-remote-code if you trust that code" if "trust_remote_code" in str(err) else
+                "check that the directory holds a transformers model (config.json, weights, tokenizer)"
+                if path is not None else "check the id, or download it with `hf download`")
         raise LoadError(f"{name}: could not load the model ({first[:200]}): {hint}") from err
     model.eval().requires_grad_(False)
     return model, tokenizer

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..decoding.tree import build_tree_buffers, resolve_tree
+from ..decoding.tree import build_tree_buffers, resolve_tree, tree_name
 from ..errors import LoadError
 from ..heads.accuracy import head_accuracy
 from ..heads.medusa_heads import MedusaHeads
@@ -118,10 +118,12 @@ def pick_tree(spec: LoadSpec, model, tokenizer, heads: MedusaHeads | None, heads
     on this machine from the heads' accuracies (cached per machine, model, heads and mode); else,
     for heads that carry no accuracies, a preset (choose_tree)."""
     if heads is None:
-        return "baseline", "", None
+        ignored = spec.tree not in (None, "baseline")
+        return "baseline", (f"--tree {spec.tree} is not used: this model has no Medusa heads, so it runs plain "
+                            "decoding (add --heads)" if ignored else ""), None
     if spec.tree:
         build_tree_buffers(resolve_tree(spec.tree), heads.config.num_heads)   # TreeError: it does not fit
-        return spec.tree, f"tree {Path(spec.tree).name if spec.tree.endswith('.json') else spec.tree} (set by --tree)", None
+        return spec.tree, f"tree {tree_name(spec.tree)} (set by --tree)", None
     accuracy = head_accuracy(heads_dir, spec.heads, heads.config.num_heads,
                              calibration=CPU_DEFAULT_CALIBRATION if bundled else None)
     if accuracy is None:
