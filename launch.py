@@ -12,6 +12,7 @@ where another model can be picked.
 from __future__ import annotations
 
 import argparse
+import hmac
 import ipaddress
 import os
 import socket
@@ -73,10 +74,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--host", default="127.0.0.1", help="address to bind; anything but a local address exposes "
                                                        "the chat to your network (default: %(default)s)")
     s.add_argument("--port", type=int, help=f"port to serve on; default {DEFAULT_PORT}, or a free one if it is busy")
-    s.add_argument("--share", action="store_true", help="also open a public gradio.live link (off unless given)")
+    s.add_argument("--share", action="store_true",
+                   help="also open a public gradio.live link (off unless given; needs --api-key)")
     s.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
-                   help=f"require 'Authorization: Bearer KEY' on the OpenAI API (/v1/...); default ${API_KEY_ENV}. "
-                        "Needed to serve the API on a non-local --host")
+                   help=f"require 'Authorization: Bearer KEY' on the OpenAI API (/v1/...) and the key as the "
+                        f"password of the page's login (any user name); default ${API_KEY_ENV}. Needed on a "
+                        "non-local --host")
     s.add_argument("--no-api", action="store_true",
                    help="serve the page only, without the OpenAI-compatible API (/v1/chat/completions, /v1/models)")
     args = p.parse_args(argv)
@@ -141,6 +144,14 @@ def is_local(host: str) -> bool:
         return False
 
 
+def page_login(api_key: str | None):
+    """Gradio's login for the page and its scripting API when a key is set: any user name, the key as
+    the password (the OpenAI API checks the same key in its Bearer header)."""
+    if not api_key:
+        return None
+    return lambda _user, password: hmac.compare_digest(password.encode(), api_key.encode())
+
+
 def fail(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
     sys.exit(1)
@@ -158,13 +169,16 @@ def load_spec(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not is_local(args.host):
-        # An API without a key on the network is an open model server that scripts find and use
-        # unattended: refused. The page alone is a person's tab, as before: a warning.
-        if not args.no_api and not args.api_key:
-            fail(f"--host {args.host} would serve the OpenAI API to anyone on your network: pass --api-key KEY "
-                 f"(or set {API_KEY_ENV}), or --no-api to serve the page only")
-        print(f"warning: binding {args.host}: anyone who can reach this machine can use the chat page "
+        # A model server on the network without a key is used unattended by whatever finds it: the
+        # OpenAI API, and the page too, which is itself a scripting API (/send): refused
+        if not args.api_key:
+            fail(f"--host {args.host} would serve the chat and its APIs to anyone on your network: pass "
+                 f"--api-key KEY (or set {API_KEY_ENV}); the page then asks for it as its password")
+        print(f"warning: binding {args.host}: the chat is reachable from your network, behind the key "
               "(the default, 127.0.0.1, keeps it local)", file=sys.stderr)
+    if args.share and not args.api_key:   # the same, on the internet
+        fail(f"--share would put the chat and its APIs on a public gradio.live link: pass --api-key KEY (or set "
+             f"{API_KEY_ENV}); the page then asks for it as its password")
     check_flags(args)
     port = pick_port(args.host, args.port)
 
@@ -184,11 +198,13 @@ def main(argv: list[str] | None = None) -> int:
         routes = [] if args.no_api else api_routes(slot, args.api_key)
         demo.launch(server_name=args.host, server_port=port, share=args.share, inbrowser=False, theme=theme(),
                     css_paths=[CSS_PATH], show_error=True, quiet=True, prevent_thread_lock=True,
-                    app_kwargs={"routes": routes})
+                    app_kwargs={"routes": routes}, auth=page_login(args.api_key),
+                    auth_message="This chat has a key (--api-key): any user name, and the key as the password.")
     except OSError as err:  # the port was taken between our check and the bind
         fail(f"cannot serve on {args.host}:{port} ({err.strerror or err}): pass another --port")
     url_host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"Serving on http://{url_host}:{port}  (Ctrl+C to quit); the model loads in the background", flush=True)
+    login = "; the page asks for the key as its password" if args.api_key else ""
+    print(f"Serving on http://{url_host}:{port}  (Ctrl+C to quit){login}; the model loads in the background", flush=True)
     if not args.no_api:
         print(f"OpenAI-compatible API: http://{url_host}:{port}/v1  (POST /v1/chat/completions, GET /v1/models"
               f"{'; key required' if args.api_key else ''})", flush=True)

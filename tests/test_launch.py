@@ -60,17 +60,49 @@ def test_missing_model_is_one_line_and_exit_1(tmp_path):
     assert len(lines) == 1 and "no-such-model" in lines[0]
 
 
-def test_non_local_host_warns_and_needs_a_key_for_the_api(tmp_path):
+def test_non_local_host_warns_and_needs_a_key_for_the_page_too(tmp_path):
+    """The page is a scripting API itself (/send): on the network it needs the key as the OpenAI API
+    does, --no-api or not."""
     missing = str(tmp_path / "missing")     # the run stops at the flag check, before serving anything
-    for extra in (["--no-api"], ["--api-key", "k"]):
+    for extra in (["--api-key", "k"], ["--api-key", "k", "--no-api"]):
         proc = run("--host", "0.0.0.0", "--model", missing, "--device", "cpu", *extra)
-        assert "warning: binding 0.0.0.0" in proc.stderr
+        assert "warning: binding 0.0.0.0: the chat is reachable from your network, behind the key" in proc.stderr
+        assert proc.returncode == 1 and "missing" in error_lines(proc)[0] and "Traceback" not in proc.stderr
+    for extra in ([], ["--no-api"]):
+        proc = run("--host", "0.0.0.0", "--model", missing, "--device", "cpu", *extra,
+                   env_extra={"MEDUSA_CHAT_API_KEY": ""})
         assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    proc = run("--host", "0.0.0.0", "--model", missing, "--device", "cpu",
+        assert error_lines(proc) == ["error: --host 0.0.0.0 would serve the chat and its APIs to anyone on your "
+                                     "network: pass --api-key KEY (or set MEDUSA_CHAT_API_KEY); the page then asks "
+                                     "for it as its password"]
+
+
+def test_a_public_share_link_needs_a_key(tmp_path):
+    proc = run("--share", "--model", str(tmp_path / "missing"), "--device", "cpu",
                env_extra={"MEDUSA_CHAT_API_KEY": ""})
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert error_lines(proc) == ["error: --host 0.0.0.0 would serve the OpenAI API to anyone on your network: pass "
-                                 "--api-key KEY (or set MEDUSA_CHAT_API_KEY), or --no-api to serve the page only"]
+    assert proc.returncode == 1 and error_lines(proc) == [
+        "error: --share would put the chat and its APIs on a public gradio.live link: pass --api-key KEY (or set "
+        "MEDUSA_CHAT_API_KEY); the page then asks for it as its password"]
+
+
+def test_a_key_guards_the_page_and_its_scripting_api(tiny_dirs, tmp_path):
+    """With --api-key the page is behind a login (any user name, the key as the password): without it
+    neither the page's config nor /send is reachable, with it the scripting API answers."""
+    import httpx
+    from gradio_client import Client
+    from served import launched
+
+    backbone, _ = tiny_dirs
+    with launched(["--model", str(backbone), "--device", "cpu", "--api-key", "s3cret"], tmp_path / "app.log") as url:
+        assert httpx.get(url + "config").status_code == 401
+        with pytest.raises(Exception, match="credentials were not provided"):
+            Client(url, verbose=False)
+        with pytest.raises(ValueError, match="Could not login"):
+            Client(url, auth=("me", "wrong"), verbose=False)
+        client = Client(url, auth=("anyone", "s3cret"), verbose=False)
+        assert "/send" in client.view_api(print_info=False, return_format="dict")["named_endpoints"]
+        assert httpx.get(url + "v1/models").status_code == 401
+        assert httpx.get(url + "v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
 
 
 def test_unusable_tree_is_one_line_and_exit_1(tiny_dirs):
