@@ -21,6 +21,7 @@ from medusa_core.loading.assets import CPU_DEFAULT_HEADS, CPU_DEFAULT_TREE, is_b
 from medusa_core.loading.load import load
 from medusa_core.loading.spec import LoadSpec
 from medusa_core.loading.policy import CUDA_HEADS, CUDA_MODEL, TREE_BY_HEADS, resolve_device
+from medusa_core.loading import smollm2
 from medusa_core.loading.smollm2 import NAME as SMOLLM2
 from medusa_core.decoding.tree import TreeError
 
@@ -228,10 +229,15 @@ class ModelSlot:
                 on_cpu = not resolve_device(spec.device).startswith("cuda")
             except LoadError:
                 on_cpu = False   # the load itself reports the bad device
+            if not on_cpu:
+                return "the default model for this machine"
+            try:
+                first = not smollm2.is_converted()
+            except smollm2.MissingModel:
+                first = False   # the load itself says how to install it
             # the first start converts SmolLM2 (about half a minute): say why it takes a while
-            return (f"{SMOLLM2} with its Medusa heads (the CPU default; its first start converts it into "
-                    "your cache, about half a minute)" if on_cpu
-                    else "the default model for this machine")
+            return f"{SMOLLM2} with its Medusa heads" + (" (the CPU default; this first start converts it into "
+                                                         "your cache, about half a minute)" if first else "")
         what = spec.model or (SMOLLM2 if is_bundled_heads(spec.heads) else f"{spec.heads} (its base model, or itself for a Medusa-2 model)")
         return what + (f" with heads {spec.heads}" if spec.heads else "")
 

@@ -652,3 +652,16 @@ def test_every_forward_pass_runs_on_the_engines_one_model_thread(model_dirs):
         hook.remove()
         engine.close()
     assert len(seen) == 1 and next(iter(seen)).startswith("model"), seen
+
+
+def test_the_load_line_mentions_the_conversion_only_when_it_will_happen(tmp_path, monkeypatch):
+    """The CPU default's console line says the first start converts SmolLM2 only while the cache lacks
+    it; later starts, which load in seconds, do not say so."""
+    from app.models import ModelSlot
+    from medusa_core.loading import smollm2
+    from medusa_core.loading.spec import LoadSpec
+
+    monkeypatch.setenv(smollm2.CACHE_ENV, str(tmp_path))      # an empty cache: the conversion is ahead
+    assert "this first start converts it into your cache" in ModelSlot._describe(LoadSpec(device="cpu"))
+    monkeypatch.setattr(smollm2, "is_converted", lambda: True)
+    assert ModelSlot._describe(LoadSpec(device="cpu")) == f"{smollm2.NAME} with its Medusa heads"

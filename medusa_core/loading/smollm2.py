@@ -56,14 +56,19 @@ def _stamp(source: Path) -> dict:
     return {"source": str(source), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
+def is_converted(source: Path | None = None, root: Path | None = None) -> bool:
+    """Whether the cache holds the conversion of ``source`` (default: the installed GGUF file)."""
+    source = source or gguf_path()
+    stamp_file = (root or cache_root()) / NAME / "converted_from.json"
+    return stamp_file.is_file() and json.loads(stamp_file.read_text()) == _stamp(source)
+
+
 def converted_dir(source: Path | None = None, root: Path | None = None) -> Path:
     """The converted model directory, converting first if it is missing or was made from another file."""
     source = source or gguf_path()
     out = (root or cache_root()) / NAME
-    stamp_file = out / "converted_from.json"
-    if stamp_file.is_file() and json.loads(stamp_file.read_text()) == _stamp(source):
-        return out
-    convert(source, out)
+    if not is_converted(source, root):
+        convert(source, out)
     return out
 
 

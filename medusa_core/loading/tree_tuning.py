@@ -70,7 +70,7 @@ class TunedTree:
 
     def line(self) -> str:
         """One line for the page and the console: which tree runs and why."""
-        when = "read from the cache (--retune measures again)" if self.cached else f"measured in {self.seconds:.0f} s"
+        when = "read from the cache (--retune measures again)" if self.cached else f"measured in {self.seconds:.0f} s" if self.seconds >= 1 else "measured in under a second"
         if self.pays:
             return (f"tree tuned for this machine: {self.nodes} nodes, expected {self.expected_speedup:.2f}x "
                     f"({self.expected_tokens_per_step:.2f} tokens/step; {when})")
