@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,8 @@ def measured(monkeypatch, tmp_path) -> list[int]:
         return real(*args, **kwargs)
 
     monkeypatch.setattr(tree_tuning, "measure_step_seconds", counting)
+    # a quiet machine, whatever else runs beside the tests (test_a_busy_cpu_... covers the other case)
+    monkeypatch.setattr(tree_tuning, "with_cpu_share", lambda run: (run(), 1.0))
     return calls
 
 
@@ -81,6 +84,32 @@ def test_the_first_load_measures_and_later_loads_read_the_cache(checkpoint, meas
     assert len(measured) == 1, "the second load read the cached choice instead of measuring"
     assert again.tuned.cached and again.default_tree == first.default_tree
     assert "read from the cache" in again.tree_note
+
+
+def test_a_tuning_measured_on_a_busy_cpu_is_used_once_and_not_remembered(checkpoint, measured, monkeypatch,
+                                                                          tmp_path):
+    """Other programs' work distorts the step times (a test run beside the app made the CPU default
+    choose plain decoding instead of 2 nodes at 1.23x): such a choice runs this start only, says so,
+    and the next start measures again; a quiet measurement is remembered as before."""
+    monkeypatch.setattr(tree_tuning, "with_cpu_share", lambda run: (run(), 0.5))
+    first = load(spec(checkpoint))
+    assert first.tuned.cpu_share == 0.5 and first.tuned.contended
+    assert first.tree_note.endswith("while other programs were using the CPU (this app got 50% of it): not "
+                                    "remembered, the next start measures again)")
+    assert not list((tmp_path / "cache" / "tuned-trees").glob("*/choice.json"))
+    if first.tuned.pays:   # this start still runs the tree it measured
+        assert json.loads(Path(first.default_tree).read_text()) == first.tuned.paths
+    monkeypatch.setattr(tree_tuning, "with_cpu_share", lambda run: (run(), 0.9))
+    second = load(spec(checkpoint))
+    assert len(measured) == 2 and not second.tuned.contended and "not remembered" not in second.tree_note
+    third = load(spec(checkpoint))
+    assert len(measured) == 2 and third.tuned.cached
+
+
+def test_the_cpu_share_is_what_this_process_got():
+    busy = tree_tuning.with_cpu_share(lambda: sum(i * i for i in range(3_000_000)))[1]   # one thread busy
+    idle = tree_tuning.with_cpu_share(lambda: time.sleep(0.3))[1]
+    assert idle < 0.1 and busy > idle
 
 
 def test_a_changed_key_or_retune_measures_again(checkpoint, measured, monkeypatch):
