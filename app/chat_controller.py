@@ -49,6 +49,8 @@ def empty_note(stats: Stats) -> str:
                 "max new tokens was reached: raise max new tokens")
     if stats.finish_reason == "eos":
         return "the model ended its answer at once (end-of-turn token first): rephrase, or try sampling"
+    if stats.finish_reason == "cancelled":   # Stop while a long prompt was being read
+        return "stopped before the first token: the message is back in the box"
     return "the answer is empty"
 
 
@@ -175,7 +177,10 @@ class ChatController:
             else:
                 turn.shown, stats = shown, measured or stats
                 if update.done:
-                    turn.reply = update.plain if (update.plain or not update.error) else None
+                    # stopped before its first token (a long prompt being read): like a failed message,
+                    # it goes back to the box and stays out of the next prompt
+                    unanswered = update.error or (update.stats.finish_reason == "cancelled" and not update.stats.tokens)
+                    turn.reply = None if unanswered and not update.plain else update.plain
                     if not update.error and not update.plain.strip():
                         turn.note = " · ".join(filter(None, [turn.note, empty_note(update.stats)]))
             if update.error:

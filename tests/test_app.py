@@ -665,3 +665,26 @@ def test_the_load_line_mentions_the_conversion_only_when_it_will_happen(tmp_path
     assert "this first start converts it into your cache" in ModelSlot._describe(LoadSpec(device="cpu"))
     monkeypatch.setattr(smollm2, "is_converted", lambda: True)
     assert ModelSlot._describe(LoadSpec(device="cpu")) == f"{smollm2.NAME} with its Medusa heads"
+
+
+def test_stop_while_a_long_prompt_is_read_ends_the_answer_before_its_first_token(engine, monkeypatch):
+    """Stop is heard between the pieces of a long prompt's prefill (it used to wait for the whole
+    prefill: most of a minute for a 5,000-token paste on 2 cores); the chat says what happened."""
+    from app.chat_controller import empty_note
+    from app.readout import render_live
+    from app.session import Session
+    from app.settings import Settings
+    from medusa_core.decoding import generate as loop
+
+    monkeypatch.setattr(loop, "PREFILL_PIECE", 8)
+    session = Session()
+    prompt = engine.prompt_ids([{"role": "user", "content": "tell me about " * 12}], None)
+    assert len(prompt) > 3 * 8
+    hook = engine.model.get_decoder().register_forward_hook(lambda *_: session.cancel.set())   # Stop in piece 1
+    try:
+        last = list(engine.answer(session, prompt, Settings(max_new_tokens=8)))[-1]
+    finally:
+        hook.remove()
+    assert last.done and last.error is None and last.stats.tokens == 0 and last.stats.finish_reason == "cancelled"
+    assert empty_note(last.stats) == "stopped before the first token: the message is back in the box"
+    assert render_live(last.stats).endswith("Answer: none: stopped before the first token")

@@ -172,3 +172,26 @@ def test_exact_sampling_keeps_the_distribution():
     assert chi_square_p(counts3, marg3) > 1e-3
     # the test can tell: the greedy choice is far from the sampled distribution
     assert chi_square_p(torch.nn.functional.one_hot(marg3.argmax(), vocab).float() * runs, marg3) < 1e-3
+
+
+def test_a_long_prompt_is_read_in_pieces_and_stop_is_heard_between_them(llama_trained, monkeypatch):
+    """Stop during a long prompt's prefill ends the reply before its first token, at the next piece,
+    keeping what was read as the cache's prefix; the next reply reads on from there and gives the
+    tokens a one-piece prefill gives (fp32)."""
+    from medusa_core.decoding import generate as loop
+    from medusa_core.decoding.generate import new_cache
+
+    model, heads, tree = llama_trained
+    prompt = [1, *range(20, 60)]                                               # 41 tokens
+    whole = tokens_of(generate(model, prompt, heads=heads, tree=tree, config=DecodeConfig(max_new_tokens=12)))
+    monkeypatch.setattr(loop, "PREFILL_PIECE", 8)
+    asked = []
+    cache = new_cache(model)
+    steps = list(generate(model, prompt, heads=heads, tree=tree, config=DecodeConfig(max_new_tokens=12), cache=cache,
+                          should_stop=lambda: asked.append(1) or len(asked) > 2))
+    assert [(s.tokens, s.finish_reason) for s in steps] == [([], "cancelled")]
+    assert cache.length == 16 and cache.token_ids == prompt[:16]             # two pieces read before Stop
+    again = tokens_of(generate(model, prompt, heads=heads, tree=tree, config=DecodeConfig(max_new_tokens=12),
+                               cache=cache))
+    assert again == whole == tokens_of(generate(model, prompt, heads=heads, tree=tree,
+                                                config=DecodeConfig(max_new_tokens=12)))

@@ -26,6 +26,13 @@ from .step_store import step_for
 from .tree import TreeBuffers, build_tree_buffers
 
 
+# Prompt tokens per prefill forward. A long prompt is read in pieces so that Stop is heard between
+# them: SmolLM2 on 2 CPU cores reads a 5,000-token paste for most of a minute. Where attention and
+# matmuls are row-exact (the CPU's int4 mode, NF4's exact mode) the pieces give the keys one forward
+# gives; elsewhere the two decoders of a comparison read the same pieces from the same start.
+PREFILL_PIECE = 512
+
+
 @dataclass(frozen=True)
 class StepResult:
     tokens: list[int]             # new token ids, in order
@@ -85,6 +92,14 @@ def generate(
     t0 = time.perf_counter()
     start = cache.reuse_prefix(prompt_ids)
     uniform = torch.rand(1, generator=generator, device=device) if sampling else step.uniforms[:1]
+    while len(prompt_ids) - start > PREFILL_PIECE:
+        if should_stop is not None and should_stop():   # what was read stays cached, a prefix of the prompt
+            yield StepResult([], 0, time.perf_counter() - t0, finish_reason="cancelled")
+            return
+        piece = prompt_ids[start:start + PREFILL_PIECE]
+        step.read(piece)
+        cache.commit(piece)
+        start += len(piece)
     root = step.prefill(prompt_ids[start:], uniform)
     cache.commit(prompt_ids[start:])
     first = root.item()  # sync: the first token is the time-to-first-token moment

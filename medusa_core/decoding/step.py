@@ -129,6 +129,14 @@ class DecodeStep:
     def prefill(self, new_ids: list[int], uniform: torch.Tensor) -> torch.Tensor:
         """Run the uncached prompt tokens after the committed prefix; write the first tree into
         ``tokens`` and return the first reply token (1,) on the device. The caller commits."""
+        hidden = self.read(new_ids)                                                      # (H,)
+        root = self.targets(self.lm_head(hidden)[None], uniform)                         # (1,)
+        self.tokens.copy_(self.propose(root, hidden))
+        return root
+
+    def read(self, new_ids: list[int]) -> torch.Tensor:
+        """Run prompt tokens after the committed prefix into the cache -> the last one's hidden
+        state (H,). The caller commits."""
         device = self.tokens.device
         start = self.cache.length
         ids = torch.tensor(new_ids, device=device)[None]                               # (1, n)
@@ -142,9 +150,7 @@ class DecodeStep:
                 use_cache=True,
                 **decoder_kwargs(self.rows_alone),
             ).last_hidden_state[0, -1]                                                   # (H,)
-        root = self.targets(self.lm_head(hidden)[None], uniform)                         # (1,)
-        self.tokens.copy_(self.propose(root, hidden))
-        return root
+        return hidden
 
     # ---- the step
     def run_eager(self) -> torch.Tensor:
