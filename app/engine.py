@@ -164,7 +164,9 @@ class ChatEngine:
         file name (listed as its stem); any other name is itself."""
         if name in self._specs:
             return name
-        return next((shown for shown, spec in self._specs.items() if name in (spec, Path(spec).name)), name)
+        with self._trees_lock:   # _offer adds and evicts typed trees from other threads
+            listed = list(self._specs.items())
+        return next((shown for shown, spec in listed if name in (spec, Path(spec).name)), name)
 
     def tree(self, name: str) -> TreeBuffers:
         spec = self._specs.get(self.shown_name(name), name)
@@ -291,7 +293,7 @@ class ChatEngine:
             while active := [r for r in runs if not r.done]:
                 run = min(active, key=lambda r: (len(r.tokens), r.name != BASELINE))
                 step = run.advance()
-                if step is not None and not step.prefill and len(active) == len(runs) > 1:
+                if step is not None and step.tokens and not step.prefill and len(active) == len(runs) > 1:
                     events.append((run.name, len(step.tokens), step.seconds))
                 now = time.perf_counter()
                 if run.done or (step is not None and step.prefill) or now - last_yield >= UPDATE_SECONDS:

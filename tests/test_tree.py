@@ -91,3 +91,15 @@ def test_bad_names_and_files(tmp_path):
     bad.write_text('[[0], "x"]')
     with pytest.raises(TreeError, match="list of non-empty integer lists"):
         resolve_tree(str(bad))
+
+
+def test_a_tree_file_is_named_by_its_stem_unless_that_names_another_tree():
+    """What the picker, the readout and bench call a tree file: "tuned" for the tuner's tuned.json,
+    but chain-3.json keeps its extension, so it is not taken for the preset chain-3."""
+    from medusa_core.decoding.tree import tree_name
+
+    assert tree_name("/cache/tuned-trees/ab12/tuned.json") == "tuned"
+    assert tree_name("heads/tree.json") == "tree"
+    assert tree_name("mine/chain-3.json") == "chain-3.json" and tree_name("x/small-16.json") == "small-16.json"
+    assert tree_name("x/cartesian-999x999x999.json") == "cartesian-999x999x999.json"   # a preset form, too big
+    assert tree_name("chain-3") == "chain-3" and tree_name("baseline") == "baseline"

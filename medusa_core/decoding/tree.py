@@ -112,8 +112,18 @@ def resolve_tree(spec: str) -> Paths:
 
 def tree_name(spec: str) -> str:
     """A tree as the user reads its name: a file by its stem (the tuner's cache file shows as "tuned"),
+    or by its file name where the stem is itself a tree's name (chain-3.json is not the preset chain-3);
     any other spec as given."""
-    return Path(spec).stem if spec.endswith(".json") else spec
+    if not spec.endswith(".json"):
+        return spec
+    stem = Path(spec).stem
+    try:
+        resolve_tree(stem)
+    except UnknownTreeError:
+        return stem
+    except TreeError:      # a preset form too big to build: a name all the same
+        pass
+    return Path(spec).name
 
 
 def _check_generated(spec: str, nodes: int) -> None:
