@@ -8,16 +8,28 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent
 
 
 class LoadError(Exception):
     """A model, heads or tokenizer that cannot be loaded; the message is one line with the fix."""
 
 
-# What the commands (train, calibrate, export, smol_build) report in one line: a model that does not
-# load, a bad value or data file (ValueError, TreeError included), a path that is missing or not a
-# folder (OSError). Anything else is a bug and keeps its traceback.
+# What the commands (train, calibrate, export, smol_build) report in one line: a path that is missing
+# or not a folder (OSError), and a model, value or data file this project refused with a message
+# written for the user (LoadError, ValueError, TreeError raised by its own code). A ValueError raised
+# inside a library (json, torch, transformers) names nothing a user can act on: it keeps its traceback.
 USER_ERRORS = (LoadError, ValueError, OSError)
+
+
+def raised_here(err: BaseException) -> bool:
+    """Whether ``err`` was raised by this project's own code, not inside a library it called."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(PACKAGE)
 
 
 def error_line(err: BaseException) -> str:
@@ -32,6 +44,8 @@ def run_command(body: Callable[[], object]) -> int:
     try:
         body()
     except USER_ERRORS as err:
+        if not isinstance(err, OSError) and not raised_here(err):
+            raise
         print(f"error: {error_line(err)}", file=sys.stderr)
         return 1
     return 0

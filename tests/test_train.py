@@ -211,3 +211,29 @@ def test_root_conditioned_warm_start_on_cached_hidden_states(backbone_dir):
     assert after.proposal_ids.tolist() == used
     assert any(block.linear.weight.abs().sum() > 0 for block in after.root)
     assert loss_on(model, after, answers) < loss_on(model, before, answers)
+
+
+def test_answers_cut_off_by_a_killed_run_are_made_again(backbone_dir, tmp_path):
+    """A run killed while it wrote an answer leaves half a line: the next run drops it and answers
+    that prompt again, instead of stopping on "Unterminated string"."""
+    from medusa_core.training.data import distilled_rows
+
+    model, tokenizer = load_backbone_dir(backbone_dir / "backbone")
+    answers = tmp_path / "answers.jsonl"
+    whole = distilled_rows(model, tokenizer, backbone_dir / "prompts.jsonl", True, 8, answers)
+    lines = answers.read_text().splitlines(keepends=True)
+    answers.write_text("".join(lines[:5]) + lines[5][:len(lines[5]) // 2])
+    again = distilled_rows(model, tokenizer, backbone_dir / "prompts.jsonl", True, 8, answers)
+    assert again == whole and answers.read_text() == "".join(lines)
+
+
+def test_our_refusals_are_one_line_and_a_library_error_keeps_its_traceback(tmp_path, capsys):
+    from medusa_core.decoding.tree import resolve_tree
+    from medusa_core.errors import run_command
+
+    assert run_command(lambda: resolve_tree("nonsense")) == 1                  # raised by this project
+    assert run_command(lambda: open(tmp_path / "missing.jsonl")) == 1          # a path: always one line
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("error: unknown tree 'nonsense'") and lines[1] == f"error: {tmp_path / 'missing.jsonl'}: No such file or directory"
+    with pytest.raises(json.JSONDecodeError):                                 # raised inside json: a bug to report
+        run_command(lambda: json.loads("{"))

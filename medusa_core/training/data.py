@@ -21,17 +21,29 @@ Row = tuple[list[int], list[int]]
 IGNORE = -100  # target id that no head is trained or scored on (prompt tokens, padding)
 
 
-def read_prompts(path: Path) -> list[str]:
-    prompts = []
+def read_jsonl(path: Path, fix: str) -> list[tuple[int, dict]]:
+    """(line number, object) of a JSONL file, blank lines skipped; a line that is not a JSON object is
+    a ValueError naming the file, the line and ``fix``."""
+    items = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
             item = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{n} is not JSON ({err}): write one {{\"prompt\": ...}} object per line") from err
-        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
-            raise ValueError(f"{path}:{n} has no string \"prompt\": write one {{\"prompt\": ...}} object per line")
+            raise ValueError(f"{path}:{n} is not JSON ({err}): {fix}") from None
+        if not isinstance(item, dict):
+            raise ValueError(f"{path}:{n} is not a JSON object: {fix}")
+        items.append((n, item))
+    return items
+
+
+def read_prompts(path: Path) -> list[str]:
+    fix = 'write one {"prompt": ...} object per line'
+    prompts = []
+    for n, item in read_jsonl(path, fix):
+        if not isinstance(item.get("prompt"), str):
+            raise ValueError(f"{path}:{n} has no string \"prompt\": {fix}")
         prompts.append(item["prompt"])
     if not prompts:
         raise ValueError(f"{path} holds no prompts: write one {{\"prompt\": ...}} object per line")
@@ -54,7 +66,7 @@ def encode_prompt(tokenizer, prompt: str, raw: bool) -> list[int]:
 def read_prompt_items(path: Path) -> list[dict]:
     """Items of a prompts file: {"prompt": ...} with an optional second user turn "followup"."""
     prompts = read_prompts(path)
-    items = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    items = [item for _, item in read_jsonl(path, 'write one {"prompt": ...} object per line')]
     return [{"prompt": p, **({"followup": i["followup"]} if isinstance(i.get("followup"), str) else {})}
             for p, i in zip(prompts, items)]
 
@@ -83,7 +95,11 @@ def distilled_rows(model: nn.Module, tokenizer, prompts_path: str | Path, raw: b
     items = read_prompt_items(Path(prompts_path))
     done: list[dict] = []
     if answers_path.is_file():
-        done = [json.loads(line) for line in answers_path.read_text().splitlines() if line.strip()]
+        text = answers_path.read_text()
+        if text and not text.endswith("\n"):
+            # a run killed while writing an answer: that answer is made again
+            answers_path.write_text(text[:text.rfind("\n") + 1])
+        done = [item for _, item in read_jsonl(answers_path, "delete it, or choose another --work-dir")]
     jobs = [(t, i) for t in temperatures for i in range(len(items))]
     if [(d.get("temperature", 0.0), d["prompt"]) for d in done if "followup_of" not in d] != \
             [(t, items[i]["prompt"]) for t, i in jobs[:sum("followup_of" not in d for d in done)]]:
@@ -193,7 +209,7 @@ def read_answers(path: Path) -> list[Row]:
     """Rows of a stored self-distillation file (the calibration set for calibrate.py)."""
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: run `python -m medusa_core.train --prompts ...` first")
-    items = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    items = [item for _, item in read_jsonl(path, "use the distill_answers.jsonl that medusa_core.train writes")]
     if not items or not all("prompt_ids" in d and "answer_ids" in d for d in items):
         raise ValueError(f"{path} is not an answers file with prompt_ids/answer_ids: use the distill_answers.jsonl "
                          "that medusa_core.train writes")
@@ -209,10 +225,7 @@ def corpus_rows(tokenizer, files: Sequence[str], seq_len: int) -> list[Row]:
         if not path.is_file():
             raise FileNotFoundError(f"corpus file {path} does not exist: check the --corpus paths")
         if path.suffix == ".jsonl":
-            for n, line in enumerate(path.read_text().splitlines(), 1):
-                if not line.strip():
-                    continue
-                item = json.loads(line)
+            for n, item in read_jsonl(path, 'write one {"text": ...} object per line'):
                 if "text" in item:
                     ids = tokenizer.encode(item["text"], add_special_tokens=False)[:seq_len]
                     rows.append((ids, ids))
