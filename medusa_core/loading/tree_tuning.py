@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -86,8 +87,8 @@ class TunedTree:
         when = "read from the cache (--retune measures again)" if self.cached else \
             f"measured in {self.seconds:.0f} s" if self.seconds >= 1 else "measured in under a second"
         if self.contended and not self.cached:
-            when += (f" while other programs were using the CPU (this app got {self.cpu_share:.0%} of it): "
-                     "not remembered, the next start measures again")
+            when += (f" while other programs were using the CPU (this app got {self.cpu_share:.0%} of it), "
+                     "so it is not kept in the cache")
         if self.pays:
             return (f"tree tuned for this machine: {self.nodes} nodes, expected {self.expected_speedup:.2f}x "
                     f"({self.expected_tokens_per_step:.2f} tokens/step; {when})")
@@ -315,12 +316,34 @@ def tune(model, heads, tokenizer, acc: Sequence[Sequence[float]], accuracy_sourc
 
 
 def with_cpu_share(run: Callable[[], T]) -> tuple[T, float]:
-    """``run()``'s result and the share of its threads' CPU time this process got meanwhile: CPU
-    seconds over wall seconds times torch's threads (other programs' work lowers it)."""
+    """``run()``'s result and the share of the CPU time its threads could use that this process got
+    meanwhile: CPU seconds over wall seconds times usable CPUs (other programs' work lowers it)."""
     wall, cpu = time.perf_counter(), time.process_time()
     result = run()
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    return result, cpu / (wall * torch.get_num_threads()) if wall > 0 else 1.0
+    return result, cpu / (wall * usable_cpus(torch.get_num_threads())) if wall > 0 else 1.0
+
+
+def usable_cpus(threads: int) -> float:
+    """``threads``, or fewer where a cgroup quota (a container's --cpus) grants less CPU time: there
+    torch still starts a thread per core, and the share must not blame other programs for the quota."""
+    quota = cgroup_cpus()
+    return min(threads, quota) if quota else threads
+
+
+def cgroup_cpus() -> float | None:
+    """The CPUs this process's cgroup quota grants (v2 cpu.max, v1 cfs quota / period); None: no quota."""
+    try:
+        try:
+            quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        except FileNotFoundError:
+            quota = Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text().strip()
+            period = Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text().strip()
+        if quota in ("max", "-1"):
+            return None
+        return float(quota) / float(period) if float(period) > 0 else None
+    except (OSError, ValueError):
+        return None       # no cgroup files (not Linux, or hidden): no quota to account for
 
 
 # ---------------------------------------------------------------- remembered
@@ -331,29 +354,21 @@ def read_cached(entry: Path, key: dict) -> TunedTree | None:
         return None
     try:
         saved = json.loads(entry.read_text())
-        if saved.get("key") != key:
-            return None
+        if saved.get("key") != key or json.loads(tree_file(entry).read_text()) != saved["result"]["paths"]:
+            return None     # another key, or a tree file another start rewrote: measured again
         return TunedTree(**{**saved["result"], "cached": True})
     except (ValueError, TypeError, KeyError):
         return None          # a damaged entry (an interrupted write of an older version) is measured again
 
 
 def write_cached(entry: Path, key: dict, tuned: TunedTree) -> None:
-    """Write the tree file, then the entry that makes it the remembered choice."""
-    write_tree_file(entry, tuned)
-    _write_atomically(entry, json.dumps({"key": key, "result": {**asdict(tuned), "cached": False}}, indent=1) + "\n")
-
-
-def write_tree_file(entry: Path, tuned: TunedTree) -> None:
-    _write_atomically(tree_file(entry), json.dumps(tuned.paths) + "\n")
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Two apps starting at once never read half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}")
-    partial.write_text(text)
-    os.replace(partial, path)
+    """Write the entry and its tree file, each atomically (two apps starting at once never read half a file)."""
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    for path, text in ((tree_file(entry), json.dumps(tuned.paths) + "\n"),
+                       (entry, json.dumps({"key": key, "result": {**asdict(tuned), "cached": False}}, indent=1) + "\n")):
+        partial = path.with_name(f".{path.name}.{os.getpid()}")
+        partial.write_text(text)
+        os.replace(partial, path)
 
 
 def tuned_tree(model, heads, tokenizer, acc: Sequence[Sequence[float]], accuracy_source: str, *, heads_dir: Path | None,
@@ -369,9 +384,11 @@ def tuned_tree(model, heads, tokenizer, acc: Sequence[Sequence[float]], accuracy
     if cached is not None:
         return cached, tree_file(entry)
     tuned = tune(model, heads, tokenizer, acc, accuracy_source, progress, sizes)
-    if tuned.contended:   # this start runs the tree in its file; no entry, so the next start measures
-        entry.unlink(missing_ok=True)
-        write_tree_file(entry, tuned)
-    else:
-        write_cached(entry, key, tuned)   # OSError: the loader names the directory and the fix
+    if tuned.contended:
+        # this start runs the tree from a file of its own: the cache, and an entry a quiet start may be
+        # writing at this moment, stay as they are
+        own = Path(tempfile.mkdtemp(prefix="medusa-chat-tree-")) / tree_file(entry).name
+        own.write_text(json.dumps(tuned.paths) + "\n")
+        return tuned, own
+    write_cached(entry, key, tuned)   # OSError: the loader names the directory and the fix
     return tuned, tree_file(entry)
