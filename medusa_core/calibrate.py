@@ -61,7 +61,7 @@ def calibrate(a: argparse.Namespace) -> None:
               "matmul path (--dtype bfloat16)")
     elif "auto_size" in report:
         print(f"auto: tree size {report['auto_size']} (root included)")
-    print(f"wrote {a.out}: {report['budget'] + 1} nodes (root included, as the app counts), expected {report['expected_tokens_per_step']:.2f} tokens/step")
+    print(f"wrote {a.out}: {report['nodes']} nodes (root included, as the app counts), expected {report['expected_tokens_per_step']:.2f} tokens/step")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,9 @@ def launched_process(args: list[str], log: Path, timeout: float = 240,
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "launch.py", *args, "--port", str(port)], cwd=REPO, stdout=out,
                                 stderr=subprocess.STDOUT,
-                                env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", **(env or {})})
+                                # a key in the developer's environment would put the page behind a login
+                                env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "MEDUSA_CHAT_API_KEY": "",
+                                     **(env or {})})
     url = f"http://127.0.0.1:{port}/"
     try:
         deadline = time.time() + timeout

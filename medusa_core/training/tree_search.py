@@ -153,6 +153,7 @@ def run(config: CalibrateConfig) -> dict:
         budget = int(config.budget)
     paths = grow_tree(acc, budget)
     report["budget"] = budget
+    report["nodes"] = len(paths) + 1        # root included, as the app counts; the heads may fill fewer than the budget
     report["expected_tokens_per_step"] = round(expected_tokens_per_step(paths, acc), 4)
     out.write_text(json.dumps([list(p) for p in paths]) + "\n")
     out.with_name(out.stem + "_calibration.json").write_text(json.dumps(report, indent=2) + "\n")
