@@ -40,6 +40,12 @@ def test_bench_reports_bad_input_in_one_line(checkpoint, tmp_path, capsys):
     backbone, heads = checkpoint
     assert bench.main(["--model", str(backbone), "--heads", str(heads), "--tree", "nope"]) == 1
     assert "unknown tree 'nope'" in capsys.readouterr().err
+    for folder in ("a", "b"):                   # two files one name: one would silently replace the other
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "tree.json").write_text("[[0]]")
+    assert bench.main(["--model", str(backbone), "--heads", str(heads), "--tree", str(tmp_path / "a" / "tree.json"),
+                       str(tmp_path / "b" / "tree.json")]) == 1
+    assert "would both be named 'tree' in the table: rename one" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="does not exist"):
         bench.main(["--model", str(backbone), "--heads", str(heads), "--prompts", str(tmp_path / "missing.jsonl")])
 
