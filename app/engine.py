@@ -128,7 +128,7 @@ class ChatEngine:
         # slower (measured in docs/serving.md, "one model thread").
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self.queue = RequestQueue()
-        self._specs: dict[str, str] = {}          # shown name -> tree spec (a .json path shows as its file's stem)
+        self._specs: dict[str, str] = {}          # shown name (tree.tree_name) -> tree spec
         self._typed: list[str] = []               # trees typed in, not listed: the oldest go first
         self.tree_choices = self._tree_choices([*extra_trees, loaded.default_tree])  # the user's --tree first
         self.default_tree = self.tree_choices[0][1]
@@ -160,8 +160,8 @@ class ChatEngine:
                 for name, spec in self._specs.items()]
 
     def shown_name(self, name: str) -> str:
-        """The listed name of tree ``name``: a tree file read at start is also named by its path or its
-        file name (listed as its stem); any other name is itself."""
+        """The listed name of tree ``name``: a tree file read at start is listed as tree_name gives it,
+        and also taken by its path or its file name; any other name is itself."""
         if name in self._specs:
             return name
         with self._trees_lock:   # _offer adds and evicts typed trees from other threads
