@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import gradio as gr
 
 from .engine import BASELINE, COMPARISON, LABELS, MEDUSA, ChatEngine
-from .layout import Page
+from .layout import READOUT_HINT, Page
 from .models import ModelSlot
 from .readout import Stats, render_comparison, render_live
 from .render import note_html, reply_html, user_html
@@ -61,16 +61,16 @@ class ChatController:
         self.slot = slot
 
     def views(self, session: Session, stats: Stats | None, base: Stats | None, comparison: str,
-              status_line: str, box: str | dict = gr.update(), readouts: str | None = None) -> tuple:
+              status_line: str, box: str | dict = gr.update(), cleared: bool = False) -> tuple:
         """(chat, baseline chat, readout, baseline readout, comparison, status, raw numbers, message box).
-        A readout without stats stays as it is, or becomes ``readouts`` where that is given."""
-        keep = gr.update() if readouts is None else readouts
+        A readout without stats stays as it is, or, ``cleared``, goes back to what the page opened with."""
+        medusa_keep, base_keep = (READOUT_HINT, "") if cleared else (gr.update(), gr.update())
         last = session.turns[-1] if session.turns else None
         raw = {"medusa": stats.as_dict() if stats else None, "baseline": base.as_dict() if base else None,
                "reply": last.reply if last else None, "baseline_reply": last.baseline if last else None}
         return (display(session.turns), display(session.turns, BASELINE),
-                render_live(stats, self.depth()) if stats else keep,
-                render_live(base, self.depth()) if base else keep,
+                render_live(stats, self.depth()) if stats else medusa_keep,
+                render_live(base, self.depth()) if base else base_keep,
                 comparison, status_line, raw, box)
 
     def depth(self) -> int:
@@ -144,7 +144,7 @@ class ChatController:
         if compare and turn.reply is None and not turn.note:
             turn.note = "stopped before the Medusa pass"
         if not any(t is turn for t in session.turns):   # Clear during the answer: its readouts went with it
-            yield self.views(session, None, None, "", self.slot.state().line, readouts="")
+            yield self.views(session, None, None, "", self.slot.state().line, cleared=True)
             return
         # A failed message goes back into the box so it can be edited and resent.
         box = message if turn.reply is None else gr.update()
@@ -207,7 +207,7 @@ class ChatController:
 
     def clear(self, session: Session) -> tuple:
         session.restart()
-        return [], [], "", "", "", self.slot.state().line, None
+        return [], [], READOUT_HINT, "", "", self.slot.state().line, None
 
     @staticmethod
     def save_conversation(session: Session, system: str):

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from medusa_core.decoding.config import DecodeConfig
-from medusa_core.decoding.generate import generate, max_context, new_cache
+from medusa_core.decoding.generate import generate, max_context, new_cache, prefill_piece
 from medusa_core.decoding.step import compute_dtype
 from medusa_core.decoding.step_store import needs_capture
 from medusa_core.decoding.tree import (PRESETS, TreeBuffers, TreeError, UnknownTreeError, build_tree_buffers,
@@ -269,16 +269,18 @@ class ChatEngine:
                 return
             caches = session.caches_for(self)
             pane_caches = [caches.setdefault(name, new_cache(self.model)) for name in passes]
-            if len(pane_caches) > 1:
-                # Both panes prefill the same tokens: a pane whose cache fell behind (compare was off for some
-                # turns) would otherwise prefill the whole conversation and show a slower first token.
-                shared = min(cache.reuse_prefix(prompt_ids) for cache in pane_caches)
-                for cache in pane_caches:
-                    cache.rewind(shared)
+            # Both panes prefill the same tokens: a pane whose cache fell behind (compare was off for some
+            # turns) would otherwise prefill the whole conversation and show a slower first token.
+            shared = min(cache.reuse_prefix(prompt_ids) for cache in pane_caches)
+            for cache in pane_caches:
+                cache.rewind(shared)
             runs = [DecoderRun(self, name, prompt_ids, config, tree_name, tree, cache, session.cancel.is_set)
                     for name, cache in zip(passes, pane_caches)]
             if any(needs_capture(self.model, r.cache, r.tree, config, len(prompt_ids)) for r in runs):
                 yield Update(notice=PREPARING)
+            if len(prompt_ids) - shared > prefill_piece(self.device):   # read in pieces: seconds on a CPU, say why
+                yield Update(notice=f"reading {len(prompt_ids) - shared:,} new prompt tokens before the answer "
+                                    "(Stop works meanwhile)…")
             yield from self._drive(session, runs, settings)
         finally:
             self.queue.leave(ticket)

@@ -20,6 +20,7 @@ CPU_DEFAULT_NOTE = ("**SmolLM2-135M-Instruct on the CPU.** This is what `python 
                     "Medusa heads trained for it, running on the CPU on its own 4-bit weights where that measures "
                     "faster (the model line says which matmuls run). Expect short, simple answers; the speed "
                     "numbers are real. On a CUDA machine `python launch.py` loads Vicuna-7B with Medusa heads.")
+READOUT_HINT = "*tokens/s, tokens per step and time to first token show here*"   # the readout before an answer
 MAX_NEW_LIMIT = 4096   # the slider's top before a model is loaded; then the model's context
 SAMPLING = ("temperature", "top_p", "epsilon", "delta")   # enabled by the mode that uses them
 
@@ -115,7 +116,7 @@ def build_layout(slot: ModelSlot, system_prompt: str) -> Page:
                     chat = gr.Chatbot(label="Medusa", elem_id="chat", buttons=[], height=460,
                                       render_markdown=False, latex_delimiters=[],
                                       placeholder="Ask something. Speed shows below as it streams.")
-                    readout = gr.Markdown("*tokens/s, tokens per step and time to first token show here*",
+                    readout = gr.Markdown(READOUT_HINT,
                                           elem_id="readout", elem_classes="readout")
             comparison = gr.Markdown(elem_id="comparison")
             with gr.Row():

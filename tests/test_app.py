@@ -15,6 +15,8 @@ import time
 import pytest
 from served import launched
 
+from app.layout import READOUT_HINT
+
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 
@@ -144,8 +146,8 @@ def test_regenerate_and_clear(client):
     ask(client, "once", mode="sample", temperature=1.0)
     chat, *_ = client.submit(*send_args("")[1:], api_name="/regenerate").result(timeout=120)
     assert [r for r, _ in texts(chat)] == ["user", "assistant"]
-    chat, *_ = client.predict(api_name="/clear")
-    assert not chat
+    chat, _, readout, *_ = client.predict(api_name="/clear")
+    assert not chat and readout == READOUT_HINT, "Clear leaves the page as it opened"
     chat, *_, raw, _ = client.submit(*send_args("")[1:], api_name="/regenerate").result(timeout=120)
     assert raw["error"] == "Nothing to regenerate yet: send a message first"
     assert chat == {"__type__": "update"}, "the chat is left as it is: no note is added to it"
@@ -158,7 +160,7 @@ def test_clear_during_an_answer_clears_its_readout(client):
         time.sleep(0.02)
     client.predict(api_name="/clear")
     chat, _, readout, base_readout, *_ = job.result(timeout=120)
-    assert not chat and readout == "" and base_readout == "", "the cleared answer's readout came back"
+    assert not chat and readout == READOUT_HINT and base_readout == "", "the cleared answer's readout came back"
 
 
 def test_a_message_sent_just_after_stop_waits_for_the_stopped_answer():
@@ -682,9 +684,12 @@ def test_stop_while_a_long_prompt_is_read_ends_the_answer_before_its_first_token
     assert len(prompt) > 3 * 8
     hook = engine.model.get_decoder().register_forward_hook(lambda *_: session.cancel.set())   # Stop in piece 1
     try:
-        last = list(engine.answer(session, prompt, Settings(max_new_tokens=8)))[-1]
+        updates = list(engine.answer(session, prompt, Settings(max_new_tokens=8)))
     finally:
         hook.remove()
+    # the status line says why the first token takes a while
+    assert updates[0].notice == f"reading {len(prompt):,} new prompt tokens before the answer (Stop works meanwhile)…"
+    last = updates[-1]
     assert last.done and last.error is None and last.stats.tokens == 0 and last.stats.finish_reason == "cancelled"
     assert empty_note(last.stats) == "stopped before the first token: the message is back in the box"
     assert render_live(last.stats).endswith("Answer: none: stopped before the first token")

@@ -179,8 +179,10 @@ def test_a_long_prompt_is_read_in_pieces_and_stop_is_heard_between_them(llama_tr
     keeping what was read as the cache's prefix; the next reply reads on from there and gives the
     tokens a one-piece prefill gives (fp32)."""
     from medusa_core.decoding import generate as loop
-    from medusa_core.decoding.generate import new_cache
+    from medusa_core.decoding.generate import new_cache, prefill_piece
 
+    # pieces on the CPU only: CUDA reads a prompt in one forward (fast there, and a piece re-dequantizes NF4)
+    assert prefill_piece(torch.device("cpu")) == loop.PREFILL_PIECE and prefill_piece(torch.device("cuda")) > 10**6
     model, heads, tree = llama_trained
     prompt = [1, *range(20, 60)]                                               # 41 tokens
     whole = tokens_of(generate(model, prompt, heads=heads, tree=tree, config=DecodeConfig(max_new_tokens=12)))
