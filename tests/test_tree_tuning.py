@@ -120,10 +120,11 @@ def test_a_tree_file_that_disagrees_with_its_entry_is_measured_again(checkpoint,
 
 
 def test_the_cpu_share_is_what_this_process_got():
-    threads = torch.get_num_threads()
+    usable = tree_tuning.usable_cpus(torch.get_num_threads())
     busy = tree_tuning.with_cpu_share(lambda: sum(i * i for i in range(3_000_000)))[1]   # one thread busy
     idle = tree_tuning.with_cpu_share(lambda: time.sleep(0.3))[1]
-    assert idle < 0.1 < busy <= 1 / tree_tuning.usable_cpus(threads) + 0.1   # one thread's worth at most
+    # one thread's worth at most, whatever the machine's thread count (1/16 on 16 threads)
+    assert idle < busy / 4 and busy <= 1 / usable + 0.1
 
 
 def test_a_changed_key_or_retune_measures_again(checkpoint, measured, monkeypatch):
