@@ -168,17 +168,16 @@ def load_spec(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # A model server on the network without a key is used unattended by whatever finds it: the OpenAI
+    # API, and the page too, which is itself a scripting API (/send): refused
+    exposed = (f"--host {args.host} would serve the chat and its APIs to anyone on your network"
+               if not is_local(args.host) else
+               "--share would put the chat and its APIs on a public gradio.live link" if args.share else None)
+    if exposed and not args.api_key:
+        fail(f"{exposed}: pass --api-key KEY (or set {API_KEY_ENV}); the page then asks for it as its password")
     if not is_local(args.host):
-        # A model server on the network without a key is used unattended by whatever finds it: the
-        # OpenAI API, and the page too, which is itself a scripting API (/send): refused
-        if not args.api_key:
-            fail(f"--host {args.host} would serve the chat and its APIs to anyone on your network: pass "
-                 f"--api-key KEY (or set {API_KEY_ENV}); the page then asks for it as its password")
         print(f"warning: binding {args.host}: the chat is reachable from your network, behind the key "
               "(the default, 127.0.0.1, keeps it local)", file=sys.stderr)
-    if args.share and not args.api_key:   # the same, on the internet
-        fail(f"--share would put the chat and its APIs on a public gradio.live link: pass --api-key KEY (or set "
-             f"{API_KEY_ENV}); the page then asks for it as its password")
     check_flags(args)
     port = pick_port(args.host, args.port)
 

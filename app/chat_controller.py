@@ -156,8 +156,9 @@ class ChatController:
         passes = (BASELINE, MEDUSA) if compare else (MEDUSA,)
         cut, stats, base, comparison = turn.note, None, None, ""
         medusa = engine.medusa_label(settings.tree) == LABELS[MEDUSA]
+        tree = engine.shown_name(settings.tree or engine.default_tree)
         label = (f"plain decoding and {'Medusa' if medusa else 'plain decoding again'}, step-interleaved" if compare
-                 else f"{'Medusa' if medusa else 'plain decoding'}, tree {engine.shown_name(settings.tree or engine.default_tree)}")
+                 else f"{'Medusa' if medusa else 'plain decoding'}, tree {tree}")
         for update in engine.answer(session, prompt, settings, passes):
             if update.queued:
                 yield self.views(session, None, None, "", f"⏳ Queued: {update.queued} request(s) ahead of you; "

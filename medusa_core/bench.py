@@ -75,9 +75,10 @@ def prepare(args) -> Setup:
                         "pass --heads, or --tree baseline for plain decoding only")
     names: dict[str, str] = {}
     for spec in tree_names:
-        if names.setdefault(tree_name(spec), spec) != spec:
-            raise ValueError(f"trees {names[tree_name(spec)]} and {spec} would both be named {tree_name(spec)!r} "
-                             "in the table: rename one of the files")
+        name = tree_name(spec)
+        if names.setdefault(name, spec) != spec:
+            raise ValueError(f"trees {names[name]} and {spec} would both be named {name!r} in the table: "
+                             "rename one of the files")
     device = loaded.model.get_output_embeddings().weight.device
     mask_dtype = compute_dtype(loaded.model)
     trees = {tree_name(spec): build_tree_buffers(resolve_tree(spec), loaded.heads.config.num_heads, dtype=mask_dtype,
