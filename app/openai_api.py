@@ -58,6 +58,10 @@ READ = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature
 NO_EFFECT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "reasoning_effort", "modalities",
              "verbosity", "prompt_cache_key", "safety_identifier", "prediction")
 MEDUSA_KEYS = ("tree", "mode", "epsilon", "delta")   # what "medusa" may hold: a misspelt key is refused too
+# The longest a stream stays silent. Reading a long prompt on the CPU sends no token for tens of seconds,
+# and a client or proxy with a short read timeout would give up; an SSE comment every 2 s keeps it
+# (and writing one is what reveals a client that has gone, so the read stops early).
+HEARTBEAT_S = 2.0
 
 
 class ApiError(Exception):
@@ -294,7 +298,7 @@ class Completion:
         self.session = Session()
         self.stop = StopText(request.stop)
         self.last: Update | None = None
-        self.ahead = 0                 # requests ahead of this one in the queue, while it waits
+        self.waiting = "starting"      # what a heartbeat says while no text comes: queued, reading the prompt
         self.started = time.perf_counter()
         self._queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -307,19 +311,29 @@ class Completion:
         self.session.cancel.set()
 
     async def pieces(self) -> AsyncIterator[str]:
-        """Text as it may be sent, "" while waiting in the queue; ends with the run (ApiError for an error
-        before any token)."""
-        while (update := await self._queue.get()) is not None:
+        """Text as it may be sent, "" for a heartbeat (queued, or nothing new for HEARTBEAT_S); ends with
+        the run (ApiError for an error before any token)."""
+        while True:
+            try:
+                update = await asyncio.wait_for(self._queue.get(), HEARTBEAT_S)
+            except TimeoutError:
+                yield ""          # nothing new for a while (a long prompt being read): a heartbeat
+                continue
+            if update is None:
+                return
             if update.queued:
-                self.ahead = update.queued
+                self.waiting = f"waiting for the model, {update.queued} ahead"
                 yield ""          # a heartbeat while waiting: lets a stream tell its place and notice a gone client
                 continue
-            if update.notice or update.pass_name not in (MEDUSA, BASELINE):
+            if update.notice:
+                self.waiting = " ".join(update.notice.split())   # one line: an SSE comment ends at a line break
+                continue
+            if update.pass_name not in (MEDUSA, BASELINE):
                 continue
             if update.error and not update.tokens:
                 raise ApiError(503 if "stopped" in update.error else 500, update.error, kind="server_error",
                                code="generation_failed")
-            self.last = update
+            self.last, self.waiting = update, "generating"
             piece = self.stop.release(update.plain, final=update.done)
             if self.stop.stopped:
                 self.cancel()     # the rest of the reply is not wanted: free the model now
@@ -360,7 +374,7 @@ async def stream_events(run: Completion) -> AsyncIterator[str]:
         try:
             async for piece in run.pieces():
                 # an SSE comment while waiting (clients skip it); writing it is what reveals a gone client
-                yield run.chunk({"content": piece}) if piece else f": waiting for the model, {run.ahead} ahead\n\n"
+                yield run.chunk({"content": piece}) if piece else f": {run.waiting}\n\n"
         except ApiError as err:
             yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.kind, 'code': err.code}})}\n\n"
             return

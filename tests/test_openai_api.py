@@ -344,3 +344,42 @@ def test_after_a_failed_start_the_api_gives_the_loads_error(tiny_app, tmp_path):
     body = {"model": "backbone", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     with httpx.Client(timeout=10) as http:
         assert_openai_error(http.post(url + "/v1/chat/completions", json=body), 503, "has no config.json")
+
+
+def test_a_long_silence_is_filled_with_comments_a_client_skips(monkeypatch):
+    """A long prompt being read sends no token for tens of seconds on a CPU. The stream keeps sending
+    SSE comments meanwhile (naming what it waits for), so a client with a short read timeout stays, and
+    the text that follows is intact. The model here is an engine that is silent for 12 heartbeats."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from app import openai_api
+    from app.engine import Update
+    from app.readout import Stats
+
+    monkeypatch.setattr(openai_api, "HEARTBEAT_S", 0.1)
+    reading = "reading 4,193 new prompt tokens before the answer\n(Stop works meanwhile)…"
+
+    class SlowReader:
+        loaded = SimpleNamespace(stop_ids=())
+
+        def answer(self, session, prompt, settings, passes):
+            yield Update(notice=reading)
+            time.sleep(12 * openai_api.HEARTBEAT_S)
+            yield Update(segments=(("Paris", False),), tokens=(7,), stats=Stats(tokens=1), done=True)
+
+    request = openai_api.ChatRequest([{"role": "user", "content": "hi"}], Settings(), (MEDUSA,), (), True, False)
+
+    async def stream() -> list[tuple[float, str]]:
+        run = openai_api.Completion(SlowReader(), [1, 2, 3], request, "m")
+        return [(time.perf_counter(), event) async for event in openai_api.stream_events(run)]
+
+    events = asyncio.run(stream())
+    comments = [text for _, text in events if text.startswith(":")]
+    assert len(comments) >= 5 and all(text == ": " + " ".join(reading.split()) + "\n\n" for text in comments)
+    gaps = [later - earlier for (earlier, _), (later, _) in zip(events, events[1:])]
+    assert max(gaps) < 6 * openai_api.HEARTBEAT_S, f"a silence of {max(gaps):.2f} s"
+    data = [json.loads(text.removeprefix("data: ")) for _, text in events
+            if text.startswith("data: {")]
+    assert "".join(d["choices"][0]["delta"].get("content", "") for d in data) == "Paris"
+    assert events[-1][1] == "data: [DONE]\n\n"
