@@ -22,6 +22,9 @@ INTERRUPTED = "the page was reloaded before this answer finished: press Regenera
 NOT_COMPARED = "plain decoding did not answer this message (compare was off): Medusa's answer is in its pane"
 BUSY = "Still answering your previous message: wait, or press Stop"
 STOPPING_WAIT_S = 30.0   # a stopped answer ends within one step; a long prefill is not interrupted
+# The readouts while a new answer has no token yet: the last answer's figures (or "stopped before the
+# first token") would read as this one's, through a queue or a long prompt's reading.
+READOUT_PENDING = "*measuring this answer: its figures show from its first token*"
 
 
 def _msg(role: str, html: str) -> dict:
@@ -61,10 +64,10 @@ class ChatController:
         self.slot = slot
 
     def views(self, session: Session, stats: Stats | None, base: Stats | None, comparison: str,
-              status_line: str, box: str | dict = gr.update(), cleared: bool = False) -> tuple:
+              status_line: str, box: str | dict = gr.update(), blank: tuple[str, str] | None = None) -> tuple:
         """(chat, baseline chat, readout, baseline readout, comparison, status, raw numbers, message box).
-        A readout without stats stays as it is, or, ``cleared``, goes back to what the page opened with."""
-        medusa_keep, base_keep = (READOUT_HINT, "") if cleared else (gr.update(), gr.update())
+        A readout without stats stays as it is, or shows ``blank``'s text (Medusa's, plain decoding's)."""
+        medusa_keep, base_keep = blank or (gr.update(), gr.update())
         last = session.turns[-1] if session.turns else None
         raw = {"medusa": stats.as_dict() if stats else None, "baseline": base.as_dict() if base else None,
                "reply": last.reply if last else None, "baseline_reply": last.baseline if last else None}
@@ -139,16 +142,18 @@ class ChatController:
             return
         turn = Turn(user=message, note=cut)
         session.turns.append(turn)
-        yield self.views(session, None, None, "", "Starting…", "")
+        pending = (READOUT_PENDING, READOUT_PENDING if compare else "")
+        yield self.views(session, None, None, "", "Starting…", "", blank=pending)
         stats, base, comparison = yield from self._stream(session, turn, engine, prompt, settings, compare)
         if compare and turn.reply is None and not turn.note:
             turn.note = "stopped before the Medusa pass"
         if not any(t is turn for t in session.turns):   # Clear during the answer: its readouts went with it
-            yield self.views(session, None, None, "", self.slot.state().line, cleared=True)
+            yield self.views(session, None, None, "", self.slot.state().line, blank=(READOUT_HINT, ""))
             return
         # A failed message goes back into the box so it can be edited and resent.
         box = message if turn.reply is None else gr.update()
-        yield self.views(session, stats, base, comparison, self.slot.state().line, box)
+        # a pass with no token (an error, or Stop during the reading) has no figures: the hint comes back
+        yield self.views(session, stats, base, comparison, self.slot.state().line, box, blank=(READOUT_HINT, ""))
 
     def _stream(self, session: Session, turn: Turn, engine: ChatEngine, prompt: list[int], settings: Settings,
                 compare: bool):
@@ -170,7 +175,7 @@ class ChatController:
             if update.pass_name == COMPARISON:
                 comparison = render_comparison(update.comparison)
                 continue
-            # an error before the first token leaves the previous readout in place
+            # an error before the first token has no figures: the readout stays as it is
             measured = update.stats if update.stats.tokens or not update.error else None
             shown = reply_html(list(update.segments), settings.colour_heads) if update.segments else ""
             if update.pass_name == BASELINE:

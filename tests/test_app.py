@@ -108,6 +108,19 @@ def test_stop_cancels_and_keeps_partial(client):
     assert len(texts(chat)) == 4
 
 
+def test_a_new_answer_does_not_show_the_last_ones_figures_before_its_own(client):
+    """Until its first token (a queue, a long prompt's reading) a new answer's readouts say they are
+    measuring it: the previous answer's figures would read as this one's."""
+    from app.chat_controller import READOUT_PENDING
+
+    _, (_, _, first, *_rest) = ask(client, "first question")
+    assert "tokens/s" in first
+    outputs, (_, _, readout, base_readout, *_rest) = ask(client, "second question", compare=True)
+    starting = next(o for o in outputs if o[5] == "Starting…")
+    assert starting[2] == READOUT_PENDING and starting[3] == READOUT_PENDING
+    assert "tokens/s" in readout and "tokens/s" in base_readout and READOUT_PENDING not in readout
+
+
 @pytest.mark.parametrize("mode", ["greedy", "typical"])
 def test_comparison_gives_both_answers_and_speedup(client, mode):
     _, (chat, base_chat, readout, base_readout, comparison, _, raw, _) = ask(
