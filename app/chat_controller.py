@@ -21,7 +21,7 @@ from .transcript import export_folder, from_saved, saved_system, to_saved, write
 INTERRUPTED = "the page was reloaded before this answer finished: press Regenerate to answer it"
 NOT_COMPARED = "plain decoding did not answer this message (compare was off): Medusa's answer is in its pane"
 BUSY = "Still answering your previous message: wait, or press Stop"
-STOPPING_WAIT_S = 30.0   # a stopped answer ends within one step; a long prefill is not interrupted
+STOPPING_WAIT_S = 30.0   # a stopped answer ends within one step, or one prompt piece while a long prompt is read
 # The readouts while a new answer has no token yet: the last answer's figures (or "stopped before the
 # first token") would read as this one's, through a queue or a long prompt's reading.
 READOUT_PENDING = "*measuring this answer: its figures show from its first token*"
