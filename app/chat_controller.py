@@ -5,6 +5,7 @@ conversation and the export files are here too."""
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Iterator
 
 import gradio as gr
@@ -62,6 +63,21 @@ class ChatController:
 
     def __init__(self, slot: ModelSlot) -> None:
         self.slot = slot
+        # each open tab's Session by Gradio's session hash, so that closing or reloading the tab stops its
+        # answer (weak: a tab's Session goes with Gradio's state for it)
+        self.tabs: weakref.WeakValueDictionary[str, Session] = weakref.WeakValueDictionary()
+
+    def tab_opened(self, session: Session, session_hash: str | None) -> None:
+        if session_hash:
+            self.tabs[session_hash] = session
+
+    def tab_closed(self, session_hash: str | None) -> None:
+        """The tab was closed or reloaded: its answer stops at the next step (or prompt piece). Nobody
+        reads it, and Gradio would let it run to the end while the next message, from the reloaded
+        tab, waited behind it (a minute and more for a long prompt on a CPU)."""
+        session = self.tabs.pop(session_hash, None) if session_hash else None
+        if session is not None:
+            session.cancel.set()
 
     def views(self, session: Session, stats: Stats | None, base: Stats | None, comparison: str,
               status_line: str, box: str | dict = gr.update(), blank: tuple[str, str] | None = None) -> tuple:

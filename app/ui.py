@@ -34,9 +34,10 @@ def build_ui(slot: ModelSlot, *, system_prompt: str = "", base_spec: LoadSpec = 
         chat = ChatController(slot)
         save_after = wire_chat(page, chat)
 
-        def restore(session, stored, max_new_value, system):
+        def restore(session, stored, max_new_value, system, request: gr.Request):
             """Page load: the conversation and its system prompt kept in the browser, and the model
             controls (the Medusa pane, last of them, gets the conversation and its title in one update)."""
+            chat.tab_opened(session, request.session_hash)
             medusa, baseline, system = chat.restored(session, stored, system)
             *controls, pane = sync(None, max_new_value)
             return (baseline, system, *controls, {**pane, "value": medusa})
@@ -46,6 +47,11 @@ def build_ui(slot: ModelSlot, *, system_prompt: str = "", base_spec: LoadSpec = 
             restore, [page.session, page.saved, page.controls["max_new_tokens"], page.system],
             [page.base_chat, page.system, *model_outputs(page)], api_name=False).then(**save_after)
         page.saved.change(None, [page.saved], None, js=browser_copy.WRITE, api_name=False)
+
+        def closed(request: gr.Request):
+            chat.tab_closed(request.session_hash)
+
+        demo.unload(closed)
     return demo
 
 

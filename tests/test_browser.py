@@ -389,6 +389,54 @@ def test_conversation_past_the_context_keeps_answering(browser, tiny_dirs):
         page.close()
 
 
+def test_a_reload_during_a_long_read_stops_the_answer_nobody_will_see(browser, tiny_dirs, monkeypatch):
+    """Reloading (or closing) the tab stops its answer: Gradio would let the old request read the
+    whole prompt, and the reloaded tab's next message waited behind it (103 s for a 4,000-token
+    paste on 2 cores). Here each prompt piece takes 0.25 s, so the whole read would take 15 s or more."""
+    import time
+
+    from app.models import ModelSlot
+    from medusa_core.decoding import generate as loop
+    from medusa_core.loading.spec import LoadSpec
+
+    monkeypatch.setattr(loop, "PREFILL_PIECE", 8)
+    backbone, heads = tiny_dirs
+    slot = ModelSlot(max_new_tokens=8, log=lambda line: None)
+    spec = LoadSpec(model=str(backbone), heads=str(heads), device="cpu")
+    forwards = []
+
+    def slow(*_):
+        forwards.append(time.monotonic())
+        time.sleep(0.25)
+
+    with in_process_app(slot, spec) as url:
+        slot.start(spec)
+        assert slot.wait(120).phase == "ready"
+        prompt = "tell me about the sea "
+        while len(slot.engine.prompt_ids([{"role": "user", "content": prompt}], None)) < slot.engine.context * 0.7:
+            prompt += "and the sky "    # most of the context: room is left for the answer
+        pieces = len(slot.engine.prompt_ids([{"role": "user", "content": prompt}], None)) // 8
+        assert pieces >= 40
+        hook = slot.engine.model.get_decoder().register_forward_hook(slow)
+        try:
+            page = open_page(browser, url)
+            page.locator("#message textarea").fill(prompt)
+            page.locator("#send").click()
+            page.wait_for_function("() => document.querySelector('#status')?.innerText.includes('reading')",
+                                   timeout=30_000)
+            page.reload()
+            page.wait_for_function(READY, timeout=30_000)
+            while not forwards or time.monotonic() - forwards[-1] < 2.0:   # until the model is idle
+                time.sleep(0.25)
+            read = len(forwards)
+            assert read < pieces / 2, f"the reloaded tab's answer read {read} of the prompt's {pieces} pieces"
+            send(page, "and now a short one")
+            assert assistant_texts(page, "chat")[-1].strip()
+            page.close()
+        finally:
+            hook.remove()
+
+
 def test_page_opens_before_the_model_has_loaded(browser):
     """The page is served at once, shows load progress and keeps Send off until the model is in."""
     from app.models import ModelSlot
