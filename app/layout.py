@@ -99,7 +99,8 @@ def decoding_controls(max_new_tokens: int) -> dict:
 
 def build_layout(slot: ModelSlot, system_prompt: str) -> Page:
     """The components, inside the caller's gr.Blocks."""
-    session = gr.State(Session, delete_callback=end_tab)   # called when the tab's session ends
+    # each tab's own Session: a copy of this one, made when the tab's first event reads it (Session.__deepcopy__)
+    session = gr.State(Session(), delete_callback=end_tab)   # called when the tab's session ends
     saved = gr.JSON(None, visible=False, elem_id="saved")   # filled and stored by app/browser_copy.py's scripts
     shown_version, timer = gr.State(None), gr.Timer(0.5, active=True)
     gr.Markdown("# Medusa chat")

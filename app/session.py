@@ -41,8 +41,11 @@ class Session:
                 if i >= self.first_turn and t.user and t.reply is not None]
 
     def __deepcopy__(self, memo: dict) -> "Session":
-        # gr.State deep-copies its value; a Session is made fresh per tab and holds locks
-        return self
+        """A new, empty Session: how each tab gets its own from the page's gr.State(Session()), whose
+        value Gradio deep-copies for every new tab as the tab's first event reads it. (A callable,
+        gr.State(Session), is called by a load event of Gradio's own, which raced the page's restore:
+        on some reloads it replaced the Session the restored turns had gone to.)"""
+        return Session()
 
     def drop_caches(self) -> None:
         self.caches.clear()

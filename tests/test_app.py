@@ -7,6 +7,7 @@ and, through the page, in test_browser.py."""
 
 from __future__ import annotations
 
+import copy
 import html
 import os
 import re
@@ -192,6 +193,25 @@ def test_a_message_sent_just_after_stop_waits_for_the_stopped_answer():
     started = time.monotonic()
     assert ChatController.take_turn(session) and time.monotonic() - started >= 0.2
     session.busy.release()
+
+
+def test_no_event_but_the_tabs_own_replaces_its_session():
+    """A tab's Session is made once, when its first event reads it. A callable State value made
+    Gradio add a load event of its own that wrote a second Session, and on some reloads it landed
+    after the page's restore: the restored conversation went to the lost Session (export greyed out,
+    the next answer replaced the conversation; test_browser reloads six times to catch it)."""
+    import gradio as gr
+
+    from app.models import ModelSlot
+    from app.session import Session
+    from app.ui import build_ui
+
+    demo = build_ui(ModelSlot(log=lambda line: None))
+    (state,) = [b for b in demo.blocks.values() if isinstance(b, gr.State)
+                and (isinstance(b.value, Session) or b.value is Session)]
+    assert not any(state in fn.outputs for fn in demo.fns.values()), "an event writes the tab's Session"
+    first, second = (copy.deepcopy(state.value) for _ in range(2))     # what two tabs get
+    assert first is not second and not first.turns and first.cancel is not second.cancel
 
 
 def test_the_plain_pane_shows_no_answer_plain_decoding_did_not_give():

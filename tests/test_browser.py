@@ -286,6 +286,23 @@ def test_clear_and_reload_keep_what_the_user_expects(page):
     assert page.locator("#system textarea").input_value() == "You are a pirate."
 
 
+def test_every_reload_continues_the_conversation_it_shows(page):
+    """After a reload the next message continues the restored conversation, and it can be exported.
+    It used to fail on some reloads: Gradio made the tab's Session twice (its own load event for a
+    callable State value raced the page's restore), the restored turns went to the lost one, and the
+    next answer replaced the whole conversation."""
+    send(page, "Remember the word banana.")
+    for i in range(6):
+        page.reload()
+        page.wait_for_function(READY, timeout=60_000)
+        page.wait_for_function("n => document.querySelectorAll('#chat .message.user').length === n", arg=i + 1,
+                               timeout=30_000)
+        page.wait_for_function("() => !document.querySelector('#export-md')?.disabled", timeout=30_000)
+        send(page, f"Message {i}: say hello.")
+        users = page.locator("#chat .message.user").all_inner_texts()
+        assert len(users) == i + 2 and "banana" in users[0], f"reload {i + 1} lost the conversation: {users}"
+
+
 def test_two_tabs_each_reload_their_own_conversation(browser, default_app):
     """Two tabs of one browser: a reload brings back that tab's conversation and system prompt (the
     browser's one shared copy gave it the other tab's), and a new tab starts from the copy written last."""
