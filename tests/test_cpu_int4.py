@@ -73,6 +73,24 @@ def test_a_row_gets_the_same_bits_alone_as_in_a_tree():
     assert cpu_int4.row_invariant(cpu_int4.Bf16Head(head), 64, rows=9)
 
 
+def test_the_bf16_head_ranks_a_near_tie_as_fp32_does():
+    """bf16 output steps are 0.125 at a logit of 25: two tokens 0.03 apart came out tied, and greedy
+    took the wrong one (SmolLM2 on an AVX2 CPU: "L'Étoile..." for the capital of France). The top
+    logits are fp32 again; the rest keep the GEMM's bf16 values."""
+    head = nn.Linear(64, 300, bias=False)
+    with torch.no_grad():
+        head.weight.normal_(0, 0.05)
+        head.weight[7] = 25.0 / 64          # x . w = 25.0 for x = ones
+        head.weight[9] = 25.03 / 64         # 0.03 above: the same bf16 value
+    x = torch.ones(2, 64)
+    fp32 = head(x)
+    assert torch.nn.functional.linear(x.bfloat16(), head.weight.bfloat16())[0, [7, 9]].unique().numel() == 1
+    out = cpu_int4.Bf16Head(head)(x)
+    assert out.argmax(-1).tolist() == [9, 9]
+    top = fp32.topk(cpu_int4.REFINED, dim=-1).indices
+    torch.testing.assert_close(out.gather(-1, top), fp32.gather(-1, top), rtol=0, atol=1e-5)
+
+
 def test_a_quantized_model_keeps_its_tied_lm_head_weight_and_drops_fp32_layers():
     model = tiny_model(hidden=64)
     model.lm_head.weight = model.model.embed_tokens.weight           # tied, as SmolLM2's are
