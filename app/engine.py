@@ -211,9 +211,10 @@ class ChatEngine:
                 raise ValueError(f"tree {name!r}: this model has no Medusa heads: use baseline") from None
             if isinstance(err, UnknownTreeError):   # the tree module's line offers files, which are not taken here
                 names = ", ".join(choice for _, choice in self.tree_choices)
-                raise ValueError(f"unknown tree {name!r}: use one of {names}, or a chain-N or cartesian-AxB... "
-                                 "tree the heads can fill") from None
-            raise ValueError(str(err)) from None
+                raise ValueError(f"unknown tree {name!r}: use one of {names}, chain-N with N from 1 to "
+                                 f"{self.num_heads}, or cartesian-AxB... with at most {self.num_heads} widths "
+                                 "(this model has that many heads)") from None
+            raise ValueError(f"tree {name!r}: {err}") from None     # the line names a path: say which tree
         with self._trees_lock:
             self._specs.setdefault(name, name)
             self._typed.append(name)

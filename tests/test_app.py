@@ -362,7 +362,10 @@ def test_bad_api_values_give_one_line_notes_not_tracebacks(client, app):
                       (dict(tree="nosuch"), "unknown tree 'nosuch'"),
                       (dict(tree="/tmp/t.json"), "tree files are read at start only: run launch.py --tree /tmp/t.json"),
                       (dict(tree="cartesian-1000x1000x1000"), "has more than 1024 nodes"),
-                      (dict(tree="chain-9"), "has depth 6 but the model has 5 Medusa heads"),
+                      (dict(tree="chain-9"), "tree 'chain-9': tree path [0, 0, 0, 0, 0, 0] has depth 6 but the model "
+                                             "has 5 Medusa heads"),
+                      (dict(tree="chain-0"), "unknown tree 'chain-0': use one of"),
+                      (dict(tree="chain-0"), "chain-N with N from 1 to 5"),
                       (dict(temperature="hot", mode="sample"), "temperature 'hot' is not a number")]:
         _, (chat, *_, box) = ask(client, "x", **kw)
         assert words in texts(chat)[-1][1] and box == "x"
