@@ -235,7 +235,8 @@ class ChatEngine:
         does not fit the context, the oldest exchanges are cut (the system prompt stays); the
         cut is kept in ``session.first_turn`` and announced in the returned one-line notice."""
         tree = self.tree(settings.tree or self.default_tree)
-        reserve = min(int(settings.max_new_tokens), self.context // 4) + tree.size
+        answer = min(int(settings.max_new_tokens), self.context // 4)
+        reserve = answer + tree.size      # a verification step writes the whole tree's rows past the answer
         exchanges = session.exchanges()
         for drop in range(len(exchanges) + 1):
             messages = [m for _, user, reply in exchanges[drop:]
@@ -247,8 +248,9 @@ class ChatEngine:
                 session.first_turn = exchanges[drop - 1][0] + 1
                 return ids, (f"the oldest {drop} exchange{'s' if drop > 1 else ''} left the model's prompt to fit "
                              f"its {self.context}-token context (still shown here)")
-        raise ValueError(f"the message needs {len(ids)} tokens with the system prompt, and {reserve} are kept for "
-                         f"the answer, but the model's context is {self.context}: shorten the message")
+        raise ValueError(f"the message needs {len(ids):,} tokens with the system prompt, and {reserve:,} are kept for "
+                         f"the answer ({answer:,} new tokens and {tree.size} for the tree's verification), but the "
+                         f"model's context is {self.context:,}: shorten the message")
 
     # ---- answering
     def answer(self, session: Session, prompt_ids: list[int], settings: Settings,

@@ -456,8 +456,12 @@ def test_full_context_cuts_oldest_turns_and_keeps_answering(engine):
     assert "question 0:" not in engine.tokenizer.decode(ids) and "question 9:" in engine.tokenizer.decode(ids)
     fresh = list(engine.answer(Session(), ids, settings))[-1]
     assert fresh.tokens == last.tokens, "a cache reused across the cut gives what a fresh one gives"
-    with pytest.raises(ValueError, match="shorten the message"):
+    with pytest.raises(ValueError, match="shorten the message") as refused:
         engine.fit_prompt(session, "word " * 2000, system, settings)
+    # the room it keeps is the user's max new tokens plus the tree's rows, and it says so
+    size = engine.tree("small-8").size
+    assert f"{160 + size} are kept for the answer (160 new tokens and {size} for the tree's verification)" in \
+        str(refused.value)
 
 
 def test_comparison_runs_step_interleaved(engine, monkeypatch):
