@@ -30,8 +30,9 @@ class Session:
         self.turns: list[Turn] = []
         self.first_turn = 0                 # turns before this were cut to fit the context
         self.cancel = threading.Event()
-        self.caches: dict[str, object] = {}
-        self.engine: weakref.ref | None = None   # the engine the caches belong to
+        # {pass: KV cache} under the engine they belong to, held weakly: an unloaded or replaced model's
+        # caches go with its engine (SmolLM2's held 250 MiB past Unload until the tab's next message)
+        self._caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.busy = threading.Lock()        # one request per tab at a time
         self.export_dir: Path | None = None  # the tab's export files (app/transcript.py), made on first use
 
@@ -47,8 +48,13 @@ class Session:
         on some reloads it replaced the Session the restored turns had gone to.)"""
         return Session()
 
+    @property
+    def caches(self) -> dict[str, object]:
+        """{pass: KV cache} of the engine this tab last used; empty once that engine is gone."""
+        return next(iter(self._caches.values()), {})
+
     def drop_caches(self) -> None:
-        self.caches.clear()
+        self._caches.clear()
 
     def restart(self) -> None:
         """A new conversation: forget the turns; rewind the caches (keeping their buffers and
@@ -64,10 +70,10 @@ class Session:
                 self.busy.release()
 
     def caches_for(self, engine: object) -> dict[str, object]:
-        if self.engine is None or self.engine() is not engine:   # another model: its caches are useless
-            self.caches.clear()
-            self.engine = weakref.ref(engine)
-        return self.caches
+        if engine not in self._caches:      # another model: the old one's caches are useless
+            self._caches.clear()
+            self._caches[engine] = {}
+        return self._caches[engine]
 
 
 class RequestQueue:
