@@ -77,6 +77,7 @@ class ChatController:
         tab, waited behind it (a minute and more for a long prompt on a CPU)."""
         session = self.tabs.pop(session_hash, None) if session_hash else None
         if session is not None:
+            session.closed = True     # a request that starts later (a Send queued after Stop) stops too
             session.cancel.set()
 
     def views(self, session: Session, stats: Stats | None, base: Stats | None, comparison: str,
@@ -142,7 +143,8 @@ class ChatController:
         if not message:
             yield self.refused("The message is empty: type a question, then send")
             return
-        session.cancel.clear()
+        if not session.closed:        # a closed tab's request keeps its Stop set: it ends at once
+            session.cancel.clear()
         engine = None
         for engine in self.engine_or_wait(session):
             if isinstance(engine, str) and engine.startswith("⏳"):
@@ -168,7 +170,7 @@ class ChatController:
             return
         # A failed message goes back into the box so it can be edited and resent.
         box = message if turn.reply is None else gr.update()
-        # a pass with no token (an error, or Stop during the reading) has no figures: the hint comes back
+        # a pass that failed before its first token has no figures: the hint comes back
         yield self.views(session, stats, base, comparison, self.slot.state().line, box, blank=(READOUT_HINT, ""))
 
     def _stream(self, session: Session, turn: Turn, engine: ChatEngine, prompt: list[int], settings: Settings,
@@ -191,7 +193,8 @@ class ChatController:
             if update.pass_name == COMPARISON:
                 comparison = render_comparison(update.comparison)
                 continue
-            # an error before the first token has no figures: the readout stays as it is
+            # an error before the first token has no figures: the readout stays as it is (Stop during the
+            # reading has: "Answer: none: stopped before the first token")
             measured = update.stats if update.stats.tokens or not update.error else None
             shown = reply_html(list(update.segments), settings.colour_heads) if update.segments else ""
             if update.pass_name == BASELINE:

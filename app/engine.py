@@ -214,7 +214,8 @@ class ChatEngine:
                 raise ValueError(f"unknown tree {name!r}: use one of {names}, chain-N with N from 1 to "
                                  f"{self.num_heads}, or cartesian-AxB... with at most {self.num_heads} widths "
                                  "(this model has that many heads)") from None
-            raise ValueError(f"tree {name!r}: {err}") from None     # the line names a path: say which tree
+            line = str(err)           # a line that names a path, not the tree: say which tree
+            raise ValueError(line if line.startswith(f"tree {name!r}") else f"tree {name!r}: {line}") from None
         with self._trees_lock:
             self._specs.setdefault(name, name)
             self._typed.append(name)

@@ -361,7 +361,8 @@ def test_bad_api_values_give_one_line_notes_not_tracebacks(client, app):
                       (dict(max_new=99999), "max_new_tokens 99999 is more than the model's context"),
                       (dict(tree="nosuch"), "unknown tree 'nosuch'"),
                       (dict(tree="/tmp/t.json"), "tree files are read at start only: run launch.py --tree /tmp/t.json"),
-                      (dict(tree="cartesian-1000x1000x1000"), "has more than 1024 nodes"),
+                      (dict(tree="cartesian-1000x1000x1000"),
+                       "\u26a0\ufe0f tree 'cartesian-1000x1000x1000' has more than 1024 nodes"),   # named once
                       (dict(tree="chain-9"), "tree 'chain-9': tree path [0, 0, 0, 0, 0, 0] has depth 6 but the model "
                                              "has 5 Medusa heads"),
                       (dict(tree="chain-0"), "unknown tree 'chain-0': use one of"),
@@ -663,6 +664,28 @@ def test_unload_frees_the_tabs_caches_too(model_dirs):
     slot.unload()
     gc.collect()
     assert session.caches == {} and all(ref() is None for ref in kept), "the unloaded model's caches are still held"
+
+
+def test_a_closed_tab_starts_no_answer(model_dirs):
+    """Once its tab is closed or reloaded, a request from it (a Send that waited for a stopped answer)
+    ends at once instead of reading its prompt for nobody: its Stop stays set."""
+    from app.chat_controller import ChatController
+    from app.models import ModelSlot
+    from app.session import Session
+    from medusa_core.loading.spec import LoadSpec
+
+    backbone, heads = model_dirs
+    slot = ModelSlot(log=lambda line: None)
+    slot.start(LoadSpec(model=str(backbone), heads=str(heads), device="cpu"))
+    assert slot.wait(120).phase == "ready"
+    chat, session, other = ChatController(slot), Session(), Session()
+    chat.tab_opened(session, "closed-tab")
+    chat.tab_opened(other, "open-tab")
+    chat.tab_closed("closed-tab")
+    *_, raw, _ = list(chat.run(session, "hello", "", False, dict(max_new_tokens=8)))[-1]
+    assert raw["medusa"] is None or raw["medusa"]["tokens"] == 0, raw
+    *_, raw, _ = list(chat.run(other, "hello", "", False, dict(max_new_tokens=8)))[-1]
+    assert raw["medusa"]["tokens"] > 0, "another tab's answers go on"
 
 
 def test_a_tab_keeps_one_export_folder_and_it_goes_with_the_tab():

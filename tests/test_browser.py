@@ -443,8 +443,9 @@ def test_a_reload_during_a_long_read_stops_the_answer_nobody_will_see(browser, t
                                    timeout=30_000)
             page.reload()
             page.wait_for_function(READY, timeout=30_000)
-            while not forwards or time.monotonic() - forwards[-1] < 2.0:   # until the model is idle
-                time.sleep(0.25)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and (not forwards or time.monotonic() - forwards[-1] < 2.0):
+                time.sleep(0.25)       # until the model is idle
             read = len(forwards)
             assert read < pieces / 2, f"the reloaded tab's answer read {read} of the prompt's {pieces} pieces"
             send(page, "and now a short one")

@@ -79,7 +79,7 @@ def test_the_bf16_head_ranks_a_near_tie_as_fp32_does():
     logits are fp32 again; the rest keep the GEMM's bf16 values."""
     head = nn.Linear(64, 300, bias=False)
     with torch.no_grad():
-        head.weight.normal_(0, 0.05)
+        head.weight.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
         head.weight[7] = 25.0 / 64          # x . w = 25.0 for x = ones
         head.weight[9] = 25.03 / 64         # 0.03 above: the same bf16 value
     x = torch.ones(2, 64)
@@ -87,8 +87,16 @@ def test_the_bf16_head_ranks_a_near_tie_as_fp32_does():
     assert torch.nn.functional.linear(x.bfloat16(), head.weight.bfloat16())[0, [7, 9]].unique().numel() == 1
     out = cpu_int4.Bf16Head(head)(x)
     assert out.argmax(-1).tolist() == [9, 9]
-    top = fp32.topk(cpu_int4.REFINED, dim=-1).indices
+    # the logits recomputed are the GEMM's largest (fp32's 16th and 17th may swap in bf16)
+    top = torch.nn.functional.linear(x.bfloat16(), head.weight.bfloat16()).float().topk(cpu_int4.REFINED).indices
     torch.testing.assert_close(out.gather(-1, top), fp32.gather(-1, top), rtol=0, atol=1e-5)
+    # with a bias the largest are picked after it, and it is added to the recomputed ones too
+    with torch.no_grad():
+        head.bias = nn.Parameter(torch.zeros(300))
+        head.bias[3] = 30.0                 # token 3 now leads by far
+    out = cpu_int4.Bf16Head(head)(x)
+    assert out.argmax(-1).tolist() == [3, 3]
+    torch.testing.assert_close(out[:, [3, 7, 9]], head(x)[:, [3, 7, 9]], rtol=0, atol=1e-5)
 
 
 def test_a_quantized_model_keeps_its_tied_lm_head_weight_and_drops_fp32_layers():

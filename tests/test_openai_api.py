@@ -357,7 +357,7 @@ def test_a_long_silence_is_filled_with_comments_a_client_skips(monkeypatch):
     from app.engine import Update
     from app.readout import Stats
 
-    monkeypatch.setattr(openai_api, "HEARTBEAT_S", 0.1)
+    monkeypatch.setattr(openai_api, "HEARTBEAT_S", 0.3)
     reading = "reading 4,193 new prompt tokens before the answer\n(Stop works meanwhile)…"
 
     class SlowReader:
@@ -376,6 +376,8 @@ def test_a_long_silence_is_filled_with_comments_a_client_skips(monkeypatch):
 
     events = asyncio.run(stream())
     comments = [text for _, text in events if text.startswith(":")]
+    while comments and comments[0] == ": starting\n\n":     # a heartbeat before the notice came, on a busy machine
+        comments.pop(0)
     assert len(comments) >= 5 and all(text == ": " + " ".join(reading.split()) + "\n\n" for text in comments)
     gaps = [later - earlier for (earlier, _), (later, _) in zip(events, events[1:])]
     assert max(gaps) < 6 * openai_api.HEARTBEAT_S, f"a silence of {max(gaps):.2f} s"

@@ -164,10 +164,14 @@ class Bf16Head(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:                         # (..., H) -> (..., V)
         y = F.linear(x.to(torch.bfloat16), self.weight_bf16).to(x.dtype)                     # (..., V)
+        if self.bias is not None:
+            y = y + self.bias                      # before the top is picked: the largest logits as returned
         top = y.topk(min(REFINED, y.shape[-1]), dim=-1).indices                              # (..., R)
-        exact = (x.unsqueeze(-2) * self.weight[top].to(x.dtype)).sum(-1)                     # (..., R)
-        y = y.scatter_(-1, top, exact)
-        return y if self.bias is None else y + self.bias
+        # in fp32 whatever the model's dtype: a bf16 product would round each term again
+        exact = (x.float().unsqueeze(-2) * self.weight[top].float()).sum(-1)                 # (..., R)
+        if self.bias is not None:
+            exact = exact + self.bias.float()[top]
+        return y.scatter_(-1, top, exact.to(y.dtype))
 
 
 def quantizable(dense: nn.Linear) -> bool:
