@@ -237,7 +237,8 @@ class ModelSlot:
                 first = False   # the load itself says how to install it
             # the first start converts SmolLM2 (about half a minute): say why it takes a while
             return f"{SMOLLM2} with its Medusa heads" + (" (the CPU default; this first start converts it into "
-                                                         "your cache, about half a minute)" if first else "")
+                                                         "your cache: half a minute on two idle cores, longer on a "
+                                                         "busy machine)" if first else "")
         what = spec.model or (SMOLLM2 if is_bundled_heads(spec.heads) else f"{spec.heads} (its base model, or itself for a Medusa-2 model)")
         return what + (f" with heads {spec.heads}" if spec.heads else "")
 
