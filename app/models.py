@@ -235,7 +235,7 @@ class ModelSlot:
                 first = not smollm2.is_converted()
             except smollm2.MissingModel:
                 first = False   # the load itself says how to install it
-            # the first start converts SmolLM2 (about half a minute): say why it takes a while
+            # the first start converts SmolLM2 (half a minute or more): say why it takes a while
             return f"{SMOLLM2} with its Medusa heads" + (" (the CPU default; this first start converts it into "
                                                          "your cache: half a minute on two idle cores, longer on a "
                                                          "busy machine)" if first else "")

@@ -77,7 +77,8 @@ def convert(source: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-    print(f"converting {source.name} into {out} (once: half a minute on two idle cores, longer on a busy machine)", flush=True)
+    print(f"converting {source.name} into {out} (once: half a minute on two idle cores, longer on a busy machine)",
+          flush=True)
     gguf_model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     config = gguf_model.config

@@ -1,7 +1,7 @@
 """Weight-only 4-bit matmuls on the CPU: the decoder's Linear layers as 4-bit codes in groups of 32
 (asymmetric, the layout of GGUF's Q4_1), multiplied by torch's int4 CPU kernel with bf16 activations;
-the lm_head as a bf16 copy whose top logits are recomputed in fp32. Everything between the matmuls (norms, rotary, attention, residuals)
-stays in the model's own dtype.
+the lm_head as a bf16 copy whose top logits are recomputed in fp32. Everything between the matmuls
+(norms, rotary, attention, residuals) stays in the model's own dtype.
 
 Why: a CPU decoding step reads every weight once, so it costs what the weights weigh. fp32 sgemm
 also repacks each weight per call once a few rows come in, which makes a tree of a few nodes cost
