@@ -8,10 +8,11 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from medusa_core.decoding.config import DEFAULTS, limits
+from medusa_core.decoding.config import limits
 
 from .models import KNOWN_MODELS, ModelSlot
 from .session import Session
+from .settings import Settings
 from .transcript import discard_exports
 
 MODE_CHOICES = [("Greedy", "greedy"), ("Exact sampling", "sample"), ("Typical acceptance", "typical")]
@@ -75,20 +76,27 @@ def end_tab(session: Session) -> None:
     discard_exports(session)
 
 
-def _number_control(name: str, **kw):
-    spec, value = limits(name), getattr(DEFAULTS, name)
+def sampling_enabled(mode: str) -> tuple[bool, ...]:
+    """Which of SAMPLING's controls ``mode`` uses: temperature unless greedy, top-p for exact sampling,
+    ε and δ for typical acceptance."""
+    return mode != "greedy", mode == "sample", mode == "typical", mode == "typical"
+
+
+def _number_control(name: str, value, **kw):
+    spec = limits(name)
     if spec.slider is None:
         return gr.Number(value, label=spec.label, info=None, elem_id=name, **kw)
     low, high, step = spec.slider
     return gr.Slider(low, high, value=value, step=step, label=spec.label, elem_id=name, **kw)
 
 
-def decoding_controls(max_new_tokens: int) -> dict:
-    """The decoding controls at DecodeConfig's defaults; the sampling ones start disabled (greedy)."""
+def decoding_controls(max_new_tokens: int, start: Settings) -> dict:
+    """The decoding controls at ``start``, the sampling ones enabled as its mode needs."""
     seed = limits("seed")
     return {
-        "mode": gr.Radio(MODE_CHOICES, value=DEFAULTS.mode, label=limits("mode").label),
-        **{name: _number_control(name, interactive=False) for name in SAMPLING},
+        "mode": gr.Radio(MODE_CHOICES, value=start.mode, label=limits("mode").label),
+        **{name: _number_control(name, getattr(start, name), interactive=enabled)
+           for name, enabled in zip(SAMPLING, sampling_enabled(start.mode))},
         "max_new_tokens": gr.Slider(limits("max_new_tokens").low, MAX_NEW_LIMIT, value=max_new_tokens, step=1,
                                     label=limits("max_new_tokens").label, elem_id="max-new"),
         # "" = the model's default tree (the choices arrive with the model)
@@ -97,8 +105,8 @@ def decoding_controls(max_new_tokens: int) -> dict:
     }
 
 
-def build_layout(slot: ModelSlot, system_prompt: str) -> Page:
-    """The components, inside the caller's gr.Blocks."""
+def build_layout(slot: ModelSlot, system_prompt: str, start: Settings) -> Page:
+    """The components, inside the caller's gr.Blocks; the decoding controls at ``start``."""
     # each tab's own Session: a copy of this one, made when the tab's first event reads it (Session.__deepcopy__)
     session = gr.State(Session(), delete_callback=end_tab)   # called when the tab's session ends
     saved = gr.JSON(None, visible=False, elem_id="saved")   # filled and stored by app/browser_copy.py's scripts
@@ -147,7 +155,7 @@ def build_layout(slot: ModelSlot, system_prompt: str) -> Page:
             system = gr.Textbox(system_prompt, label="System prompt", lines=3, elem_id="system")
             compare = gr.Checkbox(False, label="Compare with plain decoding", elem_id="compare")
             colour = gr.Checkbox(False, label="Colour tokens that came from the heads", elem_id="colour")
-            controls = {**decoding_controls(slot.max_new_tokens), "colour_heads": colour}
+            controls = {**decoding_controls(slot.max_new_tokens, start), "colour_heads": colour}
     return Page(session, saved, shown_version, timer, note, status, base_column, base_chat, base_readout, chat, readout,
                 comparison, box, send, stop, regenerate, clear, export_json, export_md, raw, known, model_box,
                 heads_box, load, unload, model_status, system, compare, controls)

@@ -9,15 +9,14 @@ import gradio as gr
 from medusa_core.loading.spec import LoadSpec
 
 from .engine import LABELS, MEDUSA
-from .layout import SAMPLING, Page
+from .layout import SAMPLING, Page, sampling_enabled
 from .models import ModelSlot, default_settings, spec_for
 from .settings import Settings
 
 
 def control_state(mode: str) -> tuple[dict, ...]:
     """Temperature, top-p, ε, δ: enabled only where the mode uses them."""
-    return (gr.update(interactive=mode != "greedy"), gr.update(interactive=mode == "sample"),
-            gr.update(interactive=mode == "typical"), gr.update(interactive=mode == "typical"))
+    return tuple(gr.update(interactive=enabled) for enabled in sampling_enabled(mode))
 
 
 def decoding_values(settings: Settings) -> tuple[dict, ...]:
@@ -34,9 +33,10 @@ def medusa_pane(engine, tree_name: str | None = None) -> dict:
     return gr.update(label=engine.medusa_label(tree_name) if engine is not None else LABELS[MEDUSA])
 
 
-def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec):
+def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Settings):
     """Attach the model panel's events; returns ``sync(shown, max_new_value)``, the update of
-    ``model_outputs(page)`` the page's load event uses too."""
+    ``model_outputs(page)`` the page's load event uses too. ``start``: the decoding settings the page
+    opened with (app.models.start_settings)."""
     decoding = [page.controls["mode"], *page.sampling]
 
     def sync(shown: tuple[int, int] | None, max_new_value) -> tuple:
@@ -64,7 +64,11 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec):
             # why this tree (tuned, preset...) is on the status line: not repeated under the picker
             tree_update = gr.update(choices=engine.tree_choices, value=engine.default_tree)
             max_update = gr.update(maximum=engine.context, value=min(current, engine.context))
-            decoding_update = decoding_values(default_settings(engine.loaded))
+            defaults = default_settings(engine.loaded)
+            # the first model the page shows, with the settings the page opened with: the controls hold
+            # those, or what the user chose while it loaded
+            kept = shown is not None and shown[1] == 0 and defaults == start
+            decoding_update = (gr.update(),) * len(decoding) if kept else decoding_values(defaults)
             pane = medusa_pane(engine)
         return (state.line, gr.update(visible=engine is not None and engine.loaded.cpu_default),
                 gr.update(interactive=engine is not None and not loading), tree_update, max_update,

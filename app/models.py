@@ -81,6 +81,18 @@ def default_settings(loaded) -> Settings:
     return CPU_DEFAULTS if loaded.cpu_default else Settings()
 
 
+def start_settings(spec: LoadSpec) -> Settings:
+    """The decoding controls the page opens with while ``spec`` (launch.py's model) loads: the ones it will
+    have once loaded, so a choice made meanwhile is not replaced when it is ready. Decided from the spec
+    as the loader decides ``Loaded.cpu_default`` (no backbone named, the bundled heads or none, not CUDA)."""
+    try:
+        on_cpu = not resolve_device(spec.device).startswith("cuda")
+    except LoadError:
+        return Settings()       # the load itself reports the bad device
+    bundled = spec.heads is None or is_bundled_heads(spec.heads)
+    return CPU_DEFAULTS if on_cpu and spec.model is None and bundled else Settings()
+
+
 @dataclass(frozen=True)
 class SlotState:
     """What the page shows about the model: ``phase`` is loading, ready, failed or empty."""

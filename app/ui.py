@@ -20,7 +20,7 @@ from . import browser_copy
 from .chat_controller import ChatController, wire_chat
 from .layout import build_layout
 from .model_panel import model_outputs, wire_model_panel
-from .models import ModelSlot
+from .models import ModelSlot, start_settings
 
 CSS_PATH = Path(__file__).resolve().parent.parent / "assets" / "style.css"
 
@@ -29,8 +29,9 @@ def build_ui(slot: ModelSlot, *, system_prompt: str = "", base_spec: LoadSpec = 
     # delete_cache: Gradio keeps a copy of each export file it serves, one per change; those older than a
     # day go (checked hourly): a tab left for a day gets fresh links with its next change
     with gr.Blocks(title="Medusa chat", delete_cache=(3600, 86400)) as demo:
-        page = build_layout(slot, system_prompt)
-        sync = wire_model_panel(page, slot, base_spec)
+        start = start_settings(base_spec)
+        page = build_layout(slot, system_prompt, start)
+        sync = wire_model_panel(page, slot, base_spec, start)
         chat = ChatController(slot)
         save_after = wire_chat(page, chat)
 

@@ -457,7 +457,7 @@ def test_a_reload_during_a_long_read_stops_the_answer_nobody_will_see(browser, t
 
 def test_page_opens_before_the_model_has_loaded(browser):
     """The page is served at once, shows load progress and keeps Send off until the model is in."""
-    from app.models import ModelSlot
+    from app.models import CPU_DEFAULTS, ModelSlot
     from medusa_core.loading.load import load
     from medusa_core.loading.spec import LoadSpec
 
@@ -481,9 +481,15 @@ def test_page_opens_before_the_model_has_loaded(browser):
             shoot(page, "loading.png")
             assert "SmolLM2-135M-Instruct" in page.locator("#status").inner_text()
             assert page.locator("#send").is_disabled()
+            # the page opens with the loading model's settings, and a mode picked meanwhile stays
+            assert page.locator(f"input[value={CPU_DEFAULTS.mode}]").is_checked()
+            page.locator("input[value=typical]").check()
+            page.wait_for_function("() => !document.querySelector('#epsilon input[type=range]')?.disabled",
+                                   timeout=10_000)
             gate.set()
             page.wait_for_function(READY, timeout=120_000)
             page.wait_for_function("() => !document.querySelector('#send')?.disabled", timeout=30_000)
+            assert page.locator("input[value=typical]").is_checked() and slider_enabled(page, "epsilon")
             assert page.locator("#tree input").input_value().startswith(("tuned (", "baseline")), \
                 "the tree shows by its name"
             send(page, "hello")

@@ -15,10 +15,10 @@ import torch
 from app.engine import BASELINE, MEDUSA, ChatEngine
 from app.session import Session
 from app.settings import Settings
-from app.models import CPU_DEFAULTS, ModelSlot, default_settings
+from app.models import CPU_DEFAULTS, ModelSlot, default_settings, start_settings
 from medusa_core.loading import smollm2
 from medusa_core.errors import LoadError
-from medusa_core.loading.assets import CPU_DEFAULT_PROMPTS
+from medusa_core.loading.assets import CPU_DEFAULT_HEADS, CPU_DEFAULT_PROMPTS
 from medusa_core.loading.load import load
 from medusa_core.loading.spec import LoadSpec
 
@@ -80,6 +80,17 @@ def test_default_loads_offline_from_the_installed_package(default_loaded):
         assert loaded.default_tree == "baseline"
     assert loaded.tokenizer.convert_tokens_to_ids("<|im_end|>") in loaded.stop_ids
     assert default_settings(loaded) == CPU_DEFAULTS
+    # the page opens with them while it loads (conftest's spec is launch.py's without flags)
+    assert start_settings(LoadSpec(device="cpu")) == CPU_DEFAULTS
+
+
+def test_the_page_opens_with_the_settings_of_the_model_it_loads():
+    bundled = str(CPU_DEFAULT_HEADS)
+    for spec in (LoadSpec(device="cpu"), LoadSpec(device="cpu", heads=bundled), LoadSpec(device="cpu", quant="none")):
+        assert start_settings(spec) == CPU_DEFAULTS, spec
+    for spec in (LoadSpec(device="cpu", model="some/model"), LoadSpec(device="cpu", heads="some/heads"),
+                 LoadSpec(device="cpu:x")):   # another model, or a device the load will refuse
+        assert start_settings(spec) == Settings(), spec
 
 
 def test_missing_package_is_one_line_naming_the_pip_command(monkeypatch):
