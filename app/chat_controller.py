@@ -17,7 +17,7 @@ from .readout import Stats, render_comparison, render_live
 from .render import note_html, reply_html, user_html
 from .session import Session, Turn
 from .settings import Settings
-from .transcript import export_folder, from_saved, saved_system, to_saved, write_exports
+from .transcript import export_folder, from_saved, saved_compare, saved_system, to_saved, write_exports
 
 INTERRUPTED = "the page was reloaded before this answer finished: press Regenerate to answer it"
 NOT_COMPARED = "plain decoding did not answer this message (compare was off): Medusa's answer is in its pane"
@@ -235,38 +235,39 @@ class ChatController:
         return [], [], READOUT_HINT, "", "", self.slot.state().line, None
 
     @staticmethod
-    def save_conversation(session: Session, system: str):
+    def save_conversation(session: Session, system: str, compare: bool):
         """After each change: the browser's copy of the conversation and the export files. An empty
         conversation is saved too: Clear must also empty the browser's copy, or a reload brings it back."""
+        saved = to_saved(session.turns, session.first_turn, system or "", bool(compare))
         if not session.turns:
-            return (to_saved([], 0, system or ""), gr.update(value=None, interactive=False),
-                    gr.update(value=None, interactive=False))
+            return saved, gr.update(value=None, interactive=False), gr.update(value=None, interactive=False)
         if session.export_dir is None:
             session.export_dir = export_folder()
-        as_json, as_md = write_exports(session.turns, session.first_turn, session.export_dir, system or "")
-        return (to_saved(session.turns, session.first_turn, system or ""), gr.update(value=as_json, interactive=True),
-                gr.update(value=as_md, interactive=True))
+        as_json, as_md = write_exports(session.turns, session.first_turn, session.export_dir, system or "",
+                                       bool(compare))
+        return saved, gr.update(value=as_json, interactive=True), gr.update(value=as_md, interactive=True)
 
     @staticmethod
-    def save_pending(session: Session, message, system: str):
+    def save_pending(session: Session, message, system: str, compare: bool):
         """Just before a send: the browser's copy with the message in it, so a reload during the
         answer loses nothing typed. The copy written after the answer replaces it."""
         message = str(message or "").strip()
         if not message:
             return gr.update()
-        return to_saved([*session.turns, Turn(user=message)], session.first_turn, system or "")
+        return to_saved([*session.turns, Turn(user=message)], session.first_turn, system or "", bool(compare))
 
     @staticmethod
     def restored(session: Session, stored, system: str) -> tuple:
-        """Page load: (chat, baseline chat, system prompt) from the conversation kept in the browser.
-        A message whose answer a reload cut off comes back with a note saying so."""
+        """Page load: (chat, baseline chat, system prompt, compare) from the conversation kept in the
+        browser. A message whose answer a reload cut off comes back with a note saying so."""
         if not session.turns:
             session.turns, session.first_turn = from_saved(stored)
             last = session.turns[-1] if session.turns else None
             if last is not None and last.user and last.reply is None and not last.note:
                 last.note = INTERRUPTED
         kept = saved_system(stored)
-        return display(session.turns), display(session.turns, BASELINE), system if kept is None else kept
+        return (display(session.turns), display(session.turns, BASELINE), system if kept is None else kept,
+                saved_compare(stored))
 
 
 def wire_chat(page: Page, chat: ChatController) -> dict:
@@ -293,7 +294,7 @@ def wire_chat(page: Page, chat: ChatController) -> dict:
 
     outputs = [page.chat, page.base_chat, page.readout, page.base_readout, page.comparison, page.status,
                page.raw, page.box]
-    save_after = dict(fn=chat.save_conversation, inputs=[page.session, page.system],
+    save_after = dict(fn=chat.save_conversation, inputs=[page.session, page.system, page.compare],
                       outputs=[page.saved, page.export_json, page.export_md], api_name=False, concurrency_limit=None)
     # Raw values (preprocess=False): a bad value from the API becomes a one-line note in the
     # chat instead of a traceback in the console; Settings.parse and the engine validate.
@@ -301,7 +302,8 @@ def wire_chat(page: Page, chat: ChatController) -> dict:
     # default drops it without a word while the first is pending)
     events = dict(outputs=outputs, concurrency_limit=16, concurrency_id="chat", preprocess=False,
                   trigger_mode="multiple")
-    gr.on([page.box.submit, page.send.click], chat.save_pending, [page.session, page.box, page.system], [page.saved],
+    gr.on([page.box.submit, page.send.click], chat.save_pending, [page.session, page.box, page.system, page.compare],
+          [page.saved],
           api_name=False, concurrency_limit=None, show_progress="hidden", trigger_mode="multiple").then(
         on_send, page.inputs(*_parameters(on_send)), api_name="send", **events).then(**save_after)
     page.regenerate.click(on_regenerate, page.inputs(*_parameters(on_regenerate)), api_name="regenerate",
@@ -312,7 +314,7 @@ def wire_chat(page: Page, chat: ChatController) -> dict:
     for trigger, name in ((page.clear.click, "clear"), (page.chat.clear, False), (page.base_chat.clear, False)):
         trigger(chat.clear, [page.session], outputs[:-1], api_name=name, concurrency_limit=None).then(**save_after)
     page.compare.change(lambda on: (gr.update(visible=on), gr.update() if on else ""), [page.compare],
-                        [page.base_column, page.comparison], api_name=False, concurrency_limit=None)
+                        [page.base_column, page.comparison], api_name=False, concurrency_limit=None).then(**save_after)
     # a system prompt edited after the last message is kept with the conversation when the user leaves the
     # box, not only with the next message (a reload in between would bring back the old one)
     page.system.blur(**save_after)

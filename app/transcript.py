@@ -19,10 +19,10 @@ FORMAT = "medusa-chat/1"
 FENCE = re.compile(r"( {0,3})(`{3,}|~{3,})(.*)")
 
 
-def to_saved(turns: list[Turn], first_turn: int, system: str = "") -> dict:
-    """JSON-ready form of a conversation and its system prompt (the text only: caches and colouring
-    are rebuilt)."""
-    return {"format": FORMAT, "first_turn": first_turn, "system": system,
+def to_saved(turns: list[Turn], first_turn: int, system: str = "", compare: bool = False) -> dict:
+    """JSON-ready form of a conversation, its system prompt and whether it is compared with plain decoding
+    (the text only: caches and colouring are rebuilt)."""
+    return {"format": FORMAT, "first_turn": first_turn, "system": system, "compare": compare,
             "turns": [{"user": t.user, "reply": t.reply, "baseline": t.baseline, "note": t.note} for t in turns]}
 
 
@@ -32,6 +32,12 @@ def saved_system(saved) -> str | None:
     if not isinstance(saved, dict) or not saved.get("turns") or not isinstance(saved.get("system"), str):
         return None
     return saved["system"]
+
+
+def saved_compare(saved) -> bool:
+    """Whether the page compared with plain decoding when the conversation was saved: a reload keeps
+    the plain pane and its answers in view (an empty conversation keeps it too: the toggle is the user's)."""
+    return isinstance(saved, dict) and saved.get("compare") is True
 
 
 def from_saved(saved) -> tuple[list[Turn], int]:
@@ -108,11 +114,12 @@ def discard_exports(session: Session) -> None:
               file=sys.stderr, flush=True)
 
 
-def write_exports(turns: list[Turn], first_turn: int, folder: Path, system: str = "") -> tuple[str, str]:
+def write_exports(turns: list[Turn], first_turn: int, folder: Path, system: str = "",
+                  compare: bool = False) -> tuple[str, str]:
     """(JSON path, Markdown path) of the conversation, written over the previous export in ``folder``
     (one per tab: a directory per change left a copy of every state of every chat in /tmp)."""
     as_json, as_md = folder / "conversation.json", folder / "conversation.md"
-    saved = to_saved(turns, first_turn, system)
+    saved = to_saved(turns, first_turn, system, compare)
     as_json.write_text(json.dumps(saved, ensure_ascii=False, indent=2), encoding="utf-8")
     as_md.write_text(to_markdown(turns, system), encoding="utf-8")
     return str(as_json), str(as_md)

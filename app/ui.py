@@ -36,17 +36,17 @@ def build_ui(slot: ModelSlot, *, system_prompt: str = "", base_spec: LoadSpec = 
         save_after = wire_chat(page, chat)
 
         def restore(session, stored, max_new_value, system, request: gr.Request):
-            """Page load: the conversation and its system prompt kept in the browser, and the model
-            controls (the Medusa pane, last of them, gets the conversation and its title in one update)."""
+            """Page load: the conversation, its system prompt and the compare toggle kept in the browser, and
+            the model controls (the Medusa pane, last of them, gets the conversation and its title in one update)."""
             chat.tab_opened(session, request.session_hash)
-            medusa, baseline, system = chat.restored(session, stored, system)
+            medusa, baseline, system, compare = chat.restored(session, stored, system)
             *controls, pane = sync(None, max_new_value)
-            return (baseline, system, *controls, {**pane, "value": medusa})
+            return (baseline, system, compare, *controls, {**pane, "value": medusa})
 
         # this tab's copy of the conversation from the browser first, then the page built from it
         demo.load(None, None, [page.saved], js=browser_copy.READ, api_name=False).then(
             restore, [page.session, page.saved, page.controls["max_new_tokens"], page.system],
-            [page.base_chat, page.system, *model_outputs(page)], api_name=False).then(**save_after)
+            [page.base_chat, page.system, page.compare, *model_outputs(page)], api_name=False).then(**save_after)
         page.saved.change(None, [page.saved], None, js=browser_copy.WRITE, api_name=False)
 
         def closed(request: gr.Request):

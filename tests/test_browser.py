@@ -251,12 +251,22 @@ def test_conversation_survives_a_reload_and_exports(page):
         page.wait_for_timeout(250)
     else:
         raise AssertionError("the edited system prompt never reached the saved conversation")
+    # the compare toggle is kept too, so a reload shows the plain pane it showed
+    page.locator("#compare input[type=checkbox]").check()
+    from app.browser_copy import KEY
+
+    page.wait_for_function(f"() => Object.keys(localStorage).some(k => k.startsWith('{KEY}:') && "
+                           "localStorage[k].startsWith('{') && JSON.parse(localStorage[k]).compare === true)",
+                           timeout=10_000)
     page.reload()
     page.wait_for_function("() => document.querySelectorAll('#chat .message.user').length === 1", timeout=30_000)
     shoot(page, "reloaded.png")
     assert page.locator("#chat .message.user").inner_text().strip() == "remember me"
     assert page.locator("#chat .message.bot").count() >= 1
     assert page.locator("#system textarea").input_value() == "Answer in one word."
+    assert page.locator("#compare input[type=checkbox]").is_checked()
+    page.wait_for_selector("#chat-baseline", state="visible", timeout=10_000)
+    assert "compare was off" in assistant_texts(page, "chat-baseline")[0]
 
 
 def test_clear_and_reload_keep_what_the_user_expects(page):
