@@ -659,7 +659,7 @@ def test_unload_frees_the_tabs_caches_too(model_dirs):
     prompt = engine.prompt_ids([{"role": "user", "content": "hi"}], None)
     list(engine.answer(session, prompt, Settings(max_new_tokens=8)))
     kept = [weakref.ref(cache) for cache in session.caches.values()]
-    assert kept and session.caches_for(engine) is session.caches
+    assert kept and session.caches_for(engine), "the caches are not keyed by the engine that made them"
     del engine
     slot.unload()
     gc.collect()
@@ -686,6 +686,53 @@ def test_a_closed_tab_starts_no_answer(model_dirs):
     assert raw["medusa"] is None or raw["medusa"]["tokens"] == 0, raw
     *_, raw, _ = list(chat.run(other, "hello", "", False, dict(max_new_tokens=8)))[-1]
     assert raw["medusa"]["tokens"] > 0, "another tab's answers go on"
+
+
+def test_a_message_sent_while_another_model_loads_waits_for_it(model_dirs):
+    """README: while another model loads, the current one stays, and a message sent meanwhile waits
+    for the new one, saying so, and is answered by it; Stop while it waits gives the message back."""
+    import threading
+
+    from app.chat_controller import ChatController
+    from app.models import ModelSlot
+    from app.session import Session
+    from medusa_core.loading.load import load
+    from medusa_core.loading.spec import LoadSpec
+
+    backbone, heads = model_dirs
+    spec = LoadSpec(model=str(backbone), heads=str(heads), device="cpu")
+    gate = threading.Event()
+    slot = ModelSlot(loader=lambda s, progress: (gate.wait(120), load(s, progress))[1], log=lambda line: None)
+    gate.set()
+    slot.start(spec)
+    assert slot.wait(120).phase == "ready"
+    chat, first = ChatController(slot), slot.engine
+    for stop in (False, True):
+        gate.clear()
+        slot.start(spec)
+        session, updates = Session(), []
+        asked = threading.Thread(target=lambda: updates.extend(chat.run(session, "hello", "", False,
+                                                                        dict(max_new_tokens=8))))
+        asked.start()
+        deadline = time.monotonic() + 30
+        while not any("Waiting for the model" in (u[5] or "") for u in updates) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert any("Waiting for the model" in (u[5] or "") for u in updates), "the waiting message is not told why"
+        if stop:
+            session.cancel.set()
+            asked.join(30)
+            assert not asked.is_alive(), "Stop did not end a message waiting for a model"
+            *_, raw, box = updates[-1]
+            assert (raw["medusa"] is None or raw["medusa"]["tokens"] == 0) and box == "hello", raw
+            gate.set()
+            assert slot.wait(120).phase == "ready"
+        else:
+            gate.set()
+            asked.join(120)
+            assert slot.engine is not first and slot.state().phase == "ready"
+            assert updates[-1][6]["medusa"]["tokens"] > 0
+            # the tab's caches are the new model's (another model's would be dropped, leaving none)
+            assert session.caches_for(slot.engine), "it was not answered by the new model"
 
 
 def test_a_tab_keeps_one_export_folder_and_it_goes_with_the_tab():

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from machine import needs_avx2
 
 from app.engine import BASELINE, MEDUSA, ChatEngine
 from app.session import Session
@@ -195,6 +196,7 @@ print(json.dumps(out))
 """
 
 
+@needs_avx2
 def test_the_default_holds_on_an_avx2_cpu():
     """torch's AVX2 kernels and oneDNN without AVX-512 (what an AMD Zen 3 runs), forced on this CPU:
     the default load still picks a mode by measurement and fidelity and says so, the clear-margin

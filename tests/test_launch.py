@@ -105,6 +105,30 @@ def test_a_key_guards_the_page_and_its_scripting_api(tiny_dirs, tmp_path):
         assert httpx.get(url + "v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
 
 
+def test_no_api_serves_the_page_alone_with_the_system_prompt_given(tiny_dirs, tmp_path):
+    import httpx
+    from served import launched
+
+    backbone, _ = tiny_dirs
+    args = ["--model", str(backbone), "--device", "cpu", "--no-api", "--system-prompt", "Answer like a pirate."]
+    with launched(args, tmp_path / "app.log") as url:
+        assert httpx.get(url + "v1/models").status_code == 404
+        assert httpx.post(url + "v1/chat/completions", json={"messages": []}).status_code in (404, 405)
+        assert "Answer like a pirate." in httpx.get(url + "config").text     # the page's system prompt box
+
+
+def test_a_busy_default_port_moves_to_a_free_one():
+    import launch
+
+    with socket.socket() as holder:
+        try:
+            holder.bind(("127.0.0.1", launch.DEFAULT_PORT))
+        except OSError:
+            pass                  # busy already: what the test needs
+        port = launch.pick_port("127.0.0.1", None)
+        assert port != launch.DEFAULT_PORT and launch.port_free("127.0.0.1", port)
+
+
 def test_unusable_tree_is_one_line_and_exit_1(tiny_dirs):
     backbone, heads = tiny_dirs
     proc = run("--model", str(backbone), "--heads", str(heads), "--device", "cpu", "--tree", "nonsense",

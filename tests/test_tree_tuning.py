@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from machine import needs_avx2
 from tiny import tiny_checkpoint
 
 from app.engine import MEDUSA, NO_SPEEDUP, ChatEngine
@@ -308,6 +309,7 @@ def test_a_prompt_answered_with_nothing_is_a_load_error(checkpoint, monkeypatch)
         next(loop)
 
 
+@needs_avx2
 def test_the_key_names_the_kernels_this_cpu_runs():
     """ATEN_CPU_CAPABILITY=avx2 makes torch run its AVX2 kernels (as on a CPU without AVX-512):
     a tree measured under it is another machine's, and the key says so."""
