@@ -363,8 +363,10 @@ def test_bad_api_values_give_one_line_notes_not_tracebacks(client, app):
                       (dict(tree="/tmp/t.json"), "tree files are read at start only: run launch.py --tree /tmp/t.json"),
                       (dict(tree="cartesian-1000x1000x1000"),
                        "\u26a0\ufe0f tree 'cartesian-1000x1000x1000' has more than 1024 nodes"),   # named once
-                      (dict(tree="chain-9"), "tree 'chain-9': tree path [0, 0, 0, 0, 0, 0] has depth 6 but the model "
-                                             "has 5 Medusa heads"),
+                      (dict(tree="chain-9"), "tree 'chain-9': tree depth 9 is more than the model's 5 Medusa heads: "
+                                             "use a tree of depth <= 5"),
+                      (dict(seed=2**64, mode="sample"), f"seed {2**64} is out of range: use a whole number up to "),
+                      (dict(seed="1.5", mode="sample"), "seed '1.5' is not a whole number"),
                       (dict(tree="chain-0"), "unknown tree 'chain-0': use one of"),
                       (dict(tree="chain-0"), "chain-N with N from 1 to 5"),
                       (dict(temperature="hot", mode="sample"), "temperature 'hot' is not a number")]:
@@ -372,6 +374,9 @@ def test_bad_api_values_give_one_line_notes_not_tracebacks(client, app):
         assert words in texts(chat)[-1][1] and box == "x"
     _, (chat, *_, raw, _) = ask(client, "still there?")
     assert raw["medusa"]["tokens"] > 0
+    # the largest seed is a seed (it was "not a whole number": no float holds it)
+    _, (*_, raw, _) = ask(client, "and sampled?", mode="sample", seed=2**63 - 1, max_new=4)
+    assert raw["medusa"]["tokens"] > 0, raw
     assert [t for r, t in texts(chat) if r == "user"][0] == "keep me"
     assert "Traceback" not in app[1].read_text()
 

@@ -60,7 +60,7 @@ def test_tree_file(tmp_path):
     "paths, message",
     [
         ([(0,), (1, 0)], "has no parent"),
-        ([(0,), (0, 0), (0, 0, 0)], "depth 3 but the model has 2 Medusa heads"),
+        ([(0,), (0, 0), (0, 0, 0)], "tree depth 3 is more than the model.s 2 Medusa heads"),
         ([(12,)], "top 10"),
         ([(0,), (0,)], "appears twice"),
         ([(0, -1)], "invalid"),

@@ -7,6 +7,7 @@ OpenAI endpoint and the command lines. Values travel by field name, never by pos
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -53,7 +54,9 @@ class DecodeConfig:
         low=0, high=1, slider=(0, 1, 0.01), fix="use a value in [0, 1]"))
     max_new_tokens: int = _setting(256, Limits(
         "Max new tokens", "the reply's length limit", kind=int, low=1))
-    seed: int | None = _setting(None, Limits("Seed (-1: random)", "sampling seed; none: random", kind=int))
+    seed: int | None = _setting(None, Limits(
+        "Seed (-1: random)", "exact sampling's seed; none: random", kind=int, low=-2**63, high=2**63 - 1,
+        fix=f"use a whole number up to {2**63 - 1}, or -1 for a random one"))
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -93,14 +96,23 @@ def limits(name: str) -> Limits:
 
 
 def number(name: str, value, kind: type = float):
-    """A raw control or request value as the number ``name`` needs; ValueError names the value and the fix."""
+    """A raw control or request value as the number ``name`` needs; ValueError names the value and the fix.
+    Whole numbers stay exact (a seed past 2**53 is no float); the limits are checked by DecodeConfig."""
     try:
-        result = kind(value)
-    except (TypeError, ValueError):
+        as_float = float(value)
+    except (TypeError, ValueError, OverflowError):
         raise ValueError(f"{name} {value!r} is not a number: give one, e.g. {kind(1)}") from None
-    if kind is int and result != float(value):
+    if not math.isfinite(as_float):
+        raise ValueError(f"{name} {value!r} is not a finite number: give one, e.g. {kind(1)}")
+    if kind is float:
+        return as_float
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        return int(value)
+    if not as_float.is_integer():
         raise ValueError(f"{name} {value!r} is not a whole number: give an integer")
-    return result
+    return int(as_float)
 
 
 SETTINGS = {f.name: f for f in fields(DecodeConfig)}

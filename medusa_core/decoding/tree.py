@@ -192,12 +192,11 @@ def check_shape(paths: Paths) -> None:
 def validate_paths(paths: Paths, num_heads: int, top_k: int) -> None:
     """Raise TreeError naming the first path that is malformed (check_shape) or that the heads cannot fill."""
     check_shape(paths)
+    depth = max(map(len, paths), default=0)
+    if depth > num_heads:     # the tree's depth, not its first path past the heads (chain-9's is 6 long)
+        raise TreeError(f"tree depth {depth} is more than the model's {num_heads} Medusa heads: "
+                        f"use a tree of depth <= {num_heads}")
     for p in paths:
-        if len(p) > num_heads:
-            raise TreeError(
-                f"tree path {list(p)} has depth {len(p)} but the model has {num_heads} Medusa heads: "
-                f"use a tree of depth <= {num_heads}"
-            )
         if max(p) >= top_k:
             raise TreeError(
                 f"tree path {list(p)} uses rank {max(p)} but heads supply only their top {top_k}: "
