@@ -23,7 +23,9 @@ CPU_DEFAULT_NOTE = ("**SmolLM2-135M-Instruct on the CPU.** This is what `python 
                     "numbers are real. On a CUDA machine `python launch.py` loads Vicuna-7B with Medusa heads.")
 READOUT_HINT = "*tokens/s, tokens per step and time to first token show here*"   # the readout before an answer
 MAX_NEW_LIMIT = 4096   # the slider's top before a model is loaded; then the model's context
-SAMPLING = ("temperature", "top_p", "epsilon", "delta")   # enabled by the mode that uses them
+SAMPLING = ("temperature", "top_p", "epsilon", "delta")   # set by a model's defaults
+# enabled by the mode that uses them: greedy and typical acceptance draw nothing, so the seed is exact sampling's
+MODE_CONTROLS = (*SAMPLING, "seed")
 
 
 @dataclass
@@ -65,8 +67,8 @@ class Page:
         return [named[name] for name in names]
 
     @property
-    def sampling(self) -> list:
-        return [self.controls[name] for name in SAMPLING]
+    def mode_controls(self) -> list:
+        return [self.controls[name] for name in MODE_CONTROLS]
 
 
 def end_tab(session: Session) -> None:
@@ -76,10 +78,10 @@ def end_tab(session: Session) -> None:
     discard_exports(session)
 
 
-def sampling_enabled(mode: str) -> tuple[bool, ...]:
-    """Which of SAMPLING's controls ``mode`` uses: temperature unless greedy, top-p for exact sampling,
-    ε and δ for typical acceptance."""
-    return mode != "greedy", mode == "sample", mode == "typical", mode == "typical"
+def mode_enabled(mode: str) -> tuple[bool, ...]:
+    """Which of MODE_CONTROLS ``mode`` uses: temperature unless greedy, top-p and the seed for exact
+    sampling, ε and δ for typical acceptance."""
+    return mode != "greedy", mode == "sample", mode == "typical", mode == "typical", mode == "sample"
 
 
 def _number_control(name: str, value, **kw):
@@ -91,17 +93,16 @@ def _number_control(name: str, value, **kw):
 
 
 def decoding_controls(max_new_tokens: int, start: Settings) -> dict:
-    """The decoding controls at ``start``, the sampling ones enabled as its mode needs."""
-    seed = limits("seed")
+    """The decoding controls at ``start``, the ones a mode uses enabled as its mode needs."""
+    enabled = dict(zip(MODE_CONTROLS, mode_enabled(start.mode)))
     return {
         "mode": gr.Radio(MODE_CHOICES, value=start.mode, label=limits("mode").label),
-        **{name: _number_control(name, getattr(start, name), interactive=enabled)
-           for name, enabled in zip(SAMPLING, sampling_enabled(start.mode))},
+        **{name: _number_control(name, getattr(start, name), interactive=enabled[name]) for name in SAMPLING},
         "max_new_tokens": gr.Slider(limits("max_new_tokens").low, MAX_NEW_LIMIT, value=max_new_tokens, step=1,
                                     label=limits("max_new_tokens").label, elem_id="max-new"),
         # "" = the model's default tree (the choices arrive with the model)
         "tree": gr.Dropdown([], value="", label="Tree (node count)", elem_id="tree", allow_custom_value=True),
-        "seed": gr.Number(-1, precision=0, label=seed.label),
+        "seed": gr.Number(-1, precision=0, label=limits("seed").label, elem_id="seed", interactive=enabled["seed"]),
     }
 
 

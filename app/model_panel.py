@@ -9,21 +9,23 @@ import gradio as gr
 from medusa_core.loading.spec import LoadSpec
 
 from .engine import LABELS, MEDUSA
-from .layout import SAMPLING, Page, sampling_enabled
+from .layout import MODE_CONTROLS, SAMPLING, Page, mode_enabled
 from .models import ModelSlot, default_settings, spec_for
 from .settings import Settings
 
 
 def control_state(mode: str) -> tuple[dict, ...]:
-    """Temperature, top-p, ε, δ: enabled only where the mode uses them."""
-    return tuple(gr.update(interactive=enabled) for enabled in sampling_enabled(mode))
+    """Temperature, top-p, ε, δ, seed: enabled only where the mode uses them."""
+    return tuple(gr.update(interactive=enabled) for enabled in mode_enabled(mode))
 
 
 def decoding_values(settings: Settings) -> tuple[dict, ...]:
-    """Mode, temperature, top-p, ε, δ set to ``settings`` (a model's defaults), enabled as the mode needs."""
+    """Mode, temperature, top-p, ε, δ set to ``settings`` (a model's defaults), and they and the seed
+    (kept as the user set it) enabled as the mode needs."""
     enabled = control_state(settings.mode)
     return (gr.update(value=settings.mode),
-            *({**update, "value": getattr(settings, name)} for update, name in zip(enabled, SAMPLING)))
+            *({**update, "value": getattr(settings, name)} if name in SAMPLING else update
+              for update, name in zip(enabled, MODE_CONTROLS)))
 
 
 def medusa_pane(engine, tree_name: str | None = None) -> dict:
@@ -37,7 +39,7 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
     """Attach the model panel's events; returns ``sync(shown, max_new_value)``, the update of
     ``model_outputs(page)`` the page's load event uses too. ``start``: the decoding settings the page
     opened with (app.models.start_settings)."""
-    decoding = [page.controls["mode"], *page.sampling]
+    decoding = [page.controls["mode"], *page.mode_controls]
 
     def sync(shown: tuple[int, int] | None, max_new_value) -> tuple:
         """The page's model controls for the slot's state; ``shown`` is the (slot version, engine
@@ -92,7 +94,7 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
                     [page.model_status, *outputs], api_name="load_model", concurrency_limit=None)
     page.unload.click(on_unload, [max_new, page.shown_version], [page.model_status, *outputs], api_name="unload_model",
                       concurrency_limit=None)
-    page.controls["mode"].change(control_state, [page.controls["mode"]], page.sampling, api_name=False,
+    page.controls["mode"].change(control_state, [page.controls["mode"]], page.mode_controls, api_name=False,
                                  concurrency_limit=None)
     page.controls["tree"].change(lambda tree: medusa_pane(slot.engine, tree), [page.controls["tree"]], [page.chat],
                                  api_name=False, concurrency_limit=None, show_progress="hidden")
@@ -102,4 +104,4 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
 def model_outputs(page: Page) -> list:
     """What ``sync`` updates, in its order (the Medusa pane last: only its title)."""
     return [page.status, page.note, page.send, page.controls["tree"], page.controls["max_new_tokens"],
-            page.controls["mode"], *page.sampling, page.timer, page.shown_version, page.chat]
+            page.controls["mode"], *page.mode_controls, page.timer, page.shown_version, page.chat]

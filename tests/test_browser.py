@@ -153,6 +153,8 @@ def test_typical_acceptance_is_tuned_with_sliders(page):
     page.get_by_label("Typical acceptance").check()
     page.wait_for_function("() => ['temperature', 'epsilon', 'delta'].every(n => "
                            "document.querySelector(`#${n} input[type=range]`)?.disabled === false)", timeout=10_000)
+    # greedy and typical acceptance draw nothing: the seed is for exact sampling only
+    assert page.locator("#seed input").is_disabled()
     box = page.locator("#epsilon input[type=number]")
     box.fill("0.2")
     box.press("Enter")
@@ -162,6 +164,8 @@ def test_typical_acceptance_is_tuned_with_sliders(page):
     shoot(page, "typical_sliders.png")
     assert assistant_texts(page, "chat")[-1].strip()
     assert "Ready" in page.locator("#status").inner_text()
+    page.get_by_label("Exact sampling").check()
+    page.wait_for_function("() => document.querySelector('#seed input')?.disabled === false", timeout=10_000)
 
 
 def test_chat_streams_answers_then_compares(page):
