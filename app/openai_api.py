@@ -155,8 +155,6 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
     if len(messages) > MAX_MESSAGES:
         raise ApiError(400, f"messages has {len(messages):,} entries; at most {MAX_MESSAGES:,} are accepted: "
                             "send the recent part of the conversation", param="messages")
-    messages = [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
-                for m in messages]                 # OpenAI's newer name for the system role
     try:
         texts = to_messages(messages)
     except ValueError as err:   # a role or part the chat cannot take
@@ -191,6 +189,9 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
     options = data.get("stream_options") or {}
     if not isinstance(stream, bool) or not isinstance(options, dict):
         raise ApiError(400, "stream must be true or false and stream_options an object", param="stream")
+    if options and not stream:
+        raise ApiError(400, "stream_options is only taken with stream: true: drop it, or stream",
+                       param="stream_options", code="invalid_value")
 
     passes, mode, tree = (MEDUSA,), "greedy" if temperature == 0 else "sample", None
     epsilon, delta = DEFAULTS.epsilon, DEFAULTS.delta
@@ -313,17 +314,23 @@ class Completion:
     async def pieces(self) -> AsyncIterator[str]:
         """Text as it may be sent, "" for a heartbeat (queued, or nothing new for HEARTBEAT_S); ends with
         the run (ApiError for an error before any token)."""
+        beat = time.monotonic()
         while True:
             try:
                 update = await asyncio.wait_for(self._queue.get(), HEARTBEAT_S)
             except TimeoutError:
+                beat = time.monotonic()
                 yield ""          # nothing new for a while (a long prompt being read): a heartbeat
                 continue
             if update is None:
                 return
             if update.queued:
-                self.waiting = f"waiting for the model, {update.queued} ahead"
-                yield ""          # a heartbeat while waiting: lets a stream tell its place and notice a gone client
+                waiting, self.waiting = self.waiting, f"waiting for the model, {update.queued} ahead"
+                # a heartbeat when the place changes, else every HEARTBEAT_S (the queue reports every 0.25 s):
+                # it tells the place and reveals a gone client
+                if self.waiting != waiting or time.monotonic() - beat >= HEARTBEAT_S:
+                    beat = time.monotonic()
+                    yield ""
                 continue
             if update.notice:
                 self.waiting = " ".join(update.notice.split())   # one line: an SSE comment ends at a line break
@@ -468,6 +475,24 @@ def api_routes(slot: ModelSlot, api_key: str | None = None) -> list[APIRoute]:
                                      headers={"Cache-Control": "no-cache"})
         return await whole_answer(run, request)
 
-    return [APIRoute("/v1/models", models, methods=["GET"]),
-            APIRoute("/v1/chat/completions", chat_completions, methods=["POST"])]
+    served = {"/v1/models": ("GET", models), "/v1/chat/completions": ("POST", chat_completions)}
+
+    async def elsewhere(request: Request):
+        """Any other /v1 request (a client's legacy /v1/completions, a wrong method): an OpenAI-shaped
+        error that names what is served, where FastAPI's {"detail": "Not Found"} names nothing."""
+        path = request.url.path
+        try:
+            authorize(request)
+            if path.rstrip("/") in served:
+                method = served[path.rstrip("/")][0]
+                raise ApiError(405, f"{request.method} {path} is not served: use {method} {path.rstrip('/')}",
+                               code="method_not_allowed")
+            raise ApiError(404, f"{request.method} {path} is not served here: use POST /v1/chat/completions or GET "
+                                "/v1/models (the legacy /v1/completions is not served)", code="unknown_url")
+        except ApiError as err:
+            return err.response()
+
+    return [*(APIRoute(path, handler, methods=[method]) for path, (method, handler) in served.items()),
+            # last: only what no route above takes
+            APIRoute("/v1/{rest:path}", elsewhere, methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"])]
 

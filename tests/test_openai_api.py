@@ -121,7 +121,10 @@ HOSTILE = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1.5}, 400, "max_tokens"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 1e9}, 400, "temperature"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
-    ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400,
+     "role 'wizard': use one of system, user, assistant, developer"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}},
+     400, "stream_options is only taken with stream: true"),
     ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      400, "text only"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools"),
@@ -172,8 +175,18 @@ def test_hostile_input_gets_openai_shaped_errors_and_the_server_keeps_serving(ap
             assert_openai_error(http.post(url, json=body), status, says)
         for raw, status, says in RAW:
             assert_openai_error(http.post(url, content=raw, headers={"content-type": "application/json"}), status, says)
+        # what is not served says what is, as an OpenAI error (a legacy client's /v1/completions, a GET)
+        assert_openai_error(http.post(app[0] + "/v1/completions", json={"prompt": "hi"}), 404,
+                            "POST /v1/completions is not served here: use POST /v1/chat/completions")
+        assert_openai_error(http.get(url), 405, "GET /v1/chat/completions is not served: use POST")
         ok = http.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": FRANCE}], "temperature": 0})
         assert ok.status_code == 200 and "Paris" in ok.json()["choices"][0]["message"]["content"]
+        # a developer message is a system message (OpenAI's newer name), not the template's default one
+        briefed = [http.post(url, json={"model": MODEL, "temperature": 0, "max_tokens": 2,
+                                        "messages": [{"role": role, "content": "Be brief."},
+                                                     {"role": "user", "content": FRANCE}]}).json()["usage"]
+                   for role in ("developer", "system")]
+        assert briefed[0] == briefed[1] and briefed[0]["prompt_tokens"] != ok.json()["usage"]["prompt_tokens"]
 
 
 def test_an_unknown_tree_is_told_the_trees_a_request_may_name(client):
@@ -355,6 +368,38 @@ def test_after_a_failed_start_the_api_gives_the_loads_error(tiny_app, tmp_path):
     body = {"model": "backbone", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     with httpx.Client(timeout=10) as http:
         assert_openai_error(http.post(url + "/v1/chat/completions", json=body), 503, "has no config.json")
+
+
+def test_a_queued_stream_tells_its_place_without_chattering(monkeypatch):
+    """The queue reports a waiting request's place every 0.25 s; the stream sends a comment when the
+    place changes and otherwise one per heartbeat (it sent one per report: 560 lines in a 140 s wait)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from app import openai_api
+    from app.engine import Update
+    from app.readout import Stats
+
+    monkeypatch.setattr(openai_api, "HEARTBEAT_S", 0.5)
+
+    class Queued:
+        loaded = SimpleNamespace(stop_ids=())
+
+        def answer(self, session, prompt, settings, passes):
+            for ahead in (2,) * 30 + (1,) * 30:      # 3 s in line, 60 reports
+                yield Update(queued=ahead)
+                time.sleep(0.05)
+            yield Update(segments=(("Paris", False),), tokens=(7,), stats=Stats(tokens=1), done=True)
+
+    request = openai_api.ChatRequest([{"role": "user", "content": "hi"}], Settings(), (MEDUSA,), (), True, False)
+
+    async def stream() -> list[str]:
+        run = openai_api.Completion(Queued(), [1, 2, 3], request, "m")
+        return [event async for event in openai_api.stream_events(run)]
+
+    comments = [text for text in asyncio.run(stream()) if text.startswith(": waiting")]
+    assert comments[0] == ": waiting for the model, 2 ahead\n\n" and ": waiting for the model, 1 ahead\n\n" in comments
+    assert len(comments) <= 12, f"{len(comments)} comments for 60 reports over 3 s"
 
 
 def test_a_long_silence_is_filled_with_comments_a_client_skips(monkeypatch):

@@ -15,6 +15,7 @@ VICUNA_SYSTEM = (
     "The assistant gives helpful, detailed, and polite answers to the user's questions."
 )
 ROLES = ("system", "user", "assistant")
+ROLE_ALIASES = {"developer": "system"}   # OpenAI's newer name for the system role
 # Turn-ending tokens of the common chat formats; only those the tokenizer knows are used.
 TURN_END_TOKENS = ("</s>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>")
 
@@ -51,8 +52,9 @@ def to_messages(history: Any) -> list[dict]:
         if missing:
             raise ValueError(f"message {i} has no {' or '.join(missing)}: give {{'role': ..., 'content': ...}} objects")
         role = message["role"]
+        role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
         if role not in ROLES:
-            raise ValueError(f"message {i} has role {role!r}: use one of {', '.join(ROLES)}")
+            raise ValueError(f"message {i} has role {message['role']!r}: use one of {', '.join([*ROLES, *ROLE_ALIASES])}")
         messages.append({"role": role, "content": _text(message["content"], i)})
     return messages
 
