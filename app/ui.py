@@ -16,7 +16,7 @@ import gradio as gr
 
 from medusa_core.loading.spec import LoadSpec
 
-from . import browser_copy
+from . import browser_copy, range_notice
 from .chat_controller import ChatController, wire_chat
 from .layout import build_layout
 from .model_panel import model_outputs, wire_model_panel
@@ -48,6 +48,7 @@ def build_ui(slot: ModelSlot, *, system_prompt: str = "", base_spec: LoadSpec = 
             restore, [page.session, page.saved, page.controls["max_new_tokens"], page.system],
             [page.base_chat, page.system, page.compare, *model_outputs(page)], api_name=False).then(**save_after)
         page.saved.change(None, [page.saved], None, js=browser_copy.WRITE, api_name=False)
+        demo.load(None, None, None, js=range_notice.SCRIPT, api_name=False)
 
         def closed(request: gr.Request):
             chat.tab_closed(request.session_hash)

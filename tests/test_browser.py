@@ -168,6 +168,32 @@ def test_typical_acceptance_is_tuned_with_sliders(page):
     page.wait_for_function("() => document.querySelector('#seed input')?.disabled === false", timeout=10_000)
 
 
+def test_a_number_typed_out_of_a_sliders_range_says_so(page):
+    """Gradio's slider clamps a typed value when its box loses focus (temperature 100 became 2, -1
+    became 0, which turned exact sampling greedy) before Send reads it: the page says so."""
+    from app.range_notice import NOTE_ID
+
+    page.get_by_label("Exact sampling").check()
+    page.wait_for_function("() => document.querySelector('#temperature input[type=range]')?.disabled === false",
+                           timeout=10_000)
+    for typed, used in (("100", "2"), ("-1", "0")):
+        box = page.locator("#temperature input[type=number]")
+        box.fill(typed)
+        page.locator("#message textarea").click()         # the box loses focus, as before a Send click
+        note = page.locator(f"#{NOTE_ID}")
+        note.wait_for(timeout=10_000)
+        assert note.inner_text() == f"Temperature {typed} is out of range: use a value from 0 to 2 (set to {used})"
+        assert box.input_value() == used
+        if typed == "100":
+            shoot(page, "range_note.png")
+        note.click()                                      # closes it
+        note.wait_for(state="detached", timeout=10_000)
+    set_max_new(page, 7)                                  # a value in range says nothing
+    page.locator("#message textarea").click()
+    page.wait_for_timeout(500)
+    assert page.locator(f"#{NOTE_ID}").count() == 0
+
+
 def test_chat_streams_answers_then_compares(page):
     # greedy: a sampled (random-seed) answer once put SmolLM2 in character ("I'm Captain Thrax")
     pick_greedy(page)
