@@ -331,4 +331,4 @@ class ChatEngine:
                     base.tokens, medusa.tokens, decode=self.tokenizer.decode, device=self.device.type,
                     dtype=self.dtype, weights=self.weights)
         return Comparison(base.meter.snapshot(), medusa.meter.snapshot(), tuple(interleaved_ratios(events)),
-                          identical, divergence)
+                          identical, divergence, sampled=not settings.greedy)

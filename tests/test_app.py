@@ -136,6 +136,7 @@ def test_comparison_gives_both_answers_and_speedup(client, mode):
         assert "identical" in comparison
     else:
         assert "identical" not in comparison  # typical acceptance is not expected to match
+        assert "not greedy: the answers are different texts" in comparison or "Speedup: –" in comparison
 
 
 def test_bad_inputs_give_messages_and_next_request_works(client):
