@@ -83,17 +83,18 @@ class TunedTree:
         return self.cpu_share is not None and self.cpu_share < BUSY_SHARE
 
     def line(self) -> str:
-        """One line for the page and the console: which tree runs and why."""
+        """One line for the page and the console: which tree runs by default and why (the status line
+        shows it after an answer with another tree too: a tester read it as that answer's tree)."""
         when = "read from the cache (--retune measures again)" if self.cached else \
             f"measured in {self.seconds:.0f} s" if self.seconds >= 1 else "measured in under a second"
         if self.contended and not self.cached:
             when += (f" while other programs were using the CPU (this app got {self.cpu_share:.0%} of it), "
                      "so it is not kept in the cache")
         if self.pays:
-            return (f"tree tuned for this machine: {self.nodes} nodes, expected {self.expected_speedup:.2f}x "
+            return (f"tree tuned for this machine (the default): {self.nodes} nodes, expected {self.expected_speedup:.2f}x "
                     f"({self.expected_tokens_per_step:.2f} tokens/step; {when})")
         return (f"Medusa gives no speedup on this device: the best tree ({self.best_nodes} nodes) is expected at "
-                f"{self.best_speedup:.2f}x, under {MIN_SPEEDUP}x, so plain decoding runs ({when})")
+                f"{self.best_speedup:.2f}x, under {MIN_SPEEDUP}x, so plain decoding runs by default ({when})")
 
 
 # ---------------------------------------------------------------- what decides the choice
