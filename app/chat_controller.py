@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Iterator
+from dataclasses import asdict
 
 import gradio as gr
 
@@ -158,11 +159,13 @@ class ChatController:
         except ValueError as err:   # bad settings, no model, a message longer than the context
             yield self.failed(session, message, str(err))
             return
-        turn = Turn(user=message, note=cut)
+        turn = Turn(user=message, note=cut, system=system)
         session.turns.append(turn)
         pending = (READOUT_PENDING, READOUT_PENDING if compare else "")
         yield self.views(session, None, None, "", "Starting…", "", blank=pending)
         stats, base, comparison = yield from self._stream(session, turn, engine, prompt, settings, compare)
+        turn.answered = {"settings": {k: v for k, v in asdict(settings).items() if k != "colour_heads"},
+                         "medusa": stats.as_dict() if stats else None, "baseline": base.as_dict() if base else None}
         if compare and turn.reply is None and not turn.note:
             turn.note = "stopped before the Medusa pass"
         if not any(t is turn for t in session.turns):   # Clear during the answer: its readouts went with it

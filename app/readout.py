@@ -127,7 +127,7 @@ def render_live(stats: Stats, depth: int | None = None) -> str:
     return "\n".join(lines)
 
 
-def _count(n: int, what: str) -> str:
+def count(n: int, what: str) -> str:
     return f"{n} {what}{'' if n == 1 else 's'}"
 
 
@@ -137,9 +137,9 @@ def summary(stats: Stats) -> str:
     share = f" ({100 * stats.from_heads / stats.tokens:.0f}%)" if stats.tokens else ""
     # the speed leaves the first token out: it comes from the prompt's pass, timed as time to first token
     speed = (f"{stats.tokens_per_second:.1f} tokens/s after the first · {stats.tokens_per_step:.2f} tokens/step "
-             f"over {_count(stats.steps, 'step')}" if stats.steps else "no decoding step after the first token")
+             f"over {count(stats.steps, 'step')}" if stats.steps else "no decoding step after the first token")
     return (
-        f"Answer: {_count(stats.tokens, 'token')} in {stats.total_seconds:.2f} s · {speed} · "
+        f"Answer: {count(stats.tokens, 'token')} in {stats.total_seconds:.2f} s · {speed} · "
         f"{stats.from_heads} from heads{share} · {FINISH_TEXT.get(stats.finish_reason or '', stats.finish_reason)}"
     )
 

@@ -20,6 +20,8 @@ class Turn:
     baseline: str | None = None    # the plain-decoding pane's answer in comparison mode
     baseline_shown: str = ""
     note: str | None = None
+    system: str | None = None      # the system prompt it was answered with (None: not recorded)
+    answered: dict | None = None   # how: {"settings": ..., "medusa": stats, "baseline": stats} (exports)
 
 
 class Session:

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 from .session import Session, Turn
+from .readout import count
 from .render import reply_html
 
 FORMAT = "medusa-chat/1"
@@ -23,7 +24,8 @@ def to_saved(turns: list[Turn], first_turn: int, system: str = "", compare: bool
     """JSON-ready form of a conversation, its system prompt and whether it is compared with plain decoding
     (the text only: caches and colouring are rebuilt)."""
     return {"format": FORMAT, "first_turn": first_turn, "system": system, "compare": compare,
-            "turns": [{"user": t.user, "reply": t.reply, "baseline": t.baseline, "note": t.note} for t in turns]}
+            "turns": [{"user": t.user, "reply": t.reply, "baseline": t.baseline, "note": t.note, "system": t.system,
+                       "answered": t.answered} for t in turns]}
 
 
 def saved_system(saved) -> str | None:
@@ -52,7 +54,9 @@ def from_saved(saved) -> tuple[list[Turn], int]:
             baseline = t.get("baseline") if isinstance(t.get("baseline"), str) else None
             turns.append(Turn(user=t["user"], reply=reply, shown=reply_html([(reply or "", False)]),
                               baseline=baseline, baseline_shown=reply_html([(baseline or "", False)]),
-                              note=t.get("note") if isinstance(t.get("note"), str) else None))
+                              note=t.get("note") if isinstance(t.get("note"), str) else None,
+                              system=t.get("system") if isinstance(t.get("system"), str) else None,
+                              answered=t.get("answered") if isinstance(t.get("answered"), dict) else None))
     first = saved.get("first_turn")
     return turns, first if isinstance(first, int) and 0 <= first <= len(turns) else 0
 
@@ -78,21 +82,47 @@ def closed_fences(text: str) -> str:
     return text + ("" if text.endswith("\n") else "\n") + indent + fence
 
 
+def answered_line(figures: dict | None, settings: dict | None) -> str | None:
+    """One pass's figures as an export shows them under its answer: '*Medusa · tree small-8 (9 nodes) ·
+    greedy: 40 tokens · 12.3 tokens/s · 1.47 tokens/step*'."""
+    if not isinstance(figures, dict) or not figures.get("tokens"):
+        return None
+    mode = (settings or {}).get("mode")
+    how = f" · {mode}" + (f" at temperature {settings.get('temperature')}" if mode != "greedy" else "") if mode else ""
+    speed = (f" · {figures['tokens_per_second']:.1f} tokens/s · {figures['mean_accepted']:.2f} tokens/step"
+             if figures.get("steps") else "")
+    return (f"*{figures.get('label')} · tree {figures.get('tree')} ({count(figures.get('tree_size'), 'node')}){how}: "
+            f"{count(figures['tokens'], 'token')}{speed}*")
+
+
 def to_markdown(turns: list[Turn], system: str = "") -> str:
     """The conversation as a Markdown file; each text is closed off on its own (see closed_fences),
-    so one cut-off reply does not swallow the rest."""
+    so one cut-off reply does not swallow the rest. The system prompt shows where it changed, above
+    the turns answered under it, and at the end if the page's (``system``) differs from the last used;
+    a conversation that recorded none (saved before turns kept theirs) shows ``system`` at the top."""
     lines = ["# Medusa chat conversation", ""]
-    if system:
-        lines += [f"**System:** {closed_fences(system)}", ""]
+    current = "" if any(t.system is not None for t in turns) else system
+    if current:
+        lines += [f"**System:** {closed_fences(current)}", ""]
     for t in turns:
+        if t.system is not None and t.system != current:
+            lines += [f"**System:** {closed_fences(t.system) if t.system else '(none: the model default)'}", ""]
+            current = t.system
+        answered = t.answered or {}
         if t.user:
             lines += ["**User:**", "", closed_fences(t.user), ""]
         if t.reply is not None:
             lines += ["**Assistant:**", "", closed_fences(t.reply), ""]
+            figures = answered_line(answered.get("medusa"), answered.get("settings"))
+            lines += [figures, ""] if figures else []
         if t.baseline is not None:
             lines += ["**Assistant (plain decoding):**", "", closed_fences(t.baseline), ""]
+            figures = answered_line(answered.get("baseline"), answered.get("settings"))
+            lines += [figures, ""] if figures else []
         if t.note:
             lines += [f"> ⚠️ {t.note}", ""]
+    if system != current:
+        lines += [f"**System (for the next message):** {closed_fences(system) or '(none: the model default)'}", ""]
     return "\n".join(lines)
 
 

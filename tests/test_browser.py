@@ -11,6 +11,7 @@ is not used); skipped when either is missing.
 
 from __future__ import annotations
 
+import re
 import shutil
 import threading
 from collections.abc import Iterator
@@ -270,6 +271,8 @@ def test_conversation_survives_a_reload_and_exports(page):
         page.locator("#export-md").click()
     text = Path(download.value.path()).read_text()
     assert "**User:**" in text and "remember me" in text and "**Assistant:**" in text
+    # how the answer was made, under it
+    assert re.search(r"\n\*(Medusa|Plain decoding) · tree .+: \d+ tokens?", text), text
     # a system prompt edited after the last message is saved when the box is left, not with the next message
     page.locator("#system textarea").fill("Answer in one word.")
     page.locator("#message textarea").click()

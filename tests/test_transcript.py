@@ -67,3 +67,27 @@ def test_user_messages_baseline_answers_and_the_system_prompt_are_closed_too(tmp
     assert "<p><strong>Assistant (plain decoding):</strong></p>" in html
     assert_later_turn_renders_normally(html)
     assert saved["system"] == "Answer in code:\n```" and saved["turns"][1]["baseline"] == cut
+
+
+def test_an_export_says_how_each_answer_was_made_and_under_which_system_prompt(tmp_path):
+    """Each answer's figures (mode, tree, speed) are under it, and a system prompt changed mid-conversation
+    shows where it changed: the first answer, given as a pirate, was exported under the last prompt."""
+    from app.transcript import from_saved
+
+    figures = {"label": "Medusa", "tree": "small-8", "tree_size": 9, "tokens": 40, "steps": 16,
+               "tokens_per_second": 12.3, "mean_accepted": 2.44}
+    sampled = {"mode": "sample", "temperature": 0.7}
+    turns = [Turn(user="Hi", reply="Arr.", system="Talk like a pirate.",
+                  answered={"settings": sampled, "medusa": figures, "baseline": None}),
+             Turn(user="Again", reply="Hello.", system="Be terse.",
+                  answered={"settings": {"mode": "greedy"}, "medusa": {**figures, "tokens": 1, "steps": 0}})]
+    markdown, saved = export(tmp_path, turns, system="Be kind.")
+    order = ["**System:** Talk like a pirate.", "Arr.",
+             "*Medusa · tree small-8 (9 nodes) · sample at temperature 0.7: 40 tokens · 12.3 tokens/s · "
+             "2.44 tokens/step*", "**System:** Be terse.", "Hello.", "*Medusa · tree small-8 (9 nodes) · greedy: 1 token*",
+             "**System (for the next message):** Be kind."]
+    places = [markdown.index(text) for text in order]
+    assert places == sorted(places), markdown
+    assert saved["turns"][0]["answered"]["medusa"] == figures and saved["turns"][1]["system"] == "Be terse."
+    restored, _ = from_saved(saved)        # the browser's copy keeps them across a reload
+    assert [(t.system, t.answered) for t in restored] == [(t.system, t.answered) for t in turns]
