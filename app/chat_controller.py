@@ -317,7 +317,10 @@ def wire_chat(page: Page, chat: ChatController) -> dict:
     for trigger, name in ((page.clear.click, "clear"), (page.chat.clear, False), (page.base_chat.clear, False)):
         trigger(chat.clear, [page.session], outputs[:-1], api_name=name, concurrency_limit=None).then(**save_after)
     page.compare.change(lambda on: (gr.update(visible=on), gr.update() if on else ""), [page.compare],
-                        [page.base_column, page.comparison], api_name=False, concurrency_limit=None).then(**save_after)
+                        [page.base_column, page.comparison], api_name=False, concurrency_limit=None)
+    # kept with the conversation when the user toggles it (a restore that sets it saves on its own: a
+    # second save at once could make a second export folder)
+    page.compare.input(**save_after)
     # a system prompt edited after the last message is kept with the conversation when the user leaves the
     # box, not only with the next message (a reload in between would bring back the old one)
     page.system.blur(**save_after)

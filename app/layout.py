@@ -78,10 +78,11 @@ def end_tab(session: Session) -> None:
     discard_exports(session)
 
 
-def mode_enabled(mode: str) -> tuple[bool, ...]:
-    """Which of MODE_CONTROLS ``mode`` uses: temperature unless greedy, top-p and the seed for exact
-    sampling, ε and δ for typical acceptance."""
-    return mode != "greedy", mode == "sample", mode == "typical", mode == "typical", mode == "sample"
+def mode_enabled(mode: str) -> dict[str, bool]:
+    """Which of MODE_CONTROLS ``mode`` uses, by name: temperature unless greedy, top-p and the seed for
+    exact sampling, ε and δ for typical acceptance."""
+    return {"temperature": mode != "greedy", "top_p": mode == "sample", "epsilon": mode == "typical",
+            "delta": mode == "typical", "seed": mode == "sample"}
 
 
 def _number_control(name: str, value, **kw):
@@ -94,7 +95,7 @@ def _number_control(name: str, value, **kw):
 
 def decoding_controls(max_new_tokens: int, start: Settings) -> dict:
     """The decoding controls at ``start``, the ones a mode uses enabled as its mode needs."""
-    enabled = dict(zip(MODE_CONTROLS, mode_enabled(start.mode)))
+    enabled = mode_enabled(start.mode)
     return {
         "mode": gr.Radio(MODE_CHOICES, value=start.mode, label=limits("mode").label),
         **{name: _number_control(name, getattr(start, name), interactive=enabled[name]) for name in SAMPLING},

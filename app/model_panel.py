@@ -16,7 +16,8 @@ from .settings import Settings
 
 def control_state(mode: str) -> tuple[dict, ...]:
     """Temperature, top-p, ε, δ, seed: enabled only where the mode uses them."""
-    return tuple(gr.update(interactive=enabled) for enabled in mode_enabled(mode))
+    enabled = mode_enabled(mode)
+    return tuple(gr.update(interactive=enabled[name]) for name in MODE_CONTROLS)
 
 
 def decoding_values(settings: Settings) -> tuple[dict, ...]:

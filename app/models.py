@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from medusa_core.errors import LoadError
-from medusa_core.loading.assets import CPU_DEFAULT_HEADS, CPU_DEFAULT_TREE, is_bundled_heads
+from medusa_core.loading.assets import CPU_DEFAULT_HEADS, CPU_DEFAULT_TREE, is_bundled_heads, is_cpu_default_backbone
 from medusa_core.loading.load import load
 from medusa_core.loading.spec import LoadSpec
 from medusa_core.loading.policy import CUDA_HEADS, CUDA_MODEL, TREE_BY_HEADS, resolve_device
@@ -84,13 +84,15 @@ def default_settings(loaded) -> Settings:
 def start_settings(spec: LoadSpec) -> Settings:
     """The decoding controls the page opens with while ``spec`` (launch.py's model) loads: the ones it will
     have once loaded, so a choice made meanwhile is not replaced when it is ready. Decided from the spec
-    as the loader decides ``Loaded.cpu_default`` (no backbone named, the bundled heads or none, not CUDA)."""
+    as the loader decides ``Loaded.cpu_default`` (SmolLM2's converted backbone, named or not, with the
+    bundled heads, not on CUDA)."""
     try:
         on_cpu = not resolve_device(spec.device).startswith("cuda")
     except LoadError:
         return Settings()       # the load itself reports the bad device
-    bundled = spec.heads is None or is_bundled_heads(spec.heads)
-    return CPU_DEFAULTS if on_cpu and spec.model is None and bundled else Settings()
+    smollm2_backbone = spec.model is None or is_cpu_default_backbone(Path(spec.model).expanduser())
+    bundled = (spec.heads is None and spec.model is None) or is_bundled_heads(spec.heads)
+    return CPU_DEFAULTS if on_cpu and smollm2_backbone and bundled else Settings()
 
 
 @dataclass(frozen=True)

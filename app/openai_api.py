@@ -483,14 +483,18 @@ def api_routes(slot: ModelSlot, api_key: str | None = None) -> list[APIRoute]:
         path = request.url.path
         try:
             authorize(request)
-            if path.rstrip("/") in served:
-                method = served[path.rstrip("/")][0]
-                raise ApiError(405, f"{request.method} {path} is not served: use {method} {path.rstrip('/')}",
-                               code="method_not_allowed")
-            raise ApiError(404, f"{request.method} {path} is not served here: use POST /v1/chat/completions or GET "
-                                "/v1/models (the legacy /v1/completions is not served)", code="unknown_url")
+            if path.rstrip("/") not in served:
+                raise ApiError(404, f"{request.method} {path} is not served here: use POST /v1/chat/completions or "
+                                    "GET /v1/models (the legacy /v1/completions is not served)", code="unknown_url")
         except ApiError as err:
             return err.response()
+        method, handler = served[path.rstrip("/")]
+        if request.method == method:      # the path with a trailing slash: the same endpoint
+            return await handler(request)
+        refused = ApiError(405, f"{request.method} {path} is not served: use {method} {path.rstrip('/')}",
+                           code="method_not_allowed").response()
+        refused.headers["Allow"] = method
+        return refused
 
     return [*(APIRoute(path, handler, methods=[method]) for path, (method, handler) in served.items()),
             # last: only what no route above takes

@@ -4,6 +4,7 @@ Markdown files the page exports."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import sys
@@ -56,9 +57,23 @@ def from_saved(saved) -> tuple[list[Turn], int]:
                               baseline=baseline, baseline_shown=reply_html([(baseline or "", False)]),
                               note=t.get("note") if isinstance(t.get("note"), str) else None,
                               system=t.get("system") if isinstance(t.get("system"), str) else None,
-                              answered=t.get("answered") if isinstance(t.get("answered"), dict) else None))
+                              answered=_answered(t.get("answered"))))
     first = saved.get("first_turn")
     return turns, first if isinstance(first, int) and 0 <= first <= len(turns) else 0
+
+
+def _answered(saved) -> dict | None:
+    """A saved turn's ``answered`` in the shape the app writes, or None: the browser's copy may be
+    older or damaged, and the page's load writes the exports from it (answered_line reads it)."""
+    if not isinstance(saved, dict):
+        return None
+    settings = saved.get("settings")
+    return {"settings": settings if isinstance(settings, dict) else {},
+            **{name: saved.get(name) if isinstance(saved.get(name), dict) else None for name in ("medusa", "baseline")}}
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def closed_fences(text: str) -> str:
@@ -82,17 +97,25 @@ def closed_fences(text: str) -> str:
     return text + ("" if text.endswith("\n") else "\n") + indent + fence
 
 
-def answered_line(figures: dict | None, settings: dict | None) -> str | None:
-    """One pass's figures as an export shows them under its answer: '*Medusa · tree small-8 (9 nodes) ·
-    greedy: 40 tokens · 12.3 tokens/s · 1.47 tokens/step*'."""
-    if not isinstance(figures, dict) or not figures.get("tokens"):
+def answered_line(figures: dict | None, settings: dict) -> str | None:
+    """One pass's figures as an export shows them under its answer ('*Medusa · tree small-8 (9 nodes) ·
+    greedy: 40 tokens · 12.3 tokens/s after the first · 1.47 tokens/step*'); what a saved copy lacks
+    is left out."""
+    tokens = figures.get("tokens") if isinstance(figures, dict) else None
+    if not _number(tokens) or tokens < 1:
         return None
-    mode = (settings or {}).get("mode")
-    how = f" · {mode}" + (f" at temperature {settings.get('temperature')}" if mode != "greedy" else "") if mode else ""
-    speed = (f" · {figures['tokens_per_second']:.1f} tokens/s · {figures['mean_accepted']:.2f} tokens/step"
-             if figures.get("steps") else "")
-    return (f"*{figures.get('label')} · tree {figures.get('tree')} ({count(figures.get('tree_size'), 'node')}){how}: "
-            f"{count(figures['tokens'], 'token')}{speed}*")
+    parts = [str(figures.get("label") or "Answer")]
+    tree, size = figures.get("tree"), figures.get("tree_size")
+    if isinstance(tree, str):
+        parts.append(f"tree {tree}" + (f" ({count(int(size), 'node')})" if _number(size) else ""))
+    mode, temperature = settings.get("mode"), settings.get("temperature")
+    if isinstance(mode, str):
+        parts.append(mode + (f" at temperature {temperature:g}" if mode != "greedy" and _number(temperature) else ""))
+    line = " · ".join(parts) + f": {count(int(tokens), 'token')}"
+    rate, per_step = figures.get("tokens_per_second"), figures.get("mean_accepted")
+    if figures.get("steps") and _number(rate) and _number(per_step):
+        line += f" · {rate:.1f} tokens/s after the first · {per_step:.2f} tokens/step"
+    return f"*{line}*"
 
 
 def to_markdown(turns: list[Turn], system: str = "") -> str:
@@ -108,7 +131,7 @@ def to_markdown(turns: list[Turn], system: str = "") -> str:
         if t.system is not None and t.system != current:
             lines += [f"**System:** {closed_fences(t.system) if t.system else '(none: the model default)'}", ""]
             current = t.system
-        answered = t.answered or {}
+        answered = t.answered or {"settings": {}}
         if t.user:
             lines += ["**User:**", "", closed_fences(t.user), ""]
         if t.reply is not None:

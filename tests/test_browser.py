@@ -189,6 +189,11 @@ def test_a_number_typed_out_of_a_sliders_range_says_so(page):
             shoot(page, "range_note.png")
         note.click()                                      # closes it
         note.wait_for(state="detached", timeout=10_000)
+    box.fill("")                                          # cleared: Gradio takes it as 0
+    page.locator("#message textarea").click()
+    assert note.inner_text() == "Temperature is empty or not a number: use a value from 0 to 2 (set to 0)"
+    note.click()
+    note.wait_for(state="detached", timeout=10_000)
     set_max_new(page, 7)                                  # a value in range says nothing
     page.locator("#message textarea").click()
     page.wait_for_timeout(500)

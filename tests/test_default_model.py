@@ -87,10 +87,13 @@ def test_default_loads_offline_from_the_installed_package(default_loaded):
 
 def test_the_page_opens_with_the_settings_of_the_model_it_loads():
     bundled = str(CPU_DEFAULT_HEADS)
-    for spec in (LoadSpec(device="cpu"), LoadSpec(device="cpu", heads=bundled), LoadSpec(device="cpu", quant="none")):
+    converted = str(smollm2.cache_root() / smollm2.NAME)   # named as a directory, as --model can
+    for spec in (LoadSpec(device="cpu"), LoadSpec(device="cpu", heads=bundled), LoadSpec(device="cpu", quant="none"),
+                 LoadSpec(device="cpu", model=converted, heads=bundled)):
         assert start_settings(spec) == CPU_DEFAULTS, spec
     for spec in (LoadSpec(device="cpu", model="some/model"), LoadSpec(device="cpu", heads="some/heads"),
-                 LoadSpec(device="cpu:x")):   # another model, or a device the load will refuse
+                 LoadSpec(device="cpu", model=converted), LoadSpec(device="cpu:x")):   # another model (SmolLM2
+        # without its heads too), or a device the load will refuse
         assert start_settings(spec) == Settings(), spec
 
 

@@ -80,14 +80,33 @@ def test_an_export_says_how_each_answer_was_made_and_under_which_system_prompt(t
     turns = [Turn(user="Hi", reply="Arr.", system="Talk like a pirate.",
                   answered={"settings": sampled, "medusa": figures, "baseline": None}),
              Turn(user="Again", reply="Hello.", system="Be terse.",
-                  answered={"settings": {"mode": "greedy"}, "medusa": {**figures, "tokens": 1, "steps": 0}})]
+                  answered={"settings": {"mode": "greedy"}, "medusa": {**figures, "tokens": 1, "steps": 0},
+                            "baseline": None})]
     markdown, saved = export(tmp_path, turns, system="Be kind.")
     order = ["**System:** Talk like a pirate.", "Arr.",
-             "*Medusa · tree small-8 (9 nodes) · sample at temperature 0.7: 40 tokens · 12.3 tokens/s · "
-             "2.44 tokens/step*", "**System:** Be terse.", "Hello.", "*Medusa · tree small-8 (9 nodes) · greedy: 1 token*",
+             "*Medusa · tree small-8 (9 nodes) · sample at temperature 0.7: 40 tokens · 12.3 tokens/s after the "
+             "first · 2.44 tokens/step*", "**System:** Be terse.", "Hello.", "*Medusa · tree small-8 (9 nodes) · greedy: 1 token*",
              "**System (for the next message):** Be kind."]
     places = [markdown.index(text) for text in order]
     assert places == sorted(places), markdown
     assert saved["turns"][0]["answered"]["medusa"] == figures and saved["turns"][1]["system"] == "Be terse."
     restored, _ = from_saved(saved)        # the browser's copy keeps them across a reload
     assert [(t.system, t.answered) for t in restored] == [(t.system, t.answered) for t in turns]
+
+
+@pytest.mark.parametrize("answered", [
+    {"settings": "x", "medusa": {"tokens": 3}}, {"settings": ["greedy"], "medusa": {"tokens": 3, "steps": 2}},
+    {"medusa": {"tokens": 3, "steps": 2}}, {"medusa": {"tokens": "3", "steps": 2, "tokens_per_second": "9"}},
+    {"medusa": {"tokens": 3, "steps": 2, "tokens_per_second": None, "tree_size": "9", "tree": 5}},
+    {"medusa": [1, 2], "baseline": "x"}, "answered", [],
+])
+def test_a_damaged_saved_record_of_an_answer_still_exports(tmp_path, answered):
+    """The browser's copy is read back on page load and the exports are written from it at once: an
+    older or damaged record must leave out what it lacks, never raise."""
+    from app.transcript import from_saved
+
+    saved = {"format": "medusa-chat/1", "first_turn": 0, "system": "", "compare": False,
+             "turns": [{"user": "Hi", "reply": "Hello.", "system": 7, "answered": answered}]}
+    turns, _ = from_saved(saved)
+    markdown, _ = export(tmp_path, turns)
+    assert "Hello." in markdown and "None" not in markdown, markdown

@@ -56,7 +56,7 @@ class DecodeConfig:
         "Max new tokens", "the reply's length limit", kind=int, low=1))
     seed: int | None = _setting(None, Limits(
         "Seed (-1: random)", "exact sampling's seed; none: random", kind=int, low=-2**63, high=2**63 - 1,
-        fix=f"use a whole number up to {2**63 - 1}, or -1 for a random one"))
+        fix=f"use a whole number from {-2**63} to {2**63 - 1}"))
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -69,7 +69,7 @@ class DecodeConfig:
             if limits.low is not None and (value < limits.low or (limits.open_low and value == limits.low)):
                 raise ValueError(_below(f.name, value, limits))
             if limits.high is not None and value > limits.high:
-                raise ValueError(f"{f.name} {value} is out of range: {limits.fix}")
+                raise ValueError(f"{f.name} {_short(str(value))} is out of range: {limits.fix}")
 
     @property
     def greedy(self) -> bool:
@@ -80,6 +80,11 @@ class DecodeConfig:
     def sampling_params(self) -> tuple[float, float, float, float]:
         """(temperature, top_p, epsilon, delta): the values a captured step reads from the device."""
         return (self.temperature, self.top_p, self.epsilon, self.delta)
+
+
+def _short(text: str) -> str:
+    """A value as an error shows it: a 400-digit seed is not repeated whole."""
+    return text if len(text) <= 40 else f"{text[:37]}..."
 
 
 def _below(name: str, value, limits: Limits) -> str:
@@ -98,20 +103,21 @@ def limits(name: str) -> Limits:
 def number(name: str, value, kind: type = float):
     """A raw control or request value as the number ``name`` needs; ValueError names the value and the fix.
     Whole numbers stay exact (a seed past 2**53 is no float); the limits are checked by DecodeConfig."""
+    if kind is int and isinstance(value, int):
+        return int(value)
+    if kind is int and isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        return int(value)
+    shown = _short(repr(value))
     try:
         as_float = float(value)
     except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"{name} {value!r} is not a number: give one, e.g. {kind(1)}") from None
+        raise ValueError(f"{name} {shown} is not a number: give one, e.g. {kind(1)}") from None
     if not math.isfinite(as_float):
-        raise ValueError(f"{name} {value!r} is not a finite number: give one, e.g. {kind(1)}")
+        raise ValueError(f"{name} {shown} is not a finite number: give one, e.g. {kind(1)}")
     if kind is float:
         return as_float
-    if isinstance(value, int):
-        return int(value)
-    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
-        return int(value)
     if not as_float.is_integer():
-        raise ValueError(f"{name} {value!r} is not a whole number: give an integer")
+        raise ValueError(f"{name} {shown} is not a whole number: give an integer")
     return int(as_float)
 
 
