@@ -20,6 +20,7 @@ from app.models import CPU_DEFAULTS, ModelSlot, default_settings, start_settings
 from medusa_core.loading import smollm2
 from medusa_core.errors import LoadError
 from medusa_core.loading.assets import CPU_DEFAULT_HEADS, CPU_DEFAULT_PROMPTS
+from medusa_core.decoding.kv_cache import cache_keyword
 from medusa_core.loading.load import load
 from medusa_core.loading.spec import LoadSpec
 
@@ -44,12 +45,20 @@ def answer(engine: ChatEngine, question: str, passes=(MEDUSA,), max_new_tokens: 
 
 
 def greedy_margin(engine: ChatEngine, question: str, tokens: list[int]) -> float:
-    """The smallest gap, in logits, between each greedy answer token and its runner-up (teacher
-    forced): how far this machine's rounding is from choosing another answer."""
+    """The smallest gap, in logits, between each greedy answer token and its runner-up: how far this
+    machine's rounding is from choosing another answer. One token per forward, prompt included, as the
+    engine computes each row alone: in the int4 mode one teacher-forced forward over the answer attends
+    over the whole call's keys at once, and that moved logits by up to 0.44 ("Hello!": its argmax was
+    not the greedy answer's)."""
     prompt = engine.prompt_ids([{"role": "user", "content": question}], None)
+    keyword, cache, rows = cache_keyword(engine.model), None, []
     with torch.no_grad():
-        logits = engine.model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()   # (n, V)
-    assert logits.argmax(-1).tolist() == tokens, "the teacher-forced argmax is not the greedy answer"
+        for token in prompt + tokens[:-1]:
+            out = engine.model(torch.tensor([[token]]), **{keyword: cache}, use_cache=True)
+            cache = out.past_key_values
+            rows.append(out.logits[0, -1])
+    logits = torch.stack(rows[len(prompt) - 1:]).float()                                          # (n, V)
+    assert logits.argmax(-1).tolist() == tokens, "the token-by-token argmax is not the greedy answer"
     top2 = logits.topk(2, dim=-1).values                                                          # (n, 2)
     return float((top2[:, 0] - top2[:, 1]).min())
 
