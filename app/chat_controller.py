@@ -306,8 +306,7 @@ def wire_chat(page: Page, chat: ChatController) -> dict:
     events = dict(outputs=outputs, concurrency_limit=16, concurrency_id="chat", preprocess=False,
                   trigger_mode="multiple")
     gr.on([page.box.submit, page.send.click], chat.save_pending, [page.session, page.box, page.system, page.compare],
-          [page.saved],
-          api_name=False, concurrency_limit=None, show_progress="hidden", trigger_mode="multiple").then(
+          [page.saved], api_name=False, concurrency_limit=None, show_progress="hidden", trigger_mode="multiple").then(
         on_send, page.inputs(*_parameters(on_send)), api_name="send", **events).then(**save_after)
     page.regenerate.click(on_regenerate, page.inputs(*_parameters(on_regenerate)), api_name="regenerate",
                           **events).then(**save_after)
