@@ -11,13 +11,13 @@ from dataclasses import asdict
 
 import gradio as gr
 
-from .engine import BASELINE, COMPARISON, LABELS, MEDUSA, ChatEngine
+from .engine import BASELINE, COMPARISON, LABELS, MEDUSA, ChatEngine, EngineClosed
 from .layout import READOUT_HINT, Page
 from .models import ModelSlot
 from .readout import Stats, render_comparison, render_live
 from .render import note_html, reply_html, user_html
 from .session import Session, Turn
-from .settings import Settings
+from .settings import Settings, flag
 from .transcript import export_folder, from_saved, saved_compare, saved_system, to_saved, write_exports
 
 INTERRUPTED = "the page was reloaded before this answer finished: press Regenerate to answer it"
@@ -100,9 +100,10 @@ class ChatController:
 
     def failed(self, session: Session, message: str, error: str) -> tuple:
         """A message that could not be answered: kept in the chat with its one-line error (never sent to
-        the model), and put back in the box to be edited and resent."""
+        the model), and put back in the box to be edited and resent; the raw output says it for scripts."""
         session.turns.append(Turn(user=message, note=error))
-        return self.views(session, None, None, "", self.slot.state().line, message)
+        *shown, raw, box = self.views(session, None, None, "", self.slot.state().line, message)
+        return (*shown, {**raw, "error": error}, box)
 
     def engine_or_wait(self, session: Session) -> Iterator[str | ChatEngine]:
         """Yield status lines while a model loads, then the engine; a str last means no engine."""
@@ -128,7 +129,7 @@ class ChatController:
             yield self.refused(BUSY + " (your text stays in the box)")
             return
         try:
-            yield from self._run(session, str(message or "").strip(), str(system or ""), bool(compare), controls)
+            yield from self._run(session, str(message or "").strip(), str(system or ""), compare, controls)
         finally:
             session.busy.release()
 
@@ -140,23 +141,28 @@ class ChatController:
         gr.Warning(reason)
         return (*[gr.update()] * 6, {"error": reason}, gr.update())
 
-    def _run(self, session: Session, message: str, system: str, compare: bool, controls: dict) -> Iterator[tuple]:
+    def _run(self, session: Session, message: str, system: str, compare, controls: dict) -> Iterator[tuple]:
+        """``compare`` and ``controls`` as the page or a script sent them: checked here."""
         if not message:
             yield self.refused("The message is empty: type a question, then send")
             return
         if not session.closed:        # a closed tab's request keeps its Stop set: it ends at once
             session.cancel.clear()
-        engine = None
+        engine, waited = None, False
         for engine in self.engine_or_wait(session):
             if isinstance(engine, str) and engine.startswith("⏳"):
+                waited = True
                 yield self.views(session, None, None, "", engine)
         try:
             if isinstance(engine, str):
                 raise ValueError(engine)
+            if waited:   # sent while another model loaded: the tree named was the old model's, this one's default runs
+                controls = {**controls, "tree": None}
+            compare = flag("compare", compare)
             settings = Settings.parse(**controls)
             engine.check(settings)
             prompt, cut = engine.fit_prompt(session, message, system, settings)
-        except ValueError as err:   # bad settings, no model, a message longer than the context
+        except (ValueError, EngineClosed) as err:   # bad settings, no model, a message longer than the context
             yield self.failed(session, message, str(err))
             return
         turn = Turn(user=message, note=cut, system=system)
@@ -227,9 +233,16 @@ class ChatController:
             if not session.turns:
                 yield self.refused("Nothing to regenerate yet: send a message first")
                 return
+            engine = self.slot.engine
+            if engine is not None:       # bad settings are refused before the answer they would replace goes
+                try:
+                    engine.check(Settings.parse(**controls))
+                except (ValueError, EngineClosed) as err:
+                    yield self.refused(f"{err} (the answer stays as it was)")
+                    return
             message = session.turns.pop().user
             session.first_turn = min(session.first_turn, len(session.turns))
-            yield from self._run(session, message, str(system or ""), bool(compare), controls)
+            yield from self._run(session, message, str(system or ""), compare, controls)
         finally:
             session.busy.release()
 
@@ -241,13 +254,13 @@ class ChatController:
     def save_conversation(session: Session, system: str, compare: bool):
         """After each change: the browser's copy of the conversation and the export files. An empty
         conversation is saved too: Clear must also empty the browser's copy, or a reload brings it back."""
-        saved = to_saved(session.turns, session.first_turn, system or "", bool(compare))
+        saved = to_saved(session.turns, session.first_turn, system or "", compare is True)
         if not session.turns:
             return saved, gr.update(value=None, interactive=False), gr.update(value=None, interactive=False)
         if session.export_dir is None:
             session.export_dir = export_folder()
         as_json, as_md = write_exports(session.turns, session.first_turn, session.export_dir, system or "",
-                                       bool(compare))
+                                       compare is True)
         return saved, gr.update(value=as_json, interactive=True), gr.update(value=as_md, interactive=True)
 
     @staticmethod
@@ -257,7 +270,7 @@ class ChatController:
         message = str(message or "").strip()
         if not message:
             return gr.update()
-        return to_saved([*session.turns, Turn(user=message)], session.first_turn, system or "", bool(compare))
+        return to_saved([*session.turns, Turn(user=message)], session.first_turn, system or "", compare is True)
 
     @staticmethod
     def restored(session: Session, stored, system: str) -> tuple:

@@ -63,6 +63,10 @@ def oom_message() -> str:
             "lower max new tokens, pick a smaller tree, or clear the conversation")
 
 
+class EngineClosed(RuntimeError):
+    """The engine was unloaded or replaced while a request still used it; the message says which."""
+
+
 class DecoderRun:
     """One decoder's run over a prompt: its generate() iterator, meter and text so far."""
 
@@ -127,6 +131,7 @@ class ChatEngine:
         # several threads libgomp throttles them all: an answer decoded from a second thread ran far
         # slower (measured in docs/serving.md, "one model thread").
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self._closed: str | None = None   # why the engine went (close): a request still on it ends, saying so
         self.queue = RequestQueue()
         self._specs: dict[str, str] = {}          # shown name (tree.tree_name) -> tree spec
         self._typed: list[str] = []               # trees typed in, not listed: the oldest go first
@@ -134,11 +139,20 @@ class ChatEngine:
         self.default_tree = self.tree_choices[0][1]
 
     def on_model_thread(self, fn: Callable, *args):
-        """``fn(*args)`` on the engine's model thread (the caller waits): all torch work goes there."""
-        return self._model_thread.submit(fn, *args).result()
+        """``fn(*args)`` on the engine's model thread (the caller waits): all torch work goes there.
+        EngineClosed once the engine is closed."""
+        if self._closed:
+            raise EngineClosed(self._closed)
+        try:
+            future = self._model_thread.submit(fn, *args)
+        except RuntimeError:       # closed between the check and the submit
+            raise EngineClosed(self._closed or "the model was unloaded") from None
+        return future.result()
 
-    def close(self) -> None:
-        """Let the model thread go (with its OpenMP pool) once the engine is replaced or unloaded."""
+    def close(self, reason: str = "the model was unloaded") -> None:
+        """Let the model thread go (with its OpenMP pool) once the engine is replaced or unloaded; a request
+        still on it ends at its next step with ``reason`` (it used to end on a raw executor error)."""
+        self._closed = reason
         self._model_thread.shutdown(wait=False)
 
     # ---- trees
@@ -265,8 +279,9 @@ class ChatEngine:
         ticket = self.queue.join()
         try:
             while (ahead := self.queue.wait(ticket, 0.25)) > 0:
-                if session.cancel.is_set():
-                    yield Update(error="stopped while waiting for the model", done=True)
+                if session.cancel.is_set() or self._closed:
+                    yield Update(error=f"stopped while waiting: {self._closed}" if self._closed else
+                                 "stopped while waiting for the model", done=True)
                     return
                 yield Update(queued=ahead)
             if session.cancel.is_set():
@@ -316,6 +331,10 @@ class ChatEngine:
         except ValueError as err:  # ContextOverflowError: the prompt does not fit
             for r in runs:
                 yield r.update(error=str(err))
+            return
+        except EngineClosed as closed:   # Unload, or another model loaded: what was written stays
+            for r in runs:
+                yield r.update(error=f"stopped: {closed}")
             return
         if len(runs) == 2:
             yield Update(COMPARISON, comparison=self._compare(runs, events, settings), done=True)

@@ -83,7 +83,9 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
         except ValueError as err:
             return (f"❌ {err}", *sync(shown, max_new_value))
         refused = slot.start(spec)
-        return (f"❌ {refused}" if refused else "", *sync(shown, max_new_value))
+        if refused:     # a toast: a line under the panel would still say "still loading" once it has loaded
+            gr.Warning(refused)
+        return ("", *sync(shown, max_new_value))
 
     def on_unload(max_new_value, shown):
         return (slot.unload(), *sync(shown, max_new_value))
@@ -91,10 +93,12 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
     max_new, outputs = page.controls["max_new_tokens"], model_outputs(page)
     page.timer.tick(sync, [page.shown_version, max_new], outputs, api_name=False, concurrency_limit=None,
                     show_progress="hidden")
+    # raw values (preprocess=False): a script's bad number reaches sync, which takes it as unset, instead of
+    # Gradio's multi-line preprocessing error
     page.load.click(on_load_model, [page.known, page.model_box, page.heads_box, max_new, page.shown_version],
-                    [page.model_status, *outputs], api_name="load_model", concurrency_limit=None)
+                    [page.model_status, *outputs], api_name="load_model", concurrency_limit=None, preprocess=False)
     page.unload.click(on_unload, [max_new, page.shown_version], [page.model_status, *outputs], api_name="unload_model",
-                      concurrency_limit=None)
+                      concurrency_limit=None, preprocess=False)
     page.controls["mode"].change(control_state, [page.controls["mode"]], page.mode_controls, api_name=False,
                                  concurrency_limit=None)
     page.controls["tree"].change(lambda tree: medusa_pane(slot.engine, tree), [page.controls["tree"]], [page.chat],

@@ -346,6 +346,8 @@ class Completion:
                 self.cancel()     # the rest of the reply is not wanted: free the model now
             if piece:
                 yield piece
+            if update.error:      # after some text (the model unloaded, out of memory): not a normal "stop"
+                raise ApiError(503, update.error, kind="server_error", code="generation_failed")
 
     def finish_reason(self) -> str:
         if self.stop.stopped:

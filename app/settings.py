@@ -9,6 +9,18 @@ from dataclasses import dataclass, fields
 from medusa_core.decoding.config import SETTINGS, DecodeConfig, limits, number
 
 
+def flag(name: str, value) -> bool:
+    """A raw on/off value (a checkbox, or a script's argument) as a bool; ValueError names anything else
+    (bool("false") is True: a script's compare="false" ran the comparison)."""
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0", ""):
+        return value.strip().lower() in ("true", "1")
+    raise ValueError(f"{name} {value!r} is not true or false: give true or false")
+
+
 @dataclass(frozen=True)
 class Settings(DecodeConfig):
     tree: str | None = None        # a name from the engine's tree choices; None = the engine's default
@@ -22,7 +34,7 @@ class Settings(DecodeConfig):
             if name == "tree":        # any value the API sends is a name: 5 is tree '5', unknown, not a crash
                 values[name] = (str(value).strip() or None) if value is not None else None
             elif name == "colour_heads":
-                values[name] = bool(value)
+                values[name] = flag(name, value)
             elif name == "seed":        # blank or negative: a random seed
                 seed = None if value is None or value == "" else number("seed", value, int)
                 values[name] = None if seed is None or seed < 0 else seed

@@ -166,6 +166,13 @@ def test_regenerate_and_clear(client):
     chat, *_, raw, _ = client.submit(*send_args("")[1:], api_name="/regenerate").result(timeout=120)
     assert raw["error"] == "Nothing to regenerate yet: send a message first"
     assert chat == {"__type__": "update"}, "the chat is left as it is: no note is added to it"
+    # a bad setting is refused before the answer it would replace goes (it was replaced by the error note)
+    _, (before, *_rest) = ask(client, "keep this answer")
+    for bad in (dict(tree="bogus"), dict(seed="x", mode="sample")):
+        chat, *_, raw, _ = client.submit(*send_args("", **bad)[1:], api_name="/regenerate").result(timeout=120)
+        assert chat == {"__type__": "update"} and "the answer stays as it was" in raw["error"], raw
+    _, (after, *_rest) = ask(client, "and the next one")
+    assert texts(after)[:len(texts(before))] == texts(before), "the refused regenerate changed the conversation"
 
 
 def test_clear_during_an_answer_clears_its_readout(client):
@@ -370,9 +377,11 @@ def test_bad_api_values_give_one_line_notes_not_tracebacks(client, app):
                       (dict(seed="1.5", mode="sample"), "seed '1.5' is not a whole number"),
                       (dict(tree="chain-0"), "unknown tree 'chain-0': use one of"),
                       (dict(tree="chain-0"), "chain-N with N from 1 to 5"),
-                      (dict(temperature="hot", mode="sample"), "temperature 'hot' is not a number")]:
-        _, (chat, *_, box) = ask(client, "x", **kw)
+                      (dict(temperature="hot", mode="sample"), "temperature 'hot' is not a number"),
+                      (dict(compare="false, please"), "compare 'false, please' is not true or false")]:
+        _, (chat, *_, raw, box) = ask(client, "x", **kw)
         assert words in texts(chat)[-1][1] and box == "x"
+        assert words.removeprefix("\u26a0\ufe0f ") in raw["error"], "a script reads why in the raw output"
     _, (chat, *_, raw, _) = ask(client, "still there?")
     assert raw["medusa"]["tokens"] > 0
     # the largest seed is a seed (it was "not a whole number": no float holds it)
@@ -717,8 +726,9 @@ def test_a_message_sent_while_another_model_loads_waits_for_it(model_dirs):
         gate.clear()
         slot.start(spec)
         session, updates = Session(), []
-        def ask() -> None:
-            for update in chat.run(session, "hello", "", False, dict(max_new_tokens=8)):
+
+        def ask() -> None:   # the tree is the old model's choice: the new model answers with its default
+            for update in chat.run(session, "hello", "", False, dict(max_new_tokens=8, tree="baseline")):
                 updates.append(update)
 
         asked = threading.Thread(target=ask)
@@ -740,8 +750,47 @@ def test_a_message_sent_while_another_model_loads_waits_for_it(model_dirs):
             asked.join(120)
             assert slot.engine is not first and slot.state().phase == "ready"
             assert updates[-1][6]["medusa"]["tokens"] > 0
+            assert updates[-1][6]["medusa"]["tree"] == slot.engine.default_tree != "baseline"
             # the tab's caches are the new model's (another model's would be dropped, leaving none)
             assert session.caches_for(slot.engine), "it was not answered by the new model"
+
+
+@pytest.mark.parametrize("then", ["unload", "load another"])
+def test_an_answer_running_when_its_model_goes_ends_saying_why(model_dirs, then):
+    """Unload, or a load that replaces the model, while an answer streams: the answer stops at its next
+    step with a one-line note and keeps what it wrote (it died on "cannot schedule new futures after
+    shutdown", the status stuck on "Generating")."""
+    import threading
+
+    from app.chat_controller import ChatController
+    from app.models import ModelSlot
+    from app.session import Session
+    from medusa_core.loading.spec import LoadSpec
+
+    backbone, heads = model_dirs
+    spec = LoadSpec(model=str(backbone), heads=str(heads), device="cpu")
+    slot = ModelSlot(log=lambda line: None)
+    slot.start(spec)
+    assert slot.wait(120).phase == "ready"
+    slot.engine.model.get_decoder().register_forward_hook(lambda *args: time.sleep(0.02))   # it goes mid-answer
+    chat, session, updates = ChatController(slot), Session(), []
+    answering = threading.Thread(target=lambda: [updates.append(u) for u in chat.run(
+        session, "tell me a long story", "", False, dict(max_new_tokens=1000, tree="baseline"))])
+    answering.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(u[6]["medusa"] and u[6]["medusa"]["tokens"] for u in updates):
+        time.sleep(0.02)
+    if then == "unload":
+        slot.unload()
+    else:
+        slot.start(spec)
+        assert slot.wait(120).phase == "ready"
+    answering.join(60)
+    assert not answering.is_alive()
+    turn = session.turns[-1]
+    why = "the model was unloaded" if then == "unload" else "another model was loaded"
+    assert turn.reply and turn.note == f"stopped: {why}" + ("" if then == "unload" else ": press Regenerate to ask it")
+    assert "Generating" not in updates[-1][5], "the status line stayed on the stopped answer"
 
 
 def test_a_tab_keeps_one_export_folder_and_it_goes_with_the_tab():

@@ -343,6 +343,27 @@ def test_a_key_guards_the_api(tiny_app):
         assert http.post(url + "/v1/chat/completions", json=body, headers=good).status_code == 200
 
 
+def test_a_stream_whose_model_is_unloaded_ends_with_an_error_that_says_so(tiny_app):
+    """It ended on "generation failed: RuntimeError: cannot schedule new futures after shutdown"; after
+    some text it must not end as a normal "stop" either."""
+    url, slot, spec, _ = tiny_app
+    slot.start(spec)
+    assert slot.wait(60).phase == "ready"
+    slot.engine.model.get_decoder().register_forward_hook(lambda *args: time.sleep(0.02))   # unloaded mid-answer
+    body = {"model": "backbone", "messages": [{"role": "user", "content": "a long story"}], "max_tokens": 600,
+            "stream": True, "medusa": False}
+    events = []
+    with httpx.Client(timeout=60) as http, http.stream("POST", url + "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line.removeprefix("data: ")))
+                if sum(bool(e.get("choices") and e["choices"][0]["delta"].get("content")) for e in events) == 3:
+                    slot.unload()
+    assert events and events[-1].get("error", {}).get("message") == "stopped: the model was unloaded", events[-3:]
+    assert not any(e.get("choices") and e["choices"][0]["finish_reason"] for e in events)
+
+
 def test_a_request_while_the_model_loads_is_told_so_at_once(tiny_app):
     url, slot, spec, gate = tiny_app
     gate.clear()
