@@ -273,8 +273,8 @@ class ChatEngine:
         """Stream one request; with both passes, a step-interleaved comparison."""
         try:
             config, tree_name, tree = self.check(settings)
-        except ValueError as err:  # DecodeConfig and TreeError give one-line messages
-            yield Update(error=str(err), done=True)
+        except (ValueError, EngineClosed) as err:   # one line each: DecodeConfig, TreeError, or the engine
+            yield Update(error=str(err), done=True)    # closed while a typed tree was being built
             return
         ticket = self.queue.join()
         try:
