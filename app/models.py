@@ -171,7 +171,7 @@ class ModelSlot:
             self._version += 1
             self._ready.notify_all()
         if replace_engine and old is not None:
-            old.close("another model was loaded: press Regenerate to ask it" if engine is not None else
+            old.close("another model was loaded: ask again to have it answer" if engine is not None else
                       "the model was unloaded")
             del old
             _free_memory()

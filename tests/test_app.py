@@ -789,7 +789,7 @@ def test_an_answer_running_when_its_model_goes_ends_saying_why(model_dirs, then)
     assert not answering.is_alive()
     turn = session.turns[-1]
     why = "the model was unloaded" if then == "unload" else "another model was loaded"
-    assert turn.reply and turn.note == f"stopped: {why}" + ("" if then == "unload" else ": press Regenerate to ask it")
+    assert turn.reply and turn.note == f"stopped: {why}" + ("" if then == "unload" else ": ask again to have it answer")
     assert "Generating" not in updates[-1][5], "the status line stayed on the stopped answer"
 
 
