@@ -727,11 +727,11 @@ def test_a_message_sent_while_another_model_loads_waits_for_it(model_dirs):
         slot.start(spec)
         session, updates = Session(), []
 
-        def ask() -> None:   # the tree is the old model's choice: the new model answers with its default
+        def send_hello() -> None:   # the tree is the old model's choice: the new model answers with its default
             for update in chat.run(session, "hello", "", False, dict(max_new_tokens=8, tree="baseline")):
                 updates.append(update)
 
-        asked = threading.Thread(target=ask)
+        asked = threading.Thread(target=send_hello)
         asked.start()
         deadline = time.monotonic() + 30
         while not any("Waiting for the model" in (u[5] or "") for u in updates) and time.monotonic() < deadline:
