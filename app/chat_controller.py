@@ -11,10 +11,12 @@ from dataclasses import asdict
 
 import gradio as gr
 
+from medusa_core.decoding.config import SettingError
+
 from .engine import BASELINE, COMPARISON, LABELS, MEDUSA, ChatEngine, EngineClosed
 from .layout import READOUT_HINT, Page
 from .models import ModelSlot
-from .readout import Stats, render_comparison, render_live
+from .readout import Stats, count, render_comparison, render_live
 from .render import note_html, reply_html, user_html
 from .session import Session, Turn
 from .settings import Settings, flag
@@ -48,10 +50,16 @@ def display(turns: list[Turn], pane: str = MEDUSA) -> list[dict]:
     return out
 
 
+def said(err: Exception) -> str:
+    """An error as the page words it: a setting by the label the page shows ("Max new tokens"), not by
+    its field name ("max_new_tokens", the API's word)."""
+    return err.labelled if isinstance(err, SettingError) else str(err)
+
+
 def empty_note(stats: Stats) -> str:
     if stats.finish_reason == "length":
-        return (f"the answer is blank: its {stats.tokens} token(s) were only spaces or line breaks before "
-                "max new tokens was reached: raise max new tokens")
+        return (f"the answer is blank ({count(stats.tokens, 'token')} of spaces or line breaks) when max new "
+                "tokens was reached: raise max new tokens")
     if stats.finish_reason == "eos":
         return "the model ended its answer at once (end-of-turn token first): rephrase, or try sampling"
     if stats.finish_reason == "cancelled":   # Stop while a long prompt was being read
@@ -163,7 +171,7 @@ class ChatController:
             engine.check(settings)
             prompt, cut = engine.fit_prompt(session, message, system, settings)
         except (ValueError, EngineClosed) as err:   # bad settings, no model, a message longer than the context
-            yield self.failed(session, message, str(err))
+            yield self.failed(session, message, said(err))
             return
         turn = Turn(user=message, note=cut, system=system)
         session.turns.append(turn)
@@ -193,7 +201,7 @@ class ChatController:
                  else f"{'Medusa' if medusa else 'plain decoding'}, tree {tree}")
         for update in engine.answer(session, prompt, settings, passes):
             if update.queued:
-                yield self.views(session, None, None, "", f"⏳ Queued: {update.queued} request(s) ahead of you; "
+                yield self.views(session, None, None, "", f"⏳ Queued: {count(update.queued, 'request')} ahead of you; "
                                  "your answer starts when the model is free")
                 continue
             if update.notice:
@@ -238,7 +246,7 @@ class ChatController:
                 try:
                     engine.check(Settings.parse(**controls))
                 except (ValueError, EngineClosed) as err:
-                    yield self.refused(f"{err} (the answer stays as it was)")
+                    yield self.refused(f"{said(err)} (the answer stays as it was)")
                     return
             message = session.turns.pop().user
             session.first_turn = min(session.first_turn, len(session.turns))

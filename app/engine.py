@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from medusa_core.decoding.config import DecodeConfig
+from medusa_core.decoding.config import DecodeConfig, SettingError
 from medusa_core.decoding.generate import generate, max_context, new_cache, prefill_piece
 from medusa_core.decoding.step import compute_dtype
 from medusa_core.decoding.step_store import needs_capture

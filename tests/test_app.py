@@ -144,10 +144,10 @@ def test_bad_inputs_give_messages_and_next_request_works(client):
     _, (*_, raw, _) = ask(client, "   ")
     assert raw["error"] == "The message is empty: type a question, then send"   # a toast on the page
     _, (chat, *_, box) = ask(client, "x", mode="typical", epsilon=1.5)
-    assert "epsilon 1.5 is out of range" in texts(chat)[-1][1]
+    assert "ε 1.5 is out of range: use a value in [0, 1]" in texts(chat)[-1][1]
     assert box == "x", "a message that failed goes back into the box"
     _, (chat, *_rest) = ask(client, "y", mode="sample", top_p=0.0)
-    assert "top_p" in texts(chat)[-1][1]
+    assert "Top-p 0.0 is out of range" in texts(chat)[-1][1]
     _, (chat, *_rest) = ask(client, " ".join(str(i) for i in range(2000)))   # past the 1024-token context
     assert "context" in texts(chat)[-1][1]
     _, (chat, *_, raw, _) = ask(client, "still there?")
@@ -364,20 +364,21 @@ def test_api_parameters_are_named(client):
 
 
 def test_bad_api_values_give_one_line_notes_not_tracebacks(client, app):
+    """Settings are named by the labels the page shows ("Max new tokens", not max_new_tokens)."""
     ask(client, "keep me")
-    for kw, words in [(dict(mode="nosuch"), "mode 'nosuch' is unknown"),
-                      (dict(max_new=99999), "max_new_tokens 99999 is more than the model's context"),
+    for kw, words in [(dict(mode="nosuch"), "Decoding mode 'nosuch' is unknown"),
+                      (dict(max_new=99999), "Max new tokens 99999 is more than the model's context"),
                       (dict(tree="nosuch"), "unknown tree 'nosuch'"),
                       (dict(tree="/tmp/t.json"), "tree files are read at start only: run launch.py --tree /tmp/t.json"),
                       (dict(tree="cartesian-1000x1000x1000"),
                        "\u26a0\ufe0f tree 'cartesian-1000x1000x1000' has more than 1024 nodes"),   # named once
                       (dict(tree="chain-9"), "tree 'chain-9': tree depth 9 is more than the model's 5 Medusa heads: "
                                              "use a tree of depth <= 5"),
-                      (dict(seed=2**64, mode="sample"), f"seed {2**64} is out of range: use a whole number from "),
-                      (dict(seed="1.5", mode="sample"), "seed '1.5' is not a whole number"),
+                      (dict(seed=2**64, mode="sample"), f"Seed {2**64} is out of range: use a whole number from "),
+                      (dict(seed="1.5", mode="sample"), "Seed '1.5' is not a whole number"),
                       (dict(tree="chain-0"), "unknown tree 'chain-0': use one of"),
                       (dict(tree="chain-0"), "chain-N with N from 1 to 5"),
-                      (dict(temperature="hot", mode="sample"), "temperature 'hot' is not a number"),
+                      (dict(temperature="hot", mode="sample"), "Temperature 'hot' is not a number"),
                       (dict(compare="false, please"), "compare 'false, please' is not true or false")]:
         _, (chat, *_, raw, box) = ask(client, "x", **kw)
         assert words in texts(chat)[-1][1] and box == "x"

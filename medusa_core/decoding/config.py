@@ -8,6 +8,7 @@ OpenAI endpoint and the command lines. Values travel by field name, never by pos
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -28,6 +29,24 @@ class Limits:
     open_low: bool = False
     slider: tuple[float, float, float] | None = None
     fix: str = ""                 # how to put an out-of-range value right, for the error
+
+    @property
+    def short(self) -> str:
+        """The label without its explanation ("ε: posterior threshold (typical)" → "ε"), for errors."""
+        return re.split(r": | \(", self.label)[0]
+
+
+class SettingError(ValueError):
+    """A decoding setting's value refused, in one line that starts with the setting's field name (the
+    word the API and scripts send); ``labelled`` starts with its label instead, the word the page shows."""
+
+    def __init__(self, name: str, problem: str):
+        super().__init__(f"{name} {problem}")
+        self.name, self.problem = name, problem
+
+    @property
+    def labelled(self) -> str:
+        return f"{limits(self.name).short} {self.problem}"
 
 
 def _setting(default: Any, limits: Limits):
@@ -60,16 +79,16 @@ class DecodeConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f"mode {self.mode!r} is unknown: use one of {', '.join(MODES)}")
+            raise SettingError("mode", f"{self.mode!r} is unknown: use one of {', '.join(MODES)}")
         for f in fields(DecodeConfig):
             limits: Limits = f.metadata["limits"]
             value = getattr(self, f.name)
             if limits.kind is str or value is None:
                 continue
             if limits.low is not None and (value < limits.low or (limits.open_low and value == limits.low)):
-                raise ValueError(_below(f.name, value, limits))
+                raise SettingError(f.name, _below(value, limits))
             if limits.high is not None and value > limits.high:
-                raise ValueError(f"{f.name} {_short(str(value))} is out of range: {limits.fix}")
+                raise SettingError(f.name, f"{_short(str(value))} is out of range: {limits.fix}")
 
     @property
     def greedy(self) -> bool:
@@ -87,12 +106,12 @@ def _short(text: str) -> str:
     return text if len(text) <= 40 else f"{text[:37]}..."
 
 
-def _below(name: str, value, limits: Limits) -> str:
+def _below(value, limits: Limits) -> str:
     if not limits.fix:
-        return f"{name} {value} must be at least {limits.low}"
+        return f"{value} must be at least {limits.low}"
     if limits.low == 0 and limits.high is None:
-        return f"{name} {value} is negative: {limits.fix}"
-    return f"{name} {value} is out of range: {limits.fix}"
+        return f"{value} is negative: {limits.fix}"
+    return f"{value} is out of range: {limits.fix}"
 
 
 def limits(name: str) -> Limits:
@@ -111,13 +130,13 @@ def number(name: str, value, kind: type = float):
     try:
         as_float = float(value)
     except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"{name} {shown} is not a number: give one, e.g. {kind(1)}") from None
+        raise SettingError(name, f"{shown} is not a number: give one, e.g. {kind(1)}") from None
     if not math.isfinite(as_float):
-        raise ValueError(f"{name} {shown} is not a finite number: give one, e.g. {kind(1)}")
+        raise SettingError(name, f"{shown} is not a finite number: give one, e.g. {kind(1)}")
     if kind is float:
         return as_float
     if not as_float.is_integer():
-        raise ValueError(f"{name} {shown} is not a whole number: give an integer")
+        raise SettingError(name, f"{shown} is not a whole number: give an integer")
     return int(as_float)
 
 
