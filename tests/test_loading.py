@@ -264,7 +264,7 @@ def test_nonexistent_paths(root, tmp_path):
     assert "does not exist" in _one_line(err)
     with pytest.raises(LoadError, match="has no config.json"):
         load(LoadSpec(model=str(tmp_path), device="cpu"))
-    with pytest.raises(LoadError, match="names no base_model_name_or_path: pass --model"):
+    with pytest.raises(LoadError, match="names no base_model_name_or_path: name the backbone too"):
         d = _heads_dir(tmp_path, noisy_heads(tiny_model("llama", vocab=VOCAB, hidden=HIDDEN)).published_state_dict(), "")
         (d / "config.json").write_text("{}")
         load(LoadSpec(heads=str(d), device="cpu"))

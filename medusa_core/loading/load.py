@@ -140,7 +140,7 @@ def load(spec: LoadSpec, progress: Progress | None = None) -> Loaded:
         files = read_heads_dir(heads_dir)
     model_source = spec.model or (files.base_model if files else None)
     if model_source is None:
-        raise LoadError(f"{files.source if files else spec.heads}: the heads' config.json names no base_model_name_or_path: pass --model")
+        raise LoadError(f"{files.source if files else spec.heads}: the heads' config.json names no base_model_name_or_path: name the backbone too (--model, or the page's backbone box)")
     smollm2_backbone = is_cpu_default_backbone(local_dir(model_source))
     quant = resolve_quant(spec.quant, device, cpu_default=smollm2_backbone, dtype=dtype)
     model, tokenizer = load_backbone(model_source, device, "none" if quant == "int4" else quant, dtype,
