@@ -203,8 +203,8 @@ class ChatEngine:
         """The decode config, tree name and tree of ``settings``; ValueError in one line."""
         config = settings.decode_config()
         if config.max_new_tokens > self.context:
-            raise ValueError(f"max_new_tokens {config.max_new_tokens} is more than the model's context "
-                             f"({self.context} tokens): use at most {self.context}")
+            raise SettingError("max_new_tokens", f"{config.max_new_tokens} is more than the model's context "
+                               f"({self.context} tokens): use at most {self.context}")
         name = self.shown_name(settings.tree or self.default_tree)
         if name not in self._specs:
             self._offer(name)
@@ -250,6 +250,8 @@ class ChatEngine:
         does not fit the context, the oldest exchanges are cut (the system prompt stays); the
         cut is kept in ``session.first_turn`` and announced in the returned one-line notice."""
         tree = self.tree(settings.tree or self.default_tree)
+        # at most a quarter of the context is held for the answer, so that a long max new tokens does not
+        # push the conversation out of the prompt; an answer longer than the room left ends at the context
         answer = min(int(settings.max_new_tokens), self.context // 4)
         reserve = answer + tree.size      # a verification step writes the whole tree's rows past the answer
         exchanges = session.exchanges()

@@ -119,6 +119,21 @@ def test_context_limits_are_clear():
     assert steps[-1].finish_reason == "context" and len(tokens_of(steps)) == 13
 
 
+@pytest.mark.parametrize("spec", ["mc_sim_7b_63", "chain-3"])
+def test_medusa_at_the_context_limit_ends_where_plain_decoding_does(llama_trained, spec):
+    """The context's last slots hold no whole tree: the reply goes on with one-node steps, so greedy Medusa
+    gives plain decoding's tokens up to the last slot (a 64-node tree used to stop 63 tokens short)."""
+    model, heads, _ = llama_trained
+    # the model's own greedy text as the prompt: where its trained heads guess right
+    prompt = PROMPTS[1] + tokens_of(generate(model, PROMPTS[1], config=DecodeConfig(max_new_tokens=400 - 9)))
+    tree = build_tree_buffers(resolve_tree(spec), heads.config.num_heads)
+    plain = list(generate(model, prompt, config=DecodeConfig(max_new_tokens=200)))
+    steps = list(generate(model, prompt, heads=heads, tree=tree, config=DecodeConfig(max_new_tokens=200)))
+    assert plain[-1].finish_reason == steps[-1].finish_reason == "context"
+    assert tokens_of(steps) == tokens_of(plain) and len(tokens_of(plain)) == 512 - 400 + 1
+    assert any(s.from_heads for s in steps), "the heads' guesses were accepted before the tail"
+
+
 @pytest.mark.parametrize("bad, message", [
     (dict(mode="beam"), "mode 'beam' is unknown"),
     (dict(temperature=-1), "temperature -1 is out of range: use a value from 0 \\(greedy\\) to 2"),

@@ -22,7 +22,7 @@ from torch import nn
 from ..heads.medusa_heads import MedusaHeads
 from .config import DecodeConfig
 from .kv_cache import ContextOverflowError, KVCache
-from .step import compute_dtype
+from .step import DecodeStep, compute_dtype
 from .step_store import step_for
 from .tree import TreeBuffers, build_tree_buffers
 
@@ -123,8 +123,14 @@ def generate(
     while True:
         if cache.length + tree.size > cache.capacity:
             # capacity >= prompt + max_new_tokens + T unless the context capped it
-            yield StepResult([], 0, 0.0, finish_reason="context")
-            return
+            if tree.size == 1:
+                yield StepResult([], 0, 0.0, finish_reason="context")
+                return
+            # The context's last slots hold no whole tree: the one-node step ends the reply where
+            # plain decoding would (a 64-node tree stopped 63 tokens short of it).
+            step = plain_tail(model, step, config, cache, graphs)
+            tree = step.tree
+            continue
         t0 = time.perf_counter()
         if sampling:
             step.uniforms.uniform_(generator=generator)
@@ -150,6 +156,16 @@ def generate(
                          time.perf_counter() - t0, finish_reason=reason)
         if reason:
             return
+
+
+def plain_tail(model: nn.Module, step: DecodeStep, config: DecodeConfig, cache: KVCache,
+               graphs: bool | None) -> DecodeStep:
+    """The one-node step, taking over from ``step`` at the token it was about to verify as its root."""
+    tree = build_tree_buffers([], num_heads=0, dtype=compute_dtype(model), device=step.tokens.device)
+    tail = step_for(model, None, tree, config, cache, graphs)
+    tail.set_params(config)
+    tail.tokens.copy_(step.tokens[:1])
+    return tail
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
