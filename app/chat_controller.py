@@ -90,13 +90,17 @@ class ChatController:
             session.cancel.set()
 
     def views(self, session: Session, stats: Stats | None, base: Stats | None, comparison: str,
-              status_line: str, box: str | dict = gr.update(), blank: tuple[str, str] | None = None) -> tuple:
+              status_line: str, box: str | dict = gr.update(), blank: tuple[str, str] | None = None,
+              error: str | None = None) -> tuple:
         """(chat, baseline chat, readout, baseline readout, comparison, status, raw numbers, message box).
-        A readout without stats stays as it is, or shows ``blank``'s text (Medusa's, plain decoding's)."""
+        A readout without stats stays as it is, or shows ``blank``'s text (Medusa's, plain decoding's);
+        ``error``, what ended the answer, is in the raw numbers for scripts."""
         medusa_keep, base_keep = blank or (gr.update(), gr.update())
         last = session.turns[-1] if session.turns else None
         raw = {"medusa": stats.as_dict() if stats else None, "baseline": base.as_dict() if base else None,
                "reply": last.reply if last else None, "baseline_reply": last.baseline if last else None}
+        if error:
+            raw["error"] = error
         return (display(session.turns), display(session.turns, BASELINE),
                 render_live(stats, self.depth()) if stats else medusa_keep,
                 render_live(base, self.depth()) if base else base_keep,
@@ -110,8 +114,7 @@ class ChatController:
         """A message that could not be answered: kept in the chat with its one-line error (never sent to
         the model), and put back in the box to be edited and resent; the raw output says it for scripts."""
         session.turns.append(Turn(user=message, note=error))
-        *shown, raw, box = self.views(session, None, None, "", self.slot.state().line, message)
-        return (*shown, {**raw, "error": error}, box)
+        return self.views(session, None, None, "", self.slot.state().line, message, error=error)
 
     def engine_or_wait(self, session: Session) -> Iterator[str | ChatEngine]:
         """Yield status lines while a model loads, then the engine; a str last means no engine."""
@@ -177,7 +180,7 @@ class ChatController:
         session.turns.append(turn)
         pending = (READOUT_PENDING, READOUT_PENDING if compare else "")
         yield self.views(session, None, None, "", "Starting…", "", blank=pending)
-        stats, base, comparison = yield from self._stream(session, turn, engine, prompt, settings, compare)
+        stats, base, comparison, error = yield from self._stream(session, turn, engine, prompt, settings, compare)
         turn.answered = {"settings": {k: v for k, v in asdict(settings).items() if k != "colour_heads"},
                          "medusa": stats.as_dict() if stats else None, "baseline": base.as_dict() if base else None}
         if compare and turn.reply is None and not turn.note:
@@ -188,13 +191,14 @@ class ChatController:
         # A failed message goes back into the box so it can be edited and resent.
         box = message if turn.reply is None else gr.update()
         # a pass that failed before its first token has no figures: the hint comes back
-        yield self.views(session, stats, base, comparison, self.slot.state().line, box, blank=(READOUT_HINT, ""))
+        yield self.views(session, stats, base, comparison, self.slot.state().line, box, blank=(READOUT_HINT, ""),
+                         error=error)
 
     def _stream(self, session: Session, turn: Turn, engine: ChatEngine, prompt: list[int], settings: Settings,
                 compare: bool):
         """Show the engine's updates as they come; returns the last (Medusa stats, baseline stats, comparison)."""
         passes = (BASELINE, MEDUSA) if compare else (MEDUSA,)
-        cut, stats, base, comparison = turn.note, None, None, ""
+        cut, stats, base, comparison, error = turn.note, None, None, "", None
         medusa = engine.medusa_label(settings.tree) == LABELS[MEDUSA]
         tree = engine.shown_name(settings.tree or engine.default_tree)
         label = (f"plain decoding and {'Medusa' if medusa else 'plain decoding again'}, step-interleaved" if compare
@@ -226,9 +230,10 @@ class ChatController:
                     if not update.error and not update.plain.strip():
                         turn.note = " · ".join(filter(None, [turn.note, empty_note(update.stats)]))
             if update.error:
-                turn.note = " · ".join(filter(None, [cut, update.error]))
+                error = update.error
+                turn.note = " · ".join(filter(None, [cut, error]))
             yield self.views(session, stats, base, "", f"Generating: {label}…")
-        return stats, base, comparison
+        return stats, base, comparison, error
 
     def regenerate(self, session: Session, system, compare, controls: dict) -> Iterator[tuple]:
         # the tab's lock first: a second click while the first regenerates must not pop the turn it answers

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -330,13 +331,21 @@ class ChatEngine:
             for r in runs:
                 yield r.update(error=oom_message())
             return
-        except ValueError as err:  # ContextOverflowError: the prompt does not fit
+        except ValueError as err:  # ContextOverflowError (the prompt does not fit), or a value a step refused
             for r in runs:
                 yield r.update(error=str(err))
             return
         except EngineClosed as closed:   # Unload, or another model loaded: what was written stays
             for r in runs:
                 yield r.update(error=f"stopped: {closed}")
+            return
+        except Exception as err:   # a fault nothing foresaw (a CUDA error, a bug): the answer ends saying so,
+            traceback.print_exc()  # keeps what it wrote, and the console has the traceback for a report
+            session.drop_caches()  # a step cut off midway may have written rows it never committed
+            first_line = next(iter(str(err).splitlines()), "")
+            for r in runs:
+                yield r.update(error=f"the answer failed: {type(err).__name__}: {first_line} "
+                                     "(the console has the details; ask again)")
             return
         if len(runs) == 2:
             yield Update(COMPARISON, comparison=self._compare(runs, events, settings), done=True)

@@ -794,6 +794,42 @@ def test_an_answer_running_when_its_model_goes_ends_saying_why(model_dirs, then)
     assert "Generating" not in updates[-1][5], "the status line stayed on the stopped answer"
 
 
+def test_a_fault_mid_answer_ends_it_with_a_note_and_the_chat_goes_on(model_dirs, capfd):
+    """An error nothing foresaw (a CUDA fault, a bug) in the middle of an answer: the answer keeps what it
+    wrote, ends with a one-line note, scripts read the error, and the next message is answered (it raised
+    out of the page's handler: a toast, and an answer on screen that the next prompt silently left out)."""
+    from app.chat_controller import ChatController
+    from app.models import ModelSlot
+    from app.session import Session
+    from medusa_core.loading.spec import LoadSpec
+
+    backbone, heads = model_dirs
+    slot = ModelSlot(log=lambda line: None)
+    slot.start(LoadSpec(model=str(backbone), heads=str(heads), device="cpu"))
+    assert slot.wait(120).phase == "ready"
+    forwards = []
+
+    def fault(*args):
+        forwards.append(1)
+        if len(forwards) == 6:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered\nCompile with ...")
+
+    hook = slot.engine.model.get_decoder().register_forward_hook(fault)
+    chat, session = ChatController(slot), Session()
+    *_, last = chat.run(session, "tell me a story", "", False, dict(max_new_tokens=40, tree="baseline"))
+    hook.remove()
+    error = ("the answer failed: RuntimeError: CUDA error: an illegal memory access was encountered "
+             "(the console has the details; ask again)")
+    turn = session.turns[-1]
+    assert turn.reply and turn.note == error, (turn.reply, turn.note)
+    assert last[6]["error"] == error and last[6]["reply"] == turn.reply
+    assert "Traceback" in capfd.readouterr().err, "the console keeps the details"
+    *_, last = chat.run(session, "and then?", "", False, dict(max_new_tokens=8, tree="baseline"))
+    assert last[6]["medusa"]["tokens"] == 8 and "error" not in last[6]
+    assert [user for _, user, _ in session.exchanges()] == ["tell me a story", "and then?"], \
+        "the partial answer stays in the conversation the model sees"
+
+
 def test_a_tab_keeps_one_export_folder_and_it_goes_with_the_tab():
     """Each change rewrites the tab's two export files in place (a folder per change left a copy of
     every state of every conversation in /tmp); the tab's end removes them."""
