@@ -102,13 +102,9 @@ class ChatController:
         if error:
             raw["error"] = error
         return (display(session.turns), display(session.turns, BASELINE),
-                render_live(stats, self.depth()) if stats else medusa_keep,
-                render_live(base, self.depth()) if base else base_keep,
+                render_live(stats) if stats else medusa_keep,
+                render_live(base) if base else base_keep,
                 comparison, status_line, raw, box)
-
-    def depth(self) -> int:
-        engine = self.slot.engine
-        return engine.num_heads + 1 if engine is not None else 1
 
     def failed(self, session: Session, message: str, error: str) -> tuple:
         """A message that could not be answered: kept in the chat with its one-line error (never sent to

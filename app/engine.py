@@ -79,7 +79,7 @@ class DecoderRun:
         else:
             heads = engine.heads
         self.engine, self.name, self.tree, self.config, self.cache = engine, name, tree, config, cache
-        self.meter = Meter(label, tree_name, tree.size)
+        self.meter = Meter(label, tree_name, tree.size, tree.num_heads)
         self.detok = Detokenizer(engine.tokenizer, skip=engine.loaded.stop_ids)
         self.segments: list[tuple[str, bool]] = []
         self.tokens: list[int] = []

@@ -31,6 +31,7 @@ class Stats:
     label: str = "Medusa"           # which decoder: "Medusa" or "Plain decoding"
     tree: str = ""                  # tree preset the answer used
     tree_size: int = 1              # its node count including the root
+    tree_depth: int = 0             # its guesses' depth: a step emits at most tree_depth + 1 tokens
     tokens: int = 0                 # generated tokens, first token included
     steps: int = 0                  # decoding steps after the prefill
     accepted: tuple[int, ...] = ()  # tokens emitted per decoding step (1 = no head guess accepted)
@@ -74,6 +75,7 @@ class Meter:
     label: str = "Medusa"
     tree: str = ""
     tree_size: int = 1
+    tree_depth: int = 0
     _accepted: list[int] = field(default_factory=list)
     _tokens: int = 0
     _from_heads: int = 0
@@ -92,19 +94,19 @@ class Meter:
         self._finish = step.finish_reason or self._finish
 
     def snapshot(self) -> Stats:
-        return Stats(self.label, self.tree, self.tree_size, self._tokens, len(self._accepted),
+        return Stats(self.label, self.tree, self.tree_size, self.tree_depth, self._tokens, len(self._accepted),
                      tuple(self._accepted), self._from_heads, self._ttft, self._decode, self._finish)
 
 
 def sparkline(values: tuple[int, ...] | list[int], top: int | None = None) -> str:
-    """One block character per value, scaled so ``top`` (the tree depth + 1) is a full bar."""
+    """One block character per value, scaled so ``top`` (the most a step can emit) is a full bar."""
     if not values:
         return ""
     top = max(top or 1, max(values), 1)
     return "".join(_BARS[min(len(_BARS) - 1, (v - 1) * (len(_BARS) - 1) // max(top - 1, 1))] for v in values)
 
 
-def render_live(stats: Stats, depth: int | None = None) -> str:
+def render_live(stats: Stats) -> str:
     """The readout Markdown: a table of the live numbers, the sparkline, and once the
     answer is finished a one-line summary."""
     ttft = "–" if stats.ttft is None else f"{stats.ttft * 1000:.0f} ms"
@@ -121,7 +123,7 @@ def render_live(stats: Stats, depth: int | None = None) -> str:
         f"{f'{stats.tokens_per_step:.2f}' if stats.steps else '–'} | {ttft} | {stats.tokens} |",
     ]
     if recent:
-        lines += ["", f"accepted per step (last {len(recent)}): `{sparkline(recent, depth)}`"]
+        lines += ["", f"accepted per step (last {len(recent)}): `{sparkline(recent, stats.tree_depth + 1)}`"]
     if stats.finish_reason:
         lines += ["", summary(stats)]
     return "\n".join(lines)

@@ -574,6 +574,17 @@ def test_a_one_token_answer_has_no_speed_to_show():
     assert "Answer: 9 tokens in 0.60 s · 20.0 tokens/s after the first · 2.00 tokens/step over 4 steps" in many
 
 
+def test_the_accepted_per_step_bars_are_full_where_a_step_took_the_whole_tree():
+    """A bar is full where a step emitted all its tree's depth + 1 tokens: the CPU default's 2-node tree
+    under 5 heads drew every accepted guess as a low bar, as if the heads never helped."""
+    from app.readout import Stats, render_live
+
+    two_nodes = render_live(Stats(tree_size=2, tree_depth=1, tokens=7, steps=5, accepted=(2, 1, 2, 2, 1)))
+    assert "accepted per step (last 5): `█▁██▁`" in two_nodes
+    deep = render_live(Stats(tree_size=64, tree_depth=4, tokens=10, steps=4, accepted=(5, 1, 3, 2)))
+    assert "`█▁▄▂`" in deep
+
+
 def test_divergence_names_the_token_and_the_reason():
     import torch
 
