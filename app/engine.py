@@ -34,6 +34,10 @@ from .settings import Settings
 BASELINE, MEDUSA, COMPARISON = "baseline", "medusa", "comparison"
 LABELS = {BASELINE: "Plain decoding", MEDUSA: "Medusa"}
 UPDATE_SECONDS = 0.05  # stream at most ~20 updates/s: the browser gains nothing from more
+# No step runs while the page renders an update, and rendering grows with the reply (its whole Markdown
+# each time): a 3,000-character reply at 30 ms steps took 28% longer. Updates are spaced so that the
+# rendering takes at most this share of the answer's time.
+RENDER_SHARE = 0.1
 PREPARING = "preparing tree (first use)…"
 # the Medusa pane's label where the tuner found that no tree pays on this machine (tree_tuning.py)
 NO_SPEEDUP = "Plain decoding: Medusa gives no speedup on this device"
@@ -312,7 +316,7 @@ class ChatEngine:
         tie): the two decoders alternate at the scale of single steps, so background load hits
         both alike, and both reach the same point of the answer at about the same time."""
         events: list[tuple[str, int, float]] = []   # (pass, tokens, seconds) of steps taken while both ran
-        last_yield = 0.0
+        last_yield, interval = 0.0, UPDATE_SECONDS
         try:
             while active := [r for r in runs if not r.done]:
                 run = min(active, key=lambda r: (len(r.tokens), r.name != BASELINE))
@@ -320,10 +324,12 @@ class ChatEngine:
                 if step is not None and step.tokens and not step.prefill and len(active) == len(runs) > 1:
                     events.append((run.name, len(step.tokens), step.seconds))
                 now = time.perf_counter()
-                if run.done or (step is not None and step.prefill) or now - last_yield >= UPDATE_SECONDS:
-                    last_yield = now
+                if run.done or (step is not None and step.prefill) or now - last_yield >= interval:
                     for r in runs:
                         yield r.update()
+                    last_yield = time.perf_counter()
+                    rendered = last_yield - now        # the consumer's time, while no step ran
+                    interval = max(UPDATE_SECONDS, rendered * (1 - RENDER_SHARE) / RENDER_SHARE)
         except torch.OutOfMemoryError:
             session.drop_caches()
             if torch.cuda.is_available():

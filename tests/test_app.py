@@ -841,6 +841,32 @@ def test_a_fault_mid_answer_ends_it_with_a_note_and_the_chat_goes_on(model_dirs,
         "the partial answer stays in the conversation the model sees"
 
 
+def test_a_slow_page_gets_fewer_updates_not_a_slower_answer(model_dirs):
+    """No step runs while the page renders an update, and rendering grows with the reply: updates are spaced
+    so that a page taking 50 ms an update holds up an answer of 10 ms steps for a small share of its time
+    (it got an update after every step: the answer took about 6 times as long)."""
+    from app.models import ModelSlot
+    from app.session import Session
+    from app.settings import Settings
+    from medusa_core.loading.spec import LoadSpec
+
+    backbone, heads = model_dirs
+    slot = ModelSlot(log=lambda line: None)
+    slot.start(LoadSpec(model=str(backbone), heads=str(heads), device="cpu"))
+    assert slot.wait(120).phase == "ready"
+    engine = slot.engine
+    engine.model.get_decoder().register_forward_hook(lambda *args: time.sleep(0.01))
+    prompt = engine.prompt_ids([{"role": "user", "content": "tell me a long story"}], None)
+    rendering, start = 0.0, time.perf_counter()
+    for update in engine.answer(Session(), prompt, Settings.parse(max_new_tokens=100, tree="baseline")):
+        began = time.perf_counter()
+        time.sleep(0.05)               # the page rendering the update
+        rendering += time.perf_counter() - began
+    wall = time.perf_counter() - start
+    assert update.done and update.stats.tokens >= 50, update
+    assert rendering / wall < 0.25, f"rendering took {rendering:.2f} s of the answer's {wall:.2f} s"
+
+
 def test_a_tab_keeps_one_export_folder_and_it_goes_with_the_tab():
     """Each change rewrites the tab's two export files in place (a folder per change left a copy of
     every state of every conversation in /tmp); the tab's end removes them."""
