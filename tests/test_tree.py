@@ -61,7 +61,7 @@ def test_tree_file(tmp_path):
     [
         ([(0,), (1, 0)], "has no parent"),
         ([(0,), (0, 0), (0, 0, 0)], "tree depth 3 is more than the model.s 2 Medusa heads"),
-        ([(12,)], "top 10"),
+        ([(12,)], r"uses rank 12, but each head offers only its top 10 guesses: use ranks < 10 \(widths <= 10\)"),
         ([(0,), (0,)], "appears twice"),
         ([(0, -1)], "invalid"),
     ],

@@ -152,7 +152,8 @@ def generate(
             # Tokens accepted past the cut were never emitted: keep the cache equal to
             # prompt + reply[:-1] so the next turn's prefix match is exact.
             cache.rewind(len(prompt_ids) + produced - 1)
-        yield StepResult(kept, len(kept) - 1 if len(kept) == len(emitted) else len(kept),
+        # from the heads: the kept tokens but the bonus (the backbone's own), which a cut may have left out
+        yield StepResult(kept, min(len(kept), len(emitted) - 1),
                          time.perf_counter() - t0, finish_reason=reason)
         if reason:
             return

@@ -104,7 +104,6 @@ class KVCache(Cache):
         self.num_layers = num_layers
         self.max_context = max_context
         self.capacity = bucket(max(capacity, 1), max_context)
-        self.length = 0                          # committed entries (host mirror of ``position``)
         self.token_ids: list[int] = []           # the committed tokens, for prefix reuse across turns
         self.storage: torch.Tensor | None = None  # (layers, 2, 1, kv_heads, capacity, head_dim)
         self.position: torch.Tensor | None = None  # (1,) long on the device: where the next forward writes
@@ -157,6 +156,11 @@ class KVCache(Cache):
                 self.storage[..., : self.length, :] = old[..., : self.length, :]
 
     # ---- committed length (host and device kept equal outside a step)
+    @property
+    def length(self) -> int:
+        """Committed entries: the host mirror of ``position``."""
+        return len(self.token_ids)
+
     def _sync_position(self) -> None:
         if self.position is not None:
             # The buffers are made inside generate()'s inference mode; a caller may rewind outside it.
@@ -166,8 +170,7 @@ class KVCache(Cache):
     def rewind(self, length: int) -> None:
         """Forget everything after the first ``length`` committed tokens (0: a new conversation,
         keeping the buffers and their captured steps)."""
-        self.length = min(self.length, length)
-        del self.token_ids[self.length:]
+        del self.token_ids[length:]
         self._sync_position()
 
     def reuse_prefix(self, prompt_ids: list[int]) -> int:
@@ -183,7 +186,6 @@ class KVCache(Cache):
     def commit(self, token_ids: list[int], *, on_device: bool = False) -> None:
         """Keep ``token_ids``, written just after the committed prefix. ``on_device``: a decoding
         step already advanced ``position`` (and copied the accepted path down) itself."""
-        self.length += len(token_ids)
         self.token_ids.extend(token_ids)
         if not on_device:
             self._sync_position()

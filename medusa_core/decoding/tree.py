@@ -199,8 +199,8 @@ def validate_paths(paths: Paths, num_heads: int, top_k: int) -> None:
     for p in paths:
         if max(p) >= top_k:
             raise TreeError(
-                f"tree path {list(p)} uses rank {max(p)} but heads supply only their top {top_k}: "
-                f"use ranks < {top_k} or raise top_k"
+                f"tree path {list(p)} uses rank {max(p)}, but each head offers only its top {top_k} guesses: "
+                f"use ranks < {top_k} (widths <= {top_k})"
             )
 
 
