@@ -147,7 +147,7 @@ class ModelSlot:
         self.engine: ChatEngine | None = None
         self._phase, self._line, self._version = "empty", "No model loaded: pick one under Model and press Load", 0
         self._engine_version = 0
-        self._ready_line = ""       # the loaded model's "Ready · ..." line, shown again under a failed switch
+        self._kept = ""             # what a failed switch says of the loaded model: its name and tree line
         self._loading: LoadSpec | None = None
         self._started = 0.0
 
@@ -221,7 +221,8 @@ class ModelSlot:
         line = f"Ready · {loaded.description} · loaded in {seconds:.1f} s · {loaded.memory}"
         if loaded.tree_note:   # on a line of its own: which tree runs, and why, is what a user looks for
             line += f"\n\n{loaded.tree_note}"
-        self._ready_line = line
+        # after the load: a first start's conversion note is past
+        self._kept = f"{self._describe(spec)} is still loaded" + (f"\n\n{loaded.tree_note}" if loaded.tree_note else "")
         self._set("ready", line, engine, replace_engine=True)
         self._log(line)
 
@@ -235,7 +236,7 @@ class ModelSlot:
         keep = self.engine is not None
         self._log(f"error: {message}")
         self._set("failed" if not keep else "ready",
-                  f"❌ {message}" + (f" · the previous model is still loaded:\n\n{self._ready_line}" if keep else ""))
+                  f"❌ {message}" + (f" · {self._kept}" if keep else ""))
 
     @staticmethod
     def _describe(spec: LoadSpec) -> str:

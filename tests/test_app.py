@@ -641,7 +641,10 @@ def test_model_slot_loads_in_background_and_keeps_old_model_on_failure(model_dir
     first = slot.engine
     slot.start(LoadSpec(model="broken/model", device="cpu"))
     state = slot.wait(60)
-    assert slot.engine is first and "broken/model is not a hub repo" in state.line and "still loaded" in state.line
+    assert slot.engine is first and "broken/model is not a hub repo" in state.line
+    # the loaded model in a few words and its tree line, not its whole Ready paragraph again
+    assert f"· {spec.model} with heads {spec.heads} is still loaded\n\ntree small-16" in state.line, state.line
+    assert "Ready" not in state.line
     assert any(line.startswith("error: broken/model") for line in lines)
     assert "unloaded" in slot.unload() and slot.engine is None and slot.state().phase == "empty"
 
