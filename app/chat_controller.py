@@ -300,16 +300,20 @@ def wire_chat(page: Page, chat: ChatController) -> dict:
     The chat handlers' parameters are the scripting API's parameter names, and ``page.inputs``
     picks the components by those names."""
 
+    # request: the session hash, so that a script's session (which runs no page load) also stops its
+    # answer when its client goes; Gradio passes it by its type, and it is no input of the API
     def on_send(session: Session, message: str, system: str, compare: bool, mode: str, temperature: float,
                 top_p: float, epsilon: float, delta: float, max_new_tokens: int, tree: str | None,
-                seed: int, colour_heads: bool):
+                seed: int, colour_heads: bool, request: gr.Request):
+        chat.tab_opened(session, request.session_hash)
         yield from chat.run(session, message, system, compare, dict(
             mode=mode, temperature=temperature, top_p=top_p, epsilon=epsilon, delta=delta,
             max_new_tokens=max_new_tokens, tree=tree, seed=seed, colour_heads=colour_heads))
 
     def on_regenerate(session: Session, system: str, compare: bool, mode: str, temperature: float,
                       top_p: float, epsilon: float, delta: float, max_new_tokens: int, tree: str | None,
-                      seed: int, colour_heads: bool):
+                      seed: int, colour_heads: bool, request: gr.Request):
+        chat.tab_opened(session, request.session_hash)
         yield from chat.regenerate(session, system, compare, dict(
             mode=mode, temperature=temperature, top_p=top_p, epsilon=epsilon, delta=delta,
             max_new_tokens=max_new_tokens, tree=tree, seed=seed, colour_heads=colour_heads))
@@ -349,4 +353,5 @@ def wire_chat(page: Page, chat: ChatController) -> dict:
 
 
 def _parameters(fn) -> list[str]:
-    return list(inspect.signature(fn).parameters)
+    """The page inputs a handler takes, by its parameter names (the request is Gradio's, not an input)."""
+    return [name for name in inspect.signature(fn).parameters if name != "request"]

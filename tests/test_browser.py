@@ -505,6 +505,55 @@ def test_a_reload_during_a_long_read_stops_the_answer_nobody_will_see(browser, t
             hook.remove()
 
 
+def test_a_script_whose_client_goes_stops_its_answer(tiny_dirs, monkeypatch):
+    """A gradio_client script killed mid-answer: its answer stops, as a closed tab's does (a script's session
+    runs no page load, so it was never registered to stop: its long read held the model for minutes while
+    every other request waited). Each prompt piece takes 0.25 s here, so the whole read would take 15 s or more."""
+    import subprocess
+    import sys
+    import time
+
+    from app.models import ModelSlot
+    from medusa_core.decoding import generate as loop
+    from medusa_core.loading.spec import LoadSpec
+
+    monkeypatch.setattr(loop, "PREFILL_PIECE", 8)
+    backbone, heads = tiny_dirs
+    slot = ModelSlot(max_new_tokens=8, log=lambda line: None)
+    spec = LoadSpec(model=str(backbone), heads=str(heads), device="cpu")
+    forwards = []
+
+    def slow(*_):
+        forwards.append(time.monotonic())
+        time.sleep(0.25)
+
+    with in_process_app(slot, spec) as url:
+        slot.start(spec)
+        assert slot.wait(120).phase == "ready"
+        prompt = "tell me about the sea "
+        while len(slot.engine.prompt_ids([{"role": "user", "content": prompt}], None)) < slot.engine.context * 0.7:
+            prompt += "and the sky "    # most of the context: room is left for the answer
+        pieces = len(slot.engine.prompt_ids([{"role": "user", "content": prompt}], None)) // 8
+        assert pieces >= 40
+        hook = slot.engine.model.get_decoder().register_forward_hook(slow)
+        script = subprocess.Popen([sys.executable, "-c", "from gradio_client import Client; "
+                                   f"Client({url!r}, verbose=False).predict(message={prompt!r}, api_name='/send')"])
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and len(forwards) < 3:
+                time.sleep(0.1)
+            assert forwards, "the script's request did not start"
+            script.kill()
+            script.wait()
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and time.monotonic() - forwards[-1] < 2.0:
+                time.sleep(0.25)       # until the model is idle
+            assert len(forwards) < pieces / 2, f"the gone script's answer read {len(forwards)} of {pieces} pieces"
+        finally:
+            script.kill()
+            hook.remove()
+
+
 def test_page_opens_before_the_model_has_loaded(browser):
     """The page is served at once, shows load progress and keeps Send off until the model is in."""
     from app.models import CPU_DEFAULTS, ModelSlot
