@@ -88,6 +88,9 @@ class ChatController:
         if session is not None:
             session.closed = True     # a request that starts later (a Send queued after Stop) stops too
             session.cancel.set()
+            # Its keys and values are never read again (a reloaded tab, a script's next Client, is a new
+            # session): freed now, not when Gradio drops the closed session's state an hour later
+            session.drop_caches()
 
     def views(self, session: Session, stats: Stats | None, base: Stats | None, comparison: str,
               status_line: str, box: str | dict = gr.update(), blank: tuple[str, str] | None = None,

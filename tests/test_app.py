@@ -711,7 +711,10 @@ def test_a_closed_tab_starts_no_answer(model_dirs):
     chat, session, other = ChatController(slot), Session(), Session()
     chat.tab_opened(session, "closed-tab")
     chat.tab_opened(other, "open-tab")
+    list(chat.run(session, "hello", "", False, dict(max_new_tokens=8)))
+    assert session.caches_for(slot.engine)
     chat.tab_closed("closed-tab")
+    assert session._caches == {}, "a closed tab's keys and values are freed at once"
     *_, raw, _ = list(chat.run(session, "hello", "", False, dict(max_new_tokens=8)))[-1]
     assert raw["medusa"] is None or raw["medusa"]["tokens"] == 0, raw
     *_, raw, _ = list(chat.run(other, "hello", "", False, dict(max_new_tokens=8)))[-1]
