@@ -121,6 +121,9 @@ class ChatController:
         while state.phase == "loading" and not session.cancel.is_set():
             yield f"⏳ Waiting for the model: {state.line.removeprefix('⏳ ')}"
             state = self.slot.wait(0.5)
+        if state.phase == "loading":   # Stop while waiting (there may be no model yet to say "stopped")
+            yield "stopped while the model was loading: the message is back in the box"
+            return
         engine = self.slot.engine
         yield engine if engine is not None else ("no model is loaded: pick one under Model and press Load"
                                                  if state.phase != "failed" else state.line.lstrip("❌ "))

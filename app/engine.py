@@ -247,7 +247,8 @@ class ChatEngine:
     def prompt_ids(self, messages: list[dict], system: str | None) -> list[int]:
         from medusa_core.loading.chat_format import render_chat
 
-        return render_chat(self.tokenizer, messages, system=system or None)
+        # a blank system prompt is none: the model's own default, not a prompt of spaces
+        return render_chat(self.tokenizer, messages, system=system if system and system.strip() else None)
 
     def fit_prompt(self, session: Session, message: str, system: str | None, settings: Settings
                    ) -> tuple[list[int], str | None]:
@@ -270,9 +271,12 @@ class ChatEngine:
                 session.first_turn = exchanges[drop - 1][0] + 1
                 return ids, (f"the oldest {drop} exchange{'s' if drop > 1 else ''} left the model's prompt to fit "
                              f"its {self.context}-token context (still shown here)")
+        alone = len(self.prompt_ids([{"role": "user", "content": message}], None))
+        fix = "shorten the system prompt (the message fits without it)" if system and alone + reserve <= self.context \
+            else "shorten the message"
         raise ValueError(f"the message needs {len(ids):,} tokens with the system prompt, and {reserve:,} are kept for "
                          f"the answer ({answer:,} new tokens and {tree.size} for the tree's verification), but the "
-                         f"model's context is {self.context:,}: shorten the message")
+                         f"model's context is {self.context:,}: {fix}")
 
     # ---- answering
     def answer(self, session: Session, prompt_ids: list[int], settings: Settings,
@@ -367,4 +371,4 @@ class ChatEngine:
                     base.tokens, medusa.tokens, decode=self.tokenizer.decode, device=self.device.type,
                     dtype=self.dtype, weights=self.weights)
         return Comparison(base.meter.snapshot(), medusa.meter.snapshot(), tuple(interleaved_ratios(events)),
-                          identical, divergence, sampled=not settings.greedy)
+                          identical, divergence, unlike=not settings.greedy and base.tokens != medusa.tokens)

@@ -161,7 +161,7 @@ class Comparison:
     ratios: tuple[float, ...] = ()   # speedup in rolling windows of the interleaved steps
     identical: bool | None = None    # None: sampling, or an answer was cut short
     divergence: str | None = None    # where and why greedy answers differ
-    sampled: bool = False            # not greedy: the two answers are different texts by design
+    unlike: bool = False             # not greedy, and the two answers came out as different texts
 
 
 def interleaved_ratios(events: list[tuple[str, int, float]], window: int = RATIO_WINDOW) -> list[float]:
@@ -247,7 +247,7 @@ def render_comparison(comparison: Comparison) -> str:
         parts.append("· greedy answers are **identical**")
     elif comparison.identical is False:
         parts.append(f"· greedy answers **differ**: {comparison.divergence}")
-    if comparison.sampled and ratio:   # a tester read 4.22× off a 6-token plain answer beside a 40-token one
+    if comparison.unlike and ratio:   # a tester read 4.22× off a 6-token plain answer beside a 40-token one
         parts.append(f"· not greedy: the answers are different texts ({baseline.tokens} and {medusa.tokens} "
                      "tokens), so their speeds compare unlike work; greedy compares like for like")
     return " ".join(parts)
