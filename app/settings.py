@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from medusa_core.decoding.config import SETTINGS, DecodeConfig, limits, number
+from medusa_core.decoding.tree import tree_spelling
 
 
 def flag(name: str, value) -> bool:
@@ -32,7 +33,7 @@ class Settings(DecodeConfig):
         values: dict = {}
         for name, value in raw.items():
             if name == "tree":        # any value the API sends is a name: 5 is tree '5', unknown, not a crash
-                values[name] = (str(value).strip() or None) if value is not None else None
+                values[name] = str(value) if value is not None else None
             elif name == "colour_heads":
                 values[name] = flag(name, value)
             elif name == "seed":        # blank or negative: a random seed
@@ -44,6 +45,11 @@ class Settings(DecodeConfig):
             else:
                 raise ValueError(f"setting {name!r} is unknown: use {', '.join(f.name for f in fields(cls))}")
         return cls(**values)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.tree is not None:   # one spelling per tree, from the page and the API alike: CHAIN-03 is chain-3
+            object.__setattr__(self, "tree", tree_spelling(self.tree) or None)
 
     def decode_config(self) -> DecodeConfig:
         return DecodeConfig(**{name: getattr(self, name) for name in SETTINGS})

@@ -378,6 +378,8 @@ def test_bad_api_values_give_one_line_notes_not_tracebacks(client, app):
                                              "use a tree of depth <= 5"),
                       (dict(seed=2**64, mode="sample"), f"Seed {2**64} is out of range: use a whole number from "),
                       (dict(seed="1.5", mode="sample"), "Seed '1.5' is not a whole number"),
+                      (dict(seed="\u00b2", mode="sample"), "Seed '\u00b2' is not a number"),   # int() refuses it
+                      (dict(tree="cartesian-0x2"), "tree 'cartesian-0x2' has a width of 0"),
                       (dict(tree="chain-0"), "unknown tree 'chain-0': use one of"),
                       (dict(tree="chain-0"), "chain-N with N from 1 to 5"),
                       (dict(temperature="hot", mode="sample"), "Temperature 'hot' is not a number"),
@@ -409,17 +411,21 @@ def test_named_tree_shows_as_its_name(client, model_dirs):
 
 
 def test_typed_trees_are_kept_only_a_few_at_a_time(engine):
-    """Typed trees beyond the list are built once and kept, but only the last few: a stream of
-    spellings (cartesian-2x2, cartesian-02x2, ...) cannot grow memory."""
+    """Typed trees beyond the list are built once and kept, but only the last few: a stream of typed trees
+    cannot grow memory. Spellings of one tree are that tree, under one name (cartesian-02x2 was shown,
+    built and kept as a tree of its own)."""
     from app.engine import TYPED_TREES
     from app.settings import Settings
 
     listed = len(engine._trees)
-    for zeros in range(TYPED_TREES + 4):
-        name = f"cartesian-{'0' * zeros}2x2"
-        assert engine.check(Settings(tree=name))[2].size == 7
+    typed = [(a, b) for a in range(1, 4) for b in range(1, 5)]
+    assert len(typed) > TYPED_TREES
+    for a, b in typed:
+        assert engine.check(Settings(tree=f"cartesian-{a}x{b}"))[2].size == 1 + a + a * b
     assert len(engine._trees) <= listed + TYPED_TREES
-    assert engine.check(Settings(tree="cartesian-2x2"))[2].size == 7      # the evicted first one comes back
+    assert engine.check(Settings(tree="cartesian-1x1"))[2].size == 3      # the evicted first one comes back
+    for spelling in (" CARTESIAN-02x2 ", "cartesian-2x002"):
+        assert engine.check(Settings.parse(tree=spelling))[1] == "cartesian-2x2"
 
 
 def test_regenerate_while_answering_changes_nothing():

@@ -3,7 +3,8 @@ import json
 import pytest
 import torch
 
-from medusa_core.decoding.tree import MC_SIM_7B_63, PRESETS, TreeError, build_tree_buffers, cartesian, chain, resolve_tree
+from medusa_core.decoding.tree import (MC_SIM_7B_63, PRESETS, TreeError, UnknownTreeError, build_tree_buffers, cartesian,
+                                       chain, resolve_tree, tree_spelling)
 
 
 def ancestors_and_self(paths, node_path):
@@ -69,6 +70,30 @@ def test_tree_file(tmp_path):
 def test_malformed_trees_raise(paths, message):
     with pytest.raises(TreeError, match=message):
         build_tree_buffers(paths, num_heads=2, top_k=10)
+
+
+@pytest.mark.parametrize("typed, spelled", [(" CHAIN-03 ", "chain-3"), ("Small-16", "small-16"), ("BASELINE", "baseline"),
+                                            ("cartesian-02x3", "cartesian-2x3")])
+def test_a_tree_has_one_spelling(typed, spelled):
+    assert tree_spelling(typed) == spelled
+    assert resolve_tree(typed) == resolve_tree(spelled)
+
+
+def test_a_tree_file_keeps_its_path_as_typed():
+    assert tree_spelling(" trees/My.json ") == "trees/My.json"
+
+
+@pytest.mark.parametrize("typed", ["chain-\u0663", "chain-\u00b2", "cartesian-2x\u0663", "chain-" + "9" * 5000])
+def test_tree_names_take_a_few_ascii_digits(typed):
+    """"chain-٣" was built as chain-3 under its typed name, and "chain-²" raised int()'s own error."""
+    with pytest.raises(UnknownTreeError, match="unknown tree"):
+        resolve_tree(typed)
+
+
+def test_a_cartesian_width_of_zero_says_so():
+    with pytest.raises(TreeError, match=r"tree 'cartesian-0x2' has a width of 0: each width of cartesian-AxB\.\.\. is at "
+                                        "least 1"):
+        resolve_tree("cartesian-0x2")
 
 
 def test_a_generated_tree_too_large_is_refused_before_it_is_built():

@@ -124,7 +124,8 @@ def number(name: str, value, kind: type = float):
     Whole numbers stay exact (a seed past 2**53 is no float); the limits are checked by DecodeConfig."""
     if kind is int and isinstance(value, int):
         return int(value)
-    if kind is int and isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+    # isdecimal, not isdigit: int() refuses "²", which isdigit takes; and past 4,300 digits int() refuses too
+    if kind is int and isinstance(value, str) and len(value) <= 100 and value.strip().lstrip("+-").isdecimal():
         return int(value)
     shown = _short(repr(value))
     try:

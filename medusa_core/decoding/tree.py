@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,27 +83,46 @@ def preset_names() -> list[str]:
     return [*PRESETS, *(f"chain-{d}" for d in range(1, 6)), "cartesian-AxB..."]
 
 
+# ASCII digits only (str.isdigit() also takes "٣" and "²", which int() then refuses), and few of them: past
+# 4,300 digits int() refuses too, and six already make a tree far over MAX_GENERATED_NODES
+_CHAIN = re.compile(r"chain-([0-9]{1,6})", re.ASCII)
+_CARTESIAN = re.compile(r"cartesian-([0-9]{1,6}(?:x[0-9]{1,6})*)", re.ASCII)
+
+
+def tree_spelling(spec: str) -> str:
+    """The one spelling of a named tree: " CHAIN-03 " is chain-3, Small-16 is small-16, so that a tree
+    shows (and is built and kept) under one name; a file path or any other name stays as given, stripped."""
+    spec = spec.strip()
+    lowered = spec.lower()
+    if match := _CHAIN.fullmatch(lowered):
+        return f"chain-{int(match[1])}"
+    if match := _CARTESIAN.fullmatch(lowered):
+        return "cartesian-" + "x".join(str(int(width)) for width in match[1].split("x"))
+    return lowered if lowered in PRESETS or lowered == "baseline" else spec
+
+
 def resolve_tree(spec: str) -> Paths:
     """Paths for a preset name, ``chain-N``, ``cartesian-AxB...``, ``baseline`` or a JSON file."""
+    spec = tree_spelling(spec)
     if spec == "baseline":
         return []
     if spec in PRESETS:
         return [tuple(p) for p in PRESETS[spec]]
-    if spec.startswith("chain-") and spec[6:].isdigit() and int(spec[6:]) > 0:   # chain-0 would be baseline
-        _check_generated(spec, 1 + int(spec[6:]))
-        return chain(int(spec[6:]))
-    if spec.startswith("cartesian-"):
-        widths = spec[len("cartesian-"):].split("x")
-        if all(w.isdigit() and int(w) > 0 for w in widths):
-            widths = [int(w) for w in widths]
-            nodes, level = 1, 1
-            for width in widths:            # level by level, stopping past the limit: no huge products
-                level *= width
-                nodes += level
-                if nodes > MAX_GENERATED_NODES:
-                    break
-            _check_generated(spec, nodes)
-            return cartesian(widths)
+    if (match := _CHAIN.fullmatch(spec)) and int(match[1]) > 0:   # chain-0 would be baseline
+        _check_generated(spec, 1 + int(match[1]))
+        return chain(int(match[1]))
+    if match := _CARTESIAN.fullmatch(spec):
+        widths = [int(width) for width in match[1].split("x")]
+        if 0 in widths:
+            raise TreeError(f"tree {spec!r} has a width of 0: each width of cartesian-AxB... is at least 1")
+        nodes, level = 1, 1
+        for width in widths:            # level by level, stopping past the limit: no huge products
+            level *= width
+            nodes += level
+            if nodes > MAX_GENERATED_NODES:
+                break
+        _check_generated(spec, nodes)
+        return cartesian(widths)
     if spec.endswith(".json"):
         return load_tree_file(Path(spec))
     raise UnknownTreeError(

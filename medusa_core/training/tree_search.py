@@ -53,7 +53,7 @@ class CalibrateConfig:
     def __post_init__(self) -> None:
         if (self.prompts is None) == (self.data is None):
             raise ValueError("give exactly one calibration set: --prompts FILE.jsonl or --data answers.jsonl")
-        if self.budget != "auto" and not (self.budget.isdigit() and int(self.budget) >= 1):
+        if self.budget != "auto" and not (self.budget.isdecimal() and int(self.budget) >= 1):
             raise ValueError(f"budget {self.budget!r} must be a node count >= 1 or 'auto'")
         if self.top_k < 1:
             raise ValueError(f"top_k {self.top_k}: measure at least rank 1 of each head (--top-k)")
