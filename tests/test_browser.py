@@ -25,7 +25,12 @@ CHROMIUM = "/usr/bin/chromium"
 OUT = Path(__file__).resolve().parent.parent / "out"
 ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--no-first-run"]
-READY = "() => !!document.querySelector('#status')?.innerText.includes('Ready')"
+# The status line while an answer runs or waits; otherwise it names the model ("Ready · ...", or after a
+# failed load which model is still loaded). JavaScript, for wait_for_function.
+IDLE_STATUS = ("(() => { const status = document.querySelector('#status');"
+               " return !!status && !/^(Starting|Generating|\u23f3)/.test(status.innerText.trim()); })()")
+# a model is loaded, Send is on and nothing runs
+READY = f"() => {{ const send = document.querySelector('#send'); return !!send && !send.disabled && {IDLE_STATUS}; }}"
 
 
 @pytest.fixture
@@ -86,7 +91,7 @@ def shoot(page, name: str) -> None:
 
 
 def send(page, text: str) -> None:
-    """Send ``text`` and wait until its answer (or note) is in and the status is back to Ready."""
+    """Send ``text`` and wait until its answer (or note) is in and the status says no answer runs."""
     before = page.locator("#chat .message.user").count()
     page.locator("#message textarea").fill(text)
     page.locator("#send").click()
@@ -97,8 +102,8 @@ def send(page, text: str) -> None:
             if (users.length <= before || !bots.length) return false;
             const answered = users[users.length - 1].compareDocumentPosition(bots[bots.length - 1])
                 & Node.DOCUMENT_POSITION_FOLLOWING;
-            return answered && document.querySelector('#status')?.innerText.includes('Ready');
-        }""", arg=before, timeout=120_000)
+            return answered && IDLE_STATUS;
+        }""".replace("IDLE_STATUS", IDLE_STATUS), arg=before, timeout=120_000)
 
 
 def assistant_texts(page, chat_id: str) -> list[str]:
