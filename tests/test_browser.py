@@ -422,6 +422,17 @@ def test_a_failed_load_keeps_the_decoding_settings(page):
     assert tree.input_value().startswith("chain-2")
 
 
+def test_the_readout_fits_a_phone(page):
+    """At 390 px the readout's four columns fit the pane: its last column was cut by 12 px, with no sign
+    that the table scrolled."""
+    page.set_viewport_size({"width": 390, "height": 844})
+    send(page, "Name a colour.")
+    shoot(page, "phone.png")
+    widths = page.evaluate("() => { const pane = document.querySelector('#readout'), table = pane.querySelector('table');"
+                           " return [pane.clientWidth, table.scrollWidth]; }")
+    assert widths[1] <= widths[0], f"the table is {widths[1]} px wide in a {widths[0]} px pane"
+
+
 def test_bin_icon_clears_the_conversation(page):
     """Issue #13.3: the chat pane's own bin icon does what Clear does: the next answer
     starts a new conversation."""
