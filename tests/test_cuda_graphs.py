@@ -49,6 +49,22 @@ def test_replay_equals_eager_and_cpu(setup, spec):
         assert max(len(s.tokens) for s in graphed) > 1     # accepted paths were copied down inside the graph
 
 
+@pytest.mark.parametrize("spec", ["mc_sim_7b_63", "chain-3"])
+def test_the_context_limit_tail_in_a_graph_equals_plain_decoding(setup, spec):
+    """Where the context's last slots hold no whole tree, the one-node step (captured then, mid-answer)
+    takes over from the tree's pending token: the graphed reply ends where plain decoding's does."""
+    model, heads = setup
+    # the model's own greedy text as the prompt: where its trained heads guess right
+    prompt = PROMPT + tokens_of(generate(model, PROMPT, config=DecodeConfig(max_new_tokens=400 - len(PROMPT)),
+                                         graphs=True))
+    config = DecodeConfig(max_new_tokens=200)
+    plain = list(generate(model, prompt, config=config, graphs=True))
+    steps = list(generate(model, prompt, heads=heads, tree=tree_of(spec), config=config, graphs=True))
+    assert plain[-1].finish_reason == steps[-1].finish_reason == "context"
+    assert tokens_of(steps) == tokens_of(plain) and len(tokens_of(plain)) == 512 - 400 + 1
+    assert any(s.from_heads for s in steps)
+
+
 def test_root_conditioned_heads_in_a_graph_equal_cpu():
     """The captured step reads the root token from its own device buffer: the graph proposes what
     the eager CPU step proposes, so the accepted lengths agree step for step."""
