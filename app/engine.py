@@ -24,7 +24,7 @@ from medusa_core.decoding.generate import generate, max_context, new_cache, pref
 from medusa_core.decoding.step import compute_dtype
 from medusa_core.decoding.step_store import needs_capture
 from medusa_core.decoding.tree import (PRESETS, TreeBuffers, TreeError, UnknownTreeError, build_tree_buffers,
-                                      resolve_tree, tree_name)
+                                      resolve_tree, tree_name, tree_spelling)
 
 from .detok import Detokenizer
 from .readout import Comparison, Meter, Stats, explain_divergence, interleaved_ratios
@@ -70,6 +70,14 @@ def oom_message() -> str:
 
 class EngineClosed(RuntimeError):
     """The engine was unloaded or replaced while a request still used it; the message says which."""
+
+
+def fault_note(err: Exception) -> str:
+    """The one line an answer ends with after a fault nothing foresaw. A CUDA error stays with the process
+    (every later CUDA call fails too), so asking again cannot help there."""
+    first_line = next(iter(str(err).splitlines()), "")
+    advice = "restart the app: a CUDA error stays with the process" if "CUDA error" in str(err) else "ask again"
+    return f"the answer failed: {type(err).__name__}: {first_line} (the console has the details; {advice})"
 
 
 class DecoderRun:
@@ -164,7 +172,7 @@ class ChatEngine:
     def _tree_choices(self, preferred: Sequence[str]) -> list[tuple[str, str]]:
         """(label with node count, name) for every tree the loaded heads can fill; the trees the
         user named come first. A named tree that does not fit raises TreeError at startup."""
-        for spec in [*dict.fromkeys(s for s in preferred if s)]:
+        for spec in [*dict.fromkeys(tree_spelling(s) for s in preferred if s and s.strip())]:   # CHAIN-03 is chain-3
             if self.num_heads or spec == "baseline":
                 self._specs.setdefault(tree_name(spec), spec)
                 self.tree(spec)
@@ -333,7 +341,8 @@ class ChatEngine:
                         yield r.update()
                     last_yield = time.perf_counter()
                     rendered = last_yield - now        # the consumer's time, while no step ran
-                    interval = max(UPDATE_SECONDS, rendered * (1 - RENDER_SHARE) / RENDER_SHARE)
+                    # at most a second: one stall of the page (another tab loading) must not freeze the stream
+                    interval = min(1.0, max(UPDATE_SECONDS, rendered * (1 - RENDER_SHARE) / RENDER_SHARE))
         except torch.OutOfMemoryError:
             session.drop_caches()
             if torch.cuda.is_available():
@@ -352,10 +361,8 @@ class ChatEngine:
         except Exception as err:   # a fault nothing foresaw (a CUDA error, a bug): the answer ends saying so,
             traceback.print_exc()  # keeps what it wrote, and the console has the traceback for a report
             session.drop_caches()  # a step cut off midway may have written rows it never committed
-            first_line = next(iter(str(err).splitlines()), "")
             for r in runs:
-                yield r.update(error=f"the answer failed: {type(err).__name__}: {first_line} "
-                                     "(the console has the details; ask again)")
+                yield r.update(error=fault_note(err))
             return
         if len(runs) == 2:
             yield Update(COMPARISON, comparison=self._compare(runs, events, settings), done=True)

@@ -221,8 +221,7 @@ class ModelSlot:
         line = f"Ready · {loaded.description} · loaded in {seconds:.1f} s · {loaded.memory}"
         if loaded.tree_note:   # on a line of its own: which tree runs, and why, is what a user looks for
             line += f"\n\n{loaded.tree_note}"
-        # after the load: a first start's conversion note is past
-        self._kept = f"{self._describe(spec)} is still loaded" + (f"\n\n{loaded.tree_note}" if loaded.tree_note else "")
+        self._kept = f"{loaded_name(loaded)} is still loaded" + (f"\n\n{loaded.tree_note}" if loaded.tree_note else "")
         self._set("ready", line, engine, replace_engine=True)
         self._log(line)
 
@@ -257,6 +256,13 @@ class ModelSlot:
                                                          "busy machine)" if first else "")
         what = spec.model or (SMOLLM2 if is_bundled_heads(spec.heads) else f"{spec.heads} (its base model, or itself for a Medusa-2 model)")
         return what + (f" with heads {spec.heads}" if spec.heads else "")
+
+
+def loaded_name(loaded) -> str:
+    """The loaded model in a few words: its hub id or its directory's name, and whether heads came with it."""
+    name = str(getattr(loaded.model.config, "name_or_path", "") or "the model")
+    return (Path(name).name if Path(name).is_absolute() else name) + \
+        (" with its Medusa heads" if loaded.heads is not None else "")
 
 
 def spec_for(choice: str | None, model: str, heads: str, base: LoadSpec) -> LoadSpec:

@@ -379,6 +379,7 @@ def test_bad_api_values_give_one_line_notes_not_tracebacks(client, app):
                       (dict(seed=2**64, mode="sample"), f"Seed {2**64} is out of range: use a whole number from "),
                       (dict(seed="1.5", mode="sample"), "Seed '1.5' is not a whole number"),
                       (dict(seed="\u00b2", mode="sample"), "Seed '\u00b2' is not a number"),   # int() refuses it
+                      (dict(max_new="--5"), "Max new tokens '--5' is not a number"),             # and this
                       (dict(tree="cartesian-0x2"), "tree 'cartesian-0x2' has a width of 0"),
                       (dict(tree="chain-0"), "unknown tree 'chain-0': use one of"),
                       (dict(tree="chain-0"), "chain-N with N from 1 to 5"),
@@ -426,6 +427,19 @@ def test_typed_trees_are_kept_only_a_few_at_a_time(engine):
     assert engine.check(Settings(tree="cartesian-1x1"))[2].size == 3      # the evicted first one comes back
     for spelling in (" CARTESIAN-02x2 ", "cartesian-2x002"):
         assert engine.check(Settings.parse(tree=spelling))[1] == "cartesian-2x2"
+
+
+def test_trees_named_at_start_are_listed_once_under_their_spelling(engine):
+    """--tree CHAIN-03 is chain-3: listed once, and the default (it was listed beside chain-3)."""
+    from app.engine import ChatEngine
+
+    named = ChatEngine(engine.loaded, extra_trees=["CHAIN-03", "Small-8"])
+    try:
+        names = [name for _, name in named.tree_choices]
+        assert named.default_tree == "chain-3" and names.count("chain-3") == names.count("small-8") == 1, names
+        assert "CHAIN-03" not in names and "Small-8" not in names
+    finally:
+        named.close()
 
 
 def test_regenerate_while_answering_changes_nothing():
@@ -500,6 +514,24 @@ def test_a_blank_system_prompt_is_the_models_default(engine):
     default, _ = engine.fit_prompt(Session(), "Hi", "", settings)
     assert engine.fit_prompt(Session(), "Hi", "  \n ", settings)[0] == default
     assert engine.fit_prompt(Session(), "Hi", "Be brief.", settings)[0] != default
+
+
+def test_a_sampled_comparison_of_one_text_is_not_called_unlike_work(engine):
+    """Sampling among one token (top-k 1) gives both decoders the same text: the note that their speeds
+    compare unlike work is left out (it showed under two identical answers). The readout's bars are
+    scaled to the answer's tree depth."""
+    from app.engine import BASELINE, COMPARISON, MEDUSA
+    from app.readout import render_comparison
+    from app.session import Session
+    from app.settings import Settings
+
+    ids = engine.prompt_ids([{"role": "user", "content": "hello there"}], None)
+    settings = Settings.parse(mode="sample", top_k=1, max_new_tokens=16, tree="chain-2")
+    updates = list(engine.answer(Session(), ids, settings, (BASELINE, MEDUSA)))
+    comparison = next(u.comparison for u in updates if u.pass_name == COMPARISON)
+    assert comparison.baseline.tokens == comparison.medusa.tokens == 16
+    assert not comparison.unlike and "different texts" not in render_comparison(comparison)
+    assert comparison.medusa.tree_depth == 2 and comparison.baseline.tree_depth == 0
 
 
 def test_comparison_runs_step_interleaved(engine, monkeypatch):
@@ -664,7 +696,7 @@ def test_model_slot_loads_in_background_and_keeps_old_model_on_failure(model_dir
     state = slot.wait(60)
     assert slot.engine is first and "broken/model is not a hub repo" in state.line
     # the loaded model in a few words and its tree line, not its whole Ready paragraph again
-    assert f"· {spec.model} with heads {spec.heads} is still loaded\n\ntree small-16" in state.line, state.line
+    assert "· backbone with its Medusa heads is still loaded\n\ntree small-16" in state.line, state.line   # its directory
     assert "Ready" not in state.line
     assert any(line.startswith("error: broken/model") for line in lines)
     assert "unloaded" in slot.unload() and slot.engine is None and slot.state().phase == "empty"
@@ -852,14 +884,13 @@ def test_a_fault_mid_answer_ends_it_with_a_note_and_the_chat_goes_on(model_dirs,
     def fault(*args):
         forwards.append(1)
         if len(forwards) == 6:
-            raise RuntimeError("CUDA error: an illegal memory access was encountered\nCompile with ...")
+            raise RuntimeError("an injected fault\nits second line")
 
     hook = slot.engine.model.get_decoder().register_forward_hook(fault)
     chat, session = ChatController(slot), Session()
     *_, last = chat.run(session, "tell me a story", "", False, dict(max_new_tokens=40, tree="baseline"))
     hook.remove()
-    error = ("the answer failed: RuntimeError: CUDA error: an illegal memory access was encountered "
-             "(the console has the details; ask again)")
+    error = "the answer failed: RuntimeError: an injected fault (the console has the details; ask again)"
     turn = session.turns[-1]
     assert turn.reply and turn.note == error, (turn.reply, turn.note)
     assert last[6]["error"] == error and last[6]["reply"] == turn.reply
@@ -894,6 +925,15 @@ def test_a_slow_page_gets_fewer_updates_not_a_slower_answer(model_dirs):
     wall = time.perf_counter() - start
     assert update.done and update.stats.tokens >= 50, update
     assert rendering / wall < 0.25, f"rendering took {rendering:.2f} s of the answer's {wall:.2f} s"
+
+
+def test_a_cuda_fault_says_to_restart_the_app():
+    """A CUDA error stays with the process: asking again cannot help there."""
+    from app.engine import fault_note
+
+    note = fault_note(RuntimeError("CUDA error: an illegal memory access was encountered\nCompile with ..."))
+    assert note == ("the answer failed: RuntimeError: CUDA error: an illegal memory access was encountered (the "
+                    "console has the details; restart the app: a CUDA error stays with the process)")
 
 
 def test_a_tab_keeps_one_export_folder_and_it_goes_with_the_tab():

@@ -119,13 +119,16 @@ def limits(name: str) -> Limits:
     return SETTINGS[name].metadata["limits"]
 
 
+_WHOLE = re.compile(r"[+-]?[0-9]{1,100}")
+
+
 def number(name: str, value, kind: type = float):
     """A raw control or request value as the number ``name`` needs; ValueError names the value and the fix.
     Whole numbers stay exact (a seed past 2**53 is no float); the limits are checked by DecodeConfig."""
     if kind is int and isinstance(value, int):
         return int(value)
-    # isdecimal, not isdigit: int() refuses "²", which isdigit takes; and past 4,300 digits int() refuses too
-    if kind is int and isinstance(value, str) and len(value) <= 100 and value.strip().lstrip("+-").isdecimal():
+    # one sign and ASCII digits: int() refuses "--5" and "²", and past 4,300 digits it refuses too
+    if kind is int and isinstance(value, str) and _WHOLE.fullmatch(value.strip()):
         return int(value)
     shown = _short(repr(value))
     try:

@@ -246,14 +246,14 @@ def heads_from_state(
     if found.hidden_size != text.hidden_size:
         raise HeadsLoadError(
             f"{source}: heads have hidden size {found.hidden_size} but the backbone has {text.hidden_size}: "
-            "use heads trained for this backbone, or load the backbone they were trained for"
+            "use heads trained for this backbone, or load the backbone they were trained for (--model, or the page's backbone box)"
         )
     lm_head = model.get_output_embeddings()
     vocab = int(lm_head.out_features)
     if found.own_projection and found.vocab_size != vocab:
         raise HeadsLoadError(
             f"{source}: heads have vocabulary size {found.vocab_size} but the backbone has {vocab}: "
-            "use heads trained for this backbone, or load the backbone they were trained for"
+            "use heads trained for this backbone, or load the backbone they were trained for (--model, or the page's backbone box)"
         )
     heads = MedusaHeads(HeadsConfig(found.num_heads, found.num_layers, found.hidden_size, vocab, found.own_projection,
                                     found.root_conditioned))
@@ -285,7 +285,7 @@ def load_heads_files(files: HeadsFiles, model: nn.Module, dtype: torch.dtype | N
         if outside:
             raise HeadsLoadError(f"{files.source}: {PROPOSAL_FILE} names token ids {outside[:4]} outside the "
                                  f"backbone's vocabulary of {vocab}: it belongs to another model; "
-                                 "delete it, or load the backbone the heads were trained for")
+                                 "delete it, or load the backbone the heads were trained for (--model, or the page's backbone box)")
         try:
             heads.restrict_proposals(torch.tensor(files.proposal_ids), lm_head)
         except ValueError as err:
