@@ -14,8 +14,10 @@ from __future__ import annotations
 import re
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -472,12 +474,25 @@ def test_conversation_past_the_context_keeps_answering(browser, tiny_dirs):
         page.close()
 
 
-def test_a_reload_during_a_long_read_stops_the_answer_nobody_will_see(browser, tiny_dirs, monkeypatch):
-    """Reloading (or closing) the tab stops its answer: Gradio would let the old request read the
-    whole prompt, and the reloaded tab's next message waited behind it (103 s for a 4,000-token
-    paste on 2 cores). Here each prompt piece takes 0.25 s, so the whole read would take 15 s or more."""
-    import time
+@dataclass
+class LongRead:
+    """A served tiny model whose prompt pieces take 0.25 s each, and a prompt of most of its context:
+    an answer that is not stopped reads it for 15 s or more."""
+    url: str
+    prompt: str
+    pieces: int
+    forwards: list            # the time of each forward
 
+    def wait_idle(self) -> int:
+        """Forwards run until the model has been idle for 2 s."""
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (not self.forwards or time.monotonic() - self.forwards[-1] < 2.0):
+            time.sleep(0.25)
+        return len(self.forwards)
+
+
+@contextmanager
+def long_read(tiny_dirs, monkeypatch) -> Iterator[LongRead]:
     from app.models import ModelSlot
     from medusa_core.decoding import generate as loop
     from medusa_core.loading.spec import LoadSpec
@@ -502,72 +517,51 @@ def test_a_reload_during_a_long_read_stops_the_answer_nobody_will_see(browser, t
         assert pieces >= 40
         hook = slot.engine.model.get_decoder().register_forward_hook(slow)
         try:
-            page = open_page(browser, url)
-            page.locator("#message textarea").fill(prompt)
-            page.locator("#send").click()
-            page.wait_for_function("() => document.querySelector('#status')?.innerText.includes('reading')",
-                                   timeout=30_000)
-            page.reload()
-            page.wait_for_function(READY, timeout=30_000)
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and (not forwards or time.monotonic() - forwards[-1] < 2.0):
-                time.sleep(0.25)       # until the model is idle
-            read = len(forwards)
-            assert read < pieces / 2, f"the reloaded tab's answer read {read} of the prompt's {pieces} pieces"
-            send(page, "and now a short one")
-            assert assistant_texts(page, "chat")[-1].strip()
-            page.close()
+            yield LongRead(url, prompt, pieces, forwards)
         finally:
             hook.remove()
+
+
+def test_a_reload_during_a_long_read_stops_the_answer_nobody_will_see(browser, tiny_dirs, monkeypatch):
+    """Reloading (or closing) the tab stops its answer: Gradio would let the old request read the
+    whole prompt, and the reloaded tab's next message waited behind it (103 s for a 4,000-token
+    paste on 2 cores)."""
+    with long_read(tiny_dirs, monkeypatch) as run:
+        page = open_page(browser, run.url)
+        page.locator("#message textarea").fill(run.prompt)
+        page.locator("#send").click()
+        page.wait_for_function("() => document.querySelector('#status')?.innerText.includes('reading')",
+                               timeout=30_000)
+        page.reload()
+        page.wait_for_function(READY, timeout=30_000)
+        read = run.wait_idle()
+        assert read < run.pieces / 2, f"the reloaded tab's answer read {read} of the prompt's {run.pieces} pieces"
+        send(page, "and now a short one")
+        assert assistant_texts(page, "chat")[-1].strip()
+        page.close()
 
 
 def test_a_script_whose_client_goes_stops_its_answer(tiny_dirs, monkeypatch):
     """A gradio_client script killed mid-answer: its answer stops, as a closed tab's does (a script's session
     runs no page load, so it was never registered to stop: its long read held the model for minutes while
-    every other request waited). Each prompt piece takes 0.25 s here, so the whole read would take 15 s or more."""
+    every other request waited)."""
     import subprocess
     import sys
-    import time
 
-    from app.models import ModelSlot
-    from medusa_core.decoding import generate as loop
-    from medusa_core.loading.spec import LoadSpec
-
-    monkeypatch.setattr(loop, "PREFILL_PIECE", 8)
-    backbone, heads = tiny_dirs
-    slot = ModelSlot(max_new_tokens=8, log=lambda line: None)
-    spec = LoadSpec(model=str(backbone), heads=str(heads), device="cpu")
-    forwards = []
-
-    def slow(*_):
-        forwards.append(time.monotonic())
-        time.sleep(0.25)
-
-    with in_process_app(slot, spec) as url:
-        slot.start(spec)
-        assert slot.wait(120).phase == "ready"
-        prompt = "tell me about the sea "
-        while len(slot.engine.prompt_ids([{"role": "user", "content": prompt}], None)) < slot.engine.context * 0.7:
-            prompt += "and the sky "    # most of the context: room is left for the answer
-        pieces = len(slot.engine.prompt_ids([{"role": "user", "content": prompt}], None)) // 8
-        assert pieces >= 40
-        hook = slot.engine.model.get_decoder().register_forward_hook(slow)
+    with long_read(tiny_dirs, monkeypatch) as run:
         script = subprocess.Popen([sys.executable, "-c", "from gradio_client import Client; "
-                                   f"Client({url!r}, verbose=False).predict(message={prompt!r}, api_name='/send')"])
+                                   f"Client({run.url!r}, verbose=False).predict(message={run.prompt!r}, api_name='/send')"])
         try:
             deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and len(forwards) < 3:
+            while time.monotonic() < deadline and len(run.forwards) < 3:
                 time.sleep(0.1)
-            assert forwards, "the script's request did not start"
+            assert run.forwards, "the script's request did not start"
             script.kill()
             script.wait()
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and time.monotonic() - forwards[-1] < 2.0:
-                time.sleep(0.25)       # until the model is idle
-            assert len(forwards) < pieces / 2, f"the gone script's answer read {len(forwards)} of {pieces} pieces"
+            read = run.wait_idle()
+            assert read < run.pieces / 2, f"the gone script's answer read {read} of {run.pieces} pieces"
         finally:
             script.kill()
-            hook.remove()
 
 
 def test_page_opens_before_the_model_has_loaded(browser):
