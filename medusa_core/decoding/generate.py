@@ -84,7 +84,7 @@ def generate(
     """
     device = model.get_output_embeddings().weight.device
     if tree is None:
-        tree = build_tree_buffers([], num_heads=0, dtype=compute_dtype(model), device=device)
+        tree = plain_tree(model)
     if tree.num_heads and heads is None:
         raise ValueError(f"a tree of depth {tree.num_heads} needs Medusa heads: pass heads, or use the baseline tree")
     prompt_ids = checked_prompt(model, prompt_ids)
@@ -159,11 +159,16 @@ def generate(
             return
 
 
+def plain_tree(model: nn.Module) -> TreeBuffers:
+    """The one-node tree: plain decoding, on the model's device and in its compute dtype."""
+    device = model.get_output_embeddings().weight.device
+    return build_tree_buffers([], num_heads=0, dtype=compute_dtype(model), device=device)
+
+
 def plain_tail(model: nn.Module, step: DecodeStep, config: DecodeConfig, cache: KVCache,
                graphs: bool | None) -> DecodeStep:
     """The one-node step, taking over from ``step`` at the token it was about to verify as its root."""
-    tree = build_tree_buffers([], num_heads=0, dtype=compute_dtype(model), device=step.tokens.device)
-    tail = step_for(model, None, tree, config, cache, graphs)
+    tail = step_for(model, None, plain_tree(model), config, cache, graphs)
     tail.set_params(config)
     tail.tokens.copy_(step.tokens[:1])
     return tail
