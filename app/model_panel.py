@@ -31,9 +31,13 @@ def decoding_values(settings: Settings) -> tuple[dict, ...]:
 
 def medusa_pane(engine, tree_name: str | None = None) -> dict:
     """The Medusa pane's title: what its next answer runs with the tree control's value ``tree_name``
-    (None or "": the model's default tree), as ``ChatEngine.medusa_label`` names it. The readout
-    under each answer names what decoded that answer."""
-    return gr.update(label=engine.medusa_label(tree_name) if engine is not None else LABELS[MEDUSA])
+    (None or "": the model's default tree), as ``ChatEngine.medusa_label`` names it, with what another
+    tree than the default is expected to give here (``ChatEngine.outlook``). The readout under each
+    answer names what decoded that answer."""
+    if engine is None:
+        return gr.update(label=LABELS[MEDUSA])
+    outlook = engine.outlook(tree_name)
+    return gr.update(label=engine.medusa_label(tree_name) + (f" · {outlook}" if outlook else ""))
 
 
 def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Settings):

@@ -6,6 +6,7 @@ report; the cache lives in a temporary directory."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -85,6 +86,27 @@ def test_the_first_load_measures_and_later_loads_read_the_cache(checkpoint, meas
     assert len(measured) == 1, "the second load read the cached choice instead of measuring"
     assert again.tuned.cached and again.default_tree == first.default_tree
     assert "read from the cache" in again.tree_note
+    # the cached choice values other trees as the measured one did (the page's outlook for a picked tree)
+    assert again.tuned.speedup_of([(0,), (0, 0)])[0] == pytest.approx(first.tuned.speedup_of([(0,), (0, 0)])[0], rel=1e-5)
+
+
+def test_another_tree_is_valued_from_the_same_measurements():
+    """What a picked or typed tree is expected to give, from the tuner's step times (ms by size) and the
+    heads' accuracies: linear between timed sizes, an upper bound past the largest (it costs at least
+    that much), nothing for a tree deeper than the accuracies."""
+    tuned = tree_tuning.TunedTree(paths=[[0]], nodes=2, expected_tokens_per_step=1.5, expected_speedup=1.36,
+                                  best_speedup=1.36, best_nodes=2, step_ms={"1": 10.0, "2": 11.0, "4": 14.0, "16": 40.0},
+                                  seconds=5, accuracy_source="test", machine="test", accuracy=[[0.5, 0.2], [0.3, 0.1]])
+    assert tuned.speedup_of([(0,)]) == pytest.approx((1.5 * 10 / 11, False))
+    # 3 nodes: halfway between the 2- and 4-node steps' 11 and 14 ms
+    assert tuned.speedup_of([(0,), (1,)]) == pytest.approx((1.7 * 10 / 12.5, False))
+    assert tuned.speedup_of([(0,), (0, 0), (0, 1)]) == pytest.approx(((1.5 + 0.15 + 0.05) * 10 / 14, False))
+    # 21 nodes: more than any timed size, so at best the 16-node step's cost; the rank past the table's two
+    # columns is worth nothing
+    wide = [(rank,) for rank in range(20)]
+    assert tuned.speedup_of(wide) == pytest.approx(((1 + 0.5 + 0.2) * 10 / 40, True))
+    assert tuned.speedup_of([(0,), (0, 0), (0, 0, 0)]) is None       # deeper than the two heads' table
+    assert dataclasses.replace(tuned, accuracy=None).speedup_of([(0,)]) is None
 
 
 def test_a_tuning_measured_on_a_busy_cpu_is_used_once_and_not_remembered(checkpoint, measured, monkeypatch,
@@ -178,7 +200,12 @@ def test_where_no_tree_pays_plain_decoding_runs_and_the_page_says_so(checkpoint,
 
     assert medusa_pane(engine)["label"] == NO_SPEEDUP, "the chat pane's title says it too"
     # the user picks a tree with heads anyway: Medusa runs, and the title and the readout say so
-    assert medusa_pane(engine, "small-8")["label"] == "Medusa"
+    # ...and the title says beforehand what it is expected to give here: every node costs a step's time
+    assert medusa_pane(engine, "small-8")["label"].startswith("Medusa · small-8 expected 0.")
+    assert medusa_pane(engine, "small-8")["label"].endswith("on this machine, slower than plain decoding")
+    assert medusa_pane(engine, "cartesian-3x3x3")["label"].startswith("Medusa · cartesian-3x3x3 expected at most 0.")
+    assert medusa_pane(engine, "chain-9")["label"] == "Medusa", "a tree the heads cannot fill: sending it says why"
+    assert medusa_pane(engine, "/etc/x.json")["label"] == "Medusa", "no file read for a title"
     assert medusa_pane(engine, "baseline")["label"] == NO_SPEEDUP
     last = list(engine.answer(Session(), prompt, Settings(max_new_tokens=8, tree="small-8"), (MEDUSA,)))[-1]
     assert last.stats.label == "Medusa" and last.stats.tree == "small-8" and last.stats.tree_size > 1
@@ -193,6 +220,7 @@ def test_the_medusa_pane_keeps_its_title_where_a_tree_pays(checkpoint, measured,
     engine = ChatEngine(load(spec(checkpoint)))
     assert not engine.no_speedup and medusa_pane(engine)["label"] == "Medusa"
     assert medusa_pane(None)["label"] == "Medusa"        # no model loaded
+    assert medusa_pane(engine, "chain-2")["label"] == "Medusa · chain-2 expected 1.84x on this machine"
     # the user picks the plain tree: the pane decodes plainly, and its title and readout say so
     assert medusa_pane(engine, "baseline")["label"] == "Plain decoding"
     prompt = engine.prompt_ids([{"role": "user", "content": "hello"}], None)

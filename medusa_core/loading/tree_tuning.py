@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -72,6 +73,7 @@ class TunedTree:
     machine: str
     cpu_share: float | None = None      # CPU: this process's share of its threads' CPU time while timing
     cached: bool = False
+    accuracy: list[list[float]] | None = None   # the heads' table the choice was made from (speedup_of)
 
     @property
     def pays(self) -> bool:
@@ -81,6 +83,25 @@ class TunedTree:
     def contended(self) -> bool:
         """Measured while other programs used the CPU: not remembered (tuned_tree)."""
         return self.cpu_share is not None and self.cpu_share < BUSY_SHARE
+
+    def speedup_of(self, paths: Sequence[Sequence[int]]) -> tuple[float, bool] | None:
+        """Another tree's expected speedup over plain decoding on this machine, from the same measured
+        step times and accuracies as the choice, and whether it is only an upper bound: a tree larger
+        than any timed costs at least what the largest did. None where the accuracies cannot value it
+        (deeper than the table)."""
+        if self.accuracy is None or any(len(path) > len(self.accuracy) for path in paths):
+            return None
+        # a rank past the table's columns (a wide cartesian tree) is valued at 0: its guess is rarely right
+        value = 1.0 + sum(math.prod(row[rank] if rank < len(row) else 0.0
+                                    for row, rank in zip(self.accuracy, path)) for path in paths)
+        times = sorted((int(n), ms) for n, ms in self.step_ms.items())
+        size = len(paths) + 1
+        if size >= times[-1][0]:
+            return value * times[0][1] / times[-1][1], size > times[-1][0]
+        # between two timed sizes: linear in the number of rows verified
+        (low, low_ms), (high, high_ms) = next((a, b) for a, b in zip(times, times[1:]) if a[0] <= size <= b[0])
+        ms = low_ms + (high_ms - low_ms) * (size - low) / (high - low)
+        return value * times[0][1] / ms, False
 
     def line(self) -> str:
         """One line for the page and the console: which tree runs by default and why (the status line
@@ -313,7 +334,8 @@ def tune(model, heads, tokenizer, acc: Sequence[Sequence[float]], accuracy_sourc
                      step_ms={str(n): round(1e3 * s, 3) for n, s in sorted(fitted.items())},
                      seconds=round(time.perf_counter() - started, 2), accuracy_source=accuracy_source,
                      machine=machine_line(machine_identity(device)),
-                     cpu_share=round(share, 3) if device.type == "cpu" else None)
+                     cpu_share=round(share, 3) if device.type == "cpu" else None,
+                     accuracy=[list(map(float, row)) for row in acc])
 
 
 def with_cpu_share(run: Callable[[], T]) -> tuple[T, float]:
@@ -357,7 +379,8 @@ def read_cached(entry: Path, key: dict) -> TunedTree | None:
         saved = json.loads(entry.read_text())
         if saved.get("key") != key or json.loads(tree_file(entry).read_text()) != saved["result"]["paths"]:
             return None     # another key, or a tree file another start rewrote: measured again
-        return TunedTree(**{**saved["result"], "cached": True})
+        # an entry written before the table was kept beside it: the key holds it (to 6 digits)
+        return TunedTree(**{"accuracy": key["accuracy"], **saved["result"], "cached": True})
     except (ValueError, TypeError, KeyError):
         return None          # a damaged entry (an interrupted write of an older version) is measured again
 
