@@ -32,6 +32,7 @@ MODE_CONTROLS = (*SAMPLING, "seed")
 class Page:
     session: gr.State
     saved: gr.JSON               # the conversation's copy in the browser (app/browser_copy.py)
+    kept: gr.JSON                # the decoding settings' copy in the browser (app/model_panel.py, settings_copy)
     shown_version: gr.State   # (slot version, engine version) the page's model controls show; None at first
     timer: gr.Timer
     note: gr.Markdown
@@ -112,6 +113,7 @@ def build_layout(slot: ModelSlot, system_prompt: str, start: Settings) -> Page:
     # each tab's own Session: a copy of this one, made when the tab's first event reads it (Session.__deepcopy__)
     session = gr.State(Session(), delete_callback=end_tab)   # called when the tab's session ends
     saved = gr.JSON(None, visible=False, elem_id="saved")   # filled and stored by app/browser_copy.py's scripts
+    kept = gr.JSON(None, visible=False, elem_id="kept")     # likewise
     shown_version, timer = gr.State(None), gr.Timer(0.5, active=True)
     gr.Markdown("# Medusa chat")
     note = gr.Markdown(CPU_DEFAULT_NOTE, elem_id="note", elem_classes="note", visible=False)
@@ -158,6 +160,6 @@ def build_layout(slot: ModelSlot, system_prompt: str, start: Settings) -> Page:
             compare = gr.Checkbox(False, label="Compare with plain decoding", elem_id="compare")
             colour = gr.Checkbox(False, label="Colour tokens that came from the heads", elem_id="colour")
             controls = {**decoding_controls(slot.max_new_tokens, start), "colour_heads": colour}
-    return Page(session, saved, shown_version, timer, note, status, base_column, base_chat, base_readout, chat, readout,
+    return Page(session, saved, kept, shown_version, timer, note, status, base_column, base_chat, base_readout, chat, readout,
                 comparison, box, send, stop, regenerate, clear, export_json, export_md, raw, known, model_box,
                 heads_box, load, unload, model_status, system, compare, controls)

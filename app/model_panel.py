@@ -1,6 +1,6 @@
 """The page's model controls: loading another model (with its progress on the status line),
 unloading, and the controls that follow the loaded model (tree choices, context, its decoding
-defaults)."""
+defaults, and the user's settings for it that the browser keeps across reloads)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from medusa_core.loading.spec import LoadSpec
 
 from .engine import LABELS, MEDUSA
 from .layout import MODE_CONTROLS, SAMPLING, Page, mode_enabled
-from .models import ModelSlot, default_settings, spec_for
+from .models import ModelSlot, default_settings, loaded_name, spec_for
 from .settings import Settings
 
 
@@ -40,46 +40,99 @@ def medusa_pane(engine, tree_name: str | None = None) -> dict:
     return gr.update(label=engine.medusa_label(tree_name) + (f" · {outlook}" if outlook else ""))
 
 
+# what ``sync`` updates, in its order (the Medusa pane last: only its title)
+MODEL_OUTPUTS = ("status", "note", "send", "tree", "max_new_tokens", "mode", *MODE_CONTROLS, "colour_heads", "timer",
+                 "shown_version", "pane")
+
+
+# the decoding controls a reload brings back, by Settings field name (compare and the system prompt are kept
+# with the conversation)
+KEPT = ("mode", *SAMPLING, "max_new_tokens", "tree", "seed", "colour_heads")
+
+
+def settings_copy(engine, *values) -> dict | None:
+    """What the browser keeps of the decoding controls (``values`` in KEPT's order, as the page holds them):
+    the values and the model they were set for. None while no model is loaded: the page's copy then no
+    longer applies (the user chose anew while the model loads, and that choice stays when it arrives),
+    and the browser keeps the one it has."""
+    if engine is None:
+        return None
+    return {"model": loaded_name(engine.loaded), "settings": dict(zip(KEPT, values))}
+
+
+def kept_values(kept, engine) -> dict:
+    """The controls' values, by name, from the browser's copy (settings_copy) that apply now: the copy is
+    for the loaded model (another model starts from its own defaults, as a load does), and each value is
+    one its control takes (an older or damaged copy loses only what is wrong in it)."""
+    if engine is None or not isinstance(kept, dict) or kept.get("model") != loaded_name(engine.loaded) \
+            or not isinstance(kept.get("settings"), dict):
+        return {}
+    values = {}
+    for name, value in kept["settings"].items():
+        if name not in KEPT or (name == "tree" and value is not None and not isinstance(value, str)):
+            continue
+        try:
+            parsed = Settings.parse(**{name: value})
+        except ValueError:
+            continue
+        if name != "max_new_tokens" or parsed.max_new_tokens <= engine.context:
+            values[name] = value
+    return values
+
+
+def with_kept(updates: dict, values: dict, engine) -> dict:
+    """The model controls' ``updates`` by name with the kept ``values`` put in: the mode's controls
+    enabled as the kept mode needs, and the pane titled for the kept tree."""
+    updates = {**updates, **{name: {**updates.get(name, gr.update()), "value": value} for name, value in values.items()}}
+    if "mode" in values:
+        for name, on in mode_enabled(values["mode"]).items():
+            updates[name] = {**updates.get(name, gr.update()), "interactive": on}
+    if "tree" in values:
+        updates["pane"] = medusa_pane(engine, values["tree"])
+    return updates
+
+
 def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Settings):
-    """Attach the model panel's events; returns ``sync(shown, max_new_value)``, the update of
+    """Attach the model panel's events; returns ``sync(shown, max_new_value, stored)``, the update of
     ``model_outputs(page)`` the page's load event uses too. ``start``: the decoding settings the page
     opened with (app.models.start_settings)."""
-    decoding = [page.controls["mode"], *page.mode_controls]
 
-    def sync(shown: tuple[int, int] | None, max_new_value) -> tuple:
+    def sync(shown: tuple[int, int] | None, max_new_value, stored=None) -> tuple:
         """The page's model controls for the slot's state; ``shown`` is the (slot version, engine
         version) the page shows now (None: nothing yet). The tree, max new tokens and the decoding
         settings go to the model's defaults only when the model itself changed: a status change
-        (a load starting, or failing while the previous model stays) keeps the user's choices."""
+        (a load starting, or failing while the previous model stays) keeps the user's choices. A
+        model that arrives gets the settings the browser kept for it (``stored``, settings_copy)."""
         state = slot.state()
         loading = state.phase == "loading"
         now = (state.version, state.engine_version)
         if shown == now and not loading:
-            return (*[gr.update()] * (5 + len(decoding)), gr.Timer(active=False), shown, gr.update())
+            return tuple({"timer": gr.Timer(active=False), "shown_version": shown}.get(name, gr.update())
+                         for name in MODEL_OUTPUTS)
         engine = state.engine
+        updates = {"status": state.line, "note": gr.update(visible=engine is not None and engine.loaded.cpu_default),
+                   "send": gr.update(interactive=engine is not None and not loading),
+                   "timer": gr.Timer(active=loading), "shown_version": now}
         if shown is not None and shown[1] == state.engine_version:
-            tree_update = max_update = pane = gr.update()
-            decoding_update = (gr.update(),) * len(decoding)
+            pass                       # the same model: the controls stay as the user set them
         elif engine is None:
-            tree_update, max_update, pane = gr.update(choices=[], value=None), gr.update(), medusa_pane(None)
-            decoding_update = (gr.update(),) * len(decoding)
+            updates.update(tree=gr.update(choices=[], value=None), pane=medusa_pane(None))
         else:
             try:
                 current = int(float(max_new_value))
             except (TypeError, ValueError):
                 current = engine.max_new_tokens
             # why this tree (tuned, preset...) is on the status line: not repeated under the picker
-            tree_update = gr.update(choices=engine.tree_choices, value=engine.default_tree)
-            max_update = gr.update(maximum=engine.context, value=min(current, engine.context))
+            updates.update(tree=gr.update(choices=engine.tree_choices, value=engine.default_tree),
+                           max_new_tokens=gr.update(maximum=engine.context, value=min(current, engine.context)),
+                           pane=medusa_pane(engine))
             defaults = default_settings(engine.loaded)
             # the first model the page shows, with the settings the page opened with: the controls hold
             # those, or what the user chose while it loaded
-            kept = shown is not None and shown[1] == 0 and defaults == start
-            decoding_update = (gr.update(),) * len(decoding) if kept else decoding_values(defaults)
-            pane = medusa_pane(engine)
-        return (state.line, gr.update(visible=engine is not None and engine.loaded.cpu_default),
-                gr.update(interactive=engine is not None and not loading), tree_update, max_update,
-                *decoding_update, gr.Timer(active=loading), now, pane)
+            if not (shown is not None and shown[1] == 0 and defaults == start):
+                updates.update(zip(("mode", *MODE_CONTROLS), decoding_values(defaults)))
+            updates = with_kept(updates, kept_values(stored, engine), engine)
+        return tuple(updates.get(name, gr.update()) for name in MODEL_OUTPUTS)
 
     def on_load_model(choice, model_id, heads_id, max_new_value, shown):
         try:
@@ -95,7 +148,7 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
         return (slot.unload(), *sync(shown, max_new_value))
 
     max_new, outputs = page.controls["max_new_tokens"], model_outputs(page)
-    page.timer.tick(sync, [page.shown_version, max_new], outputs, api_name=False, concurrency_limit=None,
+    page.timer.tick(sync, [page.shown_version, max_new, page.kept], outputs, api_name=False, concurrency_limit=None,
                     show_progress="hidden")
     # raw values (preprocess=False): a script's bad number reaches sync, which takes it as unset, instead of
     # Gradio's multi-line preprocessing error
@@ -107,10 +160,18 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
                                  concurrency_limit=None)
     page.controls["tree"].change(lambda tree: medusa_pane(slot.engine, tree), [page.controls["tree"]], [page.chat],
                                  api_name=False, concurrency_limit=None, show_progress="hidden")
+    # the browser keeps the decoding controls as the user sets them (a model's defaults are not the user's
+    # choice; the page's load puts them back: kept_values); raw values, as the controls hold them.
+    # "always_last": each copy holds every control, so an older copy must never land after a newer one
+    # (two controls set in quick succession each sent one)
+    kept = [page.controls[name] for name in KEPT]
+    gr.on([control.input for control in kept], lambda *values: settings_copy(slot.engine, *values), kept,
+          [page.kept], api_name=False, concurrency_limit=None, preprocess=False, show_progress="hidden",
+          trigger_mode="always_last")
     return sync
 
 
 def model_outputs(page: Page) -> list:
-    """What ``sync`` updates, in its order (the Medusa pane last: only its title)."""
-    return [page.status, page.note, page.send, page.controls["tree"], page.controls["max_new_tokens"],
-            page.controls["mode"], *page.mode_controls, page.timer, page.shown_version, page.chat]
+    named = {"status": page.status, "note": page.note, "send": page.send, "timer": page.timer,
+             "shown_version": page.shown_version, "pane": page.chat, **page.controls}
+    return [named[name] for name in MODEL_OUTPUTS]

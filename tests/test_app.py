@@ -442,6 +442,24 @@ def test_trees_named_at_start_are_listed_once_under_their_spelling(engine):
         named.close()
 
 
+def test_kept_settings_come_back_for_their_model_only_and_as_far_as_they_are_valid(engine):
+    """What a reload puts back of the decoding controls kept in the browser (the page's part is in
+    test_browser): the copy of the loaded model, each value checked as the controls check it; a copy
+    for another model, an older format or a damaged value gives the model's defaults instead."""
+    from app.model_panel import KEPT, kept_values, settings_copy
+
+    values = ("typical", 0.35, 0.9, 0.2, 0.3, 37, "chain-2", 7, True)
+    copy = settings_copy(engine, *values)
+    assert kept_values(copy, engine) == dict(zip(KEPT, values))
+    assert kept_values({**copy, "model": "another/model with its Medusa heads"}, engine) == {}
+    assert kept_values(None, engine) == kept_values({"model": copy["model"]}, engine) == {}
+    assert kept_values(copy, None) == {}, "no model loaded: nothing to put back (its defaults come with it)"
+    assert settings_copy(None, *values) is None, "set while a model loads: the page's old copy no longer applies"
+    damaged = {**copy["settings"], "temperature": "hot", "mode": "fast", "max_new_tokens": engine.context + 1,
+               "tree": 5, "seed": 2.5, "colour_heads": "maybe", "unknown": 1}
+    assert kept_values({**copy, "settings": damaged}, engine) == {"top_p": 0.9, "epsilon": 0.2, "delta": 0.3}
+
+
 def test_regenerate_while_answering_changes_nothing():
     """A second Regenerate click (or one during a Send) must not pop the exchange being answered."""
     from app.chat_controller import ChatController

@@ -314,6 +314,45 @@ def test_conversation_survives_a_reload_and_exports(page):
     assert "compare was off" in assistant_texts(page, "chat-baseline")[0]
 
 
+def test_the_decoding_settings_survive_a_reload(page):
+    """A reload brings back the mode, the sliders, max new tokens, the tree and the colouring as the user
+    left them (they came back as the model's defaults), and the page reads them as it did: the pane's
+    title for the tree, the controls the mode uses enabled."""
+    page.get_by_label("Typical acceptance").check()
+    page.wait_for_function("() => document.querySelector('#epsilon input[type=range]')?.disabled === false",
+                           timeout=10_000)
+    for name, value in (("temperature", "0.35"), ("epsilon", "0.2")):
+        box = page.locator(f"#{name} input[type=number]")
+        box.fill(value)
+        box.press("Enter")
+    set_max_new(page, 37)
+    pick_tree(page, "cartesian-2x2")
+    page.locator("#colour input[type=checkbox]").check()
+    title = page.locator("#chat [data-testid=block-label]").inner_text()
+    assert "cartesian-2x2 expected" in title, title    # what it is expected to give here (ChatEngine.outlook)
+    from app.browser_copy import SETTINGS_KEY
+
+    # kept in the browser as they change (a round trip each)
+    page.wait_for_function(f"""() => Object.keys(localStorage).some(k => k.startsWith('{SETTINGS_KEY}:') &&
+        localStorage[k].startsWith('{{') && (s => s.mode === 'typical' && s.temperature === 0.35 && s.epsilon === 0.2
+        && s.max_new_tokens === 37 && s.tree === 'cartesian-2x2' && s.colour_heads === true)(JSON.parse(localStorage[k]).settings))""",
+                           timeout=10_000)
+    page.reload()
+    page.wait_for_function(READY, timeout=60_000)
+    page.wait_for_function("() => document.querySelector('input[value=typical]')?.checked", timeout=10_000)
+    shoot(page, "settings_reloaded.png")
+    assert page.locator("#temperature input[type=number]").input_value() == "0.35"
+    assert page.locator("#epsilon input[type=number]").input_value() == "0.2"
+    assert page.locator("#max-new input[type=number]").input_value() == "37"
+    assert page.locator("#tree input").input_value().startswith("cartesian-2x2")
+    assert page.locator("#colour input[type=checkbox]").is_checked()
+    assert slider_enabled(page, "epsilon") and page.locator("#seed input").is_disabled()   # typical draws no seed
+    assert page.locator("#chat [data-testid=block-label]").inner_text() == title
+    # an answer reads the kept settings: the readout names the tree it ran
+    send(page, "Name a colour.")
+    assert "cartesian-2x2" in page.locator("#readout").inner_text()
+
+
 def test_clear_and_reload_keep_what_the_user_expects(page):
     """Clear empties the browser's copy too (a reload must not bring the conversation back); a
     reload keeps the system prompt, and a message whose answer it cut off."""
@@ -604,5 +643,23 @@ def test_page_opens_before_the_model_has_loaded(browser):
             send(page, "hello")
             shoot(page, "loaded.png")
             assert assistant_texts(page, "chat")[-1].strip()
+            # as after a restart of the app: the page reloads while no model is in, and the settings the
+            # browser kept for this model come back when it arrives
+            pick_greedy(page)
+            set_max_new(page, 21)
+            page.wait_for_function("() => Object.entries(localStorage).some(([k, v]) => k.startsWith("
+                                   "'medusa-chat-settings:') && v.includes('\"max_new_tokens\": 21') "
+                                   "|| v.includes('\"max_new_tokens\":21'))", timeout=10_000)
+            gate.clear()
+            slot.unload()
+            slot.start(spec)
+            page.reload()
+            page.wait_for_function("() => document.querySelector('#status')?.innerText.includes('Loading')",
+                                   timeout=30_000)
+            assert page.locator(f"input[value={CPU_DEFAULTS.mode}]").is_checked(), "no model yet: its defaults"
+            gate.set()
+            page.wait_for_function(READY, timeout=120_000)
+            page.wait_for_function("() => document.querySelector('input[value=greedy]')?.checked", timeout=10_000)
+            assert page.locator("#max-new input[type=number]").input_value() == "21"
     finally:
         gate.set()
