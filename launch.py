@@ -110,8 +110,12 @@ def check_flags(args: argparse.Namespace) -> None:
 
 
 def port_free(host: str, port: int) -> bool:
+    """Whether the server can listen on ``port``: bound as uvicorn binds, with SO_REUSEADDR, so that the
+    connections of an app just stopped (TIME_WAIT for a minute) do not make its port look busy to a
+    restart; a socket listening there still does."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:

@@ -123,10 +123,30 @@ def test_a_busy_default_port_moves_to_a_free_one():
     with socket.socket() as holder:
         try:
             holder.bind(("127.0.0.1", launch.DEFAULT_PORT))
+            holder.listen()
         except OSError:
             pass                  # busy already: what the test needs
         port = launch.pick_port("127.0.0.1", None)
         assert port != launch.DEFAULT_PORT and launch.port_free("127.0.0.1", port)
+
+
+def test_the_port_of_an_app_just_stopped_is_free_at_once():
+    """A restart right after stopping the app: its closed connections wait a minute in TIME_WAIT on its
+    port, which said "port 7931 is busy" for 55 s (and without --port would have moved off 7860)."""
+    import launch
+
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # as uvicorn serves the app
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert not launch.port_free("127.0.0.1", port), "a listening socket makes the port busy"
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = server.accept()
+        accepted.close()              # the server's side closes first: its port's connection waits in TIME_WAIT
+        client.close()
+    assert launch.port_free("127.0.0.1", port)
+    assert launch.pick_port("127.0.0.1", port) == port
 
 
 def test_unusable_tree_is_one_line_and_exit_1(tiny_dirs):
