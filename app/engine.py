@@ -218,7 +218,7 @@ class ChatEngine:
         tree set by --tree, heads without accuracies) or the tree is not one it can value. Said before the
         answer: a typed 364-node tree ran at 0.1 tokens/s on the CPU, the tuned 2-node one at 1.2x."""
         tuned = self.loaded.tuned
-        name = self.shown_name(tree_name or self.default_tree)
+        name = self.shown_name(tree_spelling(tree_name or "") or self.default_tree)   # CHAIN-03 is chain-3
         if tuned is None or name == self.default_tree or (name not in self._specs and name.endswith(".json")):
             return None                     # a tree file is read at start only (_offer)
         try:
@@ -229,8 +229,15 @@ class ChatEngine:
         if estimate is None:
             return None
         speedup, bound = estimate
-        slower = ", slower than plain decoding" if round(speedup, 2) < 1 else ""   # as shown: 0.998 is "1.00x"
-        return f"{name} expected {'at most ' if bound else ''}{speedup:.2f}x on this machine{slower}"
+        slower = round(speedup, 2) < 1 if not bound else speedup <= 1    # as shown: 0.998 is "1.00x"
+        if not bound:
+            return f"{name} expected {speedup:.2f}x on this machine" + (", slower than plain decoding" if slower else "")
+        # past the largest tree timed, only a bound is known: it costs at least what that tree did (a 64-node
+        # tree "at most 1.00x" read as breaking even; it ran at 0.6-0.9x)
+        why = (f"it has {len(paths) + 1} nodes and costs at least what the largest tree timed here "
+               f"({max(map(int, tuned.step_ms))} nodes) did")
+        return (f"{name} expected slower than plain decoding on this machine (under {speedup:.2f}x: {why})" if slower
+                else f"{name} expected at most {speedup:.2f}x on this machine ({why})")
 
     def check(self, settings: Settings) -> tuple[DecodeConfig, str, TreeBuffers]:
         """The decode config, tree name and tree of ``settings``; ValueError in one line."""
