@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 
 from medusa_core.decoding.config import DEFAULTS, MODES, limits
-from medusa_core.loading.chat_format import to_messages
+from medusa_core.loading.chat_format import MESSAGE_SHAPE, json_kind, to_messages
 
 from .engine import BASELINE, MEDUSA, ChatEngine, Update
 from .session import Session
@@ -115,11 +115,12 @@ def number(data: dict, name: str, default, low: float, high: float, integer: boo
         return default
     kind = "an integer" if integer else "a number"
     span = f"{int(low):,} to {int(high):,}" if integer else f"{low:g} to {high:g}"
+    shown = json.dumps(value)[:40]    # as the client wrote it: true, "ten" (not Python's True, 'ten')
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not float(value).is_integer()):
-        raise ApiError(400, f"{name} {value!r} is not {kind}: give {kind} from {span}", param=name,
+        raise ApiError(400, f"{name} {shown} is not {kind}: give {kind} from {span}", param=name,
                        code="invalid_value")
     if not math.isfinite(value) or not low <= value <= high:
-        raise ApiError(400, f"{name} {value!r} is out of range: give {kind} from {span}", param=name,
+        raise ApiError(400, f"{name} {shown} is out of range: give {kind} from {span}", param=name,
                        code="invalid_value")
     return int(value) if integer else float(value)
 
@@ -149,7 +150,10 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
         raise ApiError(400, f"n {n!r}: this server answers with one choice: give n=1 and send more requests",
                        param="n", code="unsupported_parameter")
     messages = data.get("messages")
-    if not isinstance(messages, list) or not messages:
+    if messages is not None and not isinstance(messages, list):
+        raise ApiError(400, f"messages is {json_kind(messages)} {json.dumps(messages)[:40]}: give a list of "
+                            f"{MESSAGE_SHAPE} objects", param="messages")
+    if not messages:
         raise ApiError(400, "messages is missing or empty: give a list with at least one user message",
                        param="messages")
     if len(messages) > MAX_MESSAGES:
@@ -211,10 +215,15 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
                            param="medusa.tree", code="invalid_value")
         if medusa.get("mode") is not None:
             mode = medusa["mode"]
+            if mode == "greedy" and data.get("temperature") not in (None, 0):   # both given, and they disagree
+                raise ApiError(400, f"medusa.mode \"greedy\" with temperature {temperature:g}: greedy decoding draws "
+                                    "nothing, so the temperature would do nothing: drop temperature (or give 0), or "
+                                    "use mode \"sample\" or \"typical\"", param="temperature", code="invalid_value")
         if mode == "off":
             passes, mode = (BASELINE,), "greedy" if temperature == 0 else "sample"
         elif mode not in MODES:
-            raise ApiError(400, f"medusa.mode {mode!r} is unknown: use one of {', '.join(MODES)} or off",
+            raise ApiError(400, f"medusa.mode {json.dumps(mode)[:40]} is unknown: use one of {', '.join(MODES)} (or "
+                                '"medusa": false for plain decoding)',
                            param="medusa.mode", code="invalid_value")
         epsilon = number(medusa, "epsilon", epsilon, limits("epsilon").low, limits("epsilon").high)
         delta = number(medusa, "delta", delta, limits("delta").low, limits("delta").high)
@@ -367,7 +376,9 @@ class Completion:
         stats = self.last.stats if self.last is not None else None
         if stats is None:
             return {}
-        return {"decoder": stats.label, "tree": stats.tree, "tree_size": stats.tree_size,
+        settings = self.request.settings   # the mode that ran: sampling at temperature 0 is greedy
+        return {"decoder": stats.label, "mode": "greedy" if settings.greedy else settings.mode,
+                "tree": stats.tree, "tree_size": stats.tree_size,
                 "tokens_per_step": round(stats.tokens_per_step, 3), "tokens_per_second": round(stats.tokens_per_second, 2),
                 "time_to_first_token": round(stats.ttft, 4) if stats.ttft is not None else None}
 

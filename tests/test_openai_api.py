@@ -93,12 +93,16 @@ def test_stop_strings_cut_the_reply_and_plain_decoding_is_one_switch_away(client
     assert cut.choices[0].message.content == full[:full.index(" Paris")] and cut.choices[0].finish_reason == "stop"
     plain = client.chat.completions.create(**ask, extra_body={"medusa": False})
     assert plain.choices[0].message.content == full and plain.model_extra["medusa"]["tree_size"] == 1
+    # the response says which mode ran: sampling at temperature 0 is greedy, and gives the greedy text
+    assert plain.model_extra["medusa"]["mode"] == "greedy"
+    cold = client.chat.completions.create(**ask, extra_body={"medusa": {"mode": "sample"}})
+    assert cold.model_extra["medusa"]["mode"] == "greedy" and cold.choices[0].message.content == full
     # top_k (local servers' field) reaches the sampler: sampling among one token is the greedy answer
     top1 = client.chat.completions.create(**{**ask, "temperature": 1.0, "seed": 3}, extra_body={"top_k": 1})
     assert top1.choices[0].message.content == full
     typical = client.chat.completions.create(**{**ask, "temperature": 0.7},
                                              extra_body={"medusa": {"mode": "typical", "epsilon": 0.1}})
-    assert typical.choices[0].message.content.strip()
+    assert typical.choices[0].message.content.strip() and typical.model_extra["medusa"]["mode"] == "typical"
 
 
 def test_a_seed_repeats_a_sampled_answer(client):
@@ -119,6 +123,15 @@ HOSTILE = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}, 400, "max_tokens"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, 400, "max_tokens"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1.5}, 400, "max_tokens"),
+    # values as the client wrote them in JSON, not as Python shows them (True, NoneType)
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": True}, 400,
+     "max_tokens true is not an integer"),
+    ({"model": MODEL, "messages": "hi"}, 400, 'messages is a string "hi": give a list of {"role": ..., "content": ...}'),
+    ({"model": MODEL, "messages": [{"role": "user", "content": None}]}, 400, "message 0 content is null"),
+    ({"model": MODEL, "messages": ["hi"]}, 400, 'message 0 is a string: give {"role": ..., "content": ...} objects'),
+    # a mode and a temperature that disagree are refused, not settled silently
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0.7, "medusa": {"mode": "greedy"}},
+     400, 'medusa.mode "greedy" with temperature 0.7'),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 1e9}, 400, "temperature"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400,

@@ -34,10 +34,28 @@ def _text(content: Any, index: int) -> str:
             elif isinstance(part, Mapping) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
                 pieces.append(part["text"])
             else:
-                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-                raise ValueError(f"message {index} has a {kind!r} part: this chat takes text only; remove the attachment")
+                kind = repr(part.get("type")) if isinstance(part, Mapping) else json_kind(part).split()[-1]
+                raise ValueError(f"message {index} has a {kind} part: this chat takes text only; remove the attachment")
         return "".join(pieces)
-    raise ValueError(f"message {index} content is a {type(content).__name__}: give a string or a list of text parts")
+    raise ValueError(f"message {index} content is {json_kind(content)}: give a string or a list of text parts")
+
+
+def json_kind(value: Any) -> str:
+    """What a value is, as JSON names it ("null", "a boolean", not NoneType or bool): the messages come
+    from a JSON request."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an object" if isinstance(value, Mapping) else "an array" if isinstance(value, (list, tuple)) else \
+        f"a {type(value).__name__}"
+
+
+MESSAGE_SHAPE = '{"role": ..., "content": ...}'
 
 
 def to_messages(history: Any) -> list[dict]:
@@ -47,10 +65,10 @@ def to_messages(history: Any) -> list[dict]:
     messages = []
     for i, message in enumerate(history):
         if not isinstance(message, Mapping):
-            raise ValueError(f"message {i} is a {type(message).__name__}: give {{'role': ..., 'content': ...}} objects")
+            raise ValueError(f"message {i} is {json_kind(message)}: give {MESSAGE_SHAPE} objects")
         missing = [key for key in ("role", "content") if key not in message]
         if missing:
-            raise ValueError(f"message {i} has no {' or '.join(missing)}: give {{'role': ..., 'content': ...}} objects")
+            raise ValueError(f"message {i} has no {' or '.join(missing)}: give {MESSAGE_SHAPE} objects")
         role = message["role"]
         role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
         if role not in ROLES:
