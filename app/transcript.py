@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from .session import Session, Turn
-from .readout import count
+from .readout import FINISH_TEXT, count
 from .render import reply_html
 
 FORMAT = "medusa-chat/1"
@@ -99,8 +99,8 @@ def closed_fences(text: str) -> str:
 
 def answered_line(figures: dict | None, settings: dict) -> str | None:
     """One pass's figures as an export shows them under its answer ('*Medusa · tree small-8 (9 nodes) ·
-    greedy: 40 tokens · 12.3 tokens/s after the first · 1.47 tokens/step*'); what a saved copy lacks
-    is left out."""
+    greedy: 40 tokens · 12.3 tokens/s after the first · 1.47 tokens/step*', with why it ended where it
+    did not end on its own: '40 tokens (stopped)'); what a saved copy lacks is left out."""
     tokens = figures.get("tokens") if isinstance(figures, dict) else None
     if not _number(tokens) or tokens < 1:
         return None
@@ -112,6 +112,9 @@ def answered_line(figures: dict | None, settings: dict) -> str | None:
     if isinstance(mode, str):
         parts.append(mode + (f" at temperature {temperature:g}" if mode != "greedy" and _number(temperature) else ""))
     line = " · ".join(parts) + f": {count(int(tokens), 'token')}"
+    reason = figures.get("finish_reason")
+    if reason != "eos" and isinstance(reason, str) and reason in FINISH_TEXT:   # cut off: the readout said so too
+        line += f" ({FINISH_TEXT[reason]})"
     rate, per_step = figures.get("tokens_per_second"), figures.get("mean_accepted")
     if figures.get("steps") and _number(rate) and _number(per_step):
         line += f" · {rate:.1f} tokens/s after the first · {per_step:.2f} tokens/step"

@@ -633,6 +633,10 @@ def test_interleaved_speedup_is_immune_to_load_that_hits_both():
     stopped = render_comparison(Comparison(Stats(tokens=1, finish_reason="cancelled"),
                                            Stats(tree_size=2, tokens=1, finish_reason="cancelled")))
     assert stopped == "**Speedup: –** (stopped before both answers could be timed)"
+    # stopped after a few tokens: a ratio, but no windows for a spread, and the line says it is rough
+    early = render_comparison(Comparison(Stats(tokens=5, steps=4, decode_seconds=3.0, finish_reason="cancelled"),
+                                         Stats(tree_size=3, tokens=6, steps=3, decode_seconds=3.0, finish_reason="cancelled")))
+    assert early.startswith("**Speedup: 1.25×**") and "over 5 tokens only: too few steps for a spread" in early
 
 
 def test_a_one_token_answer_has_no_speed_to_show():

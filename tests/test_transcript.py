@@ -80,12 +80,14 @@ def test_an_export_says_how_each_answer_was_made_and_under_which_system_prompt(t
     turns = [Turn(user="Hi", reply="Arr.", system="Talk like a pirate.",
                   answered={"settings": sampled, "medusa": figures, "baseline": None}),
              Turn(user="Again", reply="Hello.", system="Be terse.",
-                  answered={"settings": {"mode": "greedy"}, "medusa": {**figures, "tokens": 1, "steps": 0},
+                  answered={"settings": {"mode": "greedy"}, "medusa": {**figures, "tokens": 1, "steps": 0,
+                                                                       "finish_reason": "cancelled"},
                             "baseline": None})]
     markdown, saved = export(tmp_path, turns, system="Be kind.")
     order = ["**System:** Talk like a pirate.", "Arr.",
              "*Medusa · tree small-8 (9 nodes) · sample at temperature 0.7: 40 tokens · 12.3 tokens/s after the "
-             "first · 2.44 tokens/step*", "**System:** Be terse.", "Hello.", "*Medusa · tree small-8 (9 nodes) · greedy: 1 token*",
+             "first · 2.44 tokens/step*", "**System:** Be terse.", "Hello.",
+             "*Medusa · tree small-8 (9 nodes) · greedy: 1 token (stopped)*",     # the readout said why it ended
              "**System (for the next message):** Be kind."]
     places = [markdown.index(text) for text in order]
     assert places == sorted(places), markdown
