@@ -234,10 +234,11 @@ class ChatEngine:
             return f"{name} expected {speedup:.2f}x on this machine" + (", slower than plain decoding" if slower else "")
         # past the largest tree timed, only a bound is known: it costs at least what that tree did (a 64-node
         # tree "at most 1.00x" read as breaking even; it ran at 0.6-0.9x)
-        why = (f"it has {len(paths) + 1} nodes and costs at least what the largest tree timed here "
-               f"({max(map(int, tuned.step_ms))} nodes) did")
-        return (f"{name} expected slower than plain decoding on this machine (under {speedup:.2f}x: {why})" if slower
-                else f"{name} expected at most {speedup:.2f}x on this machine ({why})")
+        nodes, largest = len(paths) + 1, max(map(int, tuned.step_ms))
+        return (f"{name} expected slower than plain decoding on this machine ({nodes} nodes; under {speedup:.2f}x "
+                f"even at the {largest}-node tree's cost)" if slower
+                else f"{name} expected at most {speedup:.2f}x on this machine ({nodes} nodes; {speedup:.2f}x at the "
+                     f"{largest}-node tree's cost)")
 
     def check(self, settings: Settings) -> tuple[DecodeConfig, str, TreeBuffers]:
         """The decode config, tree name and tree of ``settings``; ValueError in one line."""

@@ -206,9 +206,8 @@ def test_where_no_tree_pays_plain_decoding_runs_and_the_page_says_so(checkpoint,
     # a tree larger than any timed: a bound, said as one (a 64-node tree "at most 1.00x" read as breaking even)
     big = max(map(int, engine.loaded.tuned.step_ms))
     assert medusa_pane(engine, "CARTESIAN-3x3x03")["label"] == (
-        "Medusa · cartesian-3x3x3 expected slower than plain decoding on this machine (under "
-        f"{engine.loaded.tuned.speedup_of(resolve_tree('cartesian-3x3x3'))[0]:.2f}x: it has 40 nodes and costs at "
-        f"least what the largest tree timed here ({big} nodes) did)")
+        "Medusa · cartesian-3x3x3 expected slower than plain decoding on this machine (40 nodes; under "
+        f"{engine.loaded.tuned.speedup_of(resolve_tree('cartesian-3x3x3'))[0]:.2f}x even at the {big}-node tree's cost)")
     assert medusa_pane(engine, "chain-9")["label"] == "Medusa", "a tree the heads cannot fill: sending it says why"
     assert medusa_pane(engine, "/etc/x.json")["label"] == "Medusa", "no file read for a title"
     assert medusa_pane(engine, "baseline")["label"] == NO_SPEEDUP
@@ -229,8 +228,7 @@ def test_the_medusa_pane_keeps_its_title_where_a_tree_pays(checkpoint, measured,
     big = max(map(int, engine.loaded.tuned.step_ms))
     assert medusa_pane(engine, "cartesian-3x3x3")["label"] == (
         # 1 + 0.75 + 0.75 x 0.55 + 0.75 x 0.55 x 0.45 tokens per step, each step costing the plain one
-        "Medusa · cartesian-3x3x3 expected at most 2.35x on this machine (it has 40 nodes and costs at least what "
-        f"the largest tree timed here ({big} nodes) did)")
+        f"Medusa · cartesian-3x3x3 expected at most 2.35x on this machine (40 nodes; 2.35x at the {big}-node tree's cost)")
     # the user picks the plain tree: the pane decodes plainly, and its title and readout say so
     assert medusa_pane(engine, "baseline")["label"] == "Plain decoding"
     prompt = engine.prompt_ids([{"role": "user", "content": "hello"}], None)
