@@ -30,7 +30,7 @@ def test_to_messages_rejects_what_it_cannot_render():
         to_messages([{"role": "user", "content": [{"type": "file", "file": {"path": "/x.png"}}]}])
     with pytest.raises(ValueError, match="role 'tool'"):
         to_messages([{"role": "tool", "content": "x"}])
-    with pytest.raises(ValueError, match="message 0 is a tuple: give"):
+    with pytest.raises(ValueError, match="message 0 is an array: give"):
         to_messages([("hi", "there")])
     with pytest.raises(ValueError, match="message 1 has no content: give"):
         to_messages([{"role": "user", "content": "hi"}, {"role": "user"}])
