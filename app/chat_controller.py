@@ -77,8 +77,13 @@ class ChatController:
         self.tabs: weakref.WeakValueDictionary[str, Session] = weakref.WeakValueDictionary()
 
     def tab_opened(self, session: Session, session_hash: str | None) -> None:
+        """A request from the tab starts (or its page loads): the tab is alive. Gradio also runs the page's
+        unload when only the tab's heartbeat connection drops (a laptop that slept, a network blip), and the
+        page goes on without one: a message sent after that is the user's, and is answered (it was stopped
+        before its first token, every time, until a reload)."""
         if session_hash:
             self.tabs[session_hash] = session
+            session.closed = False
 
     def tab_closed(self, session_hash: str | None) -> None:
         """The tab was closed or reloaded: its answer stops at the next step (or prompt piece). Nobody
@@ -281,11 +286,13 @@ class ChatController:
     @staticmethod
     def save_pending(session: Session, message, system: str, compare: bool):
         """Just before a send: the browser's copy with the message in it, so a reload during the
-        answer loses nothing typed. The copy written after the answer replaces it."""
+        answer loses nothing typed (the copy written after the answer replaces it), and Stop on: the
+        answer can be stopped from now on, also while it waits for a model."""
         message = str(message or "").strip()
-        if not message:
-            return gr.update()
-        return to_saved([*session.turns, Turn(user=message)], session.first_turn, system or "", compare is True)
+        if not message:          # refused at once: Stop stays as it is
+            return gr.update(), gr.update()
+        return (to_saved([*session.turns, Turn(user=message)], session.first_turn, system or "", compare is True),
+                gr.update(interactive=True))
 
     @staticmethod
     def restored(session: Session, stored, system: str) -> tuple:
@@ -327,6 +334,11 @@ def wire_chat(page: Page, chat: ChatController) -> dict:
     def on_stop(session: Session):
         session.cancel.set()  # the loop checks it after every token: generation ends within one step
 
+    def stop_state(session: Session):
+        """After a send or a regenerate: Stop stays on while the tab still answers (a send refused because
+        the tab was busy must not turn it off under the running answer), and goes grey when nothing runs."""
+        return gr.update(interactive=session.busy.locked())
+
     outputs = [page.chat, page.base_chat, page.readout, page.base_readout, page.comparison, page.status,
                page.raw, page.box]
     save_after = dict(fn=chat.save_conversation, inputs=[page.session, page.system, page.compare],
@@ -337,11 +349,18 @@ def wire_chat(page: Page, chat: ChatController) -> dict:
     # default drops it without a word while the first is pending)
     events = dict(outputs=outputs, concurrency_limit=16, concurrency_id="chat", preprocess=False,
                   trigger_mode="multiple")
+    # Stop is on while the tab has an answer running or waiting: from the send (save_pending) or the regenerate
+    # click to the end of that answer's events
+    stop_after = dict(fn=stop_state, inputs=[page.session], outputs=[page.stop], api_name=False, concurrency_limit=None,
+                      show_progress="hidden")
     gr.on([page.box.submit, page.send.click], chat.save_pending, [page.session, page.box, page.system, page.compare],
-          [page.saved], api_name=False, concurrency_limit=None, show_progress="hidden", trigger_mode="multiple").then(
-        on_send, page.inputs(*_parameters(on_send)), api_name="send", **events).then(**save_after)
-    page.regenerate.click(on_regenerate, page.inputs(*_parameters(on_regenerate)), api_name="regenerate",
-                          **events).then(**save_after)
+          [page.saved, page.stop], api_name=False, concurrency_limit=None, show_progress="hidden",
+          trigger_mode="multiple").then(
+        on_send, page.inputs(*_parameters(on_send)), api_name="send", **events).then(**save_after).then(**stop_after)
+    page.regenerate.click(lambda: gr.update(interactive=True), None, [page.stop], api_name=False,
+                          concurrency_limit=None, show_progress="hidden", trigger_mode="multiple").then(
+        on_regenerate, page.inputs(*_parameters(on_regenerate)), api_name="regenerate", **events).then(
+        **save_after).then(**stop_after)
     # Stop and Clear must not wait behind a running answer: no concurrency limit.
     page.stop.click(on_stop, [page.session], None, api_name="stop", concurrency_limit=None)
     # the chat panes' own bin icons do what Clear does

@@ -138,7 +138,8 @@ def build_layout(slot: ModelSlot, system_prompt: str, start: Settings) -> Page:
                 send = gr.Button("Send", variant="primary", scale=1, elem_id="send",
                                  interactive=slot.engine is not None)
             with gr.Row():
-                stop = gr.Button("Stop", variant="stop", elem_id="stop")
+                # on while the tab has an answer running or waiting (app/chat_controller.py, wire_chat)
+                stop = gr.Button("Stop", variant="stop", elem_id="stop", interactive=False)
                 regenerate = gr.Button("Regenerate", elem_id="regenerate")
                 clear = gr.Button("Clear", elem_id="clear")
                 export_json = gr.DownloadButton("Export JSON", elem_id="export-json", interactive=False)

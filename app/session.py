@@ -32,7 +32,7 @@ class Session:
         self.turns: list[Turn] = []
         self.first_turn = 0                 # turns before this were cut to fit the context
         self.cancel = threading.Event()
-        self.closed = False                 # the tab was closed or reloaded: nothing it still asks runs
+        self.closed = False                 # the tab was closed or reloaded: what it asked before then does not run
         # {pass: KV cache} under the engine they belong to, held weakly: an unloaded or replaced model's
         # caches go with its engine (SmolLM2's held 250 MiB past Unload until the tab's next message)
         self._caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -429,16 +429,77 @@ def test_two_tabs_each_reload_their_own_conversation(browser, default_app):
 
 def test_a_send_during_an_answer_says_why_it_waits(page):
     """A second message while the tab answers is not dropped without a word: a toast says why, and
-    the text stays in the box."""
+    the text stays in the box. Stop is on only while there is an answer to stop, and the refused
+    message does not turn it off under the running one."""
+    stop = page.locator("#stop")
+    assert stop.is_disabled(), "nothing runs: Stop is grey"
     set_max_new(page, 400)
     page.locator("#message textarea").fill("Tell me a long story about a cat.")
     page.locator("#send").click()
     page.wait_for_function("() => document.querySelectorAll('#chat .message.bot').length >= 1", timeout=60_000)
+    assert stop.is_enabled()
     page.locator("#message textarea").fill("another one")
     page.locator("#message textarea").press("Enter")
     page.get_by_text("Still answering your previous message").first.wait_for(timeout=10_000)
     assert page.locator("#message textarea").input_value() == "another one"
-    page.locator("#stop").click()
+    # the refused send's events run their course in well under 3 s, and Stop stays on through them
+    turned_off = page.evaluate("""() => new Promise(done => {
+        const start = Date.now();
+        const poll = () => document.querySelector('#stop')?.disabled ? done(true)
+            : Date.now() - start > 3000 ? done(false) : setTimeout(poll, 50);
+        poll();
+    })""")
+    assert not turned_off, "the refused message turned Stop off while the first answer ran"
+    stop.click()
+    page.wait_for_function(READY, timeout=30_000)
+    page.wait_for_function("() => document.querySelector('#stop')?.disabled", timeout=10_000)
+
+
+def test_a_tab_whose_heartbeat_dropped_answers_its_next_message(browser, tiny_dirs, monkeypatch):
+    """Gradio runs the page's unload when a tab's heartbeat connection drops (a laptop that slept, a
+    network blip), and the page goes on without one. Its next message is answered: it was stopped before
+    its first token, every time, until a reload."""
+    from playwright.sync_api import Error as PlaywrightError
+
+    from app.chat_controller import ChatController
+    from app.models import ModelSlot
+    from medusa_core.loading.spec import LoadSpec
+
+    unloaded = []
+    tab_closed = ChatController.tab_closed
+    monkeypatch.setattr(ChatController, "tab_closed",
+                        lambda self, session_hash: (unloaded.append(session_hash), tab_closed(self, session_hash)))
+    dropped = threading.Event()
+
+    def drop(route):
+        # the server holds the heartbeat open for 2 s; then the connection goes, as in a network blip
+        try:
+            route.fetch(timeout=2_000)
+        except PlaywrightError:
+            pass
+        dropped.set()
+        route.abort()
+
+    backbone, heads = tiny_dirs
+    slot = ModelSlot(max_new_tokens=8, log=lambda line: None)
+    spec = LoadSpec(model=str(backbone), heads=str(heads), device="cpu")
+    with in_process_app(slot, spec) as url:
+        slot.start(spec)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            page.route("**/heartbeat/**", drop)
+            page.goto(url)
+            page.wait_for_function(READY, timeout=120_000)
+            deadline = time.monotonic() + 90    # a busy machine (a CI run beside other work) is slow to get here
+            while not unloaded and time.monotonic() < deadline:
+                page.wait_for_timeout(200)      # the route runs while the page waits
+            assert dropped.is_set(), "the page opened no heartbeat: nothing was tested"
+            assert unloaded, "the heartbeat dropped but the server ran no unload: nothing was tested"
+            send(page, "hello")
+            reply = assistant_texts(page, "chat")[-1]
+            assert reply.strip() and "stopped" not in reply, reply
+        finally:
+            page.close()
 
 
 def test_a_failed_load_keeps_the_decoding_settings(page):
