@@ -23,8 +23,8 @@ from medusa_core.decoding.config import DecodeConfig, SettingError
 from medusa_core.decoding.generate import generate, max_context, new_cache, prefill_piece
 from medusa_core.decoding.step import compute_dtype
 from medusa_core.decoding.step_store import needs_capture
-from medusa_core.decoding.tree import (PRESETS, TreeBuffers, TreeError, UnknownTreeError, build_tree_buffers,
-                                      resolve_tree, tree_name, tree_spelling)
+from medusa_core.decoding.tree import (PRESETS, TOP_K, Paths, TreeBuffers, TreeError, UnknownTreeError,
+                                      build_tree_buffers, resolve_tree, tree_name, tree_spelling, validate_paths)
 
 from .detok import Detokenizer
 from .readout import Comparison, Meter, Stats, explain_divergence, interleaved_ratios
@@ -212,6 +212,21 @@ class ChatEngine:
             return LABELS[MEDUSA]
         return NO_SPEEDUP if self.no_speedup else LABELS[BASELINE]
 
+    def tree_paths(self, name: str) -> Paths | None:
+        """The paths of tree ``name`` where this model can run it: a listed tree, or a preset form its heads
+        can fill (checked, not built); None otherwise (unknown, too deep or too wide for these heads, or a
+        tree file, which is read at start only). A tree kept from another start or another model may be any
+        of those."""
+        name = self.shown_name(tree_spelling(name))
+        if name not in self._specs and name.endswith(".json"):
+            return None
+        try:
+            paths = resolve_tree(self._specs.get(name, name))
+            validate_paths(paths, self.num_heads, TOP_K)
+        except TreeError:
+            return None
+        return paths
+
     def outlook(self, tree_name: str | None) -> str | None:
         """A few words on what a tree other than the default is expected to give on this machine, from the
         tuner's step times and the heads' accuracies; None where the tuner did not measure this machine (a
@@ -219,12 +234,9 @@ class ChatEngine:
         answer: a typed 364-node tree ran at 0.1 tokens/s on the CPU, the tuned 2-node one at 1.2x."""
         tuned = self.loaded.tuned
         name = self.shown_name(tree_spelling(tree_name or "") or self.default_tree)   # CHAIN-03 is chain-3
-        if tuned is None or name == self.default_tree or (name not in self._specs and name.endswith(".json")):
-            return None                     # a tree file is read at start only (_offer)
-        try:
-            paths = resolve_tree(self._specs.get(name, name))
-        except TreeError:
-            return None                     # sending it says what is wrong with it
+        if tuned is None or name == self.default_tree:
+            return None
+        paths = self.tree_paths(name)       # None: sending it says what is wrong with it
         estimate = tuned.speedup_of(paths) if paths else None
         if estimate is None:
             return None

@@ -42,7 +42,7 @@ def medusa_pane(engine, tree_name: str | None = None) -> dict:
 
 # what ``sync`` updates, in its order (the Medusa pane last: only its title)
 MODEL_OUTPUTS = ("status", "note", "send", "tree", "max_new_tokens", "mode", *MODE_CONTROLS, "colour_heads", "timer",
-                 "shown_version", "pane")
+                 "shown_version", "kept", "pane")
 
 
 # the decoding controls a reload brings back, by Settings field name (compare and the system prompt are kept
@@ -50,27 +50,29 @@ MODEL_OUTPUTS = ("status", "note", "send", "tree", "max_new_tokens", "mode", *MO
 KEPT = ("mode", *SAMPLING, "max_new_tokens", "tree", "seed", "colour_heads")
 
 
-def settings_copy(engine, *values) -> dict | None:
+def settings_copy(engine, *values) -> dict:
     """What the browser keeps of the decoding controls (``values`` in KEPT's order, as the page holds them):
-    the values and the model they were set for. None while no model is loaded: the page's copy then no
-    longer applies (the user chose anew while the model loads, and that choice stays when it arrives),
-    and the browser keeps the one it has."""
-    if engine is None:
-        return None
-    return {"model": loaded_name(engine.loaded), "settings": dict(zip(KEPT, values))}
+    the values and the model they were set for, ``engine`` (None while the page has no model yet: the copy is
+    then for the model that arrives, and sync labels it for that one). The model's default tree is kept as
+    None, "the default": the tree tuned on this start may be plain decoding on the next, or not listed."""
+    settings = dict(zip(KEPT, values))
+    if engine is not None and settings.get("tree") == engine.default_tree:
+        settings["tree"] = None
+    return {"model": engine.loaded.source if engine is not None else None, "settings": settings}
 
 
 def kept_values(kept, engine) -> dict:
     """The controls' values, by name, from the browser's copy (settings_copy) that apply now: the copy is
-    for the loaded model (another model starts from its own defaults, as a load does), and each value is
-    one its control takes (an older or damaged copy loses only what is wrong in it)."""
-    if engine is None or not isinstance(kept, dict) or kept.get("model") != loaded_name(engine.loaded) \
+    for the loaded model or for whichever arrives (another model starts from its own defaults, as a load
+    does), and each value is one its control takes and this model runs (an older or damaged copy, or a
+    tree this start does not offer, loses only what is wrong in it)."""
+    if engine is None or not isinstance(kept, dict) or kept.get("model") not in (None, engine.loaded.source) \
             or not isinstance(kept.get("settings"), dict):
         return {}
     values = {}
     for name, value in kept["settings"].items():
-        if name not in KEPT or (name == "tree" and value is not None and not isinstance(value, str)):
-            continue
+        if name not in KEPT or (name == "tree" and not (isinstance(value, str) and engine.tree_paths(value) is not None)):
+            continue                # the default tree (None) is what sync puts in the box
         try:
             parsed = Settings.parse(**{name: value})
         except ValueError:
@@ -132,6 +134,9 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
             if not (shown is not None and shown[1] == 0 and defaults == start):
                 updates.update(zip(("mode", *MODE_CONTROLS), decoding_values(defaults)))
             updates = with_kept(updates, kept_values(stored, engine), engine)
+            if isinstance(stored, dict) and stored.get("model") is None and isinstance(stored.get("settings"), dict):
+                # set while the page had no model: this model's now (the browser keeps it under its name)
+                updates["kept"] = {"model": engine.loaded.source, "settings": stored["settings"]}
         return tuple(updates.get(name, gr.update()) for name in MODEL_OUTPUTS)
 
     def on_load_model(choice, model_id, heads_id, max_new_value, shown):
@@ -164,14 +169,22 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
     # choice; the page's load puts them back: kept_values); raw values, as the controls hold them.
     # "always_last": each copy holds every control, so an older copy must never land after a newer one
     # (two controls set in quick succession each sent one)
+    def on_control(shown, *values):
+        """The browser's copy after the user set a control, for the model whose controls the page shows: in
+        the moment between another model's arrival and the page showing its controls, the values are still
+        the old model's (they were saved under the new one)."""
+        state = slot.state()
+        if state.engine is not None and (shown is None or shown[1] != state.engine_version):
+            return gr.update()
+        return settings_copy(state.engine, *values)
+
     kept = [page.controls[name] for name in KEPT]
-    gr.on([control.input for control in kept], lambda *values: settings_copy(slot.engine, *values), kept,
-          [page.kept], api_name=False, concurrency_limit=None, preprocess=False, show_progress="hidden",
-          trigger_mode="always_last")
+    gr.on([control.input for control in kept], on_control, [page.shown_version, *kept], [page.kept], api_name=False,
+          concurrency_limit=None, preprocess=False, show_progress="hidden", trigger_mode="always_last")
     return sync
 
 
 def model_outputs(page: Page) -> list:
     named = {"status": page.status, "note": page.note, "send": page.send, "timer": page.timer,
-             "shown_version": page.shown_version, "pane": page.chat, **page.controls}
+             "shown_version": page.shown_version, "kept": page.kept, "pane": page.chat, **page.controls}
     return [named[name] for name in MODEL_OUTPUTS]

@@ -442,7 +442,7 @@ def test_trees_named_at_start_are_listed_once_under_their_spelling(engine):
         named.close()
 
 
-def test_kept_settings_come_back_for_their_model_only_and_as_far_as_they_are_valid(engine):
+def test_kept_settings_come_back_for_their_model_only_and_as_far_as_they_are_valid(engine, model_dirs):
     """What a reload puts back of the decoding controls kept in the browser (the page's part is in
     test_browser): the copy of the loaded model, each value checked as the controls check it; a copy
     for another model, an older format or a damaged value gives the model's defaults instead."""
@@ -451,13 +451,37 @@ def test_kept_settings_come_back_for_their_model_only_and_as_far_as_they_are_val
     values = ("typical", 0.35, 0.9, 0.2, 0.3, 37, "chain-2", 7, True)
     copy = settings_copy(engine, *values)
     assert kept_values(copy, engine) == dict(zip(KEPT, values))
-    assert kept_values({**copy, "model": "another/model with its Medusa heads"}, engine) == {}
+    # the model is named by its full paths: another checkpoint of the same folder name, or the same backbone
+    # with other heads, is another model (both were named "backbone with its Medusa heads")
+    backbone, heads = model_dirs
+    assert copy["model"] == f"{backbone.resolve()} + {heads.resolve()}"
+    assert kept_values({**copy, "model": f"/elsewhere/backbone + {heads.resolve()}"}, engine) == {}
+    assert kept_values({**copy, "model": f"{backbone.resolve()} + /elsewhere/heads"}, engine) == {}
     assert kept_values(None, engine) == kept_values({"model": copy["model"]}, engine) == {}
     assert kept_values(copy, None) == {}, "no model loaded: nothing to put back (its defaults come with it)"
-    assert settings_copy(None, *values) is None, "set while a model loads: the page's old copy no longer applies"
+    # set while no model was shown: for the model that arrives
+    assert settings_copy(None, *values) == {"model": None, "settings": dict(zip(KEPT, values))}
+    assert kept_values(settings_copy(None, *values), engine) == dict(zip(KEPT, values))
     damaged = {**copy["settings"], "temperature": "hot", "mode": "fast", "max_new_tokens": engine.context + 1,
                "tree": 5, "seed": 2.5, "colour_heads": "maybe", "unknown": 1}
     assert kept_values({**copy, "settings": damaged}, engine) == {"top_p": 0.9, "epsilon": 0.2, "delta": 0.3}
+
+
+def test_a_kept_tree_comes_back_only_where_this_start_runs_it(engine):
+    """The default tree is kept as "the default", not by the name it had: a start that tuned another tree,
+    or found that none pays, runs its own default. A tree this model cannot run now (a tuned tree of another
+    start, a tree file, too deep for its heads) is left out: the first Send failed with "unknown tree"."""
+    from app.model_panel import KEPT, kept_values, settings_copy
+
+    def kept_tree(tree):
+        values = dict(zip(KEPT, ("greedy", 0.7, 1.0, 0.09, 0.3, 48, tree, -1, False)))
+        return kept_values({"model": engine.loaded.source, "settings": values}, engine).get("tree", "default")
+
+    default = settings_copy(engine, "greedy", 0.7, 1.0, 0.09, 0.3, 48, engine.default_tree, -1, False)
+    assert default["settings"]["tree"] is None and kept_tree(None) == "default"
+    assert kept_tree("chain-2") == "chain-2" and kept_tree("cartesian-2x2") == "cartesian-2x2"
+    for gone in ("tuned", "/tmp/my_tree.json", "chain-9", "cartesian-11", ""):
+        assert kept_tree(gone) == "default", gone
 
 
 def test_regenerate_while_answering_changes_nothing():

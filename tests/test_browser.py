@@ -668,6 +668,7 @@ def test_a_script_whose_client_goes_stops_its_answer(tiny_dirs, monkeypatch):
 
 def test_page_opens_before_the_model_has_loaded(browser):
     """The page is served at once, shows load progress and keeps Send off until the model is in."""
+    from app.browser_copy import SETTINGS_KEY
     from app.models import CPU_DEFAULTS, ModelSlot
     from medusa_core.loading.load import load
     from medusa_core.loading.spec import LoadSpec
@@ -701,6 +702,12 @@ def test_page_opens_before_the_model_has_loaded(browser):
             page.wait_for_function(READY, timeout=120_000)
             page.wait_for_function("() => !document.querySelector('#send')?.disabled", timeout=30_000)
             assert page.locator("input[value=typical]").is_checked() and slider_enabled(page, "epsilon")
+            # and the browser keeps it for the model that arrived (it kept the copy from before, which a
+            # reload brought back)
+            page.wait_for_function(
+                f"source => Object.entries(localStorage).some(([k, v]) => k.startsWith('{SETTINGS_KEY}:') && "
+                "v.startsWith('{') && JSON.parse(v).model === source && JSON.parse(v).settings?.mode === 'typical')",
+                arg=slot.engine.loaded.source, timeout=10_000)
             assert page.locator("#tree input").input_value().startswith(("tuned (", "baseline")), \
                 "the tree shows by its name"
             send(page, "hello")
@@ -710,9 +717,9 @@ def test_page_opens_before_the_model_has_loaded(browser):
             # browser kept for this model come back when it arrives
             pick_greedy(page)
             set_max_new(page, 21)
-            page.wait_for_function("() => Object.entries(localStorage).some(([k, v]) => k.startsWith("
-                                   "'medusa-chat-settings:') && v.includes('\"max_new_tokens\": 21') "
-                                   "|| v.includes('\"max_new_tokens\":21'))", timeout=10_000)
+            page.wait_for_function(f"() => Object.entries(localStorage).some(([k, v]) => k.startsWith('{SETTINGS_KEY}:') "
+                                   "&& v.startsWith('{') && JSON.parse(v).settings?.max_new_tokens === 21)",
+                                   timeout=10_000)
             gate.clear()
             slot.unload()
             slot.start(spec)

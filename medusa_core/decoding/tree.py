@@ -55,6 +55,7 @@ PRESETS: dict[str, list[list[int]]] = {
 # a typed "cartesian-1000x1000x1000" would otherwise build a billion paths. Trees that pay verify a few
 # dozen rows; the published 7B tree has 64.
 MAX_GENERATED_NODES = 1024
+TOP_K = 10      # guesses per head a tree may use (ranks 0-9, as in the reference's trees)
 
 
 class TreeError(ValueError):
@@ -225,7 +226,7 @@ def validate_paths(paths: Paths, num_heads: int, top_k: int) -> None:
 
 
 def build_tree_buffers(
-    paths: Paths, num_heads: int, top_k: int = 10, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    paths: Paths, num_heads: int, top_k: int = TOP_K, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> TreeBuffers:
     """Pure function from paths to the tensors of one verification step."""
     paths = sorted((tuple(p) for p in paths), key=lambda p: (len(p), p))
@@ -275,10 +276,11 @@ def build_tree_buffers(
 # ---- growing a tree from head accuracies (paper §2.3.3)
 
 def path_value(path: Sequence[int], acc: Sequence[Sequence[float]]) -> float:
-    """P(every guess along ``path`` is right): the product of head-rank accuracies a[depth][rank]."""
+    """P(every guess along ``path`` is right): the product of head-rank accuracies a[depth][rank]. A rank
+    past a head's row (a wide cartesian tree over a table of the top few ranks) counts as never right."""
     value = 1.0
     for depth, rank in enumerate(path):
-        value *= acc[depth][rank]
+        value *= acc[depth][rank] if rank < len(acc[depth]) else 0.0
     return value
 
 

@@ -51,6 +51,9 @@ class Loaded:
     tree_note: str = ""               # one line: which tree runs by default and why
     tuned: TunedTree | None = None    # the tuner's choice, when it chose the tree
     weights: str | None = None        # NF4, int4 or int4/bf16 (quant/formats.py); None: the compute dtype
+    # which backbone and heads, as full paths or hub ids: the page keys a model's kept settings by it (two
+    # checkpoints named .../run1/final and .../run2/final, or one backbone with other heads, are other models)
+    source: str = ""
 
 
 def default_spec(device: str) -> LoadSpec:
@@ -185,8 +188,15 @@ def load(spec: LoadSpec, progress: Progress | None = None) -> Loaded:
     else:
         shown = spec.model or (spec.heads if files is not None and files.layout == "medusa-2" else model_source)
         description = f"{shown} ({what}){heads_text}"
+    source = " + ".join(_identity(s) for s in (model_source, spec.heads) if s is not None)
     return Loaded(model, tokenizer, heads, tree, stop_ids, description, cpu_default,
-                  memory_report(model, heads, device), tree_note, tuned, weights_format(model))
+                  memory_report(model, heads, device), tree_note, tuned, weights_format(model), source)
+
+
+def _identity(source: str) -> str:
+    """A hub id as it is; a local directory as its full path (./heads and ~/heads name the same one)."""
+    path = local_dir(source)
+    return str(path.resolve()) if path is not None else source
 
 
 def load_backbone_dir(directory: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):

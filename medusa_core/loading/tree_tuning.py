@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import platform
 import statistics
@@ -91,9 +90,7 @@ class TunedTree:
         (deeper than the table)."""
         if self.accuracy is None or any(len(path) > len(self.accuracy) for path in paths):
             return None
-        # a rank past the table's columns (a wide cartesian tree) is valued at 0: its guess is rarely right
-        value = 1.0 + sum(math.prod(row[rank] if rank < len(row) else 0.0
-                                    for row, rank in zip(self.accuracy, path)) for path in paths)
+        value = expected_tokens_per_step(paths, self.accuracy)
         times = sorted((int(n), ms) for n, ms in self.step_ms.items())
         size = len(paths) + 1
         if size >= times[-1][0]:
