@@ -22,15 +22,29 @@ _WORD = re.compile(r"[^\W_]+")                 # letters and digits: never Markd
 _LIST_NUMBER = re.compile(r"(^|\n)[ \t]*$")    # a digit run at a line start may be a list marker
 _TAG_OR_TEXT = re.compile(r"(<[^>]*>)")
 _MARKED = re.compile(f"{_OPEN}([^{_OPEN}{_CLOSE}<]*){_CLOSE}")
-_ENCODED = ("%EE%80%80", "%EE%80%81", _OPEN, _CLOSE)  # the markers as markdown-it percent-encodes them in links
+
+
+def _unmarked(text: str) -> str:
+    return text.replace(_OPEN, "").replace(_CLOSE, "")
 
 
 @lru_cache(maxsize=1)
 def _markdown():
     from markdown_it import MarkdownIt
 
+    class Renderer(MarkdownIt):
+        """A link's address is checked and written without the colouring's markers: with them, a marked
+        host was punycoded into another one (https://xn--example-bx78ana...), and a marked
+        "javascript:" passed the check that keeps such links plain text."""
+
+        def validateLink(self, url: str) -> bool:
+            return super().validateLink(_unmarked(url))
+
+        def normalizeLink(self, url: str) -> str:
+            return super().normalizeLink(_unmarked(url))
+
     # js-default: CommonMark + tables + strikethrough; html off = raw HTML is shown as text
-    return MarkdownIt("js-default", {"html": False, "breaks": True, "linkify": False})
+    return Renderer("js-default", {"html": False, "breaks": True, "linkify": False})
 
 
 def user_html(text: str) -> str:
@@ -65,17 +79,11 @@ def _mark(text: str) -> str:
 
 
 def _spans(rendered: str) -> str:
-    """Markers in text become spans; markers that ended up in a tag (a link's href, a code
-    block's language) are dropped, so they never reach an attribute."""
+    """Markers in text become spans; markers that ended up in a tag (a code block's language) are
+    dropped, so they never reach an attribute (a link's address has none: Renderer)."""
     parts = _TAG_OR_TEXT.split(rendered)
     for i, part in enumerate(parts):
-        if i % 2:   # a tag
-            for marker in _ENCODED:
-                part = part.replace(marker, "")
-        else:
-            part = _MARKED.sub(r'<span class="from-heads">\1</span>', part)
-            part = part.replace(_OPEN, "").replace(_CLOSE, "")
-        parts[i] = part
+        parts[i] = _unmarked(part if i % 2 else _MARKED.sub(r'<span class="from-heads">\1</span>', part))
     return "".join(parts)
 
 

@@ -304,6 +304,20 @@ def test_user_text_is_literal_and_reply_html_is_text():
     assert "href" not in reply and "<strong>bold</strong>" in reply
 
 
+def test_a_link_in_a_coloured_reply_goes_where_it_says():
+    """With head colouring, a link's address is the one written: words the heads guessed were marked inside
+    it, and the host became another one (https://xn--example-bx78ana...), and a marked "javascript:" link
+    became a live one."""
+    from app.render import reply_html
+
+    for colour in (False, True):
+        shown = reply_html([("See [docs](https://exa", False), ("mple.com/path?q=1) now", True)], colour=colour)
+        assert re.findall(r'href="([^"]*)"', shown) == ["https://example.com/path?q=1"], shown
+        shown = reply_html([("[x](j", False), ("avascript:alert(1)) and ![i](java", False), ("script:x)", True)],
+                           colour=colour)
+        assert "href" not in shown and "src" not in shown, shown
+
+
 def test_a_reply_of_markdown_syntax_alone_still_shows_its_text():
     """A one-token answer like "+" (a list marker) or "#" must not render as an empty bubble."""
     from app.render import reply_html
