@@ -112,3 +112,21 @@ def test_a_damaged_saved_record_of_an_answer_still_exports(tmp_path, answered):
     turns, _ = from_saved(saved)
     markdown, _ = export(tmp_path, turns)
     assert "Hello." in markdown and "None" not in markdown, markdown
+
+
+def test_a_message_a_reload_cut_off_mid_comparison_shows_no_answer_in_either_pane():
+    """After a reload during a comparison, the cut-off message has the reload's note in both panes and no
+    answer: the plain pane said that compare was off (an empty bubble counted as Medusa's answer)."""
+    from app.chat_controller import INTERRUPTED, NOT_COMPARED, ChatController
+    from app.engine import BASELINE
+    from app.session import Session
+    from app.transcript import to_saved
+
+    answered = Turn(user="Hi", reply="Hello!", baseline="Hello!")
+    saved = to_saved([answered, Turn(user="Tell me a long story.")], 0, compare=True)
+    medusa, baseline, _, compare = ChatController.restored(Session(), saved, "")
+    for pane in (medusa, baseline):
+        texts = [part["text"] for message in pane for part in message["content"]]
+        assert len(texts) == 4 and "Hello!" in texts[1] and "Tell me a long story." in texts[2], texts
+        assert INTERRUPTED in texts[3] and not any(NOT_COMPARED in text for text in texts), texts
+    assert compare is True
