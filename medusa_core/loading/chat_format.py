@@ -7,6 +7,7 @@ The tokenizer's own chat template is used when it has one; vicuna v1.1-style mod
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -93,19 +94,48 @@ def vicuna_prompt(messages: list[dict], system: str | None = None, eos: str = "<
     return text + "ASSISTANT:"
 
 
+# a message's place in a prompt rendered around it (private-use characters: never in a template's own text)
+_SLOT = "\ue100{}\ue101"
+_SLOTS = re.compile("\ue100([0-9]+)\ue101")
+
+
 def render_chat(tokenizer, messages: Any, system: str | None = None) -> list[int]:
-    """Token ids of the conversation, ending with the prompt for the assistant's reply."""
+    """Token ids of the conversation, ending with the prompt for the assistant's reply. A special token's
+    text inside a message ("<|im_end|>" in a pasted file) is tokenized as text: it was the token itself,
+    which closed the user's turn and could open a forged system or assistant one."""
     messages = to_messages(messages)
+    if getattr(tokenizer, "chat_template", None) and system is not None:
+        messages = [{"role": "system", "content": system}] + [m for m in messages if m["role"] != "system"]
+        system = None
+    texts = [m["content"] for m in messages] + ([system] if system is not None else [])
+    specials = [token.content for token in tokenizer.added_tokens_decoder.values() if token.special]
+    found = next((token for token in specials for text in texts if token in text), None)
+    if found is None:      # the whole prompt in one call, as transformers' own apply_chat_template tokenizes it
+        return _with_bos(tokenizer, tokenizer(_render(tokenizer, messages, system), add_special_tokens=False)["input_ids"])
+    # the template around numbered slots, then each message's text in its slot, tokenized as text
+    slots = [{**m, "content": _SLOT.format(i)} for i, m in enumerate(messages)]
+    pieces = _SLOTS.split(_render(tokenizer, slots, _SLOT.format(len(messages)) if system is not None else None))
+    if "".join(texts[int(p)] if i % 2 else p for i, p in enumerate(pieces)) != _render(tokenizer, messages, system):
+        raise ValueError(f"a message holds {found!r}, one of this model's special tokens, and its chat template "
+                         "changes message text, so it cannot be kept apart from the template's own: remove it")
+    ids = [i for n, piece in enumerate(pieces) for i in tokenizer(
+        texts[int(piece)] if n % 2 else piece, add_special_tokens=False, split_special_tokens=n % 2 == 1)["input_ids"]]
+    return _with_bos(tokenizer, ids)
+
+
+def _render(tokenizer, messages: list[dict], system: str | None) -> str:
     if getattr(tokenizer, "chat_template", None):
-        if system is not None:
-            messages = [{"role": "system", "content": system}] + [m for m in messages if m["role"] != "system"]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        # the template already wrote the BOS text; adding special tokens again would double it
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    text = vicuna_prompt(messages, system, tokenizer.eos_token or "</s>")
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        # the template writes the BOS text itself: adding special tokens when tokenizing would double it
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return vicuna_prompt(messages, system, tokenizer.eos_token or "</s>")
+
+
+def _with_bos(tokenizer, ids: list[int]) -> list[int]:
+    """The vicuna prompt starts with BOS (a template writes its own)."""
     bos = tokenizer.bos_token_id
-    return ([bos] if bos is not None and ids[:1] != [bos] else []) + ids
+    if getattr(tokenizer, "chat_template", None) or bos is None or ids[:1] == [bos]:
+        return ids
+    return [bos, *ids]
 
 
 def stop_token_ids(tokenizer) -> tuple[int, ...]:
