@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 
 from medusa_core.decoding.config import DEFAULTS, MODES, limits
-from medusa_core.loading.chat_format import MESSAGE_SHAPE, json_kind, to_messages
+from medusa_core.loading.chat_format import MESSAGE_SHAPE, json_kind, json_value, to_messages
 
 from .engine import BASELINE, MEDUSA, ChatEngine, Update
 from .session import Session
@@ -115,7 +115,7 @@ def number(data: dict, name: str, default, low: float, high: float, integer: boo
         return default
     kind = "an integer" if integer else "a number"
     span = f"{int(low):,} to {int(high):,}" if integer else f"{low:g} to {high:g}"
-    shown = json.dumps(value)[:40]    # as the client wrote it: true, "ten" (not Python's True, 'ten')
+    shown = json_value(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not float(value).is_integer()):
         raise ApiError(400, f"{name} {shown} is not {kind}: give {kind} from {span}", param=name,
                        code="invalid_value")
@@ -131,7 +131,7 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
     if not isinstance(model, str) or not model:
         raise ApiError(400, "model is missing: give the id that GET /v1/models lists", param="model")
     if model != model_id:
-        raise ApiError(404, f"model {model!r} is not served here: use {model_id!r} (GET /v1/models)", param="model",
+        raise ApiError(404, f"model {json_value(model)} is not served here: use {json_value(model_id)} (GET /v1/models)", param="model",
                        code="model_not_found")
     unknown = [field for field in data if field not in (*READ, *UNSUPPORTED, *NO_EFFECT)]
     if unknown:
@@ -147,11 +147,11 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
                                 "give 0", param=field, code="unsupported_parameter")
     n = data.get("n")
     if n is not None and (isinstance(n, bool) or n != 1):   # one message for every other n, in range or not
-        raise ApiError(400, f"n {n!r}: this server answers with one choice: give n=1 and send more requests",
+        raise ApiError(400, f"n {json_value(n)}: this server answers with one choice: give n=1 and send more requests",
                        param="n", code="unsupported_parameter")
     messages = data.get("messages")
     if messages is not None and not isinstance(messages, list):
-        raise ApiError(400, f"messages is {json_kind(messages)} {json.dumps(messages)[:40]}: give a list of "
+        raise ApiError(400, f"messages is {json_kind(messages)} {json_value(messages)}: give a list of "
                             f"{MESSAGE_SHAPE} objects", param="messages")
     if not messages:
         raise ApiError(400, "messages is missing or empty: give a list with at least one user message",
@@ -187,7 +187,7 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
     stop = data.get("stop")
     stop = [stop] if isinstance(stop, str) else stop if stop is not None else []
     if not isinstance(stop, list) or len(stop) > MAX_STOPS or not all(isinstance(s, str) and s for s in stop):
-        raise ApiError(400, f"stop {data.get('stop')!r}: give a string or a list of at most {MAX_STOPS} non-empty strings",
+        raise ApiError(400, f"stop {json_value(data.get('stop'))}: give a string or a list of at most {MAX_STOPS} non-empty strings",
                        param="stop", code="invalid_value")
     stream = data.get("stream", False)
     options = data.get("stream_options") or {}
@@ -211,7 +211,7 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
                                 f"{', '.join(MEDUSA_KEYS)})", param=f"medusa.{unknown[0]}", code="unknown_parameter")
         tree = medusa.get("tree")
         if tree is not None and not isinstance(tree, str):
-            raise ApiError(400, f"medusa.tree {tree!r}: give a tree's name from the page's picker",
+            raise ApiError(400, f"medusa.tree {json_value(tree)}: give a tree's name from the page's picker",
                            param="medusa.tree", code="invalid_value")
         if medusa.get("mode") is not None:
             mode = medusa["mode"]
@@ -222,13 +222,13 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
         if mode == "off":
             passes, mode = (BASELINE,), "greedy" if temperature == 0 else "sample"
         elif mode not in MODES:
-            raise ApiError(400, f"medusa.mode {json.dumps(mode)[:40]} is unknown: use one of {', '.join(MODES)} (or "
+            raise ApiError(400, f"medusa.mode {json_value(mode)} is unknown: use one of {', '.join(MODES)} (or "
                                 '"medusa": false for plain decoding)',
                            param="medusa.mode", code="invalid_value")
         epsilon = number(medusa, "epsilon", epsilon, limits("epsilon").low, limits("epsilon").high)
         delta = number(medusa, "delta", delta, limits("delta").low, limits("delta").high)
     else:
-        raise ApiError(400, f"medusa {medusa!r}: give an object such as {{\"tree\": ..., \"mode\": \"typical\"}}, "
+        raise ApiError(400, f"medusa {json_value(medusa)}: give an object such as {{\"tree\": ..., \"mode\": \"typical\"}}, "
                             "or false for plain decoding", param="medusa", code="invalid_value")
     try:
         settings = Settings(mode=mode, temperature=temperature, top_p=top_p, top_k=top_k, epsilon=epsilon, delta=delta,
@@ -252,10 +252,13 @@ def prompt_for(engine: ChatEngine, request: ChatRequest) -> list[int]:
     except ValueError as err:   # a role or part the chat cannot take
         raise ApiError(400, str(err), param="messages") from None
     room = engine.context - len(ids) - engine.tree(request.settings.tree or engine.default_tree).size
+    if room < 1:        # no max_tokens can help
+        raise ApiError(400, f"the messages take {len(ids):,} tokens, more than the model's {engine.context:,}-token "
+                            "context leaves for a reply: shorten them", param="messages", code="context_length_exceeded")
     if room < request.settings.max_new_tokens:
         raise ApiError(400, f"the messages take {len(ids):,} tokens and the reply {request.settings.max_new_tokens:,}, "
-                            f"more than the model's {engine.context:,}-token context: shorten the messages or lower "
-                            "max_tokens", param="messages", code="context_length_exceeded")
+                            f"more than the model's {engine.context:,}-token context: give max_tokens {room:,} or "
+                            "less, or shorten the messages", param="messages", code="context_length_exceeded")
     return ids
 
 
@@ -447,8 +450,9 @@ def api_routes(slot: ModelSlot, api_key: str | None = None) -> list[APIRoute]:
     def authorize(request: Request) -> None:
         if api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        # the scheme's name is case-insensitive (RFC 9110): "bearer KEY" is the same header
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
             raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY' with the key "
                                 f"the app was started with (--api-key or ${API_KEY_ENV})", kind="authentication_error",
                            code="invalid_api_key")

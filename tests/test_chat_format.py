@@ -28,9 +28,9 @@ def test_to_messages_accepts_strings_and_parts():
 
 
 def test_to_messages_rejects_what_it_cannot_render():
-    with pytest.raises(ValueError, match="message 0 has a 'file' part"):
+    with pytest.raises(ValueError, match='message 0 has a part of type "file"'):
         to_messages([{"role": "user", "content": [{"type": "file", "file": {"path": "/x.png"}}]}])
-    with pytest.raises(ValueError, match="role 'tool'"):
+    with pytest.raises(ValueError, match='role "tool"'):
         to_messages([{"role": "tool", "content": "x"}])
     with pytest.raises(ValueError, match="message 0 is an array: give"):
         to_messages([("hi", "there")])

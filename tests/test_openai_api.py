@@ -117,7 +117,10 @@ HOSTILE = [
     ({"model": MODEL, "messages": []}, 400, "messages"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x" * 1_000_000}]}, 413, "bytes"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x" * 600_000}]}, 400, "context"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hello " * 9000}]}, 400, "tokens"),   # tokenized: > 8192
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hello " * 9000}]}, 400,      # tokenized: > 8192
+     "context leaves for a reply: shorten them"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hello " * 8000}], "max_tokens": 1000}, 400,
+     "tokens and the reply 1,000, more than the model's 8,192-token context: give max_tokens "),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400, "max_tokens"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}, 400, "max_tokens"),
@@ -135,7 +138,15 @@ HOSTILE = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 1e9}, 400, "temperature"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400,
-     "role 'wizard': use one of system, user, assistant, developer"),
+     'role "wizard": use one of system, user, assistant, developer'),
+    ({"model": MODEL, "messages": [{"role": None, "content": "hi"}]}, 400, "message 0 has role null"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": None}]}]}, 400, "a part of type null"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [["hi"]]}]}, 400, "message 0 has an array as a part"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": True}, 400, "n true: "),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": True}, 400, "medusa true: "),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"tree": 5}}, 400, "medusa.tree 5: "),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": [1]}, 400, "stop [1]: "),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": ""}, 400, 'stop "": '),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}},
      400, "stream_options is only taken with stream: true"),
     ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -144,14 +155,15 @@ HOSTILE = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n=1"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 0}, 400, "give n=1"),   # not "1 to 128"
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 200}, 400, "give n=1"),
-    ({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404, "gpt-4o"),
+    ({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404, 'model "gpt-4o" is not served here'),
     ({"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}] * 10_000}, 400, "10,000"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"tree": "no-such-tree"}}, 400, "tree"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"mode": "warp"}}, 400, "warp"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"treee": "small-8"}}, 400,
      "unknown field 'medusa.treee': remove it (\"medusa\" takes tree, mode, epsilon, delta)"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, 400,
+     'stop ["a", "b", "c", "d", "e"]: '),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "bogus_param": 1}, 400, "'bogus_param'"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "min_p": 0.1}, 400, "unknown field 'min_p'"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_k": -1}, 400, "top_k"),
@@ -348,11 +360,14 @@ def test_a_key_guards_the_api(tiny_app):
     assert slot.wait(60).phase == "ready"
     body = {"model": "backbone", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     with httpx.Client(timeout=60) as http:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
+                        {"Authorization": "Basic s3cret"}, {"Authorization": "Bearer s3cret2"}):
             assert_openai_error(http.post(url + "/v1/chat/completions", json=body, headers=headers), 401, "API key")
             assert_openai_error(http.get(url + "/v1/models", headers=headers), 401, "API key")
         good = {"Authorization": "Bearer s3cret"}
         assert http.get(url + "/v1/models", headers=good).json()["data"][0]["id"] == "backbone"
+        # the scheme's name is case-insensitive (a client sending "bearer" got 401)
+        assert http.get(url + "/v1/models", headers={"Authorization": "bearer s3cret"}).status_code == 200
         assert http.post(url + "/v1/chat/completions", json=body, headers=good).status_code == 200
 
 

@@ -7,6 +7,7 @@ The tokenizer's own chat template is used when it has one; vicuna v1.1-style mod
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -35,8 +36,9 @@ def _text(content: Any, index: int) -> str:
             elif isinstance(part, Mapping) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
                 pieces.append(part["text"])
             else:
-                kind = repr(part.get("type")) if isinstance(part, Mapping) else json_kind(part).split()[-1]
-                raise ValueError(f"message {index} has a {kind} part: this chat takes text only; remove the attachment")
+                kind = (f"a part of type {json_value(part.get('type'))}" if isinstance(part, Mapping)
+                        else f"{json_kind(part)} as a part")
+                raise ValueError(f"message {index} has {kind}: this chat takes text only; remove the attachment")
         return "".join(pieces)
     raise ValueError(f"message {index} content is {json_kind(content)}: give a string or a list of text parts")
 
@@ -56,6 +58,11 @@ def json_kind(value: Any) -> str:
         f"a {type(value).__name__}"
 
 
+def json_value(value: Any) -> str:
+    """A value as the client wrote it in JSON (true, null, "ten"; not Python's True, None, 'ten'), cut short."""
+    return json.dumps(value, default=str)[:40]
+
+
 MESSAGE_SHAPE = '{"role": ..., "content": ...}'
 
 
@@ -73,7 +80,8 @@ def to_messages(history: Any) -> list[dict]:
         role = message["role"]
         role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
         if role not in ROLES:
-            raise ValueError(f"message {i} has role {message['role']!r}: use one of {', '.join([*ROLES, *ROLE_ALIASES])}")
+            raise ValueError(f"message {i} has role {json_value(message['role'])}: use one of "
+                             f"{', '.join([*ROLES, *ROLE_ALIASES])}")
         messages.append({"role": role, "content": _text(message["content"], i)})
     return messages
 
