@@ -16,11 +16,22 @@ from .settings import Settings
 from .transcript import discard_exports
 
 MODE_CHOICES = [("Greedy", "greedy"), ("Exact sampling", "sample"), ("Typical acceptance", "typical")]
-CPU_DEFAULT_NOTE = ("**SmolLM2-135M-Instruct on the CPU.** This is what `python launch.py` serves without a CUDA "
-                    "GPU: SmolLM2-135M-Instruct, a small instruction-tuned chat model (135 M parameters), with "
-                    "Medusa heads trained for it, running on the CPU on its own 4-bit weights where that measures "
-                    "faster (the model line says which matmuls run). Expect short, simple answers; the speed "
-                    "numbers are real. On a CUDA machine `python launch.py` loads Vicuna-7B with Medusa heads.")
+
+
+def cpu_default_note(weights: str | None, dtype: str = "float32") -> str:
+    """The note over the CPU default: what it is, and in which weights it runs here (``weights`` as
+    quant/formats.py names them, else the compute ``dtype``). The 4-bit mode is chosen at load where it
+    measures faster and exact, so the note says which it is on this machine (it said 4-bit beside a model
+    line that said float32)."""
+    runs = ("on its own 4-bit weights" if weights and weights.startswith("int4") else
+            "on bitsandbytes' 4-bit NF4 weights" if weights and weights.startswith("NF4") else f"in {dtype}")
+    return ("**SmolLM2-135M-Instruct on the CPU.** This is what `python launch.py` serves without a CUDA GPU: "
+            "SmolLM2-135M-Instruct, a small instruction-tuned chat model (135 M parameters), with Medusa heads "
+            f"trained for it, running on the CPU {runs} (the model line says which matmuls run, and why). Expect "
+            "short, simple answers; the speed numbers are real. On a CUDA machine `python launch.py` loads "
+            "Vicuna-7B with Medusa heads.")
+
+
 READOUT_HINT = "*tokens/s, tokens per step and time to first token show here*"   # the readout before an answer
 MAX_NEW_LIMIT = 4096   # the slider's top before a model is loaded; then the model's context
 SAMPLING = ("temperature", "top_p", "epsilon", "delta")   # set by a model's defaults
@@ -116,7 +127,7 @@ def build_layout(slot: ModelSlot, system_prompt: str, start: Settings) -> Page:
     kept = gr.JSON(None, visible=False, elem_id="kept")     # likewise
     shown_version, timer = gr.State(None), gr.Timer(0.5, active=True)
     gr.Markdown("# Medusa chat")
-    note = gr.Markdown(CPU_DEFAULT_NOTE, elem_id="note", elem_classes="note", visible=False)
+    note = gr.Markdown(cpu_default_note(None), elem_id="note", elem_classes="note", visible=False)
     status = gr.Markdown(slot.state().line, elem_id="status", elem_classes="status")
     with gr.Row():
         with gr.Column(scale=3):

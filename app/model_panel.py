@@ -9,7 +9,7 @@ import gradio as gr
 from medusa_core.loading.spec import LoadSpec
 
 from .engine import LABELS, MEDUSA
-from .layout import MODE_CONTROLS, SAMPLING, Page, mode_enabled
+from .layout import MODE_CONTROLS, SAMPLING, Page, cpu_default_note, mode_enabled
 from .models import ModelSlot, default_settings, loaded_name, spec_for
 from .settings import Settings
 
@@ -112,7 +112,9 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
             return tuple({"timer": gr.Timer(active=False), "shown_version": shown}.get(name, gr.update())
                          for name in MODEL_OUTPUTS)
         engine = state.engine
-        updates = {"status": state.line, "note": gr.update(visible=engine is not None and engine.loaded.cpu_default),
+        cpu_default = engine is not None and engine.loaded.cpu_default
+        note = cpu_default_note(engine.weights, str(engine.dtype).removeprefix("torch.")) if cpu_default else None
+        updates = {"status": state.line, "note": gr.update(visible=cpu_default, **({"value": note} if note else {})),
                    "send": gr.update(interactive=engine is not None and not loading),
                    "timer": gr.Timer(active=loading), "shown_version": now}
         if shown is not None and shown[1] == state.engine_version:

@@ -138,6 +138,9 @@ def test_the_page_says_what_it_runs_and_starts_with_its_settings(page):
     assert "SmolLM2-135M-Instruct" in note and "CPU" in note and "Vicuna-7B" in note
     status = page.locator("#status").inner_text()
     assert "SmolLM2-135M-Instruct" in status
+    # the note and the model line agree on the weights (it said 4-bit where the model line said float32)
+    assert ("on its own 4-bit weights" in note) == ("(int4," in status), (note, status)
+    assert ("running on the CPU in float32" in note) == ("(unquantized, float32" in status), (note, status)
     # the tree tuned for this machine at the first start (or plain decoding where none pays), and why
     tree = page.locator("#tree input").input_value()
     assert ("tree tuned for this machine (the default)" in status and tree.startswith("tuned (")) or \
