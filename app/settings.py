@@ -36,9 +36,10 @@ class Settings(DecodeConfig):
                 values[name] = str(value) if value is not None else None
             elif name == "colour_heads":
                 values[name] = flag(name, value)
-            elif name == "seed":        # blank or negative: a random seed
+            elif name == "seed":        # blank or -1 (the page's "random"): a random seed; any other is a seed,
+                # as the API takes it (-5 was random on the page and a fixed seed through the API)
                 seed = None if value is None or value == "" else number("seed", value, int)
-                values[name] = None if seed is None or seed < 0 else seed
+                values[name] = None if seed is None or seed == -1 else seed
             elif name in SETTINGS:
                 kind = limits(name).kind
                 values[name] = value if kind is str else number(name, value, kind)

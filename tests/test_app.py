@@ -411,6 +411,16 @@ def test_bad_api_values_give_one_line_notes_not_tracebacks(client, app):
     assert "Traceback" not in app[1].read_text()
 
 
+def test_the_page_seed_is_random_at_minus_one_only():
+    """The seed box says "-1: random": any other number, negative ones included, is a seed that repeats an
+    answer, as it does through the OpenAI API (every negative seed was random on the page)."""
+    from app.settings import Settings
+
+    assert Settings.parse(seed=-1).seed is None and Settings.parse(seed="").seed is None
+    assert Settings.parse(seed=None).seed is None
+    assert [Settings.parse(seed=seed).seed for seed in (-5, -2**63, 0, 7)] == [-5, -2**63, 0, 7]
+
+
 def test_one_token_answer_is_never_a_silent_empty_bubble(client):
     _, (chat, *_rest) = ask(client, "hello", max_new=1)
     role, text = texts(chat)[-1]
