@@ -112,8 +112,9 @@ def answered_line(figures: dict | None, settings: dict) -> str | None:
     if isinstance(tree, str):
         parts.append(f"tree {tree}" + (f" ({count(int(size), 'node')})" if _number(size) else ""))
     mode, temperature = settings.get("mode"), settings.get("temperature")
-    if isinstance(mode, str):
-        parts.append(mode + (f" at temperature {temperature:g}" if mode != "greedy" and _number(temperature) else ""))
+    if isinstance(mode, str):       # sampling at temperature 0 is greedy: what ran, as the API reports it
+        parts.append("greedy" if mode != "greedy" and temperature == 0 else
+                     mode + (f" at temperature {temperature:g}" if mode != "greedy" and _number(temperature) else ""))
     line = " · ".join(parts) + f": {count(int(tokens), 'token')}"
     reason = figures.get("finish_reason")
     if reason != "eos" and isinstance(reason, str) and reason in FINISH_TEXT:   # cut off: the readout said so too

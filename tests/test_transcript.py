@@ -72,7 +72,7 @@ def test_user_messages_baseline_answers_and_the_system_prompt_are_closed_too(tmp
 def test_an_export_says_how_each_answer_was_made_and_under_which_system_prompt(tmp_path):
     """Each answer's figures (mode, tree, speed) are under it, and a system prompt changed mid-conversation
     shows where it changed: the first answer, given as a pirate, was exported under the last prompt."""
-    from app.transcript import from_saved
+    from app.transcript import answered_line, from_saved
 
     figures = {"label": "Medusa", "tree": "small-8", "tree_size": 9, "tokens": 40, "steps": 16,
                "tokens_per_second": 12.3, "mean_accepted": 2.44}
@@ -94,6 +94,10 @@ def test_an_export_says_how_each_answer_was_made_and_under_which_system_prompt(t
     assert saved["turns"][0]["answered"]["medusa"] == figures and saved["turns"][1]["system"] == "Be terse."
     restored, _ = from_saved(saved)        # the browser's copy keeps them across a reload
     assert [(t.system, t.answered) for t in restored] == [(t.system, t.answered) for t in turns]
+    # sampling or typical acceptance at temperature 0 runs greedy, and says so (as the API's medusa.mode does)
+    for mode in ("sample", "typical"):
+        assert answered_line(figures, {"mode": mode, "temperature": 0}).startswith(
+            "*Medusa · tree small-8 (9 nodes) · greedy: 40 tokens"), mode
 
 
 @pytest.mark.parametrize("answered", [
