@@ -8,7 +8,7 @@ import gradio as gr
 
 from medusa_core.loading.spec import LoadSpec
 
-from .engine import LABELS, MEDUSA
+from .engine import BASELINE, LABELS, MEDUSA
 from .layout import MODE_CONTROLS, SAMPLING, Page, cpu_default_note, mode_enabled
 from .models import ModelSlot, default_settings, loaded_name, spec_for
 from .settings import Settings
@@ -36,6 +36,10 @@ def medusa_pane(engine, tree_name: str | None = None) -> dict:
     answer names what decoded that answer."""
     if engine is None:
         return gr.update(label=LABELS[MEDUSA])
+    typed = (tree_name or "").strip()
+    if typed and engine.tree_paths(typed) is None:   # said as it is typed: it was said only after a Send
+        return gr.update(label=f"{LABELS[MEDUSA] if engine.num_heads else LABELS[BASELINE]} · tree {typed!r} cannot "
+                               "run here (Send says why)")
     outlook = engine.outlook(tree_name)
     return gr.update(label=engine.medusa_label(tree_name) + (f" · {outlook}" if outlook else ""))
 

@@ -208,10 +208,10 @@ def test_where_no_tree_pays_plain_decoding_runs_and_the_page_says_so(checkpoint,
     assert medusa_pane(engine, "CARTESIAN-3x3x03")["label"] == (
         "Medusa · cartesian-3x3x3 expected slower than plain decoding on this machine (40 nodes; under "
         f"{engine.loaded.tuned.speedup_of(resolve_tree('cartesian-3x3x3'))[0]:.2f}x even at the {big}-node tree's cost)")
-    assert medusa_pane(engine, "chain-9")["label"] == "Medusa", "a tree the heads cannot fill: sending it says why"
-    # ranks 0-10 and 20: wider than the heads' top 10, so no estimate for a tree that cannot run (it had one)
-    assert medusa_pane(engine, "cartesian-11")["label"] == medusa_pane(engine, "cartesian-21x2")["label"] == "Medusa"
-    assert medusa_pane(engine, "/etc/x.json")["label"] == "Medusa", "no file read for a title"
+    # a tree the heads cannot fill (too deep; ranks 0-10 and 20, wider than the heads' top 10), a name that is
+    # no tree, a file (read at start only: no file is read for a title): said as it is typed, no estimate
+    for typed in ("chain-9", "cartesian-11", "cartesian-21x2", "banana", "/etc/x.json"):
+        assert medusa_pane(engine, typed)["label"] == f"Medusa · tree {typed!r} cannot run here (Send says why)"
     assert medusa_pane(engine, "baseline")["label"] == NO_SPEEDUP
     last = list(engine.answer(Session(), prompt, Settings(max_new_tokens=8, tree="small-8"), (MEDUSA,)))[-1]
     assert last.stats.label == "Medusa" and last.stats.tree == "small-8" and last.stats.tree_size > 1
