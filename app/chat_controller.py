@@ -117,7 +117,7 @@ class ChatController:
     def failed(self, session: Session, message: str, error: str) -> tuple:
         """A message that could not be answered: kept in the chat with its one-line error (never sent to
         the model), and put back in the box to be edited and resent; the raw output says it for scripts."""
-        session.turns.append(Turn(user=message, note=error))
+        session.turns.append(Turn(user=message, note=error, in_box=True))
         return self.views(session, None, None, "", self.slot.state().line, message, error=error)
 
     def engine_or_wait(self, session: Session) -> Iterator[str | ChatEngine]:
@@ -164,6 +164,7 @@ class ChatController:
         if not message:
             yield self.refused("The message is empty: type a question, then send")
             return
+        session.drop_resent()
         if not session.closed:        # a closed tab's request keeps its Stop set: it ends at once
             session.cancel.clear()
         engine, waited = None, False
@@ -195,7 +196,9 @@ class ChatController:
         if not any(t is turn for t in session.turns):   # Clear during the answer: its readouts went with it
             yield self.views(session, None, None, "", self.slot.state().line, blank=(READOUT_HINT, ""))
             return
-        # A failed message goes back into the box so it can be edited and resent.
+        # A failed message goes back into the box so it can be edited and resent (and is replaced when it is:
+        # unless plain decoding answered it in a comparison)
+        turn.in_box = turn.reply is None and turn.baseline is None
         box = message if turn.reply is None else gr.update()
         # a pass that failed before its first token has no figures: the hint comes back
         yield self.views(session, stats, base, comparison, self.slot.state().line, box, blank=(READOUT_HINT, ""),

@@ -22,6 +22,7 @@ class Turn:
     note: str | None = None
     system: str | None = None      # the system prompt it was answered with (None: not recorded)
     answered: dict | None = None   # how: {"settings": ..., "medusa": stats, "baseline": stats} (exports)
+    in_box: bool = False           # unanswered, and its text went back to the message box to be resent
 
 
 class Session:
@@ -38,6 +39,13 @@ class Session:
         self._caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.busy = threading.Lock()        # one request per tab at a time
         self.export_dir: Path | None = None  # the tab's export files (app/transcript.py), made on first use
+
+    def drop_resent(self) -> None:
+        """A message is sent: the last one, if its text went back to the box unanswered (refused, or stopped
+        before its first token), is what the user resends, edited or not. Kept, it showed twice."""
+        if self.turns and self.turns[-1].in_box:
+            self.turns.pop()
+            self.first_turn = min(self.first_turn, len(self.turns))
 
     def exchanges(self) -> list[tuple[int, str, str]]:
         """(turn index, user, reply) of the turns the next prompt may hold."""

@@ -411,6 +411,20 @@ def test_bad_api_values_give_one_line_notes_not_tracebacks(client, app):
     assert "Traceback" not in app[1].read_text()
 
 
+def test_a_message_resent_after_it_was_refused_shows_once(client):
+    """A refused message goes back to the box with its one-line reason in the chat; sent again (fixed, or
+    edited), it replaces that attempt: the chat showed the question twice, and so did the exports."""
+    ask(client, "first question", max_new=4)
+    _, (chat, *_, box) = ask(client, "second question", tree="bogus")
+    assert box == "second question" and "unknown tree 'bogus'" in texts(chat)[-1][1]
+    _, (chat, *_rest) = ask(client, "second question", tree="bogus2")           # refused again: one attempt shown
+    assert [t for r, t in texts(chat) if r == "user"] == ["first question", "second question"]
+    _, (chat, *_, raw, _) = ask(client, "second question, edited", max_new=4)
+    assert raw["medusa"]["tokens"] > 0
+    assert [t for r, t in texts(chat) if r == "user"] == ["first question", "second question, edited"]
+    assert not any("bogus" in t for _, t in texts(chat)), "the refused attempt's note went with it"
+
+
 def test_the_page_seed_is_random_at_minus_one_only():
     """The seed box says "-1: random": any other number, negative ones included, is a seed that repeats an
     answer, as it does through the OpenAI API (every negative seed was random on the page)."""
