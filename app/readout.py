@@ -241,7 +241,7 @@ def render_comparison(comparison: Comparison) -> str:
                            "tokens/s)"] if ratio else [])
     if len(comparison.ratios) >= 2:
         low, q1, median, q3, high = quartiles(comparison.ratios)
-        parts.append(f"· step-interleaved, over {len(comparison.ratios)} windows of {RATIO_WINDOW} steps: "
+        parts.append(f"· step-interleaved, over {len(comparison.ratios)} overlapping windows of {RATIO_WINDOW} steps: "
                      f"median {median:.2f}×, quartiles {q1:.2f}–{q3:.2f}×, range {low:.2f}–{high:.2f}×")
     elif ratio and medusa.tree_size > 1:   # "Speedup: 0.81×" off 5 tokens stopped early read as a result
         parts.append(f"· over {count(min(baseline.tokens, medusa.tokens), 'token')} only: too few steps for a spread, "
