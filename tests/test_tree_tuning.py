@@ -88,6 +88,13 @@ def test_the_first_load_measures_and_later_loads_read_the_cache(checkpoint, meas
     assert "read from the cache" in again.tree_note
     # the cached choice values other trees as the measured one did (the page's outlook for a picked tree)
     assert again.tuned.speedup_of([(0,), (0, 0)])[0] == pytest.approx(first.tuned.speedup_of([(0,), (0, 0)])[0], rel=1e-5)
+    # an entry written before the table was kept beside the choice values trees from the key's table
+    saved = json.loads(entry[0].read_text())
+    del saved["result"]["accuracy"]
+    entry[0].write_text(json.dumps(saved))
+    older = load(spec(checkpoint), progress=lines.append)
+    assert len(measured) == 1 and older.tuned.cached and older.tuned.accuracy == saved["key"]["accuracy"]
+    assert older.tuned.speedup_of([(0,), (0, 0)])[0] == pytest.approx(first.tuned.speedup_of([(0,), (0, 0)])[0], rel=1e-5)
 
 
 def test_another_tree_is_valued_from_the_same_measurements():
