@@ -80,7 +80,10 @@ class ChatController:
         """A request from the tab starts (or its page loads): the tab is alive. Gradio also runs the page's
         unload when only the tab's heartbeat connection drops (a laptop that slept, a network blip), and the
         page goes on without one: a message sent after that is the user's, and is answered (it was stopped
-        before its first token, every time, until a reload)."""
+        before its first token, every time, until a reload). What a blip still costs: an answer running
+        through it stops (Gradio's signal is the same as a closed tab's), and, with no heartbeat left,
+        closing the tab later no longer stops its answer or frees its caches at once (Gradio drops its
+        state an hour later)."""
         if session_hash:
             self.tabs[session_hash] = session
             session.closed = False
