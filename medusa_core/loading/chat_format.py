@@ -8,7 +8,6 @@ The tokenizer's own chat template is used when it has one; vicuna v1.1-style mod
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -102,33 +101,34 @@ def vicuna_prompt(messages: list[dict], system: str | None = None, eos: str = "<
     return text + "ASSISTANT:"
 
 
-# a message's place in a prompt rendered around it (private-use characters: never in a template's own text)
-_SLOT = "\ue100{}\ue101"
-_SLOTS = re.compile("\ue100([0-9]+)\ue101")
+# Put after the first character of a special token's text in a message: the text stays text (the model reads
+# "<", an invisible character, "|im_end|>"), and nothing else in the prompt changes, whatever the tokenizer
+# and the template (tokenizing the messages apart from the template put a stray "▁" before each message on
+# SentencePiece tokenizers, and a template that trims messages could not be spliced at all)
+_BREAK = "\u200b"
 
 
 def render_chat(tokenizer, messages: Any, system: str | None = None) -> list[int]:
     """Token ids of the conversation, ending with the prompt for the assistant's reply. A special token's
-    text inside a message ("<|im_end|>" in a pasted file) is tokenized as text: it was the token itself,
-    which closed the user's turn and could open a forged system or assistant one."""
+    text inside a message ("<|im_end|>" in a pasted file) is text, not the token: as the token it closed the
+    user's turn, and what followed could pass for a system or assistant turn."""
     messages = to_messages(messages)
+    specials = sorted({token.content for token in tokenizer.added_tokens_decoder.values() if token.special},
+                      key=len, reverse=True)
+    messages = [{**m, "content": _as_text(m["content"], specials)} for m in messages]
+    system = _as_text(system, specials) if system is not None else None
     if getattr(tokenizer, "chat_template", None) and system is not None:
         messages = [{"role": "system", "content": system}] + [m for m in messages if m["role"] != "system"]
         system = None
-    texts = [m["content"] for m in messages] + ([system] if system is not None else [])
-    specials = [token.content for token in tokenizer.added_tokens_decoder.values() if token.special]
-    found = next((token for token in specials for text in texts if token in text), None)
-    if found is None:      # the whole prompt in one call, as transformers' own apply_chat_template tokenizes it
-        return _with_bos(tokenizer, tokenizer(_render(tokenizer, messages, system), add_special_tokens=False)["input_ids"])
-    # the template around numbered slots, then each message's text in its slot, tokenized as text
-    slots = [{**m, "content": _SLOT.format(i)} for i, m in enumerate(messages)]
-    pieces = _SLOTS.split(_render(tokenizer, slots, _SLOT.format(len(messages)) if system is not None else None))
-    if "".join(texts[int(p)] if i % 2 else p for i, p in enumerate(pieces)) != _render(tokenizer, messages, system):
-        raise ValueError(f"a message holds {found!r}, one of this model's special tokens, and its chat template "
-                         "changes message text, so it cannot be kept apart from the template's own: remove it")
-    ids = [i for n, piece in enumerate(pieces) for i in tokenizer(
-        texts[int(piece)] if n % 2 else piece, add_special_tokens=False, split_special_tokens=n % 2 == 1)["input_ids"]]
-    return _with_bos(tokenizer, ids)
+    return _with_bos(tokenizer, tokenizer(_render(tokenizer, messages, system), add_special_tokens=False)["input_ids"])
+
+
+def _as_text(text: str, specials: list[str]) -> str:
+    """``text`` with the text of each special token in ``specials`` (longest first) broken by _BREAK."""
+    for token in specials:
+        if len(token) > 1 and token in text:
+            text = text.replace(token, token[0] + _BREAK + token[1:])
+    return text
 
 
 def _render(tokenizer, messages: list[dict], system: str | None) -> str:
