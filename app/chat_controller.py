@@ -201,7 +201,7 @@ class ChatController:
             return
         # A failed message goes back into the box so it can be edited and resent (and is replaced when it is:
         # unless plain decoding answered it in a comparison)
-        turn.in_box = turn.reply is None and turn.baseline is None
+        turn.in_box = turn.reply is None and not turn.baseline     # a plain pass stopped before its first token: ""
         box = message if turn.reply is None else gr.update()
         # a pass that failed before its first token has no figures: the hint comes back
         yield self.views(session, stats, base, comparison, self.slot.state().line, box, blank=(READOUT_HINT, ""),

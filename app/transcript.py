@@ -53,11 +53,10 @@ def from_saved(saved) -> tuple[list[Turn], int]:
         if isinstance(t, dict) and isinstance(t.get("user"), str):
             reply = t.get("reply") if isinstance(t.get("reply"), str) else None
             baseline = t.get("baseline") if isinstance(t.get("baseline"), str) else None
-            # no answer, nothing shown: an empty bubble read as an answer (the plain pane said that compare
-            # was off for a message a reload had cut off mid-comparison)
-            turns.append(Turn(user=t["user"], reply=reply, shown=reply_html([(reply, False)]) if reply is not None else "",
-                              baseline=baseline,
-                              baseline_shown=reply_html([(baseline, False)]) if baseline is not None else "",
+            # no answer (or an empty one), nothing shown: an empty bubble read as an answer (the plain pane said
+            # that compare was off for a message a reload had cut off mid-comparison)
+            turns.append(Turn(user=t["user"], reply=reply, shown=reply_html([(reply, False)]) if reply else "",
+                              baseline=baseline, baseline_shown=reply_html([(baseline, False)]) if baseline else "",
                               note=t.get("note") if isinstance(t.get("note"), str) else None,
                               system=t.get("system") if isinstance(t.get("system"), str) else None,
                               answered=_answered(t.get("answered"))))

@@ -425,6 +425,37 @@ def test_a_message_resent_after_it_was_refused_shows_once(client):
     assert not any("bogus" in t for _, t in texts(chat)), "the refused attempt's note went with it"
 
 
+def test_a_compared_message_stopped_before_its_first_token_is_replaced_when_resent(model_dirs, monkeypatch):
+    """With compare on, Stop while the prompt is read leaves both passes without a token: the message goes
+    back to the box, and sent again it replaces that attempt (the plain pass's empty answer kept it)."""
+    from app.chat_controller import ChatController
+    from app.engine import DecoderRun
+    from app.models import ModelSlot
+    from app.session import Session
+    from medusa_core.decoding import generate as loop
+    from medusa_core.loading.spec import LoadSpec
+
+    monkeypatch.setattr(loop, "PREFILL_PIECE", 8)      # the prompt is read in pieces, Stop is seen between them
+    backbone, heads = model_dirs
+    slot = ModelSlot(log=lambda line: None)
+    slot.start(LoadSpec(model=str(backbone), heads=str(heads), device="cpu"))
+    assert slot.wait(120).phase == "ready"
+    chat, session, long = ChatController(slot), Session(), "second " + "word " * 60
+    list(chat.run(session, "hello", "", True, dict(max_new_tokens=4)))
+    advance = DecoderRun.advance
+
+    def stopped(run):                                  # Stop pressed before any pass's first token
+        session.cancel.set()
+        return advance(run)
+
+    monkeypatch.setattr(DecoderRun, "advance", stopped)
+    *_, box = list(chat.run(session, long, "", True, dict(max_new_tokens=4)))[-1]
+    assert box == long.strip() and session.turns[-1].reply is None
+    monkeypatch.setattr(DecoderRun, "advance", advance)
+    list(chat.run(session, long, "", True, dict(max_new_tokens=4)))
+    assert [turn.user for turn in session.turns] == ["hello", long.strip()]
+
+
 def test_the_page_seed_is_random_at_minus_one_only():
     """The seed box says "-1: random": any other number, negative ones included, is a seed that repeats an
     answer, as it does through the OpenAI API (every negative seed was random on the page)."""

@@ -122,12 +122,17 @@ def test_a_message_a_reload_cut_off_mid_comparison_shows_no_answer_in_either_pan
     """After a reload during a comparison, the cut-off message has the reload's note in both panes and no
     answer: the plain pane said that compare was off (an empty bubble counted as Medusa's answer)."""
     from app.chat_controller import INTERRUPTED, NOT_COMPARED, ChatController
-    from app.engine import BASELINE
+    from app.render import note_html
     from app.session import Session
     from app.transcript import to_saved
 
     answered = Turn(user="Hi", reply="Hello!", baseline="Hello!")
     saved = to_saved([answered, Turn(user="Tell me a long story.")], 0, compare=True)
+    # an empty answer (the model ended at once) shows its note and no empty bubble, as the live page does
+    empty = Turn(user="Say nothing.", reply="", note="the model ended its answer at once")
+    medusa, baseline, _, _ = ChatController.restored(Session(), to_saved([empty], 0), "")
+    assert [part["text"] for message in medusa for part in message["content"]][1:] == [note_html(empty.note)]
+    assert not any(NOT_COMPARED in part["text"] for message in baseline for part in message["content"])
     medusa, baseline, _, compare = ChatController.restored(Session(), saved, "")
     for pane in (medusa, baseline):
         texts = [part["text"] for message in pane for part in message["content"]]
