@@ -82,8 +82,8 @@ class ChatController:
         page goes on without one: a message sent after that is the user's, and is answered (it was stopped
         before its first token, every time, until a reload). What a blip still costs: an answer running
         through it stops (Gradio's signal is the same as a closed tab's), and, with no heartbeat left,
-        closing the tab later no longer stops its answer or frees its caches at once (Gradio drops its
-        state an hour later)."""
+        closing the tab later is not seen: an answer it left running runs to its end, and its caches stay
+        until the model is unloaded or replaced (Gradio never expires the tab's Session)."""
         if session_hash:
             self.tabs[session_hash] = session
             session.closed = False
@@ -294,6 +294,7 @@ class ChatController:
         """Just before a send: the browser's copy with the message in it, so a reload during the
         answer loses nothing typed (the copy written after the answer replaces it), and Stop on: the
         answer can be stopped from now on, also while it waits for a model."""
+        session.send_started()
         message = str(message or "").strip()
         if not message:          # refused at once: Stop stays as it is
             return gr.update(), gr.update()
@@ -341,9 +342,14 @@ def wire_chat(page: Page, chat: ChatController) -> dict:
         session.cancel.set()  # the loop checks it after every token: generation ends within one step
 
     def stop_state(session: Session):
-        """After a send or a regenerate: Stop stays on while the tab still answers (a send refused because
-        the tab was busy must not turn it off under the running answer), and goes grey when nothing runs."""
-        return gr.update(interactive=session.busy.locked())
+        """After a send or a regenerate: Stop stays on while the tab still answers or has a send still to
+        start (a send refused because the tab was busy must not turn it off under the running answer, nor
+        the end of a stopped answer under the message sent right after it), and goes grey when nothing runs."""
+        return gr.update(interactive=session.send_ended())
+
+    def regenerate_started(session: Session):
+        session.send_started()
+        return gr.update(interactive=True)
 
     outputs = [page.chat, page.base_chat, page.readout, page.base_readout, page.comparison, page.status,
                page.raw, page.box]
@@ -363,7 +369,7 @@ def wire_chat(page: Page, chat: ChatController) -> dict:
           [page.saved, page.stop], api_name=False, concurrency_limit=None, show_progress="hidden",
           trigger_mode="multiple").then(
         on_send, page.inputs(*_parameters(on_send)), api_name="send", **events).then(**save_after).then(**stop_after)
-    page.regenerate.click(lambda: gr.update(interactive=True), None, [page.stop], api_name=False,
+    page.regenerate.click(regenerate_started, [page.session], [page.stop], api_name=False,
                           concurrency_limit=None, show_progress="hidden", trigger_mode="multiple").then(
         on_regenerate, page.inputs(*_parameters(on_regenerate)), api_name="regenerate", **events).then(
         **save_after).then(**stop_after)

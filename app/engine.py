@@ -218,10 +218,12 @@ class ChatEngine:
         tree file, which is read at start only). A tree kept from another start or another model may be any
         of those."""
         name = self.shown_name(tree_spelling(name))
-        if name not in self._specs and name.endswith(".json"):
+        if name in self._specs:      # built when it was listed: a tree file is not read again
+            return self.tree(name).paths
+        if name.endswith(".json"):
             return None
         try:
-            paths = resolve_tree(self._specs.get(name, name))
+            paths = resolve_tree(name)
             validate_paths(paths, self.num_heads, TOP_K)
         except TreeError:
             return None

@@ -10,7 +10,7 @@ from medusa_core.loading.spec import LoadSpec
 
 from .engine import BASELINE, LABELS, MEDUSA
 from .layout import MODE_CONTROLS, SAMPLING, Page, cpu_default_note, mode_enabled
-from .models import ModelSlot, default_settings, loaded_name, spec_for
+from .models import ModelSlot, default_settings, spec_for
 from .settings import Settings
 
 

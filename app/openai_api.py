@@ -251,7 +251,9 @@ def prompt_for(engine: ChatEngine, request: ChatRequest) -> list[int]:
         ids = engine.prompt_ids(request.messages, None)
     except ValueError as err:   # a role or part the chat cannot take
         raise ApiError(400, str(err), param="messages") from None
-    room = engine.context - len(ids) - engine.tree(request.settings.tree or engine.default_tree).size
+    # plain decoding verifies one node a step, whatever the Medusa tree is
+    tree_size = 1 if request.passes == (BASELINE,) else engine.tree(request.settings.tree or engine.default_tree).size
+    room = engine.context - len(ids) - tree_size
     if room < 1:        # no max_tokens can help
         raise ApiError(400, f"the messages take {len(ids):,} tokens, more than the model's {engine.context:,}-token "
                             "context leaves for a reply: shorten them", param="messages", code="context_length_exceeded")

@@ -38,7 +38,19 @@ class Session:
         # caches go with its engine (SmolLM2's held 250 MiB past Unload until the tab's next message)
         self._caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.busy = threading.Lock()        # one request per tab at a time
+        # the page's sends and regenerates whose events have not all run yet: Stop stays on while there is one
+        self._sends, self._sends_lock = 0, threading.Lock()
         self.export_dir: Path | None = None  # the tab's export files (app/transcript.py), made on first use
+
+    def send_started(self) -> None:
+        with self._sends_lock:
+            self._sends += 1
+
+    def send_ended(self) -> bool:
+        """One of the page's sends has run its last event; whether the tab still answers or has one to come."""
+        with self._sends_lock:
+            self._sends = max(0, self._sends - 1)
+            return self._sends > 0 or self.busy.locked()
 
     def drop_resent(self) -> None:
         """A message is sent: the last one, if its text went back to the box unanswered (refused, or stopped

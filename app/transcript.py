@@ -11,6 +11,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from medusa_core.decoding.config import is_greedy
+
 from .session import Session, Turn
 from .readout import FINISH_TEXT, count
 from .render import reply_html
@@ -111,9 +113,9 @@ def answered_line(figures: dict | None, settings: dict) -> str | None:
     if isinstance(tree, str):
         parts.append(f"tree {tree}" + (f" ({count(int(size), 'node')})" if _number(size) else ""))
     mode, temperature = settings.get("mode"), settings.get("temperature")
-    if isinstance(mode, str):       # sampling at temperature 0 is greedy: what ran, as the API reports it
-        parts.append("greedy" if mode != "greedy" and temperature == 0 else
-                     mode + (f" at temperature {temperature:g}" if mode != "greedy" and _number(temperature) else ""))
+    if isinstance(mode, str):       # what ran, as the API reports it: sampling at temperature 0 is greedy
+        parts.append("greedy" if is_greedy(mode, temperature) else
+                     mode + (f" at temperature {temperature:g}" if _number(temperature) else ""))
     line = " · ".join(parts) + f": {count(int(tokens), 'token')}"
     reason = figures.get("finish_reason")
     if reason != "eos" and isinstance(reason, str) and reason in FINISH_TEXT:   # cut off: the readout said so too

@@ -553,6 +553,42 @@ def test_a_kept_tree_comes_back_only_where_this_start_runs_it(engine):
         assert kept_tree(gone) == "default", gone
 
 
+def test_the_page_says_a_tree_cannot_run_exactly_where_send_refuses_it(engine):
+    """ChatEngine.tree_paths (the pane's title, the kept settings) and ChatEngine.check (Send) agree on every
+    kind of name: listed, typed presets, too deep, too wide, unknown, a file, respelled."""
+    from app.settings import Settings
+
+    names = [name for _, name in engine.tree_choices] + [
+        "chain-2", "CHAIN-03", "cartesian-2x2", "cartesian-10", "cartesian-11", "cartesian-3x3x3x3x3x3", "chain-9",
+        "chain-0", "banana", "", " ", "/tmp/nosuch.json", "tuned", "mc_sim_7b_63", "cartesian-0x2"]
+    for name in names:
+        try:
+            engine.check(Settings.parse(tree=name))
+            runs = True
+        except ValueError:
+            runs = False
+        assert (engine.tree_paths(name) is not None) == runs or not name.strip(), name
+
+
+def test_the_api_leaves_room_for_the_tree_only_where_medusa_runs(engine):
+    """A conversation that fits with plain decoding ("medusa": false) is not refused for the Medusa tree's
+    rows, which that request never verifies."""
+    from app.engine import BASELINE, MEDUSA
+    from app.openai_api import ApiError, ChatRequest, prompt_for
+    from app.settings import Settings
+
+    messages = [{"role": "user", "content": "tell me about the sea " * 20}]
+    ids = engine.prompt_ids(messages, None)
+    settings = Settings(max_new_tokens=engine.context - len(ids) - 1, tree="small-16")
+
+    def request(passes):
+        return ChatRequest(messages, settings, passes, (), False, False)
+
+    assert prompt_for(engine, request((BASELINE,))) == ids
+    with pytest.raises(ApiError, match="give max_tokens"):
+        prompt_for(engine, request((MEDUSA,)))
+
+
 def test_regenerate_while_answering_changes_nothing():
     """A second Regenerate click (or one during a Send) must not pop the exchange being answered."""
     from app.chat_controller import ChatController

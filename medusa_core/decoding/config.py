@@ -53,6 +53,12 @@ def _setting(default: Any, limits: Limits):
     return field(default=default, metadata={"limits": limits})
 
 
+def is_greedy(mode: str, temperature: float) -> bool:
+    """The one definition: the argmax token at every position. Sampling and typical acceptance at
+    temperature 0 are greedy too (typical then accepts exactly the argmax tokens)."""
+    return mode == "greedy" or temperature == 0
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     mode: Mode = _setting("greedy", Limits(
@@ -92,9 +98,7 @@ class DecodeConfig:
 
     @property
     def greedy(self) -> bool:
-        """The one definition: the argmax token at every position. Sampling and typical acceptance
-        at temperature 0 are greedy too (typical then accepts exactly the argmax tokens)."""
-        return self.mode == "greedy" or self.temperature == 0
+        return is_greedy(self.mode, self.temperature)
 
     def sampling_params(self) -> tuple[float, float, float, float]:
         """(temperature, top_p, epsilon, delta): the values a captured step reads from the device."""

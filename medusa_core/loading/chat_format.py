@@ -59,7 +59,7 @@ def json_kind(value: Any) -> str:
 
 def json_value(value: Any) -> str:
     """A value as the client wrote it in JSON (true, null, "ten"; not Python's True, None, 'ten'), cut short."""
-    return json.dumps(value, default=str)[:40]
+    return json.dumps(value, default=str, ensure_ascii=False)[:40]
 
 
 MESSAGE_SHAPE = '{"role": ..., "content": ...}'
