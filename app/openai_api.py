@@ -131,8 +131,8 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
     if not isinstance(model, str) or not model:
         raise ApiError(400, "model is missing: give the id that GET /v1/models lists", param="model")
     if model != model_id:
-        raise ApiError(404, f"model {json_value(model)} is not served here: use {json_value(model_id)} (GET /v1/models)", param="model",
-                       code="model_not_found")
+        raise ApiError(404, f"model {json_value(model)} is not served here: use {json_value(model_id)} (GET /v1/models)",
+                       param="model", code="model_not_found")
     unknown = [field for field in data if field not in (*READ, *UNSUPPORTED, *NO_EFFECT)]
     if unknown:
         raise ApiError(400, f"unknown field {unknown[0]!r}: remove it (this server reads OpenAI's chat-completions "
@@ -147,8 +147,8 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
                                 "give 0", param=field, code="unsupported_parameter")
     n = data.get("n")
     if n is not None and (isinstance(n, bool) or n != 1):   # one message for every other n, in range or not
-        raise ApiError(400, f"n {json_value(n)}: this server answers with one choice: give n=1 and send more requests",
-                       param="n", code="unsupported_parameter")
+        raise ApiError(400, f"n {json_value(n)}: this server answers with one choice: give n=1 and send more "
+                            "requests", param="n", code="unsupported_parameter")
     messages = data.get("messages")
     if messages is not None and not isinstance(messages, list):
         raise ApiError(400, f"messages is {json_kind(messages)} {json_value(messages)}: give a list of "
@@ -187,8 +187,8 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
     stop = data.get("stop")
     stop = [stop] if isinstance(stop, str) else stop if stop is not None else []
     if not isinstance(stop, list) or len(stop) > MAX_STOPS or not all(isinstance(s, str) and s for s in stop):
-        raise ApiError(400, f"stop {json_value(data.get('stop'))}: give a string or a list of at most {MAX_STOPS} non-empty strings",
-                       param="stop", code="invalid_value")
+        raise ApiError(400, f"stop {json_value(data.get('stop'))}: give a string or a list of at most {MAX_STOPS} "
+                            "non-empty strings", param="stop", code="invalid_value")
     stream = data.get("stream", False)
     options = data.get("stream_options") or {}
     if not isinstance(stream, bool) or not isinstance(options, dict):
@@ -228,8 +228,9 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
         epsilon = number(medusa, "epsilon", epsilon, limits("epsilon").low, limits("epsilon").high)
         delta = number(medusa, "delta", delta, limits("delta").low, limits("delta").high)
     else:
-        raise ApiError(400, f"medusa {json_value(medusa)}: give an object such as {{\"tree\": ..., \"mode\": \"typical\"}}, "
-                            "or false for plain decoding", param="medusa", code="invalid_value")
+        raise ApiError(400, f"medusa {json_value(medusa)}: give an object such as "
+                            "{\"tree\": ..., \"mode\": \"typical\"}, or false for plain decoding", param="medusa",
+                       code="invalid_value")
     try:
         settings = Settings(mode=mode, temperature=temperature, top_p=top_p, top_k=top_k, epsilon=epsilon, delta=delta,
                             max_new_tokens=max_tokens or engine.max_new_tokens, tree=tree, seed=seed)

@@ -112,15 +112,20 @@ def render_chat(tokenizer, messages: Any, system: str | None = None) -> list[int
     """Token ids of the conversation, ending with the prompt for the assistant's reply. A special token's
     text inside a message ("<|im_end|>" in a pasted file) is text, not the token: as the token it closed the
     user's turn, and what followed could pass for a system or assistant turn."""
-    messages = to_messages(messages)
     specials = sorted({token.content for token in tokenizer.added_tokens_decoder.values() if token.special},
                       key=len, reverse=True)
-    messages = [{**m, "content": _as_text(m["content"], specials)} for m in messages]
+    messages = [{**m, "content": _as_text(m["content"], specials)} for m in to_messages(messages)]
     system = _as_text(system, specials) if system is not None else None
-    if getattr(tokenizer, "chat_template", None) and system is not None:
-        messages = [{"role": "system", "content": system}] + [m for m in messages if m["role"] != "system"]
-        system = None
-    return _with_bos(tokenizer, tokenizer(_render(tokenizer, messages, system), add_special_tokens=False)["input_ids"])
+    if getattr(tokenizer, "chat_template", None):
+        if system is not None:
+            messages = [{"role": "system", "content": system}] + [m for m in messages if m["role"] != "system"]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # the template already wrote the BOS text; adding special tokens again would double it
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    text = vicuna_prompt(messages, system, tokenizer.eos_token or "</s>")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id
+    return ([bos] if bos is not None and ids[:1] != [bos] else []) + ids
 
 
 def _as_text(text: str, specials: list[str]) -> str:
@@ -129,21 +134,6 @@ def _as_text(text: str, specials: list[str]) -> str:
         if len(token) > 1 and token in text:
             text = text.replace(token, token[0] + _BREAK + token[1:])
     return text
-
-
-def _render(tokenizer, messages: list[dict], system: str | None) -> str:
-    if getattr(tokenizer, "chat_template", None):
-        # the template writes the BOS text itself: adding special tokens when tokenizing would double it
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return vicuna_prompt(messages, system, tokenizer.eos_token or "</s>")
-
-
-def _with_bos(tokenizer, ids: list[int]) -> list[int]:
-    """The vicuna prompt starts with BOS (a template writes its own)."""
-    bos = tokenizer.bos_token_id
-    if getattr(tokenizer, "chat_template", None) or bos is None or ids[:1] == [bos]:
-        return ids
-    return [bos, *ids]
 
 
 def stop_token_ids(tokenizer) -> tuple[int, ...]:
