@@ -430,34 +430,6 @@ def test_two_tabs_each_reload_their_own_conversation(browser, default_app):
         context.close()
 
 
-def test_a_send_during_an_answer_says_why_it_waits(page):
-    """A second message while the tab answers is not dropped without a word: a toast says why, and
-    the text stays in the box. Stop is on only while there is an answer to stop, and the refused
-    message does not turn it off under the running one."""
-    stop = page.locator("#stop")
-    assert stop.is_disabled(), "nothing runs: Stop is grey"
-    set_max_new(page, 400)
-    page.locator("#message textarea").fill("Tell me a long story about a cat.")
-    page.locator("#send").click()
-    page.wait_for_function("() => document.querySelectorAll('#chat .message.bot').length >= 1", timeout=60_000)
-    assert stop.is_enabled()
-    page.locator("#message textarea").fill("another one")
-    page.locator("#message textarea").press("Enter")
-    page.get_by_text("Still answering your previous message").first.wait_for(timeout=10_000)
-    assert page.locator("#message textarea").input_value() == "another one"
-    # the refused send's events run their course in well under 3 s, and Stop stays on through them
-    turned_off = page.evaluate("""() => new Promise(done => {
-        const start = Date.now();
-        const poll = () => document.querySelector('#stop')?.disabled ? done(true)
-            : Date.now() - start > 3000 ? done(false) : setTimeout(poll, 50);
-        poll();
-    })""")
-    assert not turned_off, "the refused message turned Stop off while the first answer ran"
-    stop.click()
-    page.wait_for_function(READY, timeout=30_000)
-    page.wait_for_function("() => document.querySelector('#stop')?.disabled", timeout=10_000)
-
-
 def test_a_tab_whose_heartbeat_dropped_answers_its_next_message(browser, tiny_dirs, monkeypatch):
     """Gradio runs the page's unload when a tab's heartbeat connection drops (a laptop that slept, a
     network blip), and the page goes on without one. Its next message is answered: it was stopped before
@@ -643,6 +615,41 @@ def test_a_reload_during_a_long_read_stops_the_answer_nobody_will_see(browser, t
         assert read < run.pieces / 2, f"the reloaded tab's answer read {read} of the prompt's {run.pieces} pieces"
         send(page, "and now a short one")
         assert assistant_texts(page, "chat")[-1].strip()
+        page.close()
+
+
+def test_a_send_during_an_answer_says_why_it_waits(browser, tiny_dirs, monkeypatch):
+    """A second message while the tab answers is not dropped without a word: a toast says why, and
+    the text stays in the box. Stop is on only while there is an answer to stop, and the refused
+    message does not turn it off under the running one. The first answer reads a long prompt at a
+    quarter second a piece, so it surely runs through the checks (a story from SmolLM2 could end
+    inside them on a fast machine, and Stop then rightly went grey)."""
+    with long_read(tiny_dirs, monkeypatch) as run:
+        page = open_page(browser, run.url)
+        stop = page.locator("#stop")
+        assert stop.is_disabled(), "nothing runs: Stop is grey"
+        page.locator("#message textarea").fill(run.prompt)
+        page.locator("#send").click()
+        page.wait_for_function("() => document.querySelector('#status')?.innerText.includes('reading')",
+                               timeout=30_000)
+        assert stop.is_enabled()
+        page.locator("#message textarea").fill("another one")
+        page.locator("#message textarea").press("Enter")
+        page.get_by_text("Still answering your previous message").first.wait_for(timeout=10_000)
+        assert page.locator("#message textarea").input_value() == "another one"
+        # the refused send's events run their course in well under 3 s, and Stop stays on through them
+        turned_off = page.evaluate("""() => new Promise(done => {
+            const start = Date.now();
+            const poll = () => document.querySelector('#stop')?.disabled ? done(true)
+                : Date.now() - start > 3000 ? done(false) : setTimeout(poll, 50);
+            poll();
+        })""")
+        assert not turned_off, "the refused message turned Stop off while the first answer ran"
+        assert "reading" in page.locator("#status").inner_text(), "the first answer ended: nothing was tested"
+        assert len(run.forwards) < run.pieces, "the first answer read its whole prompt: nothing was tested"
+        stop.click()
+        page.wait_for_function(READY, timeout=30_000)
+        page.wait_for_function("() => document.querySelector('#stop')?.disabled", timeout=10_000)
         page.close()
 
 
