@@ -3,6 +3,7 @@ Markdown files the page exports."""
 
 from __future__ import annotations
 
+import html
 import json
 import math
 import re
@@ -10,6 +11,8 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+from markdown_it import MarkdownIt
 
 from medusa_core.decoding.config import is_greedy
 
@@ -21,6 +24,8 @@ FORMAT = "medusa-chat/1"
 # A line that opens or closes a fenced code block (CommonMark): up to 3 spaces, then 3 or more
 # backticks or tildes, then the rest of the line (an info string, or nothing on a closing fence).
 FENCE = re.compile(r"( {0,3})(`{3,}|~{3,})(.*)")
+# what a Markdown viewer makes of a text: CommonMark with GitHub's tables and strikethrough
+VIEWER = MarkdownIt("commonmark").enable(["table", "strikethrough"])
 
 
 def to_saved(turns: list[Turn], first_turn: int, system: str = "", compare: bool = False) -> dict:
@@ -101,6 +106,16 @@ def closed_fences(text: str) -> str:
     return text + ("" if text.endswith("\n") else "\n") + indent + fence
 
 
+def literal(text: str) -> str:
+    """Text the user typed, as the page shows it: literally. Where a Markdown viewer would show it as
+    written (most messages) it stays as is; otherwise ('# x', a list, '<b>', a pasted code fence, line
+    breaks) it goes in a fenced block longer than any backtick run inside, so no line of it closes it."""
+    if VIEWER.render(text) == f"<p>{html.escape(text, quote=False).replace(chr(34), '&quot;')}</p>\n":
+        return text
+    fence = "`" * max(3, 1 + max((len(run) for run in re.findall("`+", text)), default=0))
+    return f"{fence}text\n{text}\n{fence}"
+
+
 def answered_line(figures: dict | None, settings: dict) -> str | None:
     """One pass's figures as an export shows them under its answer ('*Medusa · tree small-8 (9 nodes) ·
     greedy: 40 tokens · 12.3 tokens/s after the first · 1.47 tokens/step*', with why it ended where it
@@ -127,21 +142,22 @@ def answered_line(figures: dict | None, settings: dict) -> str | None:
 
 
 def to_markdown(turns: list[Turn], system: str = "") -> str:
-    """The conversation as a Markdown file; each text is closed off on its own (see closed_fences),
-    so one cut-off reply does not swallow the rest. The system prompt shows where it changed, above
+    """The conversation as a Markdown file. What the user typed shows literally, as on the page (see
+    literal); each answer is closed off on its own (see closed_fences), so one cut-off reply does not
+    swallow the rest. The system prompt shows where it changed, above
     the turns answered under it, and at the end if the page's (``system``) differs from the last used;
     a conversation that recorded none (saved before turns kept theirs) shows ``system`` at the top."""
     lines = ["# Medusa chat conversation", ""]
     current = "" if any(t.system is not None for t in turns) else system
     if current:
-        lines += [f"**System:** {closed_fences(current)}", ""]
+        lines += [_system_line("System", current), ""]
     for t in turns:
         if t.system is not None and t.system != current:
-            lines += [f"**System:** {closed_fences(t.system) if t.system else '(none: the model default)'}", ""]
+            lines += [_system_line("System", t.system), ""]
             current = t.system
         answered = t.answered or {"settings": {}}
         if t.user:
-            lines += ["**User:**", "", closed_fences(t.user), ""]
+            lines += ["**User:**", "", literal(t.user), ""]
         if t.reply is not None:
             lines += ["**Assistant:**", "", closed_fences(t.reply), ""]
             figures = answered_line(answered.get("medusa"), answered.get("settings"))
@@ -153,8 +169,16 @@ def to_markdown(turns: list[Turn], system: str = "") -> str:
         if t.note:
             lines += [f"> ⚠️ {t.note}", ""]
     if system != current:
-        lines += [f"**System (for the next message):** {closed_fences(system) or '(none: the model default)'}", ""]
+        lines += [_system_line("System (for the next message)", system), ""]
     return "\n".join(lines)
+
+
+def _system_line(title: str, system: str) -> str:
+    """'**System:** text' for a one-line prompt; a prompt that needs a block goes under its title."""
+    if not system:
+        return f"**{title}:** (none: the model default)"
+    shown = literal(system)
+    return f"**{title}:**" + (f" {shown}" if shown == system else f"\n\n{shown}")
 
 
 def export_folder() -> Path:

@@ -4,6 +4,7 @@ export keeps every text exactly as it was."""
 
 from __future__ import annotations
 
+import html
 import json
 from pathlib import Path
 
@@ -67,6 +68,26 @@ def test_user_messages_baseline_answers_and_the_system_prompt_are_closed_too(tmp
     assert "<p><strong>Assistant (plain decoding):</strong></p>" in html
     assert_later_turn_renders_normally(html)
     assert saved["system"] == "Answer in code:\n```" and saved["turns"][1]["baseline"] == cut
+
+
+@pytest.mark.parametrize("typed", [
+    "# not a heading", "1. first\n2. second", "*not bold* and _not italic_", "<b>not bold</b>", "a ~~b~~ c",
+    "a | b\n--|--\n1 | 2", "```python\nx = [", "a fence ```` of four inside\n```", "    indented",
+    "line one\nline two", 'plain words, "quoted" & fine.',
+])
+def test_what_the_user_typed_exports_as_the_page_shows_it(tmp_path, typed):
+    """The page shows a message and the system prompt literally; the Markdown export showed a typed
+    '# x' as a heading, a list as a list, and joined lines."""
+    markdown, _ = export(tmp_path, [Turn(user=typed, reply="Fine."), LATER], system=typed)
+    page = rendered(markdown)
+    shown = html.escape(typed, quote=False).replace('"', "&quot;")
+    as_block = f'<pre><code class="language-text">{shown}\n</code></pre>'
+    assert (f"<p><strong>User:</strong></p>\n<p>{shown}</p>" in page
+            or f"<p><strong>User:</strong></p>\n{as_block}" in page), page
+    assert (f"<p><strong>System:</strong> {shown}</p>" in page
+            or f"<p><strong>System:</strong></p>\n{as_block}" in page), page
+    assert "<p><strong>Assistant:</strong></p>\n<p>Fine.</p>" in page, page
+    assert_later_turn_renders_normally(page)
 
 
 def test_an_export_says_how_each_answer_was_made_and_under_which_system_prompt(tmp_path):
