@@ -149,6 +149,7 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
         try:
             spec = spec_for(choice, model_id, heads_id, base_spec)
         except ValueError as err:
+            slot.dismiss_failure()      # this refusal is the news: an older load's error is not repeated beside it
             return (f"❌ {err}", *sync(shown, max_new_value))
         refused = slot.start(spec)
         if refused:     # a toast: a line under the panel would still say "still loading" once it has loaded

@@ -95,6 +95,9 @@ def start_settings(spec: LoadSpec) -> Settings:
     return CPU_DEFAULTS if on_cpu and smollm2_backbone and bundled else Settings()
 
 
+EMPTY_LINE = "No model loaded: pick one under Model and press Load"
+
+
 @dataclass(frozen=True)
 class SlotState:
     """What the page shows about the model: ``phase`` is loading, ready, failed or empty."""
@@ -145,7 +148,8 @@ class ModelSlot:
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
         self.engine: ChatEngine | None = None
-        self._phase, self._line, self._version = "empty", "No model loaded: pick one under Model and press Load", 0
+        self._phase, self._line, self._version = "empty", EMPTY_LINE, 0
+        self._ready_line = ""       # the loaded model's Ready line, which a dismissed failure gives back
         self._engine_version = 0
         self._kept = ""             # what a failed switch says of the loaded model: its name and tree line
         self._loading: LoadSpec | None = None
@@ -198,10 +202,19 @@ class ModelSlot:
         with self._lock:
             if self._phase == "loading":
                 return "a model is loading: unload it once it has loaded"
-        self._set("empty", "No model loaded: pick one under Model and press Load", None, replace_engine=True)
+        self._set("empty", EMPTY_LINE, None, replace_engine=True)
         line = f"Model unloaded · {memory_now()}"
         self._log(line)
         return line
+
+    def dismiss_failure(self) -> None:
+        """A Load the page refused before starting (no model given) supersedes the last failed load: its
+        error leaves the status line, which says again what is loaded (the refusal has its own line)."""
+        with self._lock:
+            if self._phase == "loading" or not self._line.startswith("❌"):
+                return
+            self._phase, self._line = ("ready", self._ready_line) if self.engine is not None else ("empty", EMPTY_LINE)
+            self._version += 1
 
     def _load(self, spec: LoadSpec, extra_trees: tuple[str, ...]) -> None:
         what = self._describe(spec)
@@ -222,6 +235,7 @@ class ModelSlot:
         if loaded.tree_note:   # on a line of its own: which tree runs, and why, is what a user looks for
             line += f"\n\n{loaded.tree_note}"
         self._kept = f"{loaded_name(loaded)} is still loaded" + (f"\n\n{loaded.tree_note}" if loaded.tree_note else "")
+        self._ready_line = line
         self._set("ready", line, engine, replace_engine=True)
         self._log(line)
 

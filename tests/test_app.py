@@ -850,6 +850,12 @@ def test_model_slot_loads_in_background_and_keeps_old_model_on_failure(model_dir
     assert "· backbone with its Medusa heads is still loaded\n\ntree small-16" in state.line, state.line   # its directory
     assert "Ready" not in state.line
     assert any(line.startswith("error: broken/model") for line in lines)
+    # a Load refused before it starts (an empty field) takes the old error off the status line
+    version = state.version
+    slot.dismiss_failure()
+    state = slot.state()
+    assert state.phase == "ready" and state.line.startswith("Ready") and "broken/model" not in state.line
+    assert state.version > version, "the page would not show the change"
     assert "unloaded" in slot.unload() and slot.engine is None and slot.state().phase == "empty"
 
 

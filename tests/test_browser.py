@@ -499,6 +499,14 @@ def test_a_failed_load_keeps_the_decoding_settings(page):
     assert "tree tuned for this machine" in status
     assert page.locator("input[value=greedy]").is_checked()
     assert tree.input_value().startswith("chain-2")
+    # Load again with the field emptied: refused at once, and the old failure leaves the status line
+    page.locator("#model-id textarea, #model-id input").first.fill("")
+    page.locator("#load-model").click()
+    page.wait_for_function("() => document.querySelector('#model-status')?.innerText.includes('no model given')",
+                           timeout=30_000)
+    page.wait_for_function("() => document.querySelector('#status')?.innerText.trim().startsWith('Ready')",
+                           timeout=30_000)
+    assert "does not exist" not in page.locator("#status").inner_text()
 
 
 def test_the_readout_fits_a_phone(page):
