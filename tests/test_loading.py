@@ -174,6 +174,22 @@ def test_nf4_backbone_on_cpu(root):
     assert_greedy_identical(loaded, n=12, chain=False)   # 4-bit matmuls are slow on CPU: keep it short
 
 
+def test_bitsandbytes_hub_kernel_probe_line_is_not_shown(caplog):
+    """bitsandbytes, imported on a CPU with AVX-512 bf16, logs that it failed to fetch a CPU kernel from the
+    hub ("pip install kernels"), which nothing here runs: an NF4 start must not open with a failure line.
+    Logged by hand, so the test does not depend on this machine's CPU; the logger's other lines still show."""
+    import logging
+
+    from medusa_core.quant import bnb  # noqa: F401  (what the NF4 load path imports first)
+
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    with caplog.at_level(logging.WARNING, logger=logger.name):
+        logger.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure you "
+                       "already `pip install kernels` and the kernels >= 0.11.1", "No module named 'kernels'")
+        logger.warning("another bitsandbytes warning")
+    assert [record.getMessage() for record in caplog.records] == ["another bitsandbytes warning"]
+
+
 def test_heads_quant_nf4(root):
     import bitsandbytes as bnb
 
