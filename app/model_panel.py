@@ -44,6 +44,12 @@ def medusa_pane(engine, tree_name: str | None = None) -> dict:
     return gr.update(label=engine.medusa_label(tree_name) + (f" · {outlook}" if outlook else ""))
 
 
+# How often the page asks for the model's state: often while a load runs (its progress line), and while
+# idle often enough that a model loaded or unloaded from another tab (or the API) reaches this tab's status
+# line, Send button and tree before its next message does (a tab kept showing an unloaded model as Ready,
+# and after another tab's switch ran its old tree on the new model). An unchanged state costs no update.
+LOADING_POLL_S, IDLE_POLL_S = 0.5, 2.0
+
 # what ``sync`` updates, in its order (the Medusa pane last: only its title)
 MODEL_OUTPUTS = ("status", "note", "send", "tree", "max_new_tokens", "mode", *MODE_CONTROLS, "colour_heads", "timer",
                  "shown_version", "kept", "pane")
@@ -113,14 +119,13 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
         loading = state.phase == "loading"
         now = (state.version, state.engine_version)
         if shown == now and not loading:
-            return tuple({"timer": gr.Timer(active=False), "shown_version": shown}.get(name, gr.update())
-                         for name in MODEL_OUTPUTS)
+            return tuple({"shown_version": shown}.get(name, gr.update()) for name in MODEL_OUTPUTS)
         engine = state.engine
         cpu_default = engine is not None and engine.loaded.cpu_default
         note = cpu_default_note(engine.weights, str(engine.dtype).removeprefix("torch.")) if cpu_default else None
         updates = {"status": state.line, "note": gr.update(visible=cpu_default, **({"value": note} if note else {})),
                    "send": gr.update(interactive=engine is not None and not loading),
-                   "timer": gr.Timer(active=loading), "shown_version": now}
+                   "timer": gr.Timer(LOADING_POLL_S if loading else IDLE_POLL_S, active=True), "shown_version": now}
         if shown is not None and shown[1] == state.engine_version:
             pass                       # the same model: the controls stay as the user set them
         elif engine is None:

@@ -684,6 +684,42 @@ def test_a_script_whose_client_goes_stops_its_answer(tiny_dirs, monkeypatch):
             script.kill()
 
 
+def test_a_model_changed_elsewhere_reaches_an_open_tab(browser, tiny_dirs):
+    """A model unloaded or switched from another tab (or the API) shows in this tab without a message sent:
+    the tab kept saying Ready with Send on after an unload, and after a switch ran its old model's tree."""
+    from app.models import ModelSlot
+    from medusa_core.loading.spec import LoadSpec
+
+    backbone, heads = tiny_dirs
+    slot = ModelSlot(max_new_tokens=8, log=lambda line: None)
+    with_heads = LoadSpec(model=str(backbone), heads=str(heads), device="cpu")
+    with in_process_app(slot, with_heads) as url:
+        slot.start(with_heads)
+        assert slot.wait(120).phase == "ready"
+        page = open_page(browser, url)
+        tree = page.locator("#tree input")
+        assert not tree.input_value().startswith("baseline")
+        slot.unload()                                         # as another tab's Unload does
+        page.wait_for_function("() => document.querySelector('#status')?.innerText.includes('No model loaded')",
+                               timeout=15_000)
+        assert page.locator("#send").is_disabled()
+        slot.start(LoadSpec(model=str(backbone), device="cpu"))   # no heads: plain decoding only
+        assert slot.wait(120).phase == "ready"
+        page.wait_for_function(READY, timeout=15_000)
+        page.wait_for_function("() => document.querySelector('#tree input')?.value.startsWith('baseline')",
+                               timeout=15_000)
+        slot.start(with_heads)
+        assert slot.wait(120).phase == "ready"
+        page.wait_for_function("() => !document.querySelector('#tree input')?.value.startsWith('baseline')",
+                               timeout=15_000)
+        send(page, "hello")
+        assert assistant_texts(page, "chat")[-1].strip()
+        shown = tree.input_value()
+        readout = page.locator("#readout").inner_text()
+        assert "Medusa" in readout and shown in readout, f"the tree shown, {shown!r}, is not what ran: {readout}"
+        page.close()
+
+
 def test_page_opens_before_the_model_has_loaded(browser):
     """The page is served at once, shows load progress and keeps Send off until the model is in."""
     from app.browser_copy import SETTINGS_KEY
