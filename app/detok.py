@@ -32,7 +32,10 @@ class Detokenizer:
         return ""
 
     def flush(self) -> str:
+        """The text still held when the answer ends. A character the end cut in two (max new tokens, Stop)
+        is left out: its first bytes decode to U+FFFD, which the page and the API showed as the last
+        character of the answer."""
         before = self._decode(self.ids[self.prefix:self.read])
         after = self._decode(self.ids[self.prefix:])
         self.prefix = self.read = len(self.ids)
-        return after[len(before):]
+        return after[len(before):].rstrip("\ufffd")

@@ -271,6 +271,16 @@ def test_incremental_detokenizer_matches_full_decode():
         pieces = [detok.add(i) for i in ids] + [detok.flush()]
         assert "".join(pieces) == tokenizer.decode(ids)
         assert not any("\ufffd" in p for p in pieces)
+        # an answer cut off anywhere (max new tokens, Stop) ends on whole characters: a character split
+        # over byte tokens and cut in two is left out, not shown as U+FFFD
+        cut_mid_character = 0
+        for end in range(1, len(ids)):
+            detok = Detokenizer(tokenizer)
+            shown = "".join([detok.add(i) for i in ids[:end]] + [detok.flush()])
+            whole = tokenizer.decode(ids[:end])
+            cut_mid_character += whole.endswith("\ufffd")
+            assert shown == whole.rstrip("\ufffd") and "\ufffd" not in shown, (end, shown)
+        assert cut_mid_character or text.isascii(), "no cut fell inside a character: nothing was tested"
 
 
 def test_head_colouring_gives_spans_never_tag_text():
