@@ -404,6 +404,8 @@ def test_bad_api_values_give_one_line_notes_not_tracebacks(client, app):
                       (dict(seed="1.5", mode="sample"), "Seed '1.5' is not a whole number"),
                       (dict(seed="\u00b2", mode="sample"), "Seed '\u00b2' is not a number"),   # int() refuses it
                       (dict(max_new="--5"), "Max new tokens '--5' is not a number"),             # and this
+                      (dict(max_new=True), "Max new tokens true is not a number"),   # it ran 1 token
+                      (dict(temperature=False, mode="sample"), "Temperature false is not a number"),
                       (dict(tree="cartesian-0x2"), "tree 'cartesian-0x2' has a width of 0"),
                       (dict(tree="chain-0"), "unknown tree 'chain-0': use one of"),
                       (dict(tree="chain-0"), "chain-N with N from 1 to 5"),

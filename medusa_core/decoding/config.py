@@ -129,6 +129,8 @@ _WHOLE = re.compile(r"[+-]?[0-9]{1,100}")
 def number(name: str, value, kind: type = float):
     """A raw control or request value as the number ``name`` needs; ValueError names the value and the fix.
     Whole numbers stay exact (a seed past 2**53 is no float); the limits are checked by DecodeConfig."""
+    if isinstance(value, bool):    # an int to Python: a script's max_new_tokens=True ran one token
+        raise SettingError(name, f"{str(value).lower()} is not a number: give one, e.g. {kind(1)}")
     if kind is int and isinstance(value, int):
         return int(value)
     # one sign and ASCII digits: int() refuses "--5" and "²", and past 4,300 digits it refuses too
