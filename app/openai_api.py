@@ -191,8 +191,11 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
                             "non-empty strings", param="stop", code="invalid_value")
     stream = data.get("stream", False)
     options = data.get("stream_options") or {}
-    if not isinstance(stream, bool) or not isinstance(options, dict):
-        raise ApiError(400, "stream must be true or false and stream_options an object", param="stream")
+    if not isinstance(stream, bool):
+        raise ApiError(400, f"stream {json_value(stream)}: give true or false", param="stream", code="invalid_value")
+    if not isinstance(options, dict):
+        raise ApiError(400, f"stream_options {json_value(options)}: give an object, e.g. {{\"include_usage\": true}}",
+                       param="stream_options", code="invalid_value")
     if options and not stream:
         raise ApiError(400, "stream_options is only taken with stream: true: drop it, or stream",
                        param="stream_options", code="invalid_value")

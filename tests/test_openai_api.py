@@ -149,6 +149,11 @@ HOSTILE = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": ""}, 400, 'stop "": '),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}},
      400, "stream_options is only taken with stream: true"),
+    # each names its field and the value it got
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400,
+     'stream "yes": give true or false'),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True, "stream_options": "x"}, 400,
+     'stream_options "x": give an object, e.g. {"include_usage": true}'),
     ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      400, "text only"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools"),
