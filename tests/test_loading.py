@@ -174,6 +174,13 @@ def test_nf4_backbone_on_cpu(root):
     assert_greedy_identical(loaded, n=12, chain=False)   # 4-bit matmuls are slow on CPU: keep it short
 
 
+def test_a_heads_error_names_the_page_box_with_the_flag(tmp_path):
+    """The page shows load errors too: '--heads' alone pointed a page user at a flag they cannot set there."""
+    with pytest.raises(LoadError) as refused:
+        load(LoadSpec(heads=str(tmp_path), device="cpu"))
+    assert "point --heads (the page's Medusa heads box) at" in str(refused.value), refused.value
+
+
 def test_bitsandbytes_hub_kernel_probe_line_is_not_shown(caplog):
     """bitsandbytes, imported on a CPU with AVX-512 bf16, logs that it failed to fetch a CPU kernel from the
     hub ("pip install kernels"), which nothing here runs: an NF4 start must not open with a failure line.

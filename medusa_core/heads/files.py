@@ -65,7 +65,7 @@ def read_heads_file(path: Path) -> dict[str, torch.Tensor]:
     tensors and plain containers is refused before it can run."""
     path = Path(path)
     if not path.is_file():
-        raise HeadsLoadError(f"{path} does not exist: point --heads at a directory with medusa_lm_head.safetensors or .pt")
+        raise HeadsLoadError(f"{path} does not exist: point --heads (the page's Medusa heads box) at a directory with medusa_lm_head.safetensors or .pt")
     if path.suffix == ".safetensors":
         from safetensors import SafetensorError
         from safetensors.torch import load_file
@@ -157,12 +157,12 @@ def read_heads_dir(directory: str | Path) -> HeadsFiles:
         if not state:
             raise HeadsLoadError(
                 f"{directory} holds a full model without medusa_head.* weights: "
-                "point --heads at Medusa heads (medusa_lm_head.*) or a Medusa-2 model"
+                "point --heads (the page's Medusa heads box) at Medusa heads (medusa_lm_head.*) or a Medusa-2 model"
             )
         return HeadsFiles(state, source, "medusa-2", str(directory), config)
     raise HeadsLoadError(
         f"{directory} has no medusa_lm_head.safetensors, medusa_lm_head.pt or model shards with medusa_head.* keys: "
-        "point --heads at a Medusa heads directory"
+        "point --heads (the page's Medusa heads box) at a Medusa heads directory"
     )
 
 
@@ -202,7 +202,7 @@ def heads_config_from_keys(state: dict[str, torch.Tensor], source: str) -> Heads
     if unexpected:
         raise HeadsLoadError(f"{source}: unexpected keys {unexpected[:8]}: not a Medusa heads file (keys must look like 0.0.linear.weight)")
     if not state:
-        raise HeadsLoadError(f"{source}: holds no head weights: point --heads at trained Medusa heads")
+        raise HeadsLoadError(f"{source}: holds no head weights: point --heads (the page's Medusa heads box) at trained Medusa heads")
     root_conditioned = any(map(_ROOT_KEY.match, state))
     parsed = [(int(m[1]), int(m[2]), m[3]) for m in map(_KEY.match, state) if m]
     if not parsed:

@@ -77,7 +77,7 @@ def heads_source_dir(source: str) -> Path:
         fetch_first(source, [PROPOSAL_FILE])        # optional, this project's own: lands beside the weights
         return heads_file.parent
     if config is None:
-        raise LoadError(f"{source} has no config.json or medusa_lm_head file: point --heads at a Medusa heads repo")
+        raise LoadError(f"{source} has no config.json or medusa_lm_head file: point --heads (the page's Medusa heads box) at a Medusa heads repo")
     # a full model: Medusa-2 shards also hold the heads; safetensors preferred over pickles
     snapshot = fetch_snapshot(source, _MODEL_FILES + ["*.safetensors"])
     if not any(snapshot.glob("*.safetensors")):
