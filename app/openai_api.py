@@ -480,7 +480,8 @@ def api_routes(slot: ModelSlot, api_key: str | None = None) -> list[APIRoute]:
         except ApiError as err:
             return err.response()
         data = [] if engine is None else [{"id": model_id(engine), "object": "model", "created": 0,
-                                          "owned_by": "medusa-chat", "medusa": engine.loaded.tree_note}]
+                                          # which tree runs and why; null: no heads, plain decoding
+                                          "owned_by": "medusa-chat", "medusa": engine.loaded.tree_note or None}]
         return JSONResponse({"object": "list", "data": data})
 
     async def chat_completions(request: Request):

@@ -376,6 +376,20 @@ def test_a_key_guards_the_api(tiny_app):
         assert http.post(url + "/v1/chat/completions", json=body, headers=good).status_code == 200
 
 
+def test_the_model_list_says_which_tree_runs_and_null_without_heads(tiny_app):
+    """GET /v1/models' "medusa" names the tree that runs; a model without heads has null there (it was "")."""
+    from dataclasses import replace
+
+    url, slot, spec, _ = tiny_app
+    slot.start(spec)
+    assert slot.wait(60).phase == "ready"
+    assert "tree" in httpx.get(url + "/v1/models").json()["data"][0]["medusa"]
+    slot.start(replace(spec, heads=None))
+    assert slot.wait(60).phase == "ready"
+    listed = httpx.get(url + "/v1/models").json()["data"][0]
+    assert listed["id"] == "backbone" and listed["medusa"] is None, listed
+
+
 def test_a_stream_whose_model_is_unloaded_ends_with_an_error_that_says_so(tiny_app):
     """It ended on "generation failed: RuntimeError: cannot schedule new futures after shutdown"; after
     some text it must not end as a normal "stop" either."""
