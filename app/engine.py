@@ -14,7 +14,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -112,15 +112,25 @@ class DecoderRun:
             if piece:
                 self.segments.append((piece, i < step.from_heads))
         if step.finish_reason:
-            self.done = True
-            tail = self.detok.flush()
-            if tail:
-                self.segments.append((tail, False))
+            self._end()
         return step
 
+    def _end(self) -> None:
+        self.done = True
+        tail = self.detok.flush()
+        if tail:
+            self.segments.append((tail, False))
+
     def update(self, error: str | None = None) -> Update:
-        return Update(self.name, tuple(self.segments), self.meter.snapshot(), tuple(self.tokens),
-                      error=error, done=self.done or error is not None)
+        """The pass so far; with ``error``, its last: what it wrote stays (text the detokenizer still held
+        included), and an answer that had begun ends "interrupted", so its readout sums it up as a stopped
+        one does (it showed no summary line, as if still running), and the note says why."""
+        stats = self.meter.snapshot()
+        if error is not None and not self.done:
+            self._end()
+            stats = replace(stats, finish_reason=stats.finish_reason or "interrupted")
+        return Update(self.name, tuple(self.segments), stats, tuple(self.tokens), error=error,
+                      done=self.done or error is not None)
 
 
 class ChatEngine:

@@ -23,6 +23,7 @@ FINISH_TEXT = {
     "length": "max new tokens reached",
     "context": "context window full",
     "cancelled": "stopped",
+    "interrupted": "interrupted: see the note",   # an error or an unload ended it (app/engine.py, DecoderRun.update)
 }
 
 

@@ -1033,6 +1033,9 @@ def test_an_answer_running_when_its_model_goes_ends_saying_why(model_dirs, then)
     why = "the model was unloaded" if then == "unload" else "another model was loaded"
     assert turn.reply and turn.note == f"stopped: {why}" + ("" if then == "unload" else ": ask again to have it answer")
     assert "Generating" not in updates[-1][5], "the status line stayed on the stopped answer"
+    # its readout sums up what it wrote, as a stopped answer's does (it showed no summary line, as if running)
+    assert f"Answer: {updates[-1][6]['medusa']['tokens']} tokens in " in updates[-1][2], updates[-1][2]
+    assert updates[-1][2].endswith("interrupted: see the note"), updates[-1][2]
 
 
 def test_a_fault_mid_answer_ends_it_with_a_note_and_the_chat_goes_on(model_dirs, capfd):
