@@ -108,9 +108,12 @@ def closed_fences(text: str) -> str:
 
 def literal(text: str) -> str:
     """Text the user typed, as the page shows it: literally. Where a Markdown viewer would show it as
-    written (most messages) it stays as is; otherwise ('# x', a list, '<b>', a pasted code fence, line
-    breaks) it goes in a fenced block longer than any backtick run inside, so no line of it closes it."""
-    if VIEWER.render(text) == f"<p>{html.escape(text, quote=False).replace(chr(34), '&quot;')}</p>\n":
+    written (most one-line messages) it stays as is; otherwise ('# x', a list, '<b>', a pasted code fence,
+    line breaks, which a viewer joins) it goes in a fenced block longer than any backtick run inside, so
+    no line of it closes it. A tilde or an emoji code (':heart:') goes in the block too: GitHub's viewer
+    strikes '~b~' through and draws the emoji, where CommonMark shows them as typed."""
+    plain = "\n" not in text and "~" not in text and not re.search(r":[\w+-]+:", text)
+    if plain and VIEWER.render(text) == f"<p>{html.escape(text, quote=False).replace(chr(34), '&quot;')}</p>\n":
         return text
     fence = "`" * max(3, 1 + max((len(run) for run in re.findall("`+", text)), default=0))
     return f"{fence}text\n{text}\n{fence}"
