@@ -4,7 +4,7 @@ greedy without a word; a cleared box, or text the browser cannot read as a numbe
 minimum), and that happens before a Send click reads it, so the server never sees the typed value
 to refuse it. SCRIPT, run once per page load, watches the sliders' number boxes (before Gradio's own
 handler) and shows a one-line note naming the value, the range and what was used
-(assets/style.css styles it)."""
+(assets/style.css styles it); a fraction typed where a whole number goes is named at once too."""
 
 NOTE_ID = "range-note"
 SHOWN_S = 8
@@ -40,7 +40,12 @@ SCRIPT = f"""() => {{
       return;
     }}
     const value = Number(box.value);
-    if (value >= low && value <= high) return;
+    if (value >= low && value <= high) {{
+      // a whole-number slider (max new tokens) keeps a typed fraction, which Send then refuses: say so now
+      if (Number(box.step) === 1 && Number.isInteger(low) && !Number.isInteger(value))
+        show(`${{name}} ${{box.value}} is not a whole number: use one from ${{low}} to ${{high}}`);
+      return;
+    }}
     show(`${{name}} ${{box.value}} is out of range: ${{range}} (set to ${{Math.min(Math.max(value, low), high)}})`);
   }}, true);
 }}"""
