@@ -45,7 +45,8 @@ class Page:
     saved: gr.JSON               # the conversation's copy in the browser (app/browser_copy.py)
     kept: gr.JSON                # the decoding settings' copy in the browser (app/model_panel.py, settings_copy)
     shown_version: gr.State   # (slot version, engine version) the page's model controls show; None at first
-    timer: gr.Timer
+    timer: gr.Timer              # the model controls' sync while a model loads or has changed (model_panel.py)
+    watch: gr.Timer              # looks, while idle, whether the model changed elsewhere; then starts ``timer``
     note: gr.Markdown
     status: gr.Markdown
     base_column: gr.Column
@@ -125,7 +126,7 @@ def build_layout(slot: ModelSlot, system_prompt: str, start: Settings) -> Page:
     session = gr.State(Session(), delete_callback=end_tab)   # called when the tab's session ends
     saved = gr.JSON(None, visible=False, elem_id="saved")   # filled and stored by app/browser_copy.py's scripts
     kept = gr.JSON(None, visible=False, elem_id="kept")     # likewise
-    shown_version, timer = gr.State(None), gr.Timer(0.5, active=True)
+    shown_version, timer, watch = gr.State(None), gr.Timer(0.5, active=True), gr.Timer(2.0, active=True)
     gr.Markdown("# Medusa chat")
     note = gr.Markdown(cpu_default_note(None), elem_id="note", elem_classes="note", visible=False)
     status = gr.Markdown(slot.state().line, elem_id="status", elem_classes="status")
@@ -172,6 +173,6 @@ def build_layout(slot: ModelSlot, system_prompt: str, start: Settings) -> Page:
             compare = gr.Checkbox(False, label="Compare with plain decoding", elem_id="compare")
             colour = gr.Checkbox(False, label="Colour tokens that came from the heads", elem_id="colour")
             controls = {**decoding_controls(slot.max_new_tokens, start), "colour_heads": colour}
-    return Page(session, saved, kept, shown_version, timer, note, status, base_column, base_chat, base_readout, chat, readout,
+    return Page(session, saved, kept, shown_version, timer, watch, note, status, base_column, base_chat, base_readout, chat, readout,
                 comparison, box, send, stop, regenerate, clear, export_json, export_md, raw, known, model_box,
                 heads_box, load, unload, model_status, system, compare, controls)

@@ -11,6 +11,7 @@ from medusa_core.loading.spec import LoadSpec
 from .engine import BASELINE, LABELS, MEDUSA
 from .layout import MODE_CONTROLS, SAMPLING, Page, cpu_default_note, mode_enabled
 from .models import ModelSlot, default_settings, spec_for
+from .session import Session
 from .settings import Settings
 
 
@@ -43,12 +44,6 @@ def medusa_pane(engine, tree_name: str | None = None) -> dict:
     outlook = engine.outlook(tree_name)
     return gr.update(label=engine.medusa_label(tree_name) + (f" · {outlook}" if outlook else ""))
 
-
-# How often the page asks for the model's state: often while a load runs (its progress line), and while
-# idle often enough that a model loaded or unloaded from another tab (or the API) reaches this tab's status
-# line, Send button and tree before its next message does (a tab kept showing an unloaded model as Ready,
-# and after another tab's switch ran its old tree on the new model). An unchanged state costs no update.
-LOADING_POLL_S, IDLE_POLL_S = 0.5, 2.0
 
 # what ``sync`` updates, in its order (the Medusa pane last: only its title)
 MODEL_OUTPUTS = ("status", "note", "send", "tree", "max_new_tokens", "mode", *MODE_CONTROLS, "colour_heads", "timer",
@@ -119,13 +114,14 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
         loading = state.phase == "loading"
         now = (state.version, state.engine_version)
         if shown == now and not loading:
-            return tuple({"shown_version": shown}.get(name, gr.update()) for name in MODEL_OUTPUTS)
+            return tuple({"timer": gr.Timer(active=False), "shown_version": shown}.get(name, gr.update())
+                         for name in MODEL_OUTPUTS)
         engine = state.engine
         cpu_default = engine is not None and engine.loaded.cpu_default
         note = cpu_default_note(engine.weights, str(engine.dtype).removeprefix("torch.")) if cpu_default else None
         updates = {"status": state.line, "note": gr.update(visible=cpu_default, **({"value": note} if note else {})),
                    "send": gr.update(interactive=engine is not None and not loading),
-                   "timer": gr.Timer(LOADING_POLL_S if loading else IDLE_POLL_S, active=True), "shown_version": now}
+                   "timer": gr.Timer(active=loading), "shown_version": now}
         if shown is not None and shown[1] == state.engine_version:
             pass                       # the same model: the controls stay as the user set them
         elif engine is None:
@@ -164,8 +160,21 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
     def on_unload(max_new_value, shown):
         return (slot.unload(), *sync(shown, max_new_value))
 
+    def watch(session: Session, shown):
+        """Every 2 s: a model loaded, switched or unloaded elsewhere (another tab, the API) starts the sync timer,
+        so this tab's status line, Send button and tree follow it (a tab said Ready with Send on after an unload,
+        and after a switch ran its old tree on the new model). The watch itself outputs only that timer: the
+        sync's own outputs, even unchanged, put stale values back into a streaming answer's status line and a
+        tree picked meanwhile. While this tab answers, its status line is the answer's: the sync waits for it."""
+        state = slot.state()
+        if session.busy.locked() or (shown == (state.version, state.engine_version) and state.phase != "loading"):
+            return gr.update()
+        return gr.Timer(active=True)
+
     max_new, outputs = page.controls["max_new_tokens"], model_outputs(page)
     page.timer.tick(sync, [page.shown_version, max_new, page.kept], outputs, api_name=False, concurrency_limit=None,
+                    show_progress="hidden")
+    page.watch.tick(watch, [page.session, page.shown_version], [page.timer], api_name=False, concurrency_limit=None,
                     show_progress="hidden")
     # raw values (preprocess=False): a script's bad number reaches sync, which takes it as unset, instead of
     # Gradio's multi-line preprocessing error

@@ -206,6 +206,14 @@ def test_a_number_typed_out_of_a_sliders_range_says_so(page):
     assert note.inner_text() == "Temperature is empty or not a number: use a value from 0 to 2 (set to 0)"
     note.click()
     note.wait_for(state="detached", timeout=10_000)
+    # a fraction where a whole number goes is kept by the box and refused by Send: said at once
+    max_new = page.locator("#max-new input[type=number]")
+    max_new.fill("3.7")
+    page.locator("#message textarea").click()
+    note.wait_for(timeout=10_000)
+    assert note.inner_text().startswith("Max new tokens 3.7 is not a whole number: use one from 1 to "), note.inner_text()
+    note.click()
+    note.wait_for(state="detached", timeout=10_000)
     set_max_new(page, 7)                                  # a value in range says nothing
     page.locator("#message textarea").click()
     page.wait_for_timeout(500)
@@ -567,6 +575,7 @@ class LongRead:
     prompt: str
     pieces: int
     forwards: list            # the time of each forward
+    slot: object              # its app.models.ModelSlot
 
     def wait_idle(self) -> int:
         """Forwards run until the model has been idle for 2 s."""
@@ -577,14 +586,15 @@ class LongRead:
 
 
 @contextmanager
-def long_read(tiny_dirs, monkeypatch) -> Iterator[LongRead]:
+def long_read(tiny_dirs, monkeypatch, loader=None) -> Iterator[LongRead]:
     from app.models import ModelSlot
     from medusa_core.decoding import generate as loop
+    from medusa_core.loading.load import load
     from medusa_core.loading.spec import LoadSpec
 
     monkeypatch.setattr(loop, "PREFILL_PIECE", 8)
     backbone, heads = tiny_dirs
-    slot = ModelSlot(max_new_tokens=8, log=lambda line: None)
+    slot = ModelSlot(max_new_tokens=8, log=lambda line: None, loader=loader or load)
     spec = LoadSpec(model=str(backbone), heads=str(heads), device="cpu")
     forwards = []
 
@@ -602,7 +612,7 @@ def long_read(tiny_dirs, monkeypatch) -> Iterator[LongRead]:
         assert pieces >= 40
         hook = slot.engine.model.get_decoder().register_forward_hook(slow)
         try:
-            yield LongRead(url, prompt, pieces, forwards)
+            yield LongRead(url, prompt, pieces, forwards, slot)
         finally:
             hook.remove()
 
@@ -658,6 +668,44 @@ def test_a_send_during_an_answer_says_why_it_waits(browser, tiny_dirs, monkeypat
         stop.click()
         page.wait_for_function(READY, timeout=30_000)
         page.wait_for_function("() => document.querySelector('#stop')?.disabled", timeout=10_000)
+        page.close()
+
+
+def test_a_load_started_elsewhere_leaves_a_running_answers_status_line(browser, tiny_dirs, monkeypatch):
+    """Another tab loads a model while this tab's answer runs: the status line keeps saying what the answer
+    does (it took turns with "Loading …" twice a second for the whole load), and the load's outcome shows
+    once the answer ends."""
+    from medusa_core.loading.load import load
+    from medusa_core.loading.spec import LoadSpec
+
+    gate = threading.Event()
+    gate.set()
+
+    def gated(spec, progress):
+        gate.wait(120)
+        return load(spec, progress)
+
+    with long_read(tiny_dirs, monkeypatch, loader=gated) as run:
+        page = open_page(browser, run.url)
+        page.locator("#message textarea").fill(run.prompt)
+        page.locator("#send").click()
+        page.wait_for_function("() => document.querySelector('#status')?.innerText.includes('reading')",
+                               timeout=30_000)
+        page.evaluate("""() => { window.statuses = [];
+            const status = document.querySelector('#status');
+            new MutationObserver(() => window.statuses.push(status.innerText))
+                .observe(status, {subtree: true, childList: true, characterData: true}); }""")
+        gate.clear()
+        backbone, heads = tiny_dirs
+        run.slot.start(LoadSpec(model=str(backbone), heads=str(heads), device="cpu"))   # as another tab's Load
+        page.wait_for_timeout(4000)                 # two idle ticks and several loading ones
+        assert len(run.forwards) < run.pieces, "the answer ended before the load: nothing was tested"
+        shown = page.evaluate("() => window.statuses")
+        assert not any("Loading" in text for text in shown), shown
+        gate.set()
+        page.wait_for_function(READY, timeout=60_000)
+        assert page.locator("#status").inner_text().startswith("Ready")
+        assert "another model was loaded" in page.locator("#chat").inner_text()
         page.close()
 
 
