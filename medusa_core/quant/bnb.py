@@ -25,9 +25,9 @@ def _not_the_hub_kernel_probe(record: logging.LogRecord) -> bool:
 # bitsandbytes 0.50, imported on a CPU with AVX-512 bf16 (Sapphire Rapids, Zen 4), tries to fetch a CPU
 # 4-bit kernel from the Hugging Face hub through the optional `kernels` package and, without it, logs
 # "Failed to load CPU gemm_4bit_forward ... pip install kernels": the first line a CUDA user with such a
-# CPU saw at every NF4 start. Nothing here runs that kernel (CUDA has bnb's CUDA ops; NF4 on the CPU
-# runs bnb's own C++ one, as bnb does without the package), and a local app fetches no code at run time.
-# Only that line is dropped: the logger's other warnings still show.
+# CPU saw at every NF4 start. Without the package nothing needs that kernel (CUDA has bnb's CUDA ops; NF4
+# on the CPU runs bnb's own C++ one), and installing it would have bnb download code from the hub at each
+# import, which the line's advice does not say. Only that line is dropped: the logger's others still show.
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_not_the_hub_kernel_probe)
 
 NF4_KERNELS = ("auto", "triton", "bnb", "repacked", "repacked-exact")
