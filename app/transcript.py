@@ -113,7 +113,8 @@ def literal(text: str) -> str:
     no line of it closes it. A tilde or an emoji code (':heart:') goes in the block too: GitHub's viewer
     strikes '~b~' through and draws the emoji, where CommonMark shows them as typed."""
     plain = "\n" not in text and "~" not in text and not re.search(r":[\w+-]+:", text)
-    if plain and VIEWER.render(text) == f"<p>{html.escape(text, quote=False).replace(chr(34), '&quot;')}</p>\n":
+    as_typed = html.escape(text, quote=False).replace('"', "&quot;")     # as markdown-it escapes a paragraph
+    if plain and VIEWER.render(text) == f"<p>{as_typed}</p>\n":
         return text
     fence = "`" * max(3, 1 + max((len(run) for run in re.findall("`+", text)), default=0))
     return f"{fence}text\n{text}\n{fence}"
