@@ -15,7 +15,7 @@ from medusa_core.decoding.config import SettingError
 
 from .engine import BASELINE, COMPARISON, LABELS, MEDUSA, ChatEngine, EngineClosed
 from .layout import READOUT_HINT, Page
-from .models import ModelSlot
+from .models import ModelSlot, SlotState
 from .readout import Stats, count, render_comparison, render_live
 from .render import note_html, reply_html, user_html
 from .session import Session, Turn
@@ -123,8 +123,9 @@ class ChatController:
         session.turns.append(Turn(user=message, note=error, in_box=True))
         return self.views(session, None, None, "", self.slot.state().line, message, error=error)
 
-    def engine_or_wait(self, session: Session) -> Iterator[str | ChatEngine]:
-        """Yield status lines while a model loads, then the engine; a str last means no engine."""
+    def engine_or_wait(self, session: Session) -> Iterator[str | SlotState]:
+        """Yield status lines while a model loads, then the slot's state with its engine; a str last means
+        no engine."""
         state = self.slot.state()
         while state.phase == "loading" and not session.cancel.is_set():
             yield f"⏳ Waiting for the model: {state.line.removeprefix('⏳ ')}"
@@ -132,9 +133,19 @@ class ChatController:
         if state.phase == "loading":   # Stop while waiting (there may be no model yet to say "stopped")
             yield "stopped while the model was loading: the message is back in the box"
             return
-        engine = self.slot.engine
-        yield engine if engine is not None else ("no model is loaded: pick one under Model and press Load"
-                                                 if state.phase != "failed" else state.line.lstrip("❌ "))
+        yield state if state.engine is not None else ("no model is loaded: pick one under Model and press Load"
+                                                      if state.phase != "failed" else state.line.lstrip("❌ "))
+
+    @staticmethod
+    def for_engine(controls: dict, shown, state: SlotState) -> dict:
+        """``controls`` for the engine of ``state``: a tab whose controls still show another model (``shown``,
+        the (slot version, engine version) they show; None from a script, which shows nothing) named that
+        model's tree, and this one's default runs instead, as after waiting for a load (a tab's Send in the
+        2 s before it caught up with a model switched elsewhere ran the old tree: plain decoding on a
+        Medusa model, or a refusal)."""
+        if shown is not None and shown[1] != state.engine_version:
+            return {**controls, "tree": None}
+        return controls
 
     @staticmethod
     def take_turn(session: Session) -> bool:
@@ -144,13 +155,14 @@ class ChatController:
             return True
         return session.cancel.is_set() and session.busy.acquire(timeout=STOPPING_WAIT_S)
 
-    def run(self, session: Session, message, system, compare, controls: dict) -> Iterator[tuple]:
-        """One request from the tab; ``controls`` are the raw control values by Settings field name."""
+    def run(self, session: Session, message, system, compare, controls: dict, shown=None) -> Iterator[tuple]:
+        """One request from the tab; ``controls`` are the raw control values by Settings field name, ``shown``
+        the model version the tab's controls show (for_engine)."""
         if not self.take_turn(session):
             yield self.refused(BUSY + " (your text stays in the box)")
             return
         try:
-            yield from self._run(session, str(message or "").strip(), str(system or ""), compare, controls)
+            yield from self._run(session, str(message or "").strip(), str(system or ""), compare, controls, shown)
         finally:
             session.busy.release()
 
@@ -162,7 +174,7 @@ class ChatController:
         gr.Warning(reason)
         return (*[gr.update()] * 6, {"error": reason}, gr.update())
 
-    def _run(self, session: Session, message: str, system: str, compare, controls: dict) -> Iterator[tuple]:
+    def _run(self, session: Session, message: str, system: str, compare, controls: dict, shown) -> Iterator[tuple]:
         """``compare`` and ``controls`` as the page or a script sent them: checked here."""
         if not message:
             yield self.refused("The message is empty: type a question, then send")
@@ -170,16 +182,17 @@ class ChatController:
         session.drop_resent()
         if not session.closed:        # a closed tab's request keeps its Stop set: it ends at once
             session.cancel.clear()
-        engine, waited = None, False
-        for engine in self.engine_or_wait(session):
-            if isinstance(engine, str) and engine.startswith("⏳"):
+        got, waited = None, False
+        for got in self.engine_or_wait(session):
+            if isinstance(got, str) and got.startswith("⏳"):
                 waited = True
-                yield self.views(session, None, None, "", engine)
+                yield self.views(session, None, None, "", got)
         try:
-            if isinstance(engine, str):
-                raise ValueError(engine)
-            if waited:   # sent while another model loaded: the tree named was the old model's, this one's default runs
-                controls = {**controls, "tree": None}
+            if isinstance(got, str):
+                raise ValueError(got)
+            engine = got.engine
+            # sent while another model loaded: the tree named was the old model's, this one's default runs
+            controls = {**controls, "tree": None} if waited else self.for_engine(controls, shown, got)
             compare = flag("compare", compare)
             settings = Settings.parse(**controls)
             engine.check(settings)
@@ -248,7 +261,7 @@ class ChatController:
             yield self.views(session, stats, base, "", f"Generating: {label}…")
         return stats, base, comparison, error
 
-    def regenerate(self, session: Session, system, compare, controls: dict) -> Iterator[tuple]:
+    def regenerate(self, session: Session, system, compare, controls: dict, shown=None) -> Iterator[tuple]:
         # the tab's lock first: a second click while the first regenerates must not pop the turn it answers
         if not self.take_turn(session):
             yield self.refused(BUSY)
@@ -259,16 +272,16 @@ class ChatController:
             if not session.turns:
                 yield self.refused("Nothing to regenerate yet: send a message first")
                 return
-            engine = self.slot.engine
-            if engine is not None:       # bad settings are refused before the answer they would replace goes
+            state = self.slot.state()
+            if state.engine is not None:   # bad settings are refused before the answer they would replace goes
                 try:
-                    engine.check(Settings.parse(**controls))
+                    state.engine.check(Settings.parse(**self.for_engine(controls, shown, state)))
                 except (ValueError, EngineClosed) as err:
                     yield self.refused(f"{said(err)} (the answer stays as it was)")
                     return
             message = session.turns.pop().user
             session.first_turn = min(session.first_turn, len(session.turns))
-            yield from self._run(session, message, str(system or ""), compare, controls)
+            yield from self._run(session, message, str(system or ""), compare, controls, shown)
         finally:
             session.busy.release()
 
@@ -324,19 +337,19 @@ def wire_chat(page: Page, chat: ChatController) -> dict:
     # answer when its client goes; Gradio passes it by its type, and it is no input of the API
     def on_send(session: Session, message: str, system: str, compare: bool, mode: str, temperature: float,
                 top_p: float, epsilon: float, delta: float, max_new_tokens: int, tree: str | None,
-                seed: int, colour_heads: bool, request: gr.Request):
+                seed: int, colour_heads: bool, shown_version: tuple[int, int] | None, request: gr.Request):
         chat.tab_opened(session, request.session_hash)
         yield from chat.run(session, message, system, compare, dict(
             mode=mode, temperature=temperature, top_p=top_p, epsilon=epsilon, delta=delta,
-            max_new_tokens=max_new_tokens, tree=tree, seed=seed, colour_heads=colour_heads))
+            max_new_tokens=max_new_tokens, tree=tree, seed=seed, colour_heads=colour_heads), shown_version)
 
     def on_regenerate(session: Session, system: str, compare: bool, mode: str, temperature: float,
                       top_p: float, epsilon: float, delta: float, max_new_tokens: int, tree: str | None,
-                      seed: int, colour_heads: bool, request: gr.Request):
+                      seed: int, colour_heads: bool, shown_version: tuple[int, int] | None, request: gr.Request):
         chat.tab_opened(session, request.session_hash)
         yield from chat.regenerate(session, system, compare, dict(
             mode=mode, temperature=temperature, top_p=top_p, epsilon=epsilon, delta=delta,
-            max_new_tokens=max_new_tokens, tree=tree, seed=seed, colour_heads=colour_heads))
+            max_new_tokens=max_new_tokens, tree=tree, seed=seed, colour_heads=colour_heads), shown_version)
 
     def on_stop(session: Session):
         session.cancel.set()  # the loop checks it after every token: generation ends within one step

@@ -76,7 +76,7 @@ class Page:
     def inputs(self, *names: str) -> list:
         """Components by the names a handler's parameters carry (the chat's are named as its API is)."""
         named = {"session": self.session, "message": self.box, "system": self.system, "compare": self.compare,
-                 **self.controls}
+                 "shown_version": self.shown_version, **self.controls}
         return [named[name] for name in names]
 
     @property

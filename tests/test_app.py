@@ -997,6 +997,37 @@ def test_a_message_sent_while_another_model_loads_waits_for_it(model_dirs):
             assert session.caches_for(slot.engine), "it was not answered by the new model"
 
 
+def test_a_tab_that_still_shows_the_old_model_runs_the_new_ones_default_tree(model_dirs):
+    """A Send or Regenerate from a tab whose controls still show the model loaded before (in the 2 s before its
+    watch catches up with a switch made in another tab) runs the new model's default tree, as a message that
+    waited for the load does: the old model's "baseline" ran plain decoding on a Medusa model. A tab that shows
+    the current model keeps the tree it picked."""
+    from app.chat_controller import ChatController
+    from app.models import ModelSlot
+    from app.session import Session
+    from medusa_core.loading.spec import LoadSpec
+
+    backbone, heads = model_dirs
+    slot = ModelSlot(log=lambda line: None)
+    slot.start(LoadSpec(model=str(backbone), device="cpu"))     # no heads: the tab shows "baseline"
+    assert slot.wait(120).phase == "ready"
+    before = slot.state()
+    shown_before = (before.version, before.engine_version)
+    slot.start(LoadSpec(model=str(backbone), heads=str(heads), device="cpu"))   # switched from another tab
+    now = slot.wait(120)
+    assert now.phase == "ready" and now.engine.default_tree != "baseline"
+    chat, session = ChatController(slot), Session()
+    controls = dict(mode="greedy", max_new_tokens=8, tree="baseline")
+    *_, raw, _ = list(chat.run(session, "hello", "", False, controls, shown_before))[-1]
+    assert raw["medusa"]["tree"] == now.engine.default_tree, raw
+    *_, raw, _ = list(chat.regenerate(session, "", False, controls, shown_before))[-1]
+    assert raw["medusa"]["tree"] == now.engine.default_tree, raw
+    # the tree this tab picked for the model it shows runs (and a script, which shows none, gets what it names)
+    for shown in ((now.version, now.engine_version), None):
+        *_, raw, _ = list(chat.run(session, "hello", "", False, controls, shown))[-1]
+        assert raw["medusa"]["tree"] == "baseline", raw
+
+
 @pytest.mark.parametrize("then", ["unload", "load another"])
 def test_an_answer_running_when_its_model_goes_ends_saying_why(model_dirs, then):
     """Unload, or a load that replaces the model, while an answer streams: the answer stops at its next
