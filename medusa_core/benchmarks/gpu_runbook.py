@@ -3,7 +3,7 @@
     python3 -m medusa_core.benchmarks.gpu_runbook --out $OUT                    # every stage, 570 s in all
     python3 -m medusa_core.benchmarks.gpu_runbook --out $OUT --from profile     # a later call: the rest
 
-A lent GPU comes with 30 minutes of device time for a whole session and 10 minutes per command, and a
+A lent GPU comes with 15 minutes of device time for a whole session and 10 minutes per command, and a
 machine found cold costs a minute or more to start: few, full calls are worth more than many small
 ones, and a call that runs past its limit is killed. Each stage runs as its own process with the time
 that is left, and is stopped before the deadline, so the command returns on its own and $OUT comes
