@@ -60,7 +60,9 @@ def settings_copy(engine, *values) -> dict:
     the values and the model they were set for, ``engine`` (None while the page has no model yet: the copy is
     then for the model that arrives, and sync labels it for that one). The model's default tree is kept as
     None, "the default": the tree tuned on this start may be plain decoding on the next, or not listed."""
-    settings = dict(zip(KEPT, values))
+    # a value no control runs is not kept (the copy keeps only what kept_values would put back): a seed
+    # typed past 2**64 could not even be stored, and its traceback took the copy's other values with it
+    settings = {name: value for name, value in zip(KEPT, values) if valid(name, value)}
     if engine is not None and settings.get("tree") == engine.default_tree:
         settings["tree"] = None
     return {"model": engine.loaded.source if engine is not None else None, "settings": settings}
@@ -78,13 +80,19 @@ def kept_values(kept, engine) -> dict:
     for name, value in kept["settings"].items():
         if name not in KEPT or (name == "tree" and not (isinstance(value, str) and engine.tree_paths(value) is not None)):
             continue                # the default tree (None) is what sync puts in the box
-        try:
-            parsed = Settings.parse(**{name: value})
-        except ValueError:
-            continue
-        if name != "max_new_tokens" or parsed.max_new_tokens <= engine.context:
+        if valid(name, value) and (name != "max_new_tokens" or Settings.parse(max_new_tokens=value).max_new_tokens
+                                   <= engine.context):
             values[name] = value
     return values
+
+
+def valid(name: str, value) -> bool:
+    """Whether the control ``name`` runs ``value`` (as Send checks it; the model's own limits aside)."""
+    try:
+        Settings.parse(**{name: value})
+    except ValueError:
+        return False
+    return True
 
 
 def with_kept(updates: dict, values: dict, engine) -> dict:
