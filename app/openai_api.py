@@ -62,6 +62,7 @@ MEDUSA_KEYS = ("tree", "mode", "epsilon", "delta")   # what "medusa" may hold: a
 # and a client or proxy with a short read timeout would give up; an SSE comment every 2 s keeps it
 # (and writing one is what reveals a client that has gone, so the read stops early).
 HEARTBEAT_S = 2.0
+DISCONNECT_POLL_S = 0.25   # how often a whole (not streamed) answer looks whether its client is still there
 
 
 class ApiError(Exception):
@@ -418,22 +419,23 @@ async def stream_events(run: Completion) -> AsyncIterator[str]:
 
 
 async def whole_answer(run: Completion, request: Request) -> JSONResponse:
+    async def watch() -> None:
+        """A client gone before its whole answer (a timeout, a retry) stops the generation at its next step.
+        Polled on its own clock: checked only between pieces slower than the poll, a fast answer never was,
+        and an abandoned request held the line for its whole max_tokens."""
+        while not await request.is_disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_S)
+        run.cancel()
+
+    watcher = asyncio.ensure_future(watch())
     text = []
-    pieces = run.pieces()
     try:
-        while True:
-            next_piece = asyncio.ensure_future(pieces.__anext__())
-            while not next_piece.done():
-                await asyncio.wait([next_piece], timeout=0.5)
-                if not next_piece.done() and await request.is_disconnected():
-                    run.cancel()
-            try:
-                text.append(next_piece.result())
-            except StopAsyncIteration:
-                break
+        async for piece in run.pieces():
+            text.append(piece)
     except ApiError as err:
         return err.response()
     finally:
+        watcher.cancel()
         run.cancel()
     return JSONResponse({
         "id": run.id, "object": "chat.completion", "created": run.created, "model": run.model_id,

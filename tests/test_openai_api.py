@@ -303,6 +303,37 @@ def test_clients_that_disconnect_free_the_line(app):
     assert waited < 15, f"a new request waited {waited:.1f} s behind clients that had left ({first - started:.1f} s to leave)"
 
 
+def test_whole_answers_whose_clients_gave_up_free_the_line(app):
+    """A client that times out on a whole (not streamed) answer, as the openai client and editors do before a
+    retry, stops its generation: it ran to its max_tokens while the requests behind it waited (disconnects
+    were looked for only between pieces slower than the poll, and a running answer's pieces never were)."""
+    url = app[0] + "/v1/chat/completions"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+            "max_tokens": 400, "temperature": 0}
+
+    with httpx.Client(timeout=300) as http:        # how long one such answer holds the line on this machine
+        started = time.perf_counter()
+        assert http.post(url, json=body).json()["usage"]["completion_tokens"] == 400
+        whole = time.perf_counter() - started
+
+    def give_up() -> None:
+        with httpx.Client(timeout=1.5) as http, pytest.raises(httpx.ReadTimeout):
+            http.post(url, json=body)
+
+    threads = [threading.Thread(target=give_up) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    first = time.perf_counter()
+    with httpx.Client(timeout=300) as http:
+        answer = http.post(url, json={**body, "max_tokens": 4}).json()
+    waited = time.perf_counter() - first
+    assert answer["usage"]["completion_tokens"] == 4, answer
+    assert waited < whole / 2, f"a new request waited {waited:.1f} s behind clients that had given up " \
+                               f"(a whole answer takes {whole:.1f} s)"
+
+
 def test_a_soak_keeps_memory_flat_and_leaves_no_files(app):
     url, proc, tmp = app
     before_files = {p for p in tmp.rglob("*")}
