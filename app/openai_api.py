@@ -389,7 +389,9 @@ class Completion:
         settings = self.request.settings   # the mode that ran: sampling at temperature 0 is greedy
         return {"decoder": stats.label, "mode": "greedy" if settings.greedy else settings.mode,
                 "tree": stats.tree, "tree_size": stats.tree_size,
-                "tokens_per_step": round(stats.tokens_per_step, 3), "tokens_per_second": round(stats.tokens_per_second, 2),
+                # None without a decoding step: a one-token answer has no speed, not a speed of 0
+                "tokens_per_step": round(stats.tokens_per_step, 3) if stats.steps else None,
+                "tokens_per_second": round(stats.tokens_per_second, 2) if stats.steps else None,
                 "time_to_first_token": round(stats.ttft, 4) if stats.ttft is not None else None}
 
     def chunk(self, delta: dict, finish: str | None = None, **extra) -> str:

@@ -60,9 +60,12 @@ class Stats:
     def as_dict(self) -> dict:
         return {
             "label": self.label, "tree": self.tree, "tree_size": self.tree_size, "tokens": self.tokens,
-            "steps": self.steps, "tokens_per_second": round(self.tokens_per_second, 2),
+            # unrounded: the export formats these as the page does, to the same digits (rounded here first,
+            # the page's 12.0 tokens/s was 11.95 in the JSON and 11.9 in the Markdown); None without a
+            # decoding step (a one-token answer has no speed, not a speed of 0)
+            "steps": self.steps, "tokens_per_second": self.tokens_per_second if self.steps else None,
             # "mean_accepted": tokens per step, under the key scripts of the page's API already read
-            "mean_accepted": round(self.tokens_per_step, 3), "from_heads": self.from_heads,
+            "mean_accepted": self.tokens_per_step if self.steps else None, "from_heads": self.from_heads,
             "ttft": None if self.ttft is None else round(self.ttft, 4),
             "seconds": round(self.total_seconds, 4), "finish_reason": self.finish_reason,
             "last_accepted": list(self.accepted[-SPARK_STEPS:]),

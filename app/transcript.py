@@ -129,7 +129,7 @@ def answered_line(figures: dict | None, settings: dict) -> str | None:
         return None
     parts = [str(figures.get("label") or "Answer")]
     tree, size = figures.get("tree"), figures.get("tree_size")
-    if isinstance(tree, str):
+    if isinstance(tree, str) and tree:
         parts.append(f"tree {tree}" + (f" ({count(int(size), 'node')})" if _number(size) else ""))
     mode, temperature = settings.get("mode"), settings.get("temperature")
     if isinstance(mode, str):       # what ran, as the API reports it: sampling at temperature 0 is greedy

@@ -235,6 +235,17 @@ def test_an_unknown_tree_is_told_the_trees_a_request_may_name(client):
         assert client.chat.completions.create(**ask, extra_body={"medusa": {"tree": offered}}).choices
 
 
+def test_a_one_token_answer_reports_no_speed_rather_than_zero(client):
+    """One token comes from the prompt's pass: no decoding step timed it, so the figures are null (they read
+    0.0 tokens/s, where the page says "no decoding step after the first token")."""
+    whole = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                           temperature=0, max_tokens=1)
+    assert whole.usage.completion_tokens == 1
+    medusa = whole.model_extra["medusa"]
+    assert medusa["tokens_per_second"] is None and medusa["tokens_per_step"] is None, medusa
+    assert medusa["time_to_first_token"] > 0, medusa
+
+
 def test_null_medusa_settings_mean_the_default(client):
     ask = dict(model=MODEL, messages=[{"role": "user", "content": FRANCE}], temperature=0, max_tokens=8)
     default = client.chat.completions.create(**ask)

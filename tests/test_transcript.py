@@ -92,6 +92,25 @@ def test_what_the_user_typed_exports_as_the_page_shows_it(tmp_path, typed):
     assert_later_turn_renders_normally(page)
 
 
+def test_an_exported_answer_shows_the_speed_the_page_showed():
+    """The export's figures are the readout's, digit for digit: rounded once for the page's raw output and
+    again for the export, 11.952 tokens/s read 12.0 on the page and 11.9 in the Markdown. A one-token answer
+    has no speed (no decoding step), not a speed of 0."""
+    from app.readout import Stats, render_live
+    from app.transcript import answered_line
+
+    for tokens, steps, per_second in ((13, 8, 11.952), (13, 8, 11.948), (40, 16, 7.2549)):
+        stats = Stats(tokens=tokens, steps=steps, decode_seconds=(tokens - 1) / per_second, finish_reason="eos")
+        page = render_live(stats)
+        line = answered_line(stats.as_dict(), {"mode": "greedy"})
+        rate, per_step = f"{stats.tokens_per_second:.1f}", f"{stats.tokens_per_step:.2f}"
+        assert f"| {rate} | {per_step} |" in page, page
+        assert f"{rate} tokens/s after the first · {per_step} tokens/step" in line, (line, page)
+    one = Stats(tokens=1, steps=0, ttft=0.2, finish_reason="length").as_dict()
+    assert one["tokens_per_second"] is None and one["mean_accepted"] is None, one
+    assert answered_line(one, {"mode": "greedy"}) == "*Medusa · greedy: 1 token (max new tokens reached)*"
+
+
 def test_an_export_says_how_each_answer_was_made_and_under_which_system_prompt(tmp_path):
     """Each answer's figures (mode, tree, speed) are under it, and a system prompt changed mid-conversation
     shows where it changed: the first answer, given as a pirate, was exported under the last prompt."""
