@@ -36,6 +36,12 @@ def test_to_messages_rejects_what_it_cannot_render():
         to_messages([("hi", "there")])
     with pytest.raises(ValueError, match="message 1 has no content: give"):
         to_messages([{"role": "user", "content": "hi"}, {"role": "user"}])
+    # a text part without its text is no attachment: it said "takes text only; remove the attachment"
+    for part, said in (({"type": "text"}, "missing"), ({"type": "text", "text": 5}, "a number"),
+                       ({"txt": "hello"}, "missing")):
+        with pytest.raises(ValueError, match=f'message 0 has a text part whose "text" is {said}: give '
+                                             r'\{"type": "text", "text": "..."\}$'):
+            to_messages([{"role": "user", "content": [part]}])
 
 
 def test_vicuna_prompt_matches_fastchat_v1_1():

@@ -32,7 +32,11 @@ def _text(content: Any, index: int) -> str:
         for part in content:
             if isinstance(part, str):
                 pieces.append(part)
-            elif isinstance(part, Mapping) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+            elif isinstance(part, Mapping) and part.get("type", "text") == "text":
+                if not isinstance(part.get("text"), str):   # not an attachment: a text part that lost its text
+                    raise ValueError(f"message {index} has a text part whose \"text\" is "
+                                     f"{json_kind(part.get('text')) if 'text' in part else 'missing'}: give "
+                                     '{"type": "text", "text": "..."}')
                 pieces.append(part["text"])
             else:
                 kind = (f"a part of type {json_value(part.get('type'))}" if isinstance(part, Mapping)
