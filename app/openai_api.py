@@ -57,6 +57,7 @@ READ = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature
         "top_k")        # not OpenAI's, but local servers take it and so does the sampler here
 NO_EFFECT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "reasoning_effort", "modalities",
              "verbosity", "prompt_cache_key", "safety_identifier", "prediction")
+STREAM_OPTIONS = ("include_usage", "include_obfuscation")   # the second changes nothing in a local answer
 MEDUSA_KEYS = ("tree", "mode", "epsilon", "delta")   # what "medusa" may hold: a misspelt key is refused too
 # The longest a stream stays silent. Reading a long prompt on the CPU sends no token for tens of seconds,
 # and a client or proxy with a short read timeout would give up; an SSE comment every 2 s keeps it
@@ -147,7 +148,10 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
             raise ApiError(400, f"{field} is not supported (the output would not be the model's own): remove it or "
                                 "give 0", param=field, code="unsupported_parameter")
     n = data.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):   # one message for every other n, in range or not
+    if n is not None and (isinstance(n, bool) or not isinstance(n, (int, float))):
+        raise ApiError(400, f"n {json_value(n)} is not a number: give n=1 (or leave it out)", param="n",
+                       code="invalid_value")
+    if n is not None and n != 1:   # one message for every other n, in range or not
         raise ApiError(400, f"n {json_value(n)}: this server answers with one choice: give n=1 and send more "
                             "requests", param="n", code="unsupported_parameter")
     messages = data.get("messages")
@@ -190,7 +194,8 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
     if not isinstance(stop, list) or len(stop) > MAX_STOPS or not all(isinstance(s, str) and s for s in stop):
         raise ApiError(400, f"stop {json_value(data.get('stop'))}: give a string or a list of at most {MAX_STOPS} "
                             "non-empty strings", param="stop", code="invalid_value")
-    stream = data.get("stream", False)
+    stream = data.get("stream")
+    stream = False if stream is None else stream        # null means the default, as in every other field
     options = data.get("stream_options") or {}
     if not isinstance(stream, bool):
         raise ApiError(400, f"stream {json_value(stream)}: give true or false", param="stream", code="invalid_value")
@@ -200,6 +205,13 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
     if options and not stream:
         raise ApiError(400, "stream_options is only taken with stream: true: drop it, or stream",
                        param="stream_options", code="invalid_value")
+    for key, value in options.items():   # checked as the top level's fields are ("yes" was taken as true)
+        if key not in STREAM_OPTIONS:
+            raise ApiError(400, f"unknown field 'stream_options.{key}': remove it (stream_options takes "
+                                f"{', '.join(STREAM_OPTIONS)})", param=f"stream_options.{key}", code="unknown_parameter")
+        if value is not None and not isinstance(value, bool):
+            raise ApiError(400, f"stream_options.{key} {json_value(value)}: give true or false",
+                           param=f"stream_options.{key}", code="invalid_value")
 
     passes, mode, tree = (MEDUSA,), "greedy" if temperature == 0 else "sample", None
     epsilon, delta = DEFAULTS.epsilon, DEFAULTS.delta
@@ -263,9 +275,12 @@ def prompt_for(engine: ChatEngine, request: ChatRequest) -> list[int]:
         raise ApiError(400, f"the messages take {len(ids):,} tokens, more than the model's {engine.context:,}-token "
                             "context leaves for a reply: shorten them", param="messages", code="context_length_exceeded")
     if room < request.settings.max_new_tokens:
-        raise ApiError(400, f"the messages take {len(ids):,} tokens and the reply {request.settings.max_new_tokens:,}, "
-                            f"more than the model's {engine.context:,}-token context: give max_tokens {room:,} or "
-                            "less, or shorten the messages", param="messages", code="context_length_exceeded")
+        # the last step's tree is named: without it the sum fell short of the context it was said to exceed
+        reply = request.settings.max_new_tokens
+        raise ApiError(400, f"the messages take {len(ids):,} tokens, the reply {reply:,} and the last step's tree "
+                            f"{tree_size:,} ({len(ids) + reply + tree_size:,} in all), more than the model's "
+                            f"{engine.context:,}-token context: give max_tokens {room:,} or less, or shorten the "
+                            "messages", param="messages", code="context_length_exceeded")
     return ids
 
 
@@ -454,6 +469,13 @@ def model_id(engine: ChatEngine) -> str:
     return Path(source).name if Path(source).is_dir() else source
 
 
+def model_entry(engine: ChatEngine) -> dict:
+    """The loaded model as /v1/models lists it; ``medusa``: which tree runs and why (null: no heads, plain
+    decoding)."""
+    return {"id": model_id(engine), "object": "model", "created": 0, "owned_by": "medusa-chat",
+            "medusa": engine.loaded.tree_note or None}
+
+
 def api_routes(slot: ModelSlot, api_key: str | None = None) -> list[APIRoute]:
     """``/v1/models`` and ``/v1/chat/completions`` over the slot's engine, for FastAPI(routes=...)."""
 
@@ -483,10 +505,23 @@ def api_routes(slot: ModelSlot, api_key: str | None = None) -> list[APIRoute]:
             engine = slot.engine
         except ApiError as err:
             return err.response()
-        data = [] if engine is None else [{"id": model_id(engine), "object": "model", "created": 0,
-                                          # which tree runs and why; null: no heads, plain decoding
-                                          "owned_by": "medusa-chat", "medusa": engine.loaded.tree_note or None}]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": [] if engine is None else [model_entry(engine)]})
+
+    async def one_model(request: Request):
+        """GET /v1/models/{id}, which clients (the openai client's models.retrieve) ask to check an id."""
+        wanted = request.path_params["model"]
+        if not wanted:            # /v1/models/: the list, as any path with a trailing slash
+            return await models(request)
+        try:
+            authorize(request)
+            engine = slot.engine
+            if engine is None or wanted != model_id(engine):
+                served = f"use {json_value(model_id(engine))}" if engine is not None else "no model is loaded"
+                raise ApiError(404, f"model {json_value(wanted)} is not served here: {served} (GET /v1/models)",
+                               param="model", code="model_not_found")
+        except ApiError as err:
+            return err.response()
+        return JSONResponse(model_entry(engine))
 
     async def chat_completions(request: Request):
         try:
@@ -525,6 +560,7 @@ def api_routes(slot: ModelSlot, api_key: str | None = None) -> list[APIRoute]:
         return refused
 
     return [*(APIRoute(path, handler, methods=[method]) for path, (method, handler) in served.items()),
+            APIRoute("/v1/models/{model:path}", one_model, methods=["GET"]),    # a hub id holds a "/"
             # last: only what no route above takes
             APIRoute("/v1/{rest:path}", elsewhere, methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"])]
 

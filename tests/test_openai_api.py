@@ -62,6 +62,11 @@ def test_the_openai_client_gets_the_engines_text_and_usage(client, default_loade
     engine = ChatEngine(default_loaded, max_new_tokens=24)
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
+    # models.retrieve, which tools call to check an id, gets the same entry (it got a 404 for any id)
+    assert client.models.retrieve(MODEL).model_dump() == models[0].model_dump()
+    for other in ("gpt-4o", "HuggingFaceTB/SmolLM2-135M-Instruct"):      # a hub id's "/" included
+        with pytest.raises(openai.NotFoundError, match=f'model "{other}" is not served here: use "{MODEL}"'):
+            client.models.retrieve(other)
     # the clear-margin question twice: ending on its own, and cut at 4 tokens (a near-tie answer could
     # differ between this process and the server's, which may pick another CPU mode by its own timing)
     for question, limit in ((FRANCE, 24), (FRANCE, 4)):
@@ -120,7 +125,7 @@ HOSTILE = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "hello " * 9000}]}, 400,      # tokenized: > 8192
      "context leaves for a reply: shorten them"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hello " * 8000}], "max_tokens": 1000}, 400,
-     "tokens and the reply 1,000, more than the model's 8,192-token context: give max_tokens "),
+     "tokens, the reply 1,000 and the last step's tree "),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400, "max_tokens"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}, 400, "max_tokens"),
@@ -142,7 +147,14 @@ HOSTILE = [
     ({"model": MODEL, "messages": [{"role": None, "content": "hi"}]}, 400, "message 0 has role null"),
     ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": None}]}]}, 400, "a part of type null"),
     ({"model": MODEL, "messages": [{"role": "user", "content": [["hi"]]}]}, 400, "message 0 has an array as a part"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": True}, 400, "n true: "),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": True}, 400, "n true is not a number"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": "1"}, 400,
+     'n "1" is not a number: give n=1'),
+    # stream_options is checked as the top level is: "yes" was taken as true, and a misspelt key went unsaid
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True,
+      "stream_options": {"include_usage": "yes"}}, 400, 'stream_options.include_usage "yes": give true or false'),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True,
+      "stream_options": {"include_usage": True, "usage": True}}, 400, "unknown field 'stream_options.usage'"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": True}, 400, "medusa true: "),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"tree": 5}}, 400, "medusa.tree 5: "),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": [1]}, 400, "stop [1]: "),
@@ -222,6 +234,24 @@ def test_hostile_input_gets_openai_shaped_errors_and_the_server_keeps_serving(ap
         assert briefed[0] == briefed[1] and briefed[0]["prompt_tokens"] != ok.json()["usage"]["prompt_tokens"]
 
 
+def test_a_reply_too_long_for_the_context_is_told_numbers_that_add_up(client):
+    """The refusal's figures add up past the context, and the max_tokens it suggests is taken (31 tokens and a
+    reply of 8,159 were said to be more than 8,192: the room the last step's tree needs went unsaid)."""
+    import re
+
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], temperature=0)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(**ask, max_tokens=8192 - 20)
+    said = refused.value.body["message"]
+    figures = re.fullmatch(r"the messages take ([\d,]+) tokens, the reply 8,172 and the last step's tree ([\d,]+) "
+                           r"\(([\d,]+) in all\), more than the model's 8,192-token context: give max_tokens ([\d,]+) "
+                           r"or less, or shorten the messages", said)
+    assert figures, said
+    prompt, tree, total, room = (int(f.replace(",", "")) for f in figures.groups())
+    assert prompt + 8172 + tree == total > 8192 and prompt + room + tree == 8192, said
+    assert client.chat.completions.create(**ask, max_tokens=room).choices[0].message.content
+
+
 def test_an_unknown_tree_is_told_the_trees_a_request_may_name(client):
     """Not a .json path (the API reads no files) but the page's list, baseline and the default tree included."""
     ask = dict(model=MODEL, messages=[{"role": "user", "content": FRANCE}], temperature=0, max_tokens=2)
@@ -253,6 +283,9 @@ def test_null_medusa_settings_mean_the_default(client):
         answer = client.chat.completions.create(**ask, extra_body={"medusa": medusa})
         assert answer.choices[0].message.content == default.choices[0].message.content
         assert answer.model_extra["medusa"]["tree"] == default.model_extra["medusa"]["tree"]
+    # stream too: null is not streaming (it was refused, alone among the fields)
+    answer = client.chat.completions.create(**ask, extra_body={"stream": None})
+    assert answer.choices[0].message.content == default.choices[0].message.content
 
 
 def test_concurrent_clients_and_a_page_request_all_complete_in_order(app, client):
@@ -410,9 +443,11 @@ def test_a_key_guards_the_api(tiny_app):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
                         {"Authorization": "Basic s3cret"}, {"Authorization": "Bearer s3cret2"}):
             assert_openai_error(http.post(url + "/v1/chat/completions", json=body, headers=headers), 401, "API key")
-            assert_openai_error(http.get(url + "/v1/models", headers=headers), 401, "API key")
+            for models in ("/v1/models", "/v1/models/", "/v1/models/backbone", "/v1/models/other"):
+                assert_openai_error(http.get(url + models, headers=headers), 401, "API key")
         good = {"Authorization": "Bearer s3cret"}
         assert http.get(url + "/v1/models", headers=good).json()["data"][0]["id"] == "backbone"
+        assert http.get(url + "/v1/models/backbone", headers=good).json()["id"] == "backbone"
         # the scheme's name is case-insensitive (a client sending "bearer" got 401)
         assert http.get(url + "/v1/models", headers={"Authorization": "bearer s3cret"}).status_code == 200
         assert http.post(url + "/v1/chat/completions", json=body, headers=good).status_code == 200
