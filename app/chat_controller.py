@@ -194,7 +194,7 @@ class ChatController:
             # sent while another model loaded: the tree named was the old model's, this one's default runs
             controls = {**controls, "tree": None} if waited else self.for_engine(controls, shown, got)
             compare = flag("compare", compare)
-            settings = Settings.parse(**controls)
+            settings = Settings.parse(**controls).with_drawn_seed()
             engine.check(settings)
             prompt, cut = engine.fit_prompt(session, message, system, settings)
         except (ValueError, EngineClosed) as err:   # bad settings, no model, a message longer than the context

@@ -4,7 +4,8 @@ The page and the OpenAI endpoint both build one by field name."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import secrets
+from dataclasses import dataclass, fields, replace
 
 from medusa_core.decoding.config import SETTINGS, DecodeConfig, limits, number
 from medusa_core.decoding.tree import tree_spelling
@@ -51,6 +52,13 @@ class Settings(DecodeConfig):
         super().__post_init__()
         if self.tree is not None:   # one spelling per tree, from the page and the API alike: CHAIN-03 is chain-3
             object.__setattr__(self, "tree", tree_spelling(self.tree) or None)
+
+    def with_drawn_seed(self) -> "Settings":
+        """These settings with a random seed drawn now where the answer samples and names none (the page's -1),
+        so the answer records the seed it ran with and can be run again (its export said null)."""
+        if self.mode != "sample" or self.greedy or self.seed is not None:
+            return self
+        return replace(self, seed=secrets.randbelow(2**53))   # below 2**53: a browser's number box keeps it exact
 
     def decode_config(self) -> DecodeConfig:
         return DecodeConfig(**{name: getattr(self, name) for name in SETTINGS})

@@ -133,8 +133,14 @@ def answered_line(figures: dict | None, settings: dict) -> str | None:
         parts.append(f"tree {tree}" + (f" ({count(int(size), 'node')})" if _number(size) else ""))
     mode, temperature = settings.get("mode"), settings.get("temperature")
     if isinstance(mode, str):       # what ran, as the API reports it: sampling at temperature 0 is greedy
-        parts.append("greedy" if is_greedy(mode, temperature) else
-                     mode + (f" at temperature {temperature:g}" if _number(temperature) else ""))
+        if is_greedy(mode, temperature):
+            parts.append("greedy")
+        else:
+            ran = mode + (f" at temperature {temperature:g}" if _number(temperature) else "")
+            seed = settings.get("seed")
+            if mode == "sample" and isinstance(seed, int) and not isinstance(seed, bool):
+                ran += f", seed {seed}"     # what it drew with: the answer can be run again (typical draws nothing)
+            parts.append(ran)
     line = " · ".join(parts) + f": {count(int(tokens), 'token')}"
     reason = figures.get("finish_reason")
     if reason != "eos" and isinstance(reason, str) and reason in FINISH_TEXT:   # cut off: the readout said so too

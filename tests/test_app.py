@@ -478,6 +478,39 @@ def test_the_page_seed_is_random_at_minus_one_only():
     assert [Settings.parse(seed=seed).seed for seed in (-5, -2**63, 0, 7)] == [-5, -2**63, 0, 7]
 
 
+def test_a_randomly_seeded_answer_records_its_seed_and_runs_again_with_it(model_dirs):
+    """Seed -1 draws a seed per answer, and the answer (the export) records it: sent again with that seed, the
+    same answer comes (the export said null: a sampled answer could not be made again). An answer that draws
+    nothing (greedy, typical acceptance) records none."""
+    from app.chat_controller import ChatController
+    from app.models import ModelSlot
+    from app.session import Session
+    from app.transcript import answered_line
+    from medusa_core.loading.spec import LoadSpec
+
+    backbone, heads = model_dirs
+    slot = ModelSlot(log=lambda line: None)
+    slot.start(LoadSpec(model=str(backbone), heads=str(heads), device="cpu"))
+    assert slot.wait(120).phase == "ready"
+    chat, session = ChatController(slot), Session()
+    sampled = dict(mode="sample", temperature=1.0, max_new_tokens=24, seed=-1)
+    replies, seeds = [], []
+    for _ in range(2):
+        list(chat.run(session, "hello", "", False, sampled))
+        turn = session.turns[-1]
+        replies.append(turn.reply)
+        seeds.append(turn.answered["settings"]["seed"])
+    assert all(isinstance(seed, int) and 0 <= seed < 2**53 for seed in seeds) and seeds[0] != seeds[1], seeds
+    line = answered_line(session.turns[-2].answered["medusa"], session.turns[-2].answered["settings"])
+    assert f"sample at temperature 1, seed {seeds[0]}: " in line, line
+    session.restart()
+    list(chat.run(session, "hello", "", False, {**sampled, "seed": seeds[0]}))
+    assert session.turns[-1].reply == replies[0], "the recorded seed did not give the answer again"
+    for mode in ("greedy", "typical"):
+        list(chat.run(session, "hello", "", False, {**sampled, "mode": mode}))
+        assert session.turns[-1].answered["settings"]["seed"] is None, mode
+
+
 def test_one_token_answer_is_never_a_silent_empty_bubble(client):
     _, (chat, *_rest) = ask(client, "hello", max_new=1)
     role, text = texts(chat)[-1]
