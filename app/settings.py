@@ -7,7 +7,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, fields, replace
 
-from medusa_core.decoding.config import SETTINGS, DecodeConfig, limits, number
+from medusa_core.decoding.config import SETTINGS, DecodeConfig, SettingError, limits, number, shortened
 from medusa_core.decoding.tree import tree_spelling
 
 
@@ -21,6 +21,11 @@ def flag(name: str, value) -> bool:
     if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0", ""):
         return value.strip().lower() in ("true", "1")
     raise ValueError(f"{name} {value!r} is not true or false: give true or false")
+
+
+# the page's seeds (and its scripting API's, the same handler): a browser's number box holds a whole number exactly
+# only up to 2**53 - 1; past it, 9007199254740993 typed ran as ...992, and 2**63 - 1 was refused as 9223372036854776000
+PAGE_SEED_MAX = 2**53 - 1
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,10 @@ class Settings(DecodeConfig):
             elif name == "seed":        # blank or -1 (the page's "random"): a random seed; any other is a seed,
                 # as the API takes it (-5 was random on the page and a fixed seed through the API)
                 seed = None if value is None or value == "" else number("seed", value, int)
+                if seed is not None and abs(seed) > PAGE_SEED_MAX:
+                    raise SettingError("seed", f"{shortened(str(seed))} is past ±{PAGE_SEED_MAX}, beyond which a "
+                                               "browser's number box rounds (this may not be the number typed): use "
+                                               "a smaller seed")
                 values[name] = None if seed is None or seed == -1 else seed
             elif name in SETTINGS:
                 kind = limits(name).kind

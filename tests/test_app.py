@@ -400,7 +400,7 @@ def test_bad_api_values_give_one_line_notes_not_tracebacks(client, app):
                        "\u26a0\ufe0f tree 'cartesian-1000x1000x1000' has more than 1024 nodes"),   # named once
                       (dict(tree="chain-9"), "tree 'chain-9': tree depth 9 is more than the model's 5 Medusa heads: "
                                              "use a tree of depth <= 5"),
-                      (dict(seed=2**64, mode="sample"), f"Seed {2**64} is out of range: use a whole number from "),
+                      (dict(seed=2**64, mode="sample"), f"Seed {2**64} is past ±{2**53 - 1}, beyond which"),
                       (dict(seed="1.5", mode="sample"), "Seed '1.5' is not a whole number"),
                       (dict(seed="\u00b2", mode="sample"), "Seed '\u00b2' is not a number"),   # int() refuses it
                       (dict(max_new="--5"), "Max new tokens '--5' is not a number"),             # and this
@@ -417,7 +417,7 @@ def test_bad_api_values_give_one_line_notes_not_tracebacks(client, app):
     _, (chat, *_, raw, _) = ask(client, "still there?")
     assert raw["medusa"]["tokens"] > 0
     # the largest seed is a seed (it was "not a whole number": no float holds it)
-    _, (*_, raw, _) = ask(client, "and sampled?", mode="sample", seed=2**63 - 1, max_new=4)
+    _, (*_, raw, _) = ask(client, "and sampled?", mode="sample", seed=2**53 - 1, max_new=4)
     assert raw["medusa"]["tokens"] > 0, raw
     assert [t for r, t in texts(chat) if r == "user"][0] == "keep me"
     assert "Traceback" not in app[1].read_text()
@@ -475,7 +475,14 @@ def test_the_page_seed_is_random_at_minus_one_only():
 
     assert Settings.parse(seed=-1).seed is None and Settings.parse(seed="").seed is None
     assert Settings.parse(seed=None).seed is None
-    assert [Settings.parse(seed=seed).seed for seed in (-5, -2**63, 0, 7)] == [-5, -2**63, 0, 7]
+    seeds = (-5, -2**53 + 1, 0, 7, 2**53 - 1)
+    assert [Settings.parse(seed=seed).seed for seed in seeds] == list(seeds)
+    # past 2**53 a browser's number box rounds what was typed (9007199254740993 ran as ...992, and 2**63 - 1 was
+    # refused as 9223372036854776000): the page takes no seed it cannot hold, and says why
+    for seed in (2**53, -2**53, 9223372036854776000, "9007199254740993"):
+        with pytest.raises(ValueError, match=f"^seed {seed} is past ±9007199254740991, beyond which a browser's number "
+                                             r"box rounds \(this may not be the number typed\): use a smaller seed$"):
+            Settings.parse(seed=seed)
 
 
 def test_a_randomly_seeded_answer_records_its_seed_and_runs_again_with_it(model_dirs):

@@ -94,7 +94,7 @@ class DecodeConfig:
             if limits.low is not None and (value < limits.low or (limits.open_low and value == limits.low)):
                 raise SettingError(f.name, _below(value, limits))
             if limits.high is not None and value > limits.high:
-                raise SettingError(f.name, f"{_short(str(value))} is out of range: {limits.fix}")
+                raise SettingError(f.name, f"{shortened(str(value))} is out of range: {limits.fix}")
 
     @property
     def greedy(self) -> bool:
@@ -105,7 +105,7 @@ class DecodeConfig:
         return (self.temperature, self.top_p, self.epsilon, self.delta)
 
 
-def _short(text: str) -> str:
+def shortened(text: str) -> str:
     """A value as an error shows it: a 400-digit seed is not repeated whole."""
     return text if len(text) <= 40 else f"{text[:37]}..."
 
@@ -136,7 +136,7 @@ def number(name: str, value, kind: type = float):
     # one sign and ASCII digits: int() refuses "--5" and "²", and past 4,300 digits it refuses too
     if kind is int and isinstance(value, str) and _WHOLE.fullmatch(value.strip()):
         return int(value)
-    shown = _short(repr(value))
+    shown = shortened(repr(value))
     try:
         as_float = float(value)
     except (TypeError, ValueError, OverflowError):
