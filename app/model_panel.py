@@ -45,6 +45,8 @@ def medusa_pane(engine, tree_name: str | None = None) -> dict:
     return gr.update(label=engine.medusa_label(tree_name) + (f" · {outlook}" if outlook else ""))
 
 
+MAX_STATUS_WAIT_S = 600    # the longest /model_status waits for a load (a hub download can take longer: ask again)
+
 # what ``sync`` updates, in its order (the Medusa pane last: only its title)
 MODEL_OUTPUTS = ("status", "note", "send", "tree", "max_new_tokens", "mode", *MODE_CONTROLS, "colour_heads", "timer",
                  "shown_version", "kept", "pane")
@@ -179,6 +181,25 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
             return gr.update()
         return gr.Timer(active=True)
 
+    def model_status(wait: float = 0.0) -> dict:
+        """For scripts, which see no status line: {"phase": "loading", "ready", "failed" or "empty", "status": the
+        page's status line, "model": the loaded model or null, "error": why the last load failed or null (a failed
+        switch keeps the model before it: phase "ready")}, after waiting up to ``wait`` seconds (at most
+        MAX_STATUS_WAIT_S) for a load in progress to end. /load_model answers at once, while the load starts: a
+        script could not tell a path that failed from a load still running."""
+        try:
+            seconds = float(wait or 0)
+        except (TypeError, ValueError):
+            raise gr.Error(f"wait {wait!r} is not a number: give the seconds to wait for a load, e.g. 60",
+                           print_exception=False) from None
+        if not 0 <= seconds <= MAX_STATUS_WAIT_S:
+            raise gr.Error(f"wait {wait!r} is out of range: give 0 to {MAX_STATUS_WAIT_S} seconds",
+                           print_exception=False)
+        state = slot.wait(seconds) if seconds else slot.state()
+        return {"phase": state.phase, "status": state.line,
+                "model": state.engine.loaded.source if state.engine is not None else None, "error": state.error}
+
+    gr.api(model_status, api_name="model_status", concurrency_limit=None)
     max_new, outputs = page.controls["max_new_tokens"], model_outputs(page)
     page.timer.tick(sync, [page.shown_version, max_new, page.kept], outputs, api_name=False, concurrency_limit=None,
                     show_progress="hidden")

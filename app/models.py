@@ -107,6 +107,7 @@ class SlotState:
     version: int              # changes whenever the engine or phase changes
     engine_version: int       # changes only when the engine is replaced (a load that fails keeps it)
     engine: ChatEngine | None = None   # the engine of that version, read in the same snapshot
+    error: str | None = None           # why the last load failed (the model before it may still be loaded)
 
 
 def _size(nbytes: float) -> str:
@@ -151,6 +152,7 @@ class ModelSlot:
         self._phase, self._line, self._version = "empty", EMPTY_LINE, 0
         self._ready_line = ""       # the loaded model's Ready line, which a dismissed failure gives back
         self._engine_version = 0
+        self._error: str | None = None
         self._kept = ""             # what a failed switch says of the loaded model: its name and tree line
         self._loading: LoadSpec | None = None
         self._started = 0.0
@@ -163,10 +165,12 @@ class ModelSlot:
                 got = sum(downloaded(s) for s in (self._loading.model, self._loading.heads))
                 line += f" {time.perf_counter() - self._started:.0f} s"
                 line += f" · downloaded {_size(got)}" if got else ""
-            return SlotState(self._phase, line, self._version, self._engine_version, self.engine)
+            return SlotState(self._phase, line, self._version, self._engine_version, self.engine, self._error)
 
-    def _set(self, phase: str, line: str, engine: ChatEngine | None = None, replace_engine: bool = False) -> None:
+    def _set(self, phase: str, line: str, engine: ChatEngine | None = None, replace_engine: bool = False,
+             error: str | None = None) -> None:
         with self._lock:
+            self._error = error
             old = self.engine
             if replace_engine:
                 self.engine = engine
@@ -193,6 +197,7 @@ class ModelSlot:
             if self._phase == "loading":
                 return f"a model is still loading ({self._describe(self._loading)}): wait for it to finish"
             self._phase, self._loading, self._started = "loading", spec, time.perf_counter()
+            self._error = None
             self._line = f"⏳ Loading {self._describe(spec)}…"
             self._version += 1
         threading.Thread(target=self._load, args=(spec, extra_trees), name="model-load", daemon=True).start()
@@ -214,6 +219,7 @@ class ModelSlot:
             if self._phase == "loading" or not self._line.startswith("❌"):
                 return
             self._phase, self._line = ("ready", self._ready_line) if self.engine is not None else ("empty", EMPTY_LINE)
+            self._error = None
             self._version += 1
 
     def _load(self, spec: LoadSpec, extra_trees: tuple[str, ...]) -> None:
@@ -249,7 +255,7 @@ class ModelSlot:
         keep = self.engine is not None
         self._log(f"error: {message}")
         self._set("failed" if not keep else "ready",
-                  f"❌ {message}" + (f" · {self._kept}" if keep else ""))
+                  f"❌ {message}" + (f" · {self._kept}" if keep else ""), error=message)
 
     @staticmethod
     def _describe(spec: LoadSpec) -> str:

@@ -990,6 +990,57 @@ def test_a_closed_tab_starts_no_answer(model_dirs):
     assert raw["medusa"]["tokens"] > 0, "another tab's answers go on"
 
 
+def test_a_script_learns_whether_its_load_failed(model_dirs, tmp_path):
+    """/load_model answers at once with "Loading…"; /model_status says how the load ended (a script could not
+    tell a path that does not exist from a load still running), waiting for it if asked."""
+    import threading
+
+    from gradio_client import Client
+    from served import free_port
+
+    from app.models import ModelSlot
+    from app.ui import build_ui
+    from medusa_core.loading.load import load
+    from medusa_core.loading.spec import LoadSpec
+
+    backbone, heads = model_dirs
+    spec = LoadSpec(model=str(backbone), heads=str(heads), device="cpu")
+    gate = threading.Event()
+    slot = ModelSlot(loader=lambda s, progress: (gate.wait(60), load(s, progress))[1], log=lambda line: None)
+    demo = build_ui(slot, base_spec=spec)
+    demo.queue(default_concurrency_limit=1)
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+        assert client.predict(api_name="/model_status") == {"phase": "empty", "status": slot.state().line,
+                                                            "model": None, "error": None}
+        slot.start(spec)
+        assert client.predict(api_name="/model_status")["phase"] == "loading"
+        gate.set()
+        ready = client.predict(60, api_name="/model_status")            # waits for the load
+        assert ready["phase"] == "ready" and ready["model"] == slot.engine.loaded.source, ready
+        missing = tmp_path / "no-such-model"
+        gate.clear()                 # as a hub id's download: the load is still running when /load_model answers
+        said = client.predict(choice=None, model_id=str(missing), heads_id="", max_new_value=48,
+                              api_name="/load_model")
+        assert said[1].startswith("⏳ Loading"), said                     # all /load_model can say at once
+        assert client.predict(api_name="/model_status")["phase"] == "loading"
+        gate.set()
+        failed = client.predict(60, api_name="/model_status")
+        assert failed["error"].startswith(f"{missing} does not exist: give an existing"), failed
+        assert failed["phase"] == "ready" and failed["model"] == ready["model"], "the model before it stays"
+        assert failed["status"].startswith(f"❌ {failed['error']}"), failed
+        slot.start(spec)                 # the next load clears the error
+        assert client.predict(60, api_name="/model_status")["error"] is None
+        for wait, says in (("soon", "wait 'soon' is not a number"), (-1, "wait -1 is out of range: give 0 to 600")):
+            with pytest.raises(Exception, match=says):
+                client.predict(wait, api_name="/model_status")
+    finally:
+        demo.close()
+        slot.unload()
+
+
 def test_a_message_sent_while_another_model_loads_waits_for_it(model_dirs):
     """README: while another model loads, the current one stays, and a message sent meanwhile waits
     for the new one, saying so, and is answered by it; Stop while it waits gives the message back."""
