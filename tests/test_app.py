@@ -485,6 +485,18 @@ def test_the_page_seed_is_random_at_minus_one_only():
             Settings.parse(seed=seed)
 
 
+def test_every_value_a_slider_offers_is_one_send_takes():
+    """The top-p slider went down to 0, which Send refused ("top_p 0 keeps no token")."""
+    from app.settings import Settings
+    from medusa_core.decoding.config import SETTINGS, limits
+
+    sliders = {name: limits(name).slider for name in SETTINGS if limits(name).slider}
+    assert "top_p" in sliders and "temperature" in sliders
+    for name, (low, high, step) in sliders.items():
+        for value in (low, low + step, high):
+            Settings.parse(**{name: value})
+
+
 def test_a_randomly_seeded_answer_records_its_seed_and_runs_again_with_it(model_dirs):
     """Seed -1 draws a seed per answer, and the answer (the export) records it: sent again with that seed, the
     same answer comes (the export said null: a sampled answer could not be made again). An answer that draws

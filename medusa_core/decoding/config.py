@@ -68,7 +68,7 @@ class DecodeConfig:
         fix="use a value from 0 (greedy) to 2"))
     top_p: float = _setting(1.0, Limits(
         "Top-p", "sample only: keep the smallest set of tokens holding this much probability",
-        low=0, high=1, open_low=True, slider=(0, 1, 0.01), fix="use a value in (0, 1]"))
+        low=0, high=1, open_low=True, slider=(0.01, 1, 0.01), fix="use a value in (0, 1]"))
     top_k: int = _setting(0, Limits(
         "Top-k", "sample only; 0 = off", kind=int, low=0, fix="use 0 (off) or a positive count"))
     epsilon: float = _setting(0.09, Limits(
