@@ -110,6 +110,8 @@ class ChatController:
         last = session.turns[-1] if session.turns else None
         raw = {"medusa": stats.as_dict() if stats else None, "baseline": base.as_dict() if base else None,
                "reply": last.reply if last else None, "baseline_reply": last.baseline if last else None}
+        if last is not None and last.answered:     # the seed it sampled with (one drawn at -1 too): to run it again
+            raw["seed"] = last.answered["settings"].get("seed")
         if error:
             raw["error"] = error
         return (display(session.turns), display(session.turns, BASELINE),
@@ -142,7 +144,8 @@ class ChatController:
         the (slot version, engine version) they show; None from a script, which shows nothing) named that
         model's tree, and this one's default runs instead, as after waiting for a load (a tab's Send in the
         2 s before it caught up with a model switched elsewhere ran the old tree: plain decoding on a
-        Medusa model, or a refusal)."""
+        Medusa model, or a refusal). ``shown`` is the server's copy: a Send whose inputs the browser took just
+        before the new model's controls reached it can still carry the old tree, a window of one round trip."""
         if shown is not None and shown[1] != state.engine_version:
             return {**controls, "tree": None}
         return controls

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gradio as gr
 
+from medusa_core.decoding.config import number
 from medusa_core.loading.spec import LoadSpec
 
 from .engine import BASELINE, LABELS, MEDUSA
@@ -153,22 +154,30 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
             updates = with_kept(updates, kept_values(stored, engine), engine)
             if isinstance(stored, dict) and stored.get("model") is None and isinstance(stored.get("settings"), dict):
                 # set while the page had no model: this model's now (the browser keeps it under its name)
-                updates["kept"] = {"model": engine.loaded.source, "settings": stored["settings"]}
+                updates["kept"] = {"model": engine.loaded.source,
+                                   "settings": {k: v for k, v in stored["settings"].items() if valid(k, v)}}
         return tuple(updates.get(name, gr.update()) for name in MODEL_OUTPUTS)
+
+    def page_only(updates: tuple) -> tuple:
+        """``sync``'s updates less the shown version, for the Load and Unload buttons, which scripts call too:
+        only the page's own events (its load and the sync timer) say which model its controls show. A script's
+        session never runs the timer, so a version written here, mid-load, stayed the old model's, and every
+        later send of that script ran the default tree instead of the one it named (ChatController.for_engine)."""
+        return tuple(update for name, update in zip(MODEL_OUTPUTS, updates) if name != "shown_version")
 
     def on_load_model(choice, model_id, heads_id, max_new_value, shown):
         try:
             spec = spec_for(choice, model_id, heads_id, base_spec)
         except ValueError as err:
             slot.dismiss_failure()      # this refusal is the news: an older load's error is not repeated beside it
-            return (f"❌ {err}", *sync(shown, max_new_value))
+            return (f"❌ {err}", *page_only(sync(shown, max_new_value)))
         refused = slot.start(spec)
         if refused:     # a toast: a line under the panel would still say "still loading" once it has loaded
             gr.Warning(refused)
-        return ("", *sync(shown, max_new_value))
+        return ("", *page_only(sync(shown, max_new_value)))
 
     def on_unload(max_new_value, shown):
-        return (slot.unload(), *sync(shown, max_new_value))
+        return (slot.unload(), *page_only(sync(shown, max_new_value)))
 
     def watch(session: Session, shown):
         """Every 2 s: a model loaded, switched or unloaded elsewhere (another tab, the API) starts the sync timer,
@@ -188,12 +197,11 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
         MAX_STATUS_WAIT_S) for a load in progress to end. /load_model answers at once, while the load starts: a
         script could not tell a path that failed from a load still running."""
         try:
-            seconds = float(wait or 0)
-        except (TypeError, ValueError):
-            raise gr.Error(f"wait {wait!r} is not a number: give the seconds to wait for a load, e.g. 60",
-                           print_exception=False) from None
+            seconds = 0.0 if wait is None else number("wait", wait)    # a bool is refused, not 1 s
+        except ValueError as err:
+            raise gr.Error(f"{err} (the seconds to wait for a load)", print_exception=False) from None
         if not 0 <= seconds <= MAX_STATUS_WAIT_S:
-            raise gr.Error(f"wait {wait!r} is out of range: give 0 to {MAX_STATUS_WAIT_S} seconds",
+            raise gr.Error(f"wait {seconds:g} is out of range: give 0 to {MAX_STATUS_WAIT_S} seconds",
                            print_exception=False)
         state = slot.wait(seconds) if seconds else slot.state()
         return {"phase": state.phase, "status": state.line,
@@ -207,9 +215,10 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
                     show_progress="hidden")
     # raw values (preprocess=False): a script's bad number reaches sync, which takes it as unset, instead of
     # Gradio's multi-line preprocessing error
+    buttons = [page.model_status, *(output for output in outputs if output is not page.shown_version)]
     page.load.click(on_load_model, [page.known, page.model_box, page.heads_box, max_new, page.shown_version],
-                    [page.model_status, *outputs], api_name="load_model", concurrency_limit=None, preprocess=False)
-    page.unload.click(on_unload, [max_new, page.shown_version], [page.model_status, *outputs], api_name="unload_model",
+                    buttons, api_name="load_model", concurrency_limit=None, preprocess=False)
+    page.unload.click(on_unload, [max_new, page.shown_version], buttons, api_name="unload_model",
                       concurrency_limit=None, preprocess=False)
     page.controls["mode"].change(control_state, [page.controls["mode"]], page.mode_controls, api_name=False,
                                  concurrency_limit=None)

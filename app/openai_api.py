@@ -196,7 +196,8 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
                             "non-empty strings", param="stop", code="invalid_value")
     stream = data.get("stream")
     stream = False if stream is None else stream        # null means the default, as in every other field
-    options = data.get("stream_options") or {}
+    options = data.get("stream_options")
+    options = {} if options is None else options       # false, "" or [] are no object: refused below
     if not isinstance(stream, bool):
         raise ApiError(400, f"stream {json_value(stream)}: give true or false", param="stream", code="invalid_value")
     if not isinstance(options, dict):
@@ -249,7 +250,7 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
                        code="invalid_value")
     try:
         settings = Settings(mode=mode, temperature=temperature, top_p=top_p, top_k=top_k, epsilon=epsilon, delta=delta,
-                            max_new_tokens=max_tokens or engine.max_new_tokens, tree=tree, seed=seed)
+                            max_new_tokens=max_tokens or engine.max_new_tokens, tree=tree, seed=seed).with_drawn_seed()
         engine.check(settings)
     except ValueError as err:   # an unknown tree or mode, one line from the engine
         raise ApiError(400, str(err), param="medusa", code="invalid_value") from None
@@ -403,6 +404,7 @@ class Completion:
             return {}
         settings = self.request.settings   # the mode that ran: sampling at temperature 0 is greedy
         return {"decoder": stats.label, "mode": "greedy" if settings.greedy else settings.mode,
+                "seed": settings.seed,      # what a sampled answer drew with (one drawn for it too): to run it again
                 "tree": stats.tree, "tree_size": stats.tree_size,
                 # None without a decoding step: a one-token answer has no speed, not a speed of 0
                 "tokens_per_step": round(stats.tokens_per_step, 3) if stats.steps else None,
@@ -509,8 +511,8 @@ def api_routes(slot: ModelSlot, api_key: str | None = None) -> list[APIRoute]:
 
     async def one_model(request: Request):
         """GET /v1/models/{id}, which clients (the openai client's models.retrieve) ask to check an id."""
-        wanted = request.path_params["model"]
-        if not wanted:            # /v1/models/: the list, as any path with a trailing slash
+        wanted = request.path_params["model"].removesuffix("/")     # a trailing slash is the same path
+        if not wanted:            # /v1/models/: the list
             return await models(request)
         try:
             authorize(request)

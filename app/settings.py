@@ -46,9 +46,9 @@ class Settings(DecodeConfig):
                 # as the API takes it (-5 was random on the page and a fixed seed through the API)
                 seed = None if value is None or value == "" else number("seed", value, int)
                 if seed is not None and abs(seed) > PAGE_SEED_MAX:
-                    raise SettingError("seed", f"{shortened(str(seed))} is past ±{PAGE_SEED_MAX}, beyond which a "
-                                               "browser's number box rounds (this may not be the number typed): use "
-                                               "a smaller seed")
+                    raise SettingError("seed", f"{shortened(str(seed))} is past ±{PAGE_SEED_MAX}, the largest the "
+                                               "page takes (its number box rounds a larger one, so this may not be "
+                                               "the number typed): use a smaller seed")
                 values[name] = None if seed is None or seed == -1 else seed
             elif name in SETTINGS:
                 kind = limits(name).kind

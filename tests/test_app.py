@@ -400,7 +400,7 @@ def test_bad_api_values_give_one_line_notes_not_tracebacks(client, app):
                        "\u26a0\ufe0f tree 'cartesian-1000x1000x1000' has more than 1024 nodes"),   # named once
                       (dict(tree="chain-9"), "tree 'chain-9': tree depth 9 is more than the model's 5 Medusa heads: "
                                              "use a tree of depth <= 5"),
-                      (dict(seed=2**64, mode="sample"), f"Seed {2**64} is past ±{2**53 - 1}, beyond which"),
+                      (dict(seed=2**64, mode="sample"), f"Seed {2**64} is past ±{2**53 - 1}, the largest the page"),
                       (dict(seed="1.5", mode="sample"), "Seed '1.5' is not a whole number"),
                       (dict(seed="\u00b2", mode="sample"), "Seed '\u00b2' is not a number"),   # int() refuses it
                       (dict(max_new="--5"), "Max new tokens '--5' is not a number"),             # and this
@@ -480,8 +480,9 @@ def test_the_page_seed_is_random_at_minus_one_only():
     # past 2**53 a browser's number box rounds what was typed (9007199254740993 ran as ...992, and 2**63 - 1 was
     # refused as 9223372036854776000): the page takes no seed it cannot hold, and says why
     for seed in (2**53, -2**53, 9223372036854776000, "9007199254740993"):
-        with pytest.raises(ValueError, match=f"^seed {seed} is past ±9007199254740991, beyond which a browser's number "
-                                             r"box rounds \(this may not be the number typed\): use a smaller seed$"):
+        with pytest.raises(ValueError, match=f"^seed {seed} is past ±9007199254740991, the largest the page takes "
+                                             r"\(its number box rounds a larger one, so this may not be the number "
+                                             r"typed\): use a smaller seed$"):
             Settings.parse(seed=seed)
 
 
@@ -515,10 +516,11 @@ def test_a_randomly_seeded_answer_records_its_seed_and_runs_again_with_it(model_
     sampled = dict(mode="sample", temperature=1.0, max_new_tokens=24, seed=-1)
     replies, seeds = [], []
     for _ in range(2):
-        list(chat.run(session, "hello", "", False, sampled))
+        *_, raw, _ = list(chat.run(session, "hello", "", False, sampled))[-1]
         turn = session.turns[-1]
         replies.append(turn.reply)
         seeds.append(turn.answered["settings"]["seed"])
+        assert raw["seed"] == seeds[-1], "a script reads it in the raw output"
     assert all(isinstance(seed, int) and 0 <= seed < 2**53 for seed in seeds) and seeds[0] != seeds[1], seeds
     line = answered_line(session.turns[-2].answered["medusa"], session.turns[-2].answered["settings"])
     assert f"sample at temperature 1, seed {seeds[0]}: " in line, line
@@ -526,8 +528,8 @@ def test_a_randomly_seeded_answer_records_its_seed_and_runs_again_with_it(model_
     list(chat.run(session, "hello", "", False, {**sampled, "seed": seeds[0]}))
     assert session.turns[-1].reply == replies[0], "the recorded seed did not give the answer again"
     for mode in ("greedy", "typical"):
-        list(chat.run(session, "hello", "", False, {**sampled, "mode": mode}))
-        assert session.turns[-1].answered["settings"]["seed"] is None, mode
+        *_, raw, _ = list(chat.run(session, "hello", "", False, {**sampled, "mode": mode}))[-1]
+        assert session.turns[-1].answered["settings"]["seed"] is None is raw["seed"], mode
 
 
 def test_one_token_answer_is_never_a_silent_empty_bubble(client):
@@ -1043,9 +1045,19 @@ def test_a_script_learns_whether_its_load_failed(model_dirs, tmp_path):
         assert failed["error"].startswith(f"{missing} does not exist: give an existing"), failed
         assert failed["phase"] == "ready" and failed["model"] == ready["model"], "the model before it stays"
         assert failed["status"].startswith(f"❌ {failed['error']}"), failed
-        slot.start(spec)                 # the next load clears the error
+        # the next load clears the error; made by this script, mid-load as a download would be
+        gate.clear()
+        client.predict(choice=None, model_id=str(backbone), heads_id=str(heads), max_new_value=48,
+                       api_name="/load_model")
+        gate.set()
         assert client.predict(60, api_name="/model_status")["error"] is None
-        for wait, says in (("soon", "wait 'soon' is not a number"), (-1, "wait -1 is out of range: give 0 to 600")):
+        # and the script's next sends run the tree they name (its session kept the old model's version, written
+        # by /load_model mid-load, and every send ran the default tree instead)
+        for _ in range(2):
+            *_, raw, _ = client.predict(message="hi", tree="baseline", max_new_tokens=4, api_name="/send")
+            assert raw["medusa"]["tree"] == "baseline", raw
+        for wait, says in (("soon", "wait 'soon' is not a number"), (True, "wait true is not a number"),
+                           (-1, "wait -1 is out of range: give 0 to 600")):
             with pytest.raises(Exception, match=says):
                 client.predict(wait, api_name="/model_status")
     finally:
