@@ -332,7 +332,9 @@ class ChatEngine:
                 if not drop:
                     return ids, None
                 session.first_turn = exchanges[drop - 1][0] + 1
-                return ids, (f"the oldest {drop} exchange{'s' if drop > 1 else ''} left the model's prompt to fit "
+                # all that are out by now, those an earlier message cut included (it counted only this cut's)
+                out = sum(1 for t in session.turns[:session.first_turn] if t.user and t.reply is not None)
+                return ids, (f"the oldest {out} exchange{'s' if out > 1 else ''} left the model's prompt to fit "
                              f"its {self.context}-token context (still shown here)")
         alone = len(self.prompt_ids([{"role": "user", "content": message}], None))
         fix = "shorten the system prompt (the message fits without it)" if system and alone + reserve <= self.context \

@@ -705,11 +705,14 @@ def test_full_context_cuts_oldest_turns_and_keeps_answering(engine):
         ids, notice = engine.fit_prompt(session, message, system, settings)
         assert len(ids) + settings.max_new_tokens <= engine.context
         notices += [notice] if notice else []
+        if notice:      # every exchange out of the prompt by now (a later cut counted only its own)
+            out = session.first_turn
+            assert notice.startswith(f"the oldest {out} exchange{'s' if out > 1 else ''} left"), (i, notice)
         session.turns.append(Turn(user=message))
         last = list(engine.answer(session, ids, settings))[-1]
         assert last.error is None and last.stats.tokens > 0
         session.turns[-1].reply = last.plain
-    assert notices and "left the model's prompt" in notices[0] and "1024" in notices[0]
+    assert len(notices) > 1 and "left the model's prompt" in notices[0] and "1024" in notices[0]
     assert session.first_turn > 0
     assert system in engine.tokenizer.decode(ids), "the system prompt is kept"
     assert "question 0:" not in engine.tokenizer.decode(ids) and "question 9:" in engine.tokenizer.decode(ids)
