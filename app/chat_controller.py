@@ -331,6 +331,13 @@ class ChatController:
                 saved_compare(stored))
 
 
+# After compare shows or hides the plain pane: the Medusa pane changed width, its messages reflowed to another
+# height, and its scroll position no longer read as "at the bottom", so Gradio stopped following new answers
+# (they arrived out of sight, under a "↓" button). Both panes go back to their end once the layout has settled.
+SCROLL_TO_END = """() => setTimeout(() => document.querySelectorAll('#chat .bubble-wrap, #chat-baseline .bubble-wrap')
+    .forEach(pane => pane.scrollTo({top: pane.scrollHeight})), 300)"""
+
+
 def wire_chat(page: Page, chat: ChatController) -> dict:
     """Attach the conversation's events; returns ``save_after``, the event that follows every change.
     The chat handlers' parameters are the scripting API's parameter names, and ``page.inputs``
@@ -395,7 +402,8 @@ def wire_chat(page: Page, chat: ChatController) -> dict:
     for trigger, name in ((page.clear.click, "clear"), (page.chat.clear, False), (page.base_chat.clear, False)):
         trigger(chat.clear, [page.session], outputs[:-1], api_name=name, concurrency_limit=None).then(**save_after)
     page.compare.change(lambda on: (gr.update(visible=on), gr.update() if on else ""), [page.compare],
-                        [page.base_column, page.comparison], api_name=False, concurrency_limit=None)
+                        [page.base_column, page.comparison], api_name=False, concurrency_limit=None).then(
+        None, None, None, js=SCROLL_TO_END, api_name=False)
     # kept with the conversation when the user toggles it (a restore that sets it saves on its own: a
     # second save at once could make a second export folder)
     page.compare.input(**save_after)
