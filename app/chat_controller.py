@@ -294,16 +294,19 @@ class ChatController:
 
     @staticmethod
     def save_conversation(session: Session, system: str, compare: bool):
-        """After each change: the browser's copy of the conversation and the export files. An empty
-        conversation is saved too: Clear must also empty the browser's copy, or a reload brings it back."""
+        """After each change: the browser's copy of the conversation, the export files, and Regenerate on
+        while there is a message to answer again. An empty conversation is saved too: Clear must also
+        empty the browser's copy, or a reload brings it back."""
         saved = to_saved(session.turns, session.first_turn, system or "", compare is True)
+        regenerate = gr.update(interactive=any(turn.user for turn in session.turns))
         if not session.turns:
-            return saved, gr.update(value=None, interactive=False), gr.update(value=None, interactive=False)
+            return (saved, gr.update(value=None, interactive=False), gr.update(value=None, interactive=False),
+                    regenerate)
         if session.export_dir is None:
             session.export_dir = export_folder()
         as_json, as_md = write_exports(session.turns, session.first_turn, session.export_dir, system or "",
                                        compare is True)
-        return saved, gr.update(value=as_json, interactive=True), gr.update(value=as_md, interactive=True)
+        return saved, gr.update(value=as_json, interactive=True), gr.update(value=as_md, interactive=True), regenerate
 
     @staticmethod
     def save_pending(session: Session, message, system: str, compare: bool):
@@ -377,7 +380,8 @@ def wire_chat(page: Page, chat: ChatController) -> dict:
     outputs = [page.chat, page.base_chat, page.readout, page.base_readout, page.comparison, page.status,
                page.raw, page.box]
     save_after = dict(fn=chat.save_conversation, inputs=[page.session, page.system, page.compare],
-                      outputs=[page.saved, page.export_json, page.export_md], api_name=False, concurrency_limit=None)
+                      outputs=[page.saved, page.export_json, page.export_md, page.regenerate], api_name=False,
+                      concurrency_limit=None)
     # Raw values (preprocess=False): a bad value from the API becomes a one-line note in the
     # chat instead of a traceback in the console; Settings.parse and the engine validate.
     # trigger_mode "multiple": a send while the tab answers reaches run(), which says why it waits (Gradio's

@@ -152,7 +152,8 @@ def build_layout(slot: ModelSlot, system_prompt: str, start: Settings) -> Page:
             with gr.Row():
                 # on while the tab has an answer running or waiting (app/chat_controller.py, wire_chat)
                 stop = gr.Button("Stop", variant="stop", elem_id="stop", interactive=False)
-                regenerate = gr.Button("Regenerate", elem_id="regenerate")
+                # on while the conversation has a message to answer again (save_conversation)
+                regenerate = gr.Button("Regenerate", elem_id="regenerate", interactive=False)
                 clear = gr.Button("Clear", elem_id="clear")
                 export_json = gr.DownloadButton("Export JSON", elem_id="export-json", interactive=False)
                 export_md = gr.DownloadButton("Export Markdown", elem_id="export-md", interactive=False)

@@ -368,13 +368,17 @@ def test_the_decoding_settings_survive_a_reload(page):
 
 def test_clear_and_reload_keep_what_the_user_expects(page):
     """Clear empties the browser's copy too (a reload must not bring the conversation back); a
-    reload keeps the system prompt, and a message whose answer it cut off."""
+    reload keeps the system prompt, and a message whose answer it cut off. Regenerate is on only while
+    there is a message to answer again."""
+    page.wait_for_function("() => document.querySelector('#regenerate')?.disabled", timeout=30_000)
     send(page, "Remember the word banana.")
     page.wait_for_function("() => !document.querySelector('#export-md')?.disabled", timeout=30_000)
+    assert page.locator("#regenerate").is_enabled()
     page.locator("#clear").click()
     page.wait_for_function("() => document.querySelectorAll('#chat .message').length === 0", timeout=10_000)
     # the copy is written by the event after Clear's own update, the one that also turns the exports off
     page.wait_for_function("() => document.querySelector('#export-md')?.disabled", timeout=30_000)
+    assert page.locator("#regenerate").is_disabled()
     page.reload()
     page.wait_for_function(READY, timeout=60_000)
     page.wait_for_timeout(1000)
@@ -390,6 +394,7 @@ def test_clear_and_reload_keep_what_the_user_expects(page):
     shoot(page, "reloaded_mid_answer.png")
     assert "long story about a cat" in page.locator("#chat .message.user").inner_text()
     assert "press Regenerate" in page.locator("#chat").inner_text()
+    page.wait_for_function("() => !document.querySelector('#regenerate')?.disabled", timeout=30_000)
     assert page.locator("#system textarea").input_value() == "You are a pirate."
 
 
