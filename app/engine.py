@@ -260,12 +260,13 @@ class ChatEngine:
             return f"{name} expected {speedup:.2f}x on this machine for a typical prompt" + \
                 (", slower than plain decoding" if slower else "")
         # past the largest tree timed, only a bound is known: it costs at least what that tree did (a 64-node
-        # tree "at most 1.00x" read as breaking even; it ran at 0.6-0.9x)
+        # tree "at most 1.00x" read as breaking even; it ran at 0.6-0.9x). Said as "under": an 82-node tree "at
+        # most 1.69x" read as better than the tuned 16-node tree's 1.57x, where it is far slower)
         nodes, largest = len(paths) + 1, max(map(int, tuned.step_ms))
         return (f"{name} expected slower than plain decoding on this machine ({nodes} nodes; under {speedup:.2f}x "
                 f"even at the {largest}-node tree's cost)" if slower
-                else f"{name} expected at most {speedup:.2f}x on this machine ({nodes} nodes; {speedup:.2f}x at the "
-                     f"{largest}-node tree's cost)")
+                else f"{name} expected under {speedup:.2f}x on this machine ({nodes} nodes; {speedup:.2f}x if it cost "
+                     f"no more than the {largest}-node tree timed)")
 
     def check(self, settings: Settings) -> tuple[DecodeConfig, str, TreeBuffers]:
         """The decode config, tree name and tree of ``settings``; ValueError in one line."""
