@@ -10,6 +10,7 @@ import gc
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -235,6 +236,12 @@ class ModelSlot:
             return
         except torch.OutOfMemoryError:
             self._fail(f"out of GPU memory while loading {what}: use quant nf4, a smaller model, or unload first")
+            return
+        except Exception as err:   # a thread boundary: a fault nothing foresaw must still end the load, or the
+            traceback.print_exc()  # slot stayed "loading" for good: every Load, Unload and message refused or waiting
+            first = next(iter(str(err).splitlines()), "")[:200]
+            self._fail(f"could not load {what}: {type(err).__name__}: {first} (the console has the details; "
+                       "check the model's files, or load another)")
             return
         seconds = time.perf_counter() - self._started
         line = f"Ready · {loaded.description} · loaded in {seconds:.1f} s · {loaded.memory}"

@@ -935,6 +935,35 @@ def test_model_slot_loads_in_background_and_keeps_old_model_on_failure(model_dir
     assert "unloaded" in slot.unload() and slot.engine is None and slot.state().phase == "empty"
 
 
+def test_a_load_that_fails_unforeseen_ends_and_keeps_the_old_model(model_dirs):
+    """A load that raises what the loader never foresaw (here a KeyError) still ends: the old model
+    stays in service and the status line says what failed. It left the slot "loading" for good:
+    every Load and Unload refused, every message waiting, until a restart."""
+    from app.models import ModelSlot
+    from medusa_core.loading.load import load
+    from medusa_core.loading.spec import LoadSpec
+
+    backbone, heads = model_dirs
+    spec = LoadSpec(model=str(backbone), heads=str(heads), device="cpu")
+
+    def faulty(s, progress):
+        if s.model == "faulty/model":
+            raise KeyError("layers.3.weight")
+        return load(s, progress)
+
+    slot = ModelSlot(loader=faulty, log=lambda line: None)
+    slot.start(spec)
+    first = slot.wait(60).engine
+    assert first is not None
+    slot.start(LoadSpec(model="faulty/model", device="cpu"))
+    state = slot.wait(60)
+    assert state.phase == "ready" and state.engine is first, state.line
+    assert state.error == ("could not load faulty/model: KeyError: 'layers.3.weight' (the console has the details; "
+                           "check the model's files, or load another)")
+    assert slot.start(spec) is None, "the next load is taken"
+    assert slot.wait(60).phase == "ready"
+
+
 def test_first_capture_is_announced_and_clear_keeps_the_caches(engine, monkeypatch):
     """Issue #10: when the next generate() will first capture a CUDA graph, the stream says so
     before the reply; a new conversation rewinds the caches (keeping their graphs) instead of

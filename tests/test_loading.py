@@ -302,6 +302,27 @@ def test_a_directory_that_is_not_a_model_gets_local_advice(root, tmp_path):
     assert "check that the directory holds a transformers model" in line and "hf download" not in line
 
 
+def test_damaged_weights_are_one_line_that_says_so(root, tmp_path):
+    """A weights file cut short by an interrupted copy, or weights that config.json does not describe: a
+    LoadError naming the directory and the fix (they escaped the loader's errors, and a page load of
+    either stayed "loading" for good)."""
+    import shutil
+
+    cut, wrong = tmp_path / "cut", tmp_path / "wrong"
+    shutil.copytree(root / "backbone", cut)
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:len(weights.read_bytes()) // 2])
+    shutil.copytree(root / "backbone", wrong)
+    config = json.loads((wrong / "config.json").read_text())
+    (wrong / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] + 8}))
+    for directory in (cut, wrong):
+        with pytest.raises(LoadError) as err:
+            load(LoadSpec(model=str(directory), device="cpu"))
+        line = _one_line(err)
+        assert line.startswith(f"{directory}: could not load the model") and \
+            "damaged or does not match its config.json: copy or download it again" in line, line
+
+
 def test_a_tree_for_a_model_without_heads_is_said_to_go_unused(root):
     loaded = load(LoadSpec(model=str(root / "backbone"), device="cpu", tree="chain-2"))
     assert loaded.default_tree == "baseline"

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from ..decoding.generate import stop_set
 from ..errors import LoadError
@@ -104,9 +105,15 @@ def load_backbone(source: str, device: str, quant: str, dtype: torch.dtype | str
         model = AutoModelForCausalLM.from_pretrained(name, local_files_only=cache_only, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code,
                                                   local_files_only=cache_only)
-    except (OSError, ValueError, ImportError) as err:
+    # RuntimeError: weights whose shapes config.json does not describe, or no memory left for them;
+    # SafetensorError: a weights file cut short (an interrupted copy or download)
+    except (OSError, ValueError, ImportError, RuntimeError, SafetensorError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         hint = ("pass --trust-remote-code if you trust that code" if "trust_remote_code" in str(err) else
+                "not enough memory for this model: unload the current one first, or pick a smaller model"
+                if "can't allocate memory" in str(err) else
+                "its weights file is damaged or does not match its config.json: copy or download it again"
+                if isinstance(err, (RuntimeError, SafetensorError)) else
                 "check that the directory holds a transformers model (config.json, weights, tokenizer)"
                 if path is not None else "check the id, or download it with `hf download`")
         raise LoadError(f"{name}: could not load the model ({first[:200]}): {hint}") from err
