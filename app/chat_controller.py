@@ -135,8 +135,7 @@ class ChatController:
         if state.phase == "loading":   # Stop while waiting (there may be no model yet to say "stopped")
             yield "stopped while the model was loading: the message is back in the box"
             return
-        yield state if state.engine is not None else ("no model is loaded: pick one under Model and press Load"
-                                                      if state.phase != "failed" else state.line.lstrip("❌ "))
+        yield state if state.engine is not None else no_engine(state)
 
     @staticmethod
     def for_engine(controls: dict, shown, state: SlotState) -> dict:
@@ -276,12 +275,13 @@ class ChatController:
                 yield self.refused("Nothing to regenerate yet: send a message first")
                 return
             state = self.slot.state()
-            if state.engine is not None:   # bad settings are refused before the answer they would replace goes
-                try:
-                    state.engine.check(Settings.parse(**self.for_engine(controls, shown, state)))
-                except (ValueError, EngineClosed) as err:
-                    yield self.refused(f"{said(err)} (the answer stays as it was)")
-                    return
+            try:   # no model, or bad settings: refused before the answer they would replace goes
+                if state.engine is None:
+                    raise ValueError(no_engine(state))
+                state.engine.check(Settings.parse(**self.for_engine(controls, shown, state)))
+            except (ValueError, EngineClosed) as err:
+                yield self.refused(f"{said(err)} (the answer stays as it was)")
+                return
             message = session.turns.pop().user
             session.first_turn = min(session.first_turn, len(session.turns))
             yield from self._run(session, message, str(system or ""), compare, controls, shown)
@@ -332,6 +332,13 @@ class ChatController:
         kept = saved_system(stored)
         return (display(session.turns), display(session.turns, BASELINE), system if kept is None else kept,
                 saved_compare(stored))
+
+
+def no_engine(state: SlotState) -> str:
+    """Why no model can answer now, in one line."""
+    if state.phase == "loading":
+        return "the model is still loading: ask again once it has loaded"
+    return state.line.lstrip("❌ ") if state.phase == "failed" else "no model is loaded: pick one under Model and press Load"
 
 
 # After compare shows or hides the plain pane: the Medusa pane changed width, its messages reflowed to another

@@ -675,6 +675,30 @@ def test_regenerate_while_answering_changes_nothing():
     assert out[6]["error"].startswith("Still answering your previous message")
 
 
+def test_regenerate_with_no_model_keeps_the_answer():
+    """Regenerate with no model to answer (unloaded, or the first still loading) is refused before the
+    answer it would replace goes: it popped the answer, then learnt nothing could answer, and the
+    browser's copy was saved without it."""
+    import threading
+
+    from app.chat_controller import ChatController
+    from app.models import ModelSlot
+    from app.session import Session, Turn
+    from medusa_core.loading.spec import LoadSpec
+
+    gate = threading.Event()
+    loading = ModelSlot(loader=lambda spec, progress: gate.wait(60) and None, log=lambda line: None)
+    loading.start(LoadSpec(model="some/model", device="cpu"))
+    for slot, why in ((ModelSlot(log=lambda line: None), "no model is loaded: pick one under Model and press Load"),
+                      (loading, "the model is still loading: ask again once it has loaded")):
+        session = Session()
+        session.turns = [Turn(user="q", reply="a")]
+        (out,) = list(ChatController(slot).regenerate(session, "", False, {}))
+        assert [(t.user, t.reply) for t in session.turns] == [("q", "a")]
+        assert out[6]["error"] == f"{why} (the answer stays as it was)"
+    gate.set()
+
+
 def test_a_typed_preset_outside_the_list_decodes(client):
     """The tree box takes any preset form the command line takes, not only the listed ones."""
     _, (chat, _, readout, *_rest, raw, _) = ask(client, "hi", tree="cartesian-2x2", max_new=8)
