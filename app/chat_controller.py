@@ -322,16 +322,20 @@ class ChatController:
 
     @staticmethod
     def restored(session: Session, stored, system: str) -> tuple:
-        """Page load: (chat, baseline chat, system prompt, compare) from the conversation kept in the
-        browser. A message whose answer a reload cut off comes back with a note saying so."""
+        """Page load: (chat, baseline chat, system prompt, compare, message box) from the conversation kept in
+        the browser. A message whose answer a reload cut off comes back with a note saying so; one that had
+        gone back to the box (refused, or stopped before its first token) goes back there again, still to be
+        replaced when it is resent (it stayed in the conversation for good, under a note saying it was in
+        the box, which was empty)."""
         if not session.turns:
             session.turns, session.first_turn = from_saved(stored)
             last = session.turns[-1] if session.turns else None
             if last is not None and last.user and last.reply is None and not last.note:
                 last.note = INTERRUPTED
+        last = session.turns[-1] if session.turns else None
         kept = saved_system(stored)
         return (display(session.turns), display(session.turns, BASELINE), system if kept is None else kept,
-                saved_compare(stored))
+                saved_compare(stored), last.user if last is not None and last.in_box else gr.update())
 
 
 def no_engine(state: SlotState) -> str:

@@ -40,14 +40,14 @@ def build_ui(slot: ModelSlot, *, system_prompt: str = "", base_spec: LoadSpec = 
             model controls, and the decoding settings kept for the loaded model (the Medusa pane, last of
             them, gets the conversation and its title in one update)."""
             chat.tab_opened(session, request.session_hash)
-            medusa, baseline, system, compare = chat.restored(session, stored, system)
+            medusa, baseline, system, compare, box = chat.restored(session, stored, system)
             *controls, pane = sync(None, max_new_value, kept)
-            return (baseline, system, compare, *controls, {**pane, "value": medusa})
+            return (baseline, system, compare, box, *controls, {**pane, "value": medusa})
 
         # this tab's copies of the conversation and the settings from the browser first, then the page built from them
         demo.load(None, None, [page.saved, page.kept], js=browser_copy.READ_BOTH, api_name=False).then(
             restore, [page.session, page.saved, page.kept, page.controls["max_new_tokens"], page.system],
-            [page.base_chat, page.system, page.compare, *model_outputs(page)],
+            [page.base_chat, page.system, page.compare, page.box, *model_outputs(page)],
             api_name=False).then(**save_after)
         page.saved.change(None, [page.saved], None, js=browser_copy.WRITE, api_name=False)
         page.kept.change(None, [page.kept], None, js=browser_copy.WRITE_SETTINGS, api_name=False)

@@ -396,6 +396,16 @@ def test_clear_and_reload_keep_what_the_user_expects(page):
     assert "press Regenerate" in page.locator("#chat").inner_text()
     page.wait_for_function("() => !document.querySelector('#regenerate')?.disabled", timeout=30_000)
     assert page.locator("#system textarea").input_value() == "You are a pirate."
+    # a refused message goes back to the box, and a reload puts it back there (it stayed in the chat for good
+    # with the box empty, under a note saying it was in the box)
+    page.wait_for_function(READY, timeout=60_000)
+    pick_tree(page, "banana")
+    send(page, "Kept for later.")
+    assert page.locator("#message textarea").input_value() == "Kept for later."
+    page.wait_for_timeout(1000)       # the browser's copy is written by the event after the answer's
+    page.reload()
+    page.wait_for_function("() => document.querySelector('#message textarea')?.value === 'Kept for later.'",
+                           timeout=60_000)
 
 
 def test_every_reload_continues_the_conversation_it_shows(page):

@@ -172,12 +172,28 @@ def test_a_message_a_reload_cut_off_mid_comparison_shows_no_answer_in_either_pan
     saved = to_saved([answered, Turn(user="Tell me a long story.")], 0, compare=True)
     # an empty answer (the model ended at once) shows its note and no empty bubble, as the live page does
     empty = Turn(user="Say nothing.", reply="", note="the model ended its answer at once")
-    medusa, baseline, _, _ = ChatController.restored(Session(), to_saved([empty], 0), "")
+    medusa, baseline, _, _, _ = ChatController.restored(Session(), to_saved([empty], 0), "")
     assert [part["text"] for message in medusa for part in message["content"]][1:] == [note_html(empty.note)]
     assert not any(NOT_COMPARED in part["text"] for message in baseline for part in message["content"])
-    medusa, baseline, _, compare = ChatController.restored(Session(), saved, "")
+    medusa, baseline, _, compare, box = ChatController.restored(Session(), saved, "")
     for pane in (medusa, baseline):
         texts = [part["text"] for message in pane for part in message["content"]]
         assert len(texts) == 4 and "Hello!" in texts[1] and "Tell me a long story." in texts[2], texts
         assert INTERRUPTED in texts[3] and not any(NOT_COMPARED in text for text in texts), texts
-    assert compare is True
+    assert compare is True and box == {"__type__": "update"}, "the box is left as it is"
+
+
+def test_a_message_back_in_the_box_goes_back_there_after_a_reload():
+    """A refused message (or one stopped before its first token) went back to the box, and a resend replaces
+    it. After a reload it came back in the chat with the box empty, under a note saying it was in the box,
+    and stayed in the conversation for good: the next message was added after it."""
+    from app.chat_controller import ChatController
+    from app.session import Session
+    from app.transcript import to_saved
+
+    refused = Turn(user="Second message", note="tree 'banana' is unknown: pick one from the list", in_box=True)
+    session = Session()
+    *_, box = ChatController.restored(session, to_saved([Turn(user="Hi", reply="Hello!"), refused], 0), "")
+    assert box == "Second message"
+    session.drop_resent()                    # what the next send does first
+    assert [(t.user, t.reply) for t in session.turns] == [("Hi", "Hello!")]
