@@ -28,11 +28,12 @@ from pathlib import Path
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
+from starlette.concurrency import run_in_threadpool
 
 from medusa_core.decoding.config import DEFAULTS, MODES, limits
 from medusa_core.loading.chat_format import MESSAGE_SHAPE, json_kind, json_value, to_messages
 
-from .engine import BASELINE, MEDUSA, ChatEngine, Update
+from .engine import BASELINE, MEDUSA, ChatEngine, EngineClosed, Update
 from .session import Session
 from .settings import Settings
 from .models import ModelSlot
@@ -254,7 +255,18 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
         engine.check(settings)
     except ValueError as err:   # an unknown tree or mode, one line from the engine
         raise ApiError(400, str(err), param="medusa", code="invalid_value") from None
+    except EngineClosed as closed:   # another model loaded (or none) while the request was read
+        raise ApiError(503, str(closed), kind="server_error", code="model_changed") from None
     return ChatRequest(texts, settings, passes, tuple(stop), stream, bool(options.get("include_usage")))
+
+
+def accepted(body: bytes, engine: ChatEngine) -> tuple[ChatRequest, list[int]]:
+    """The request and its prompt's token ids, or an ApiError. Run on a worker thread, not the event loop:
+    a tree named in the request and not yet built is built on the model thread, behind a step or a prompt
+    piece that can take seconds on a CPU, and the whole server (page streams, Stop, other requests) froze
+    meanwhile."""
+    chat = parse_chat(read_body(body), engine, model_id(engine))
+    return chat, prompt_for(engine, chat)
 
 
 def prompt_for(engine: ChatEngine, request: ChatRequest) -> list[int]:
@@ -530,8 +542,7 @@ def api_routes(slot: ModelSlot, api_key: str | None = None) -> list[APIRoute]:
             authorize(request)
             engine = engine_now()
             body = await request.body()
-            chat = parse_chat(read_body(body), engine, model_id(engine))
-            prompt = prompt_for(engine, chat)
+            chat, prompt = await run_in_threadpool(accepted, body, engine)
         except ApiError as err:
             return err.response()
         run = Completion(engine, prompt, chat, model_id(engine))

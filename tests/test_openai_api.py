@@ -506,6 +506,40 @@ def test_a_stream_whose_model_is_unloaded_ends_with_an_error_that_says_so(tiny_a
     assert not any(e.get("choices") and e["choices"][0]["finish_reason"] for e in events)
 
 
+def test_a_request_naming_a_tree_to_build_never_holds_up_the_server(tiny_app):
+    """A tree named in a request and not yet built is built on the model thread, behind whatever runs
+    there: the request waits for it, the rest of the server does not (the event loop waited, so every
+    page stream, Stop and request froze). If another model replaces this one meanwhile, the request is
+    told so in an OpenAI-shaped 503 (a bare 500 and a traceback)."""
+    url, slot, spec, _ = tiny_app
+    slot.start(spec)
+    assert slot.wait(60).phase == "ready"
+    engine, busy = slot.engine, threading.Event()
+    assert "cartesian-2x1" not in {name for _, name in engine.tree_choices}
+    hold = threading.Thread(target=engine.on_model_thread, args=(busy.wait, 60))   # a long step runs
+    hold.start()
+    body = {"model": "backbone", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "medusa": {"tree": "cartesian-2x1"}}
+    answers = []
+    asking = threading.Thread(target=lambda: answers.append(httpx.post(url + "/v1/chat/completions", json=body,
+                                                                        timeout=90)))
+    asking.start()
+    try:
+        time.sleep(0.5)        # the request is in, waiting for its tree
+        assert httpx.get(url + "/v1/models", timeout=20).status_code == 200, "the server waited for the tree"
+    finally:
+        busy.set()
+        asking.join(90)
+        hold.join(60)
+    assert answers[0].status_code == 200, answers[0].text
+    from app.openai_api import ApiError, parse_chat
+
+    engine.close("another model was loaded: ask again to have it answer")
+    with pytest.raises(ApiError) as refused:
+        parse_chat({**body, "medusa": {"tree": "cartesian-2x2"}}, engine, "backbone")
+    assert (refused.value.status, refused.value.message) == (503, "another model was loaded: ask again to have it answer")
+
+
 def test_a_request_while_the_model_loads_is_told_so_at_once(tiny_app):
     url, slot, spec, gate = tiny_app
     gate.clear()
