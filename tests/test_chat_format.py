@@ -73,6 +73,19 @@ def test_render_chat_uses_the_tokenizers_template():
     assert tok.decode(ids) == "<s>[system]S\n[user]Hi\n[assistant]Hello!\n[user]2+2?\n[assistant]"
 
 
+def test_a_template_that_refuses_a_conversation_is_one_line():
+    """A template's own refusal (Gemma's takes no system prompt) is a ValueError the page shows as a note and
+    the API as a 400 (it escaped both: a traceback, and a bare 500)."""
+    tok = char_tokenizer()
+    tok.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+                         "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert tok.decode(render_chat(tok, HISTORY)) == "HiHello!2+2?"
+    with pytest.raises(ValueError) as refused:
+        render_chat(tok, HISTORY, system="Be brief.")
+    assert str(refused.value).startswith("the model's chat template refuses this conversation (System role not "
+                                         "supported): change it as the template asks"), refused.value
+
+
 def test_stop_token_ids_include_turn_end_tokens():
     tok = char_tokenizer()
     assert stop_token_ids(tok) == (tok.eos_token_id,)

@@ -11,6 +11,8 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from jinja2 import TemplateError
+
 VICUNA_SYSTEM = (
     "A chat between a curious user and an artificial intelligence assistant. "
     "The assistant gives helpful, detailed, and polite answers to the user's questions."
@@ -123,7 +125,13 @@ def render_chat(tokenizer, messages: Any, system: str | None = None) -> list[int
     if getattr(tokenizer, "chat_template", None):
         if system is not None:
             messages = [{"role": "system", "content": system}] + [m for m in messages if m["role"] != "system"]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except TemplateError as err:   # the template's own raise_exception: Gemma's takes no system prompt,
+            # Mistral's wants user and assistant turns to alternate (it was a traceback, and a bare 500)
+            raise ValueError(f"the model's chat template refuses this conversation ({err}): change it as the "
+                             "template asks (some models take no system prompt; some need user and assistant "
+                             "messages to alternate)") from None
         # the template already wrote the BOS text; adding special tokens again would double it
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     text = vicuna_prompt(messages, system, tokenizer.eos_token or "</s>")
