@@ -113,6 +113,8 @@ class DecoderRun:
                 self.segments.append((piece, i < step.from_heads))
         if step.finish_reason:
             self._end()
+        if step.finish_reason == "cancelled" and self.engine._closed:
+            raise EngineClosed(self.engine._closed)    # not the user's Stop: the answer says why it ended
         return step
 
     def _end(self) -> None:
@@ -355,14 +357,17 @@ class ChatEngine:
             return
         ticket = self.queue.join()
         try:
-            while (ahead := self.queue.wait(ticket, 0.25)) > 0:
+            # the Stop checked before the place: one pressed as the turn came (or with nobody ahead) is said too
+            # (it ended the request without a word, the status line saying Ready as if it had answered)
+            while True:
+                ahead = self.queue.wait(ticket, 0.25)
                 if session.cancel.is_set() or self._closed:
                     yield Update(error=f"stopped while waiting: {self._closed}" if self._closed else
                                  "stopped while waiting for the model", done=True)
                     return
+                if not ahead:
+                    break
                 yield Update(queued=ahead)
-            if session.cancel.is_set():
-                return
             caches = session.caches_for(self)
             pane_caches = [caches.setdefault(name, new_cache(self.model)) for name in passes]
             # Both panes prefill the same tokens: a pane whose cache fell behind (compare was off for some
@@ -370,7 +375,10 @@ class ChatEngine:
             shared = min(cache.reuse_prefix(prompt_ids) for cache in pane_caches)
             for cache in pane_caches:
                 cache.rewind(shared)
-            runs = [DecoderRun(self, name, prompt_ids, config, tree_name, tree, cache, session.cancel.is_set)
+            # the prompt's pieces are read inside one call: the unloaded or replaced model stops between them
+            # too (it read a long prompt to its end, taking the cores from the model after it)
+            runs = [DecoderRun(self, name, prompt_ids, config, tree_name, tree, cache,
+                               lambda: session.cancel.is_set() or self._closed is not None)
                     for name, cache in zip(passes, pane_caches)]
             if any(needs_capture(self.model, r.cache, r.tree, config, len(prompt_ids)) for r in runs):
                 yield Update(notice=PREPARING)

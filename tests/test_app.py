@@ -716,6 +716,48 @@ def engine(model_dirs):
     return ChatEngine(load(LoadSpec(model=str(backbone), heads=str(heads), device="cpu")), max_new_tokens=64)
 
 
+def test_a_stop_as_the_turn_comes_is_said(engine):
+    """A Stop pressed as the request's turn in the queue came (or with nobody ahead) ends it saying so: it
+    ended without a word, and the page's status line said Ready as if it had answered."""
+    from app.session import Session
+    from app.settings import Settings
+
+    session = Session()
+    session.cancel.set()
+    prompt = engine.prompt_ids([{"role": "user", "content": "hi"}], None)
+    updates = list(engine.answer(session, prompt, Settings(max_new_tokens=4)))
+    assert [(u.error, u.done) for u in updates] == [("stopped while waiting for the model", True)]
+
+
+def test_an_unloaded_model_stops_reading_a_long_prompt(model_dirs, monkeypatch):
+    """Unload (or another model loaded) while a long prompt is read: the old model stops at the next piece,
+    and the answer says why (it read the whole prompt first: on a CPU, tens of seconds of both cores taken
+    from the model after it)."""
+    from app.engine import ChatEngine
+    from app.session import Session
+    from app.settings import Settings
+    from medusa_core.decoding import generate as loop
+    from medusa_core.loading.load import load
+    from medusa_core.loading.spec import LoadSpec
+
+    monkeypatch.setattr(loop, "PREFILL_PIECE", 8)
+    backbone, heads = model_dirs
+    engine = ChatEngine(load(LoadSpec(model=str(backbone), heads=str(heads), device="cpu")), max_new_tokens=8)
+    forwards = []
+
+    def counted(*args):
+        forwards.append(engine._closed)
+        if len(forwards) == 2:
+            engine.close()           # Unload, while the prompt's second piece is read
+
+    engine.model.get_decoder().register_forward_hook(counted)
+    prompt = engine.prompt_ids([{"role": "user", "content": "word " * 60}], None)
+    assert len(prompt) > 6 * 8, "a prompt of many pieces"
+    last = list(engine.answer(Session(), prompt, Settings(max_new_tokens=4)))[-1]
+    assert forwards.count("the model was unloaded") == 0, "the unloaded model read on"
+    assert last.error == "stopped: the model was unloaded" and last.done and not last.tokens
+
+
 def test_full_context_cuts_oldest_turns_and_keeps_answering(engine):
     """Issue #13.4: past the context the oldest exchanges leave the prompt (the system prompt
     stays) with a notice, answers keep coming, and the reused cache rewinds correctly."""
