@@ -206,7 +206,12 @@ class ChatController:
         session.turns.append(turn)
         pending = (READOUT_PENDING, READOUT_PENDING if compare else "")
         yield self.views(session, None, None, "", "Starting…", "", blank=pending)
-        stats, base, comparison, error = yield from self._stream(session, turn, engine, prompt, settings, compare)
+        try:
+            stats, base, comparison, error = yield from self._stream(session, turn, engine, prompt, settings, compare)
+        except GeneratorExit:   # the request was cancelled mid-answer (a script's job.cancel()): nothing more
+            # can be shown, and what was shown stays in the next prompt, as after Stop (_stream keeps the reply)
+            turn.note = " · ".join(filter(None, [turn.note, "stopped: the request was cancelled"]))
+            raise
         turn.answered = {"settings": {k: v for k, v in asdict(settings).items() if k != "colour_heads"},
                          "medusa": stats.as_dict() if stats else None, "baseline": base.as_dict() if base else None}
         if compare and turn.reply is None and not turn.note:
@@ -249,7 +254,9 @@ class ChatController:
             if update.pass_name == BASELINE:
                 turn.baseline, turn.baseline_shown, base = update.plain, shown, measured or base
             else:
-                turn.shown, stats = shown, measured or stats
+                # the reply so far, not only the last: an answer cut off here is in the next prompt as it is
+                # shown (one whose request was cancelled mid-answer was shown and silently left out)
+                turn.shown, turn.reply, stats = shown, update.plain or None, measured or stats
                 if update.done:
                     # stopped before its first token (a long prompt being read): like a failed message,
                     # it goes back to the box and stays out of the next prompt

@@ -662,6 +662,30 @@ def test_the_api_leaves_room_for_the_tree_only_where_medusa_runs(engine):
         prompt_for(engine, request((MEDUSA,)))
 
 
+def test_an_answer_whose_request_is_cancelled_stays_in_the_next_prompt(model_dirs):
+    """A request cancelled mid-answer (a script's job.cancel(): Gradio closes the handler) keeps what it
+    showed, in the conversation and in the next prompt, with a note, as after Stop: it stayed on screen
+    and was silently left out of the prompt."""
+    from app.chat_controller import ChatController
+    from app.models import ModelSlot
+    from app.session import Session
+    from medusa_core.loading.spec import LoadSpec
+
+    backbone, heads = model_dirs
+    slot = ModelSlot(log=lambda line: None)
+    slot.start(LoadSpec(model=str(backbone), heads=str(heads), device="cpu"))
+    assert slot.wait(120).phase == "ready"
+    chat, session = ChatController(slot), Session()
+    answer = chat.run(session, "first", "", False, dict(mode="greedy", max_new_tokens=200, tree="baseline"))
+    for *_, raw, _box in answer:
+        if (raw.get("medusa") or {}).get("tokens", 0) > 5:
+            break
+    answer.close()
+    turn = session.turns[-1]
+    assert turn.reply and turn.note == "stopped: the request was cancelled" and not session.busy.locked()
+    assert [(user, reply) for _, user, reply in session.exchanges()] == [("first", turn.reply)]
+
+
 def test_regenerate_while_answering_changes_nothing():
     """A second Regenerate click (or one during a Send) must not pop the exchange being answered."""
     from app.chat_controller import ChatController
