@@ -171,16 +171,26 @@ class ModelSlot:
     def _set(self, phase: str, line: str, engine: ChatEngine | None = None, replace_engine: bool = False,
              error: str | None = None) -> None:
         with self._lock:
-            self._error = error
-            old = self.engine
-            if replace_engine:
-                self.engine = engine
-                self._engine_version += 1
-            self._phase, self._line = phase, line
-            self._version += 1
-            self._ready.notify_all()
-        if replace_engine and old is not None:
-            old.close("another model was loaded: ask again to have it answer" if engine is not None else
+            old = self._commit(phase, line, engine, replace_engine, error)
+        self._retire(old, engine)
+
+    def _commit(self, phase: str, line: str, engine: ChatEngine | None, replace_engine: bool,
+                error: str | None) -> ChatEngine | None:
+        """The new state, under the lock; the engine it replaces, to retire once the lock is let go."""
+        self._error = error
+        old = self.engine
+        if replace_engine:
+            self.engine = engine
+            self._engine_version += 1
+        self._phase, self._line = phase, line
+        self._version += 1
+        self._ready.notify_all()
+        return old if replace_engine else None
+
+    @staticmethod
+    def _retire(old: ChatEngine | None, new: ChatEngine | None) -> None:
+        if old is not None:
+            old.close("another model was loaded: ask again to have it answer" if new is not None else
                       "the model was unloaded")
             del old
             _free_memory()
@@ -205,10 +215,13 @@ class ModelSlot:
         return None
 
     def unload(self) -> str:
+        # the check and the change in one hold of the lock: a Load started between them ran while the slot
+        # said "No model loaded", and a second Load was taken beside it
         with self._lock:
             if self._phase == "loading":
                 return "a model is loading: unload it once it has loaded"
-        self._set("empty", EMPTY_LINE, None, replace_engine=True)
+            old = self._commit("empty", EMPTY_LINE, None, True, None)
+        self._retire(old, None)
         line = f"Model unloaded · {memory_now()}"
         self._log(line)
         return line

@@ -1054,6 +1054,49 @@ def test_a_load_that_fails_unforeseen_ends_and_keeps_the_old_model(model_dirs):
     assert slot.wait(60).phase == "ready"
 
 
+def test_a_load_pressed_during_an_unload_runs_alone_and_is_said(model_dirs, monkeypatch):
+    """Load pressed in another tab while Unload changes the slot: the load waits for the change and then
+    shows as loading (the slot said "No model loaded" while it ran, and took a second Load beside it)."""
+    import threading
+
+    from app.models import ModelSlot
+    from medusa_core.loading.load import load
+    from medusa_core.loading.spec import LoadSpec
+
+    backbone, heads = model_dirs
+    spec, loads, gate = LoadSpec(model=str(backbone), heads=str(heads), device="cpu"), [], threading.Event()
+
+    def gated(s, progress):
+        loads.append(s)
+        if len(loads) > 1:
+            gate.wait(60)       # the second load runs until the checks below are done
+        return load(s, progress)
+
+    slot = ModelSlot(loader=gated, log=lambda line: None)
+    slot.start(spec)
+    assert slot.wait(60).phase == "ready"
+    commit, pressed = ModelSlot._commit, []
+
+    def unloading(self, phase, *args):
+        if phase == "empty":        # another tab's Load lands in the middle of the Unload
+            other = threading.Thread(target=lambda: pressed.append(slot.start(spec)))
+            other.start()
+            other.join(0.3)
+        return commit(self, phase, *args)
+
+    monkeypatch.setattr(ModelSlot, "_commit", unloading)
+    slot.unload()
+    monkeypatch.setattr(ModelSlot, "_commit", commit)
+    deadline = time.time() + 10
+    while not pressed and time.time() < deadline:
+        time.sleep(0.05)
+    assert pressed == [None], "the Load was taken"
+    assert slot.state().phase == "loading", slot.state().line
+    assert "still loading" in (slot.start(spec) or ""), "a second Load was taken beside the first"
+    gate.set()
+    assert slot.wait(60).phase == "ready" and slot.engine is not None and len(loads) == 2
+
+
 def test_first_capture_is_announced_and_clear_keeps_the_caches(engine, monkeypatch):
     """Issue #10: when the next generate() will first capture a CUDA graph, the stream says so
     before the reply; a new conversation rewinds the caches (keeping their graphs) instead of
