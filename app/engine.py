@@ -105,6 +105,9 @@ class DecoderRun:
         if step is None:
             self.done = True
             return None
+        closed = step.finish_reason == "cancelled" and self.engine._closed
+        if closed:        # the model went (Unload, another model), not the user's Stop: ended as interrupted
+            step = replace(step, finish_reason=None)
         self.meter.add(step)
         self.tokens.extend(step.tokens)
         for i, token in enumerate(step.tokens):
@@ -113,8 +116,8 @@ class DecoderRun:
                 self.segments.append((piece, i < step.from_heads))
         if step.finish_reason:
             self._end()
-        if step.finish_reason == "cancelled" and self.engine._closed:
-            raise EngineClosed(self.engine._closed)    # not the user's Stop: the answer says why it ended
+        if closed:
+            raise EngineClosed(self.engine._closed)    # the answer says why it ended
         return step
 
     def _end(self) -> None:
