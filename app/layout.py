@@ -112,7 +112,10 @@ def decoding_controls(max_new_tokens: int, start: Settings) -> dict:
     return {
         "mode": gr.Radio(MODE_CHOICES, value=start.mode, label=limits("mode").label),
         **{name: _number_control(name, getattr(start, name), interactive=enabled[name]) for name in SAMPLING},
-        "max_new_tokens": gr.Slider(limits("max_new_tokens").low, MAX_NEW_LIMIT, value=max_new_tokens, step=1,
+        # --max-new-tokens past the usual top raises it: a value above the slider's maximum broke the whole page
+        # (an Error on every component, Send off); the model's context becomes the top once it has loaded
+        "max_new_tokens": gr.Slider(limits("max_new_tokens").low, max(MAX_NEW_LIMIT, max_new_tokens),
+                                    value=max_new_tokens, step=1,
                                     label=limits("max_new_tokens").label, elem_id="max-new"),
         # "" = the model's default tree (the choices arrive with the model)
         "tree": gr.Dropdown([], value="", label="Tree (node count)", elem_id="tree", allow_custom_value=True),

@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fastapi import Request
@@ -86,6 +86,7 @@ class ChatRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    length_given: bool = True        # max_tokens named; else the server's default, cut to what fits (prompt_for)
 
 
 # ---------------------------------------------------------------- reading a request
@@ -257,7 +258,8 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
         raise ApiError(400, str(err), param="medusa", code="invalid_value") from None
     except EngineClosed as closed:   # another model loaded (or none) while the request was read
         raise ApiError(503, str(closed), kind="server_error", code="model_changed") from None
-    return ChatRequest(texts, settings, passes, tuple(stop), stream, bool(options.get("include_usage")))
+    return ChatRequest(texts, settings, passes, tuple(stop), stream, bool(options.get("include_usage")),
+                       max_tokens is not None)
 
 
 def accepted(body: bytes, engine: ChatEngine) -> tuple[ChatRequest, list[int]]:
@@ -266,12 +268,16 @@ def accepted(body: bytes, engine: ChatEngine) -> tuple[ChatRequest, list[int]]:
     piece that can take seconds on a CPU, and the whole server (page streams, Stop, other requests) froze
     meanwhile."""
     chat = parse_chat(read_body(body), engine, model_id(engine))
-    return chat, prompt_for(engine, chat)
+    ids, chat = prompt_for(engine, chat)
+    return chat, ids
 
 
-def prompt_for(engine: ChatEngine, request: ChatRequest) -> list[int]:
-    """The prompt's token ids; a conversation that does not fit the context with the reply is refused
-    (a client owns its conversation, so nothing is dropped from it silently)."""
+def prompt_for(engine: ChatEngine, request: ChatRequest) -> tuple[list[int], ChatRequest]:
+    """The prompt's token ids, and the request with its reply's length: the server's default (--max-new-tokens)
+    cut to what the context leaves, where the request named none (with a default as long as the context,
+    every such request was refused, told to fix a max_tokens it never gave). A conversation that does not fit
+    the context with the reply it names is refused (a client owns its conversation, so nothing is dropped
+    from it silently)."""
     chars = sum(len(m.get("content") or "") if isinstance(m, dict) and isinstance(m.get("content"), str) else 0
                 for m in request.messages)
     if chars > 32 * engine.context:      # no tokenizer packs 32 characters a token: refused untokenized
@@ -287,6 +293,8 @@ def prompt_for(engine: ChatEngine, request: ChatRequest) -> list[int]:
     if room < 1:        # no max_tokens can help
         raise ApiError(400, f"the messages take {len(ids):,} tokens, more than the model's {engine.context:,}-token "
                             "context leaves for a reply: shorten them", param="messages", code="context_length_exceeded")
+    if room < request.settings.max_new_tokens and not request.length_given:
+        return ids, replace(request, settings=replace(request.settings, max_new_tokens=room))
     if room < request.settings.max_new_tokens:
         # the last step's tree is named: without it the sum fell short of the context it was said to exceed
         reply = request.settings.max_new_tokens
@@ -294,7 +302,7 @@ def prompt_for(engine: ChatEngine, request: ChatRequest) -> list[int]:
                             f"{tree_size:,} ({len(ids) + reply + tree_size:,} in all), more than the model's "
                             f"{engine.context:,}-token context: give max_tokens {room:,} or less, or shorten the "
                             "messages", param="messages", code="context_length_exceeded")
-    return ids
+    return ids, request
 
 
 # ---------------------------------------------------------------- answering

@@ -224,6 +224,20 @@ def test_no_event_but_the_tabs_own_replaces_its_session():
     assert first is not second and not first.turns and first.cancel is not second.cancel
 
 
+def test_a_long_max_new_tokens_flag_fits_the_page():
+    """--max-new-tokens past the slider's usual top (4096) raises the top: the value above it broke the whole
+    page (an Error on every component, the status line wrong, Send off)."""
+    import gradio as gr
+
+    from app.models import ModelSlot
+    from app.ui import build_ui
+
+    demo = build_ui(ModelSlot(max_new_tokens=5000, log=lambda line: None))
+    (slider,) = [b for b in demo.blocks.values() if isinstance(b, gr.Slider) and b.elem_id == "max-new"]
+    assert slider.value == 5000 and slider.maximum >= 5000
+    slider.postprocess(5000)          # what every event that outputs it does: it raised "greater than maximum"
+
+
 def test_the_plain_pane_shows_no_answer_plain_decoding_did_not_give():
     from app.chat_controller import display
     from app.engine import BASELINE
@@ -657,9 +671,28 @@ def test_the_api_leaves_room_for_the_tree_only_where_medusa_runs(engine):
     def request(passes):
         return ChatRequest(messages, settings, passes, (), False, False)
 
-    assert prompt_for(engine, request((BASELINE,))) == ids
+    assert prompt_for(engine, request((BASELINE,))) == (ids, request((BASELINE,)))
     with pytest.raises(ApiError, match="give max_tokens"):
         prompt_for(engine, request((MEDUSA,)))
+
+
+def test_the_apis_default_reply_length_is_cut_to_what_fits(engine):
+    """A request without max_tokens gets the server's default (--max-new-tokens) cut to what the context
+    leaves: with a default as long as the context, every such request was refused and told to fix a
+    max_tokens it never gave. A max_tokens the request names is never cut."""
+    from dataclasses import replace
+
+    from app.engine import MEDUSA
+    from app.openai_api import ApiError, ChatRequest, prompt_for
+    from app.settings import Settings
+
+    messages = [{"role": "user", "content": "hi"}]
+    unnamed = ChatRequest(messages, Settings(max_new_tokens=engine.context, tree="small-16"), (MEDUSA,), (), False,
+                          False, length_given=False)
+    ids, fitted = prompt_for(engine, unnamed)
+    assert fitted.settings.max_new_tokens == engine.context - len(ids) - engine.tree("small-16").size
+    with pytest.raises(ApiError, match="give max_tokens"):
+        prompt_for(engine, replace(unnamed, length_given=True))
 
 
 def test_an_answer_whose_request_is_cancelled_stays_in_the_next_prompt(model_dirs):
