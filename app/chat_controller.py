@@ -22,6 +22,8 @@ from .session import Session, Turn
 from .settings import Settings, flag
 from .transcript import export_folder, from_saved, saved_compare, saved_system, to_saved, write_exports
 
+# a Stop pressed while the request waited for the tab's previous answer to end (Session.start_request)
+STOPPED_BEFORE_START = "stopped before it started"
 INTERRUPTED = "the page was reloaded before this answer finished: press Regenerate to answer it"
 NOT_COMPARED = "plain decoding did not answer this message (compare was off): Medusa's answer is in its pane"
 BUSY = "Still answering your previous message: wait, or press Stop"
@@ -150,21 +152,28 @@ class ChatController:
         return controls
 
     @staticmethod
-    def take_turn(session: Session) -> bool:
+    def take_turn(session: Session) -> int | None:
         """The tab's lock: at once, or, where Stop (or Clear) was pressed and the answer is ending, as soon
-        as it has ended: a message sent right after Stop is answered, not refused."""
+        as it has ended: a message sent right after Stop is answered, not refused. The Stop count the request
+        came after (Session.start_request); None: refused."""
+        seen = session.stops
         if session.busy.acquire(blocking=False):
-            return True
-        return session.cancel.is_set() and session.busy.acquire(timeout=STOPPING_WAIT_S)
+            return seen
+        if not session.cancel.is_set():
+            return None
+        seen = session.stops      # read after the flag: the Stop this message follows is counted
+        return seen if session.busy.acquire(timeout=STOPPING_WAIT_S) else None
 
     def run(self, session: Session, message, system, compare, controls: dict, shown=None) -> Iterator[tuple]:
         """One request from the tab; ``controls`` are the raw control values by Settings field name, ``shown``
         the model version the tab's controls show (for_engine)."""
-        if not self.take_turn(session):
+        seen = self.take_turn(session)
+        if seen is None:
             yield self.refused(BUSY + " (your text stays in the box)")
             return
         try:
-            yield from self._run(session, str(message or "").strip(), str(system or ""), compare, controls, shown)
+            yield from self._run(session, str(message or "").strip(), str(system or ""), compare, controls, shown,
+                                 seen)
         finally:
             session.busy.release()
 
@@ -176,14 +185,17 @@ class ChatController:
         gr.Warning(reason)
         return (*[gr.update()] * 6, {"error": reason}, gr.update())
 
-    def _run(self, session: Session, message: str, system: str, compare, controls: dict, shown) -> Iterator[tuple]:
-        """``compare`` and ``controls`` as the page or a script sent them: checked here."""
+    def _run(self, session: Session, message: str, system: str, compare, controls: dict, shown,
+             seen: int | None) -> Iterator[tuple]:
+        """``compare`` and ``controls`` as the page or a script sent them: checked here. ``seen``: the Stop count
+        the request came after (None: already started, by regenerate)."""
         if not message:
             yield self.refused("The message is empty: type a question, then send")
             return
         session.drop_resent()
-        if not session.closed:        # a closed tab's request keeps its Stop set: it ends at once
-            session.cancel.clear()
+        if seen is not None and not session.start_request(seen):
+            yield self.failed(session, message, f"{STOPPED_BEFORE_START}: the message is back in the box")
+            return
         got, waited = None, False
         for got in self.engine_or_wait(session):
             if isinstance(got, str) and got.startswith("⏳"):
@@ -272,7 +284,8 @@ class ChatController:
 
     def regenerate(self, session: Session, system, compare, controls: dict, shown=None) -> Iterator[tuple]:
         # the tab's lock first: a second click while the first regenerates must not pop the turn it answers
-        if not self.take_turn(session):
+        seen = self.take_turn(session)
+        if seen is None:
             yield self.refused(BUSY)
             return
         try:
@@ -289,9 +302,12 @@ class ChatController:
             except (ValueError, EngineClosed) as err:
                 yield self.refused(f"{said(err)} (the answer stays as it was)")
                 return
+            if not session.start_request(seen):
+                yield self.refused(f"{STOPPED_BEFORE_START} (the answer stays as it was)")
+                return
             message = session.turns.pop().user
             session.first_turn = min(session.first_turn, len(session.turns))
-            yield from self._run(session, message, str(system or ""), compare, controls, shown)
+            yield from self._run(session, message, str(system or ""), compare, controls, shown, None)
         finally:
             session.busy.release()
 
@@ -383,7 +399,7 @@ def wire_chat(page: Page, chat: ChatController) -> dict:
             max_new_tokens=max_new_tokens, tree=tree, seed=seed, colour_heads=colour_heads), shown_version)
 
     def on_stop(session: Session):
-        session.cancel.set()  # the loop checks it after every token: generation ends within one step
+        session.stop()  # the loop checks it after every token: generation ends within one step
 
     def stop_state(session: Session):
         """After a send or a regenerate: Stop stays on while the tab still answers or has a send still to

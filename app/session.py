@@ -33,6 +33,9 @@ class Session:
         self.turns: list[Turn] = []
         self.first_turn = 0                 # turns before this were cut to fit the context
         self.cancel = threading.Event()
+        # Stop presses so far: a message that waited for the tab's turn (the answer before it ending) is stopped
+        # by a Stop pressed meanwhile, which clearing the flag for it wiped
+        self.stops, self._stop_lock = 0, threading.Lock()
         self.closed = False                 # the tab was closed or reloaded: what it asked before then does not run
         # {pass: KV cache} under the engine they belong to, held weakly: an unloaded or replaced model's
         # caches go with its engine (SmolLM2's held 250 MiB past Unload until the tab's next message)
@@ -41,6 +44,21 @@ class Session:
         # the page's sends and regenerates whose events have not all run yet: Stop stays on while there is one
         self._sends, self._sends_lock = 0, threading.Lock()
         self.export_dir: Path | None = None  # the tab's export files (app/transcript.py), made on first use
+
+    def stop(self) -> None:
+        with self._stop_lock:
+            self.stops += 1
+            self.cancel.set()
+
+    def start_request(self, stops_seen: int) -> bool:
+        """A request that has the tab's turn begins: False where Stop was pressed since it came (``stops_seen``,
+        the count then), and it does not run; else Stop is cleared for it (a closed tab's stays set: it ends)."""
+        with self._stop_lock:
+            if self.stops != stops_seen:
+                return False
+            if not self.closed:
+                self.cancel.clear()
+            return True
 
     def send_started(self) -> None:
         with self._sends_lock:

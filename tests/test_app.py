@@ -197,11 +197,11 @@ def test_a_message_sent_just_after_stop_waits_for_the_stopped_answer():
 
     session = Session()
     session.busy.acquire()                      # an answer is running
-    assert not ChatController.take_turn(session)
-    session.cancel.set()                        # Stop: the answer ends after its current step
+    assert ChatController.take_turn(session) is None
+    session.stop()                              # Stop: the answer ends after its current step
     threading.Timer(0.3, session.busy.release).start()
     started = time.monotonic()
-    assert ChatController.take_turn(session) and time.monotonic() - started >= 0.2
+    assert ChatController.take_turn(session) == 1 and time.monotonic() - started >= 0.2
     session.busy.release()
 
 
@@ -717,6 +717,49 @@ def test_an_answer_whose_request_is_cancelled_stays_in_the_next_prompt(model_dir
     turn = session.turns[-1]
     assert turn.reply and turn.note == "stopped: the request was cancelled" and not session.busy.locked()
     assert [(user, reply) for _, user, reply in session.exchanges()] == [("first", turn.reply)]
+
+
+def test_a_stop_pressed_while_a_message_waits_for_the_last_answer_stops_it(model_dirs):
+    """Stop, a message sent at once (it waits for the stopped answer to end), and Stop again: the second
+    Stop stops that message before it starts (clearing the flag for it wiped the second Stop, and it ran to
+    its max new tokens). A message sent after a Stop, with no Stop after it, is answered."""
+    import threading
+
+    from app.chat_controller import ChatController
+    from app.models import ModelSlot
+    from app.session import Session
+    from medusa_core.loading.spec import LoadSpec
+
+    backbone, heads = model_dirs
+    slot = ModelSlot(log=lambda line: None)
+    slot.start(LoadSpec(model=str(backbone), heads=str(heads), device="cpu"))
+    assert slot.wait(120).phase == "ready"
+    slow = slot.engine.model.get_decoder().register_forward_hook(lambda *args: time.sleep(1.0))   # a step: 1 s
+    chat, session, first, second = ChatController(slot), Session(), [], []
+    settings = dict(mode="greedy", max_new_tokens=40, tree="baseline")
+
+    def ask(message, into):
+        return threading.Thread(target=lambda: into.extend(chat.run(session, message, "", False, settings)))
+
+    answering = ask("first", first)
+    answering.start()
+    deadline = time.monotonic() + 60
+    while not any((u[6].get("medusa") or {}).get("tokens") for u in first) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    session.stop()
+    waiting = ask("second", second)
+    waiting.start()
+    time.sleep(0.3)               # "second" waits for the tab's turn: "first" ends at its step's end
+    assert session.busy.locked() and waiting.is_alive()
+    session.stop()
+    answering.join(30)
+    waiting.join(30)
+    *_, raw, box = second[-1]
+    assert raw.get("error") == "stopped before it started: the message is back in the box" and box == "second", raw
+    slow.remove()
+    session.stop()                # a Stop with nothing running, then a message: it is answered
+    *_, raw, _ = list(chat.run(session, "third", "", False, dict(settings, max_new_tokens=4)))[-1]
+    assert raw["medusa"]["tokens"] == 4, raw
 
 
 def test_regenerate_while_answering_changes_nothing():
