@@ -281,6 +281,11 @@ def test_choose_takes_the_best_expected_speedup_and_refuses_a_loss():
     # every tree slower than plain decoding: the baseline, with the best loser reported
     chosen, speedup, best, best_speedup, _ = tree_tuning.choose(acc, {1: 1.0, 2: 1.6, 3: 2.0})
     assert (chosen, speedup, best) == (1, 1.0, 2) and best_speedup < tree_tuning.MIN_SPEEDUP
+    # a plain step measured slower than the trees (load noise): no tree costs less than it, so heads that
+    # never hit (1.00 tokens a step) expect no speedup (they expected 1.13x, and their tree ran)
+    never = [[0.0, 0.0], [0.0, 0.0]]
+    chosen, speedup, best, best_speedup, fitted = tree_tuning.choose(never, {1: 1.13, 2: 1.0, 3: 1.0})
+    assert (chosen, speedup) == (1, 1.0) and best_speedup == pytest.approx(1.0) and min(fitted.values()) == 1.13
 
 
 def test_sizes_that_cannot_win_are_not_timed_again():
