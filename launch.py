@@ -12,6 +12,7 @@ where another model can be picked.
 from __future__ import annotations
 
 import argparse
+import errno
 import hmac
 import ipaddress
 import os
@@ -26,7 +27,7 @@ QUANTS = ("auto", "nf4", "int8", "int4", "none")
 DTYPES = ("float32", "bfloat16", "float16")
 HEADS_QUANTS = ("none", "nf4")
 NF4_KERNELS = ("auto", "triton", "bnb", "repacked", "repacked-exact")
-LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
+LOCAL_HOSTS = {"127.0.0.1", "localhost"}
 API_KEY_ENV = "MEDUSA_CHAT_API_KEY"     # the same name as app.openai_api's (kept here: --help imports no torch)
 
 
@@ -112,15 +113,20 @@ def check_flags(args: argparse.Namespace) -> None:
 def port_free(host: str, port: int) -> bool:
     """Whether the server can listen on ``port``: bound as uvicorn binds, with SO_REUSEADDR, so that the
     connections of an app just stopped (TIME_WAIT for a minute) do not make its port look busy to a
-    restart; a socket listening there still does."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
+    restart; a socket listening there still does. A host that cannot be bound at all, or a port that needs
+    privileges, exits with its own line (each was told the port was busy)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         if os.name == "posix":   # on Windows it lets a bind share a port another program listens on
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
-        except OSError:
-            return False
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                return False
+            if err.errno == errno.EACCES:
+                fail(f"port {port} on {host} needs administrator rights: pass a --port above 1023")
+            fail(f"--host {host} cannot be bound ({err.strerror or err}): give an address of this machine, such as "
+                 "127.0.0.1 (this machine only) or 0.0.0.0 (every network interface)")
     return True
 
 
@@ -134,8 +140,7 @@ def pick_port(host: str, wanted: int | None) -> int:
         return wanted
     if port_free(host, DEFAULT_PORT):
         return DEFAULT_PORT
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
 
@@ -173,6 +178,9 @@ def load_spec(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if ":" in args.host:    # Gradio writes its own URL without the brackets an IPv6 address needs, and fails on it
+        fail(f"--host {args.host} is an IPv6 address, which the web server cannot serve: use 127.0.0.1 (this machine "
+             "only) or 0.0.0.0 (every network interface)")
     # A model server on the network without a key is used unattended by whatever finds it: the OpenAI
     # API, and the page too, which is itself a scripting API (/send): refused
     exposed = (f"--host {args.host} would serve the chat and its APIs to anyone on your network"
@@ -206,11 +214,10 @@ def main(argv: list[str] | None = None) -> int:
                     auth_message="This chat has a key (--api-key): any user name, and the key as the password.")
     except OSError as err:  # the port was taken between our check and the bind
         fail(f"cannot serve on {args.host}:{port} ({err.strerror or err}): pass another --port")
-    url_host = f"[{args.host}]" if ":" in args.host else args.host
     login = "; the page asks for the key as its password" if args.api_key else ""
-    print(f"Serving on http://{url_host}:{port}  (Ctrl+C to quit){login}; the model loads in the background", flush=True)
+    print(f"Serving on http://{args.host}:{port}  (Ctrl+C to quit){login}; the model loads in the background", flush=True)
     if not args.no_api:
-        print(f"OpenAI-compatible API: http://{url_host}:{port}/v1  (POST /v1/chat/completions, GET /v1/models"
+        print(f"OpenAI-compatible API: http://{args.host}:{port}/v1  (POST /v1/chat/completions, GET /v1/models"
               f"{'; key required' if args.api_key else ''})", flush=True)
     slot.start(spec)
     try:

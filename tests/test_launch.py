@@ -52,6 +52,22 @@ def test_busy_port_is_one_line_and_exit_1():
     assert error_lines(proc) == [f"error: port {port} on 127.0.0.1 is busy: stop what uses it or pass another --port"]
 
 
+def test_a_host_that_cannot_be_served_is_one_line_that_says_so():
+    """An IPv6 address (Gradio serves none: it crashed with a traceback on "::1"), and an address that is no
+    host or not this machine's (192.0.2.1 is reserved for documentation: no machine has it) (each was told
+    "port ... is busy")."""
+    port = str(free_port())
+    for host, says in (("::1", "error: --host ::1 is an IPv6 address, which the web server cannot serve: use "
+                                "127.0.0.1 (this machine only) or 0.0.0.0 (every network interface)"),
+                       ("not a host", "error: --host not a host cannot be bound ("),
+                       ("192.0.2.1", "error: --host 192.0.2.1 cannot be bound (")):
+        proc = run("--host", host, "--api-key", "k", "--port", port, "--device", "cpu", timeout=60)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-500:]
+        lines = error_lines(proc)
+        assert len(lines) == 1 and lines[0].startswith(says), lines
+        assert "busy" not in lines[0]
+
+
 def test_missing_model_is_one_line_and_exit_1(tmp_path):
     proc = run("--model", str(tmp_path / "no-such-model"), "--device", "cpu", "--port", str(free_port()))
     assert proc.returncode == 1
