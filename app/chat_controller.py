@@ -22,6 +22,7 @@ from .session import Session, Turn
 from .settings import Settings, flag
 from .transcript import export_folder, from_saved, saved_compare, saved_system, to_saved, write_exports
 
+WAITING_FOR_LOAD = "waiting for the model to load: the answer starts once it is ready (Stop gives the message back)"
 # a Stop pressed while the request waited for the tab's previous answer to end (Session.start_request)
 STOPPED_BEFORE_START = "stopped before it started"
 INTERRUPTED = "the page was reloaded before this answer finished: press Regenerate to answer it"
@@ -196,11 +197,22 @@ class ChatController:
         if seen is not None and not session.start_request(seen):
             yield self.failed(session, message, f"{STOPPED_BEFORE_START}: the message is back in the box")
             return
-        got, waited = None, False
-        for got in self.engine_or_wait(session):
-            if isinstance(got, str) and got.startswith("⏳"):
-                waited = True
-                yield self.views(session, None, None, "", got)
+        got, waiting = None, None
+        try:
+            for got in self.engine_or_wait(session):
+                if isinstance(got, str) and got.startswith("⏳"):
+                    if waiting is None:   # in the chat while it waits, as a queued message is (it sat in the box
+                        waiting = Turn(user=message, note=WAITING_FOR_LOAD)     # as if Enter had done nothing)
+                        session.turns.append(waiting)
+                    yield self.views(session, None, None, "", got, "")
+        finally:
+            cleared = waiting is not None and not any(t is waiting for t in session.turns)
+            if waiting is not None and not cleared:
+                session.turns.remove(waiting)         # the answer (or the failure) takes its place
+        if cleared:       # Clear while it waited: the conversation is gone, this message with it
+            yield self.views(session, None, None, "", self.slot.state().line, blank=(READOUT_HINT, ""))
+            return
+        waited = waiting is not None
         try:
             if isinstance(got, str):
                 raise ValueError(got)

@@ -1308,10 +1308,11 @@ def test_a_script_learns_whether_its_load_failed(model_dirs, tmp_path):
 
 def test_a_message_sent_while_another_model_loads_waits_for_it(model_dirs):
     """README: while another model loads, the current one stays, and a message sent meanwhile waits
-    for the new one, saying so, and is answered by it; Stop while it waits gives the message back."""
+    for the new one, saying so, in the chat (it sat in the box as if Enter had done nothing), and is answered
+    by it; Stop while it waits gives the message back; Clear while it waits clears it too (it came back)."""
     import threading
 
-    from app.chat_controller import ChatController
+    from app.chat_controller import WAITING_FOR_LOAD, ChatController
     from app.models import ModelSlot
     from app.session import Session
     from medusa_core.loading.load import load
@@ -1325,7 +1326,8 @@ def test_a_message_sent_while_another_model_loads_waits_for_it(model_dirs):
     slot.start(spec)
     assert slot.wait(120).phase == "ready"
     chat, first = ChatController(slot), slot.engine
-    for stop in (False, True):
+    for then in ("answer", "stop", "clear"):
+        stop = then == "stop"
         gate.clear()
         slot.start(spec)
         session, updates = Session(), []
@@ -1340,7 +1342,16 @@ def test_a_message_sent_while_another_model_loads_waits_for_it(model_dirs):
         while not any("Waiting for the model" in (u[5] or "") for u in updates) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert any("Waiting for the model" in (u[5] or "") for u in updates), "the waiting message is not told why"
-        if stop:
+        chat_pane, *_, box = next(u for u in updates if "Waiting for the model" in (u[5] or ""))
+        assert texts(chat_pane)[-2:] == [("user", "hello"), ("assistant", f"⚠️ {WAITING_FOR_LOAD}")], texts(chat_pane)
+        assert box == "", "the message left the box for the chat"
+        if then == "clear":
+            chat.clear(session)
+            asked.join(30)
+            assert not asked.is_alive() and session.turns == [], [t.user for t in session.turns]
+            gate.set()
+            assert slot.wait(120).phase == "ready"
+        elif stop:
             session.cancel.set()
             asked.join(30)
             assert not asked.is_alive(), "Stop did not end a message waiting for a model"
