@@ -49,7 +49,7 @@ def medusa_pane(engine, tree_name: str | None = None) -> dict:
 MAX_STATUS_WAIT_S = 600    # the longest /model_status waits for a load (a hub download can take longer: ask again)
 
 # what ``sync`` updates, in its order (the Medusa pane last: only its title)
-MODEL_OUTPUTS = ("status", "note", "send", "tree", "max_new_tokens", "mode", *MODE_CONTROLS, "colour_heads", "timer",
+MODEL_OUTPUTS = ("model_status", "status", "note", "send", "tree", "max_new_tokens", "mode", *MODE_CONTROLS, "colour_heads", "timer",
                  "shown_version", "kept", "pane")
 
 
@@ -130,7 +130,11 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
         engine = state.engine
         cpu_default = engine is not None and engine.loaded.cpu_default
         note = cpu_default_note(engine.weights, str(engine.dtype).removeprefix("torch.")) if cpu_default else None
-        updates = {"status": state.line, "note": gr.update(visible=cpu_default, **({"value": note} if note else {})),
+        # the status line's first paragraph under the Load button too (the tree's is the status line's), for a
+        # change this page saw: on a phone the line at the top is far out of view, and a failed Load showed
+        # nothing where the user pressed it
+        under = state.line.split("\n\n")[0] if shown is not None else gr.update()
+        updates = {"status": state.line, "model_status": under, "note": gr.update(visible=cpu_default, **({"value": note} if note else {})),
                    "send": gr.update(interactive=engine is not None and not loading),
                    "timer": gr.Timer(active=loading), "shown_version": now}
         if shown is not None and shown[1] == state.engine_version:
@@ -170,14 +174,15 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
             spec = spec_for(choice, model_id, heads_id, base_spec)
         except ValueError as err:
             slot.dismiss_failure()      # this refusal is the news: an older load's error is not repeated beside it
-            return (f"❌ {err}", *page_only(sync(shown, max_new_value)))
+            return (f"❌ {err}", *page_only(sync(shown, max_new_value))[1:])
         refused = slot.start(spec)
         if refused:     # a toast: a line under the panel would still say "still loading" once it has loaded
             gr.Warning(refused)
-        return ("", *page_only(sync(shown, max_new_value)))
+        return (slot.state().line, *page_only(sync(shown, max_new_value))[1:])
 
     def on_unload(max_new_value, shown):
-        return (slot.unload(), *page_only(sync(shown, max_new_value)))
+        said = slot.unload()
+        return (said, *page_only(sync(shown, max_new_value))[1:])
 
     def watch(session: Session, shown):
         """Every 2 s: a model loaded, switched or unloaded elsewhere (another tab, the API) starts the sync timer,
@@ -215,7 +220,7 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
                     show_progress="hidden")
     # raw values (preprocess=False): a script's bad number reaches sync, which takes it as unset, instead of
     # Gradio's multi-line preprocessing error
-    buttons = [page.model_status, *(output for output in outputs if output is not page.shown_version)]
+    buttons = [output for output in outputs if output is not page.shown_version]    # the line under them first
     page.load.click(on_load_model, [page.known, page.model_box, page.heads_box, max_new, page.shown_version],
                     buttons, api_name="load_model", concurrency_limit=None, preprocess=False)
     page.unload.click(on_unload, [max_new, page.shown_version], buttons, api_name="unload_model",
@@ -244,6 +249,7 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
 
 
 def model_outputs(page: Page) -> list:
-    named = {"status": page.status, "note": page.note, "send": page.send, "timer": page.timer,
-             "shown_version": page.shown_version, "kept": page.kept, "pane": page.chat, **page.controls}
+    named = {"model_status": page.model_status, "status": page.status, "note": page.note, "send": page.send,
+             "timer": page.timer, "shown_version": page.shown_version, "kept": page.kept, "pane": page.chat,
+             **page.controls}
     return [named[name] for name in MODEL_OUTPUTS]

@@ -520,6 +520,8 @@ def test_a_failed_load_keeps_the_decoding_settings(page):
     # the loaded model in a few words, not its whole Ready paragraph again
     assert "· SmolLM2-135M-Instruct with its Medusa heads is still loaded" in status and "Ready" not in status
     assert "tree tuned for this machine" in status
+    # under the Load button too: on a phone the status line is far above it, out of view, and nothing showed
+    assert page.locator("#model-status").inner_text().strip() == status.split("\n")[0].strip()
     assert page.locator("input[value=greedy]").is_checked()
     assert tree.input_value().startswith("chain-2")
     # Load again with the field emptied: refused at once, and the old failure leaves the status line
