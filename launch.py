@@ -221,9 +221,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{'; key required' if args.api_key else ''})", flush=True)
     slot.start(spec)
     try:
-        demo.block_thread()
+        demo.block_thread()     # Ctrl+C: Gradio's own handler closes the server and returns
     except KeyboardInterrupt:
         demo.close()
+    if slot.state().phase == "loading":
+        # the load's thread is inside torch (converting, or timing trees): the interpreter's exit under it
+        # aborted ("terminate called without an active exception", exit 134); nothing it holds needs saving
+        # (the conversion and the tuner's cache write each land in one rename), so the process ends here
+        print("stopped while the model was loading", flush=True)
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

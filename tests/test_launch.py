@@ -68,6 +68,26 @@ def test_a_host_that_cannot_be_served_is_one_line_that_says_so():
         assert "busy" not in lines[0]
 
 
+def test_ctrl_c_while_the_tree_is_tuned_exits_cleanly(tmp_path):
+    """Ctrl+C while the load's thread times trees (inside torch): exit 0 with a line saying so. The
+    interpreter's exit under that thread aborted ("terminate called without an active exception", 134)."""
+    import signal
+    import time
+
+    from served import launched_process
+
+    log = tmp_path / "app.log"
+    with launched_process(["--device", "cpu", "--retune"], log, timeout=300) as (_, proc):
+        deadline = time.time() + 300     # a clean cache converts SmolLM2 first
+        while "warm-up" not in log.read_text():
+            assert time.time() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, log.read_text()
+    console = log.read_text()
+    assert "stopped while the model was loading" in console and "terminate called" not in console, console
+
+
 def test_missing_model_is_one_line_and_exit_1(tmp_path):
     proc = run("--model", str(tmp_path / "no-such-model"), "--device", "cpu", "--port", str(free_port()))
     assert proc.returncode == 1
