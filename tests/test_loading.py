@@ -331,6 +331,16 @@ def test_a_tree_for_a_model_without_heads_is_said_to_go_unused(root):
     assert load(LoadSpec(model=str(root / "backbone"), device="cpu")).tree_note == ""
 
 
+def test_a_tree_the_heads_cannot_run_keeps_the_model_and_says_so(root):
+    """--tree deeper than the heads: the model that loaded is kept with the tree it gets without --tree, and the
+    line says --tree's part (the load failed: the model was thrown away, leaving none)."""
+    without = load(LoadSpec(heads=str(root / "own"), device="cpu"))
+    loaded = load(LoadSpec(heads=str(root / "own"), device="cpu", tree="chain-9"))
+    assert loaded.default_tree == without.default_tree
+    assert loaded.tree_note == ("--tree chain-9 cannot run with these heads (tree depth 9 is more than the model's 5 "
+                                f"Medusa heads: use a tree of depth <= 5); instead: {without.tree_note}")
+
+
 def test_bad_options():
     with pytest.raises(LoadError, match="quant 'q3' is unknown"):
         load(LoadSpec(model="x/y", device="cpu", quant="q3"))

@@ -5,11 +5,12 @@ the heads carry accuracies, a preset where they do not)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from ..decoding.tree import build_tree_buffers, resolve_tree, tree_name
+from ..decoding.tree import TreeError, build_tree_buffers, resolve_tree, tree_name
 from ..errors import LoadError
 from ..heads.accuracy import head_accuracy
 from ..heads.medusa_heads import MedusaHeads
@@ -122,7 +123,13 @@ def pick_tree(spec: LoadSpec, model, tokenizer, heads: MedusaHeads | None, heads
         return "baseline", (f"--tree {spec.tree} is not used: this model has no Medusa heads, so it runs plain "
                             "decoding (add --heads)" if ignored else ""), None
     if spec.tree:
-        build_tree_buffers(resolve_tree(spec.tree), heads.config.num_heads)   # TreeError: it does not fit
+        try:
+            build_tree_buffers(resolve_tree(spec.tree), heads.config.num_heads)
+        except TreeError as err:   # deeper or wider than these heads: the model that loaded is kept, with the
+            # tree it gets without --tree (it was thrown away, leaving no model and no word of --tree's part)
+            tree, line, tuned = pick_tree(replace(spec, tree=None), model, tokenizer, heads, heads_dir, device,
+                                          bundled, quant, dtype, progress)
+            return tree, f"--tree {spec.tree} cannot run with these heads ({err}); instead: {line}", tuned
         return spec.tree, f"tree {tree_name(spec.tree)} (set by --tree)", None
     accuracy = head_accuracy(heads_dir, spec.heads, heads.config.num_heads,
                              calibration=CPU_DEFAULT_CALIBRATION if bundled else None)
