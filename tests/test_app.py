@@ -415,7 +415,7 @@ def test_bad_api_values_give_one_line_notes_not_tracebacks(client, app):
                       (dict(tree="chain-9"), "tree 'chain-9': tree depth 9 is more than the model's 5 Medusa heads: "
                                              "use a tree of depth <= 5"),
                       (dict(seed=2**64, mode="sample"), f"Seed {2**64} is past ±{2**53 - 1}, the largest the page"),
-                      (dict(seed="1.5", mode="sample"), "Seed '1.5' is not a whole number"),
+                      (dict(seed="1.5", mode="sample"), "Seed '1.5' is not a whole number: give one, e.g. 1 or 2"),
                       (dict(seed="\u00b2", mode="sample"), "Seed '\u00b2' is not a number"),   # int() refuses it
                       (dict(max_new="--5"), "Max new tokens '--5' is not a number"),             # and this
                       (dict(max_new=True), "Max new tokens true is not a number"),   # it ran 1 token

@@ -145,8 +145,9 @@ def number(name: str, value, kind: type = float):
         raise SettingError(name, f"{shown} is not a finite number: give one, e.g. {kind(1)}")
     if kind is float:
         return as_float
-    if not as_float.is_integer():
-        raise SettingError(name, f"{shown} is not a whole number: give an integer")
+    if not as_float.is_integer():    # the nearest whole numbers named: "give an integer" said less than the page
+        raise SettingError(name, f"{shown} is not a whole number: give one, e.g. {math.floor(as_float)} or "
+                                 f"{math.ceil(as_float)}")
     return int(as_float)
 
 

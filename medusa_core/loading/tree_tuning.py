@@ -268,7 +268,8 @@ def time_in_cycles(loops: dict[int, Iterator[float]], lengths: dict[int, float],
     for cycle in range(-WARMUP, cycles):
         if cycle % REPORT_EVERY == 0 or cycle == -WARMUP:
             when = "warm-up" if cycle < 0 else f"step {cycle + 1} of {cycles}"
-            progress(f"tuning the tree for this machine: timing trees of {', '.join(map(str, sizes))} nodes ({when})")
+            progress(f"tuning the tree for this machine: timing trees of {', '.join(map(str, sizes))} "
+                     f"node{'s' if sizes != [1] else ''} ({when})")
         for n in sizes:
             took = next(loops[n])
             if cycle >= 0:
