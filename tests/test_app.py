@@ -784,10 +784,16 @@ def test_regenerate_with_no_model_keeps_the_answer():
     from app.chat_controller import ChatController
     from app.models import ModelSlot
     from app.session import Session, Turn
+    from medusa_core.errors import LoadError
     from medusa_core.loading.spec import LoadSpec
 
     gate = threading.Event()
-    loading = ModelSlot(loader=lambda spec, progress: gate.wait(60) and None, log=lambda line: None)
+
+    def never(spec, progress):      # a load that runs until the test ends, then fails
+        gate.wait(60)
+        raise LoadError("the test is over")
+
+    loading = ModelSlot(loader=never, log=lambda line: None)
     loading.start(LoadSpec(model="some/model", device="cpu"))
     for slot, why in ((ModelSlot(log=lambda line: None), "no model is loaded: pick one under Model and press Load"),
                       (loading, "the model is still loading: ask again once it has loaded")):
