@@ -102,12 +102,22 @@ def check_flags(args: argparse.Namespace) -> None:
     try:
         if args.tree is not None:   # --tree '' too: an empty name is no tree, not "the default"
             resolve_tree(args.tree)
-        resolve_device(args.device)
+        device = resolve_device(args.device)
         for source in (args.model, args.heads):
             if source:
                 local_dir(source)
     except (TreeError, LoadError) as err:
         fail(str(err))
+    # an NF4 kernel choice where no NF4 weights are (it was ignored without a word), or a Triton one where
+    # Triton cannot run (refused only once the model had loaded, leaving none)
+    nf4 = args.quant == "nf4" or (args.quant == "auto" and device.startswith("cuda"))
+    if args.nf4_kernel != "auto" and not nf4:
+        fail(f"--nf4-kernel {args.nf4_kernel} picks the kernel of NF4 weights, and --quant {args.quant} on {device} "
+             "makes none: add --quant nf4, or drop --nf4-kernel")
+    if args.nf4_kernel not in ("auto", "bnb") and not device.startswith("cuda") and \
+            os.environ.get("TRITON_INTERPRET") != "1":
+        fail(f"--nf4-kernel {args.nf4_kernel}: the Triton kernels need a CUDA device (on {device} they run only "
+             "under Triton's interpreter, TRITON_INTERPRET=1, slowly, for tests): use --nf4-kernel bnb or auto")
 
 
 def port_free(host: str, port: int) -> bool:

@@ -88,6 +88,21 @@ def test_ctrl_c_while_the_tree_is_tuned_exits_cleanly(tmp_path):
     assert "stopped while the model was loading" in console and "terminate called" not in console, console
 
 
+def test_an_nf4_kernel_where_it_cannot_apply_is_refused_before_anything_loads():
+    """--nf4-kernel without NF4 weights did nothing without a word; a Triton one on a CPU was refused only once
+    the model had loaded, leaving none."""
+    for flags, says in ((["--nf4-kernel", "triton"], "error: --nf4-kernel triton picks the kernel of NF4 weights, "
+                                                     "and --quant auto on cpu makes none: add --quant nf4"),
+                        (["--quant", "nf4", "--nf4-kernel", "repacked"], "error: --nf4-kernel repacked: the Triton "
+                                                                         "kernels need a CUDA device")):
+        proc = run("--device", "cpu", *flags, "--port", str(free_port()), timeout=60,
+                   env_extra={"TRITON_INTERPRET": "0"})
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr
+        lines = error_lines(proc)
+        assert len(lines) == 1 and lines[0].startswith(says), lines
+        assert "Loading" not in proc.stdout and "Serving" not in proc.stdout, "the flags are checked before any load"
+
+
 def test_missing_model_is_one_line_and_exit_1(tmp_path):
     proc = run("--model", str(tmp_path / "no-such-model"), "--device", "cpu", "--port", str(free_port()))
     assert proc.returncode == 1
