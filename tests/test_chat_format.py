@@ -86,6 +86,16 @@ def test_a_template_that_refuses_a_conversation_is_one_line():
                                          "supported): change it as the template asks"), refused.value
 
 
+def test_a_template_that_cannot_be_read_is_said_to_be_the_models():
+    """A broken template is the model's fault, not the conversation's: the line does not ask to change it."""
+    tok = char_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}"      # no endfor
+    with pytest.raises(ValueError) as refused:
+        render_chat(tok, HISTORY)
+    assert str(refused.value).startswith("the model's chat template cannot be read (") and \
+        str(refused.value).endswith("fix chat_template in its tokenizer_config.json, or load another model")
+
+
 def test_stop_token_ids_include_turn_end_tokens():
     tok = char_tokenizer()
     assert stop_token_ids(tok) == (tok.eos_token_id,)

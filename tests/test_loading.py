@@ -323,6 +323,19 @@ def test_damaged_weights_are_one_line_that_says_so(root, tmp_path):
             "damaged or does not match its config.json: copy or download it again" in line, line
 
 
+def test_out_of_memory_while_loading_is_not_called_a_damaged_file(root, monkeypatch):
+    """torch.OutOfMemoryError is a RuntimeError: it reaches the app as itself (which says how to fit the
+    model), not as a damaged weights file to download again."""
+    from transformers import AutoModelForCausalLM
+
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        load(LoadSpec(model=str(root / "backbone"), device="cpu"))
+
+
 def test_a_tree_for_a_model_without_heads_is_said_to_go_unused(root):
     loaded = load(LoadSpec(model=str(root / "backbone"), device="cpu", tree="chain-2"))
     assert loaded.default_tree == "baseline"

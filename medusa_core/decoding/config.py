@@ -145,9 +145,12 @@ def number(name: str, value, kind: type = float):
         raise SettingError(name, f"{shown} is not a finite number: give one, e.g. {kind(1)}")
     if kind is float:
         return as_float
-    if not as_float.is_integer():    # the nearest whole numbers named: "give an integer" said less than the page
-        raise SettingError(name, f"{shown} is not a whole number: give one, e.g. {math.floor(as_float)} or "
-                                 f"{math.ceil(as_float)}")
+    if not as_float.is_integer():    # the nearest whole numbers it may be: "give an integer" said less than the page
+        low, high = (limits(name).low, limits(name).high) if name in SETTINGS else (None, None)
+        near = [n for n in (math.floor(as_float), math.ceil(as_float))
+                if (low is None or n >= low) and (high is None or n <= high)]
+        raise SettingError(name, f"{shown} is not a whole number: give one" +
+                           (f", e.g. {' or '.join(map(str, near))}" if near else ""))
     return int(as_float)
 
 

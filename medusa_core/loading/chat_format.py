@@ -11,7 +11,7 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, TemplateSyntaxError
 
 VICUNA_SYSTEM = (
     "A chat between a curious user and an artificial intelligence assistant. "
@@ -127,6 +127,9 @@ def render_chat(tokenizer, messages: Any, system: str | None = None) -> list[int
             messages = [{"role": "system", "content": system}] + [m for m in messages if m["role"] != "system"]
         try:
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except TemplateSyntaxError as err:   # no conversation is at fault: the template itself cannot be read
+            raise ValueError(f"the model's chat template cannot be read ({err}): fix chat_template in its "
+                             "tokenizer_config.json, or load another model") from None
         except TemplateError as err:   # the template's own raise_exception: Gemma's takes no system prompt,
             # Mistral's wants user and assistant turns to alternate (it was a traceback, and a bare 500)
             raise ValueError(f"the model's chat template refuses this conversation ({err}): change it as the "

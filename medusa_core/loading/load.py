@@ -105,6 +105,8 @@ def load_backbone(source: str, device: str, quant: str, dtype: torch.dtype | str
         model = AutoModelForCausalLM.from_pretrained(name, local_files_only=cache_only, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code,
                                                   local_files_only=cache_only)
+    except torch.OutOfMemoryError:
+        raise       # a RuntimeError too, but no damaged file: the app says how to fit the model
     # RuntimeError: weights whose shapes config.json does not describe, or no memory left for them;
     # SafetensorError: a weights file cut short (an interrupted copy or download)
     except (OSError, ValueError, ImportError, RuntimeError, SafetensorError) as err:
