@@ -105,10 +105,11 @@ class ChatController:
 
     def views(self, session: Session, stats: Stats | None, base: Stats | None, comparison: str,
               status_line: str, box: str | dict = gr.update(), blank: tuple[str, str] | None = None,
-              error: str | None = None) -> tuple:
+              error: str | None = None, waiting: str | None = None) -> tuple:
         """(chat, baseline chat, readout, baseline readout, comparison, status, raw numbers, message box).
         A readout without stats stays as it is, or shows ``blank``'s text (Medusa's, plain decoding's);
-        ``error``, what ended the answer, is in the raw numbers for scripts."""
+        ``error``, what ended the answer, is in the raw numbers for scripts; ``waiting``, a message waiting for
+        a model, is shown after the conversation (it is not in it yet: a save meanwhile must not keep it)."""
         medusa_keep, base_keep = blank or (gr.update(), gr.update())
         last = session.turns[-1] if session.turns else None
         raw = {"medusa": stats.as_dict() if stats else None, "baseline": base.as_dict() if base else None,
@@ -117,7 +118,8 @@ class ChatController:
             raw["seed"] = last.answered["settings"].get("seed")
         if error:
             raw["error"] = error
-        return (display(session.turns), display(session.turns, BASELINE),
+        turns = session.turns if waiting is None else [*session.turns, Turn(user=waiting, note=WAITING_FOR_LOAD)]
+        return (display(turns), display(turns, BASELINE),
                 render_live(stats) if stats else medusa_keep,
                 render_live(base) if base else base_keep,
                 comparison, status_line, raw, box)
@@ -153,28 +155,27 @@ class ChatController:
         return controls
 
     @staticmethod
-    def take_turn(session: Session) -> int | None:
+    def take_turn(session: Session, mark: tuple[int, int] | None = None) -> tuple[int, int] | None:
         """The tab's lock: at once, or, where Stop (or Clear) was pressed and the answer is ending, as soon
-        as it has ended: a message sent right after Stop is answered, not refused. The Stop count the request
-        came after (Session.start_request); None: refused."""
-        seen = session.stops
+        as it has ended: a message sent right after Stop is answered, not refused. Returns the mark the request
+        came after (Session.start_request): ``mark``, the page's click's, or one taken now; None: refused."""
         if session.busy.acquire(blocking=False):
-            return seen
+            return mark or session.mark()
         if not session.cancel.is_set():
             return None
-        seen = session.stops      # read after the flag: the Stop this message follows is counted
-        return seen if session.busy.acquire(timeout=STOPPING_WAIT_S) else None
+        mark = mark or session.mark()      # taken after the flag: the Stop this message follows is counted
+        return mark if session.busy.acquire(timeout=STOPPING_WAIT_S) else None
 
     def run(self, session: Session, message, system, compare, controls: dict, shown=None) -> Iterator[tuple]:
         """One request from the tab; ``controls`` are the raw control values by Settings field name, ``shown``
         the model version the tab's controls show (for_engine)."""
-        seen = self.take_turn(session)
-        if seen is None:
+        mark = self.take_turn(session, session.sent_mark())
+        if mark is None:
             yield self.refused(BUSY + " (your text stays in the box)")
             return
         try:
             yield from self._run(session, str(message or "").strip(), str(system or ""), compare, controls, shown,
-                                 seen)
+                                 mark)
         finally:
             session.busy.release()
 
@@ -187,32 +188,28 @@ class ChatController:
         return (*[gr.update()] * 6, {"error": reason}, gr.update())
 
     def _run(self, session: Session, message: str, system: str, compare, controls: dict, shown,
-             seen: int | None) -> Iterator[tuple]:
-        """``compare`` and ``controls`` as the page or a script sent them: checked here. ``seen``: the Stop count
-        the request came after (None: already started, by regenerate)."""
+             mark: tuple[int, int], started: bool = False) -> Iterator[tuple]:
+        """``compare`` and ``controls`` as the page or a script sent them: checked here. ``mark``: what the request
+        came after (Session.mark); ``started``: regenerate has started it."""
         if not message:
             yield self.refused("The message is empty: type a question, then send")
             return
         session.drop_resent()
-        if seen is not None and not session.start_request(seen):
-            yield self.failed(session, message, f"{STOPPED_BEFORE_START}: the message is back in the box")
+        if not (started or session.start_request(mark)):
+            if session.cleared_since(mark):   # a Clear after it was sent: the conversation went, and it with it
+                yield self.views(session, None, None, "", self.slot.state().line, blank=(READOUT_HINT, ""))
+            else:
+                yield self.failed(session, message, f"{STOPPED_BEFORE_START}: the message is back in the box")
             return
-        got, waiting = None, None
-        try:
-            for got in self.engine_or_wait(session):
-                if isinstance(got, str) and got.startswith("⏳"):
-                    if waiting is None:   # in the chat while it waits, as a queued message is (it sat in the box
-                        waiting = Turn(user=message, note=WAITING_FOR_LOAD)     # as if Enter had done nothing)
-                        session.turns.append(waiting)
-                    yield self.views(session, None, None, "", got, "")
-        finally:
-            cleared = waiting is not None and not any(t is waiting for t in session.turns)
-            if waiting is not None and not cleared:
-                session.turns.remove(waiting)         # the answer (or the failure) takes its place
-        if cleared:       # Clear while it waited: the conversation is gone, this message with it
+        got, waited = None, False
+        for got in self.engine_or_wait(session):
+            if isinstance(got, str) and got.startswith("⏳"):
+                # in the chat while it waits, as a queued message is (it sat in the box, as if Enter did nothing)
+                waited = True
+                yield self.views(session, None, None, "", got, "", waiting=message)
+        if session.cleared_since(mark):       # Clear while it waited: the conversation went, and it with it
             yield self.views(session, None, None, "", self.slot.state().line, blank=(READOUT_HINT, ""))
             return
-        waited = waiting is not None
         try:
             if isinstance(got, str):
                 raise ValueError(got)
@@ -230,12 +227,7 @@ class ChatController:
         session.turns.append(turn)
         pending = (READOUT_PENDING, READOUT_PENDING if compare else "")
         yield self.views(session, None, None, "", "Starting…", "", blank=pending)
-        try:
-            stats, base, comparison, error = yield from self._stream(session, turn, engine, prompt, settings, compare)
-        except GeneratorExit:   # the request was cancelled mid-answer (a script's job.cancel()): nothing more
-            # can be shown, and what was shown stays in the next prompt, as after Stop (_stream keeps the reply)
-            turn.note = " · ".join(filter(None, [turn.note, "stopped: the request was cancelled"]))
-            raise
+        stats, base, comparison, error = yield from self._stream(session, turn, engine, prompt, settings, compare)
         turn.answered = {"settings": {k: v for k, v in asdict(settings).items() if k != "colour_heads"},
                          "medusa": stats.as_dict() if stats else None, "baseline": base.as_dict() if base else None}
         if compare and turn.reply is None and not turn.note:
@@ -260,44 +252,52 @@ class ChatController:
         tree = engine.shown_name(settings.tree or engine.default_tree)
         label = (f"plain decoding and {'Medusa' if medusa else 'plain decoding again'}, step-interleaved" if compare
                  else f"{'Medusa' if medusa else 'plain decoding'}, tree {tree}")
-        for update in engine.answer(session, prompt, settings, passes):
-            if update.queued:
-                yield self.views(session, None, None, "", f"⏳ Queued: {count(update.queued, 'request')} ahead of you; "
-                                 "your answer starts when the model is free")
-                continue
-            if update.notice:
-                yield self.views(session, None, None, "", f"⏳ {update.notice}")
-                continue
-            if update.pass_name == COMPARISON:
-                comparison = render_comparison(update.comparison)
-                continue
-            # an error before the first token has no figures: the readout stays as it is (Stop during the
-            # reading has: "Answer: none: stopped before the first token")
-            measured = update.stats if update.stats.tokens or not update.error else None
-            shown = reply_html(list(update.segments), settings.colour_heads) if update.segments else ""
-            if update.pass_name == BASELINE:
-                turn.baseline, turn.baseline_shown, base = update.plain, shown, measured or base
-            else:
-                # the reply so far, not only the last: an answer cut off here is in the next prompt as it is
-                # shown (one whose request was cancelled mid-answer was shown and silently left out)
-                turn.shown, turn.reply, stats = shown, update.plain or None, measured or stats
-                if update.done:
-                    # stopped before its first token (a long prompt being read): like a failed message,
-                    # it goes back to the box and stays out of the next prompt
-                    unanswered = update.error or (update.stats.finish_reason == "cancelled" and not update.stats.tokens)
-                    turn.reply = None if unanswered and not update.plain else update.plain
-                    if not update.error and not update.plain.strip():
-                        turn.note = " · ".join(filter(None, [turn.note, empty_note(update.stats)]))
-            if update.error:
-                error = update.error
-                turn.note = " · ".join(filter(None, [cut, error]))
-            yield self.views(session, stats, base, "", f"Generating: {label}…")
+        partial = ""
+        try:
+            for update in engine.answer(session, prompt, settings, passes):
+                if update.queued:
+                    yield self.views(session, None, None, "", f"⏳ Queued: {count(update.queued, 'request')} ahead "
+                                     "of you; your answer starts when the model is free")
+                    continue
+                if update.notice:
+                    yield self.views(session, None, None, "", f"⏳ {update.notice}")
+                    continue
+                if update.pass_name == COMPARISON:
+                    comparison = render_comparison(update.comparison)
+                    continue
+                # an error before the first token has no figures: the readout stays as it is (Stop during the
+                # reading has: "Answer: none: stopped before the first token")
+                measured = update.stats if update.stats.tokens or not update.error else None
+                shown = reply_html(list(update.segments), settings.colour_heads) if update.segments else ""
+                if update.pass_name == BASELINE:
+                    turn.baseline, turn.baseline_shown, base = update.plain, shown, measured or base
+                else:
+                    turn.shown, partial, stats = shown, update.plain, measured or stats
+                    if update.done:
+                        # stopped before its first token (a long prompt being read): like a failed message,
+                        # it goes back to the box and stays out of the next prompt
+                        unanswered = update.error or (update.stats.finish_reason == "cancelled"
+                                                      and not update.stats.tokens)
+                        turn.reply = None if unanswered and not update.plain else update.plain
+                        if not update.error and not update.plain.strip():
+                            turn.note = " · ".join(filter(None, [turn.note, empty_note(update.stats)]))
+                if update.error:
+                    error = update.error
+                    turn.note = " · ".join(filter(None, [cut, error]))
+                yield self.views(session, stats, base, "", f"Generating: {label}…")
+        except GeneratorExit:   # the request was cancelled mid-answer (a script's job.cancel()): nothing more can be
+            # shown, and what was shown stays in the next prompt with a note, as after Stop (it stayed on screen
+            # and was silently left out of the prompt)
+            if turn.reply is None and partial:
+                turn.reply = partial
+                turn.note = " · ".join(filter(None, [turn.note, "stopped: the request was cancelled"]))
+            raise
         return stats, base, comparison, error
 
     def regenerate(self, session: Session, system, compare, controls: dict, shown=None) -> Iterator[tuple]:
         # the tab's lock first: a second click while the first regenerates must not pop the turn it answers
-        seen = self.take_turn(session)
-        if seen is None:
+        mark = self.take_turn(session, session.sent_mark())
+        if mark is None:
             yield self.refused(BUSY)
             return
         try:
@@ -314,12 +314,12 @@ class ChatController:
             except (ValueError, EngineClosed) as err:
                 yield self.refused(f"{said(err)} (the answer stays as it was)")
                 return
-            if not session.start_request(seen):
+            if not session.start_request(mark):
                 yield self.refused(f"{STOPPED_BEFORE_START} (the answer stays as it was)")
                 return
             message = session.turns.pop().user
             session.first_turn = min(session.first_turn, len(session.turns))
-            yield from self._run(session, message, str(system or ""), compare, controls, shown, None)
+            yield from self._run(session, message, str(system or ""), compare, controls, shown, mark, started=True)
         finally:
             session.busy.release()
 
@@ -349,10 +349,14 @@ class ChatController:
         answer loses nothing typed (the copy written after the answer replaces it), and Stop on: the
         answer can be stopped from now on, also while it waits for a model."""
         session.send_started()
+        session.sent()
         message = str(message or "").strip()
         if not message:          # refused at once: Stop stays as it is
             return gr.update(), gr.update()
-        return (to_saved([*session.turns, Turn(user=message)], session.first_turn, system or "", compare is True),
+        # a message back in the box is replaced by the one sent (Session.drop_resent): kept here, a reload
+        # during the answer brought it back for good
+        turns = session.turns[:-1] if session.turns and session.turns[-1].in_box else session.turns
+        return (to_saved([*turns, Turn(user=message)], session.first_turn, system or "", compare is True),
                 gr.update(interactive=True))
 
     @staticmethod
@@ -421,6 +425,7 @@ def wire_chat(page: Page, chat: ChatController) -> dict:
 
     def regenerate_started(session: Session):
         session.send_started()
+        session.sent()
         return gr.update(interactive=True)
 
     outputs = [page.chat, page.base_chat, page.readout, page.base_readout, page.comparison, page.status,

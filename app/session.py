@@ -33,9 +33,11 @@ class Session:
         self.turns: list[Turn] = []
         self.first_turn = 0                 # turns before this were cut to fit the context
         self.cancel = threading.Event()
-        # Stop presses so far: a message that waited for the tab's turn (the answer before it ending) is stopped
-        # by a Stop pressed meanwhile, which clearing the flag for it wiped
-        self.stops, self._stop_lock = 0, threading.Lock()
+        # Stops (Clear is one) and Clears so far: a message is stopped by a Stop pressed after it was sent, while it
+        # waited for the tab's turn or in Gradio's queue (clearing the flag for it wiped that Stop), and dropped by
+        # a Clear. A page send's mark is taken at the click (sent); a script's when its request starts.
+        self.stops, self.clears, self._stop_lock = 0, 0, threading.Lock()
+        self._sent_mark: tuple[int, int] | None = None
         self.closed = False                 # the tab was closed or reloaded: what it asked before then does not run
         # {pass: KV cache} under the engine they belong to, held weakly: an unloaded or replaced model's
         # caches go with its engine (SmolLM2's held 250 MiB past Unload until the tab's next message)
@@ -50,15 +52,31 @@ class Session:
             self.stops += 1
             self.cancel.set()
 
-    def start_request(self, stops_seen: int) -> bool:
-        """A request that has the tab's turn begins: False where Stop was pressed since it came (``stops_seen``,
-        the count then), and it does not run; else Stop is cleared for it (a closed tab's stays set: it ends)."""
+    def mark(self) -> tuple[int, int]:
+        """(Stops, Clears) so far: what a request sent now comes after."""
+        return self.stops, self.clears
+
+    def sent(self) -> None:
+        """The page's Send or Regenerate was clicked: its request comes after what was pressed until now."""
+        self._sent_mark = self.mark()
+
+    def sent_mark(self) -> tuple[int, int] | None:
+        """The mark of the page's last click, taken once (None for a script's request, which has no click)."""
+        mark, self._sent_mark = self._sent_mark, None
+        return mark
+
+    def start_request(self, mark: tuple[int, int]) -> bool:
+        """A request that has the tab's turn begins: False where Stop (or Clear) was pressed since ``mark``, and it
+        does not run; else Stop is cleared for it (a closed tab's stays set: it ends)."""
         with self._stop_lock:
-            if self.stops != stops_seen:
+            if self.stops != mark[0]:
                 return False
             if not self.closed:
                 self.cancel.clear()
             return True
+
+    def cleared_since(self, mark: tuple[int, int]) -> bool:
+        return self.clears != mark[1]
 
     def send_started(self) -> None:
         with self._sends_lock:
@@ -99,8 +117,11 @@ class Session:
 
     def restart(self) -> None:
         """A new conversation: forget the turns; rewind the caches (keeping their buffers and
-        captured CUDA graphs) unless an answer is running, which ends at the cancel."""
-        self.cancel.set()
+        captured CUDA graphs) unless an answer is running, which ends at the cancel, as does a message sent before
+        the Clear and still waiting."""
+        with self._stop_lock:
+            self.clears += 1
+        self.stop()
         self.turns.clear()
         self.first_turn = 0
         if self.busy.acquire(blocking=False):

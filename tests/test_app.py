@@ -201,7 +201,7 @@ def test_a_message_sent_just_after_stop_waits_for_the_stopped_answer():
     session.stop()                              # Stop: the answer ends after its current step
     threading.Timer(0.3, session.busy.release).start()
     started = time.monotonic()
-    assert ChatController.take_turn(session) == 1 and time.monotonic() - started >= 0.2
+    assert ChatController.take_turn(session) == (1, 0) and time.monotonic() - started >= 0.2
     session.busy.release()
 
 
@@ -760,6 +760,23 @@ def test_a_stop_pressed_while_a_message_waits_for_the_last_answer_stops_it(model
     session.stop()                # a Stop with nothing running, then a message: it is answered
     *_, raw, _ = list(chat.run(session, "third", "", False, dict(settings, max_new_tokens=4)))[-1]
     assert raw["medusa"]["tokens"] == 4, raw
+    # the page's Send takes its mark at the click: a Stop before its request starts (in Gradio's queue) stops it
+    session.sent()
+    session.stop()
+    *_, raw, box = list(chat.run(session, "fourth", "", False, settings))[-1]
+    assert raw.get("error", "").startswith("stopped before it started") and box == "fourth", raw
+    # a Clear after a message was sent drops it with the conversation (it landed in the cleared chat)
+    session.sent()
+    chat.clear(session)
+    chat_pane, *_, raw, _ = list(chat.run(session, "fifth", "", False, settings))[-1]
+    assert chat_pane == [] and session.turns == [], [t.user for t in session.turns]
+    # and a mid-answer save keeps no half answer as if whole (a reload would show it finished, in the next prompt)
+    saves = []
+    for update in chat.run(session, "sixth", "", False, settings):
+        if (update[6].get("medusa") or {}).get("tokens", 0) > 2 and not saves:
+            saves.append(chat.save_conversation(session, "", False)[0])
+    assert saves and saves[0]["turns"][-1]["reply"] is None, saves
+    assert session.turns[-1].reply
 
 
 def test_regenerate_while_answering_changes_nothing():
@@ -1157,18 +1174,37 @@ def test_a_load_pressed_during_an_unload_runs_alone_and_is_said(model_dirs, monk
     slot = ModelSlot(loader=gated, log=lambda line: None)
     slot.start(spec)
     assert slot.wait(60).phase == "ready"
-    commit, pressed = ModelSlot._commit, []
+    pressed = []
 
-    def unloading(self, phase, *args):
-        if phase == "empty":        # another tab's Load lands in the middle of the Unload
-            other = threading.Thread(target=lambda: pressed.append(slot.start(spec)))
-            other.start()
-            other.join(0.3)
-        return commit(self, phase, *args)
+    class Gap:
+        """The slot's lock: the first time the Unload lets it go, another tab's Load comes in (where an Unload
+        that checks and changes the slot in two holds of the lock let it in between them)."""
 
-    monkeypatch.setattr(ModelSlot, "_commit", unloading)
+        def __init__(self) -> None:
+            self.inner, self.armed = threading.Lock(), False
+
+        def acquire(self, *args, **kwargs) -> bool:
+            return self.inner.acquire(*args, **kwargs)
+
+        def release(self) -> None:
+            self.inner.release()
+            if self.armed:
+                self.armed = False
+                other = threading.Thread(target=lambda: pressed.append(slot.start(spec)))
+                other.start()
+                other.join(0.3)
+
+        def __enter__(self) -> bool:
+            return self.acquire()
+
+        def __exit__(self, *exc) -> None:
+            self.release()
+
+    gap = Gap()
+    slot._lock, slot._ready = gap, threading.Condition(gap)
+    gap.armed = True
     slot.unload()
-    monkeypatch.setattr(ModelSlot, "_commit", commit)
+    gap.armed = False
     deadline = time.time() + 10
     while not pressed and time.time() < deadline:
         time.sleep(0.05)
