@@ -472,6 +472,24 @@ def test_bundled_heads_alone_load_the_local_smollm2():
     assert "assets/smollm2/heads" in loaded.description and loaded.tuned is not None
 
 
+def test_a_copy_of_the_bundled_heads_loads_the_local_smollm2(tmp_path, monkeypatch, default_loaded):
+    """Other heads made for SmolLM2 (here a copy of the bundled ones) name its hub id too: with SmolLM2
+    converted here, the local copy serves, with the network cut off (they were looked for on the hub)."""
+    import shutil
+    import socket
+
+    copy = tmp_path / "heads"
+    shutil.copytree(CPU_DEFAULT_HEADS, copy)
+
+    def no_network(*args, **kwargs):
+        raise OSError("the network is cut off in this test")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket.socket, "connect_ex", no_network)
+    loaded = load(LoadSpec(heads=str(copy), device="cpu"))
+    assert loaded.description.startswith("SmolLM2-135M-Instruct") and str(copy) in loaded.description
+
+
 def test_heads_quant_refuses_a_broken_quantization(monkeypatch):
     # bitsandbytes 0.50.2 mis-scales some row widths on some CPUs (hidden 48 on an AVX-512 one, not on an
     # AVX2 one): the self-check must catch such a quantization, not decode with it. The test breaks the

