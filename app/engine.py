@@ -173,8 +173,9 @@ class ChatEngine:
             raise EngineClosed(self._closed)
         try:
             future = self._model_thread.submit(fn, *args)
-        except RuntimeError:       # closed between the check and the submit
-            raise EngineClosed(self._closed or "the model was unloaded") from None
+        except RuntimeError:       # closed between the check and the submit, or the interpreter is exiting (Ctrl+C:
+            # an API stream was told "the model was unloaded")
+            raise EngineClosed(self._closed or "the app is shutting down") from None
         return future.result()
 
     def close(self, reason: str = "the model was unloaded") -> None:
