@@ -105,13 +105,14 @@ class ChatController:
 
     def views(self, session: Session, stats: Stats | None, base: Stats | None, comparison: str,
               status_line: str, box: str | dict = gr.update(), blank: tuple[str, str] | None = None,
-              error: str | None = None, waiting: str | None = None) -> tuple:
+              error: str | None = None) -> tuple:
         """(chat, baseline chat, readout, baseline readout, comparison, status, raw numbers, message box).
         A readout without stats stays as it is, or shows ``blank``'s text (Medusa's, plain decoding's);
-        ``error``, what ended the answer, is in the raw numbers for scripts; ``waiting``, a message waiting for
-        a model, is shown after the conversation (it is not in it yet: a save meanwhile must not keep it)."""
+        ``error``, what ended the answer, is in the raw numbers for scripts. A message waiting for a model
+        (``session.waiting``) is shown after the conversation, with a note."""
         medusa_keep, base_keep = blank or (gr.update(), gr.update())
-        last = session.turns[-1] if session.turns else None
+        waiting = session.waiting
+        last = session.turns[-1] if session.turns and waiting is None else None
         raw = {"medusa": stats.as_dict() if stats else None, "baseline": base.as_dict() if base else None,
                "reply": last.reply if last else None, "baseline_reply": last.baseline if last else None}
         if last is not None and last.answered:     # the seed it sampled with (one drawn at -1 too): to run it again
@@ -202,11 +203,15 @@ class ChatController:
                 yield self.failed(session, message, f"{STOPPED_BEFORE_START}: the message is back in the box")
             return
         got, waited = None, False
-        for got in self.engine_or_wait(session):
-            if isinstance(got, str) and got.startswith("⏳"):
-                # in the chat while it waits, as a queued message is (it sat in the box, as if Enter did nothing)
-                waited = True
-                yield self.views(session, None, None, "", got, "", waiting=message)
+        try:
+            for got in self.engine_or_wait(session):
+                if isinstance(got, str) and got.startswith("⏳"):
+                    # in the chat while it waits, as a queued message is (it sat in the box, as if Enter did
+                    # nothing), and in the browser's copy (Session.waiting)
+                    waited, session.waiting = True, message
+                    yield self.views(session, None, None, "", got, "")
+        finally:
+            session.waiting = None
         if session.cleared_since(mark):       # Clear while it waited: the conversation went, and it with it
             yield self.views(session, None, None, "", self.slot.state().line, blank=(READOUT_HINT, ""))
             return
@@ -290,7 +295,7 @@ class ChatController:
             # and was silently left out of the prompt)
             if turn.reply is None and partial:
                 turn.reply = partial
-                turn.note = " · ".join(filter(None, [turn.note, "stopped: the request was cancelled"]))
+            turn.note = " · ".join(filter(None, [turn.note, "stopped: the request was cancelled"]))
             raise
         return stats, base, comparison, error
 
@@ -332,7 +337,9 @@ class ChatController:
         """After each change: the browser's copy of the conversation, the export files, and Regenerate on
         while there is a message to answer again. An empty conversation is saved too: Clear must also
         empty the browser's copy, or a reload brings it back."""
-        saved = to_saved(session.turns, session.first_turn, system or "", compare is True)
+        # a message waiting for a model is kept as an unanswered one: a reload brings it back, to Regenerate
+        turns = [*session.turns, Turn(user=session.waiting)] if session.waiting else session.turns
+        saved = to_saved(turns, session.first_turn, system or "", compare is True)
         regenerate = gr.update(interactive=any(turn.user for turn in session.turns))
         if not session.turns:
             return (saved, gr.update(value=None, interactive=False), gr.update(value=None, interactive=False),

@@ -3,6 +3,7 @@ the queue every request waits in for the one model."""
 
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
 from dataclasses import dataclass
@@ -37,7 +38,8 @@ class Session:
         # waited for the tab's turn or in Gradio's queue (clearing the flag for it wiped that Stop), and dropped by
         # a Clear. A page send's mark is taken at the click (sent); a script's when its request starts.
         self.stops, self.clears, self._stop_lock = 0, 0, threading.Lock()
-        self._sent_mark: tuple[int, int] | None = None
+        self._sent_marks: collections.deque[tuple[int, int]] = collections.deque()   # one per click, oldest first
+        self.waiting: str | None = None     # a message waiting for a model load: shown and saved, not yet a turn
         self.closed = False                 # the tab was closed or reloaded: what it asked before then does not run
         # {pass: KV cache} under the engine they belong to, held weakly: an unloaded or replaced model's
         # caches go with its engine (SmolLM2's held 250 MiB past Unload until the tab's next message)
@@ -58,12 +60,13 @@ class Session:
 
     def sent(self) -> None:
         """The page's Send or Regenerate was clicked: its request comes after what was pressed until now."""
-        self._sent_mark = self.mark()
+        self._sent_marks.append(self.mark())
 
     def sent_mark(self) -> tuple[int, int] | None:
-        """The mark of the page's last click, taken once (None for a script's request, which has no click)."""
-        mark, self._sent_mark = self._sent_mark, None
-        return mark
+        """The mark of the oldest click whose request has not started (requests start in the order clicked; one
+        slot gave a request waiting in Gradio's queue the mark of a later click, and a Stop between them was lost);
+        None for a script's request, which has no click."""
+        return self._sent_marks.popleft() if self._sent_marks else None
 
     def start_request(self, mark: tuple[int, int]) -> bool:
         """A request that has the tab's turn begins: False where Stop (or Clear) was pressed since ``mark``, and it

@@ -765,6 +765,15 @@ def test_a_stop_pressed_while_a_message_waits_for_the_last_answer_stops_it(model
     session.stop()
     *_, raw, box = list(chat.run(session, "fourth", "", False, settings))[-1]
     assert raw.get("error", "").startswith("stopped before it started") and box == "fourth", raw
+    # two clicks with a Stop between them, the first request not yet started: each takes its own click's mark
+    # (one slot gave the first the second's, and the Stop was lost)
+    session.sent()
+    session.stop()
+    session.sent()
+    *_, raw, _ = list(chat.run(session, "fourth again", "", False, settings))[-1]
+    assert raw.get("error", "").startswith("stopped before it started"), raw
+    *_, raw, _ = list(chat.run(session, "fourth, sent after the Stop", "", False, dict(settings, max_new_tokens=4)))[-1]
+    assert raw["medusa"]["tokens"] == 4, raw
     # a Clear after a message was sent drops it with the conversation (it landed in the cleared chat)
     session.sent()
     chat.clear(session)
@@ -1387,6 +1396,10 @@ def test_a_message_sent_while_another_model_loads_waits_for_it(model_dirs):
         chat_pane, *_, box = next(u for u in updates if "Waiting for the model" in (u[5] or ""))
         assert texts(chat_pane)[-2:] == [("user", "hello"), ("assistant", f"⚠️ {WAITING_FOR_LOAD}")], texts(chat_pane)
         assert box == "", "the message left the box for the chat"
+        # and it is in the browser's copy, as a message whose answer a reload would cut off (a save meanwhile
+        # dropped it, and a reload lost it)
+        saved, *_ = chat.save_conversation(session, "", False)
+        assert saved["turns"][-1]["user"] == "hello" and saved["turns"][-1]["reply"] is None
         if then == "clear":
             chat.clear(session)
             asked.join(30)
