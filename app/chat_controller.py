@@ -131,6 +131,10 @@ class ChatController:
         session.turns.append(Turn(user=message, note=error, in_box=True))
         return self.views(session, None, None, "", self.slot.state().line, message, error=error)
 
+    def cleared(self, session: Session) -> tuple:
+        """A message sent before a Clear: the conversation went, and it with it (it landed in the cleared chat)."""
+        return self.views(session, None, None, "", self.slot.state().line, blank=(READOUT_HINT, ""))
+
     def engine_or_wait(self, session: Session) -> Iterator[str | SlotState]:
         """Yield status lines while a model loads, then the slot's state with its engine; a str last means
         no engine."""
@@ -197,10 +201,8 @@ class ChatController:
             return
         session.drop_resent()
         if not (started or session.start_request(mark)):
-            if session.cleared_since(mark):   # a Clear after it was sent: the conversation went, and it with it
-                yield self.views(session, None, None, "", self.slot.state().line, blank=(READOUT_HINT, ""))
-            else:
-                yield self.failed(session, message, f"{STOPPED_BEFORE_START}: the message is back in the box")
+            yield self.cleared(session) if session.cleared_since(mark) else \
+                self.failed(session, message, f"{STOPPED_BEFORE_START}: the message is back in the box")
             return
         got, waited = None, False
         try:
@@ -212,8 +214,8 @@ class ChatController:
                     yield self.views(session, None, None, "", got, "")
         finally:
             session.waiting = None
-        if session.cleared_since(mark):       # Clear while it waited: the conversation went, and it with it
-            yield self.views(session, None, None, "", self.slot.state().line, blank=(READOUT_HINT, ""))
+        if session.cleared_since(mark):       # Clear while it waited
+            yield self.cleared(session)
             return
         try:
             if isinstance(got, str):
@@ -356,7 +358,6 @@ class ChatController:
         answer loses nothing typed (the copy written after the answer replaces it), and Stop on: the
         answer can be stopped from now on, also while it waits for a model."""
         session.send_started()
-        session.sent()
         message = str(message or "").strip()
         if not message:          # refused at once: Stop stays as it is
             return gr.update(), gr.update()
@@ -388,7 +389,9 @@ def no_engine(state: SlotState) -> str:
     """Why no model can answer now, in one line."""
     if state.phase == "loading":
         return "the model is still loading: ask again once it has loaded"
-    return state.line.lstrip("❌ ") if state.phase == "failed" else "no model is loaded: pick one under Model and press Load"
+    if state.phase == "failed":
+        return state.line.lstrip("❌ ")
+    return "no model is loaded: pick one under Model and press Load"
 
 
 # After compare shows or hides the plain pane: the Medusa pane changed width, its messages reflowed to another
@@ -432,7 +435,6 @@ def wire_chat(page: Page, chat: ChatController) -> dict:
 
     def regenerate_started(session: Session):
         session.send_started()
-        session.sent()
         return gr.update(interactive=True)
 
     outputs = [page.chat, page.base_chat, page.readout, page.base_readout, page.comparison, page.status,

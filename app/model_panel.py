@@ -49,8 +49,8 @@ def medusa_pane(engine, tree_name: str | None = None) -> dict:
 MAX_STATUS_WAIT_S = 600    # the longest /model_status waits for a load (a hub download can take longer: ask again)
 
 # what ``sync`` updates, in its order (the Medusa pane last: only its title)
-MODEL_OUTPUTS = ("model_status", "status", "note", "send", "tree", "max_new_tokens", "mode", *MODE_CONTROLS, "colour_heads", "timer",
-                 "shown_version", "kept", "pane")
+MODEL_OUTPUTS = ("model_status", "status", "note", "send", "tree", "max_new_tokens", "mode", *MODE_CONTROLS,
+                 "colour_heads", "timer", "shown_version", "kept", "pane")
 
 
 # the decoding controls a reload brings back, by Settings field name (compare and the system prompt are kept
@@ -134,7 +134,8 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
         # change this page saw: on a phone the line at the top is far out of view, and a failed Load showed
         # nothing where the user pressed it
         under = state.line.split("\n\n")[0] if shown is not None else gr.update()
-        updates = {"status": state.line, "model_status": under, "note": gr.update(visible=cpu_default, **({"value": note} if note else {})),
+        updates = {"status": state.line, "model_status": under,
+                   "note": gr.update(visible=cpu_default, **({"value": note} if note else {})),
                    "send": gr.update(interactive=engine is not None and not loading),
                    "timer": gr.Timer(active=loading), "shown_version": now}
         if shown is not None and shown[1] == state.engine_version:
@@ -181,8 +182,7 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
         return (slot.state().line, *page_only(sync(shown, max_new_value))[1:])
 
     def on_unload(max_new_value, shown):
-        said = slot.unload()
-        return (said, *page_only(sync(shown, max_new_value))[1:])
+        return (slot.unload(), *page_only(sync(shown, max_new_value))[1:])
 
     def watch(session: Session, shown):
         """Every 2 s: a model loaded, switched or unloaded elsewhere (another tab, the API) starts the sync timer,

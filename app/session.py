@@ -36,7 +36,7 @@ class Session:
         self.cancel = threading.Event()
         # Stops (Clear is one) and Clears so far: a message is stopped by a Stop pressed after it was sent, while it
         # waited for the tab's turn or in Gradio's queue (clearing the flag for it wiped that Stop), and dropped by
-        # a Clear. A page send's mark is taken at the click (sent); a script's when its request starts.
+        # a Clear. A page send's mark is taken at the click (send_started); a script's when its request starts.
         self.stops, self.clears, self._stop_lock = 0, 0, threading.Lock()
         self._sent_marks: collections.deque[tuple[int, int]] = collections.deque()   # one per click, oldest first
         self.waiting: str | None = None     # a message waiting for a model load: shown and saved, not yet a turn
@@ -49,18 +49,15 @@ class Session:
         self._sends, self._sends_lock = 0, threading.Lock()
         self.export_dir: Path | None = None  # the tab's export files (app/transcript.py), made on first use
 
-    def stop(self) -> None:
-        with self._stop_lock:
+    def stop(self, clear: bool = False) -> None:
+        with self._stop_lock:     # one hold: a mark taken meanwhile sees the Clear and its Stop, or neither
             self.stops += 1
+            self.clears += clear
             self.cancel.set()
 
     def mark(self) -> tuple[int, int]:
         """(Stops, Clears) so far: what a request sent now comes after."""
         return self.stops, self.clears
-
-    def sent(self) -> None:
-        """The page's Send or Regenerate was clicked: its request comes after what was pressed until now."""
-        self._sent_marks.append(self.mark())
 
     def sent_mark(self) -> tuple[int, int] | None:
         """The mark of the oldest click whose request has not started (requests start in the order clicked; one
@@ -82,8 +79,11 @@ class Session:
         return self.clears != mark[1]
 
     def send_started(self) -> None:
+        """The page's Send or Regenerate was clicked: Stop stays on until its events have run, and its request
+        comes after what was pressed until now (sent_mark)."""
         with self._sends_lock:
             self._sends += 1
+        self._sent_marks.append(self.mark())
 
     def send_ended(self) -> bool:
         """One of the page's sends has run its last event; whether the tab still answers or has one to come."""
@@ -122,9 +122,7 @@ class Session:
         """A new conversation: forget the turns; rewind the caches (keeping their buffers and
         captured CUDA graphs) unless an answer is running, which ends at the cancel, as does a message sent before
         the Clear and still waiting."""
-        with self._stop_lock:
-            self.clears += 1
-        self.stop()
+        self.stop(clear=True)
         self.turns.clear()
         self.first_turn = 0
         if self.busy.acquire(blocking=False):

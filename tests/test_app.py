@@ -761,21 +761,21 @@ def test_a_stop_pressed_while_a_message_waits_for_the_last_answer_stops_it(model
     *_, raw, _ = list(chat.run(session, "third", "", False, dict(settings, max_new_tokens=4)))[-1]
     assert raw["medusa"]["tokens"] == 4, raw
     # the page's Send takes its mark at the click: a Stop before its request starts (in Gradio's queue) stops it
-    session.sent()
+    session.send_started()
     session.stop()
     *_, raw, box = list(chat.run(session, "fourth", "", False, settings))[-1]
     assert raw.get("error", "").startswith("stopped before it started") and box == "fourth", raw
     # two clicks with a Stop between them, the first request not yet started: each takes its own click's mark
     # (one slot gave the first the second's, and the Stop was lost)
-    session.sent()
+    session.send_started()
     session.stop()
-    session.sent()
+    session.send_started()
     *_, raw, _ = list(chat.run(session, "fourth again", "", False, settings))[-1]
     assert raw.get("error", "").startswith("stopped before it started"), raw
     *_, raw, _ = list(chat.run(session, "fourth, sent after the Stop", "", False, dict(settings, max_new_tokens=4)))[-1]
     assert raw["medusa"]["tokens"] == 4, raw
     # a Clear after a message was sent drops it with the conversation (it landed in the cleared chat)
-    session.sent()
+    session.send_started()
     chat.clear(session)
     chat_pane, *_, raw, _ = list(chat.run(session, "fifth", "", False, settings))[-1]
     assert chat_pane == [] and session.turns == [], [t.user for t in session.turns]
