@@ -40,7 +40,7 @@ UPDATE_SECONDS = 0.05  # stream at most ~20 updates/s: the browser gains nothing
 RENDER_SHARE = 0.1
 PREPARING = "preparing tree (first use)…"
 # the Medusa pane's label where the tuner found that no tree pays on this machine (tree_tuning.py)
-NO_SPEEDUP = "Plain decoding: Medusa gives no speedup on this device"
+NO_SPEEDUP = "Plain decoding: Medusa gives no speedup {cause}"   # cause: TunedTree.no_speedup_cause
 TYPED_TREES = 8        # typed-in trees kept beside the listed ones (each holds its masks and buffers)
 
 
@@ -152,6 +152,7 @@ class ChatEngine:
         self.num_heads = self.heads.config.num_heads if self.heads is not None else 0
         # measured at load: every tree is slower than plain decoding here, which runs instead
         self.no_speedup = loaded.tuned is not None and not loaded.tuned.pays
+        self.no_speedup_cause = loaded.tuned.no_speedup_cause if self.no_speedup else ""
         self._trees: dict[str, TreeBuffers] = {}
         self._trees_lock = threading.Lock()
         # Every forward pass runs on this one thread, whichever thread asked (a Gradio worker, an API
@@ -226,7 +227,7 @@ class ChatEngine:
         name = self.shown_name(tree_name or self.default_tree)
         if name not in self._specs or self.tree(name).num_heads:
             return LABELS[MEDUSA]
-        return NO_SPEEDUP if self.no_speedup else LABELS[BASELINE]
+        return NO_SPEEDUP.format(cause=self.no_speedup_cause) if self.no_speedup else LABELS[BASELINE]
 
     def tree_paths(self, name: str) -> Paths | None:
         """The paths of tree ``name`` where this model can run it: a listed tree, or a preset form its heads

@@ -100,6 +100,23 @@ class TunedTree:
         ms = low_ms + (high_ms - low_ms) * (size - low) / (high - low)
         return value * times[0][1] / ms, False
 
+    @property
+    def heads_limited(self) -> bool:
+        """No tree pays because the heads are rarely right, not because a tree step costs too much here:
+        even the largest tree timed, at no more than a plain step's cost, would not reach MIN_SPEEDUP."""
+        return self.accuracy is not None and self.ceiling_tokens_per_step < MIN_SPEEDUP
+
+    @property
+    def ceiling_tokens_per_step(self) -> float:
+        """The most tokens a step any timed tree size is expected to accept (its speedup were it free)."""
+        if not self.accuracy:
+            return 1.0
+        return max(expected_tokens_per_step(grow_tree(self.accuracy, int(n) - 1), self.accuracy) for n in self.step_ms)
+
+    @property
+    def no_speedup_cause(self) -> str:
+        return "with these heads" if self.heads_limited else "on this device"
+
     def line(self) -> str:
         """One line for the page and the console: which tree runs by default and why (the status line
         shows it after an answer with another tree too: a tester read it as that answer's tree)."""
@@ -111,6 +128,11 @@ class TunedTree:
         if self.pays:
             return (f"tree tuned for this machine (the default): {self.nodes} nodes, expected {self.expected_speedup:.2f}x "
                     f"({self.expected_tokens_per_step:.2f} tokens/step; {when})")
+        if self.heads_limited:
+            # the device is not to blame: a faster machine would not change this, better heads would
+            return (f"Medusa gives no speedup with these heads: they are rarely right (the largest tree timed expects "
+                    f"{self.ceiling_tokens_per_step:.2f} tokens a step even were it as cheap as a plain step, under "
+                    f"{MIN_SPEEDUP}x), so plain decoding runs by default ({when})")
         return (f"Medusa gives no speedup on this device: the best tree ({self.best_nodes} nodes) is expected at "
                 f"{self.best_speedup:.2f}x, under {MIN_SPEEDUP}x, so plain decoding runs by default ({when})")
 
