@@ -4,6 +4,7 @@ each layout inside the tests; nothing touches the network."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from pathlib import Path
@@ -203,7 +204,17 @@ def test_heads_quant_nf4(root):
     loaded = load(LoadSpec(heads=str(root / "own"), device="cpu", heads_quant="nf4"))
     assert isinstance(loaded.heads.heads[0][1], bnb.nn.Linear4bit)
     assert_greedy_identical(loaded, n=12, chain=False)   # heads only propose: verification keeps the output exact
-    with pytest.raises(LoadError, match="reuse the backbone's lm_head"):
+
+
+
+def test_heads_quant_nf4_on_heads_without_projections_is_refused_before_the_backbone_loads(root, monkeypatch):
+    load_module = importlib.import_module("medusa_core.loading.load")
+
+    def no_backbone(*args, **kwargs):
+        raise AssertionError("the backbone loaded (minutes for a 7B) before a refusal the heads' files alone show")
+
+    monkeypatch.setattr(load_module, "load_backbone", no_backbone)
+    with pytest.raises(LoadError, match="reuse the backbone's lm_head and have no projection to quantize: drop --heads-quant"):
         load(LoadSpec(heads=str(root / "v2"), device="cpu", heads_quant="nf4"))
 
 

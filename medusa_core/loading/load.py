@@ -19,7 +19,8 @@ from safetensors import SafetensorError
 
 from ..decoding.generate import stop_set
 from ..errors import LoadError
-from ..heads.files import HEADS_FILES, PROPOSAL_FILE, HeadsFiles, load_heads_files, read_heads_dir
+from ..heads.files import (HEADS_FILES, PROPOSAL_FILE, HeadsFiles, HeadsLoadError, heads_config_from_keys,
+                           load_heads_files, read_heads_dir)
 from ..heads.medusa_heads import MedusaHeads
 from ..heads.quantize import quantize_projections
 from ..quant import cpu_int4
@@ -157,6 +158,10 @@ def load(spec: LoadSpec, progress: Progress | None = None) -> Loaded:
     heads_dir = heads_source_dir(spec.heads) if spec.heads is not None else None
     if heads_dir is not None:
         files = read_heads_dir(heads_dir)
+        if spec.heads_quant == "nf4" and not heads_config_from_keys(files.state, files.source).own_projection:
+            # said before the backbone loads (minutes for a 7B), not after
+            raise HeadsLoadError(f"--heads-quant nf4: the heads in {files.source} reuse the backbone's lm_head and have no "
+                                 "projection to quantize: drop --heads-quant")
     model_source = spec.model or (files.base_model if files else None)
     if spec.model is None and model_source == smollm2.HUB_ID and _smollm2_converted():
         # other heads made for SmolLM2 (a copy of the bundled ones): its local conversion is the same model (it was
