@@ -120,6 +120,23 @@ def test_sizes_the_kernel_cannot_take_stay_unquantized_and_are_named():
     assert not cpu_int4.exact_mode(model)
 
 
+def test_without_heads_row_invariance_is_neither_required_nor_mentioned(monkeypatch):
+    # a model loaded without heads runs plain decoding only: "trees would not equal plain decoding" was
+    # said (and kept it in fp32) where no tree could run
+    monkeypatch.setattr(cpu_int4, "exact_probe", lambda model: False)
+    applied, line = cpu_int4.use_int4(tiny_model(hidden=64), measured=True)
+    assert not applied and "not row-invariant on this CPU: trees would not equal plain decoding" in line
+    applied, line = cpu_int4.use_int4(tiny_model(hidden=64), measured=True, trees=False)
+    assert "row-invariant" not in line and "tree" not in line
+    assert "measured" in line, "chosen by its speed alone"
+    model = tiny_model(hidden=64)
+    model.model.layers[0].mlp.down_proj = nn.Linear(120, 64, bias=False)    # 120 inputs: not a multiple of 32
+    model.model.layers[0].mlp.up_proj = nn.Linear(64, 120, bias=False)
+    model.model.layers[0].mlp.gate_proj = nn.Linear(64, 120, bias=False)
+    applied, line = cpu_int4.use_int4(model, measured=False, trees=False)
+    assert applied and "3 layer(s) kept unquantized" in line and "tree" not in line
+
+
 def test_auto_measures_a_bf16_model_without_failing():
     model = tiny_model(hidden=64).to(torch.bfloat16)
     applied, line = cpu_int4.use_int4(model, measured=True)

@@ -176,7 +176,7 @@ def load(spec: LoadSpec, progress: Progress | None = None) -> Loaded:
     kernel_text = ""
     if quant == "int4":
         try:
-            applied, text = cpu_int4.use_int4(model, measured=spec.quant == "auto",
+            applied, text = cpu_int4.use_int4(model, measured=spec.quant == "auto", trees=files is not None,
                                               reference=fidelity_reference(tokenizer))
         except ValueError as err:
             raise LoadError(str(err)) from None

@@ -280,13 +280,14 @@ def restore_(replaced: list) -> None:
             setattr(parent, name, original)
 
 
-def use_int4(model: nn.Module, measured: bool, reference: Reference = ()) -> tuple[bool, str]:
+def use_int4(model: nn.Module, measured: bool, reference: Reference = (), trees: bool = True) -> tuple[bool, str]:
     """Quantize ``model`` (on the CPU) for the int4 kernel -> (applied, one line saying what and why).
     ``measured`` (quant auto): only where the kernels are row-invariant here, int4 is at least
     MIN_GAIN times faster than fp32 and, on the ``reference`` texts, faithful to it (Fidelity);
     otherwise (quant int4) always, saying so when a tree would no longer equal plain decoding.
     The fidelity is measured on this CPU's own kernels (an AVX2 CPU rounds otherwise than an
-    AVX-512 one) and reported in the line either way."""
+    AVX-512 one) and reported in the line either way. ``trees`` False (a model loaded without heads):
+    only plain decoding runs, so row invariance is neither required nor mentioned."""
     if not kernel_available():
         if measured:
             return False, f"fp32 matmuls (torch {torch.__version__} has no int4 CPU kernel)"
@@ -297,7 +298,7 @@ def use_int4(model: nn.Module, measured: bool, reference: Reference = ()) -> tup
             return False, f"fp32 matmuls (no decoder layer has sizes the int4 kernel takes: in % {GROUP}, out % {_N_MULTIPLE})"
         raise ValueError(f"quant int4 needs decoder layers with input sizes in multiples of {GROUP} and output sizes "
                          f"in multiples of {_N_MULTIPLE}: use --quant none")
-    exact = exact_probe(model)
+    exact = exact_probe(model) if trees else True
     if measured:
         if not exact:
             return False, "fp32 matmuls (the int4 kernel is not row-invariant on this CPU: trees would not equal plain decoding)"
@@ -319,7 +320,8 @@ def use_int4(model: nn.Module, measured: bool, reference: Reference = ()) -> tup
                            f"agree on {MIN_AGREEMENT:.0%} and stay within {MAX_NLL_RATIO}x the NLL)")
         why += f"; {faithful.line()}"
     use_exact_rows(model)
-    if kept or not exact:
-        why += (f"; {kept} layer(s) kept unquantized" if kept else "") + \
-            ("; not row-invariant on this CPU" if not exact else "") + ", so trees may differ from plain decoding"
+    if kept:
+        why += f"; {kept} layer(s) kept unquantized"
+    if trees and (kept or not exact):
+        why += ("; not row-invariant on this CPU" if not exact else "") + ", so trees may differ from plain decoding"
     return True, f"int4 weights (group {GROUP}) with bf16 matmuls, bf16 lm_head, row-exact attention ({why})"
