@@ -105,16 +105,19 @@ class ChatController:
 
     def views(self, session: Session, stats: Stats | None, base: Stats | None, comparison: str,
               status_line: str, box: str | dict = gr.update(), blank: tuple[str, str] | None = None,
-              error: str | None = None) -> tuple:
+              error: str | None = None, partial: str | None = None) -> tuple:
         """(chat, baseline chat, readout, baseline readout, comparison, status, raw numbers, message box).
         A readout without stats stays as it is, or shows ``blank``'s text (Medusa's, plain decoding's);
         ``error``, what ended the answer, is in the raw numbers for scripts. A message waiting for a model
-        (``session.waiting``) is shown after the conversation, with a note."""
+        (``session.waiting``) is shown after the conversation, with a note. ``partial``: the answer so far
+        while it streams (its turn's reply is set when it ends), for a script reading the raw output."""
         medusa_keep, base_keep = blank or (gr.update(), gr.update())
         waiting = session.waiting
         last = session.turns[-1] if session.turns and waiting is None else None
         raw = {"medusa": stats.as_dict() if stats else None, "baseline": base.as_dict() if base else None,
                "reply": last.reply if last else None, "baseline_reply": last.baseline if last else None}
+        if partial is not None and last is not None and last.reply is None:
+            raw["reply"] = partial
         if last is not None and last.answered:     # the seed it sampled with (one drawn at -1 too): to run it again
             raw["seed"] = last.answered["settings"].get("seed")
         if error:
@@ -291,7 +294,7 @@ class ChatController:
                 if update.error:
                     error = update.error
                     turn.note = " · ".join(filter(None, [cut, error]))
-                yield self.views(session, stats, base, "", f"Generating: {label}…")
+                yield self.views(session, stats, base, "", f"Generating: {label}…", partial=partial)
         except GeneratorExit:   # the request was cancelled mid-answer (a script's job.cancel()): nothing more can be
             # shown, and what was shown stays in the next prompt with a note, as after Stop (it stayed on screen
             # and was silently left out of the prompt)

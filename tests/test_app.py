@@ -76,6 +76,10 @@ def test_streams_answer_with_stats(client):
     outputs, (chat, _, readout, _, _, status, raw, box) = ask(client, "hello there", max_new=300)
     replies = {texts(o[0])[-1][1] for o in outputs if o[0] and texts(o[0])[-1][0] == "assistant"}
     assert len(replies) >= 3, "the answer should arrive in several updates"
+    # a script reading the raw output sees the answer grow too (it was null until the end)
+    growing = [o[6]["reply"] for o in outputs if o[5].startswith("Generating")]
+    assert len(set(growing)) >= 3 and all(isinstance(r, str) for r in growing), growing[:3]
+    assert all(raw["reply"].startswith(r) for r in growing), "each is a prefix of the answer"
     assert texts(chat)[0] == ("user", "hello there")
     stats = raw["medusa"]
     assert stats["tokens"] > 0 and stats["tokens_per_second"] > 0 and stats["ttft"] > 0
