@@ -25,6 +25,7 @@ from .transcript import export_folder, from_saved, saved_compare, saved_system, 
 WAITING_FOR_LOAD = "waiting for the model to load: the answer starts once it is ready (Stop gives the message back)"
 # a Stop pressed while the request waited for the tab's previous answer to end (Session.start_request)
 STOPPED_BEFORE_START = "stopped before it started"
+CANCELLED = "stopped: the request was cancelled"   # a script's job.cancel(): Gradio closed the handler
 INTERRUPTED = "the page was reloaded before this answer finished: press Regenerate to answer it"
 NOT_COMPARED = "plain decoding did not answer this message (compare was off): Medusa's answer is in its pane"
 BUSY = "Still answering your previous message: wait, or press Stop"
@@ -236,7 +237,11 @@ class ChatController:
         turn = Turn(user=message, note=cut, system=system)
         session.turns.append(turn)
         pending = (READOUT_PENDING, READOUT_PENDING if compare else "")
-        yield self.views(session, None, None, "", "Starting…", "", blank=pending)
+        try:
+            yield self.views(session, None, None, "", "Starting…", "", blank=pending)
+        except GeneratorExit:    # cancelled before its first update: the message stays, saying so, as in _stream
+            turn.note = " · ".join(filter(None, [turn.note, CANCELLED]))
+            raise
         stats, base, comparison, error = yield from self._stream(session, turn, engine, prompt, settings, compare)
         turn.answered = {"settings": {k: v for k, v in asdict(settings).items() if k != "colour_heads"},
                          "medusa": stats.as_dict() if stats else None, "baseline": base.as_dict() if base else None}
@@ -300,7 +305,7 @@ class ChatController:
             # and was silently left out of the prompt)
             if turn.reply is None and partial:
                 turn.reply = partial
-            turn.note = " · ".join(filter(None, [turn.note, "stopped: the request was cancelled"]))
+            turn.note = " · ".join(filter(None, [turn.note, CANCELLED]))
             raise
         return stats, base, comparison, error
 

@@ -721,6 +721,14 @@ def test_an_answer_whose_request_is_cancelled_stays_in_the_next_prompt(model_dir
     turn = session.turns[-1]
     assert turn.reply and turn.note == "stopped: the request was cancelled" and not session.busy.locked()
     assert [(user, reply) for _, user, reply in session.exchanges()] == [("first", turn.reply)]
+    # cancelled at its "Starting…", before its first update: the message stays with the same note (it was
+    # a bare user turn, as if still being answered)
+    answer = chat.run(session, "second", "", False, dict(mode="greedy", max_new_tokens=200, tree="baseline"))
+    assert next(o for o in answer if o[5] == "Starting…")
+    answer.close()
+    turn = session.turns[-1]
+    assert (turn.user, turn.reply, turn.note) == ("second", None, "stopped: the request was cancelled")
+    assert not session.busy.locked()
 
 
 def test_a_stop_pressed_while_a_message_waits_for_the_last_answer_stops_it(model_dirs):
