@@ -64,8 +64,11 @@ class Stats:
             # the page's 12.0 tokens/s was 11.95 in the JSON and 11.9 in the Markdown); None without a
             # decoding step (a one-token answer has no speed, not a speed of 0)
             "steps": self.steps, "tokens_per_second": self.tokens_per_second if self.steps else None,
-            # "mean_accepted": tokens per step, under the key scripts of the page's API already read
+            # the OpenAI API's names for these figures, and the page API's first names ("mean_accepted",
+            # "ttft"), which scripts and saved conversations already read
+            "tokens_per_step": self.tokens_per_step if self.steps else None,
             "mean_accepted": self.tokens_per_step if self.steps else None, "from_heads": self.from_heads,
+            "time_to_first_token": None if self.ttft is None else round(self.ttft, 4),
             "ttft": None if self.ttft is None else round(self.ttft, 4),
             "seconds": round(self.total_seconds, 4), "finish_reason": self.finish_reason,
             "last_accepted": list(self.accepted[-SPARK_STEPS:]),

@@ -298,6 +298,24 @@ def test_null_medusa_settings_mean_the_default(client):
     assert answer.choices[0].message.content == default.choices[0].message.content
 
 
+def test_a_greedy_request_gets_the_pages_answer_and_the_figures_share_their_names(app, client):
+    # README: "Greedy requests (temperature: 0) get exactly the page's answer"; one process, one engine
+    from gradio_client import Client
+
+    *_, raw, _box = Client(app[0] + "/", verbose=False).predict(
+        message=FRANCE, compare=False, mode="greedy", max_new_tokens=12, api_name="/send")
+    whole = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": FRANCE}],
+                                           temperature=0, max_tokens=12)
+    assert whole.choices[0].message.content == raw["reply"]
+    medusa = whole.model_extra["medusa"]
+    # a script moving between the two APIs reads each figure under one name (the page said "mean_accepted"
+    # and "ttft" only)
+    for key in ("tree", "tree_size", "tokens_per_step", "tokens_per_second", "time_to_first_token"):
+        assert key in raw["medusa"], key
+    assert (raw["medusa"]["tree"], raw["medusa"]["tree_size"]) == (medusa["tree"], medusa["tree_size"])
+    assert raw["medusa"]["tokens_per_step"] == pytest.approx(medusa["tokens_per_step"], abs=1e-3)
+
+
 def test_concurrent_clients_and_a_page_request_all_complete_in_order(app, client):
     from gradio_client import Client
 
