@@ -198,7 +198,7 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
     def model_status(wait: float = 0.0) -> dict:
         """For scripts, which see no status line: {"phase": "loading", "ready", "failed" or "empty", "status": the
         page's status line, "model": the loaded model or null, "error": why the last load failed or null (a failed
-        switch keeps the model before it: phase "ready")}, after waiting up to ``wait`` seconds (at most
+        switch keeps the model before it: phase "ready"), "trees" and "default_tree": the model's}, after waiting up to ``wait`` seconds (at most
         MAX_STATUS_WAIT_S) for a load in progress to end. /load_model answers at once, while the load starts: a
         script could not tell a path that failed from a load still running."""
         try:
@@ -209,8 +209,13 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
             raise gr.Error(f"wait {seconds:g} is out of range: give 0 to {MAX_STATUS_WAIT_S} seconds",
                            print_exception=False)
         state = slot.wait(seconds) if seconds else slot.state()
+        engine = state.engine
+        # the trees /send's tree takes as listed (the picker's choices; view_api cannot list them: they come with the
+        # model), and the one it runs without a tree
         return {"phase": state.phase, "status": state.line,
-                "model": state.engine.loaded.source if state.engine is not None else None, "error": state.error}
+                "model": engine.loaded.source if engine is not None else None, "error": state.error,
+                "trees": [name for _, name in engine.tree_choices] if engine is not None else [],
+                "default_tree": engine.default_tree if engine is not None else None}
 
     gr.api(model_status, api_name="model_status", concurrency_limit=None)
     max_new, outputs = page.controls["max_new_tokens"], model_outputs(page)

@@ -1332,12 +1332,15 @@ def test_a_script_learns_whether_its_load_failed(model_dirs, tmp_path):
     try:
         client = Client(f"http://127.0.0.1:{port}/", verbose=False)
         assert client.predict(api_name="/model_status") == {"phase": "empty", "status": slot.state().line,
-                                                            "model": None, "error": None}
+                                                            "model": None, "error": None, "trees": [],
+                                                            "default_tree": None}
         slot.start(spec)
         assert client.predict(api_name="/model_status")["phase"] == "loading"
         gate.set()
         ready = client.predict(60, api_name="/model_status")            # waits for the load
         assert ready["phase"] == "ready" and ready["model"] == slot.engine.loaded.source, ready
+        # the trees a script may name in /send (view_api shows a free text box: the choices come with the model)
+        assert ready["default_tree"] in ready["trees"] and "baseline" in ready["trees"] and "small-16" in ready["trees"]
         missing = tmp_path / "no-such-model"
         gate.clear()                 # as a hub id's download: the load is still running when /load_model answers
         said = client.predict(choice=None, model_id=str(missing), heads_id="", max_new_value=48,
