@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 
-from medusa_core.decoding.config import DEFAULTS, MODES, limits
+from medusa_core.decoding.config import DEFAULTS, MODES, is_greedy, limits
 from medusa_core.loading.chat_format import MESSAGE_SHAPE, json_kind, json_value, to_messages
 
 from .engine import BASELINE, MEDUSA, ChatEngine, EngineClosed, Update
@@ -216,7 +216,7 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
             raise ApiError(400, f"stream_options.{key} {json_value(value)}: give true or false",
                            param=f"stream_options.{key}", code="invalid_value")
 
-    passes, mode, tree = (MEDUSA,), "greedy" if temperature == 0 else "sample", None
+    passes, mode, tree = (MEDUSA,), "greedy" if is_greedy("sample", temperature) else "sample", None
     epsilon, delta = DEFAULTS.epsilon, DEFAULTS.delta
     medusa = data.get("medusa")
     if medusa is None:          # null means the default, as in every other field
@@ -239,7 +239,7 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
                                     "nothing, so the temperature would do nothing: drop temperature (or give 0), or "
                                     "use mode \"sample\" or \"typical\"", param="temperature", code="invalid_value")
         if mode == "off":
-            passes, mode = (BASELINE,), "greedy" if temperature == 0 else "sample"
+            passes, mode = (BASELINE,), "greedy" if is_greedy("sample", temperature) else "sample"
         elif mode not in MODES:
             raise ApiError(400, f"medusa.mode {json_value(mode)} is unknown: use one of {', '.join(MODES)} (or "
                                 '"medusa": false for plain decoding)',

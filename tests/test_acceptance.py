@@ -62,6 +62,20 @@ def test_typical_at_temperature_zero_is_greedy():
         assert (tb.leaf_paths[greedy[0]][0, :n] == tb.leaf_paths[typical[0]][0, :n]).all()
 
 
+def test_a_temperature_or_top_p_near_zero_gives_a_distribution_not_nan():
+    # QA: temperature 1e-40 and top_p 1e-300 gave NaN probabilities, and replies of special tokens
+    from medusa_core.decoding.config import DecodeConfig
+
+    assert DecodeConfig(mode="sample", temperature=1e-40).greedy and DecodeConfig(mode="typical", temperature=1e-6).greedy
+    assert not DecodeConfig(mode="sample", temperature=1e-4).greedy
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0], [0.0, 5.0, 1.0, 0.0]])
+    for top_p in (1e-300, torch.tensor(1e-300, dtype=torch.float32)):     # 0 in float32, as the device holds it
+        probs = sampling_probs(logits, 1.0, top_p=top_p, nucleus=True)
+        assert torch.equal(probs, torch.eye(4)[[0, 1]]), "the most likely token alone stays"
+    sharp = sampling_probs(logits, 1e-4)
+    assert not sharp.isnan().any() and torch.equal(sharp.argmax(-1), logits.argmax(-1))
+
+
 def test_sampling_probs_top_k_and_top_p():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
     p = logits.softmax(-1)[0]

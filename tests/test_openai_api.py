@@ -314,6 +314,10 @@ def test_a_greedy_request_gets_the_pages_answer_and_the_figures_share_their_name
         assert key in raw["medusa"], key
     assert (raw["medusa"]["tree"], raw["medusa"]["tree_size"]) == (medusa["tree"], medusa["tree_size"])
     assert raw["medusa"]["tokens_per_step"] == pytest.approx(medusa["tokens_per_step"], abs=1e-3)
+    # a temperature too small to tell any logits apart samples as greedy (1e-40 gave NaN and special tokens)
+    tiny = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": FRANCE}],
+                                          temperature=1e-40, max_tokens=12)
+    assert tiny.choices[0].message.content == raw["reply"] and tiny.model_extra["medusa"]["mode"] == "greedy"
 
 
 def test_concurrent_clients_and_a_page_request_all_complete_in_order(app, client):

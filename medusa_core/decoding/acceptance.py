@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import DEFAULTS
+from .config import DEFAULTS, GREEDY_BELOW
 
 Number = float | torch.Tensor   # a Python float, or a 0-dim device tensor a captured step reads
 
@@ -34,8 +34,10 @@ def sampling_probs(logits: torch.Tensor, temperature: Number, top_p: Number = 1.
     if nucleus if nucleus is not None else top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         cum = sorted_logits.softmax(-1).cumsum(-1)
-        # drop a token when the tokens before it already reach top_p (the first always stays)
+        # drop a token when the tokens before it already reach top_p; the first always stays (a top_p that
+        # rounds to 0 in float32 on the device, 1e-300, dropped it too: every probability NaN)
         drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p
+        drop_sorted[..., 0] = False
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)
@@ -76,7 +78,7 @@ def typical_threshold(probs: torch.Tensor, epsilon: Number, delta: Number) -> to
 def typical_probs(logits: torch.Tensor, temperature: Number) -> torch.Tensor:
     """The backbone's distribution at ``temperature``; at 0 (a Python number) its limit, a one-hot
     argmax (entropy 0, so the rule accepts exactly the greedy token)."""
-    if not isinstance(temperature, torch.Tensor) and temperature <= 0:
+    if not isinstance(temperature, torch.Tensor) and temperature < GREEDY_BELOW:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     return (logits.float() / temperature).softmax(-1)
 

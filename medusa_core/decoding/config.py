@@ -53,10 +53,16 @@ def _setting(default: Any, limits: Limits):
     return field(default=default, metadata={"limits": limits})
 
 
+# A temperature below this samples as greedy: logit gaps it would still tell apart (under 1e-5 x ~20) are
+# float noise, and far below it the logits over it overflow, or it rounds to 0 in float32 on the device: 1e-40
+# gave NaN probabilities and a reply of special tokens (QA)
+GREEDY_BELOW = 1e-5
+
+
 def is_greedy(mode: str, temperature: float) -> bool:
     """The one definition: the argmax token at every position. Sampling and typical acceptance at
-    temperature 0 are greedy too (typical then accepts exactly the argmax tokens)."""
-    return mode == "greedy" or temperature == 0
+    temperature 0 (below GREEDY_BELOW) are greedy too (typical then accepts exactly the argmax tokens)."""
+    return mode == "greedy" or temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,7 @@ class DecodeConfig:
     mode: Mode = _setting("greedy", Limits(
         "Decoding mode", "greedy: the argmax; sample: exact sampling; typical: typical acceptance", kind=str))
     temperature: float = _setting(0.7, Limits(
-        "Temperature", "sample/typical; 0 is greedy", low=0, high=2, slider=(0, 2, 0.05),
+        "Temperature", "sample/typical; 0 (anything under 1e-5) is greedy", low=0, high=2, slider=(0, 2, 0.05),
         fix="use a value from 0 (greedy) to 2"))
     top_p: float = _setting(1.0, Limits(
         "Top-p", "sample only: keep the smallest set of tokens holding this much probability",
