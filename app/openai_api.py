@@ -64,18 +64,22 @@ MEDUSA_KEYS = ("tree", "mode", "epsilon", "delta")   # what "medusa" may hold: a
 # and a client or proxy with a short read timeout would give up; an SSE comment every 2 s keeps it
 # (and writing one is what reveals a client that has gone, so the read stops early).
 HEARTBEAT_S = 2.0
+LOADING_RETRY_S = 10       # Retry-After while a model loads: the openai client's 2 retries then span 20 s
 DISCONNECT_POLL_S = 0.25   # how often a whole (not streamed) answer looks whether its client is still there
 
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
+                 kind: str = "invalid_request_error", retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.retry_after_s = retry_after_s
 
     def response(self) -> JSONResponse:
+        # Retry-After: the openai client waits that long between its retries (it gave up 1.5 s into a load)
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
         return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+                                       "code": self.code}}, status_code=self.status, headers=headers)
 
 
 @dataclass(frozen=True)
@@ -95,15 +99,37 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not a number JSON allows")
 
 
+def too_large(size: int, more: bool = False) -> ApiError:
+    return ApiError(413, f"the request is {'more than ' if more else ''}{size:,} bytes; at most {MAX_BODY_BYTES:,} are "
+                         "read: shorten the messages (no model here has a context that large)", code="request_too_large")
+
+
+async def capped_body(request: Request) -> bytes:
+    """The body, refused past MAX_BODY_BYTES as it arrives: by its declared length unread, and a chunked one at
+    the first chunk over (a 300 MB body was read whole first, and a few GB would take the process down)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large(int(declared))
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large(MAX_BODY_BYTES, more=True)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def read_body(body: bytes) -> dict:
     if len(body) > MAX_BODY_BYTES:
-        raise ApiError(413, f"the request is {len(body):,} bytes; at most {MAX_BODY_BYTES:,} are read: shorten the "
-                            "messages (no model here has a context that large)", code="request_too_large")
+        raise too_large(len(body))
     try:
         data = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
     except UnicodeDecodeError as err:
         raise ApiError(400, f"the body is not UTF-8 (byte {err.start}): send JSON text in UTF-8",
                        code="invalid_json") from None
+    except RecursionError:      # 100,000 nested arrays: Python's parser gives up (a bare 500 before)
+        raise ApiError(400, "the body nests JSON arrays or objects too deeply to read: send the request's fields "
+                            "as the API documents them", code="invalid_json") from None
     except ValueError as err:   # JSONDecodeError, NaN/Infinity
         raise ApiError(400, f"the body is not valid JSON ({str(err).splitlines()[0][:120]}): send one JSON object",
                        code="invalid_json") from None
@@ -132,8 +158,12 @@ def number(data: dict, name: str, default, low: float, high: float, integer: boo
 def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
     """The OpenAI request ``data`` as the engine's Settings; ApiError names what is wrong."""
     model = data.get("model")
-    if not isinstance(model, str) or not model:
-        raise ApiError(400, "model is missing: give the id that GET /v1/models lists", param="model")
+    if model is None or model == "":
+        raise ApiError(400, "model is missing: give the id that GET /v1/models lists", param="model",
+                       code="missing_required_parameter")
+    if not isinstance(model, str):
+        raise ApiError(400, f"model {json_value(model)} is not a string: give the id that GET /v1/models lists",
+                       param="model", code="invalid_type")
     if model != model_id:
         raise ApiError(404, f"model {json_value(model)} is not served here: use {json_value(model_id)} (GET /v1/models)",
                        param="model", code="model_not_found")
@@ -395,6 +425,8 @@ class Completion:
             if update.error and not update.tokens:
                 raise ApiError(503 if "stopped" in update.error else 500, update.error, kind="server_error",
                                code="generation_failed")
+            if self.stop.stopped:  # the steps still running when the stop string came: their text is not sent,
+                continue           # nor counted in usage
             self.last, self.waiting = update, "generating"
             piece = self.stop.release(update.plain, final=update.done)
             if self.stop.stopped:
@@ -414,6 +446,12 @@ class Completion:
         tokens = list(self.last.tokens) if self.last is not None else []
         if tokens and tokens[-1] in self.engine.loaded.stop_ids:
             tokens = tokens[:-1]          # the end-of-turn token ends the reply; it is not part of it
+        if self.stop.stopped:
+            # up to the token that completed the stop string, as OpenAI counts: one step accepts several tokens,
+            # and it may have accepted some past the stop
+            decode = lambda ids: self.engine.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+            while len(tokens) > 1 and any(stop in decode(tokens[:-1]) for stop in self.request.stop):
+                tokens = tokens[:-1]
         return {"prompt_tokens": len(self.prompt), "completion_tokens": len(tokens),
                 "total_tokens": len(self.prompt) + len(tokens)}
 
@@ -498,6 +536,14 @@ def model_entry(engine: ChatEngine) -> dict:
             "medusa": engine.loaded.tree_note or None}
 
 
+def loading(state) -> ApiError:
+    """A request while a model loads: said at once, with when to ask again (a load takes seconds to minutes:
+    the first start converts and tunes)."""
+    return ApiError(503, f"the model is loading ({state.line.lstrip('⏳ ')}): retry once it has loaded (GET "
+                         "/v1/models lists it then)", kind="server_error", code="model_loading",
+                    retry_after_s=LOADING_RETRY_S)
+
+
 def api_routes(slot: ModelSlot, api_key: str | None = None) -> list[APIRoute]:
     """``/v1/models`` and ``/v1/chat/completions`` over the slot's engine, for FastAPI(routes=...)."""
 
@@ -514,8 +560,7 @@ def api_routes(slot: ModelSlot, api_key: str | None = None) -> list[APIRoute]:
     def engine_now() -> ChatEngine:
         state = slot.state()
         if state.phase == "loading":
-            raise ApiError(503, f"the model is loading ({state.line.lstrip('⏳ ')}): retry in a few seconds",
-                           kind="server_error", code="model_loading")
+            raise loading(state)
         if slot.engine is None:
             why = state.line.removeprefix("❌ ") if state.phase == "failed" else "no model is loaded: load one in the page"
             raise ApiError(503, why, kind="server_error", code="no_model")
@@ -537,6 +582,8 @@ def api_routes(slot: ModelSlot, api_key: str | None = None) -> list[APIRoute]:
         try:
             authorize(request)
             engine = slot.engine
+            if engine is None and slot.state().phase == "loading":   # not "no such model": a tool checking its id
+                raise loading(slot.state())                            # at start would give up on it
             if engine is None or wanted != model_id(engine):
                 served = f"use {json_value(model_id(engine))}" if engine is not None else "no model is loaded"
                 raise ApiError(404, f"model {json_value(wanted)} is not served here: {served} (GET /v1/models)",
@@ -549,7 +596,7 @@ def api_routes(slot: ModelSlot, api_key: str | None = None) -> list[APIRoute]:
         try:
             authorize(request)
             engine = engine_now()
-            body = await request.body()
+            body = await capped_body(request)
             chat, prompt = await run_in_threadpool(accepted, body, engine)
         except ApiError as err:
             return err.response()

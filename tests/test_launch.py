@@ -128,6 +128,15 @@ def test_non_local_host_warns_and_needs_a_key_for_the_page_too(tmp_path):
                                      "for it as its password"]
 
 
+def test_a_key_no_http_client_can_send_is_refused(tmp_path):
+    # QA: "clé" worked as the page's password, but the openai client cannot send it, and curl's UTF-8 got a 401
+    for given in (["--api-key", "clé"], []):
+        proc = run("--model", str(tmp_path / "missing"), "--device", "cpu", *given, env_extra={"MEDUSA_CHAT_API_KEY": "clé"})
+        assert proc.returncode == 1 and error_lines(proc) == [
+            "error: --api-key has characters outside ASCII, which HTTP clients (the openai one too) cannot send in a "
+            "header: use letters, digits and punctuation only"], proc.stderr
+
+
 def test_a_public_share_link_needs_a_key(tmp_path):
     proc = run("--share", "--model", str(tmp_path / "missing"), "--device", "cpu",
                env_extra={"MEDUSA_CHAT_API_KEY": ""})

@@ -183,6 +183,7 @@ HOSTILE = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 200}, 400, "give n=1"),
     ({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404, 'model "gpt-4o" is not served here'),
     ({"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
+    ({"model": 5, "messages": [{"role": "user", "content": "hi"}]}, 400, "model 5 is not a string: give the id"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}] * 10_000}, 400, "10,000"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"tree": "no-such-tree"}}, 400, "tree"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"mode": "warp"}}, 400, "warp"),
@@ -209,6 +210,8 @@ RAW = [
     (b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": Infinity}',
      400, "Infinity"),
     (b'["a list"]', 400, "object"),
+    # Python's parser gives up on deep nesting: a bare 500 and a traceback before
+    (b'{"model": "SmolLM2-135M-Instruct", "metadata": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "too deeply"),
 ]
 
 
@@ -242,6 +245,65 @@ def test_hostile_input_gets_openai_shaped_errors_and_the_server_keeps_serving(ap
                                                      {"role": "user", "content": FRANCE}]}).json()["usage"]
                    for role in ("developer", "system")]
         assert briefed[0] == briefed[1] and briefed[0]["prompt_tokens"] != ok.json()["usage"]["prompt_tokens"]
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(app):
+    """By its declared length, or as a chunked body arrives: a 300 MB body was read whole first (its memory
+    and more) and only then refused."""
+    url = app[0] + "/v1/chat/completions"
+    sent = []
+
+    def chunks():
+        for _ in range(400):               # 400 MB if it were all read
+            sent.append(1)
+            yield b" " * 1_000_000
+
+    import socket
+    from urllib.parse import urlsplit
+
+    # a raw request: clients will not declare a length they do not send; the answer comes with no body sent
+    where = urlsplit(app[0])
+    with socket.create_connection((where.hostname, where.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 500000000\r\n\r\n")
+        answer = b""
+        while b"}}" not in answer:
+            got = sock.recv(65536)
+            assert got, answer
+            answer += got
+    assert answer.startswith(b"HTTP/1.1 413") and b"the request is 500,000,000 bytes; at most 1,000,000 are read" in answer
+    # chunked, no length declared: the client writes all of it (httpx reads the answer after), the server keeps
+    # none of it
+    before = rss_mib(app[1].pid)
+    with httpx.Client(timeout=60) as http:
+        chunked = http.post(url, content=chunks(), headers={"content-type": "application/json"})
+    assert_openai_error(chunked, 413, "the request is more than 1,000,000 bytes")
+    assert len(sent) == 400 and rss_mib(app[1].pid) - before < 100, "the server held the body"
+
+
+def test_usage_counts_the_tokens_up_to_the_stop_string(client):
+    # one step accepts several tokens, and the run keeps stepping until it is told to stop: usage counted one
+    # token past the stop (stop "1": content "", 2 completion tokens)
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "List three colours, numbered."}], temperature=0,
+               max_tokens=24)
+    full = client.chat.completions.create(**ask).choices[0].message.content
+    for stop in {full[:1], full.split()[1] if len(full.split()) > 1 else full[:2]}:
+        for stream in (False, True):
+            if stream:
+                chunks = list(client.chat.completions.create(**ask, stop=[stop], stream=True,
+                                                             stream_options={"include_usage": True}))
+                text, usage = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].usage
+            else:
+                cut = client.chat.completions.create(**ask, stop=[stop])
+                text, usage = cut.choices[0].message.content, cut.usage
+            assert text == full[:full.index(stop)]
+            # the fewest tokens of the reply whose text holds the stop string: the answer cut at that many holds it,
+            # cut at one fewer it does not
+            n = usage.completion_tokens
+            assert stop in client.chat.completions.create(**{**ask, "max_tokens": n}).choices[0].message.content
+            if n > 1:
+                shorter = client.chat.completions.create(**{**ask, "max_tokens": n - 1}).choices[0].message.content
+                assert stop not in shorter, (stop, stream, n)
 
 
 def test_a_reply_too_long_for_the_context_is_told_numbers_that_add_up(client):
@@ -570,9 +632,14 @@ def test_a_request_while_the_model_loads_is_told_so_at_once(tiny_app):
     try:
         with httpx.Client(timeout=10) as http:
             started = time.perf_counter()
-            assert_openai_error(http.post(url + "/v1/chat/completions", json=body), 503, "loading")
+            refused = http.post(url + "/v1/chat/completions", json=body)
+            assert_openai_error(refused, 503, "loading")
             assert time.perf_counter() - started < 5
+            # when to ask again: the openai client waits Retry-After between its retries (it gave up in 1.5 s)
+            assert int(refused.headers["retry-after"]) >= 5
             assert http.get(url + "/v1/models").json()["data"] == []
+            # a tool checking its model id at start is told the model is loading, not that the id is wrong
+            assert_openai_error(http.get(url + "/v1/models/backbone"), 503, "the model is loading")
     finally:
         gate.set()
     assert slot.wait(60).phase == "ready"
