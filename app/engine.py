@@ -41,6 +41,7 @@ RENDER_SHARE = 0.1
 PREPARING = "preparing tree (first use)…"
 # the Medusa pane's label where the tuner found that no tree pays on this machine (tree_tuning.py)
 NO_SPEEDUP = "Plain decoding: Medusa gives no speedup {cause}"   # cause: TunedTree.no_speedup_cause
+STOP_HINT = " (Stop works meanwhile)"     # for the page; an API client has no Stop (openai_api leaves it out)
 TYPED_TREES = 8        # typed-in trees kept beside the listed ones (each holds its masks and buffers)
 
 
@@ -388,8 +389,8 @@ class ChatEngine:
             if any(needs_capture(self.model, r.cache, r.tree, config, len(prompt_ids)) for r in runs):
                 yield Update(notice=PREPARING)
             if len(prompt_ids) - shared > prefill_piece(self.device):   # read in pieces: seconds on a CPU, say why
-                yield Update(notice=f"reading {len(prompt_ids) - shared:,} new prompt tokens before the answer "
-                                    "(Stop works meanwhile)…")
+                yield Update(notice=f"reading {len(prompt_ids) - shared:,} new prompt tokens before the answer"
+                                    f"{STOP_HINT}…")
             yield from self._drive(session, runs, settings)
         finally:
             self.queue.leave(ticket)

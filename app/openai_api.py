@@ -33,7 +33,7 @@ from starlette.concurrency import run_in_threadpool
 from medusa_core.decoding.config import DEFAULTS, MODES, is_greedy, limits
 from medusa_core.loading.chat_format import MESSAGE_SHAPE, json_kind, json_value, to_messages
 
-from .engine import BASELINE, MEDUSA, ChatEngine, EngineClosed, Update
+from .engine import BASELINE, MEDUSA, STOP_HINT, ChatEngine, EngineClosed, Update
 from .session import Session
 from .settings import Settings
 from .models import ModelSlot
@@ -418,7 +418,8 @@ class Completion:
                     yield ""
                 continue
             if update.notice:
-                self.waiting = " ".join(update.notice.split())   # one line: an SSE comment ends at a line break
+                # one line (an SSE comment ends at a line break), and no page button named
+                self.waiting = " ".join(update.notice.replace(STOP_HINT, "").split())
                 continue
             if update.pass_name not in (MEDUSA, BASELINE):
                 continue
