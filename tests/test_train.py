@@ -144,6 +144,26 @@ def test_resume_continues_exactly(backbone_dir, monkeypatch):
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
 
 
+def test_heads_trained_over_others_take_nothing_of_theirs(backbone_dir, capsys):
+    """QA: training into a heads folder kept the old heads' calibration beside the new ones, and the tuner would
+    value the new heads' trees by the old heads' accuracies (and a proposal vocabulary would restrict them)."""
+    from medusa_core.heads.accuracy import CALIBRATION_FILE
+    from medusa_core.heads.files import PROPOSAL_FILE
+
+    out = backbone_dir / "over"
+    out.mkdir()
+    for name in ("tree.json", CALIBRATION_FILE, PROPOSAL_FILE):
+        (out / name).write_text("{}")
+    (out / "notes.txt").write_text("mine")
+    main_with_config(TrainConfig(model=str(backbone_dir / "backbone"), prompts=str(backbone_dir / "prompts.jsonl"),
+                                 raw_prompts=True, answer_tokens=8, num_heads=2, own_projection=False, batch_size=4,
+                                 steps=2, eval_every=2, out=str(out)))
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "medusa_lm_head.safetensors", "notes.txt", "work"]
+    said = capsys.readouterr().out
+    assert f"removed {out / CALIBRATION_FILE}: it described the heads this training replaced (python -m " \
+           "medusa_core.calibrate measures the new ones)" in said and f"removed {out / PROPOSAL_FILE}" in said
+
+
 def test_config_needs_exactly_one_data_source():
     with pytest.raises(ValueError, match="exactly one data source"):
         TrainConfig(model="m", out="o")

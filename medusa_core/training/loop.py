@@ -13,8 +13,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..heads.accuracy import CALIBRATION_FILE
 from ..heads.files import PROPOSAL_FILE
 from ..heads.medusa_heads import HeadsConfig, MedusaHeads
+
+TREE_FILE = "tree.json"     # calibrate's tree beside the heads (README: --out my-heads/tree.json)
 from . import data
 from .evaluation import rank_counts, rank_histogram
 from .loss import Positions, backbone_hidden, cached_positions, head_loss, padded, positions
@@ -185,6 +188,18 @@ def warm_start(directory: str, model: nn.Module, root_conditioned: bool) -> Medu
     return heads
 
 
+def remove_stale(out: Path, keep_proposals: bool) -> None:
+    """Heads written over others leave nothing of theirs that describes heads: their calibration (the tuner
+    would value the new heads' trees by the old heads' accuracies) and tree, and a proposal vocabulary the new
+    heads were not trained against (the loader would restrict them to it)."""
+    stale = [TREE_FILE, CALIBRATION_FILE, *([] if keep_proposals else [PROPOSAL_FILE])]
+    for name in stale:
+        if (out / name).is_file():
+            (out / name).unlink()
+            again = "" if name == PROPOSAL_FILE else " (python -m medusa_core.calibrate measures the new ones)"
+            print(f"removed {out / name}: it described the heads this training replaced{again}", flush=True)
+
+
 def main_with_config(config: TrainConfig) -> dict:
     """Load the backbone, build (or reuse) the data, train, save the heads; returns the report."""
     from ..heads.files import save_heads
@@ -226,6 +241,7 @@ def main_with_config(config: TrainConfig) -> dict:
         source, target = Path(config.init_heads) / PROPOSAL_FILE, Path(config.out) / PROPOSAL_FILE
         if not target.exists() or not target.samefile(source):
             shutil.copyfile(source, target)
+    remove_stale(Path(config.out), keep_proposals=heads.proposal_ids is not None)
     report = {"config": asdict(config),
               "train_sequences": len(rows), "held_out_sequences": len(held), **result}
     (work / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
