@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from .benchmarks.runs import (ModuleTimer, Run, bench_prompts, format_table, peak_memory, run_hf, run_loop,
-                              summarize, write_json)
-from .decoding.config import DEFAULTS, MODES, DecodeConfig, limits
+from .benchmarks.runs import (ModuleTimer, Run, bench_prompts, check_writable, format_table, peak_memory, run_hf,
+                              run_loop, summarize, write_json)
+from .decoding.config import DEFAULTS, MODES, DecodeConfig, SettingError, limits
 from .decoding.step import compute_dtype
 from .decoding.tree import TreeBuffers, TreeError, build_tree_buffers, resolve_tree, tree_name
 from .errors import LoadError
@@ -64,10 +64,20 @@ class Setup:
 
 
 def prepare(args) -> Setup:
-    """Load the model and build the trees asked for; LoadError, TreeError or ValueError in one line."""
+    """Load the model and build the trees asked for; LoadError, TreeError or ValueError in one line. What the
+    flags alone show wrong is said before the load (minutes, with a tuning on a busy machine)."""
+    try:
+        config = DecodeConfig(mode=args.mode, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                              seed=args.seed)
+    except SettingError as err:       # named as the flag, not the field
+        raise ValueError(f"--{err.name.replace('_', '-')} {err.problem}") from None
+    for spec in args.tree or []:
+        if spec != "default":
+            resolve_tree(spec)
+    # the default tree is tuned only where it is asked for: a run of presets has no use for it
+    fixed = next((t for t in args.tree if t != "default"), None) if args.tree and "default" not in args.tree else None
     loaded = load(LoadSpec(model=args.model, heads=args.heads, device=args.device, dtype=args.dtype, quant=args.quant,
-                           nf4_kernel=args.nf4_kernel))
-    config = DecodeConfig(mode=args.mode, temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
+                           nf4_kernel=args.nf4_kernel, tree=fixed))
     asked = [loaded.default_tree if t == "default" else t for t in args.tree or ["default"] * (loaded.heads is not None)]
     tree_names = list(dict.fromkeys(t for t in asked if t != "baseline"))     # the baseline always runs
     if tree_names and loaded.heads is None:
@@ -143,12 +153,13 @@ def report(args, setup: Setup, prompts: list[str], encoded: list[list[int]], res
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    prompts = bench_prompts(args.prompts)      # before the load: a missing file is said at once
+    check_writable(args.json)                  # not after the whole run
     try:
         setup = prepare(args)
     except (LoadError, TreeError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    prompts = bench_prompts(args.prompts)
     tok = setup.loaded.tokenizer
     encoded = [tok(text)["input_ids"] if args.raw else render_chat(tok, text) for text in prompts]
     print(setup.loaded.description)

@@ -50,6 +50,30 @@ def test_bench_reports_bad_input_in_one_line(checkpoint, tmp_path, capsys):
         bench.main(["--model", str(backbone), "--heads", str(heads), "--prompts", str(tmp_path / "missing.jsonl")])
 
 
+def test_what_the_flags_show_wrong_is_said_before_the_model_loads(checkpoint, tmp_path, capsys, monkeypatch):
+    """QA: --max-new-tokens 0 was refused after the load and a 10-minute tree tuning, and named the field."""
+    backbone, heads = checkpoint
+    real_load, loads = bench.load, []
+    monkeypatch.setattr(bench, "load", lambda spec, *a, **kw: (loads.append(spec), real_load(spec, *a, **kw))[1])
+    base = ["--model", str(backbone), "--heads", str(heads)]
+    assert bench.main([*base, "--max-new-tokens", "0"]) == 1
+    assert capsys.readouterr().err.strip() == "error: --max-new-tokens 0 must be at least 1"
+    assert bench.main([*base, "--tree", "chain-2", str(tmp_path / "no.json")]) == 1
+    assert "tree file" in capsys.readouterr().err
+    (tmp_path / "latin1.json").write_bytes(b"[[0]] \xe9")
+    assert bench.main([*base, "--tree", str(tmp_path / "latin1.json")]) == 1
+    assert "is not UTF-8 text" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=f"--json {tmp_path} cannot be written"):   # not after the whole run
+        bench.main([*base, "--json", str(tmp_path)])
+    assert loads == []
+    # only presets asked: the default tree is not tuned (a tuning took 6 minutes on a busy machine before the first prompt)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n')
+    assert bench.main([*base, "--prompts", str(prompts), "--raw", "--tree", "chain-2", "baseline", "--max-new-tokens", "4",
+                       "--warmup", "0", "--no-references"]) == 0
+    assert [spec.tree for spec in loads] == ["chain-2"]
+
+
 def test_bench_runs_plain_decoding_alone_without_heads(checkpoint, tmp_path, capsys):
     backbone, _ = checkpoint
     prompts = tmp_path / "p.jsonl"

@@ -159,7 +159,9 @@ def load_tree_file(path: Path) -> Paths:
     if not path.is_file():
         raise TreeError(f"tree file {path} does not exist: give the path of a JSON list of paths")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise TreeError(f"tree file {path} is not UTF-8 text (byte {err.start}): it must hold a JSON list of paths") from None
     except json.JSONDecodeError as err:
         raise TreeError(f"tree file {path} is not valid JSON ({err}): it must hold a list of paths") from err
     if isinstance(data, dict):

@@ -25,7 +25,11 @@ def read_jsonl(path: Path, fix: str) -> list[tuple[int, dict]]:
     """(line number, object) of a JSONL file, blank lines skipped; a line that is not a JSON object is
     a ValueError naming the file, the line and ``fix``."""
     items = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:   # a subclass of ValueError, whose text named neither the file nor the fix
+        raise ValueError(f"{path} is not UTF-8 text (byte {err.start}): save it as UTF-8 and {fix}") from None
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
