@@ -64,8 +64,12 @@ class Settings(DecodeConfig):
 
     def with_drawn_seed(self) -> "Settings":
         """These settings with a random seed drawn now where the answer samples and names none (the page's -1),
-        so the answer records the seed it ran with and can be run again (its export said null)."""
-        if self.mode != "sample" or self.greedy or self.seed is not None:
+        so the answer records the seed it ran with and can be run again (its export said null). An answer that
+        draws nothing (greedy, typical: its first token each step is the argmax) reports no seed: one given was
+        echoed, as if it had mattered."""
+        if self.mode != "sample" or self.greedy:
+            return replace(self, seed=None) if self.seed is not None else self
+        if self.seed is not None:
             return self
         return replace(self, seed=secrets.randbelow(2**53))   # below 2**53: a browser's number box keeps it exact
 

@@ -76,6 +76,19 @@ def test_a_temperature_or_top_p_near_zero_gives_a_distribution_not_nan():
     assert not sharp.isnan().any() and torch.equal(sharp.argmax(-1), logits.argmax(-1))
 
 
+def test_typical_thresholds_of_zero_are_refused():
+    # QA: ε or δ at 0 makes the threshold 0, every guess is kept, and the reply is gibberish
+    import pytest
+
+    from medusa_core.decoding.config import DecodeConfig, SettingError
+
+    for name in ("epsilon", "delta"):
+        with pytest.raises(SettingError, match=rf"^{name} 0 is out of range: use a value in \(0, 1\] \(at 0 every "
+                                               "guess the heads make is kept\)$"):
+            DecodeConfig(mode="typical", temperature=0.7, **{name: 0})
+    DecodeConfig(mode="typical", temperature=0.7, epsilon=0.01, delta=0.01)
+
+
 def test_sampling_probs_top_k_and_top_p():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
     p = logits.softmax(-1)[0]

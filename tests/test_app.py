@@ -150,7 +150,7 @@ def test_bad_inputs_give_messages_and_next_request_works(client):
     _, (*_, raw, _) = ask(client, "   ")
     assert raw["error"] == "The message is empty: type a question, then send"   # a toast on the page
     _, (chat, *_, box) = ask(client, "x", mode="typical", epsilon=1.5)
-    assert "ε 1.5 is out of range: use a value in [0, 1]" in texts(chat)[-1][1]
+    assert "ε 1.5 is out of range: use a value in (0, 1]" in texts(chat)[-1][1]
     assert box == "x", "a message that failed goes back into the box"
     _, (chat, *_rest) = ask(client, "y", mode="sample", top_p=0.0)
     assert "Top-p 0.0 is out of range" in texts(chat)[-1][1]

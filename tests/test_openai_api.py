@@ -123,6 +123,9 @@ def test_a_seed_repeats_a_sampled_answer(client):
     again = client.chat.completions.create(**ask, seed=seed)
     assert again.choices[0].message.content == drawn.choices[0].message.content
     assert client.chat.completions.create(**{**ask, "temperature": 0}).model_extra["medusa"]["seed"] is None
+    # typical acceptance draws nothing either: a seed given is not echoed as if it had mattered
+    typical = client.chat.completions.create(**ask, seed=5, extra_body={"medusa": {"mode": "typical"}})
+    assert typical.model_extra["medusa"]["seed"] is None
 
 
 HOSTILE = [
@@ -187,6 +190,8 @@ HOSTILE = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}] * 10_000}, 400, "10,000"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"tree": "no-such-tree"}}, 400, "tree"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"mode": "warp"}}, 400, "warp"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0.7,
+      "medusa": {"mode": "typical", "epsilon": 0}}, 400, "every guess the heads make is kept"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"treee": "small-8"}}, 400,
      "unknown field 'medusa.treee': remove it (\"medusa\" takes tree, mode, epsilon, delta)"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, 400,

@@ -79,10 +79,12 @@ class DecodeConfig:
         "Top-k", "sample only; 0 = off", kind=int, low=0, fix="use 0 (off) or a positive count"))
     epsilon: float = _setting(0.09, Limits(
         "ε: posterior threshold (typical)", "typical: a guess is kept while its probability is above "
-        "min(ε, δ·exp(-entropy))", low=0, high=1, slider=(0, 1, 0.01), fix="use a value in [0, 1]"))
+        "min(ε, δ·exp(-entropy))", low=0, high=1, open_low=True, slider=(0.01, 1, 0.01),
+        fix="use a value in (0, 1] (at 0 every guess the heads make is kept)"))
     delta: float = _setting(0.3, Limits(
         "δ: posterior alpha (typical)", "typical: how far the threshold falls with the entropy",
-        low=0, high=1, slider=(0, 1, 0.01), fix="use a value in [0, 1]"))
+        low=0, high=1, open_low=True, slider=(0.01, 1, 0.01),
+        fix="use a value in (0, 1] (at 0 every guess the heads make is kept)"))
     max_new_tokens: int = _setting(256, Limits(
         "Max new tokens", "the reply's length limit", kind=int, low=1))
     seed: int | None = _setting(None, Limits(
