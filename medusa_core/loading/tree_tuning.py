@@ -41,6 +41,10 @@ MIN_SPEEDUP = 1.05         # a tree must be expected this much faster than plain
                            # on the machine that runs it")
 CYCLES, WARMUP = 20, 2     # steps timed per size (one per cycle, time_in_cycles), after warm-up steps
 PRUNE_AFTER = 6            # cycles before sizes that cannot win stop being timed
+# Wall seconds of timed cycles after which the timing stops (at PRUNE_AFTER cycles at least) and chooses from
+# what it has: a quiet 2-core CPU times all 20 cycles in 5-13 s, but on one busy with other programs every
+# start tuned for 5-7 minutes before the first answer (QA), and a choice measured under load is not cached
+TIMING_BUDGET_S = 45.0
 REPORT_EVERY = 5           # cycles between progress lines
 RUN_STEPS = 16             # steps timed per reply, then it is decoded again from the cached prompt
 # A CPU tuning during which this process got less than this share of its threads' CPU time was
@@ -278,16 +282,24 @@ def measure_step_seconds(model, heads, trees: dict[int, object], prompt_ids: lis
 
 
 def time_in_cycles(loops: dict[int, Iterator[float]], lengths: dict[int, float], progress: Progress,
-                   cycles: int = CYCLES) -> dict[int, float]:
+                   cycles: int = CYCLES, budget_s: float = TIMING_BUDGET_S) -> dict[int, float]:
     """Seconds per step by size (paired_seconds) from loops that each take one step in turn, a cycle.
     Timing each size in a block of steps let load fall on one size: on 2 shared cores a slow phase
     lasts a few hundred ms (a block of 12 plain steps measured at 29 ms each, the blocks around it at
     19.5), as long as a block, and three fresh starts on one machine chose 1.39x, 0.95x and 1.30x.
     Warm-up cycles first (on CUDA they capture each tree's graph); after PRUNE_AFTER cycles, sizes
-    that cannot win are no longer timed (_worth_timing)."""
+    that cannot win are no longer timed (_worth_timing). Past ``budget_s`` of timed cycles (a busy machine),
+    the timing stops there, after PRUNE_AFTER cycles at least."""
     sizes = sorted(loops)
     times: dict[int, list[float]] = {n: [] for n in sizes}
+    started = None
     for cycle in range(-WARMUP, cycles):
+        if cycle == 0:
+            started = time.perf_counter()     # warm-up (CUDA graph captures) is not the machine being slow
+        elif cycle >= PRUNE_AFTER and time.perf_counter() - started > budget_s:
+            progress(f"tuning the tree for this machine: stopped after {cycle} of {cycles} steps, {budget_s:.0f} s "
+                     "(the CPU is slow or busy): choosing from them")
+            break
         if cycle % REPORT_EVERY == 0 or cycle == -WARMUP:
             when = "warm-up" if cycle < 0 else f"step {cycle + 1} of {cycles}"
             progress(f"tuning the tree for this machine: timing trees of {', '.join(map(str, sizes))} "
