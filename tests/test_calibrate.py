@@ -135,11 +135,21 @@ def test_cli_errors_are_one_line(checkpoint, tmp_path, capsys):
               "--out", str(tmp_path / "t.json")]
     for extra, why in ((["--budget", "abc"], "budget 'abc' must be"), (["--budget", "3", "--top-k", "0"], "top_k 0"),
                        (["--budget", "3", "--max-budget", "0"], "max_budget 0"),
-                       (["--budget", "3", "--device", "tpu"], "device 'tpu' is unknown")):
+                       (["--budget", "3", "--device", "tpu"], "device 'tpu' is unknown"),
+                       # QA 5c: a ZeroDivisionError after the measuring, and a traceback
+                       (["--timing-count", "0"], "--timing-count 0 must be at least 1"),
+                       (["--threads", "-2"], "--threads -2 must be 0 (torch's choice) or a positive count")):
         assert main([*common, *extra]) == 1
         err = capsys.readouterr().err
         assert err.startswith("error: ") and why in err and err.count("\n") == 1, err
     assert not (tmp_path / "t_calibration_answers.jsonl").exists()
+    # answers made with another model's tokenizer: ids past this vocabulary (an IndexError in the embedding)
+    foreign = tmp_path / "foreign.jsonl"
+    foreign.write_text('{"prompt_ids": [1, 2], "answer_ids": [3, 10000000]}\n')
+    data = [arg for arg in common if arg not in ("--prompts", str(prompts))]
+    assert main([*data, "--data", str(foreign), "--budget", "3"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]     # after the load's progress bar
+    assert err.startswith(f"error: {foreign}:1 holds token id 10000000, not one of this model's"), err
     assert main([*common, "--budget", "3", "--top-k", "4", "--answer-tokens", "8"]) == 0
     written = len(load_tree_file(tmp_path / "t.json"))
     assert f"wrote {tmp_path / 't.json'}: {written + 1} nodes (root included" in capsys.readouterr().out

@@ -109,6 +109,11 @@ def test_cli_errors_are_one_line_before_any_work(backbone_dir, tmp_path, capsys)
              (["--out", str(a_file), "--prompts", str(backbone_dir / "prompts.jsonl")], "Not a directory"),
              (["--out", str(tmp_path / "h"), "--prompts", str(backbone_dir / "prompts.jsonl"), "--num-heads", "0"],
               "num_heads 0: train at least 1 head (--num-heads)")]
+    # QA 5c: each a ZeroDivisionError or torch's traceback, after the distillation
+    prompts = ["--out", str(tmp_path / "h"), "--prompts", str(backbone_dir / "prompts.jsonl")]
+    cases += [([*prompts, "--eval-every", "0"], "--eval-every 0 must be at least 1"),
+              ([*prompts, "--lr", "-0.5"], "--lr -0.5 must be a positive learning rate"),
+              ([*prompts, "--threads", "-1"], "--threads -1 must be 0 (torch's choice) or a positive count")]
     for args, why in cases:
         assert main([*common, *args]) == 1
         err = capsys.readouterr().err.strip().splitlines()[-1]

@@ -209,15 +209,24 @@ def answer_row(prompt_ids: Sequence[int], answer_ids: Sequence[int]) -> Row:
     return ids, [IGNORE] * len(prompt_ids) + list(answer_ids)
 
 
-def read_answers(path: Path) -> list[Row]:
-    """Rows of a stored self-distillation file (the calibration set for calibrate.py)."""
+def read_answers(path: Path, vocab_size: int | None = None) -> list[Row]:
+    """Rows of a stored self-distillation file (the calibration set for calibrate.py); with ``vocab_size``,
+    every id is checked to be one of the model's tokens (answers from another model gave an IndexError)."""
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: run `python -m medusa_core.train --prompts ...` first")
-    items = [item for _, item in read_jsonl(path, "use the distill_answers.jsonl that medusa_core.train writes")]
-    if not items or not all("prompt_ids" in d and "answer_ids" in d for d in items):
-        raise ValueError(f"{path} is not an answers file with prompt_ids/answer_ids: use the distill_answers.jsonl "
-                         "that medusa_core.train writes")
-    return [answer_row(d["prompt_ids"], d["answer_ids"]) for d in items]
+    fix = "use the distill_answers.jsonl that medusa_core.train writes"
+    items = read_jsonl(path, fix)
+    if not items or not all("prompt_ids" in d and "answer_ids" in d for _, d in items):
+        raise ValueError(f"{path} is not an answers file with prompt_ids/answer_ids: {fix}")
+    for n, d in items:
+        ids = [*d["prompt_ids"], *d["answer_ids"]] if all(isinstance(d[k], list) for k in ("prompt_ids", "answer_ids")) \
+            else [None]
+        wrong = next((i for i in ids if type(i) is not int or i < 0 or (vocab_size is not None and i >= vocab_size)),
+                     "none")
+        if wrong != "none":
+            raise ValueError(f"{path}:{n} holds token id {wrong!r}, not one of this model's {vocab_size or 'token'} ids: "
+                             "use answers made with this backbone (medusa_core.train's distill_answers.jsonl)")
+    return [answer_row(d["prompt_ids"], d["answer_ids"]) for _, d in items]
 
 
 def corpus_rows(tokenizer, files: Sequence[str], seq_len: int) -> list[Row]:

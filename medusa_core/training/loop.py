@@ -73,6 +73,20 @@ class TrainConfig:
             raise ValueError(f"held_out {self.held_out} must be a fraction in (0, 1)")
         if self.cache_hidden and self.positions < 1:
             raise ValueError(f"positions {self.positions} must be at least 1")
+        # each said here, before the load and the distillation (a ZeroDivisionError or torch's traceback came after)
+        for flag, value in (("--eval-every", self.eval_every), ("--answer-tokens", self.answer_tokens),
+                            ("--distill-batch", self.distill_batch)):
+            if value < 1:
+                raise ValueError(f"{flag} {value} must be at least 1")
+        for flag, value in (("--lr", self.lr), ("--root-lr", self.root_lr)):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{flag} {value} must be a positive learning rate, e.g. 1e-3")
+        check_threads(self.threads)
+
+
+def check_threads(threads: int) -> None:
+    if threads < 0:
+        raise ValueError(f"--threads {threads} must be 0 (torch's choice) or a positive count")
 
 
 def lr_at(step: int, steps: int, lr: float) -> float:

@@ -24,6 +24,7 @@ import torch
 from ..quant.cpu_int4 import use_int4
 from ..decoding.tree import expected_tokens_per_step, grow_tree
 from ..loading.tree_tuning import monotone_fit
+from .loop import check_threads
 
 TIMED_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)   # tree sizes without the root
 
@@ -63,6 +64,12 @@ class CalibrateConfig:
             raise ValueError(f"quant {self.quant!r} is unknown: use none or int4")
         if self.quant == "int4" and self.device != "cpu":
             raise ValueError(f"quant int4 is torch's CPU kernel and the device is {self.device}: add --device cpu")
+        # each said here, before the load and the measuring (a ZeroDivisionError came after)
+        for flag, value in (("--timing-count", self.timing_count), ("--timing-tokens", self.timing_tokens),
+                            ("--answer-tokens", self.answer_tokens), ("repeats", self.repeats)):
+            if value < 1:
+                raise ValueError(f"{flag} {value} must be at least 1")
+        check_threads(self.threads)
 
 
 def accuracy_table(counts: torch.Tensor) -> list[list[float]]:
@@ -118,6 +125,8 @@ def run(config: CalibrateConfig) -> dict:
 
     if config.threads:
         torch.set_num_threads(config.threads)
+    if config.data:      # a missing or malformed file is said before the load
+        read_answers(Path(config.data))
     model, tokenizer = load_backbone_dir(config.model, device=config.device, dtype=getattr(torch, config.dtype))
     if config.quant == "int4":
         print(use_int4(model, measured=False)[1], flush=True)
@@ -128,7 +137,7 @@ def run(config: CalibrateConfig) -> dict:
         answers = Path(config.answers or out.with_name(out.stem + "_calibration_answers.jsonl"))
         rows = distilled_rows(model, tokenizer, config.prompts, config.raw_prompts, config.answer_tokens, answers)
     else:
-        rows = read_answers(Path(config.data))
+        rows = read_answers(Path(config.data), vocab_size=model.get_input_embeddings().weight.shape[0])
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batches = (padded(rows[i:i + 8], pad, config.device) for i in range(0, len(rows), 8))
     counts = rank_histogram(heads, model, batches, top_k=config.top_k)
