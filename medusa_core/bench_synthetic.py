@@ -160,6 +160,16 @@ def fold_command(args) -> int:
     if not args.json:
         print("error: --fold needs --json OUT to write the merged report to", file=sys.stderr)
         return 1
+    for name in args.fold:    # each named, with what to give (the errors named neither the file nor the fix)
+        what = "give a JSON report written by bench_synthetic, the nf4 kernel benchmark or the GPU runbook"
+        try:
+            json.loads(Path(name).read_text(encoding="utf-8"))
+        except OSError as err:
+            print(f"error: --fold {name} cannot be read ({err.strerror or err}): {what}", file=sys.stderr)
+            return 1
+        except ValueError as err:
+            print(f"error: --fold {name} is not JSON ({str(err).splitlines()[0][:120]}): {what}", file=sys.stderr)
+            return 1
     try:
         report = fold_reports(Path(args.fold[0]), [Path(f) for f in args.fold[1:]])
     except (OSError, ValueError, KeyError) as err:
@@ -174,7 +184,10 @@ def fold_command(args) -> int:
 def checked_device(args, cuda: bool) -> torch.device:
     """The device, with the defaults that depend on it filled into ``args``; ValueError or
     ImportError (bitsandbytes) before anything is built."""
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:         # torch's own error lists every device type it knows
+        raise ValueError(f"--device {args.device!r} is unknown: use cpu, cuda or cuda:N") from None
     args.shape = args.shape or ("7b" if device.type == "cuda" else "tiny")
     args.quant = args.quant or (["none", "nf4"] if device.type == "cuda" else ["none"])
     if device.type == "cuda" and not cuda:

@@ -126,3 +126,15 @@ def test_bench_defaults_to_the_held_out_chat_prompts(checkpoint, tmp_path):
                        "--no-references", "--json", str(out)]) == 0
     shown = [p["prompt"] for p in json.loads(out.read_text())["prompts"]]
     assert shown == read_prompts(CPU_DEFAULT_PROMPTS) and len(shown) >= 12
+
+
+def test_profile_cpu_step_refuses_counts_before_loading(capsys, monkeypatch):
+    # QA 5c: --prompts 0 failed with a traceback after a 10-minute load and tuning; -1 profiled 23 prompts
+    from medusa_core.benchmarks import profile_cpu_step as profile
+
+    monkeypatch.setattr(profile, "load", lambda *args, **kwargs: pytest.fail("the model loaded first"))
+    for args, says in ((["--prompts", "0"], "--prompts 0 must be from 1 to "), (["--prompts", "-1"], "--prompts -1"),
+                       (["--steps", "0"], "--steps 0 must be at least 1")):
+        with pytest.raises(SystemExit) as stopped:
+            profile.main(args)
+        assert stopped.value.code == 2 and says in capsys.readouterr().err

@@ -120,6 +120,19 @@ def test_cli_times_transformers_generate_for_the_baseline_comparison(tmp_path):
 def test_cuda_request_without_a_gpu_is_one_line_error(capsys):
     assert bench_synthetic.main(["--device", "cuda", "--quant", "none"]) == 1
     assert "no CUDA GPU" in capsys.readouterr().err
+    # QA 5c: torch's traceback for an unknown device, and fold errors that named neither the file nor the fix
+    assert bench_synthetic.main(["--device", "tpu"]) == 1
+    assert capsys.readouterr().err == "error: --device 'tpu' is unknown: use cpu, cuda or cuda:N\n"
+
+
+def test_fold_names_the_file_it_cannot_read(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("not json")
+    for name, says in ((str(bad), f"error: --fold {bad} is not JSON ("), ("/nope.json", "error: --fold /nope.json cannot "
+                                                                                          "be read (No such file")):
+        assert bench_synthetic.main(["--fold", name, "--json", str(tmp_path / "f.json")]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(says) and err.rstrip().endswith("the GPU runbook") and err.count("\n") == 1, err
 
 
 def test_fold_merges_the_kernel_and_demo_figures_into_one_report(tmp_path):

@@ -152,6 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=32, help="decoding steps per prompt")
     a = p.parse_args(argv)
     config = ProfileConfig(trees=tuple(a.tree), quant=a.quant, prompts=a.prompts, steps=a.steps)
+    held_out = len(read_prompts(CPU_DEFAULT_PROMPTS))
+    # before the load and the tuning (minutes): --prompts 0 failed after them, -1 profiled 23 prompts
+    if not 1 <= config.prompts <= held_out:
+        p.error(f"--prompts {config.prompts} must be from 1 to {held_out} (the held-out prompts)")
+    if config.steps < 1:
+        p.error(f"--steps {config.steps} must be at least 1")
     try:
         loaded = load(LoadSpec(device="cpu", quant=config.quant))
         asked = [loaded.default_tree if t == "default" else t for t in config.trees or ("default",)]
