@@ -28,7 +28,8 @@ import torch
 
 from .errors import LoadError, run_command
 from .heads.medusa_heads import HeadsConfig
-from .heads.files import HEADS_FILE, HeadsFiles, check_declared, heads_config_from_keys, read_heads_dir
+from .heads.files import (HEADS_FILE, HeadsFiles, check_declared, heads_config_from_keys, read_heads_dir,
+                          save_safetensors)
 
 FORMATS = ("tgi", "vllm", "both")
 DTYPES = {"keep": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,10 +65,8 @@ def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str
 
 
 def write_tgi(files: HeadsFiles, found: HeadsConfig, out: Path, dtype: torch.dtype | None = None) -> Path:
-    from safetensors.torch import save_file
-
     out.mkdir(parents=True, exist_ok=True)
-    save_file(_cast(files.state, dtype), str(out / HEADS_FILE), metadata={"format": "pt"})
+    save_safetensors(_cast(files.state, dtype), out / HEADS_FILE, metadata={"format": "pt"})
     config = {
         "medusa_num_heads": found.num_heads,
         "medusa_num_layers": found.num_layers,
@@ -111,13 +110,11 @@ def _backbone_lm_head(model: str | None, source: str, hidden: int) -> tuple[torc
 
 def write_vllm(files: HeadsFiles, found: HeadsConfig, out: Path, dtype: torch.dtype | None = None,
                model: str | None = None) -> Path:
-    from safetensors.torch import save_file
-
     lm_head, vocab = (None, found.vocab_size) if found.own_projection else \
         _backbone_lm_head(model or files.base_model, files.source, found.hidden_size)
     state = vllm_state(files.state, found, lm_head)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(_cast(state, dtype), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(_cast(state, dtype), out / "model.safetensors", metadata={"format": "pt"})
     first = next(iter(state.values()))
     config = {
         "model_type": "medusa",

@@ -7,7 +7,7 @@
 What each stage took: docs/cpu_default.md, "Rebuilding assets/smollm2" (build_log.json logs it again).
 
 Stages (each writes under --work and --out; run them in order, on the machines that suit them):
-  prompts  the chat prompt set (medusa_core.training.prompts: ~3,100 prompts, 15% with a follow-up turn)
+  prompts  the chat prompt set (medusa_core.training.prompts: ~3,100 prompts, 14% with a follow-up turn)
   heads    self-distillation: SmolLM2-135M-Instruct (fp32) answers every prompt greedily and once
            sampled at temperature 0.7, in batches (transformers' generate); then 5 Medusa heads that
            share the model's lm_head ("version 2": a 49152x576 projection per head would outweigh the
@@ -212,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--root-steps", type=int, default=BuildConfig.root_steps)
     p.add_argument("--root-positions", type=int, default=BuildConfig.root_positions)
     a = p.parse_args(argv)
+    for flag in ("steps", "prompt_count", "answer_tokens", "eval_every", "root_steps", "root_positions"):
+        if getattr(a, flag) < 1:      # a negative --prompt-count dropped prompts from the end without a word
+            p.error(f"--{flag.replace('_', '-')} {getattr(a, flag)} must be at least 1")
     config = BuildConfig(steps=a.steps, prompt_count=a.prompt_count, answer_tokens=a.answer_tokens,
                          eval_every=a.eval_every, root_steps=a.root_steps, root_positions=a.root_positions)
     # the device is checked before the first stage: a stage's output must not be written by a run that cannot finish

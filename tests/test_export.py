@@ -104,6 +104,9 @@ def test_vllm_layout_reads_back(setup, tmp_path):
     root, model, heads, _ = setup
     assert main(["--heads", str(root / "heads"), "--out", str(tmp_path)]) == 0    # both formats
     assert (tmp_path / "tgi" / "medusa_lm_head.safetensors").is_file()
+    # readable as the config beside it is (safetensors writes 0600: a container or another user could not read it)
+    for folder, weights in (("tgi", "medusa_lm_head.safetensors"), ("vllm", "model.safetensors")):
+        assert (tmp_path / folder / weights).stat().st_mode & 0o777 == (tmp_path / folder / "config.json").stat().st_mode & 0o777
     config = json.loads((tmp_path / "vllm" / "config.json").read_text())
     assert (config["num_heads"], config["num_hidden_layers"], config["hidden_size"]) == (3, 2, 32)
     assert config["medusa_fc_bias"] is True and config["original_lm_head"] is False

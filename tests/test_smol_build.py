@@ -72,3 +72,13 @@ def test_a_cuda_build_without_cuda_is_refused_before_any_stage(tmp_path, capsys)
     err = capsys.readouterr().err
     assert err.startswith("error: device 'cuda' was asked for but torch sees no CUDA GPU") and err.count("\n") == 1
     assert not (tmp_path / "work").exists() and not (tmp_path / "out").exists()
+
+
+def test_counts_below_one_are_refused_before_any_stage(tmp_path, capsys):
+    # QA 5c: --prompt-count -100 silently built 3,017 prompts (all but the last 100)
+    from medusa_core.smol_build import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["--stages", "prompts", "--prompt-count", "-100", "--work", str(tmp_path / "work"), "--out", str(tmp_path)])
+    assert stopped.value.code == 2 and "--prompt-count -100 must be at least 1" in capsys.readouterr().err
+    assert not (tmp_path / "work").exists()

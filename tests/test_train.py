@@ -164,6 +164,8 @@ def test_heads_trained_over_others_take_nothing_of_theirs(backbone_dir, capsys):
                                  raw_prompts=True, answer_tokens=8, num_heads=2, own_projection=False, batch_size=4,
                                  steps=2, eval_every=2, out=str(out)))
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "medusa_lm_head.safetensors", "notes.txt", "work"]
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir() if p.is_file()}
+    assert modes["medusa_lm_head.safetensors"] == modes["config.json"], "the weights readable as the config is"
     said = capsys.readouterr().out
     assert f"removed {out / CALIBRATION_FILE}: it described the heads this training replaced (python -m " \
            "medusa_core.calibrate measures the new ones)" in said and f"removed {out / PROPOSAL_FILE}" in said

@@ -21,6 +21,7 @@ mis-shaped tensor is a HeadsLoadError naming the file and the keys.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import re
 from dataclasses import dataclass
@@ -300,16 +301,25 @@ def load_heads_dir(directory: str | Path, model: nn.Module) -> MedusaHeads:
 
 # ---------------------------------------------------------------- the project's own layout
 
+def save_safetensors(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file, then the mode every other file gets (the umask's): save_file writes 0600, so a
+    heads or export folder shared with another user, or mounted into a container, had unreadable weights."""
+    from safetensors.torch import save_file
+
+    save_file(state, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
+
+
 def save_heads(heads: MedusaHeads, directory: str | Path, base_model: str) -> Path:
     """The project's heads layout: published keys in safetensors, plus a config that records
     what the loader checks (head count, blocks, sizes, base model). TGI reads it as is unless the
     heads are root-conditioned."""
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in heads.published_state_dict().items()}
-    save_file(state, str(directory / HEADS_FILE))
+    save_safetensors(state, directory / HEADS_FILE)
     c = heads.config
     config = {
         "format": OWN_FORMAT,
