@@ -154,8 +154,8 @@ def report(args, setup: Setup, prompts: list[str], encoded: list[list[int]], res
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     prompts = bench_prompts(args.prompts)      # before the load: a missing file is said at once
-    check_writable(args.json)                  # not after the whole run
     try:
+        check_writable(args.json)              # not after the whole run
         setup = prepare(args)
     except (LoadError, TreeError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -138,7 +138,9 @@ def test_cli_errors_are_one_line(checkpoint, tmp_path, capsys):
                        (["--budget", "3", "--device", "tpu"], "device 'tpu' is unknown"),
                        # QA 5c: a ZeroDivisionError after the measuring, and a traceback
                        (["--timing-count", "0"], "--timing-count 0 must be at least 1"),
-                       (["--threads", "-2"], "--threads -2 must be 0 (torch's choice) or a positive count")):
+                       (["--threads", "-2"], "--threads -2 must be 0 (torch's choice) or a positive count"),
+                       # a folder as --out was refused only after the load and the measuring
+                       (["--budget", "3", "--out", str(tmp_path)], f"--out {tmp_path} cannot be written")):
         assert main([*common, *extra]) == 1
         err = capsys.readouterr().err
         assert err.startswith("error: ") and why in err and err.count("\n") == 1, err

@@ -154,14 +154,14 @@ def peak_memory(device: str) -> str:
 
 
 def check_writable(path: str | None, flag: str = "--json") -> None:
-    """Exit in one line, before any work, where ``path`` could not be written at the end of the run."""
+    """ValueError, before any work, where ``path`` could not be written at the end of the run."""
     if not path:
         return
     target = Path(path)
     folder = next((p for p in [target.parent, *target.parent.parents] if p.exists()), Path("."))
     if target.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK) or \
             (target.exists() and not os.access(target, os.W_OK)):
-        raise SystemExit(f"error: {flag} {path} cannot be written (a folder, or no write permission there): "
+        raise ValueError(f"{flag} {path} cannot be written (a folder, or no write permission there): "
                          "give a file path in a folder you can write")
 
 

@@ -116,7 +116,8 @@ def distilled_rows(model: nn.Module, tokenizer, prompts_path: str | Path, raw: b
             done.append(item)
         if batch_size <= 1:
             if any(t > 0 for t in temperatures) or any("followup" in i for i in items):
-                raise ValueError("sampled answers and follow-up turns need batched distillation: pass a batch size > 1")
+                raise ValueError("sampled answers (--temperatures above 0) and follow-up turns need batched distillation: "
+                                 "pass --distill-batch 2 or more")
             _answer_one_by_one(model, tokenizer, [items[i]["prompt"] for _, i in jobs[first_done:]], raw,
                                answer_tokens, keep, first_done, len(jobs))
         else:

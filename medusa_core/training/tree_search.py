@@ -25,6 +25,7 @@ from ..quant.cpu_int4 import use_int4
 from ..decoding.tree import expected_tokens_per_step, grow_tree
 from ..loading.tree_tuning import monotone_fit
 from .loop import check_threads
+from ..benchmarks.runs import check_writable
 
 TIMED_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)   # tree sizes without the root
 
@@ -125,8 +126,12 @@ def run(config: CalibrateConfig) -> dict:
 
     if config.threads:
         torch.set_num_threads(config.threads)
-    if config.data:      # a missing or malformed file is said before the load
+    # said before the load and the measuring (minutes), not after them
+    if config.data:
         read_answers(Path(config.data))
+    check_writable(config.out, "--out")
+    if config.budget == "auto" and not Path(config.timing_prompts or config.prompts or "").is_file():
+        raise ValueError("--budget auto times decoding: give --timing-prompts FILE.jsonl (or calibrate with --prompts)")
     model, tokenizer = load_backbone_dir(config.model, device=config.device, dtype=getattr(torch, config.dtype))
     if config.quant == "int4":
         print(use_int4(model, measured=False)[1], flush=True)
