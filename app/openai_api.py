@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 
-from medusa_core.decoding.config import DEFAULTS, MODES, is_greedy, limits
+from medusa_core.decoding.config import DEFAULTS, MODES, SettingError, is_greedy, limits
 from medusa_core.loading.chat_format import MESSAGE_SHAPE, json_kind, json_value, to_messages
 
 from .engine import BASELINE, MEDUSA, STOP_HINT, ChatEngine, EngineClosed, Update
@@ -75,11 +75,14 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
         self.retry_after_s = retry_after_s
 
+    def body(self) -> dict:
+        """OpenAI's error object: the same four keys in a response and in a stream's error event."""
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
     def response(self) -> JSONResponse:
         # Retry-After: the openai client waits that long between its retries (it gave up 1.5 s into a load)
         headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
-        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status, headers=headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 @dataclass(frozen=True)
@@ -138,11 +141,13 @@ def read_body(body: bytes) -> dict:
     return data
 
 
-def number(data: dict, name: str, default, low: float, high: float, integer: bool = False):
-    """``data[name]`` checked to be a finite number (an integer if asked) in [low, high]."""
+def number(data: dict, name: str, default, low: float, high: float, integer: bool = False, within: str = ""):
+    """``data[name]`` checked to be a finite number (an integer if asked) in [low, high]; ``within``: the object
+    holding it, as errors name it ("medusa.epsilon")."""
     value = data.get(name)
     if value is None:
         return default
+    name = f"{within}.{name}" if within else name
     kind = "an integer" if integer else "a number"
     span = f"{int(low):,} to {int(high):,}" if integer else f"{low:g} to {high:g}"
     shown = json_value(value)
@@ -274,8 +279,8 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
             raise ApiError(400, f"medusa.mode {json_value(mode)} is unknown: use one of {', '.join(MODES)} (or "
                                 '"medusa": false for plain decoding)',
                            param="medusa.mode", code="invalid_value")
-        epsilon = number(medusa, "epsilon", epsilon, limits("epsilon").low, limits("epsilon").high)
-        delta = number(medusa, "delta", delta, limits("delta").low, limits("delta").high)
+        epsilon = number(medusa, "epsilon", epsilon, limits("epsilon").low, limits("epsilon").high, within="medusa")
+        delta = number(medusa, "delta", delta, limits("delta").low, limits("delta").high, within="medusa")
     else:
         raise ApiError(400, f"medusa {json_value(medusa)}: give an object such as "
                             "{\"tree\": ..., \"mode\": \"typical\"}, or false for plain decoding", param="medusa",
@@ -284,8 +289,11 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
         settings = Settings(mode=mode, temperature=temperature, top_p=top_p, top_k=top_k, epsilon=epsilon, delta=delta,
                             max_new_tokens=max_tokens or engine.max_new_tokens, tree=tree, seed=seed).with_drawn_seed()
         engine.check(settings)
-    except ValueError as err:   # an unknown tree or mode, one line from the engine
-        raise ApiError(400, str(err), param="medusa", code="invalid_value") from None
+    except SettingError as err:     # named as the request names it: "medusa.epsilon", not "epsilon"
+        name = f"medusa.{err.name}" if err.name in MEDUSA_KEYS else err.name
+        raise ApiError(400, f"{name} {err.problem}", param=name, code="invalid_value") from None
+    except ValueError as err:   # an unknown tree, one line from the engine
+        raise ApiError(400, str(err), param="medusa.tree", code="invalid_value") from None
     except EngineClosed as closed:   # another model loaded (or none) while the request was read
         raise ApiError(503, str(closed), kind="server_error", code="model_changed") from None
     return ChatRequest(texts, settings, passes, tuple(stop), stream, bool(options.get("include_usage")),
@@ -473,6 +481,8 @@ class Completion:
     def chunk(self, delta: dict, finish: str | None = None, **extra) -> str:
         body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model_id,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+        if self.request.include_usage:   # the spec: every chunk carries "usage", null until the last one's
+            body["usage"] = None
         return f"data: {json.dumps(body)}\n\n"
 
 
@@ -484,7 +494,7 @@ async def stream_events(run: Completion) -> AsyncIterator[str]:
                 # an SSE comment while waiting (clients skip it); writing it is what reveals a gone client
                 yield run.chunk({"content": piece}) if piece else f": {run.waiting}\n\n"
         except ApiError as err:
-            yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.kind, 'code': err.code}})}\n\n"
+            yield f"data: {json.dumps(err.body())}\n\n"
             return
         yield run.chunk({}, run.finish_reason(), medusa=run.medusa())
         if run.request.include_usage:

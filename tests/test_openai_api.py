@@ -191,7 +191,10 @@ HOSTILE = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"tree": "no-such-tree"}}, 400, "tree"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"mode": "warp"}}, 400, "warp"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0.7,
-      "medusa": {"mode": "typical", "epsilon": 0}}, 400, "every guess the heads make is kept"),
+      "medusa": {"mode": "typical", "epsilon": 0}}, 400, "medusa.epsilon 0.0 is out of range: use a value in (0, 1] (at 0 "
+                                                          "every guess the heads make is kept)"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"delta": 5}}, 400,
+     "medusa.delta 5 is out of range"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"treee": "small-8"}}, 400,
      "unknown field 'medusa.treee': remove it (\"medusa\" takes tree, mode, epsilon, delta)"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, 400,
@@ -739,3 +742,10 @@ def test_a_long_silence_is_filled_with_comments_a_client_skips(monkeypatch):
             if text.startswith("data: {")]
     assert "".join(d["choices"][0]["delta"].get("content", "") for d in data) == "Paris"
     assert events[-1][1] == "data: [DONE]\n\n"
+    assert all("usage" not in d for d in data), "no usage asked for, none sent"
+    # with include_usage every chunk carries "usage", null until the last one's (the spec; it was left out)
+    from dataclasses import replace
+
+    request = replace(request, include_usage=True)
+    data = [json.loads(text.removeprefix("data: ")) for _, text in asyncio.run(stream()) if text.startswith("data: {")]
+    assert all(d["usage"] is None for d in data[:-1]) and data[-1]["usage"]["completion_tokens"] == 1
