@@ -623,15 +623,17 @@ def api_routes(slot: ModelSlot, api_key: str | None = None) -> list[APIRoute]:
         """Any other /v1 request (a client's legacy /v1/completions, a wrong method): an OpenAI-shaped
         error that names what is served, where FastAPI's {"detail": "Not Found"} names nothing."""
         path = request.url.path
+        # /v1/models/{id} is served too (GET): another method on it is refused as one (a DELETE said "not served")
+        key = "/v1/models" if path.startswith("/v1/models/") and path.rstrip("/") != "/v1/models" else path.rstrip("/")
         try:
             authorize(request)
-            if path.rstrip("/") not in served:
+            if key not in served:
                 raise ApiError(404, f"{request.method} {path} is not served here: use POST /v1/chat/completions or "
                                     "GET /v1/models (the legacy /v1/completions is not served)", code="unknown_url")
         except ApiError as err:
             return err.response()
-        method, handler = served[path.rstrip("/")]
-        if request.method == method:      # the path with a trailing slash: the same endpoint
+        method, handler = served[key]
+        if request.method == method and key == path.rstrip("/"):   # the path with a trailing slash: the same endpoint
             return await handler(request)
         refused = ApiError(405, f"{request.method} {path} is not served: use {method} {path.rstrip('/')}",
                            code="method_not_allowed").response()
@@ -641,5 +643,5 @@ def api_routes(slot: ModelSlot, api_key: str | None = None) -> list[APIRoute]:
     return [*(APIRoute(path, handler, methods=[method]) for path, (method, handler) in served.items()),
             APIRoute("/v1/models/{model:path}", one_model, methods=["GET"]),    # a hub id holds a "/"
             # last: only what no route above takes
-            APIRoute("/v1/{rest:path}", elsewhere, methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"])]
+            APIRoute("/v1/{rest:path}", elsewhere, methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"])]
 

@@ -243,6 +243,12 @@ def test_hostile_input_gets_openai_shaped_errors_and_the_server_keeps_serving(ap
         refused = http.get(url)
         assert_openai_error(refused, 405, "GET /v1/chat/completions is not served: use POST")
         assert refused.headers["allow"] == "POST"
+        # a served path with another method is refused as one (DELETE on a model said "not served here"; OPTIONS got
+        # FastAPI's own body)
+        for method, path, allow in (("DELETE", f"/v1/models/{MODEL}", "GET"), ("OPTIONS", "/v1/chat/completions", "POST")):
+            refused = http.request(method, app[0] + path)
+            assert_openai_error(refused, 405, f"{method} {path} is not served: use {allow} {path}")
+            assert refused.headers["allow"] == allow
         assert http.get(app[0] + "/v1/models/").json()["data"][0]["id"] == MODEL    # a trailing slash is the same
         assert http.get(app[0] + f"/v1/models/{MODEL}/").json()["id"] == MODEL
         ok = http.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": FRANCE}], "temperature": 0})
