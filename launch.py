@@ -196,9 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     exposed = (f"--host {args.host} would serve the chat and its APIs to anyone on your network"
                if not is_local(args.host) else
                "--share would put the chat and its APIs on a public gradio.live link" if args.share else None)
-    if args.api_key and not args.api_key.isascii():   # the page's login took it, and no API client could send it
+    if args.api_key and not args.api_key.isascii() and not args.no_api:   # the page's login takes it; no API client could
         fail("--api-key has characters outside ASCII, which HTTP clients (the openai one too) cannot send in a header: "
-             "use letters, digits and punctuation only")
+             "use letters, digits and punctuation only (with --no-api it is only the page's password, and may be any text)")
     if exposed and not args.api_key:
         fail(f"{exposed}: pass --api-key KEY (or set {API_KEY_ENV}); the page then asks for it as its password")
     if not is_local(args.host):

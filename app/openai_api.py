@@ -269,7 +269,8 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
                            param="medusa.tree", code="invalid_value")
         if medusa.get("mode") is not None:
             mode = medusa["mode"]
-            if mode == "greedy" and data.get("temperature") not in (None, 0):   # both given, and they disagree
+            # both given, and they disagree (a temperature under 1e-5 is greedy too)
+            if mode == "greedy" and data.get("temperature") is not None and not is_greedy("sample", temperature):
                 raise ApiError(400, f"medusa.mode \"greedy\" with temperature {temperature:g}: greedy decoding draws "
                                     "nothing, so the temperature would do nothing: drop temperature (or give 0), or "
                                     "use mode \"sample\" or \"typical\"", param="temperature", code="invalid_value")
@@ -279,8 +280,9 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
             raise ApiError(400, f"medusa.mode {json_value(mode)} is unknown: use one of {', '.join(MODES)} (or "
                                 '"medusa": false for plain decoding)',
                            param="medusa.mode", code="invalid_value")
-        epsilon = number(medusa, "epsilon", epsilon, limits("epsilon").low, limits("epsilon").high, within="medusa")
-        delta = number(medusa, "delta", delta, limits("delta").low, limits("delta").high, within="medusa")
+        # a number here; its range (0 excluded) is DecodeConfig's to say, as for the page
+        epsilon = number(medusa, "epsilon", epsilon, -math.inf, math.inf, within="medusa")
+        delta = number(medusa, "delta", delta, -math.inf, math.inf, within="medusa")
     else:
         raise ApiError(400, f"medusa {json_value(medusa)}: give an object such as "
                             "{\"tree\": ..., \"mode\": \"typical\"}, or false for plain decoding", param="medusa",

@@ -133,7 +133,8 @@ def answered_line(figures: dict | None, settings: dict) -> str | None:
         parts.append(f"tree {tree}" + (f" ({count(int(size), 'node')})" if _number(size) else ""))
     mode, temperature = settings.get("mode"), settings.get("temperature")
     if isinstance(mode, str):       # what ran, as the API reports it: sampling at temperature 0 is greedy
-        if is_greedy(mode, temperature):
+        # a damaged copy's temperature may be missing or no number: not compared (it raised, and every save failed)
+        if mode == "greedy" or (_number(temperature) and is_greedy(mode, temperature)):
             parts.append("greedy")
         else:
             ran = mode + (f" at temperature {temperature:g}" if _number(temperature) else "")

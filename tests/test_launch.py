@@ -134,7 +134,11 @@ def test_a_key_no_http_client_can_send_is_refused(tmp_path):
         proc = run("--model", str(tmp_path / "missing"), "--device", "cpu", *given, env_extra={"MEDUSA_CHAT_API_KEY": "clé"})
         assert proc.returncode == 1 and error_lines(proc) == [
             "error: --api-key has characters outside ASCII, which HTTP clients (the openai one too) cannot send in a "
-            "header: use letters, digits and punctuation only"], proc.stderr
+            "header: use letters, digits and punctuation only (with --no-api it is only the page's password, and may be "
+            "any text)"], proc.stderr
+    # the page's login alone takes it (it did before)
+    proc = run("--model", str(tmp_path / "missing"), "--device", "cpu", "--api-key", "clé", "--no-api")
+    assert proc.returncode == 1 and "missing" in error_lines(proc)[0] and "ASCII" not in proc.stderr
 
 
 def test_a_public_share_link_needs_a_key(tmp_path):

@@ -194,7 +194,7 @@ HOSTILE = [
       "medusa": {"mode": "typical", "epsilon": 0}}, 400, "medusa.epsilon 0.0 is out of range: use a value in (0, 1] (at 0 "
                                                           "every guess the heads make is kept)"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"delta": 5}}, 400,
-     "medusa.delta 5 is out of range"),
+     "medusa.delta 5.0 is out of range: use a value in (0, 1]"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"treee": "small-8"}}, 400,
      "unknown field 'medusa.treee': remove it (\"medusa\" takes tree, mode, epsilon, delta)"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, 400,
@@ -394,6 +394,9 @@ def test_a_greedy_request_gets_the_pages_answer_and_the_figures_share_their_name
     tiny = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": FRANCE}],
                                           temperature=1e-40, max_tokens=12)
     assert tiny.choices[0].message.content == raw["reply"] and tiny.model_extra["medusa"]["mode"] == "greedy"
+    both = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": FRANCE}], temperature=1e-6,
+                                          max_tokens=12, extra_body={"medusa": {"mode": "greedy"}})   # they agree
+    assert both.choices[0].message.content == raw["reply"]
 
 
 def test_concurrent_clients_and_a_page_request_all_complete_in_order(app, client):

@@ -147,6 +147,9 @@ def test_an_export_says_how_each_answer_was_made_and_under_which_system_prompt(t
     {"medusa": {"tokens": 3, "steps": 2}}, {"medusa": {"tokens": "3", "steps": 2, "tokens_per_second": "9"}},
     {"medusa": {"tokens": 3, "steps": 2, "tokens_per_second": None, "tree_size": "9", "tree": 5}},
     {"medusa": [1, 2], "baseline": "x"}, "answered", [],
+    # a sampled answer whose temperature is missing or no number (review: the greedy check raised on it)
+    {"settings": {"mode": "sample"}, "medusa": {"tokens": 3}},
+    {"settings": {"mode": "typical", "temperature": "hot"}, "medusa": {"tokens": 3}},
 ])
 def test_a_damaged_saved_record_of_an_answer_still_exports(tmp_path, answered):
     """The browser's copy is read back on page load and the exports are written from it at once: an

@@ -307,9 +307,20 @@ def save_safetensors(state: dict[str, torch.Tensor], path: Path, metadata: dict[
     from safetensors.torch import save_file
 
     save_file(state, str(path), metadata=metadata)
-    umask = os.umask(0)
+    path.chmod(0o666 & ~current_umask())
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux says it (setting it to read it back would, for
+    a moment, leave another thread's new files world-writable)."""
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    umask = os.umask(0o022)
     os.umask(umask)
-    path.chmod(0o666 & ~umask)
+    return umask
 
 
 def save_heads(heads: MedusaHeads, directory: str | Path, base_model: str) -> Path:

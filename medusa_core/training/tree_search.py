@@ -130,8 +130,11 @@ def run(config: CalibrateConfig) -> dict:
     if config.data:
         read_answers(Path(config.data))
     check_writable(config.out, "--out")
-    if config.budget == "auto" and not Path(config.timing_prompts or config.prompts or "").is_file():
-        raise ValueError("--budget auto times decoding: give --timing-prompts FILE.jsonl (or calibrate with --prompts)")
+    timing = config.timing_prompts or config.prompts
+    if config.budget == "auto" and not (timing and Path(timing).is_file()):
+        raise ValueError(f"--budget auto times decoding on prompts, and {timing} does not exist: give an existing file"
+                         if timing else "--budget auto times decoding: give --timing-prompts FILE.jsonl (or calibrate "
+                         "with --prompts)")
     model, tokenizer = load_backbone_dir(config.model, device=config.device, dtype=getattr(torch, config.dtype))
     if config.quant == "int4":
         print(use_int4(model, measured=False)[1], flush=True)
