@@ -80,5 +80,5 @@ def test_sampling_or_follow_ups_without_a_batch_say_how_to_fix_it(setup, tmp_pat
     model, tokenizer = setup
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "hi", "followup": "why?"}) + "\n")
-    with pytest.raises(ValueError, match="batch size > 1"):
+    with pytest.raises(ValueError, match="pass --distill-batch 2 or more"):
         train_data.distilled_rows(model, tokenizer, prompts, False, 4, tmp_path / "a.jsonl", batch_size=1)
