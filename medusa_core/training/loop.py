@@ -16,11 +16,11 @@ from torch import nn
 from ..heads.accuracy import CALIBRATION_FILE
 from ..heads.files import PROPOSAL_FILE
 from ..heads.medusa_heads import HeadsConfig, MedusaHeads
-
-TREE_FILE = "tree.json"     # calibrate's tree beside the heads (README: --out my-heads/tree.json)
 from . import data
 from .evaluation import rank_counts, rank_histogram
 from .loss import Positions, backbone_hidden, cached_positions, head_loss, padded, positions
+
+TREE_FILE = "tree.json"     # calibrate's tree beside the heads (README: --out my-heads/tree.json)
 
 
 @dataclass(frozen=True)
