@@ -110,6 +110,12 @@ def with_kept(updates: dict, values: dict, engine) -> dict:
     return updates
 
 
+def first_paragraph(line: str) -> str:
+    """The status line's first paragraph, for the line under the Load button (the tree's paragraph is the
+    status line's)."""
+    return line.split("\n\n")[0]
+
+
 def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Settings):
     """Attach the model panel's events; returns ``sync(shown, max_new_value, stored)``, the update of
     ``model_outputs(page)`` the page's load event uses too. ``start``: the decoding settings the page
@@ -133,7 +139,7 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
         # the status line's first paragraph under the Load button too (the tree's is the status line's), for a
         # change this page saw: on a phone the line at the top is far out of view, and a failed Load showed
         # nothing where the user pressed it
-        under = state.line.split("\n\n")[0] if shown is not None else gr.update()
+        under = first_paragraph(state.line) if shown is not None else gr.update()
         updates = {"status": state.line, "model_status": under,
                    "note": gr.update(visible=cpu_default, **({"value": note} if note else {})),
                    "send": gr.update(interactive=engine is not None and not loading),
@@ -179,7 +185,8 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
         refused = slot.start(spec)
         if refused:     # a toast: a line under the panel would still say "still loading" once it has loaded
             gr.Warning(refused)
-        return (slot.state().line, *page_only(sync(shown, max_new_value))[1:])
+        # a load that failed at once (a missing folder) has ended by now: its line has the tree paragraph too
+        return (first_paragraph(slot.state().line), *page_only(sync(shown, max_new_value))[1:])
 
     def on_unload(max_new_value, shown):
         return (slot.unload(), *page_only(sync(shown, max_new_value))[1:])

@@ -84,7 +84,7 @@ def test_typical_thresholds_of_zero_are_refused():
 
     for name in ("epsilon", "delta"):
         with pytest.raises(SettingError, match=rf"^{name} 0 is out of range: use a value in \(0, 1\] \(at 0 every "
-                                               "guess the heads make is kept\)$"):
+                                               r"guess the heads make is kept\)$"):
             DecodeConfig(mode="typical", temperature=0.7, **{name: 0})
     DecodeConfig(mode="typical", temperature=0.7, epsilon=0.01, delta=0.01)
 

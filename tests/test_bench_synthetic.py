@@ -113,7 +113,9 @@ def test_cli_times_transformers_generate_for_the_baseline_comparison(tmp_path):
                            "--context", "8", "--iters", "3", "--warmup", "0", "--hf-generate", "--json", str(out)]) == 0
     r = json.loads(out.read_text())["results"][0]
     assert set(r["hf_generate_ms"]) == {"dynamic", "static"}
-    assert any(isinstance(v, float) for v in r["hf_generate_ms"].values()) and r["baseline_over_best_hf"] > 0
+    # each a positive time, or why there is none (a difference of two noisy times on a busy CPU can be no figure)
+    assert all((isinstance(v, float) and v > 0) or v.startswith("failed: ") for v in r["hf_generate_ms"].values())
+    assert r["baseline_over_best_hf"] is None or r["baseline_over_best_hf"] > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a CPU-only torch gives")
