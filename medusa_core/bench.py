@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
-from .benchmarks.runs import (ModuleTimer, Run, bench_prompts, check_writable, format_table, peak_memory, run_hf,
-                              run_loop, summarize, write_json)
+from .benchmarks.runs import (ModuleTimer, Run, bench_prompts, format_table, peak_memory, run_hf, run_loop, summarize,
+                              write_json)
 from .decoding.config import DEFAULTS, MODES, DecodeConfig, SettingError, limits
 from .decoding.step import compute_dtype
 from .decoding.tree import TreeBuffers, TreeError, build_tree_buffers, resolve_tree, tree_name
-from .errors import LoadError
+from .errors import LoadError, check_writable
 from .loading.chat_format import render_chat
 from .loading.load import load
 from .loading.spec import LoadSpec

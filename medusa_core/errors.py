@@ -6,6 +6,7 @@ fix it; the launcher and the commands print it instead of a stack trace.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -49,3 +50,15 @@ def run_command(body: Callable[[], object]) -> int:
         print(f"error: {error_line(err)}", file=sys.stderr)
         return 1
     return 0
+
+
+def check_writable(path: str | None, flag: str = "--json") -> None:
+    """ValueError, before any work, where ``path`` could not be written at the end of the run."""
+    if not path:
+        return
+    target = Path(path)
+    folder = next((p for p in [target.parent, *target.parent.parents] if p.exists()), Path("."))
+    if target.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK) or \
+            (target.exists() and not os.access(target, os.W_OK)):
+        raise ValueError(f"{flag} {path} cannot be written (a folder, or no write permission there): "
+                         "give a file path in a folder you can write")

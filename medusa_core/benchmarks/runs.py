@@ -5,7 +5,6 @@ for the CPU, and the summary rows with their ratios to the baseline."""
 from __future__ import annotations
 
 import json
-import os
 import resource
 import time
 from dataclasses import dataclass, field
@@ -151,18 +150,6 @@ def peak_memory(device: str) -> str:
     if device.startswith("cuda"):
         return f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"
     return f"peak process RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f} MiB"
-
-
-def check_writable(path: str | None, flag: str = "--json") -> None:
-    """ValueError, before any work, where ``path`` could not be written at the end of the run."""
-    if not path:
-        return
-    target = Path(path)
-    folder = next((p for p in [target.parent, *target.parent.parents] if p.exists()), Path("."))
-    if target.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK) or \
-            (target.exists() and not os.access(target, os.W_OK)):
-        raise ValueError(f"{flag} {path} cannot be written (a folder, or no write permission there): "
-                         "give a file path in a folder you can write")
 
 
 def write_json(path: str, report: dict) -> None:

@@ -220,13 +220,12 @@ def read_answers(path: Path, vocab_size: int | None = None) -> list[Row]:
     if not items or not all("prompt_ids" in d and "answer_ids" in d for _, d in items):
         raise ValueError(f"{path} is not an answers file with prompt_ids/answer_ids: {fix}")
     for n, d in items:
-        ids = [*d["prompt_ids"], *d["answer_ids"]] if all(isinstance(d[k], list) for k in ("prompt_ids", "answer_ids")) \
-            else [None]
-        wrong = next((i for i in ids if type(i) is not int or i < 0 or (vocab_size is not None and i >= vocab_size)),
-                     "none")
-        if wrong != "none":
-            raise ValueError(f"{path}:{n} holds token id {wrong!r}, not one of this model's {vocab_size or 'token'} ids: "
-                             "use answers made with this backbone (medusa_core.train's distill_answers.jsonl)")
+        lists = all(isinstance(d[k], list) for k in ("prompt_ids", "answer_ids"))
+        ids = [*d["prompt_ids"], *d["answer_ids"]] if lists else [None]
+        wrong = [i for i in ids if type(i) is not int or i < 0 or (vocab_size is not None and i >= vocab_size)]
+        if wrong:
+            raise ValueError(f"{path}:{n} holds token id {wrong[0]!r}, not one of this model's {vocab_size or 'token'} "
+                             "ids: use answers made with this backbone (medusa_core.train's distill_answers.jsonl)")
     return [answer_row(d["prompt_ids"], d["answer_ids"]) for _, d in items]
 
 

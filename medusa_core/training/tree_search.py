@@ -25,7 +25,7 @@ from ..quant.cpu_int4 import use_int4
 from ..decoding.tree import expected_tokens_per_step, grow_tree
 from ..loading.tree_tuning import monotone_fit
 from .loop import check_threads
-from ..benchmarks.runs import check_writable
+from ..errors import check_writable
 
 TIMED_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)   # tree sizes without the root
 
