@@ -74,6 +74,17 @@ def test_what_the_flags_show_wrong_is_said_before_the_model_loads(checkpoint, tm
     assert [spec.tree for spec in loads] == ["chain-2"]
 
 
+def test_a_fixed_tree_deeper_than_the_heads_fails_without_tuning_another_first(checkpoint, capsys, monkeypatch):
+    """Review: --tree chain-9 over 5 heads tuned the default tree (minutes on a busy machine) and then failed."""
+    from medusa_core.loading import policy
+    backbone, heads = checkpoint
+    tunings = []
+    monkeypatch.setattr(policy, "tuned_tree", lambda *a, **kw: tunings.append(a) or pytest.fail("tuned a tree"))
+    assert bench.main(["--model", str(backbone), "--heads", str(heads), "--tree", "chain-9"]) == 1
+    assert "error: tree chain-9 cannot run with these heads: tree depth 9 is more than" in capsys.readouterr().err
+    assert tunings == []
+
+
 def test_bench_runs_plain_decoding_alone_without_heads(checkpoint, tmp_path, capsys):
     backbone, _ = checkpoint
     prompts = tmp_path / "p.jsonl"

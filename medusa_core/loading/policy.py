@@ -127,6 +127,8 @@ def pick_tree(spec: LoadSpec, model, tokenizer, heads: MedusaHeads | None, heads
             build_tree_buffers(resolve_tree(spec.tree), heads.config.num_heads)
         except TreeError as err:   # deeper or wider than these heads: the model that loaded is kept, with the
             # tree it gets without --tree (it was thrown away, leaving no model and no word of --tree's part)
+            if spec.tree_strict:   # bench: timing that tree was the point, so tuning another first only costs minutes
+                raise LoadError(f"tree {spec.tree} cannot run with these heads: {err}") from None
             tree, line, tuned = pick_tree(replace(spec, tree=None), model, tokenizer, heads, heads_dir, device,
                                           bundled, quant, dtype, progress)
             return tree, f"--tree {spec.tree} cannot run with these heads ({err}); instead: {line}", tuned
