@@ -102,6 +102,16 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not a number JSON allows")
 
 
+def _finite_float(text: str) -> float:
+    """A JSON number as a float; one past a float's range (1e400) is refused as written: read as inf, it was
+    named "Infinity", a value the client never sent."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ApiError(400, f"the number {text[:40]} is beyond a float's range: give one the field's range allows",
+                       code="invalid_value")
+    return value
+
+
 def too_large(size: int, more: bool = False) -> ApiError:
     return ApiError(413, f"the request is {'more than ' if more else ''}{size:,} bytes; at most {MAX_BODY_BYTES:,} are "
                          "read: shorten the messages (no model here has a context that large)", code="request_too_large")
@@ -126,7 +136,7 @@ def read_body(body: bytes) -> dict:
     if len(body) > MAX_BODY_BYTES:
         raise too_large(len(body))
     try:
-        data = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
+        data = json.loads(body.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float)
     except UnicodeDecodeError as err:
         raise ApiError(400, f"the body is not UTF-8 (byte {err.start}): send JSON text in UTF-8",
                        code="invalid_json") from None
@@ -635,15 +645,19 @@ def api_routes(slot: ModelSlot, api_key: str | None = None) -> list[APIRoute]:
         except ApiError as err:
             return err.response()
         method, handler = served[key]
-        if request.method == method and key == path.rstrip("/"):   # the path with a trailing slash: the same endpoint
+        if request.method in allowed(method) and key == path.rstrip("/"):   # a trailing slash: the same endpoint
             return await handler(request)
         refused = ApiError(405, f"{request.method} {path} is not served: use {method} {path.rstrip('/')}",
                            code="method_not_allowed").response()
-        refused.headers["Allow"] = method
+        refused.headers["Allow"] = ", ".join(allowed(method))
         return refused
 
-    return [*(APIRoute(path, handler, methods=[method]) for path, (method, handler) in served.items()),
-            APIRoute("/v1/models/{model:path}", one_model, methods=["GET"]),    # a hub id holds a "/"
+    def allowed(method: str) -> list[str]:
+        # HTTP's HEAD is a GET without the body (a health check's probe was refused with 405)
+        return [method, "HEAD"] if method == "GET" else [method]
+
+    return [*(APIRoute(path, handler, methods=allowed(method)) for path, (method, handler) in served.items()),
+            APIRoute("/v1/models/{model:path}", one_model, methods=allowed("GET")),    # a hub id holds a "/"
             # last: only what no route above takes
             APIRoute("/v1/{rest:path}", elsewhere, methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"])]
 

@@ -217,6 +217,9 @@ RAW = [
      400, "NaN"),
     (b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": Infinity}',
      400, "Infinity"),
+    # past a float's range: it read as inf and was named "Infinity", which the client never wrote
+    (b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1e400}',
+     400, "the number 1e400 is beyond a float's range"),
     (b'["a list"]', 400, "object"),
     # Python's parser gives up on deep nesting: a bare 500 and a traceback before
     (b'{"model": "SmolLM2-135M-Instruct", "metadata": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "too deeply"),
@@ -245,10 +248,15 @@ def test_hostile_input_gets_openai_shaped_errors_and_the_server_keeps_serving(ap
         assert refused.headers["allow"] == "POST"
         # a served path with another method is refused as one (DELETE on a model said "not served here"; OPTIONS got
         # FastAPI's own body)
-        for method, path, allow in (("DELETE", f"/v1/models/{MODEL}", "GET"), ("OPTIONS", "/v1/chat/completions", "POST")):
+        for method, path, allow in (("DELETE", f"/v1/models/{MODEL}", "GET, HEAD"),
+                                    ("OPTIONS", "/v1/chat/completions", "POST")):
             refused = http.request(method, app[0] + path)
-            assert_openai_error(refused, 405, f"{method} {path} is not served: use {allow} {path}")
+            assert_openai_error(refused, 405, f"{method} {path} is not served: use {allow.split(',')[0]} {path}")
             assert refused.headers["allow"] == allow
+        # HEAD is a GET without the body, as HTTP has it (a health check's HEAD got 405)
+        for path in ("/v1/models", "/v1/models/", f"/v1/models/{MODEL}"):
+            probe = http.head(app[0] + path)
+            assert (probe.status_code, probe.content) == (200, b""), path
         assert http.get(app[0] + "/v1/models/").json()["data"][0]["id"] == MODEL    # a trailing slash is the same
         assert http.get(app[0] + f"/v1/models/{MODEL}/").json()["id"] == MODEL
         ok = http.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": FRANCE}], "temperature": 0})
