@@ -235,6 +235,8 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
         raise ApiError(400, "top_p 0 keeps no token: give a value in (0, 1], or temperature 0 for greedy",
                        param="top_p", code="invalid_value")
     seed = number(data, "seed", None, -(2**63), 2**63 - 1, integer=True)
+    if seed == -1:      # the page's "random", and llama.cpp's server's: one is drawn and reported (it was a fixed seed)
+        seed = None
     top_k = number(data, "top_k", 0, 0, 2**31 - 1, integer=True)          # 0: off
     stop = data.get("stop")
     stop = [stop] if isinstance(stop, str) else stop if stop is not None else []

@@ -122,6 +122,9 @@ def test_a_seed_repeats_a_sampled_answer(client):
     assert isinstance(seed, int), drawn.model_extra
     again = client.chat.completions.create(**ask, seed=seed)
     assert again.choices[0].message.content == drawn.choices[0].message.content
+    # -1 draws one, as on the page (it was a fixed seed: the same answer every time)
+    drawn = [client.chat.completions.create(**ask, seed=-1).model_extra["medusa"]["seed"] for _ in range(2)]
+    assert -1 not in drawn and drawn[0] != drawn[1], drawn
     assert client.chat.completions.create(**{**ask, "temperature": 0}).model_extra["medusa"]["seed"] is None
     # typical acceptance draws nothing either: a seed given is not echoed as if it had mattered
     typical = client.chat.completions.create(**ask, seed=5, extra_body={"medusa": {"mode": "typical"}})
