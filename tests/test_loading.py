@@ -313,6 +313,59 @@ def test_a_directory_that_is_not_a_model_gets_local_advice(root, tmp_path):
     assert "check that the directory holds a transformers model" in line and "hf download" not in line
 
 
+def sentencepiece_model_dir(directory: Path, weights: bool = True) -> Path:
+    """A model laid out as lmsys/vicuna-7b-v1.3 is: its tokenizer only a SentencePiece tokenizer.model, no
+    tokenizer.json, and no chat template (the vicuna prompt)."""
+    import io
+
+    import sentencepiece
+
+    text = ["A chat between a curious user and an artificial intelligence assistant.",
+            "USER: What is the capital of France? ASSISTANT: The capital of France is Paris."] * 40
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(text), model_writer=model, vocab_size=64,
+                                             model_type="bpe", unk_id=0, bos_id=1, eos_id=2, minloglevel=2)
+    directory.mkdir(parents=True)
+    if weights:
+        tiny_model("llama", vocab=64).save_pretrained(directory)
+    else:
+        (directory / "config.json").write_text('{"model_type": "llama"}')
+    (directory / "tokenizer.model").write_bytes(model.getvalue())
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+         "add_bos_token": True, "legacy": False}))
+    return directory
+
+
+def test_a_sentencepiece_tokenizer_like_the_cuda_defaults_loads(tmp_path):
+    """Review: vicuna v1.3 ships only tokenizer.model; transformers 5 reads it only with sentencepiece and protobuf,
+    which no requirement installed, so the product's default model failed after its 13 GB download."""
+    loaded = load(LoadSpec(model=str(sentencepiece_model_dir(tmp_path / "vicuna")), device="cpu"))
+    ids = loaded.tokenizer("The capital of France is Paris.").input_ids
+    assert ids[0] == 1 and loaded.tokenizer.decode(ids, skip_special_tokens=True) == "The capital of France is Paris."
+    assert 2 in loaded.stop_ids                                   # </s> ends a turn
+
+
+def test_a_tokenizer_that_cannot_be_read_fails_before_the_model_loads_and_names_the_packages(tmp_path):
+    """Without sentencepiece transformers says "`tiktoken` is required", which names neither package; and the
+    tokenizer is read first, so the error comes in seconds, not after the weights (here: there are none)."""
+    import subprocess
+    import sys
+
+    directory = sentencepiece_model_dir(tmp_path / "vicuna", weights=False)
+    script = ("import sys; sys.modules['sentencepiece'] = None\n"
+              "from medusa_core.loading.load import LoadError, load\n"
+              "from medusa_core.loading.spec import LoadSpec\n"
+              f"try:\n    load(LoadSpec(model={str(directory)!r}, device='cpu'))\n"
+              "except LoadError as err:\n    print(err)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    line = done.stdout.strip()
+    assert line.startswith(f"{directory}: could not load the model") and line.endswith(
+        "its tokenizer is a SentencePiece tokenizer.model: pip install sentencepiece protobuf (requirements.txt "
+        "lists both) to read it"), done.stdout + done.stderr[-2000:]
+
+
 def test_damaged_weights_are_one_line_that_says_so(root, tmp_path):
     """A weights file cut short by an interrupted copy, or weights that config.json does not describe: a
     LoadError naming the directory and the fix (they escaped the loader's errors, and a page load of

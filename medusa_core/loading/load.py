@@ -10,6 +10,7 @@ Every failure is one LoadError line.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -103,9 +104,10 @@ def load_backbone(source: str, device: str, quant: str, dtype: torch.dtype | str
     # a hub id goes through transformers' own requests: cache-only where the hub is unreachable (hub.py)
     cache_only = path is None and not hub_reachable()
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, local_files_only=cache_only, **kwargs)
+        # the tokenizer first: it fails in seconds, the model after minutes of download and quantization
         tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code,
                                                   local_files_only=cache_only)
+        model = AutoModelForCausalLM.from_pretrained(name, local_files_only=cache_only, **kwargs)
     except torch.OutOfMemoryError:
         raise       # a RuntimeError too, but no damaged file: the app says how to fit the model
     # RuntimeError: weights whose shapes config.json does not describe, or no memory left for them;
@@ -113,6 +115,8 @@ def load_backbone(source: str, device: str, quant: str, dtype: torch.dtype | str
     except (OSError, ValueError, ImportError, RuntimeError, SafetensorError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         hint = ("pass --trust-remote-code if you trust that code" if "trust_remote_code" in str(err) else
+                f"its tokenizer is a SentencePiece tokenizer.model: {SENTENCEPIECE_FIX}"
+                if "tiktoken" in str(err) and not sentencepiece_readable() else
                 "not enough memory for this model: unload the current one first, or pick a smaller model"
                 if "can't allocate memory" in str(err) else
                 "its weights file is damaged or does not match its config.json: copy or download it again"
@@ -122,6 +126,20 @@ def load_backbone(source: str, device: str, quant: str, dtype: torch.dtype | str
         raise LoadError(f"{name}: could not load the model ({first[:200]}): {hint}") from err
     model.eval().requires_grad_(False)
     return model, tokenizer
+
+
+SENTENCEPIECE_FIX = "pip install sentencepiece protobuf (requirements.txt lists both) to read it"
+
+
+def sentencepiece_readable() -> bool:
+    """Whether transformers can convert a SentencePiece tokenizer.model: it needs both packages, and without
+    them falls back to a tiktoken reader whose error ("`tiktoken` is required") names neither."""
+    def importable(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is not None
+        except ImportError:     # google.protobuf without google
+            return False
+    return importable("sentencepiece") and importable("google.protobuf")
 
 
 def _smollm2_converted() -> bool:
