@@ -22,7 +22,7 @@ from medusa_core.heads.files import HeadsLoadError, load_heads_dir, save_heads
 from medusa_core.loading.assets import CPU_DEFAULT_HEADS, CPU_DEFAULT_TREE, cpu_default_backbone
 from medusa_core.loading.load import LoadError, default_spec, load
 from medusa_core.loading.spec import LoadSpec
-from medusa_core.loading.policy import choose_tree
+from medusa_core.loading.policy import choose_tree, resolve_dtype
 from medusa_core.decoding.step import DecodeStep
 from medusa_core.training.evaluation import rank_histogram
 from medusa_core.decoding.tree import build_tree_buffers, resolve_tree
@@ -661,3 +661,16 @@ def test_proposals_keep_the_lm_heads_bias():
     masked[..., outside] = float("-inf")
     heads.restrict_proposals(keep, lm_head)
     assert torch.equal(heads.guesses(hidden, lm_head, top_k=3), torch.topk(masked, 3, dim=-1).indices)
+
+
+def test_a_gpu_without_bf16_arithmetic_computes_in_fp16(monkeypatch):
+    """Review: is_bf16_supported() is True on an RTX 20xx or a T4 by emulation, so they got emulated bf16; and it
+    asked the current GPU, not the one named."""
+    asked = []
+    capabilities = {0: (7, 5), 1: (8, 9)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability",
+                        lambda device=None: asked.append(device) or capabilities[torch.device(device).index or 0])
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **kw: True)
+    assert resolve_dtype("auto", "cuda:0") == torch.float16
+    assert resolve_dtype("auto", "cuda:1") == torch.bfloat16
+    assert resolve_dtype("auto", "cpu") == torch.float32 and len(asked) == 2

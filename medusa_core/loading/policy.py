@@ -79,8 +79,10 @@ def resolve_quant(quant: str, device: str, cpu_default: bool = False, dtype: tor
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     if dtype == "auto":
         if device.startswith("cuda"):
-            # bf16 keeps fp32's range; fp16 only where the GPU lacks bf16 (pre-Ampere)
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            # bf16 keeps fp32's range; fp16 where the GPU has no bf16 arithmetic (pre-Ampere: RTX 20xx, T4).
+            # Not is_bf16_supported(): it says True there too, by emulation, and asks the current GPU, not this one
+            major, _ = torch.cuda.get_device_capability(torch.device(device))
+            return torch.bfloat16 if major >= 8 else torch.float16
         return torch.float32
     if dtype not in DTYPES:
         raise LoadError(f"dtype {dtype!r} is unknown: use auto, {', '.join(DTYPES)}")
