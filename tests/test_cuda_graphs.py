@@ -165,18 +165,22 @@ def test_a_cleared_conversation_reuses_its_graph(setup):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_chat_engine_on_cuda_announces_the_capture_and_tells_the_truth_about_identity(dtype):
+def test_the_chat_engine_on_cuda_announces_the_capture_and_tells_the_truth_about_identity(dtype, tmp_path):
     """The app on a GPU: the first reply of a tree says it is preparing (a capture), the next does
     not; a greedy comparison is identical in fp32, and in bf16 either identical or explained."""
+    from tiny import app_checkpoint
+
     from app.engine import BASELINE, MEDUSA, PREPARING, ChatEngine
     from app.session import Session
     from app.settings import Settings
-    from medusa_core.loading.assets import CPU_DEFAULT_HEADS
     from medusa_core.loading.load import load
     from medusa_core.loading.spec import LoadSpec
 
-    # the CPU default's model and heads, here on the GPU and unquantized: fp32 must be exact
-    loaded = load(LoadSpec(heads=str(CPU_DEFAULT_HEADS), device="cuda", quant="none", dtype=dtype))
+    # the app tests' tiny checkpoint, unquantized: fp32 must be exact. Not the CPU default: the GPU machine has
+    # no SmolLM2 package to convert, and its heads would spend minutes of device time tuning a tree; a tree is given
+    backbone, heads = app_checkpoint(tmp_path)
+    loaded = load(LoadSpec(model=str(backbone), heads=str(heads), device="cuda", quant="none", dtype=dtype,
+                           tree="small-16"))
     engine = ChatEngine(loaded, max_new_tokens=64)
     session, settings = Session(), Settings(max_new_tokens=64, tree="small-16")
     prompt = engine.prompt_ids([{"role": "user", "content": "How do I sort a list in Python?"}], None)
