@@ -52,3 +52,15 @@ def test_the_package_never_imports_the_app_or_its_own_commands():
 def test_top_level_holds_only_the_commands_and_errors():
     top = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
     assert top == COMMANDS | {"errors"}
+
+
+def test_every_cuda_graph_capture_in_the_package_is_thread_local_and_free_of_garbage_collection():
+    """Review: the kernel tuner captured in global mode from a loading thread while an answer ran on another;
+    a CUDA call there breaks the capture. graphs.capturing is the one way to record (it cannot run here)."""
+    for path in modules(PACKAGE):
+        if path.name == "graphs.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "graph" and ast.unparse(node) == "torch.cuda.graph":
+                pytest.fail(f"{path.relative_to(ROOT)}:{node.lineno} captures with torch.cuda.graph: use "
+                            "medusa_core.decoding.graphs.capturing")

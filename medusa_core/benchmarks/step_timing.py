@@ -12,7 +12,7 @@ import torch
 
 from ..decoding.config import DecodeConfig
 from ..decoding.generate import generate, new_cache
-from ..decoding.graphs import capture_stream
+from ..decoding.graphs import capture_stream, capturing
 from ..decoding.kv_cache import cache_keyword, prefill_mask, tree_step_mask
 from ..decoding.step_store import step_for
 from ..decoding.tree import TreeBuffers, build_tree_buffers
@@ -117,7 +117,7 @@ def time_stock_forward(model, tree: TreeBuffers, context: int, capacity: int, it
             forward()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
+    with capturing(graph, side):
         forward()
     return median_seconds(graph.replay, iters, warmup, device)
 

@@ -3,6 +3,10 @@ captured, and the one side stream every warm-up and capture runs on."""
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -16,6 +20,20 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     if device not in _CAPTURE_STREAMS:
         _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
     return _CAPTURE_STREAMS[device]
+
+
+@contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> Iterator[None]:
+    """Record into ``graph`` on ``stream``. thread_local: a CUDA call from another thread (a second tab's
+    answer, one still running on the model a load replaces) cannot break the capture. No garbage
+    collection inside it either: freeing another graph or its memory there would invalidate this one."""
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):   # records, runs nothing
+            yield
+    finally:
+        gc.enable()
 
 
 def use_graphs(model: nn.Module, graphs: bool | None) -> bool:

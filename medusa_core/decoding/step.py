@@ -16,7 +16,6 @@ with the one-node tree.
 
 from __future__ import annotations
 
-import gc
 import weakref
 from dataclasses import dataclass
 
@@ -27,7 +26,7 @@ from ..heads.medusa_heads import MedusaHeads
 from .acceptance import accept_match, accept_typical, sample_from, sampling_probs
 from .config import DEFAULTS, DecodeConfig
 from .kv_cache import KVCache, cache_keyword, prefill_mask, tree_step_mask
-from .graphs import capture_stream
+from .graphs import capture_stream, capturing
 from .tree import TreeBuffers
 
 # A model can compute each query row alone in attention (quant/exact_attention.py registers such an
@@ -213,16 +212,8 @@ class DecodeStep:
                 self.tokens.copy_(tokens)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: a CUDA call from another thread (a second browser tab) cannot break the
-        # capture. No garbage collection inside it either: freeing another graph or its memory
-        # there would invalidate this capture.
-        gc.collect()
-        gc.disable()
-        try:
-            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):   # records, runs nothing
-                self.out = self.run_eager()
-        finally:
-            gc.enable()
+        with capturing(graph, side):
+            self.out = self.run_eager()
         self.graph = graph
 
 
