@@ -138,6 +138,15 @@ def downloaded(source: str | None) -> int:
     return sum(f.stat().st_size for f in blobs.glob("*") if f.is_file()) if blobs.is_dir() else 0
 
 
+def out_of_memory_fix(spec: LoadSpec) -> str:
+    """What would make ``spec`` fit: only the options it does not use already (a model already in NF4, the
+    CUDA default, was told "use quant nf4")."""
+    fixes = [] if spec.quant in ("auto", "nf4") else ["--quant nf4"]     # auto is NF4 on CUDA
+    if spec.heads_quant == "none" and (spec.heads is not None or spec.model is None):    # None: the default's heads
+        fixes.append("--heads-quant nf4 (the heads' vocabulary projections: about 1 GB at 7B)")
+    return f"try {', '.join(fixes + ['a smaller model, or unload the current one first'])}"
+
+
 class ModelSlot:
     """The current ChatEngine (or None) and the load in progress. ``loader`` is
     ``medusa_core.loading.load.load`` (called with the spec and ``progress=``); tests pass one that
@@ -248,7 +257,7 @@ class ModelSlot:
             self._fail(f"{err}")
             return
         except torch.OutOfMemoryError:
-            self._fail(f"out of GPU memory while loading {what}: use quant nf4, a smaller model, or unload first")
+            self._fail(f"out of GPU memory while loading {what}: {out_of_memory_fix(spec)}")
             return
         except Exception as err:   # a thread boundary: a fault nothing foresaw must still end the load, or the
             traceback.print_exc()  # slot stayed "loading" for good: every Load, Unload and message refused or waiting

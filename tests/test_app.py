@@ -1677,3 +1677,27 @@ def test_stop_while_a_long_prompt_is_read_ends_the_answer_before_its_first_token
     assert last.done and last.error is None and last.stats.tokens == 0 and last.stats.finish_reason == "cancelled"
     assert empty_note(last.stats) == "stopped before the first token: the message is back in the box"
     assert render_live(last.stats).endswith("Answer: none: stopped before the first token")
+
+
+def test_a_load_out_of_gpu_memory_suggests_only_what_the_model_does_not_use_already():
+    """Review: the CUDA default, already NF4, was told "use quant nf4"; the heads' 4-bit option went unnamed."""
+    import torch
+
+    from app.models import ModelSlot
+    from medusa_core.loading.spec import LoadSpec
+
+    def loader(spec, progress=None):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 172.00 MiB")
+
+    errors = []
+    for spec in (LoadSpec(device="cuda"), LoadSpec(model="m", heads="h", quant="int8", heads_quant="nf4"),
+                 LoadSpec(model="m", quant="none")):
+        slot = ModelSlot(loader=loader, log=lambda line: None)
+        slot.start(spec)
+        state = slot.wait(30)
+        assert state.phase != "loading"
+        errors.append(state.error.split(": ", 1)[1])
+    assert errors == ["try --heads-quant nf4 (the heads' vocabulary projections: about 1 GB at 7B), a smaller model, "
+                      "or unload the current one first",
+                      "try --quant nf4, a smaller model, or unload the current one first",
+                      "try --quant nf4, a smaller model, or unload the current one first"]
