@@ -142,6 +142,12 @@ def main(argv: list[str] | None = None) -> int:
         print("error: bitsandbytes is not installed: carry .gpuwheels and run docs/performance.md's install line "
               "before the runbook", file=sys.stderr)
         return 2
+    try:        # the carried transformers checks the image's huggingface-hub and tokenizers at import
+        import transformers  # noqa: F401
+    except ImportError as err:
+        print(f"error: transformers does not import here ({str(err).splitlines()[0][:200]}): install .gpuwheels "
+              "without the transformers wheel; the image's own transformers runs the benchmarks too", file=sys.stderr)
+        return 2
     deadline = time.monotonic() + args.budget_s
     names = args.stages or STAGE_NAMES[STAGE_NAMES.index(args.start or STAGE_NAMES[0]):]
     results = run_stages([s for s in STAGES if s.name in names], args.out, deadline)
