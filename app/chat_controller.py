@@ -197,9 +197,10 @@ class ChatController:
         return (*[gr.update()] * 6, {"error": reason}, gr.update())
 
     def _run(self, session: Session, message: str, system: str, compare, controls: dict, shown,
-             mark: tuple[int, int], started: bool = False) -> Iterator[tuple]:
+             mark: tuple[int, int], started: bool = False, cut_before: str | None = None) -> Iterator[tuple]:
         """``compare`` and ``controls`` as the page or a script sent them: checked here. ``mark``: what the request
-        came after (Session.mark); ``started``: regenerate has started it."""
+        came after (Session.mark); ``started``: regenerate has started it; ``cut_before``: the cut notice of the
+        answer it replaces, whose cut still holds (Session.first_turn) and so is not made, nor said, again."""
         if not message:
             yield self.refused("The message is empty: type a question, then send")
             return
@@ -234,7 +235,8 @@ class ChatController:
         except (ValueError, EngineClosed) as err:   # bad settings, no model, a message longer than the context
             yield self.failed(session, message, said(err))
             return
-        turn = Turn(user=message, note=cut, system=system)
+        cut = cut or cut_before
+        turn = Turn(user=message, note=cut, system=system, cut=cut)
         session.turns.append(turn)
         pending = (READOUT_PENDING, READOUT_PENDING if compare else "")
         try:
@@ -332,9 +334,10 @@ class ChatController:
             if not session.start_request(mark):
                 yield self.refused(f"{STOPPED_BEFORE_START} (the answer stays as it was)")
                 return
-            message = session.turns.pop().user
+            replaced = session.turns.pop()
             session.first_turn = min(session.first_turn, len(session.turns))
-            yield from self._run(session, message, str(system or ""), compare, controls, shown, mark, started=True)
+            yield from self._run(session, replaced.user, str(system or ""), compare, controls, shown, mark, started=True,
+                                 cut_before=replaced.cut)
         finally:
             session.busy.release()
 

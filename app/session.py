@@ -24,6 +24,8 @@ class Turn:
     system: str | None = None      # the system prompt it was answered with (None: not recorded)
     answered: dict | None = None   # how: {"settings": ..., "medusa": stats, "baseline": stats} (exports)
     in_box: bool = False           # unanswered, and its text went back to the message box to be resent
+    cut: str | None = None         # the notice that its prompt cut the oldest exchanges (also in ``note``): an
+    #                                answer regenerated runs without them too, and says so again
 
 
 class Session:

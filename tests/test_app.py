@@ -1701,3 +1701,29 @@ def test_a_load_out_of_gpu_memory_suggests_only_what_the_model_does_not_use_alre
                       "or unload the current one first",
                       "try --quant nf4, a smaller model, or unload the current one first",
                       "try --quant nf4, a smaller model, or unload the current one first"]
+
+
+def test_a_regenerated_answer_whose_prompt_was_cut_says_so_again(model_dirs):
+    """QA: Regenerate replaced the answer that carried "the oldest N exchanges left the model's prompt" with
+    one that ran without them too but said nothing (the cut holds, so it was not made again)."""
+    from app.chat_controller import ChatController
+    from app.models import ModelSlot
+    from app.session import Session
+    from medusa_core.loading.spec import LoadSpec
+
+    backbone, heads = model_dirs
+    slot = ModelSlot(log=lambda line: None)
+    slot.start(LoadSpec(model=str(backbone), heads=str(heads), device="cpu"))
+    assert slot.wait(120).phase == "ready"
+    chat, session, controls = ChatController(slot), Session(), dict(mode="greedy", max_new_tokens=8)
+    for i in range(12):                       # the checkpoint's context is 1024 tokens: a few of these outgrow it
+        list(chat.run(session, f"question {i}: " + "tell me about lists " * 12, "", False, controls))
+        if (session.turns[-1].note or "").startswith("the oldest"):
+            break
+    cut = session.turns[-1].note
+    assert cut and cut.endswith("left the model's prompt to fit its 1024-token context (still shown here)")
+    first_turn = session.first_turn
+    for _ in range(2):
+        list(chat.regenerate(session, "", False, controls))
+        assert session.turns[-1].note == cut and session.turns[-1].reply is not None
+        assert session.first_turn == first_turn           # the same cut, not a new one
