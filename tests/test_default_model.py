@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -229,3 +230,29 @@ def test_the_default_holds_on_an_avx2_cpu():
             and out["weights"] == "int4") or ("fp32 matmuls (" in out["description"] and out["weights"] is None)
     assert out["margin"] >= MARGIN and "Paris" in out["france"]
     assert out["identical"] == [True] * 4
+
+
+def test_a_cache_that_cannot_be_written_is_said_before_the_conversion_runs(tmp_path, monkeypatch):
+    """QA: a read-only cache was found out after the whole GGUF conversion (a minute on a busy machine)."""
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **kw: pytest.fail("converted before checking the cache can be written"))
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(OSError):
+        smollm2.convert(tmp_path / "model.gguf", tmp_path / "a-file" / "cache" / smollm2.NAME)
+
+
+def test_a_conversion_abandoned_by_a_stopped_start_is_removed_and_a_running_ones_kept(tmp_path):
+    """QA: Ctrl-C during the first start's conversion left SmolLM2-135M-Instruct.tmp<pid> (540 MB) for good."""
+    import subprocess
+    import sys
+
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    out = tmp_path / smollm2.NAME
+    abandoned, running = (out.with_name(f"{out.name}.tmp{pid}") for pid in (ended.stdout.strip(), os.getppid()))
+    for folder in (abandoned, running):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"partial")
+    smollm2.remove_abandoned(out)
+    assert not abandoned.exists() and running.exists()

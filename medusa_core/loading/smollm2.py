@@ -72,11 +72,36 @@ def converted_dir(source: Path | None = None, root: Path | None = None) -> Path:
     return out
 
 
+def remove_abandoned(out: Path) -> None:
+    """Remove the half-written conversions (``out.tmp<pid>``) of processes that no longer run: a start stopped
+    by Ctrl-C mid-conversion left one (540 MB) for good. One whose process runs is another start converting."""
+    for partial in out.parent.glob(f"{out.name}.tmp*"):
+        pid = partial.name.removeprefix(f"{out.name}.tmp")
+        if pid.isdigit() and int(pid) != os.getpid() and not process_runs(int(pid)):
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+def process_runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)                 # signal 0: checks, sends nothing
+    except ProcessLookupError:
+        return False
+    except PermissionError:             # another user's process
+        return True
+    return True
+
+
 def convert(source: Path, out: Path) -> None:
     """GGUF -> save_pretrained directory at ``out`` (written beside it, then renamed: never half a model)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
+    # the folder is made first: a cache that cannot be written is said now, not after the whole conversion
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_abandoned(out)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
     print(f"converting {source.name} into {out} (once: half a minute on two idle cores, longer on a busy machine)",
           flush=True)
     gguf_model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
@@ -89,9 +114,6 @@ def convert(source: Path, out: Path) -> None:
     model.load_state_dict(gguf_model.state_dict())
     model.generation_config = gguf_model.generation_config
     del gguf_model
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "converted_from.json").write_text(json.dumps(_stamp(source)) + "\n")

@@ -15,10 +15,12 @@ CUDA), wall time per step with its one sync, on a short chat prompt.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
 import platform
+import shutil
 import statistics
 import tempfile
 import time
@@ -446,7 +448,9 @@ def tuned_tree(model, heads, tokenizer, acc: Sequence[Sequence[float]], accuracy
     if tuned.contended:
         # this start runs the tree from a file of its own: the cache, and an entry a quiet start may be
         # writing at this moment, stay as they are
-        own = Path(tempfile.mkdtemp(prefix="medusa-chat-tree-")) / tree_file(entry).name
+        folder = Path(tempfile.mkdtemp(prefix="medusa-chat-tree-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)   # each busy start left one behind for good
+        own = folder / tree_file(entry).name
         own.write_text(json.dumps(tuned.paths) + "\n")
         return tuned, own
     write_cached(entry, key, tuned)   # OSError: the loader names the directory and the fix
