@@ -256,3 +256,13 @@ def test_a_conversion_abandoned_by_a_stopped_start_is_removed_and_a_running_ones
         (folder / "model.safetensors").write_bytes(b"partial")
     smollm2.remove_abandoned(out)
     assert not abandoned.exists() and running.exists()
+
+
+def test_a_cache_folder_named_from_home_is_expanded(monkeypatch, tmp_path):
+    """QA: MEDUSA_CHAT_CACHE="~/mc" (quoted in a .env file or a service unit) made a folder named "~"."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv(smollm2.CACHE_ENV, "~/mc")
+    assert smollm2.cache_root() == tmp_path / "mc"
+    monkeypatch.delenv(smollm2.CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", "~/xdg")
+    assert smollm2.cache_root() == tmp_path / "xdg" / "medusa-chat"

@@ -55,6 +55,11 @@ def test_tree_file(tmp_path):
     assert build_tree_buffers(resolve_tree(str(f)), num_heads=2).size == 4
     f.write_text(json.dumps({"paths": [[0], [1]]}))
     assert resolve_tree(str(f)) == [(0,), (1,)]
+    (tmp_path / "trees.json").mkdir()          # QA: a folder was said not to exist
+    with pytest.raises(TreeError, match=f"^tree file {tmp_path / 'trees.json'} is a folder: give the path of a JSON file"):
+        resolve_tree(str(tmp_path / "trees.json"))
+    with pytest.raises(TreeError, match=r"small-16, chain-1.*, baseline \(plain decoding\), or a path"):
+        resolve_tree("smal-16")               # baseline is a tree to name too (--help says so; the list left it out)
 
 
 @pytest.mark.parametrize(

@@ -127,7 +127,8 @@ def resolve_tree(spec: str) -> Paths:
     if spec.endswith(".json"):
         return load_tree_file(Path(spec))
     raise UnknownTreeError(
-        f"unknown tree {spec!r}: use one of {', '.join(preset_names())}, or a path to a .json file of paths"
+        f"unknown tree {spec!r}: use one of {', '.join(preset_names())}, baseline (plain decoding), or a path to a "
+        ".json file of paths"
     )
 
 
@@ -156,6 +157,8 @@ def _check_generated(spec: str, nodes: int) -> None:
 
 def load_tree_file(path: Path) -> Paths:
     """A JSON file holding a list of paths, or an object with a "paths" list."""
+    if path.is_dir():
+        raise TreeError(f"tree file {path} is a folder: give the path of a JSON file holding a list of paths")
     if not path.is_file():
         raise TreeError(f"tree file {path} does not exist: give the path of a JSON list of paths")
     try:

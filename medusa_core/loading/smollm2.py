@@ -45,10 +45,12 @@ def gguf_path() -> Path:
 
 def cache_root() -> Path:
     """$MEDUSA_CHAT_CACHE, else $XDG_CACHE_HOME/medusa-chat, else ~/.cache/medusa-chat."""
+    # "~/..." expanded: a value quoted in a .env file, a systemd unit or docker -e reaches us unexpanded, and
+    # was a folder named "~" under whatever directory the app started in
     if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
+        return Path(os.environ[CACHE_ENV]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "medusa-chat"
+    return Path(base).expanduser() / "medusa-chat"
 
 
 def _stamp(source: Path) -> dict:
