@@ -458,7 +458,8 @@ def wire_chat(page: Page, chat: ChatController) -> dict:
     # trigger_mode "multiple": a send while the tab answers reaches run(), which says why it waits (Gradio's
     # default drops it without a word while the first is pending)
     events = dict(outputs=outputs, concurrency_limit=16, concurrency_id="chat", preprocess=False,
-                  trigger_mode="multiple")
+                  trigger_mode="multiple", show_progress_on=[page.chat])   # the status line stays readable (Gradio's
+    #                                                                        bar covered it for the whole answer)
     # Stop is on while the tab has an answer running or waiting: from the send (save_pending) or the regenerate
     # click to the end of that answer's events
     stop_after = dict(fn=stop_state, inputs=[page.session], outputs=[page.stop], api_name=False, concurrency_limit=None,
