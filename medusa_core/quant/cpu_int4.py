@@ -224,19 +224,23 @@ def exact_mode(model: nn.Module) -> bool:
 
 
 def measure(model: nn.Module, rows: tuple[int, ...] = (1, 4), repeats: int = 15) -> dict[str, float]:
-    """ms for one decoder layer's Linear layers plus the lm_head, fp32 against int4 + bf16 head,
+    """ms for every decoder layer's Linear layers plus the lm_head, fp32 against int4 + bf16 head,
     summed over ``rows`` (a plain step and a small tree): what ``auto`` chooses by. Each call is
-    timed ``repeats`` times, interleaved, and its fastest time kept: other load only adds time."""
-    layer = model.get_decoder().layers[0]
-    dense = [m for m in layer.modules() if type(m) is nn.Linear and quantizable(m)]
+    timed ``repeats`` times, interleaved, and its fastest time kept: other load only adds time.
+    Every layer, in a step's order, not one: one layer timed again and again keeps its fp32 weights
+    (14 MB in SmolLM2) in the CPU's cache, which a step streaming 30 layers does not. That hid int4's
+    gain, which is memory read: on an AVX2 CPU one layer measured 0.80x while whole-model
+    forwards ran 1.3-1.4x faster in int4, and auto chose fp32 (docs/cpu_default.md)."""
+    dense = [d for _, _, d in _decoder_linears(model) if quantizable(d)]
     head = model.get_output_embeddings()
     pairs = [(d, Int4Linear.from_linear(d)) for d in dense] + [(head, Bf16Head(head))]
     best: dict[tuple, float] = {}
     with torch.no_grad():
         for m in rows:
-            inputs = [torch.randn(m, fp32.in_features, dtype=fp32.weight.dtype) for fp32, _ in pairs]
+            inputs = {k: torch.randn(m, k, dtype=head.weight.dtype) for k in {fp32.in_features for fp32, _ in pairs}}
             for _ in range(repeats + 1):              # the first round warms up
-                for n, ((fp32, fast), x) in enumerate(zip(pairs, inputs)):
+                for n, (fp32, fast) in enumerate(pairs):
+                    x = inputs[fp32.in_features]
                     for kind, fn in (("fp32_ms", fp32), ("int4_ms", fast)):
                         start = time.perf_counter()
                         fn(x)
