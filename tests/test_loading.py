@@ -674,3 +674,14 @@ def test_a_gpu_without_bf16_arithmetic_computes_in_fp16(monkeypatch):
     assert resolve_dtype("auto", "cuda:0") == torch.float16
     assert resolve_dtype("auto", "cuda:1") == torch.bfloat16
     assert resolve_dtype("auto", "cpu") == torch.float32 and len(asked) == 2
+
+
+def test_a_gpu_index_past_the_gpus_there_is_said_in_one_line(monkeypatch):
+    """Review: --device cuda:3 on a 2-GPU machine ended in torch's "AssertionError: Invalid device id"."""
+    from medusa_core.loading.policy import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda:1") == "cuda:1" and resolve_device("cuda") == "cuda"
+    with pytest.raises(LoadError, match=r"^device 'cuda:3' is not here: torch sees 2 CUDA GPU\(s\), cuda:0 to cuda:1$"):
+        resolve_device("cuda:3")

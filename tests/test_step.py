@@ -145,3 +145,38 @@ def test_eager_steps_attend_over_the_used_slots_and_decode_as_the_whole_bucket_d
     monkeypatch.setattr(KVCache, "narrowed", lambda self, width: narrowed(self, None))   # as a graph does
     assert conversation() == (narrow, capacity)
     assert {keys for keys, _, _ in seen} == {capacity}
+
+
+def test_captures_in_two_threads_keep_garbage_collection_off_until_both_end_and_use_their_own_streams(monkeypatch):
+    """Review: the kernel tuner (a load's thread) captured on the stream an answer (the old model's thread) captures
+    on, and one capture's end turned garbage collection back on under the other's. Runs without CUDA: the graph
+    and the streams are stand-ins, the bookkeeping is graphs.py's own."""
+    import contextlib
+    import gc
+    import threading
+
+    from medusa_core.decoding import graphs
+
+    monkeypatch.setattr(torch.cuda, "graph", lambda *a, **kw: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: object())
+    monkeypatch.setattr(graphs, "_CAPTURE_STREAMS", {})         # the stand-ins never outlive the test
+    assert gc.isenabled()
+    inside, release, streams = threading.Event(), threading.Event(), {}
+
+    def other_thread():
+        streams["other"] = graphs.capture_stream(torch.device("cuda", 0))
+        with graphs.capturing(None, streams["other"], collect=False):
+            inside.set()
+            release.wait(10)
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    inside.wait(10)
+    streams["this"] = graphs.capture_stream(torch.device("cuda", 0))
+    with graphs.capturing(None, streams["this"]):
+        assert not gc.isenabled()
+    assert not gc.isenabled(), "this capture's end turned gc on while the other thread still captures"
+    release.set()
+    worker.join(10)
+    assert gc.isenabled()
+    assert streams["this"] is not streams["other"] and graphs.capture_stream(torch.device("cuda", 0)) is streams["this"]

@@ -56,6 +56,9 @@ def resolve_device(device: str) -> str:
         raise LoadError(f"device {device!r} is unknown: use auto, cpu, cuda or cuda:N") from err
     if kind == "cuda" and not torch.cuda.is_available():
         raise LoadError(f"device {device!r} was asked for but torch sees no CUDA GPU: use --device cpu, or install a CUDA build of torch")
+    index = torch.device(device).index
+    if kind == "cuda" and index is not None and index >= (count := torch.cuda.device_count()):
+        raise LoadError(f"device {device!r} is not here: torch sees {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}")
     return device
 
 

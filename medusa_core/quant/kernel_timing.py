@@ -62,8 +62,8 @@ def rotating_copies(packed: torch.Tensor, state, l2_bytes: int, at_least: int = 
 def graph_time_us(calls: list[Callable[[], object]], replays: int = 5, repeat: int = 4) -> float:
     """Median µs per call: ``calls`` (cycled ``repeat`` times) captured back to back in one CUDA graph,
     replayed and timed with CUDA events; launch overhead is gone, as in the decoding loop's graph."""
-    # the decoding step's side stream and capture mode: a load times kernels while an answer may still
-    # run on the model it replaces, in another thread (a global-mode capture failed either)
+    # this thread's side stream and the step's capture mode: a load times kernels while an answer may still
+    # run, and capture, on the model it replaces, in another thread (a global-mode capture failed either)
     stream = capture_stream(torch.device("cuda", torch.cuda.current_device()))
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):        # warm-up compiles and fills allocator pools outside capture
@@ -72,7 +72,7 @@ def graph_time_us(calls: list[Callable[[], object]], replays: int = 5, repeat: i
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with capturing(graph, stream):
+    with capturing(graph, stream, collect=False):
         for _ in range(repeat):
             for fn in calls:
                 fn()
