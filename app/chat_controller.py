@@ -204,7 +204,9 @@ class ChatController:
         if not message:
             yield self.refused("The message is empty: type a question, then send")
             return
-        session.drop_resent()
+        resent = session.drop_resent()
+        # its prompt's cut still holds: the answer to the message sent again says it (Turn.cut)
+        cut_before = cut_before or (resent.cut if resent is not None else None)
         if not (started or session.start_request(mark)):
             yield self.cleared(session) if session.cleared_since(mark) else \
                 self.failed(session, message, f"{STOPPED_BEFORE_START}: the message is back in the box")

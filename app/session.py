@@ -93,12 +93,14 @@ class Session:
             self._sends = max(0, self._sends - 1)
             return self._sends > 0 or self.busy.locked()
 
-    def drop_resent(self) -> None:
+    def drop_resent(self) -> Turn | None:
         """A message is sent: the last one, if its text went back to the box unanswered (refused, or stopped
-        before its first token), is what the user resends, edited or not. Kept, it showed twice."""
+        before its first token), is what the user resends, edited or not. Kept, it showed twice. Returns it."""
         if self.turns and self.turns[-1].in_box:
-            self.turns.pop()
+            dropped = self.turns.pop()
             self.first_turn = min(self.first_turn, len(self.turns))
+            return dropped
+        return None
 
     def exchanges(self) -> list[tuple[int, str, str]]:
         """(turn index, user, reply) of the turns the next prompt may hold."""

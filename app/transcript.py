@@ -33,7 +33,7 @@ def to_saved(turns: list[Turn], first_turn: int, system: str = "", compare: bool
     (the text only: caches and colouring are rebuilt)."""
     return {"format": FORMAT, "first_turn": first_turn, "system": system, "compare": compare,
             "turns": [{"user": t.user, "reply": t.reply, "baseline": t.baseline, "note": t.note, "system": t.system,
-                       "answered": t.answered, "in_box": t.in_box} for t in turns]}
+                       "answered": t.answered, "in_box": t.in_box, "cut": t.cut} for t in turns]}
 
 
 def saved_system(saved) -> str | None:
@@ -66,7 +66,8 @@ def from_saved(saved) -> tuple[list[Turn], int]:
                               baseline=baseline, baseline_shown=reply_html([(baseline, False)]) if baseline else "",
                               note=t.get("note") if isinstance(t.get("note"), str) else None,
                               system=t.get("system") if isinstance(t.get("system"), str) else None,
-                              answered=_answered(t.get("answered")), in_box=t.get("in_box") is True))
+                              answered=_answered(t.get("answered")), in_box=t.get("in_box") is True,
+                              cut=t.get("cut") if isinstance(t.get("cut"), str) else None))
     first = saved.get("first_turn")
     return turns, first if isinstance(first, int) and 0 <= first <= len(turns) else 0
 

@@ -1709,6 +1709,7 @@ def test_a_regenerated_answer_whose_prompt_was_cut_says_so_again(model_dirs):
     from app.chat_controller import ChatController
     from app.models import ModelSlot
     from app.session import Session
+    from app.transcript import from_saved, to_saved
     from medusa_core.loading.spec import LoadSpec
 
     backbone, heads = model_dirs
@@ -1727,3 +1728,8 @@ def test_a_regenerated_answer_whose_prompt_was_cut_says_so_again(model_dirs):
         list(chat.regenerate(session, "", False, controls))
         assert session.turns[-1].note == cut and session.turns[-1].reply is not None
         assert session.first_turn == first_turn           # the same cut, not a new one
+    # after a reload too: the browser's copy keeps which answer's prompt made the cut
+    reloaded = Session()
+    reloaded.turns, reloaded.first_turn = from_saved(to_saved(session.turns, session.first_turn))
+    list(chat.regenerate(reloaded, "", False, controls))
+    assert reloaded.turns[-1].note == cut and reloaded.first_turn == first_turn
