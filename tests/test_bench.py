@@ -74,13 +74,20 @@ def test_what_the_flags_show_wrong_is_said_before_the_model_loads(checkpoint, tm
     assert [spec.tree for spec in loads] == ["chain-2"]
 
 
-def test_a_fixed_tree_deeper_than_the_heads_fails_without_tuning_another_first(checkpoint, capsys, monkeypatch):
+def test_a_fixed_tree_deeper_than_the_heads_fails_without_tuning_another_first(checkpoint, capsys, monkeypatch,
+                                                                                tmp_path):
     """Review: --tree chain-9 over 5 heads tuned the default tree (minutes on a busy machine) and then failed."""
+    import shutil
+
+    from medusa_core.heads.accuracy import CALIBRATION_FILE
     from medusa_core.loading import policy
     backbone, heads = checkpoint
+    calibrated = tmp_path / "heads"            # heads with accuracies: their default tree is tuned on loading
+    shutil.copytree(heads, calibrated)
+    (calibrated / CALIBRATION_FILE).write_text(json.dumps({"accuracy": [[0.5, 0.2]] * 5}))
     tunings = []
     monkeypatch.setattr(policy, "tuned_tree", lambda *a, **kw: tunings.append(a) or pytest.fail("tuned a tree"))
-    assert bench.main(["--model", str(backbone), "--heads", str(heads), "--tree", "chain-9"]) == 1
+    assert bench.main(["--model", str(backbone), "--heads", str(calibrated), "--tree", "chain-9"]) == 1
     assert "error: tree chain-9 cannot run with these heads: tree depth 9 is more than" in capsys.readouterr().err
     assert tunings == []
 
