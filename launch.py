@@ -16,6 +16,7 @@ import errno
 import hmac
 import ipaddress
 import os
+import signal
 import socket
 import sys
 
@@ -186,6 +187,10 @@ def load_spec(args: argparse.Namespace):
                     nf4_kernel=args.nf4_kernel, tree=args.tree, retune=args.retune)
 
 
+def interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if ":" in args.host:    # Gradio writes its own URL without the brackets an IPv6 address needs, and fails on it
@@ -233,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"OpenAI-compatible API: http://{args.host}:{port}/v1  (POST /v1/chat/completions, GET /v1/models"
               f"{'; key required' if args.api_key else ''})", flush=True)
     slot.start(spec)
+    # SIGTERM (docker stop, systemctl stop, kill) ends the app as Ctrl+C does: it killed the process outright, and
+    # what is removed at exit (a busy start's tree file) stayed
+    signal.signal(signal.SIGTERM, interrupt)
     try:
         demo.block_thread()     # Ctrl+C: Gradio's own handler closes the server and returns
     except KeyboardInterrupt:

@@ -68,9 +68,11 @@ def test_a_host_that_cannot_be_served_is_one_line_that_says_so():
         assert "busy" not in lines[0]
 
 
-def test_ctrl_c_while_the_tree_is_tuned_exits_cleanly(tmp_path):
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_while_the_tree_is_tuned_exits_cleanly(tmp_path, stop):
     """Ctrl+C while the load's thread times trees (inside torch): exit 0 with a line saying so. The
-    interpreter's exit under that thread aborted ("terminate called without an active exception", 134)."""
+    interpreter's exit under that thread aborted ("terminate called without an active exception", 134).
+    SIGTERM (docker stop, systemctl stop) ends it the same way: it killed the process, exit -15."""
     import signal
     import time
 
@@ -82,7 +84,7 @@ def test_ctrl_c_while_the_tree_is_tuned_exits_cleanly(tmp_path):
         while "warm-up" not in log.read_text():
             assert time.time() < deadline and proc.poll() is None, log.read_text()
             time.sleep(0.1)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(getattr(signal, stop))
         assert proc.wait(timeout=60) == 0, log.read_text()
     console = log.read_text()
     assert "stopped while the model was loading" in console and "terminate called" not in console, console

@@ -145,8 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     try:        # the carried transformers checks the image's huggingface-hub and tokenizers at import
         import transformers  # noqa: F401
     except ImportError as err:
-        print(f"error: transformers does not import here ({str(err).splitlines()[0][:200]}): install .gpuwheels "
-              "without the transformers wheel; the image's own transformers runs the benchmarks too", file=sys.stderr)
+        print(f"error: transformers does not import here ({str(err).splitlines()[0][:200]}): carry a transformers "
+              "wheel (5.23 or later, requirements.txt) whose huggingface-hub and tokenizers the image has "
+              "(docs/performance.md, \"Making the wheels, on this (networked) machine\")", file=sys.stderr)
         return 2
     deadline = time.monotonic() + args.budget_s
     names = args.stages or STAGE_NAMES[STAGE_NAMES.index(args.start or STAGE_NAMES[0]):]
