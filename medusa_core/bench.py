@@ -77,7 +77,8 @@ def prepare(args) -> Setup:
     # the default tree is tuned only where it is asked for: a run of presets has no use for it
     fixed = next((t for t in args.tree if t != "default"), None) if args.tree and "default" not in args.tree else None
     loaded = load(LoadSpec(model=args.model, heads=args.heads, device=args.device, dtype=args.dtype, quant=args.quant,
-                           nf4_kernel=args.nf4_kernel, tree=fixed, tree_strict=True))
+                           nf4_kernel=args.nf4_kernel, tree=fixed,
+                           must_run=tuple(t for t in args.tree or [] if t not in ("default", "baseline"))))
     asked = [loaded.default_tree if t == "default" else t for t in args.tree or ["default"] * (loaded.heads is not None)]
     tree_names = list(dict.fromkeys(t for t in asked if t != "baseline"))     # the baseline always runs
     if tree_names and loaded.heads is None:

@@ -87,8 +87,9 @@ def test_a_fixed_tree_deeper_than_the_heads_fails_without_tuning_another_first(c
     (calibrated / CALIBRATION_FILE).write_text(json.dumps({"accuracy": [[0.5, 0.2]] * 5}))
     tunings = []
     monkeypatch.setattr(policy, "tuned_tree", lambda *a, **kw: tunings.append(a) or pytest.fail("tuned a tree"))
-    assert bench.main(["--model", str(backbone), "--heads", str(calibrated), "--tree", "chain-9"]) == 1
-    assert "error: tree chain-9 cannot run with these heads: tree depth 9 is more than" in capsys.readouterr().err
+    for trees in (["chain-9"], ["default", "chain-9"]):      # beside the default too (a review: it tuned first)
+        assert bench.main(["--model", str(backbone), "--heads", str(calibrated), "--tree", *trees]) == 1
+        assert "error: tree chain-9 cannot run with these heads: tree depth 9 is more than" in capsys.readouterr().err
     assert tunings == []
 
 

@@ -127,13 +127,16 @@ def pick_tree(spec: LoadSpec, model, tokenizer, heads: MedusaHeads | None, heads
         ignored = spec.tree not in (None, "baseline")
         return "baseline", (f"--tree {spec.tree} is not used: this model has no Medusa heads, so it runs plain "
                             "decoding (add --heads)" if ignored else ""), None
+    for tree in spec.must_run:     # bench: timing these was the point, so tuning another first only costs minutes
+        try:
+            build_tree_buffers(resolve_tree(tree), heads.config.num_heads)
+        except TreeError as err:
+            raise LoadError(f"tree {tree} cannot run with these heads: {err}") from None
     if spec.tree:
         try:
             build_tree_buffers(resolve_tree(spec.tree), heads.config.num_heads)
         except TreeError as err:   # deeper or wider than these heads: the model that loaded is kept, with the
             # tree it gets without --tree (it was thrown away, leaving no model and no word of --tree's part)
-            if spec.tree_strict:   # bench: timing that tree was the point, so tuning another first only costs minutes
-                raise LoadError(f"tree {spec.tree} cannot run with these heads: {err}") from None
             tree, line, tuned = pick_tree(replace(spec, tree=None), model, tokenizer, heads, heads_dir, device,
                                           bundled, quant, dtype, progress)
             return tree, f"--tree {spec.tree} cannot run with these heads ({err}); instead: {line}", tuned

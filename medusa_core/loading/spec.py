@@ -16,5 +16,5 @@ class LoadSpec:
     trust_remote_code: bool = False
     nf4_kernel: str = "auto"          # auto|triton|bnb: who multiplies NF4 layers (quant/bnb.py)
     tree: str | None = None           # a preset or .json tree instead of the tree tuned for this machine
-    tree_strict: bool = False         # a tree the heads cannot run is an error, not a fall back to the tuned one
+    must_run: tuple[str, ...] = ()    # trees the heads must be able to run, checked before any tuning (bench)
     retune: bool = False              # measure the tree again even if this machine's choice is cached
