@@ -159,24 +159,51 @@ def test_captures_in_two_threads_keep_garbage_collection_off_until_both_end_and_
 
     monkeypatch.setattr(torch.cuda, "graph", lambda *a, **kw: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: object())
-    monkeypatch.setattr(graphs, "_CAPTURE_STREAMS", {})         # the stand-ins never outlive the test
+    monkeypatch.setattr(graphs, "_FREE_STREAMS", {})            # the stand-ins never outlive the test
+    device = torch.device("cuda", 0)
     assert gc.isenabled()
     inside, release, streams = threading.Event(), threading.Event(), {}
 
     def other_thread():
-        streams["other"] = graphs.capture_stream(torch.device("cuda", 0))
-        with graphs.capturing(None, streams["other"], collect=False):
+        with graphs.leased_stream(device) as streams["other"], graphs.capturing(None, streams["other"], collect=False):
             inside.set()
             release.wait(10)
 
     worker = threading.Thread(target=other_thread)
     worker.start()
     inside.wait(10)
-    streams["this"] = graphs.capture_stream(torch.device("cuda", 0))
-    with graphs.capturing(None, streams["this"]):
-        assert not gc.isenabled()
+    with graphs.leased_stream(device) as streams["this"], graphs.capturing(None, streams["this"]):
+        assert not gc.isenabled() and streams["this"] is not streams["other"]
     assert not gc.isenabled(), "this capture's end turned gc on while the other thread still captures"
     release.set()
     worker.join(10)
     assert gc.isenabled()
-    assert streams["this"] is not streams["other"] and graphs.capture_stream(torch.device("cuda", 0)) is streams["this"]
+    with graphs.leased_stream(device) as again:       # given back and reused: no stream (and cuBLAS workspace) more
+        assert any(again is s for s in streams.values()) and len(graphs._FREE_STREAMS[device]) == 1
+
+
+def test_a_capture_warms_up_on_the_leased_stream_then_records_once(monkeypatch):
+    """graphs.captured runs only on CUDA, where nothing has tested this session's version: the sequence is checked
+    here with stand-ins (warm-ups, then one recorded run whose result comes back, the stream given back)."""
+    import contextlib
+
+    from medusa_core.decoding import graphs
+
+    class Stream:
+        def wait_stream(self, other):
+            calls.append("wait")
+
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: "graph")
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, **kw: calls.append(("capture", graph, kw["capture_error_mode"]))
+                        or contextlib.nullcontext())
+    monkeypatch.setattr(graphs, "_FREE_STREAMS", {})
+    device = torch.device("cuda", 0)
+    graph, out = graphs.captured(lambda: calls.append("record") or "logits", device,
+                                 warm_up=lambda: calls.append("warm"), warmups=2)
+    assert (graph, out) == ("graph", "logits")
+    assert calls == ["wait", "warm", "warm", "wait", ("capture", "graph", "thread_local"), "record"]
+    assert len(graphs._FREE_STREAMS[device]) == 1

@@ -61,6 +61,6 @@ def test_every_cuda_graph_capture_in_the_package_is_thread_local_and_free_of_gar
         if path.name == "graphs.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute) and node.attr == "graph" and ast.unparse(node) == "torch.cuda.graph":
-                pytest.fail(f"{path.relative_to(ROOT)}:{node.lineno} captures with torch.cuda.graph: use "
-                            "medusa_core.decoding.graphs.capturing")
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("torch.cuda.graph", "torch.cuda.CUDAGraph"):
+                pytest.fail(f"{path.relative_to(ROOT)}:{node.lineno} captures with {ast.unparse(node.func)}: use "
+                            "medusa_core.decoding.graphs.captured")

@@ -12,7 +12,7 @@ import torch
 
 from ..decoding.config import DecodeConfig
 from ..decoding.generate import generate, new_cache
-from ..decoding.graphs import capture_stream, capturing
+from ..decoding.graphs import captured
 from ..decoding.kv_cache import cache_keyword, prefill_mask, tree_step_mask
 from ..decoding.step_store import step_for
 from ..decoding.tree import TreeBuffers, build_tree_buffers
@@ -110,15 +110,7 @@ def time_stock_forward(model, tree: TreeBuffers, context: int, capacity: int, it
         return model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
                      **{keyword: cache}).logits
 
-    side = capture_stream(device)
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            forward()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with capturing(graph, side):
-        forward()
+    graph, _ = captured(forward, device)
     return median_seconds(graph.replay, iters, warmup, device)
 
 

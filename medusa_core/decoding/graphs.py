@@ -1,33 +1,57 @@
 """CUDA graph plumbing shared by the decoding step and the benchmarks: whether a model's steps are
-captured, the side stream each thread warms up and captures on, and the capture itself."""
+captured, and how a graph is warmed up and recorded (on a side stream leased for it)."""
 
 from __future__ import annotations
 
 import gc
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
 from torch import nn
 
+T = TypeVar("T")
 
-_CAPTURE_STREAMS: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
+
+_FREE_STREAMS: dict[torch.device, list[torch.cuda.Stream]] = {}
 _CAPTURES = threading.Lock()
 _capturing = 0                 # captures in progress, in all threads
 _gc_was_enabled = True
 
 
-def capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream this thread warms up and captures on, one per GPU and thread. Not a new stream
-    each time: cuBLAS keeps a workspace per stream it has seen, for the process's life. Not one for all
-    threads: a load tuning kernels in its thread while an answer captures in another would record into
-    one stream at once."""
-    key = (device, threading.get_ident())
+@contextmanager
+def leased_stream(device: torch.device) -> Iterator[torch.cuda.Stream]:
+    """A side stream for one warm-up and capture, given back after. Reused, not new each time: cuBLAS
+    keeps a workspace (32 MiB) per stream it has seen, for the process's life. Not one stream for all:
+    a load tuning kernels in its thread while an answer captures in another would record into the
+    same stream at once. So there are as many streams as captures ever ran at once (one or two)."""
     with _CAPTURES:
-        if key not in _CAPTURE_STREAMS:
-            _CAPTURE_STREAMS[key] = torch.cuda.Stream(device)
-        return _CAPTURE_STREAMS[key]
+        free = _FREE_STREAMS.setdefault(device, [])
+        stream = free.pop() if free else torch.cuda.Stream(device)
+    try:
+        yield stream
+    finally:
+        with _CAPTURES:
+            _FREE_STREAMS[device].append(stream)
+
+
+def captured(record: Callable[[], T], device: torch.device, warm_up: Callable[[], object] | None = None,
+             warmups: int = 2, collect: bool = True) -> tuple[torch.cuda.CUDAGraph, T]:
+    """(graph, what ``record`` returned while recorded): ``warm_up`` (default ``record``) run ``warmups``
+    times on a side stream first (compiles, cuBLAS handles and allocator pools stay out of the capture),
+    then ``record`` captured on it. The caller replays the graph on its own stream."""
+    with leased_stream(device) as side:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmups):
+                (warm_up or record)()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with capturing(graph, side, collect):
+            out = record()
+    return graph, out
 
 
 @contextmanager

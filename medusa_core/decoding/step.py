@@ -26,7 +26,7 @@ from ..heads.medusa_heads import MedusaHeads
 from .acceptance import accept_match, accept_typical, sample_from, sampling_probs
 from .config import DEFAULTS, DecodeConfig
 from .kv_cache import KVCache, cache_keyword, prefill_mask, tree_step_mask
-from .graphs import capture_stream, capturing
+from .graphs import captured
 from .tree import TreeBuffers
 
 # A model can compute each query row alone in attention (quant/exact_attention.py registers such an
@@ -203,18 +203,13 @@ class DecodeStep:
         past the position, which the mask hides and the next step writes over."""
         cache = self.cache
         position, tokens = cache.position.clone(), self.tokens.clone()
-        side = capture_stream(self.tokens.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
-                self.run_eager()
-                cache.position.copy_(position)
-                self.tokens.copy_(tokens)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with capturing(graph, side):
-            self.out = self.run_eager()
-        self.graph = graph
+
+        def warm_up() -> None:
+            self.run_eager()
+            cache.position.copy_(position)
+            self.tokens.copy_(tokens)
+
+        self.graph, self.out = captured(self.run_eager, self.tokens.device, warm_up, WARMUP_RUNS)
 
 
 def compute_dtype(model: nn.Module) -> torch.dtype:

@@ -11,7 +11,7 @@ from typing import TypeVar
 
 import torch
 
-from ..decoding.graphs import capture_stream, capturing
+from ..decoding.graphs import captured
 
 Config = TypeVar("Config")     # a kernel's config: any object with describe() -> str
 
@@ -62,20 +62,12 @@ def rotating_copies(packed: torch.Tensor, state, l2_bytes: int, at_least: int = 
 def graph_time_us(calls: list[Callable[[], object]], replays: int = 5, repeat: int = 4) -> float:
     """Median µs per call: ``calls`` (cycled ``repeat`` times) captured back to back in one CUDA graph,
     replayed and timed with CUDA events; launch overhead is gone, as in the decoding loop's graph."""
-    # this thread's side stream and the step's capture mode: a load times kernels while an answer may still
-    # run, and capture, on the model it replaces, in another thread (a global-mode capture failed either)
-    stream = capture_stream(torch.device("cuda", torch.cuda.current_device()))
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):        # warm-up compiles and fills allocator pools outside capture
-        for fn in calls:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with capturing(graph, stream, collect=False):
-        for _ in range(repeat):
-            for fn in calls:
-                fn()
+    # the step's capture: a load times kernels while an answer may still run, and capture, on the model it
+    # replaces, in another thread (a global-mode capture on a stream of its own failed either); no collection
+    # before each of these many short captures (0.3 s each)
+    graph, _ = captured(lambda: [fn() for _ in range(repeat) for fn in calls],
+                        torch.device("cuda", torch.cuda.current_device()),
+                        warm_up=lambda: [fn() for fn in calls], warmups=1, collect=False)
     graph.replay()
     times = []
     for _ in range(replays):
