@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 
-from medusa_core.decoding.config import DEFAULTS, MODES, SettingError, is_greedy, limits
+from medusa_core.decoding.config import DEFAULTS, MODES, SettingError, is_greedy
 from medusa_core.loading.chat_format import MESSAGE_SHAPE, json_kind, json_value, to_messages
 
 from .engine import BASELINE, MEDUSA, STOP_HINT, ChatEngine, EngineClosed, Update
