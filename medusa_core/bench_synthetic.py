@@ -26,6 +26,7 @@ import argparse
 import gc
 import json
 import sys
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -41,8 +42,9 @@ from .heads.accuracy import PUBLISHED_ACCURACIES, RANK_DECAY, TOP_K, rank_table
 from .quant.bnb import NF4_KERNELS
 
 
-def bench_quant(args, quant: str, device: torch.device) -> list[QuantResult]:
-    """One backbone precision: for NF4, one result per ``--nf4-kernel`` choice on the same weights."""
+def bench_quant(args, quant: str, device: torch.device) -> Iterator[QuantResult]:
+    """One backbone precision: for NF4, one result per ``--nf4-kernel`` choice on the same weights,
+    each yielded as soon as it is measured (a device call cut short keeps the kernels it finished)."""
     shape = SHAPES[args.shape]
     model = build_model(shape, device, args.seed)
     heads = build_heads(shape, len(args.accuracies), device, args.seed + 1)
@@ -50,7 +52,6 @@ def bench_quant(args, quant: str, device: torch.device) -> list[QuantResult]:
     if args.heads_quant == "nf4":
         from .heads.quantize import quantize_projections
         quantize_projections(heads, DTYPE)
-    results = []
     if quant == "nf4":
         from .quant.bnb import use_nf4_kernel
 
@@ -58,21 +59,20 @@ def bench_quant(args, quant: str, device: torch.device) -> list[QuantResult]:
         for kernel in args.nf4_kernel:
             routing = use_nf4_kernel(model, kernel)
             print(f"  [{quant}] {routing}", file=sys.stderr, flush=True)
-            results.append(measure(args, model, heads, "nf4" if kernel == "auto" else f"nf4-{kernel}", routing, device))
+            yield measure(args, model, heads, "nf4" if kernel == "auto" else f"nf4-{kernel}", routing, device)
     elif quant == "tinygemm":     # the anchor: torch's int4 kernel, as gpt-fast decodes with it
         from .quant.tinygemm import quantize_linear_tinygemm_
 
         replaced = quantize_linear_tinygemm_(model, args.tinygemm_group)
         routing = f"tinygemm int4 (group {args.tinygemm_group}) for {replaced} layers"
         print(f"  [{quant}] {routing}", file=sys.stderr, flush=True)
-        results.append(measure(args, model, heads, quant, routing, device))
+        yield measure(args, model, heads, quant, routing, device)
     else:
-        results.append(measure(args, model, heads, quant, "", device))
+        yield measure(args, model, heads, quant, "", device)
     del model, heads
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return results
 
 
 def measure(args, model, heads, label: str, routing: str, device: torch.device) -> QuantResult:

@@ -107,6 +107,26 @@ def test_cli_runs_tiny_on_cpu_for_bf16_and_nf4_and_writes_json(tmp_path, capsys)
     assert summary["nf4_projected_tokens_per_s"] == pytest.approx(best)
 
 
+def test_a_run_cut_short_keeps_every_nf4_kernel_it_finished(tmp_path, monkeypatch):
+    """A device call's time limit stops the step benchmark mid-run: the JSON holds each kernel measured
+    before the stop, not only whole precisions (a GPU run once lost two kernels' rows this way)."""
+    measured = []
+    real = bench_synthetic.measure
+
+    def measure_then_stop(args, model, heads, label, routing, device):
+        if measured:
+            raise KeyboardInterrupt     # the stop, arriving while the second kernel is timed
+        measured.append(label)
+        return real(args, model, heads, label, routing, device)
+
+    monkeypatch.setattr(bench_synthetic, "measure", measure_then_stop)
+    out = tmp_path / "step.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench_synthetic.main(["--device", "cpu", "--shape", "tiny", "--quant", "nf4", "--nf4-kernel", "bnb", "auto",
+                              "--tree-sizes", "1", "--context", "8", "--iters", "1", "--warmup", "0", "--json", str(out)])
+    assert [r["quant"] for r in json.loads(out.read_text())["results"]] == ["nf4-bnb"]
+
+
 def test_cli_times_transformers_generate_for_the_baseline_comparison(tmp_path):
     out = tmp_path / "gpu.json"
     assert bench_synthetic.main(["--device", "cpu", "--shape", "tiny", "--quant", "none", "--tree-sizes", "1",
