@@ -265,6 +265,38 @@ def test_the_old_command_name_still_runs():
     assert out.returncode == 0 and "usage: python -m medusa_core.bench_synthetic" in out.stdout
 
 
+def test_the_step_profile_counts_kernels_once_and_charges_tritons_to_the_range_around_them():
+    """On a GPU the profiler lists the module ranges as device events too (annotations spanning their
+    kernels and the gaps between them), and Triton's kernels come linked to no op. An H100 run read
+    100 ms for an 8 ms step, with the NF4 step's matmuls "unlinked". Here: device events of that shape."""
+    from types import SimpleNamespace as Event
+
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import Interval
+
+    from medusa_core.benchmarks.profile_gpu_step import attribute
+
+    def device(name, start, end):
+        return Event(name=name, device_type=DeviceType.CUDA, time_range=Interval(start, end), device_time=end - start)
+
+    projections = Event(name="medusa:projections", device_type=DeviceType.CPU, cpu_parent=None, kernels=[],
+                        self_device_time_total=0.0)
+    matmul = Event(name="aten::mm", device_type=DeviceType.CPU, cpu_parent=projections, self_device_time_total=10.0,
+                   kernels=[Event(name="gemm")])
+    events = [projections, matmul,
+              device("medusa:decoder", 0, 1000), device("medusa:projections", 100, 200),
+              device("medusa:attention", 300, 600), device("medusa:projections", 400, 450),
+              device("gemm", 100, 110),                   # the op's kernel
+              device("_repacked_kernel", 120, 150),        # Triton's, inside a projection range
+              device("_repacked_kernel", 410, 440),        # inside a projection inside attention
+              device("_rows_alone_kernel", 310, 330),      # in attention, outside its projections
+              device("_reduce_kernel", 2000, 2010)]        # outside every range
+    per, unlinked = attribute(events, on_cuda=True)
+    assert per["projections"] == 10 + 30 + 30 and per["attention"] == 20 and per["unlinked"] == 10
+    assert sum(per.values()) == 100                       # every kernel once, no range counted as one
+    assert dict(unlinked) == {"_reduce_kernel": 10}
+
+
 def test_step_profile_charges_each_part_of_the_step_and_folds_into_the_report(tmp_path):
     """benchmarks.profile_gpu_step (run here on the CPU, where it counts op time): the baseline step
     spends nothing in the heads, a 16-node step does; every part of the model shows up; the profile
@@ -273,9 +305,10 @@ def test_step_profile_charges_each_part_of_the_step_and_folds_into_the_report(tm
 
     prof = tmp_path / "profile.json"
     assert profile_gpu_step.main(["--device", "cpu", "--shape", "tiny", "--quant", "none", "nf4", "--tree-sizes",
-                                  "1", "16", "--context", "8", "--steps", "2", "--json", str(prof)]) == 0
+                                  "1", "16", "--context", "8", "--steps", "2", "--nf4-kernel", "auto", "bnb",
+                                  "--json", str(prof)]) == 0
     profile = json.loads(prof.read_text())["step_profile"]
-    assert set(profile) == {"bf16_t1", "bf16_t16", "nf4_t1", "nf4_t16"}
+    assert set(profile) == {"bf16_t1", "bf16_t16", "nf4_t1", "nf4_t16", "nf4-bnb_t1", "nf4-bnb_t16"}
     for name, row in profile.items():
         parts = row["ms_per_step"]
         assert row["total_ms"] == pytest.approx(sum(parts.values()))

@@ -5,10 +5,12 @@ kernels but hides which op launched which. Forward hooks open a named range arou
 a kind (the decoder's projections, its attention modules, its norms, the decoder as a whole, the
 lm_head, the Medusa heads), and each op's own device time is charged to the nearest range around
 it; ops outside the model (the tree's tokens, acceptance, the KV copy) fall under "outside".
-Kernels the profiler links to no op are reported as "unlinked", with their names, so the
-categories always add up to the device time measured.
+A kernel the profiler links to no op (a Triton kernel: its launcher is not an op) goes to the
+innermost range around it on the device's timeline; one outside every range is "unlinked", with its
+name, so the categories always add up to the kernels' device time.
 
     python -m medusa_core.benchmarks.profile_gpu_step --json out/profile.json     # 7B shapes, bf16 and NF4, T = 1 and 16
+    python -m medusa_core.benchmarks.profile_gpu_step --quant nf4 --nf4-kernel auto repacked --json out/p.json   # two kernels
     python -m medusa_core.benchmarks.profile_gpu_step --device cpu --shape tiny --quant none --context 16
         # a smoke check on the CPU: CPU op time, no claims (medusa_core.benchmarks.profile_cpu_step times the CPU)
 """
@@ -28,6 +30,7 @@ from ..decoding.config import DecodeConfig
 from ..decoding.step_store import step_for
 from ..decoding.tree import build_tree_buffers, tree_of_size
 from ..heads.accuracy import PUBLISHED_ACCURACIES, TOP_K, rank_table
+from ..quant.bnb import NF4_KERNELS, use_nf4_kernel
 from .step_timing import prefilled_cache
 from .synthetic import DTYPE, SHAPES, build_heads, build_model, quantize_backbone_
 
@@ -88,26 +91,38 @@ def category_of(event) -> str:
     return "outside"
 
 
+def innermost_range(kernel, ranges) -> str | None:
+    """The category of the shortest device-side range whose span holds ``kernel``'s, or None."""
+    around = [r for r in ranges
+              if r.time_range.start <= kernel.time_range.start and kernel.time_range.end <= r.time_range.end]
+    return min(around, key=lambda r: r.time_range.elapsed_us()).name.removeprefix(PREFIX) if around else None
+
+
 def attribute(events, on_cuda: bool) -> tuple[dict[str, float], Counter]:
-    """Microseconds per category: each op's own device time (its own CPU time off CUDA), plus
-    "unlinked" for kernels no op claims; and the unlinked kernels' time by name."""
+    """Microseconds per category: each op's own device time (its own CPU time off CUDA); a kernel no op
+    launched (Triton's launcher is not an op) goes to the innermost range around it on the device,
+    else to "unlinked"; and the unlinked kernels' time by name."""
     per: dict[str, float] = dict.fromkeys(CATEGORIES, 0.0)
     host_events = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
     for event in host_events:
         per[category_of(event)] += event.self_device_time_total if on_cuda else event.self_cpu_time_total
     unlinked: Counter = Counter()
     if on_cuda:
-        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-        linked = sum(per.values())
-        total = sum(k.device_time for k in kernels)
-        per["unlinked"] = max(0.0, total - linked)
-        if per["unlinked"] > 0:
-            claimed = Counter(k.name for e in host_events for k in e.kernels)
-            for k in kernels:
-                if claimed[k.name] > 0:
-                    claimed[k.name] -= 1
-                else:
-                    unlinked[k.name] += k.device_time
+        device_events = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        # Our ranges come back on the device too, as annotations spanning their kernels and the idle gaps
+        # between them: they are no kernels (counted as such, they once made an 8 ms step read 100 ms).
+        ranges = [e for e in device_events if e.name.startswith(PREFIX)]
+        claimed = Counter(k.name for e in host_events for k in e.kernels)
+        for k in device_events:
+            if k.name.startswith(PREFIX):
+                continue
+            if claimed[k.name] > 0:     # an op's kernel, already in per through the op
+                claimed[k.name] -= 1
+                continue
+            category = innermost_range(k, ranges)
+            per[category or "unlinked"] += k.device_time
+            if category is None:
+                unlinked[k.name] += k.device_time
     return per, unlinked
 
 
@@ -158,7 +173,8 @@ def parser(cuda: bool) -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda" if cuda else "cpu")
     p.add_argument("--shape", choices=sorted(SHAPES), help="default: 7b on CUDA, tiny otherwise")
     p.add_argument("--quant", nargs="+", choices=("none", "nf4"), help="default: none nf4 on CUDA, none otherwise")
-    p.add_argument("--nf4-kernel", default="auto", help="who multiplies NF4 layers (quant/bnb.py NF4_KERNELS)")
+    p.add_argument("--nf4-kernel", nargs="+", default=["auto"], choices=NF4_KERNELS,
+                   help="who multiplies NF4 layers; each is profiled on the same weights (rows nf4-KERNEL_tT)")
     p.add_argument("--tree-sizes", nargs="+", type=int, default=[1, 16])
     p.add_argument("--context", type=int, default=512, help="prefix length in the cache")
     p.add_argument("--steps", type=int, default=20, help="profiled steps per tree size")
@@ -183,19 +199,21 @@ def main(argv: list[str] | None = None) -> int:
     for quant in args.quant or (["none", "nf4"] if device.type == "cuda" else ["none"]):
         model = build_model(shape, device, args.seed)
         heads = build_heads(shape, len(PUBLISHED_ACCURACIES), device, args.seed + 1)
-        label = "bf16" if quant == "none" else "nf4"
+        kernels = [None]
         if quant == "nf4":
-            from ..quant.bnb import use_nf4_kernel
-
             quantize_backbone_(model)
-            print(use_nf4_kernel(model, args.nf4_kernel), flush=True)
-        for size in args.tree_sizes:
-            row = profile_step(model, heads, size, args.context, args.steps, args.seed)
-            profile[f"{label}_t{size}"] = row
-            print(format_profile(label, row), flush=True)
-            if args.json:   # a device call has a time limit: a run cut short keeps the rows it profiled
-                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.json).write_text(json.dumps({"step_profile": profile}, indent=1) + "\n")
+            kernels = args.nf4_kernel
+        for kernel in kernels:
+            label = "bf16" if kernel is None else "nf4" if kernel == "auto" else f"nf4-{kernel}"
+            if kernel is not None:
+                print(use_nf4_kernel(model, kernel), flush=True)
+            for size in args.tree_sizes:
+                row = profile_step(model, heads, size, args.context, args.steps, args.seed)
+                profile[f"{label}_t{size}"] = row
+                print(format_profile(label, row), flush=True)
+                if args.json:   # a device call has a time limit: a run cut short keeps the rows it profiled
+                    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                    Path(args.json).write_text(json.dumps({"step_profile": profile}, indent=1) + "\n")
         del model, heads
     if args.json:
         print(f"wrote {args.json}")
