@@ -145,15 +145,15 @@ def test_a_weight_of_eight_scale_blocks_a_group_runs_without_the_prefetch():
 
 
 @pytest.mark.parametrize("m", [1, 33, 70])
-def test_the_tensor_core_exact_candidate_computes_the_product_for_any_m(m):
-    # the candidate a GPU session times (benchmarks/nf4_kernel.py); its row exactness is the GPU's to show
-    cfg = rm.exact_tensor_core_config(11008, 32, 132)
+def test_cuda_exact_modes_one_tensor_core_tile_computes_the_product_for_any_m(m):
+    # exact mode's config on CUDA (its row exactness is the GPU's to show: tests/test_cuda_repacked.py)
+    cfg = rm.exact_config(11008, 32, 132)
     assert cfg.dot and cfg.block_m == 64          # no M argument: one tile for 1 row or 64
     n, k, group = SHAPES[1]
     packed, state = quantized(n, k)
     w = rp.repack_bnb([(packed, state)], group)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    y = rm.repacked_matmul(x, w, config=rm.exact_tensor_core_config(n, -(-k // group), 4))
+    y = rm.repacked_matmul(x, w, config=rm.exact_config(n, -(-k // group), 4))
     torch.testing.assert_close(y.double(), reference(x, packed, state), rtol=1e-5, atol=1e-4)
 
 

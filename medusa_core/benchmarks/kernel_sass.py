@@ -292,12 +292,11 @@ def report(launch: Launch, gpu: Gpu, workdir: Path) -> SassReport:
 
 
 def configs_for(m: int, n: int, k: int, gpu: Gpu, every: bool, group: int = 128) -> list[tuple[str, object]]:
-    """(mode, config) pairs: the untimed fast choice, exact mode's, the tensor-core exact candidate's,
-    and with ``every`` each config the tuner would time."""
+    """(mode, config) pairs: the untimed fast choice, exact mode's, and with ``every`` each config the
+    tuner would time."""
     _, rm = _triton_tools()
     groups = -(-k // group)
-    out = [("fast", rm.fast_config(m, n, groups, gpu.sms)), ("exact", rm.exact_config(m, n, groups, gpu.sms)),
-           ("exact_tc", rm.exact_tensor_core_config(n, groups, gpu.sms))]
+    out = [("fast", rm.fast_config(m, n, groups, gpu.sms)), ("exact", rm.exact_config(n, groups, gpu.sms))]
     if every:
         out += [("candidate", cfg) for cfg in rm.candidates(m, n, groups, gpu.sms)[1:]]
     return out

@@ -33,8 +33,8 @@ from ..quant.kernel_timing import graph_time_us, rotating_copies, rotation_count
 SHAPES = ((4096, 11008), (11008, 4096), (4096, 4096), (4096, 32000))   # (K in, N out)
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 METHODS = ("bf16", "bnb", "bnb_gemv", "bnb_dequant", "tinygemm_g64", "tinygemm_g128", "triton", "repacked",
-           "repacked_exact", "repacked_exact_tc")
-CHECKED = ("triton", "repacked", "repacked_exact", "repacked_exact_tc")   # ours: checked against x @ dequantized W
+           "repacked_exact")
+CHECKED = ("triton", "repacked", "repacked_exact")   # ours: checked against x @ dequantized W
 
 
 @dataclass(frozen=True)
@@ -88,8 +88,6 @@ def bench_shape(k: int, n: int, device: torch.device, l2: int) -> tuple[list[Row
     packed_bytes = packed.numel() + state.absmax.numel() * state.absmax.element_size() + \
         (state.state2.absmax.numel() * 4 + state.state2.code.numel() * 4 if state.nested else 0)
     check = {method: {} for method in CHECKED}
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    exact_tc = rm.exact_tensor_core_config(n, -(-k // 128), sms)      # repack_bnb's default group, 128
     rows = []
     tuned = set()
     for m in ROWS:
@@ -116,12 +114,10 @@ def bench_shape(k: int, n: int, device: torch.device, l2: int) -> tuple[list[Row
             "triton": [functools.partial(nm.nf4_matmul, x, p, s) for p, s in copies],
             "repacked": [functools.partial(rm.repacked_matmul, x, r) for r in repacked],
             "repacked_exact": [functools.partial(rm.repacked_matmul, x, r, exact=True) for r in repacked],
-            "repacked_exact_tc": [functools.partial(rm.repacked_matmul, x, r, config=exact_tc) for r in repacked],
         }
         variants = {"triton": functools.partial(nm.choose_config, m, n, k, x.dtype, device, 64),
                     "repacked": functools.partial(rm.choose_config, m, repacked[0], x.dtype, device, False),
-                    "repacked_exact": functools.partial(rm.choose_config, m, repacked[0], x.dtype, device, True),
-                    "repacked_exact_tc": lambda: exact_tc}
+                    "repacked_exact": functools.partial(rm.choose_config, m, repacked[0], x.dtype, device, True)}
         for method in METHODS:
             if calls[method] is None:
                 continue             # bnb's fused gemv takes one row only
@@ -148,15 +144,12 @@ def bench_shape(k: int, n: int, device: torch.device, l2: int) -> tuple[list[Row
 
 def rows_identical(w, k: int, device: torch.device, gen: torch.Generator) -> dict[str, dict[int, bool]]:
     """Per mode and M: does every row of an M-row call equal that row computed alone, bit for bit?
-    Exact mode must say True everywhere; fast mode is free to round differently; exact_tc (one fixed
-    tensor-core tile) is the candidate whose answer decides whether exact mode can use tensor cores."""
+    Exact mode must say True everywhere; fast mode is free to round differently."""
     from ..quant import nf4_repacked_matmul as rm
 
     x = torch.randn(max(ROWS), k, device=device, dtype=torch.bfloat16, generator=gen)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    tc = rm.exact_tensor_core_config(w.n, -(-w.k // w.group), sms)
     out = {}
-    for mode, kw in (("exact", dict(exact=True)), ("fast", dict(exact=False)), ("exact_tc", dict(config=tc))):
+    for mode, kw in (("exact", dict(exact=True)), ("fast", dict(exact=False))):
         alone = torch.cat([rm.repacked_matmul(x[i:i + 1], w, **kw) for i in range(x.shape[0])])
         out[mode] = {m: bool(torch.equal(rm.repacked_matmul(x[:m], w, **kw), alone[:m])) for m in ROWS if m > 1}
     return out
@@ -248,7 +241,6 @@ def headline(results: list[Row], shapes: dict) -> dict:
         "tinygemm_g64_m1_us": get(1, "tinygemm_g64"),
         **{f"repacked_m{m}_us": get(m, "repacked") for m in (1, 16, 64)},
         **{f"repacked_exact_m{m}_us": get(m, "repacked_exact") for m in (1, 16, 64)},
-        **{f"repacked_exact_tc_m{m}_us": get(m, "repacked_exact_tc") for m in (1, 16, 64)},
     }
 
 
@@ -309,8 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{k}->{n}: packed weight + scales {info['packed_bytes'] / 1e6:.1f} MB (repacked "
               f"{info['repacked_bytes'] / 1e6:.1f} MB), floor {floor_us:.1f} us; rel error {errors}; rows equal "
               f"alone: exact {all(info['rows_identical_to_alone']['exact'].values())}, "
-              f"fast {all(info['rows_identical_to_alone']['fast'].values())}, "
-              f"exact_tc {all(info['rows_identical_to_alone']['exact_tc'].values())}")
+              f"fast {all(info['rows_identical_to_alone']['fast'].values())}")
         results.extend(rows)
         # a device call has a time limit: what is measured so far is on disk before the next shape starts
         args.json.write_text(json.dumps({"env": env, "shapes": shapes, "summary": headline(results, shapes),

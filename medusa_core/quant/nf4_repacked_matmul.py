@@ -20,11 +20,11 @@ selects it replaced (``python -m medusa_core.benchmarks.kernel_sass``: a static 
 The GEMV's accumulator puts the rows first, so one thread holds every row of a weight and looks it up once.
 The tensor-core path can instead look each plane up just before its dot (PLANE_LOOKUP, a tuner choice).
 
-Exact mode: every row's result does not depend on M. It is the GEMV path with one split-K for every
-M (a function of N, K and the GPU only): each (row, output) is then the same lane products in the
-same K order, the same fixed lane tree and the same split order whatever BLOCK_M or the other rows
-are (elementwise lanes never mix rows), so a 16-row verification gives each row the bits a 1-row
-step gives it. Fast mode picks GEMV or tensor cores per M, so its rows may differ by rounding.
+Exact mode: every row's result does not depend on M, because every M runs one kernel: on CUDA the
+tensor-core path with one 64-row tile, block_n and split for every M (exact_config), measured row-exact
+on an H100; under the interpreter the GEMV with one split, whose elementwise lanes never mix rows. So a
+16-row verification gives each row the bits a 1-row step gives it. Fast mode picks GEMV or tensor
+cores per M, so its rows may differ by rounding.
 """
 
 from __future__ import annotations
@@ -221,22 +221,17 @@ def split_for(n: int, groups: int, block_n: int, programs: int, min_groups: int 
 PREFETCH_MAX_SCALES = 4     # scale blocks per group the GEMV's prefetch splits out (1, 2 or 4)
 
 # Block sizes below: no spills and at most 128 registers compiled for sm_90 with Triton 3.9
-# (benchmarks/kernel_sass.py, GPU-less); speed unmeasured. The lane accumulators cost
-# block_m * block_n * G/8 fp32 per program.
-EXACT_BLOCK_N = 16
+# (benchmarks/kernel_sass.py, GPU-less). The lane accumulators cost block_m * block_n * G/8 fp32 per program.
 
 
-def exact_config(m: int, n: int, groups: int, sms: int) -> RepackedConfig:
-    """Exact mode: GEMV with one block_n and split for every M (a function of N, K and the GPU only);
-    block_m follows M (it changes no row's arithmetic, only how many rows share a weight read)."""
-    return RepackedConfig(False, min(_pow2(m), 8), EXACT_BLOCK_N, split_for(n, groups, EXACT_BLOCK_N, 2 * sms))
-
-
-def exact_tensor_core_config(n: int, groups: int, sms: int) -> RepackedConfig:
-    """A candidate exact mode for CUDA, measured by benchmarks/nf4_kernel.py and not used yet: the
-    tensor-core path with one 64-row tile, block_n and split for every M. Its rows are exact only if
-    the MMA gives an output row the same bits at any position in the tile, which only a GPU can show
-    (on the CPU interpreter numpy's matmul is itself position-dependent on some CPUs)."""
+def exact_config(n: int, groups: int, sms: int) -> RepackedConfig:
+    """Exact mode on CUDA: the tensor-core path with one 64-row tile, block_n and split for every M (a
+    function of N, K and the GPU only), so every M runs the same kernel and an output row's bits do not
+    depend on its position in the tile or on how many rows came with it. Measured on an H100 (2026-11-27,
+    docs/perf/h100-2026-11-27): every row of M = 2..64 equals that row alone, on all four 7B shapes, at
+    48 µs for 16 rows of 4096->11008 where fast mode takes 38. The GEMV exact mode before it, whose
+    block_m followed M, was measured not exact there from M = 4 up (M = 2 on 4096->32000): compiled for
+    another block_m, a row's sums came out in other bits, which the interpreter cannot show."""
     return RepackedConfig(True, 64, 64, split_for(n, groups, 64, 2 * sms))
 
 
@@ -313,10 +308,11 @@ def tune_shape(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
 def choose_config(m: int, w: RepackedNF4, dtype: torch.dtype, device: torch.device, exact: bool) -> RepackedConfig:
     groups = -(-w.k // w.group)
     if device.type != "cuda":      # the interpreter: fewest programs (each costs Python time), the same paths
-        # exact: block sizes change no row's arithmetic, only the split must stay fixed
+        # exact: numpy's elementwise sums give a row the same bits whatever block_m is; only the split is
+        # fixed. Not the tensor cores: numpy's matmul is position-dependent on some CPUs (AVX2 OpenBLAS)
         cfg = RepackedConfig(False, min(_pow2(m), 64), 64, 1) if exact else fast_config(m, w.n, groups, 0)
     elif exact:
-        cfg = exact_config(m, w.n, groups, torch.cuda.get_device_properties(device).multi_processor_count)
+        cfg = exact_config(w.n, groups, torch.cuda.get_device_properties(device).multi_processor_count)
     else:
         cfg = _TUNED.get(_key(m, w.n, w.k, dtype, device, w.group)) or \
             fast_config(m, w.n, groups, torch.cuda.get_device_properties(device).multi_processor_count)
