@@ -41,22 +41,27 @@ class Stage:
     args: tuple[str, ...]       # "{out}" stands for the output folder
 
 
-# In order of value (docs/performance.md, "Issue 22 on a GPU"): correctness on CUDA first, then the kernel
-# table, the step with each kernel beside torch's int4, where the step's time goes, and the equality count.
+# In order of value (docs/performance.md, "Issue 22 on a GPU"). The H100 run of 2026-11-27 measured the
+# kernel table, the bf16, auto and repacked steps and the bf16 and auto profiles; what it could not reach
+# comes first: correctness on CUDA (exact mode changed since), the step in exact mode and beside torch's
+# int4, the greedy-equality count (exact mode first, 8 prompts), the repacked step's profile, then the
+# kernel table again. Each JSON is rewritten after every result, so a stage cut short keeps its rows.
 STAGES = (
     Stage("cuda-tests", "the CUDA tests: the repacked kernel and the graphed step on a GPU", "pytest",
           ("-q", "-p", "no:cacheprovider", "tests/test_cuda_repacked.py", "tests/test_cuda_graphs.py",
            "--junitxml={out}/cuda_tests.xml")),
+    Stage("step", "the 7B step with each kernel, torch's int4 and bf16 beside it",
+          "medusa_core.bench_synthetic",
+          ("--quant", "nf4", "tinygemm", "none", "--nf4-kernel", "repacked-exact", "repacked", "auto",
+           "--tree-sizes", "1", "16", "64", "--json", "{out}/step.json")),
+    Stage("exactness", "how often greedy NF4 Medusa equals plain decoding, per kernel (random 7B)",
+          "medusa_core.benchmarks.nf4_exactness",
+          ("--kernels", "repacked-exact", "repacked", "bnb", "--prompts", "8", "--json", "{out}/exactness.json")),
+    Stage("profile", "the 7B NF4 step's device time by category, repacked and auto, T = 1 and 16",
+          "medusa_core.benchmarks.profile_gpu_step",
+          ("--quant", "nf4", "--nf4-kernel", "repacked", "auto", "--json", "{out}/profile.json")),
     Stage("kernels", "every NF4 kernel per projection and row count, the tuners' timings",
           "medusa_core.benchmarks.nf4_kernel", ("--json", "{out}/nf4.json")),
-    Stage("step", "the 7B step with each kernel, bf16 and torch's int4 beside it",
-          "medusa_core.bench_synthetic",
-          ("--quant", "none", "nf4", "tinygemm", "--nf4-kernel", "auto", "repacked", "repacked-exact",
-           "--tree-sizes", "1", "16", "64", "--json", "{out}/step.json")),
-    Stage("profile", "the 7B step's device time by category, bf16 and NF4, T = 1 and 16",
-          "medusa_core.benchmarks.profile_gpu_step", ("--json", "{out}/profile.json")),
-    Stage("exactness", "how often greedy NF4 Medusa equals plain decoding, per kernel (random 7B)",
-          "medusa_core.benchmarks.nf4_exactness", ("--json", "{out}/exactness.json")),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
 
