@@ -177,10 +177,14 @@ def test_fold_merges_the_kernel_and_demo_figures_into_one_report(tmp_path):
     assert summary["nf4_kernel_m16_us"] == 21.5 and summary["bnb_m1_us"] == 24.0
     assert summary["demo_cuda_tokens_per_s"] == 1000.0 and summary["demo_cuda_medusa_tokens_per_s"] == 1800.0
     assert summary["bf16_baseline_ms"] == json.loads(step.read_text())["summary"]["bf16_baseline_ms"]
-    assert bench_synthetic.main(["--fold", str(step), str(nf4), str(step), "--json", str(out)]) == 0   # a later run adds rows
+    assert bench_synthetic.main(["--fold", str(step), str(nf4), str(demo), str(step), "--json", str(out)]) == 0   # a later run adds rows
     merged = json.loads(out.read_text())
     assert len(merged["results"]) == 2 * len(json.loads(step.read_text())["results"])
     assert merged["summary"]["nf4_kernel_m16_us"] == 21.5
+    # the committed report folded again with a new run keeps the demo's headline (it once dropped it)
+    again = tmp_path / "again.json"
+    assert bench_synthetic.main(["--fold", str(out), str(step), "--json", str(again)]) == 0
+    assert json.loads(again.read_text())["summary"]["demo_cuda_medusa_tokens_per_s"] == 1800.0
     (tmp_path / "other.json").write_text(json.dumps({"something": 1}))
     assert bench_synthetic.main(["--fold", str(step), str(tmp_path / "other.json"), "--json", str(out)]) == 1
 

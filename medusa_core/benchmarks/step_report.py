@@ -129,14 +129,7 @@ def fold_reports(step_json: Path, others: Sequence[Path]) -> dict:
             # the earlier one, one not measured in this run keeps it (headline keys taken after the loop)
             report["nf4_matmul"] = merge_kernel_runs(report.get("nf4_matmul"), data)
         elif isinstance(summary_, list) and "model" in data:                    # bench
-            name = "demo_cuda" if "demo model" in data["model"] else "checkpoint"
-            rows = {r["name"]: r for r in summary_}
-            medusa = [r["tokens_per_s"] for row_name, r in rows.items() if row_name.startswith("medusa")]
-            extras[f"{name}_tokens_per_s"] = rows["baseline (1-node tree)"]["tokens_per_s"]
-            extras[f"{name}_medusa_tokens_per_s"] = max(medusa, default=None)
-            if "transformers generate()" in rows:
-                extras[f"{name}_hf_generate_tokens_per_s"] = rows["transformers generate()"]["tokens_per_s"]
-            report["demo" if name == "demo_cuda" else "checkpoint"] = data
+            report["demo" if "demo model" in data["model"] else "checkpoint"] = data
         elif isinstance(data.get("step_profile"), dict):                     # benchmarks.profile_gpu_step
             report["step_profile"] = data["step_profile"]
         elif isinstance(data.get("exactness"), list):                        # benchmarks.nf4_exactness
@@ -148,6 +141,15 @@ def fold_reports(step_json: Path, others: Sequence[Path]) -> dict:
     results = [QuantResult(**{**r, "rows": tuple(TreeRow(**w) for w in r["rows"])}) for r in report["results"]]
     # the kernel figures from the merged kernel report: also those an earlier fold brought in
     kernel = report.get("nf4_matmul", {}).get("summary", {})
+    # the bench runs' headlines, also those of runs an earlier fold brought in
+    for key, name in (("demo", "demo_cuda"), ("checkpoint", "checkpoint")):
+        if key in report:
+            rows = {r["name"]: r for r in report[key]["summary"]}
+            medusa = [r["tokens_per_s"] for row_name, r in rows.items() if row_name.startswith("medusa")]
+            extras[f"{name}_tokens_per_s"] = rows["baseline (1-node tree)"]["tokens_per_s"]
+            extras[f"{name}_medusa_tokens_per_s"] = max(medusa, default=None)
+            if "transformers generate()" in rows:
+                extras[f"{name}_hf_generate_tokens_per_s"] = rows["transformers generate()"]["tokens_per_s"]
     report["summary"] = {**summary(results), **kernel, **extras}
     return report
 
