@@ -59,9 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     m.add_argument("--heads-quant", default="none", choices=HEADS_QUANTS,
                    help="Medusa heads' vocabulary projections: none or nf4 (default: %(default)s)")
     m.add_argument("--nf4-kernel", default="auto", choices=NF4_KERNELS,
-                   help="4-bit matmul for multi-row tree verification: auto picks by measurement on CUDA, "
-                        "bnb elsewhere; triton forces the Triton kernel; repacked / repacked-exact: the "
-                        "repacked kernel, not yet measured on a GPU (default: %(default)s)")
+                   help="4-bit matmul kernel: auto times the Triton kernel on bitsandbytes' storage and the "
+                        "repacked kernel on your GPU and keeps the faster (bnb off CUDA); triton, repacked "
+                        "force one; repacked-exact makes tree rows bit-identical to plain decoding's "
+                        "(default: %(default)s)")
     m.add_argument("--trust-remote-code", action="store_true", help="allow a model repo's own Python code to run")
     d = p.add_argument_group("decoding defaults (all can be changed in the page)")
     d.add_argument("--tree", help="candidate tree: a preset (mc_sim_7b_63, small-8, small-16, chain-N, "

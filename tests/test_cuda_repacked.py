@@ -67,6 +67,22 @@ def test_exact_mode_gives_every_bf16_row_the_bits_it_gets_alone():
         assert torch.equal(rm.repacked_matmul(x[:m], w, exact=True), alone[:m]), f"M={m}"
 
 
+def test_auto_times_both_kernels_on_this_gpu_and_decodes_in_a_graph_what_it_decodes_eagerly():
+    # auto's measured choice (quant/bnb.py _use_measured) on a real GPU: both sums in its line, and
+    # whichever routing it kept decodes the same in a graph as eagerly (fp32, as below)
+    model = tiny_model("llama", hidden=64, vocab=64, seed=3).cuda()
+    quantize_linear_nf4_(model, torch.float32)
+    described = use_nf4_kernel(model, "auto")
+    print(described)                        # the GPU session's record of what auto chose
+    assert "auto measured" in described and "for 14 NF4 layers" in described, described
+    heads = copied_heads(model, num_heads=3).cuda()
+    tree = build_tree_buffers(resolve_tree("cartesian-2x2x2"), 3, device="cuda")
+    runs = [[t for s in generate(model, [1, 5, 7, 9, 3], heads=heads, tree=tree,
+                                 config=DecodeConfig(max_new_tokens=24), graphs=graphs) for t in s.tokens]
+            for graphs in (True, False)]
+    assert runs[0] == runs[1] and len(runs[0]) == 24
+
+
 @pytest.mark.parametrize("choice", ["repacked", "repacked-exact"])
 def test_a_captured_step_through_fused_repacked_layers_decodes_what_the_eager_step_does(choice):
     # the fused q/k/v and gate/up slices hand their columns over inside the graph as they do eagerly. fp32,

@@ -262,7 +262,66 @@ def test_exact_mode_names_a_piece_it_could_not_make_row_exact(monkeypatch):
     assert weights_format(model) == "NF4"
 
 
-def test_auto_never_picks_the_repacked_kernel_and_errors_are_one_line(monkeypatch):
+def nf4_bytes(model) -> dict[str, torch.Tensor]:
+    return {name: m.weight.data.clone() for name, m in model.named_modules()
+            if type(m).__name__ in ("Linear4bit", "TritonNF4Linear")}
+
+
+def greedy(model, tokens: int = 6) -> list[int]:
+    return [t for s in generate(model, [5, 9, 13], config=DecodeConfig(max_new_tokens=tokens)) for t in s.tokens]
+
+
+@pytest.mark.parametrize("repacked_us", [1.0, 100.0])
+def test_auto_on_a_gpu_keeps_whichever_kernel_the_gpus_timings_say_is_faster(monkeypatch, repacked_us):
+    """auto on CUDA (bnb._use_measured) with the GPU's timings stood in: on bitsandbytes' storage a layer
+    costs the faster of bnb and the Triton kernel at one row plus the tuned kernel at 16 rows; repacked,
+    each fused matmul its tuned cost at 1 and 16 rows. The cheaper routing is kept, the other one's
+    bytes come back exactly, the loser's other row classes are not tuned, and the line gives both sums.
+    (On an H100, 2026-11-27: 57.5 against 70.4 µs for a 4096->11008 projection.)"""
+    from medusa_core.quant import bnb as qb
+    from medusa_core.quant import nf4_matmul as nm
+
+    model = nf4_model()
+    want, before = greedy(model), nf4_bytes(model)
+    timed = []
+    monkeypatch.setattr(qb, "_one_row_us", lambda layer, dtype: (3.0, 2.0))     # (Triton, bnb): bnb at one row
+    monkeypatch.setattr(nm, "tuned_us", lambda m, n, k, dtype, device, blocksize=64: 10.0)
+    monkeypatch.setattr(rm, "tuned_us", lambda m, n, k, dtype, device, group=128: timed.append(m) or repacked_us)
+    text = qb._use_measured(model, qb._plain(list(qb._nf4_layers(model))), torch.device("cpu"))
+    # 14 layers at 2 + 10 µs on the storage; 8 matmuls (q/k/v and gate/up fused) at 2 x repacked_us
+    assert text.endswith(f"(auto measured {16 * repacked_us:.0f} µs against 168 µs on bitsandbytes' storage for "
+                         "the projections of a 1-row and a 16-row step)"), text
+    assert sorted(set(timed)) == [1, 16]
+    if repacked_us < 10:
+        assert text.startswith("nf4 kernel: repacked Triton kernel for 14 NF4 layers as 8 matmuls (4 fused")
+        assert isinstance(model.model.layers[0].self_attn.q_proj, nf4_fused.FusedSlice)
+    else:
+        assert text.startswith("nf4 kernel: Triton for 14 NF4 layers")
+        assert {name: b.shape for name, b in nf4_bytes(model).items()} == {name: b.shape for name, b in before.items()}
+        assert all(torch.equal(b, before[name]) for name, b in nf4_bytes(model).items())
+    assert greedy(model) == want
+
+
+def test_auto_on_a_gpu_the_repacked_kernel_cannot_compile_for_keeps_the_triton_kernel_and_says_so(monkeypatch):
+    from medusa_core.quant import bnb as qb
+    from medusa_core.quant import nf4_matmul as nm
+
+    model = nf4_model()
+    before = nf4_bytes(model)
+    monkeypatch.setattr(qb, "_one_row_us", lambda layer, dtype: (3.0, 2.0))
+    monkeypatch.setattr(nm, "tuned_us", lambda m, n, k, dtype, device, blocksize=64: 10.0)
+
+    def no_config(m, n, k, dtype, device, group=128):
+        raise rm.NoConfigCompiled(f"no repacked NF4 config compiled for {n}x{k} on an old GPU")
+
+    monkeypatch.setattr(rm, "tuned_us", no_config)
+    text = qb._use_measured(model, qb._plain(list(qb._nf4_layers(model))), torch.device("cpu"))
+    assert text.startswith("nf4 kernel: Triton for 14 NF4 layers") and "\n" not in text
+    assert text.endswith("on an old GPU)") and "(auto: no repacked NF4 config compiled for " in text
+    assert all(torch.equal(b, before[name]) for name, b in nf4_bytes(model).items())
+
+
+def test_auto_off_cuda_never_picks_a_triton_kernel_and_errors_are_one_line(monkeypatch):
     model = nf4_model()
     assert "repacked" not in use_nf4_kernel(model, "auto")
     with pytest.raises(ValueError, match=r"^nf4 kernel 'fast' is unknown: use one of auto, triton, bnb, repacked, "

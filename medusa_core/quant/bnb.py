@@ -2,9 +2,9 @@
 
 The loaders ask ``bnb_config`` for their ``BitsAndBytesConfig``; the random benchmark model uses
 ``quantize_linear_nf4_``; ``use_nf4_kernel`` routes NF4 layers' multi-row inputs (Medusa's tree
-verification, 2..64 rows) to the Triton kernel in nf4_matmul.py, or (``repacked``, ``repacked-exact``:
-off by default and never chosen by ``auto`` until measured on a GPU) every NF4 layer to the kernel in
-nf4_repacked_matmul.py over weights repacked in memory, q/k/v and gate/up fused (nf4_fused.py).
+verification, 2..64 rows) to the Triton kernel in nf4_matmul.py, or (``repacked``, ``repacked-exact``)
+every NF4 layer to the kernel in nf4_repacked_matmul.py over weights repacked in memory, q/k/v and
+gate/up fused (nf4_fused.py). On CUDA, ``auto`` times both on the GPU at load and keeps the faster.
 bitsandbytes and Triton are imported only where used, so the rest of the project imports without them.
 """
 
@@ -106,11 +106,11 @@ def _nf4_layers(model: nn.Module):
                 yield parent, name, child
 
 
-_ONE_ROW: dict[tuple, bool] = {}   # (device name, N, K, dtype) -> the kernel beat bnb for one row
+_ONE_ROW: dict[tuple, tuple[float, float]] = {}   # (device name, N, K, dtype) -> (kernel µs, bnb µs), one row
 
 
-def _one_row_kernel_faster(layer, dtype: torch.dtype) -> bool:
-    """Time bnb and the kernel on this layer's shape for one row, each in a CUDA graph over weight
+def _one_row_us(layer, dtype: torch.dtype) -> tuple[float, float]:
+    """(Triton kernel µs, bnb µs) for one row on this layer's shape, each in a CUDA graph over weight
     copies larger than L2; cached per (GPU, N, K, dtype)."""
     import bitsandbytes as bnb
 
@@ -126,16 +126,22 @@ def _one_row_kernel_faster(layer, dtype: torch.dtype) -> bool:
         x = torch.randn(1, k, device=device, dtype=dtype)
         bnb_us = graph_time_us([functools.partial(bnb.matmul_4bit, x, p.t(), quant_state=s) for p, s in copies])
         kernel_us = graph_time_us([functools.partial(nf4_matmul.nf4_matmul, x, p, s) for p, s in copies])
-        _ONE_ROW[key] = kernel_us < bnb_us
+        _ONE_ROW[key] = (kernel_us, bnb_us)
         del copies
     return _ONE_ROW[key]
+
+
+def _one_row_kernel_faster(layer, dtype: torch.dtype) -> bool:
+    kernel_us, bnb_us = _one_row_us(layer, dtype)
+    return kernel_us < bnb_us
 
 
 def use_nf4_kernel(model: nn.Module, choice: str) -> str:
     """Route the decoder's NF4 layers by ``choice`` (auto | triton | bnb | repacked | repacked-exact);
     returns one line saying what was chosen. First, layers a previous ``repacked`` replaced get their
-    bitsandbytes modules back. ``bnb`` restores bitsandbytes' own modules; auto and triton swap each NF4
-    Linear4bit for a TritonNF4Linear holding the same packed weight; repacked* see _use_repacked."""
+    bitsandbytes modules back. ``bnb`` restores bitsandbytes' own modules; triton swaps each NF4
+    Linear4bit for a TritonNF4Linear holding the same packed weight; repacked* see _use_repacked; auto
+    is bnb off CUDA and on CUDA whichever of triton and repacked this GPU measures faster (_use_measured)."""
     if choice not in NF4_KERNELS:
         raise ValueError(f"nf4 kernel {choice!r} is unknown: use one of {', '.join(NF4_KERNELS)}")
     from . import nf4_fused
@@ -159,7 +165,7 @@ def use_nf4_kernel(model: nn.Module, choice: str) -> str:
                 setattr(parent, name, _swap_class(layer, bnb.nn.Linear4bit))
         return f"nf4 kernel: bitsandbytes for all {len(layers)} NF4 layers (auto: the Triton kernel needs CUDA)"
     try:
-        from . import nf4_matmul
+        from . import nf4_matmul  # noqa: F401 (the import is the check: no Triton is one line)
         from .triton_runtime import check_runnable
     except ImportError as err:
         raise ValueError(f"--nf4-kernel {choice}: {err}") from None
@@ -169,13 +175,30 @@ def use_nf4_kernel(model: nn.Module, choice: str) -> str:
         raise ValueError(f"--nf4-kernel {choice}: {err}") from None
 
     if choice.startswith("repacked"):
-        plain = []      # bitsandbytes' own class under everything: what restore and kept layers come back as
-        for parent, name, layer in layers:
-            if type(layer) is not bnb.nn.Linear4bit:
-                layer = _swap_class(layer, bnb.nn.Linear4bit)
-                setattr(parent, name, layer)
-            plain.append((parent, name, layer))
-        return _use_repacked(model, plain, exact=choice == "repacked-exact", device=device)
+        return _use_repacked(model, _plain(layers), exact=choice == "repacked-exact", device=device)
+    if choice == "auto" and device.type == "cuda":
+        return _use_measured(model, _plain(layers), device)
+    return _use_triton(layers, choice, device)
+
+
+def _plain(layers):
+    """``layers`` each as bitsandbytes' own class: what the repacked path replaces and restore brings back."""
+    import bitsandbytes as bnb
+
+    plain = []
+    for parent, name, layer in layers:
+        if type(layer) is not bnb.nn.Linear4bit:
+            layer = _swap_class(layer, bnb.nn.Linear4bit)
+            setattr(parent, name, layer)
+        plain.append((parent, name, layer))
+    return plain
+
+
+def _use_triton(layers, choice: str, device: torch.device) -> str:
+    """Each NF4 Linear4bit -> a TritonNF4Linear holding the same packed weight: the kernel for 2..64 rows,
+    and for one row where ``choice`` is triton or the kernel measured faster than bnb."""
+    from . import nf4_matmul
+
     cls = _kernel_linear_class()
     kept, one_row, shapes = 0, 0, set()
     for parent, name, layer in layers:
@@ -204,20 +227,71 @@ def use_nf4_kernel(model: nn.Module, choice: str) -> str:
     return f"nf4 kernel: Triton for {routed} NF4 layers ({len(shapes)} shapes), {rows}{kept_text}"
 
 
-def _use_repacked(model: nn.Module, layers, exact: bool, device: torch.device) -> str:
-    """Every NF4 layer -> the repacked kernel for all row counts, q/k/v and gate/up fused; bitsandbytes'
-    packed bytes are freed (rebuilt exactly if another choice is made later). On CUDA, fast mode's
-    configs are timed now, not later inside someone's graph capture. Exact mode takes the row-exact
-    attention too, and says which other pieces of the step are row-invariant on this machine."""
+REPACKED_ROW_CLASSES = (1, 2, 4, 16, 32, 64)    # the repacked kernel's row classes (nf4_repacked_matmul.row_class)
+# What auto weighs on CUDA: the projections of a plain step and of a 16-node tree step (the NF4 default
+# tree, mc_sim_7b_16). At the H100's figures (docs/performance.md) this picks the repacked kernel: 57.5 µs
+# against 70.4 for a 4096->11008 projection.
+AUTO_ROWS = (1, 16)
+
+
+def _shapes(made) -> set[tuple[int, int, torch.dtype]]:
+    return {(f.out_features, f.in_features, f.compute_dtype or torch.float32) for f in made}
+
+
+def _use_measured(model: nn.Module, layers, device: torch.device) -> str:
+    """auto on CUDA: the Triton kernel on bitsandbytes' storage (bnb for one row where that measures
+    faster) or the repacked kernel (q/k/v and gate/up fused), whichever multiplies a step's projections
+    faster on this GPU at AUTO_ROWS, timed now per shape; the loser's other row classes are not tuned.
+    A repacked kernel with no config that compiles here leaves the Triton routing, and the line says so."""
+    from . import nf4_fused
+    from . import nf4_matmul as nm
+    from . import nf4_repacked_matmul as rm
+
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    storage: dict[int, float] = {}      # id(layer) -> µs on bitsandbytes' storage, for layers the kernel reads
+    for _, _, layer in layers:
+        state = layer.weight.quant_state
+        n, k = (int(s) for s in state.shape)
+        if k % 2 or getattr(state, "packing_format_for_cpu", False):
+            continue                    # kept on bnb by _use_triton; no real model has such a layer
+        dtype = layer.compute_dtype or torch.float32
+        storage[id(layer)] = sum(min(_one_row_us(layer, dtype)) if m == 1 else
+                                 nm.tuned_us(m, n, k, dtype, device, state.blocksize) for m in AUTO_ROWS)
+    made, kept = nf4_fused.repack_layers(layers)
+    try:
+        repacked = sum(rm.tuned_us(m, f.out_features, f.in_features, f.compute_dtype or torch.float32, device)
+                       for f in made for m in AUTO_ROWS)
+    except rm.NoConfigCompiled as err:
+        nf4_fused.restore_bitsandbytes(decoder)
+        return f"{_use_triton(list(_nf4_layers(model)), 'auto', device)} (auto: {err.what})"
+    # a layer repack_layers kept on bitsandbytes costs what it costs on the other side too
+    in_made = {id(original) for f in made for original in f._originals}
+    repacked += sum(us for key, us in storage.items() if key not in in_made)
+    on_storage = sum(storage.values())
+    measured = (f"auto measured {repacked:.0f} µs against {on_storage:.0f} µs on bitsandbytes' storage for the "
+                f"projections of a {' and a '.join(f'{m}-row' for m in AUTO_ROWS)} step")
+    if repacked < on_storage:
+        return f"{_use_repacked(model, made=(made, kept), device=device)} ({measured})"
+    nf4_fused.restore_bitsandbytes(decoder)
+    return f"{_use_triton(list(_nf4_layers(model)), 'auto', device)} ({measured})"
+
+
+def _use_repacked(model: nn.Module, layers=None, exact: bool = False, device: torch.device | None = None,
+                  made: tuple | None = None) -> str:
+    """Every NF4 layer -> the repacked kernel for all row counts, q/k/v and gate/up fused (``made``:
+    repack_layers' result where auto already repacked); bitsandbytes' packed bytes are freed (rebuilt
+    exactly if another choice is made later). On CUDA, fast mode's configs are timed now, not later
+    inside someone's graph capture. Exact mode takes the row-exact attention too, and says which other
+    pieces of the step are row-invariant on this machine."""
     from . import nf4_fused
 
-    made, kept = nf4_fused.repack_layers(layers, exact=exact)
+    made, kept = made or nf4_fused.repack_layers(layers, exact=exact)
     if device.type == "cuda" and not exact:
         from . import nf4_repacked_matmul as rm
 
-        for shape in {(f.out_features, f.in_features, f.compute_dtype or torch.float32) for f in made}:
-            for m in (1, 2, 4, 16, 32, 64):
-                rm.tune_shape(m, shape[0], shape[1], shape[2], device)
+        for n, k, dtype in _shapes(made):
+            for m in REPACKED_ROW_CLASSES:
+                rm.tuned_us(m, n, k, dtype, device)
     fused = sum(len(f.splits) > 1 for f in made)
     routed = sum(len(f.splits) for f in made)
     more = ", ..." if len(kept) > 1 else ""

@@ -498,6 +498,14 @@ def choose_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devi
     return tune_shape(m, n, k, dtype, device, blocksize)
 
 
+def tuned_us(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, blocksize: int = 64) -> float:
+    """µs of the fastest config timed for M's row class and this shape on this GPU (tuned first if not yet)."""
+    key = (torch.cuda.get_device_name(device), row_class(m), n, k, dtype, blocksize)
+    if key not in _TUNED:
+        tune_shape(m, n, k, dtype, device, blocksize)
+    return min(us for _, us in TUNING_LOG[key] if us is not None)
+
+
 def tune_shape(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, blocksize: int = 64,
                wide: bool = False) -> KernelConfig:
     """Time every candidate for this row class (``wide``: the long list) on a random NF4 weight of shape

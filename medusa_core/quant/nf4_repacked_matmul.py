@@ -269,6 +269,14 @@ def candidates(m: int, n: int, groups: int, sms: int) -> list[RepackedConfig]:
     return list(dict.fromkeys(out))     # two wave targets can give the same split
 
 
+class NoConfigCompiled(RuntimeError):
+    """tune_shape: not one candidate compiled and ran on this GPU. ``what`` says so without the fix."""
+
+    def __init__(self, what: str):
+        super().__init__(f"{what}: use --nf4-kernel bnb")
+        self.what = what
+
+
 _TUNED: dict[tuple, RepackedConfig] = {}
 TUNING_LOG: dict[tuple, list[tuple[str, float | None]]] = {}   # key -> (config, µs or None if skipped)
 
@@ -300,9 +308,17 @@ def tune_shape(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
                                              replays=3),
         where=f"repacked {n}x{k} M<={row_class(m)} on {key[0]}")
     if best is None:
-        raise RuntimeError(f"no repacked NF4 config compiled for {n}x{k} on {key[0]}: use --nf4-kernel bnb")
+        raise NoConfigCompiled(f"no repacked NF4 config compiled for {n}x{k} on {key[0]}")
     _TUNED[key] = best
     return best
+
+
+def tuned_us(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, group: int = 128) -> float:
+    """µs of the fastest config timed for M's row class and this shape on this GPU (tuned first if not yet)."""
+    key = _key(m, n, k, dtype, device, group)
+    if key not in _TUNED:
+        tune_shape(m, n, k, dtype, device, group)
+    return min(us for _, us in TUNING_LOG[key] if us is not None)
 
 
 def choose_config(m: int, w: RepackedNF4, dtype: torch.dtype, device: torch.device, exact: bool) -> RepackedConfig:
