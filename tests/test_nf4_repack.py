@@ -302,6 +302,26 @@ def test_auto_on_a_gpu_keeps_whichever_kernel_the_gpus_timings_say_is_faster(mon
     assert greedy(model) == want
 
 
+def test_auto_on_a_gpu_fuses_a_group_only_where_one_matmul_times_faster_than_its_projections_apart(monkeypatch):
+    """The issue's "one matmul where it measures faster": the H100 timed fused gate/up slower than apart at
+    8-32 rows. Here the fused gate/up weight (N = 2 x 128) is made slow: q/k/v stays fused, gate/up apart,
+    and the line says why; the model still decodes what bitsandbytes decodes."""
+    from medusa_core.quant import bnb as qb
+    from medusa_core.quant import nf4_matmul as nm
+
+    model = nf4_model()
+    want = greedy(model)
+    monkeypatch.setattr(qb, "_one_row_us", lambda layer, dtype: (3.0, 2.0))
+    monkeypatch.setattr(nm, "tuned_us", lambda m, n, k, dtype, device, blocksize=64: 10.0)
+    monkeypatch.setattr(rm, "tuned_us", lambda m, n, k, dtype, device, group=128: 50.0 if n == 256 else 1.0)
+    text = qb._use_measured(model, qb._plain(list(qb._nf4_layers(model))), torch.device("cpu"))
+    # per layer: q/k/v as one matmul, o, gate, up, down; gate/up apart 2 x 2 x 1 µs, fused 2 x 50, in 2 layers
+    assert "as 10 matmuls (2 fused q/k/v or gate/up, gate/up apart (8 µs against 200 fused))" in text, text
+    mlp, attn = model.model.layers[0].mlp, model.model.layers[0].self_attn
+    assert type(mlp.gate_proj) is nf4_fused.RepackedNF4Linear and isinstance(attn.q_proj, nf4_fused.FusedSlice)
+    assert greedy(model) == want
+
+
 def test_auto_on_a_gpu_the_repacked_kernel_cannot_compile_for_keeps_the_triton_kernel_and_says_so(monkeypatch):
     from medusa_core.quant import bnb as qb
     from medusa_core.quant import nf4_matmul as nm

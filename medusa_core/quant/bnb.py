@@ -238,11 +238,35 @@ def _shapes(made) -> set[tuple[int, int, torch.dtype]]:
     return {(f.out_features, f.in_features, f.compute_dtype or torch.float32) for f in made}
 
 
+def _fusions(layers, device: torch.device) -> tuple[tuple[tuple[str, ...], ...], list[str]]:
+    """The FUSE groups to fuse on this GPU: those whose one matmul times faster at AUTO_ROWS than their
+    projections apart (summed over every occurrence); and a line per group kept apart. On an H100
+    (2026-11-27) q/k/v fused took 20.8 + 45.9 µs at 1 and 16 rows against 33.6 + 49.1 apart, gate/up
+    36.5 + 82.7 against 40.1 + 74.5."""
+    from . import nf4_fused
+    from . import nf4_repacked_matmul as rm
+
+    costs: dict[tuple[str, ...], list[float]] = {}
+    for names, group in nf4_fused.fusable(layers):
+        k = int(group[0][2].weight.quant_state.shape[1])
+        dtype = group[0][2].compute_dtype or torch.float32
+        ns = [int(layer.weight.quant_state.shape[0]) for _, _, layer in group]
+        fused_us = sum(rm.tuned_us(m, sum(ns), k, dtype, device) for m in AUTO_ROWS)
+        apart_us = sum(rm.tuned_us(m, n, k, dtype, device) for n in ns for m in AUTO_ROWS)
+        total = costs.setdefault(names, [0.0, 0.0])
+        total[0], total[1] = total[0] + fused_us, total[1] + apart_us
+    fuse = tuple(names for names, (fused_us, apart_us) in costs.items() if fused_us < apart_us)
+    apart = [f"{'/'.join(n.removesuffix('_proj') for n in names)} apart ({apart_us:.0f} µs against {fused_us:.0f} "
+             "fused)" for names, (fused_us, apart_us) in costs.items() if names not in fuse]
+    return fuse, apart
+
+
 def _use_measured(model: nn.Module, layers, device: torch.device) -> str:
     """auto on CUDA: the Triton kernel on bitsandbytes' storage (bnb for one row where that measures
-    faster) or the repacked kernel (q/k/v and gate/up fused), whichever multiplies a step's projections
-    faster on this GPU at AUTO_ROWS, timed now per shape; the loser's other row classes are not tuned.
-    A repacked kernel with no config that compiles here leaves the Triton routing, and the line says so."""
+    faster) or the repacked kernel (q/k/v and gate/up fused where that measures faster), whichever
+    multiplies a step's projections faster on this GPU at AUTO_ROWS, timed now per shape; the loser's
+    other row classes are not tuned. A repacked kernel with no config that compiles here leaves the
+    Triton routing, and the line says so."""
     from . import nf4_fused
     from . import nf4_matmul as nm
     from . import nf4_repacked_matmul as rm
@@ -257,8 +281,9 @@ def _use_measured(model: nn.Module, layers, device: torch.device) -> str:
         dtype = layer.compute_dtype or torch.float32
         storage[id(layer)] = sum(min(_one_row_us(layer, dtype)) if m == 1 else
                                  nm.tuned_us(m, n, k, dtype, device, state.blocksize) for m in AUTO_ROWS)
-    made, kept = nf4_fused.repack_layers(layers)
     try:
+        fuse, apart = _fusions(layers, device)
+        made, kept = nf4_fused.repack_layers(layers, fuse=fuse)
         repacked = sum(rm.tuned_us(m, f.out_features, f.in_features, f.compute_dtype or torch.float32, device)
                        for f in made for m in AUTO_ROWS)
     except rm.NoConfigCompiled as err:
@@ -271,21 +296,25 @@ def _use_measured(model: nn.Module, layers, device: torch.device) -> str:
     measured = (f"auto measured {repacked:.0f} µs against {on_storage:.0f} µs on bitsandbytes' storage for the "
                 f"projections of a {' and a '.join(f'{m}-row' for m in AUTO_ROWS)} step")
     if repacked < on_storage:
-        return f"{_use_repacked(model, made=(made, kept), device=device)} ({measured})"
+        return f"{_use_repacked(model, made=(made, kept, apart), device=device)} ({measured})"
     nf4_fused.restore_bitsandbytes(decoder)
     return f"{_use_triton(list(_nf4_layers(model)), 'auto', device)} ({measured})"
 
 
 def _use_repacked(model: nn.Module, layers=None, exact: bool = False, device: torch.device | None = None,
                   made: tuple | None = None) -> str:
-    """Every NF4 layer -> the repacked kernel for all row counts, q/k/v and gate/up fused (``made``:
-    repack_layers' result where auto already repacked); bitsandbytes' packed bytes are freed (rebuilt
-    exactly if another choice is made later). On CUDA, fast mode's configs are timed now, not later
-    inside someone's graph capture. Exact mode takes the row-exact attention too, and says which other
-    pieces of the step are row-invariant on this machine."""
+    """Every NF4 layer -> the repacked kernel for all row counts, q/k/v and gate/up each fused where that
+    times faster on this GPU (always in exact mode and off CUDA: nothing is timed there); ``made``:
+    (repack_layers' result, the groups kept apart) where auto already repacked. bitsandbytes' packed
+    bytes are freed (rebuilt exactly if another choice is made later). On CUDA, fast mode's configs are
+    timed now, not later inside someone's graph capture. Exact mode takes the row-exact attention too,
+    and says which other pieces of the step are row-invariant on this machine."""
     from . import nf4_fused
 
-    made, kept = made or nf4_fused.repack_layers(layers, exact=exact)
+    if made is None:
+        fuse, apart = _fusions(layers, device) if device.type == "cuda" and not exact else (nf4_fused.FUSE, [])
+        made = (*nf4_fused.repack_layers(layers, exact=exact, fuse=fuse), apart)
+    made, kept, apart = made
     if device.type == "cuda" and not exact:
         from . import nf4_repacked_matmul as rm
 
@@ -304,5 +333,6 @@ def _use_repacked(model: nn.Module, layers=None, exact: bool = False, device: to
                 (f"{' and '.join(broken)} not row-invariant on this {device.type}, so trees may differ from plain "
                  "decoding" if broken else f"the rest row-invariant on this {device.type}: greedy trees give plain "
                  "decoding's tokens"))
+    apart_text = f", {' and '.join(apart)}" if apart else ""
     return (f"nf4 kernel: repacked Triton kernel for {routed} NF4 layers as {len(made)} matmuls ({fused} fused "
-            f"q/k/v or gate/up), all row counts, {mode}{kept_text}")
+            f"q/k/v or gate/up{apart_text}), all row counts, {mode}{kept_text}")

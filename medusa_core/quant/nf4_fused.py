@@ -105,11 +105,26 @@ def _replace(layers: list[tuple[nn.Module, str, nn.Module]], exact: bool, group:
     return fused
 
 
+def fusable(layers: list[tuple[nn.Module, str, nn.Module]], fuse=FUSE) -> list[tuple[tuple[str, ...], list]]:
+    """(names, its layers) for every ``fuse`` group found whole under one parent, with one K and dtype."""
+    by_parent: dict[int, dict[str, tuple]] = {}
+    for entry in layers:
+        by_parent.setdefault(id(entry[0]), {})[entry[1]] = entry
+    found = []
+    for named in by_parent.values():
+        for names in fuse:
+            group_layers = [named.get(n) for n in names]
+            if all(group_layers) and len({(int(e[2].weight.quant_state.shape[1]), e[2].compute_dtype)
+                                          for e in group_layers}) == 1:
+                found.append((names, group_layers))
+    return found
+
+
 def repack_layers(layers: list[tuple[nn.Module, str, nn.Module]], exact: bool = False,
-                  group: int = 128) -> tuple[list[RepackedNF4Linear], list[str]]:
+                  group: int = 128, fuse=FUSE) -> tuple[list[RepackedNF4Linear], list[str]]:
     """Route bitsandbytes NF4 ``layers`` ((parent, name, Linear4bit) as bnb._nf4_layers lists them) to
-    the repacked kernel, fusing FUSE groups found whole under one parent. Returns (the new modules,
-    "name: reason" for each layer kept on bitsandbytes)."""
+    the repacked kernel, fusing the ``fuse`` groups found whole under one parent. Returns (the new
+    modules, "name: reason" for each layer kept on bitsandbytes)."""
     kept, ok = [], []
     for parent, name, layer in layers:
         try:
@@ -117,19 +132,11 @@ def repack_layers(layers: list[tuple[nn.Module, str, nn.Module]], exact: bool = 
             ok.append((parent, name, layer))
         except ValueError as err:
             kept.append(f"{name}: {err}")
-    by_parent: dict[int, dict[str, tuple]] = {}
-    for entry in ok:
-        by_parent.setdefault(id(entry[0]), {})[entry[1]] = entry
-    made = []
-    for named in by_parent.values():
-        for names in FUSE:
-            group_layers = [named.get(n) for n in names]
-            if all(group_layers) and len({(int(e[2].weight.quant_state.shape[1]), e[2].compute_dtype)
-                                          for e in group_layers}) == 1:
-                made.append(_replace(group_layers, exact, group))
-                for n in names:
-                    del named[n]
-        made.extend(_replace([entry], exact, group) for entry in named.values())
+    made, grouped = [], set()
+    for _, group_layers in fusable(ok, fuse):
+        made.append(_replace(group_layers, exact, group))
+        grouped.update(id(e[2]) for e in group_layers)
+    made.extend(_replace([entry], exact, group) for entry in ok if id(entry[2]) not in grouped)
     return made, kept
 
 
