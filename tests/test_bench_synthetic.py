@@ -181,6 +181,13 @@ def test_fold_merges_the_kernel_and_demo_figures_into_one_report(tmp_path):
     merged = json.loads(out.read_text())
     assert len(merged["results"]) == 2 * len(json.loads(step.read_text())["results"])
     assert merged["summary"]["nf4_kernel_m16_us"] == 21.5
+    # a later run that did not time static generate() keeps the earlier run's figure (a refold once nulled it)
+    with_generate = json.loads(step.read_text())
+    with_generate["results"][0]["hf_generate_ms"] = {"static": 5.0}
+    (tmp_path / "with_generate.json").write_text(json.dumps(with_generate))
+    assert bench_synthetic.main(["--fold", str(tmp_path / "with_generate.json"), str(step), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["summary"]["bf16_static_generate_ms"] == 5.0
+    assert bench_synthetic.main(["--fold", str(out), str(nf4), str(demo), "--json", str(out)]) == 0
     # the committed report folded again with a new run keeps the demo's headline (it once dropped it)
     again = tmp_path / "again.json"
     assert bench_synthetic.main(["--fold", str(out), str(step), "--json", str(again)]) == 0
@@ -294,10 +301,12 @@ def test_the_step_profile_counts_kernels_once_and_charges_tritons_to_the_range_a
               device("_repacked_kernel", 120, 150),        # Triton's, inside a projection range
               device("_repacked_kernel", 410, 440),        # inside a projection inside attention
               device("_rows_alone_kernel", 310, 330),      # in attention, outside its projections
-              device("_reduce_kernel", 2000, 2010)]        # outside every range
+              device("_reduce_kernel", 2000, 2010),        # outside every range
+              device("medusa:attention", 700, 800), device("medusa:projections", 700, 750),   # one start
+              device("_repacked_kernel", 700, 720), device("_rows_alone_kernel", 760, 790)]
     per, unlinked = attribute(events, on_cuda=True)
-    assert per["projections"] == 10 + 30 + 30 and per["attention"] == 20 and per["unlinked"] == 10
-    assert sum(per.values()) == 100                       # every kernel once, no range counted as one
+    assert per["projections"] == 10 + 30 + 30 + 20 and per["attention"] == 20 + 30 and per["unlinked"] == 10
+    assert sum(per.values()) == 150                       # every kernel once, no range counted as one
     assert dict(unlinked) == {"_reduce_kernel": 10}
 
 

@@ -6,6 +6,7 @@ fuses q/k/v and gate/up without changing a projection, and decodes bitsandbytes'
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import pytest
 import torch
@@ -271,32 +272,72 @@ def greedy(model, tokens: int = 6) -> list[int]:
     return [t for s in generate(model, [5, 9, 13], config=DecodeConfig(max_new_tokens=tokens)) for t in s.tokens]
 
 
+class GpuStandIn:
+    """auto's CUDA path (bnb._use_measured) run here: a device that says "cuda", and the GPU's timings
+    stood in (``repacked_us(m, n)``; bitsandbytes' storage: bnb 2 µs at one row, Triton 10 µs at 16).
+    ``alive_while_triton_tuned`` records, each time the Triton routing tunes a layer, how many
+    repacked modules are still alive: a second copy of the weights on a GPU."""
+
+    def __init__(self, monkeypatch, repacked_us):
+        from medusa_core.quant import bnb as qb
+        from medusa_core.quant import nf4_matmul as nm
+
+        self.qb, self.timed, self.alive_while_triton_tuned, self.made = qb, [], [], []
+        monkeypatch.setattr(qb, "_one_row_us", lambda layer, dtype: (3.0, 2.0))
+        monkeypatch.setattr(qb, "_timed_us", lambda layer, dtype, rows, kernel: 7.0)
+        monkeypatch.setattr(nm, "tuned_us", lambda m, n, k, dtype, device, blocksize=64: 10.0)
+        real_choose = nm.choose_config
+
+        def choose(m, n, k, dtype, device, blocksize=64):
+            if isinstance(device, torch.device):        # a forward here, on the CPU
+                return real_choose(m, n, k, dtype, device, blocksize)
+            self.alive_while_triton_tuned.append(sum(ref() is not None for ref in self.made))
+
+        monkeypatch.setattr(nm, "choose_config", choose)
+
+        def timed(m, n, k, dtype, device, group=128):
+            self.timed.append(m)
+            return repacked_us(m, n)
+
+        monkeypatch.setattr(rm, "tuned_us", timed)
+        real = nf4_fused.repack_layers
+
+        def repack(*args, **kw):
+            made, kept = real(*args, **kw)
+            self.made += [weakref.ref(f) for f in made]
+            return made, kept
+
+        monkeypatch.setattr(nf4_fused, "repack_layers", repack)
+
+    def auto(self, model) -> str:
+        from types import SimpleNamespace
+
+        return self.qb._use_measured(model, self.qb._plain(list(self.qb._nf4_layers(model))),
+                                     SimpleNamespace(type="cuda"))
+
+
 @pytest.mark.parametrize("repacked_us", [1.0, 100.0])
 def test_auto_on_a_gpu_keeps_whichever_kernel_the_gpus_timings_say_is_faster(monkeypatch, repacked_us):
-    """auto on CUDA (bnb._use_measured) with the GPU's timings stood in: on bitsandbytes' storage a layer
-    costs the faster of bnb and the Triton kernel at one row plus the tuned kernel at 16 rows; repacked,
-    each fused matmul its tuned cost at 1 and 16 rows. The cheaper routing is kept, the other one's
-    bytes come back exactly, the loser's other row classes are not tuned, and the line gives both sums.
-    (On an H100, 2026-11-27: 57.5 against 70.4 µs for a 4096->11008 projection.)"""
-    from medusa_core.quant import bnb as qb
-    from medusa_core.quant import nf4_matmul as nm
-
+    """On bitsandbytes' storage a layer costs the faster of bnb and the Triton kernel at one row plus the
+    tuned kernel at 16 rows; repacked, each fused matmul its tuned cost at 1 and 16 rows. The cheaper
+    routing is kept, the other one's bytes come back exactly (and its copy of the weights is gone before
+    the Triton routing tunes), only the winner's other row classes are tuned, and the line gives both
+    sums. (On an H100, 2026-11-27: 57.5 against 70.4 µs for a 4096->11008 projection.)"""
     model = nf4_model()
     want, before = greedy(model), nf4_bytes(model)
-    timed = []
-    monkeypatch.setattr(qb, "_one_row_us", lambda layer, dtype: (3.0, 2.0))     # (Triton, bnb): bnb at one row
-    monkeypatch.setattr(nm, "tuned_us", lambda m, n, k, dtype, device, blocksize=64: 10.0)
-    monkeypatch.setattr(rm, "tuned_us", lambda m, n, k, dtype, device, group=128: timed.append(m) or repacked_us)
-    text = qb._use_measured(model, qb._plain(list(qb._nf4_layers(model))), torch.device("cpu"))
+    gpu = GpuStandIn(monkeypatch, lambda m, n: repacked_us)
+    text = gpu.auto(model)
     # 14 layers at 2 + 10 µs on the storage; 8 matmuls (q/k/v and gate/up fused) at 2 x repacked_us
     assert text.endswith(f"(auto measured {16 * repacked_us:.0f} µs against 168 µs on bitsandbytes' storage for "
                          "the projections of a 1-row and a 16-row step)"), text
-    assert sorted(set(timed)) == [1, 16]
     if repacked_us < 10:
         assert text.startswith("nf4 kernel: repacked Triton kernel for 14 NF4 layers as 8 matmuls (4 fused")
         assert isinstance(model.model.layers[0].self_attn.q_proj, nf4_fused.FusedSlice)
+        assert sorted(set(gpu.timed)) == [1, 2, 4, 16, 32, 64]
     else:
         assert text.startswith("nf4 kernel: Triton for 14 NF4 layers")
+        assert sorted(set(gpu.timed)) == [1, 16]
+        assert gpu.alive_while_triton_tuned and not any(gpu.alive_while_triton_tuned)
         assert {name: b.shape for name, b in nf4_bytes(model).items()} == {name: b.shape for name, b in before.items()}
         assert all(torch.equal(b, before[name]) for name, b in nf4_bytes(model).items())
     assert greedy(model) == want
@@ -306,15 +347,9 @@ def test_auto_on_a_gpu_fuses_a_group_only_where_one_matmul_times_faster_than_its
     """The issue's "one matmul where it measures faster": the H100 timed fused gate/up slower than apart at
     8-32 rows. Here the fused gate/up weight (N = 2 x 128) is made slow: q/k/v stays fused, gate/up apart,
     and the line says why; the model still decodes what bitsandbytes decodes."""
-    from medusa_core.quant import bnb as qb
-    from medusa_core.quant import nf4_matmul as nm
-
     model = nf4_model()
     want = greedy(model)
-    monkeypatch.setattr(qb, "_one_row_us", lambda layer, dtype: (3.0, 2.0))
-    monkeypatch.setattr(nm, "tuned_us", lambda m, n, k, dtype, device, blocksize=64: 10.0)
-    monkeypatch.setattr(rm, "tuned_us", lambda m, n, k, dtype, device, group=128: 50.0 if n == 256 else 1.0)
-    text = qb._use_measured(model, qb._plain(list(qb._nf4_layers(model))), torch.device("cpu"))
+    text = GpuStandIn(monkeypatch, lambda m, n: 50.0 if n == 256 else 1.0).auto(model)
     # per layer: q/k/v as one matmul, o, gate, up, down; gate/up apart 2 x 2 x 1 µs, fused 2 x 50, in 2 layers
     assert "as 10 matmuls (2 fused q/k/v or gate/up, gate/up apart (8 µs against 200 fused))" in text, text
     mlp, attn = model.model.layers[0].mlp, model.model.layers[0].self_attn
@@ -322,23 +357,79 @@ def test_auto_on_a_gpu_fuses_a_group_only_where_one_matmul_times_faster_than_its
     assert greedy(model) == want
 
 
-def test_auto_on_a_gpu_the_repacked_kernel_cannot_compile_for_keeps_the_triton_kernel_and_says_so(monkeypatch):
+def test_auto_charges_a_layer_the_repacking_leaves_on_bitsandbytes_what_bitsandbytes_costs(monkeypatch):
+    # such a layer runs bitsandbytes' own matmul at every row count in the repacked routing (7 µs stood in
+    # per call), not the Triton kernel's 16-row time: charging that would favour the repacked side
+    real = nf4_fused.check_bnb_nf4
+
+    def refuse_down_proj(packed, state):
+        if tuple(state.shape) == (64, 128):
+            raise ValueError("a layout the repacking does not take")
+        return real(packed, state)
+
+    monkeypatch.setattr(nf4_fused, "check_bnb_nf4", refuse_down_proj)
+    text = GpuStandIn(monkeypatch, lambda m, n: 1.0).auto(nf4_model())
+    # 3 matmuls per layer at 2 x 1 µs, and down_proj on bitsandbytes at 2 x 7, in 2 layers
+    assert "(auto measured 40 µs against 168 µs" in text and "2 layer(s) kept on bitsandbytes (down_proj: a layout" in text
+
+
+@pytest.mark.parametrize("fails_at", [1, 32])
+def test_auto_on_a_gpu_the_repacked_kernel_cannot_compile_for_keeps_the_triton_kernel_and_says_so(monkeypatch,
+                                                                                                   fails_at):
+    """Whether the repacked kernel compiles nowhere for the rows auto weighs (1) or only fails at a row class
+    tuned after it won (32): the Triton routing, the reason in the line, bitsandbytes' bytes back exactly,
+    and no repacked copy of the weights left alive (a review found both a traceback and a second copy)."""
+    model = nf4_model()
+    before = nf4_bytes(model)
+
+    def repacked_us(m, n):
+        if m == fails_at:
+            raise rm.NoConfigCompiled(f"no repacked NF4 config compiled for {n}x64 on an old GPU")
+        return 1.0
+
+    gpu = GpuStandIn(monkeypatch, repacked_us)
+    text = gpu.auto(model)
+    assert text.startswith("nf4 kernel: Triton for 14 NF4 layers") and "\n" not in text, text
+    assert text.endswith("on an old GPU)") and "(auto: no repacked NF4 config compiled for " in text
+    assert all(torch.equal(b, before[name]) for name, b in nf4_bytes(model).items())
+    assert not any(isinstance(m, nf4_fused.RepackedNF4Linear) for m in model.modules())
+    assert gpu.alive_while_triton_tuned and not any(gpu.alive_while_triton_tuned)
+
+
+def test_a_kernel_forced_by_name_that_compiles_nowhere_is_one_line_and_leaves_bitsandbytes(monkeypatch):
     from medusa_core.quant import bnb as qb
-    from medusa_core.quant import nf4_matmul as nm
 
     model = nf4_model()
     before = nf4_bytes(model)
-    monkeypatch.setattr(qb, "_one_row_us", lambda layer, dtype: (3.0, 2.0))
-    monkeypatch.setattr(nm, "tuned_us", lambda m, n, k, dtype, device, blocksize=64: 10.0)
+    real = qb._use_repacked
 
-    def no_config(m, n, k, dtype, device, group=128):
-        raise rm.NoConfigCompiled(f"no repacked NF4 config compiled for {n}x{k} on an old GPU")
+    def repack_then_fail(*args, **kw):
+        real(*args, **kw)
+        raise rm.NoConfigCompiled("no repacked NF4 config compiled for 192x64 on an old GPU")
 
-    monkeypatch.setattr(rm, "tuned_us", no_config)
-    text = qb._use_measured(model, qb._plain(list(qb._nf4_layers(model))), torch.device("cpu"))
-    assert text.startswith("nf4 kernel: Triton for 14 NF4 layers") and "\n" not in text
-    assert text.endswith("on an old GPU)") and "(auto: no repacked NF4 config compiled for " in text
+    monkeypatch.setattr(qb, "_use_repacked", repack_then_fail)
+    with pytest.raises(ValueError, match=r"^--nf4-kernel repacked-exact: no repacked NF4 config compiled for 192x64 "
+                                         r"on an old GPU: use --nf4-kernel bnb$"):
+        use_nf4_kernel(model, "repacked-exact")
     assert all(torch.equal(b, before[name]) for name, b in nf4_bytes(model).items())
+    assert weights_format(model) == "NF4" and model.config._attn_implementation != ROW_EXACT_ATTENTION
+
+
+def test_a_tuned_trees_cache_entry_names_the_kernel_routed_not_the_word_auto():
+    # auto now picks a kernel by timing on the GPU; a tree tuned while auto meant the Triton kernel must not be
+    # reused once it means the repacked one. A model without NF4 keeps the old entry (the CPU default's cache)
+    import json
+
+    from medusa_core.loading.policy import tuning_mode
+    from medusa_core.loading.spec import LoadSpec
+
+    spec, model = LoadSpec(), nf4_model()
+    for kernel in ("bnb", "triton", "repacked", "repacked-exact"):
+        use_nf4_kernel(model, kernel)
+        assert json.loads(tuning_mode(spec, model, "cuda", "nf4", torch.bfloat16))["nf4_kernel"] == kernel
+    plain = json.loads(tuning_mode(spec, tiny_model("llama", hidden=64, vocab=64), "cpu", "none", torch.float32))
+    assert plain == {"device": "cpu", "quant": "none", "dtype": "torch.float32", "heads_quant": "none",
+                     "nf4_kernel": "auto"}
 
 
 def test_auto_off_cuda_never_picks_a_triton_kernel_and_errors_are_one_line(monkeypatch):

@@ -44,7 +44,7 @@ class Stage:
 # In order of value (docs/performance.md, "Issue 22 on a GPU"). The H100 run of 2026-11-27 measured the
 # kernel table, the bf16, auto and repacked steps and the bf16 and auto profiles; what it could not reach
 # comes first: correctness on CUDA (exact mode changed since), the step in exact mode and beside torch's
-# int4, the greedy-equality count (exact mode first, 8 prompts), the repacked step's profile, then the
+# int4, the greedy-equality count (exact mode first, 8 prompts), the profile of the step auto routes, then the
 # kernel table again. Each JSON is rewritten after every result, so a stage cut short keeps its rows.
 STAGES = (
     Stage("cuda-tests", "the CUDA tests: the repacked kernel and the graphed step on a GPU", "pytest",
@@ -57,9 +57,9 @@ STAGES = (
     Stage("exactness", "how often greedy NF4 Medusa equals plain decoding, per kernel (random 7B)",
           "medusa_core.benchmarks.nf4_exactness",
           ("--kernels", "repacked-exact", "repacked", "bnb", "--prompts", "8", "--json", "{out}/exactness.json")),
-    Stage("profile", "the 7B NF4 step's device time by category, repacked and auto, T = 1 and 16",
+    Stage("profile", "the 7B NF4 step's device time by category with auto's kernel, T = 1 and 16",
           "medusa_core.benchmarks.profile_gpu_step",
-          ("--quant", "nf4", "--nf4-kernel", "repacked", "auto", "--json", "{out}/profile.json")),
+          ("--quant", "nf4", "--nf4-kernel", "auto", "--json", "{out}/profile.json")),
     Stage("kernels", "every NF4 kernel per projection and row count, the tuners' timings",
           "medusa_core.benchmarks.nf4_kernel", ("--json", "{out}/nf4.json")),
 )

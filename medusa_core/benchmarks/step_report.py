@@ -75,21 +75,27 @@ def format_result(r: QuantResult, shape: str, context: int) -> str:
 def summary(results: list[QuantResult]) -> dict[str, float | None]:
     """The headline figures (ms per step, medians): the loop's baseline, 16- and 64-node tree steps,
     the projected tokens/s of the best tree, the graphed stock forward at T = 1 and transformers'
-    static-cache generate()."""
+    static-cache generate(). A later result of the same label replaces a figure it measured again, and
+    keeps one it did not measure (a later run without --hf-generate keeps the earlier static generate())."""
     out: dict[str, float | None] = {}
     for r in results:
         name = "bf16" if r.quant == "none" else r.quant.replace("-", "_")
         by_size = {w.size: w for w in r.rows}
         static = r.hf_generate_ms.get("static")
-        out[f"{name}_baseline_ms"] = by_size[1].loop_ms
-        out[f"{name}_baseline_graphed_ms"] = by_size[1].graphed_ms
-        out[f"{name}_graphed_stock_ms"] = by_size[1].stock_graphed_ms
-        out[f"{name}_static_generate_ms"] = static if isinstance(static, float) else None
-        out[f"{name}_tree16_ms"] = by_size[16].loop_ms if 16 in by_size else None
-        out[f"{name}_tree64_ms"] = by_size[64].loop_ms if 64 in by_size else None
-        # the best tree's projection: its expected tokens per step over its measured loop step
-        out[f"{name}_projected_tokens_per_s"] = max(1000 * w.expected_acceptance / w.loop_ms for w in r.rows)
-        out[f"{name}_host_pct_max"] = max((w.host_pct for w in r.rows if w.host_pct is not None), default=None)
+        figures = {
+            "baseline_ms": by_size[1].loop_ms,
+            "baseline_graphed_ms": by_size[1].graphed_ms,
+            "graphed_stock_ms": by_size[1].stock_graphed_ms,
+            "static_generate_ms": static if isinstance(static, float) else None,
+            "tree16_ms": by_size[16].loop_ms if 16 in by_size else None,
+            "tree64_ms": by_size[64].loop_ms if 64 in by_size else None,
+            # the best tree's projection: its expected tokens per step over its measured loop step
+            "projected_tokens_per_s": max(1000 * w.expected_acceptance / w.loop_ms for w in r.rows),
+            "host_pct_max": max((w.host_pct for w in r.rows if w.host_pct is not None), default=None),
+        }
+        for key, value in figures.items():
+            if value is not None or f"{name}_{key}" not in out:
+                out[f"{name}_{key}"] = value
     if out.get("nf4_bnb_static_generate_ms") is not None:
         # transformers' static generate() as a reference means the stock NF4 model: bitsandbytes'
         # own layers, not this project's kernel routing (which its compiler traces differently)

@@ -118,6 +118,15 @@ def choose_tree(heads_source: str | None, heads: MedusaHeads | None, device: str
     return "small-16" if n >= 5 else "small-8" if n == 4 else f"chain-{n}"
 
 
+def tuning_mode(spec: LoadSpec, model, device: str, quant: str, dtype: torch.dtype) -> str:
+    """What a tuned tree's cache entry is for, besides the machine, model and heads: the NF4 kernel is the
+    one routed (``auto`` picks by timing on the GPU, and trees tuned on one kernel do not fit another)."""
+    from ..quant.bnb import routed_kernel
+
+    return json.dumps({"device": device, "quant": quant, "dtype": str(dtype), "heads_quant": spec.heads_quant,
+                       "nf4_kernel": routed_kernel(model) or spec.nf4_kernel}, sort_keys=True)
+
+
 def pick_tree(spec: LoadSpec, model, tokenizer, heads: MedusaHeads | None, heads_dir: Path | None, device: str,
               bundled: bool, quant: str, dtype: torch.dtype, progress: Progress) -> tuple[str, str, TunedTree | None]:
     """(default tree, one line saying why, the tuner's choice): the user's --tree; else the tree tuned
@@ -147,11 +156,9 @@ def pick_tree(spec: LoadSpec, model, tokenizer, heads: MedusaHeads | None, heads
         tree = choose_tree(spec.heads, heads, device, bundled, quant)
         return tree, (f"tree {tree}: a preset, since these heads carry no accuracies to tune a tree with "
                       "(python -m medusa_core.calibrate --out HEADS_DIR/tree.json measures them)"), None
-    mode = {"device": device, "quant": quant, "dtype": str(dtype), "nf4_kernel": spec.nf4_kernel,
-            "heads_quant": spec.heads_quant}
     try:
         tuned, tree_file = tuned_tree(model, heads, tokenizer, accuracy.table, accuracy.source, heads_dir=heads_dir,
-                                      mode=json.dumps(mode, sort_keys=True), cache_root=smollm2.cache_root(),
+                                      mode=tuning_mode(spec, model, device, quant, dtype), cache_root=smollm2.cache_root(),
                                       retune=spec.retune, progress=progress)
     except OSError as err:
         raise LoadError(f"could not write the tuned tree into {smollm2.cache_root()} ({err.strerror or err}): "

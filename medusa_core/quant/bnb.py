@@ -106,12 +106,12 @@ def _nf4_layers(model: nn.Module):
                 yield parent, name, child
 
 
-_ONE_ROW: dict[tuple, tuple[float, float]] = {}   # (device name, N, K, dtype) -> (kernel µs, bnb µs), one row
+_TIMED: dict[tuple, float] = {}   # (device name, N, K, dtype, rows, kernel) -> µs
 
 
-def _one_row_us(layer, dtype: torch.dtype) -> tuple[float, float]:
-    """(Triton kernel µs, bnb µs) for one row on this layer's shape, each in a CUDA graph over weight
-    copies larger than L2; cached per (GPU, N, K, dtype)."""
+def _timed_us(layer, dtype: torch.dtype, rows: int, kernel: str) -> float:
+    """µs of ``kernel`` (bnb: bitsandbytes' own matmul; triton: nf4_matmul) for ``rows`` rows on this
+    layer's shape, in a CUDA graph over weight copies larger than L2; cached per (GPU, N, K, dtype, rows)."""
     import bitsandbytes as bnb
 
     from . import nf4_matmul
@@ -120,15 +120,22 @@ def _one_row_us(layer, dtype: torch.dtype) -> tuple[float, float]:
     state = layer.weight.quant_state
     n, k = (int(s) for s in state.shape)
     device = layer.weight.device
-    key = (torch.cuda.get_device_name(device), n, k, dtype)
-    if key not in _ONE_ROW:
+    key = (torch.cuda.get_device_name(device), n, k, dtype, rows, kernel)
+    if key not in _TIMED:
         copies = rotating_copies(layer.weight.data, state, torch.cuda.get_device_properties(device).L2_cache_size)
-        x = torch.randn(1, k, device=device, dtype=dtype)
-        bnb_us = graph_time_us([functools.partial(bnb.matmul_4bit, x, p.t(), quant_state=s) for p, s in copies])
-        kernel_us = graph_time_us([functools.partial(nf4_matmul.nf4_matmul, x, p, s) for p, s in copies])
-        _ONE_ROW[key] = (kernel_us, bnb_us)
-        del copies
-    return _ONE_ROW[key]
+        x = torch.randn(rows, k, device=device, dtype=dtype)
+        if kernel == "bnb":
+            calls = [functools.partial(bnb.matmul_4bit, x, p.t(), quant_state=s) for p, s in copies]
+        else:
+            calls = [functools.partial(nf4_matmul.nf4_matmul, x, p, s) for p, s in copies]
+        _TIMED[key] = graph_time_us(calls)
+        del copies, calls
+    return _TIMED[key]
+
+
+def _one_row_us(layer, dtype: torch.dtype) -> tuple[float, float]:
+    """(Triton kernel µs, bnb µs) for one row on this layer's shape."""
+    return _timed_us(layer, dtype, 1, "triton"), _timed_us(layer, dtype, 1, "bnb")
 
 
 def _one_row_kernel_faster(layer, dtype: torch.dtype) -> bool:
@@ -151,18 +158,13 @@ def use_nf4_kernel(model: nn.Module, choice: str) -> str:
     layers = list(_nf4_layers(model))
     if not layers:
         return "nf4 kernel: no bitsandbytes NF4 layers in this model (nothing to route)"
-    import bitsandbytes as bnb
 
     if choice == "bnb":
-        for parent, name, layer in layers:
-            if type(layer) is not bnb.nn.Linear4bit:
-                setattr(parent, name, _swap_class(layer, bnb.nn.Linear4bit))
+        _plain(layers)
         return f"nf4 kernel: bitsandbytes for all {len(layers)} NF4 layers"
     device = layers[0][2].weight.device
     if device.type != "cuda" and choice == "auto":
-        for parent, name, layer in layers:   # auto never uses the interpreter: restore bnb if swapped
-            if type(layer) is not bnb.nn.Linear4bit:
-                setattr(parent, name, _swap_class(layer, bnb.nn.Linear4bit))
+        _plain(layers)                       # auto never uses the interpreter
         return f"nf4 kernel: bitsandbytes for all {len(layers)} NF4 layers (auto: the Triton kernel needs CUDA)"
     try:
         from . import nf4_matmul  # noqa: F401 (the import is the check: no Triton is one line)
@@ -174,11 +176,33 @@ def use_nf4_kernel(model: nn.Module, choice: str) -> str:
     except RuntimeError as err:
         raise ValueError(f"--nf4-kernel {choice}: {err}") from None
 
-    if choice.startswith("repacked"):
-        return _use_repacked(model, _plain(layers), exact=choice == "repacked-exact", device=device)
-    if choice == "auto" and device.type == "cuda":
-        return _use_measured(model, _plain(layers), device)
-    return _use_triton(layers, choice, device)
+    from .kernel_timing import NoConfigCompiled
+
+    try:
+        if choice.startswith("repacked"):
+            return _use_repacked(model, _plain(layers), exact=choice == "repacked-exact", device=device)
+        if choice == "auto":                 # on CUDA: the kernel this GPU times faster
+            return _use_measured(model, _plain(layers), device)
+        return _use_triton(layers, choice, device)
+    except NoConfigCompiled as err:          # a tuner found nothing that compiles on this GPU
+        nf4_fused.restore_bitsandbytes(model.get_decoder() if hasattr(model, "get_decoder") else model)
+        nf4_fused.leave_exact(model)         # nothing half-routed stays behind
+        _plain(list(_nf4_layers(model)))
+        if choice != "auto":
+            raise ValueError(f"--nf4-kernel {choice}: {err}") from None
+        what = err.what
+    return f"nf4 kernel: bitsandbytes for all {len(layers)} NF4 layers (auto: {what})"
+
+
+def routed_kernel(model: nn.Module) -> str | None:
+    """The kernel multiplying the model's NF4 layers now (repacked-exact, repacked, triton or bnb), None
+    without NF4 layers: what ``auto`` became on this machine, which a tuned tree's cost depends on."""
+    kinds = {type(m).__name__ for m in model.modules()}
+    if "RepackedNF4Linear" in kinds:
+        from . import nf4_fused
+
+        return "repacked-exact" if nf4_fused.exact_mode(model) else "repacked"
+    return "triton" if "TritonNF4Linear" in kinds else "bnb" if "Linear4bit" in kinds else None
 
 
 def _plain(layers):
@@ -266,10 +290,11 @@ def _use_measured(model: nn.Module, layers, device: torch.device) -> str:
     faster) or the repacked kernel (q/k/v and gate/up fused where that measures faster), whichever
     multiplies a step's projections faster on this GPU at AUTO_ROWS, timed now per shape; the loser's
     other row classes are not tuned. A repacked kernel with no config that compiles here leaves the
-    Triton routing, and the line says so."""
+    Triton routing, and the line says so (a Triton kernel with none: use_nf4_kernel keeps bitsandbytes)."""
     from . import nf4_fused
     from . import nf4_matmul as nm
     from . import nf4_repacked_matmul as rm
+    from .kernel_timing import NoConfigCompiled
 
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     storage: dict[int, float] = {}      # id(layer) -> µs on bitsandbytes' storage, for layers the kernel reads
@@ -281,24 +306,27 @@ def _use_measured(model: nn.Module, layers, device: torch.device) -> str:
         dtype = layer.compute_dtype or torch.float32
         storage[id(layer)] = sum(min(_one_row_us(layer, dtype)) if m == 1 else
                                  nm.tuned_us(m, n, k, dtype, device, state.blocksize) for m in AUTO_ROWS)
+    made = None
     try:
         fuse, apart = _fusions(layers, device)
         made, kept = nf4_fused.repack_layers(layers, fuse=fuse)
         repacked = sum(rm.tuned_us(m, f.out_features, f.in_features, f.compute_dtype or torch.float32, device)
                        for f in made for m in AUTO_ROWS)
-    except rm.NoConfigCompiled as err:
-        nf4_fused.restore_bitsandbytes(decoder)
-        return f"{_use_triton(list(_nf4_layers(model)), 'auto', device)} (auto: {err.what})"
-    # a layer repack_layers kept on bitsandbytes costs what it costs on the other side too
-    in_made = {id(original) for f in made for original in f._originals}
-    repacked += sum(us for key, us in storage.items() if key not in in_made)
-    on_storage = sum(storage.values())
-    measured = (f"auto measured {repacked:.0f} µs against {on_storage:.0f} µs on bitsandbytes' storage for the "
+        # a layer repack_layers left on bitsandbytes runs bitsandbytes' own matmul at every row count there
+        in_made = {id(original) for f in made for original in f._originals}
+        repacked += sum(_timed_us(layer, layer.compute_dtype or torch.float32, m, "bnb")
+                        for _, _, layer in layers if id(layer) in storage and id(layer) not in in_made
+                        for m in AUTO_ROWS)
+        on_storage = sum(storage.values())
+        note = (f"auto measured {repacked:.0f} µs against {on_storage:.0f} µs on bitsandbytes' storage for the "
                 f"projections of a {' and a '.join(f'{m}-row' for m in AUTO_ROWS)} step")
-    if repacked < on_storage:
-        return f"{_use_repacked(model, made=(made, kept, apart), device=device)} ({measured})"
+        if repacked < on_storage:       # its other row classes are tuned in here too: a failure undoes it all
+            return f"{_use_repacked(model, made=(made, kept, apart), device=device)} ({note})"
+    except NoConfigCompiled as err:
+        note = f"auto: {err.what}"
+    made = None                         # the repacked copies go with restore: never two copies of the weights
     nf4_fused.restore_bitsandbytes(decoder)
-    return f"{_use_triton(list(_nf4_layers(model)), 'auto', device)} ({measured})"
+    return f"{_use_triton(list(_nf4_layers(model)), 'auto', device)} ({note})"
 
 
 def _use_repacked(model: nn.Module, layers=None, exact: bool = False, device: torch.device | None = None,

@@ -16,6 +16,15 @@ from ..decoding.graphs import captured
 Config = TypeVar("Config")     # a kernel's config: any object with describe() -> str
 
 
+class NoConfigCompiled(RuntimeError):
+    """A tuner found not one candidate that compiles and runs on this GPU. ``what`` says so without a fix
+    (auto falls back and says why; a kernel forced by name is a one-line error naming --nf4-kernel bnb)."""
+
+    def __init__(self, what: str):
+        super().__init__(f"{what}: use --nf4-kernel bnb")
+        self.what = what
+
+
 def pick_fastest(configs: list[Config], run: Callable[[Config], torch.Tensor],
                  time_us: Callable[[Config], float], where: str) -> tuple[Config | None, list]:
     """(fastest config, [(config, µs or None)]) of ``configs``. The first one that runs is the reference

@@ -34,7 +34,7 @@ try:
 except ImportError as err:  # one line, naming the fix; the rest of the project never needs Triton
     raise ImportError(f"medusa_core.quant.nf4_matmul needs Triton ({err}): pip install 'triton>=3.7'") from None
 
-from .kernel_timing import graph_time_us, pick_fastest, rotating_copies
+from .kernel_timing import NoConfigCompiled, graph_time_us, pick_fastest, rotating_copies
 from .triton_runtime import check_runnable, launchable
 
 
@@ -528,7 +528,7 @@ def tune_shape(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
                                           replays=3),
         where=f"{n}x{k} M<={row_class(m)} on {key[0]}")
     if best is None:
-        raise RuntimeError(f"no Triton NF4 config compiled for {n}x{k} on {key[0]}: use --nf4-kernel bnb")
+        raise NoConfigCompiled(f"no Triton NF4 config compiled for {n}x{k} on {key[0]}")
     _TUNED[key] = best
     return best
 

@@ -43,7 +43,7 @@ except ImportError as err:  # one line, naming the fix; the rest of the project 
                       "pip install 'triton>=3.7'") from None
 
 from . import nf4_matmul as nm
-from .kernel_timing import graph_time_us, pick_fastest, rotation_count
+from .kernel_timing import NoConfigCompiled, graph_time_us, pick_fastest, rotation_count
 from .triton_runtime import check_runnable, launchable
 from .nf4_repack import ROWS, RepackedNF4
 
@@ -267,14 +267,6 @@ def candidates(m: int, n: int, groups: int, sms: int) -> list[RepackedConfig]:
         if cls == 16:
             out.append(RepackedConfig(False, 16, 16, split_for(n, groups, 16, 2 * sms), 8, prefetch=True))
     return list(dict.fromkeys(out))     # two wave targets can give the same split
-
-
-class NoConfigCompiled(RuntimeError):
-    """tune_shape: not one candidate compiled and ran on this GPU. ``what`` says so without the fix."""
-
-    def __init__(self, what: str):
-        super().__init__(f"{what}: use --nf4-kernel bnb")
-        self.what = what
 
 
 _TUNED: dict[tuple, RepackedConfig] = {}
