@@ -258,10 +258,6 @@ REPACKED_ROW_CLASSES = (1, 2, 4, 16, 32, 64)    # the repacked kernel's row clas
 AUTO_ROWS = (1, 16)
 
 
-def _shapes(made) -> set[tuple[int, int, torch.dtype]]:
-    return {(f.out_features, f.in_features, f.compute_dtype or torch.float32) for f in made}
-
-
 def _fusions(layers, device: torch.device) -> tuple[tuple[tuple[str, ...], ...], list[str]]:
     """The FUSE groups to fuse on this GPU: those whose one matmul times faster at AUTO_ROWS than their
     projections apart (summed over every occurrence); and a line per group kept apart. On an H100
@@ -306,7 +302,6 @@ def _use_measured(model: nn.Module, layers, device: torch.device) -> str:
         dtype = layer.compute_dtype or torch.float32
         storage[id(layer)] = sum(min(_one_row_us(layer, dtype)) if m == 1 else
                                  nm.tuned_us(m, n, k, dtype, device, state.blocksize) for m in AUTO_ROWS)
-    made = None
     try:
         fuse, apart = _fusions(layers, device)
         made, kept = nf4_fused.repack_layers(layers, fuse=fuse)
@@ -321,7 +316,7 @@ def _use_measured(model: nn.Module, layers, device: torch.device) -> str:
         note = (f"auto measured {repacked:.0f} µs against {on_storage:.0f} µs on bitsandbytes' storage for the "
                 f"projections of a {' and a '.join(f'{m}-row' for m in AUTO_ROWS)} step")
         if repacked < on_storage:       # its other row classes are tuned in here too: a failure undoes it all
-            return f"{_use_repacked(model, made=(made, kept, apart), device=device)} ({note})"
+            return f"{_use_repacked(model, device=device, repacked=(made, kept, apart))} ({note})"
     except NoConfigCompiled as err:
         note = f"auto: {err.what}"
     made = None                         # the repacked copies go with restore: never two copies of the weights
@@ -330,23 +325,23 @@ def _use_measured(model: nn.Module, layers, device: torch.device) -> str:
 
 
 def _use_repacked(model: nn.Module, layers=None, exact: bool = False, device: torch.device | None = None,
-                  made: tuple | None = None) -> str:
+                  repacked: tuple | None = None) -> str:
     """Every NF4 layer -> the repacked kernel for all row counts, q/k/v and gate/up each fused where that
-    times faster on this GPU (always in exact mode and off CUDA: nothing is timed there); ``made``:
-    (repack_layers' result, the groups kept apart) where auto already repacked. bitsandbytes' packed
+    times faster on this GPU (always in exact mode and off CUDA: nothing is timed there); ``repacked``:
+    (the modules made, the layers kept, the groups kept apart) where auto already repacked. bitsandbytes' packed
     bytes are freed (rebuilt exactly if another choice is made later). On CUDA, fast mode's configs are
     timed now, not later inside someone's graph capture. Exact mode takes the row-exact attention too,
     and says which other pieces of the step are row-invariant on this machine."""
     from . import nf4_fused
 
-    if made is None:
+    if repacked is None:
         fuse, apart = _fusions(layers, device) if device.type == "cuda" and not exact else (nf4_fused.FUSE, [])
-        made = (*nf4_fused.repack_layers(layers, exact=exact, fuse=fuse), apart)
-    made, kept, apart = made
+        repacked = (*nf4_fused.repack_layers(layers, exact=exact, fuse=fuse), apart)
+    made, kept, apart = repacked
     if device.type == "cuda" and not exact:
         from . import nf4_repacked_matmul as rm
 
-        for n, k, dtype in _shapes(made):
+        for n, k, dtype in {(f.out_features, f.in_features, f.compute_dtype or torch.float32) for f in made}:
             for m in REPACKED_ROW_CLASSES:
                 rm.tuned_us(m, n, k, dtype, device)
     fused = sum(len(f.splits) > 1 for f in made)
