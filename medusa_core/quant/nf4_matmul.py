@@ -484,10 +484,14 @@ _TUNED: dict[tuple, KernelConfig] = {}
 TUNING_LOG: dict[tuple, list[tuple[str, float | None]]] = {}   # key -> (config, µs or None if skipped) as timed
 
 
+def _key(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, blocksize: int) -> tuple:
+    return torch.cuda.get_device_name(device), row_class(m), n, k, dtype, blocksize
+
+
 def choose_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, blocksize: int = 64) -> KernelConfig:
     if device.type != "cuda":
         return KernelConfig(row_class(m), 64, 1, 4, 1)     # the interpreter: fewest programs
-    key = (torch.cuda.get_device_name(device), row_class(m), n, k, dtype, blocksize)
+    key = _key(m, n, k, dtype, device, blocksize)
     cfg = _TUNED.get(key)
     if cfg is not None:
         return cfg
@@ -500,7 +504,7 @@ def choose_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devi
 
 def tuned_us(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, blocksize: int = 64) -> float:
     """µs of the fastest config timed for M's row class and this shape on this GPU (tuned first if not yet)."""
-    key = (torch.cuda.get_device_name(device), row_class(m), n, k, dtype, blocksize)
+    key = _key(m, n, k, dtype, device, blocksize)
     if key not in _TUNED:
         tune_shape(m, n, k, dtype, device, blocksize)
     return min(us for _, us in TUNING_LOG[key] if us is not None)
@@ -513,7 +517,7 @@ def tune_shape(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
     the fastest for choose_config."""
     from bitsandbytes.functional import quantize_4bit
 
-    key = (torch.cuda.get_device_name(device), row_class(m), n, k, dtype, blocksize)
+    key = _key(m, n, k, dtype, device, blocksize)
     props = torch.cuda.get_device_properties(device)
     gen = torch.Generator(device=device).manual_seed(0)
     w = torch.randn(n, k, device=device, dtype=dtype, generator=gen) * 0.02
