@@ -28,6 +28,7 @@ QUANTS = ("auto", "nf4", "int8", "int4", "none")
 DTYPES = ("float32", "bfloat16", "float16")
 HEADS_QUANTS = ("none", "nf4")
 NF4_KERNELS = ("auto", "triton", "bnb", "repacked", "repacked-exact")
+NORM_KERNELS = ("auto", "torch", "triton")
 LOCAL_HOSTS = {"127.0.0.1", "localhost"}
 API_KEY_ENV = "MEDUSA_CHAT_API_KEY"     # the same name as app.openai_api's (kept here: --help imports no torch)
 
@@ -63,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "repacked kernel on your GPU and keeps the faster (bnb off CUDA); triton, repacked "
                         "force one; repacked-exact makes tree rows bit-identical to plain decoding's "
                         "(default: %(default)s)")
+    m.add_argument("--norm-kernel", default="auto", choices=NORM_KERNELS,
+                   help="RMSNorm: auto times transformers' and one Triton kernel per norm on your GPU and keeps "
+                        "the faster (transformers' off CUDA); torch or triton force one (default: %(default)s)")
     m.add_argument("--trust-remote-code", action="store_true", help="allow a model repo's own Python code to run")
     d = p.add_argument_group("decoding defaults (all can be changed in the page)")
     d.add_argument("--tree", help="candidate tree: a preset (mc_sim_7b_63, small-8, small-16, chain-N, "
@@ -120,6 +124,12 @@ def check_flags(args: argparse.Namespace) -> None:
             os.environ.get("TRITON_INTERPRET") != "1":
         fail(f"--nf4-kernel {args.nf4_kernel}: the Triton kernels need a CUDA device (on {device} they run only "
              "under Triton's interpreter, TRITON_INTERPRET=1, slowly, for tests): use --nf4-kernel bnb or auto")
+    if args.norm_kernel == "triton" and not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+        fail(f"--norm-kernel triton: the Triton norm needs a CUDA device (on {device} it runs only under Triton's "
+             "interpreter, TRITON_INTERPRET=1, slowly, for tests): use --norm-kernel auto or torch")
+    if args.norm_kernel != "auto" and args.nf4_kernel == "repacked-exact":
+        fail(f"--norm-kernel {args.norm_kernel}: --nf4-kernel repacked-exact brings its own row-exact norms: "
+             "drop --norm-kernel")
 
 
 def port_free(host: str, port: int) -> bool:
@@ -185,7 +195,7 @@ def load_spec(args: argparse.Namespace):
     # model and heads left None: the loader picks the machine's default (and says so)
     return LoadSpec(model=args.model, heads=args.heads, device=args.device, quant=args.quant, dtype=args.dtype,
                     heads_quant=args.heads_quant, trust_remote_code=args.trust_remote_code,
-                    nf4_kernel=args.nf4_kernel, tree=args.tree, retune=args.retune)
+                    nf4_kernel=args.nf4_kernel, norm_kernel=args.norm_kernel, tree=args.tree, retune=args.retune)
 
 
 def interrupt(signum: int, frame) -> None:

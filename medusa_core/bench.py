@@ -26,6 +26,7 @@ from .loading.chat_format import render_chat
 from .loading.load import load
 from .loading.spec import LoadSpec
 from .quant.bnb import NF4_KERNELS
+from .quant.norm_routing import NORM_KERNELS
 
 
 def parser() -> argparse.ArgumentParser:
@@ -48,6 +49,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nf4-kernel", choices=NF4_KERNELS, default="auto",
                    help="4-bit matmul for multi-row tree verification: auto picks by measurement on CUDA "
                         "(bitsandbytes elsewhere), triton forces the Triton kernel, bnb keeps bitsandbytes")
+    p.add_argument("--norm-kernel", choices=NORM_KERNELS, default="auto",
+                   help="RMSNorm: auto times transformers' and the Triton norm on CUDA (transformers' elsewhere)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=1, help="warm-up runs of each decoder before timing")
     p.add_argument("--no-references", action="store_true", help="skip transformers generate() and prompt lookup")
@@ -77,7 +80,7 @@ def prepare(args) -> Setup:
     # the default tree is tuned only where it is asked for: a run of presets has no use for it
     fixed = next((t for t in args.tree if t != "default"), None) if args.tree and "default" not in args.tree else None
     loaded = load(LoadSpec(model=args.model, heads=args.heads, device=args.device, dtype=args.dtype, quant=args.quant,
-                           nf4_kernel=args.nf4_kernel, tree=fixed,
+                           nf4_kernel=args.nf4_kernel, norm_kernel=args.norm_kernel, tree=fixed,
                            must_run=tuple(t for t in args.tree or [] if t not in ("default", "baseline"))))
     asked = [loaded.default_tree if t == "default" else t for t in args.tree or ["default"] * (loaded.heads is not None)]
     tree_names = list(dict.fromkeys(t for t in asked if t != "baseline"))     # the baseline always runs

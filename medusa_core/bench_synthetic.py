@@ -40,11 +40,13 @@ from .benchmarks.synthetic import (DTYPE, SHAPES, build_heads, build_model, chec
 from .decoding.tree import build_tree_buffers, expected_tokens_per_step, tree_of_size
 from .heads.accuracy import PUBLISHED_ACCURACIES, RANK_DECAY, TOP_K, rank_table
 from .quant.bnb import NF4_KERNELS
+from .quant.norm_routing import NORM_KERNELS
 
 
 def bench_quant(args, quant: str, device: torch.device) -> Iterator[QuantResult]:
-    """One backbone precision: for NF4, one result per ``--nf4-kernel`` choice on the same weights,
-    each yielded as soon as it is measured (a device call cut short keeps the kernels it finished)."""
+    """One backbone precision: for NF4, one result per ``--nf4-kernel`` choice on the same weights, and for
+    each, one per ``--norm-kernel`` choice; each yielded as soon as it is measured (a device call cut short
+    keeps what it finished)."""
     shape = SHAPES[args.shape]
     model = build_model(shape, device, args.seed)
     heads = build_heads(shape, len(args.accuracies), device, args.seed + 1)
@@ -59,20 +61,34 @@ def bench_quant(args, quant: str, device: torch.device) -> Iterator[QuantResult]
         for kernel in args.nf4_kernel:
             routing = use_nf4_kernel(model, kernel)
             print(f"  [{quant}] {routing}", file=sys.stderr, flush=True)
-            yield measure(args, model, heads, "nf4" if kernel == "auto" else f"nf4-{kernel}", routing, device)
+            yield from per_norm_kernel(args, model, heads, "nf4" if kernel == "auto" else f"nf4-{kernel}", routing,
+                                       device, exact=kernel == "repacked-exact")
     elif quant == "tinygemm":     # the anchor: torch's int4 kernel, as gpt-fast decodes with it
         from .quant.tinygemm import quantize_linear_tinygemm_
 
         replaced = quantize_linear_tinygemm_(model, args.tinygemm_group)
         routing = f"tinygemm int4 (group {args.tinygemm_group}) for {replaced} layers"
         print(f"  [{quant}] {routing}", file=sys.stderr, flush=True)
-        yield measure(args, model, heads, quant, routing, device)
+        yield from per_norm_kernel(args, model, heads, quant, routing, device)
     else:
-        yield measure(args, model, heads, quant, "", device)
+        yield from per_norm_kernel(args, model, heads, quant, "", device)
     del model, heads
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def per_norm_kernel(args, model, heads, label: str, routing: str, device: torch.device,
+                    exact: bool = False) -> Iterator[QuantResult]:
+    """The step measured with each ``--norm-kernel`` choice (exact mode brings its own norms: once). The
+    label gets "-torch-norms" or "-triton-norms" for a forced choice; ``auto`` is the app's, unmarked."""
+    from .quant.norm_routing import use_norm_kernel
+
+    for norms in ["auto"] if exact else args.norm_kernel:
+        line = use_norm_kernel(model, norms)
+        print(f"  [{label}] {line or 'norms: as the kernel routing left them'}", file=sys.stderr, flush=True)
+        yield measure(args, model, heads, label if norms == "auto" else f"{label}-{norms}-norms",
+                      "; ".join(t for t in (routing, line) if t), device)
 
 
 def measure(args, model, heads, label: str, routing: str, device: torch.device) -> QuantResult:
@@ -138,6 +154,8 @@ def parser(cuda: bool) -> argparse.ArgumentParser:
     p.add_argument("--nf4-kernel", nargs="+", choices=NF4_KERNELS, default=["auto"],
                    help="who multiplies NF4 layers, one result each: auto (by measurement on CUDA, bnb elsewhere), "
                         "triton (the kernel), bnb (bitsandbytes)")
+    p.add_argument("--norm-kernel", nargs="+", choices=NORM_KERNELS, default=["auto"],
+                   help="RMSNorm choices, each measured (auto: as the app, timed on CUDA; torch, triton forced)")
     p.add_argument("--tree-sizes", nargs="+", type=int, default=[1, 4, 8, 16, 32, 64, 128])
     p.add_argument("--context", type=int, default=512, help="prefix length in the cache while timing")
     p.add_argument("--iters", type=int, default=30)

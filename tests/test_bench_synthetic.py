@@ -334,3 +334,25 @@ def test_step_profile_charges_each_part_of_the_step_and_folds_into_the_report(tm
     out = tmp_path / "report.json"
     assert bench_synthetic.main(["--fold", str(step), str(prof), "--json", str(out)]) == 0
     assert json.loads(out.read_text())["step_profile"] == profile
+
+
+def test_each_norm_kernel_is_measured_and_named_apart_in_the_step_and_the_profile(tmp_path, monkeypatch):
+    """--norm-kernel torch triton: the same step twice, told apart in the report (the app's auto unmarked)."""
+    pytest.importorskip("triton", reason="the Triton norm needs Triton")
+    from medusa_core.benchmarks import profile_gpu_step
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")           # the Triton norm on CPU tensors
+    out = tmp_path / "step.json"
+    assert bench_synthetic.main(["--device", "cpu", "--shape", "tiny", "--quant", "none", "--norm-kernel", "torch",
+                                 "triton", "--tree-sizes", "1", "--context", "8", "--iters", "1", "--warmup", "0",
+                                 "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [r["quant"] for r in data["results"]] == ["none-torch-norms", "none-triton-norms"]
+    assert data["results"][0]["routing"] == "norms: transformers' RMSNorm"
+    assert data["results"][1]["routing"].startswith("norms: one Triton kernel for each of ")
+    assert data["summary"]["bf16_triton_norms_baseline_ms"] == data["results"][1]["rows"][0]["loop_ms"]
+    prof = tmp_path / "profile.json"
+    assert profile_gpu_step.main(["--device", "cpu", "--shape", "tiny", "--quant", "none", "--tree-sizes", "1",
+                                  "--context", "8", "--steps", "1", "--norm-kernel", "torch", "triton",
+                                  "--json", str(prof)]) == 0
+    assert set(json.loads(prof.read_text())["step_profile"]) == {"bf16-torch-norms_t1", "bf16-triton-norms_t1"}

@@ -2,7 +2,8 @@
 The layout dequantizes to the bits bitsandbytes' CUDA kernel gives; every path multiplies within
 bf16 rounding; exact mode gives each bf16 row the bits it gets alone, its attention kernel too, and
 (where this GPU keeps the norms row-invariant) bf16 greedy Medusa decodes plain decoding's tokens; and a
-captured decoding step through the fused, repacked layers decodes what the eager step decodes (fp32). Skipped without CUDA: run
+captured decoding step through the fused, repacked layers, or through the Triton norms, decodes what the eager
+step decodes (fp32). Skipped without CUDA: run
 ``python -m pytest -q tests/test_cuda_repacked.py`` on a GPU whenever you have one."""
 
 from __future__ import annotations
@@ -67,6 +68,15 @@ def test_exact_mode_gives_every_bf16_row_the_bits_it_gets_alone():
         assert torch.equal(rm.repacked_matmul(x[:m], w, exact=True), alone[:m]), f"M={m}"
 
 
+def graphed_and_eager(model, tree_spec: str, tokens: int) -> list[list[int]]:
+    """Greedy tokens of copied heads over ``tree_spec``, through a captured step and eagerly."""
+    heads = copied_heads(model, num_heads=3).cuda()
+    tree = build_tree_buffers(resolve_tree(tree_spec), 3, device="cuda")
+    return [[t for s in generate(model, [1, 5, 7, 9, 3], heads=heads, tree=tree,
+                                 config=DecodeConfig(max_new_tokens=tokens), graphs=graphs) for t in s.tokens]
+            for graphs in (True, False)]
+
+
 def test_auto_times_both_kernels_on_this_gpu_and_decodes_in_a_graph_what_it_decodes_eagerly():
     # auto's measured choice (quant/bnb.py _use_measured) on a real GPU: both sums in its line, and
     # whichever routing it kept decodes the same in a graph as eagerly (fp32, as below)
@@ -75,11 +85,7 @@ def test_auto_times_both_kernels_on_this_gpu_and_decodes_in_a_graph_what_it_deco
     described = use_nf4_kernel(model, "auto")
     print(described)                        # the GPU session's record of what auto chose
     assert ("auto measured" in described or "(auto: no " in described) and "for 14 NF4 layers" in described, described
-    heads = copied_heads(model, num_heads=3).cuda()
-    tree = build_tree_buffers(resolve_tree("cartesian-2x2x2"), 3, device="cuda")
-    runs = [[t for s in generate(model, [1, 5, 7, 9, 3], heads=heads, tree=tree,
-                                 config=DecodeConfig(max_new_tokens=24), graphs=graphs) for t in s.tokens]
-            for graphs in (True, False)]
+    runs = graphed_and_eager(model, "cartesian-2x2x2", 24)
     assert runs[0] == runs[1] and len(runs[0]) == 24
 
 
@@ -92,14 +98,22 @@ def test_a_captured_step_through_fused_repacked_layers_decodes_what_the_eager_st
     quantize_linear_nf4_(model, torch.float32)
     described = use_nf4_kernel(model, choice)
     assert "fused" in described and "for 14 NF4 layers" in described, described
-    heads = copied_heads(model, num_heads=3).cuda()
-    config = DecodeConfig(max_new_tokens=40)
     for spec in ("baseline", "cartesian-2x2x2"):
-        tree = build_tree_buffers(resolve_tree(spec), 3, device="cuda")
-        runs = [[t for s in generate(model, [1, 5, 7, 9, 3], heads=heads, tree=tree, config=config, graphs=graphs)
-                 for t in s.tokens] for graphs in (True, False)]
+        runs = graphed_and_eager(model, spec, 40)
         assert runs[0] == runs[1], spec
         assert len(runs[0]) == 40
+
+
+def test_auto_times_the_norms_on_this_gpu_and_a_captured_step_through_the_triton_norms_decodes_as_eager():
+    from medusa_core.quant.norm_routing import norms_routed, use_norm_kernel
+
+    model = tiny_model("llama", hidden=64, vocab=64, seed=3).cuda()
+    line = use_norm_kernel(model, "auto")           # timed here: either answer is right, and says both sums
+    assert "auto measured" in line, line
+    assert line.startswith("norms: one Triton kernel") == (norms_routed(model) == "triton"), line
+    assert use_norm_kernel(model, "triton").startswith("norms: one Triton kernel for each of 5 RMSNorms")
+    runs = graphed_and_eager(model, "cartesian-2x2x2", 40)
+    assert runs[0] == runs[1] and len(runs[0]) == 40
 
 
 def test_the_row_exact_attention_gives_a_bf16_tree_row_the_bits_it_gets_alone():

@@ -13,7 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 FLAGS = ["--model", "--heads", "--device", "--quant", "--dtype", "--heads-quant", "--trust-remote-code",
-         "--nf4-kernel", "--tree", "--retune", "--max-new-tokens", "--system-prompt", "--host", "--port", "--share",
+         "--nf4-kernel", "--norm-kernel", "--tree", "--retune", "--max-new-tokens", "--system-prompt", "--host", "--port", "--share",
          "--api-key", "--no-api"]
 
 
@@ -99,6 +99,18 @@ def test_an_nf4_kernel_where_it_cannot_apply_is_refused_before_anything_loads():
                                                                          "kernels need a CUDA device")):
         proc = run("--device", "cpu", *flags, "--port", str(free_port()), timeout=60,
                    env_extra={"TRITON_INTERPRET": "0"})
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr
+        lines = error_lines(proc)
+        assert len(lines) == 1 and lines[0].startswith(says), lines
+        assert "Loading" not in proc.stdout and "Serving" not in proc.stdout, "the flags are checked before any load"
+
+
+def test_a_norm_kernel_that_cannot_apply_is_refused_before_anything_loads():
+    for flags, env, says in (
+            (["--norm-kernel", "triton"], "0", "error: --norm-kernel triton: the Triton norm needs a CUDA device"),
+            (["--quant", "nf4", "--nf4-kernel", "repacked-exact", "--norm-kernel", "torch"], "1",
+             "error: --norm-kernel torch: --nf4-kernel repacked-exact brings its own row-exact norms: drop --norm-kernel")):
+        proc = run("--device", "cpu", *flags, "--port", str(free_port()), timeout=60, env_extra={"TRITON_INTERPRET": env})
         assert proc.returncode == 1 and "Traceback" not in proc.stderr
         lines = error_lines(proc)
         assert len(lines) == 1 and lines[0].startswith(says), lines
@@ -267,6 +279,8 @@ def test_the_flag_choices_are_the_loaders():
     import launch
     from medusa_core.loading.policy import DTYPES, HEADS_QUANTS, QUANTS
     from medusa_core.quant.bnb import NF4_KERNELS
+    from medusa_core.quant.norm_routing import NORM_KERNELS
 
     assert launch.QUANTS == QUANTS and launch.HEADS_QUANTS == HEADS_QUANTS and launch.NF4_KERNELS == NF4_KERNELS
+    assert launch.NORM_KERNELS == NORM_KERNELS
     assert set(launch.DTYPES) == set(DTYPES)

@@ -12,7 +12,8 @@ measured. ``runbook.json`` in --out says per stage: the command, its exit status
 whether the deadline cut it or left it unstarted. Each stage's output is in ``<stage>.log``.
 
 Back on the development machine, the JSONs fold into one report (docs/performance.md):
-``python -m medusa_core.bench_synthetic --fold step.json nf4.json profile.json exactness.json --json docs/perf/h100.json``.
+``python -m medusa_core.bench_synthetic --fold docs/perf/h100.json step.json anchors.json nf4.json profile.json
+exactness.json --json docs/perf/h100.json``.
 """
 
 from __future__ import annotations
@@ -42,24 +43,29 @@ class Stage:
 
 
 # In order of value (docs/performance.md, "Issue 22 on a GPU"). The H100 run of 2026-11-27 measured the
-# kernel table, the bf16, auto and repacked steps and the bf16 and auto profiles; what it could not reach
-# comes first: correctness on CUDA (exact mode changed since), the step in exact mode and beside torch's
-# int4, the greedy-equality count (exact mode first, 8 prompts), the profile of the step auto routes, then the
-# kernel table again. Each JSON is rewritten after every result, so a stage cut short keeps its rows.
+# kernel table, the bf16, auto and repacked steps and the bf16 and auto profiles. What no GPU has run comes
+# first: correctness on CUDA (exact mode's new config, auto's timing, the Triton norms), the NF4 step as the
+# app routes it (auto kernel, auto norms) beside the same step with transformers' norms and beside exact
+# mode, the greedy-equality count (exact mode first, 8 prompts), the profile of that step, the anchors
+# (torch's int4 and bf16, norms as the app routes them), then the kernel table again. Each JSON is
+# rewritten after every result, so a stage cut short keeps its rows.
 STAGES = (
-    Stage("cuda-tests", "the CUDA tests: the repacked kernel and the graphed step on a GPU", "pytest",
-          ("-q", "-p", "no:cacheprovider", "tests/test_cuda_repacked.py", "tests/test_cuda_graphs.py",
-           "--junitxml={out}/cuda_tests.xml")),
-    Stage("step", "the 7B step with each kernel, torch's int4 and bf16 beside it",
+    Stage("cuda-tests", "the CUDA tests: the repacked kernel, the Triton norms and the graphed step on a GPU",
+          "pytest", ("-q", "-p", "no:cacheprovider", "tests/test_cuda_repacked.py", "tests/test_cuda_graphs.py",
+                     "--junitxml={out}/cuda_tests.xml")),
+    Stage("step", "the 7B NF4 step as the app routes it, with transformers' norms, and in exact mode",
           "medusa_core.bench_synthetic",
-          ("--quant", "nf4", "tinygemm", "none", "--nf4-kernel", "repacked-exact", "repacked", "auto",
+          ("--quant", "nf4", "--nf4-kernel", "auto", "repacked-exact", "--norm-kernel", "auto", "torch",
            "--tree-sizes", "1", "16", "64", "--json", "{out}/step.json")),
     Stage("exactness", "how often greedy NF4 Medusa equals plain decoding, per kernel (random 7B)",
           "medusa_core.benchmarks.nf4_exactness",
-          ("--kernels", "repacked-exact", "repacked", "bnb", "--prompts", "8", "--json", "{out}/exactness.json")),
-    Stage("profile", "the 7B NF4 step's device time by category with auto's kernel, T = 1 and 16",
+          ("--kernels", "repacked-exact", "auto", "bnb", "--prompts", "8", "--json", "{out}/exactness.json")),
+    Stage("profile", "the 7B NF4 step's device time by category as the app routes it, T = 1 and 16",
           "medusa_core.benchmarks.profile_gpu_step",
           ("--quant", "nf4", "--nf4-kernel", "auto", "--json", "{out}/profile.json")),
+    Stage("anchors", "torch's int4 (gpt-fast's kernel) and bf16 in the same 7B step, norms as the app routes them",
+          "medusa_core.bench_synthetic",
+          ("--quant", "tinygemm", "none", "--tree-sizes", "1", "16", "64", "--json", "{out}/anchors.json")),
     Stage("kernels", "every NF4 kernel per projection and row count, the tuners' timings",
           "medusa_core.benchmarks.nf4_kernel", ("--json", "{out}/nf4.json")),
 )

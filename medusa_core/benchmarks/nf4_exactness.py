@@ -28,7 +28,7 @@ from ..decoding.config import DecodeConfig
 from ..decoding.generate import first_divergence, generate
 from ..decoding.tree import TreeBuffers, build_tree_buffers, resolve_tree
 
-KERNELS = ("bnb", "triton", "repacked", "repacked-exact")
+KERNELS = ("bnb", "triton", "repacked", "repacked-exact", "auto")     # auto: as the app routes them
 
 
 @dataclass(frozen=True)
@@ -48,13 +48,15 @@ def answer(model, prompt: list[int], heads, tree: TreeBuffers | None, max_new_to
 def count_identical(model, heads, tree: TreeBuffers, prompts: list[list[int]], max_new_tokens: int,
                     kernels: Sequence[str], on_count: Callable[[list[KernelCount]], None] | None = None
                     ) -> list[KernelCount]:
-    """For each kernel routing the model's NF4 layers: how many greedy Medusa answers equal plain
-    decoding's on the same kernel. ``on_count`` is given the counts so far after each kernel."""
+    """For each kernel routing the model's NF4 layers (the norms routed after it as the app routes them):
+    how many greedy Medusa answers equal plain decoding's on the same kernel. ``on_count`` is given the
+    counts so far after each kernel."""
     from ..quant.bnb import use_nf4_kernel
+    from ..quant.norm_routing import use_norm_kernel
 
     counts = []
     for kernel in kernels:
-        routing = use_nf4_kernel(model, kernel)
+        routing = "; ".join(t for t in (use_nf4_kernel(model, kernel), use_norm_kernel(model, "auto")) if t)
         firsts = [first_divergence(answer(model, p, None, None, max_new_tokens),
                                    answer(model, p, heads, tree, max_new_tokens)) for p in prompts]
         counts.append(KernelCount(kernel, routing, sum(f is None for f in firsts), len(prompts), firsts))
@@ -62,6 +64,7 @@ def count_identical(model, heads, tree: TreeBuffers, prompts: list[list[int]], m
         if on_count is not None:
             on_count(counts)
     use_nf4_kernel(model, "bnb")
+    use_norm_kernel(model, "torch")
     return counts
 
 

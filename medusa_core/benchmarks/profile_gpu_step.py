@@ -32,6 +32,7 @@ from ..decoding.step_store import step_for
 from ..decoding.tree import build_tree_buffers, tree_of_size
 from ..heads.accuracy import PUBLISHED_ACCURACIES, TOP_K, rank_table
 from ..quant.bnb import NF4_KERNELS, use_nf4_kernel
+from ..quant.norm_routing import NORM_KERNELS, use_norm_kernel
 from .step_timing import prefilled_cache
 from .synthetic import DTYPE, SHAPES, build_heads, build_model, quantize_backbone_
 
@@ -193,6 +194,8 @@ def parser(cuda: bool) -> argparse.ArgumentParser:
     p.add_argument("--quant", nargs="+", choices=("none", "nf4"), help="default: none nf4 on CUDA, none otherwise")
     p.add_argument("--nf4-kernel", nargs="+", default=["auto"], choices=NF4_KERNELS,
                    help="who multiplies NF4 layers; each is profiled on the same weights (rows nf4-KERNEL_tT)")
+    p.add_argument("--norm-kernel", nargs="+", default=["auto"], choices=NORM_KERNELS,
+                   help="who computes the RMSNorms; each is profiled (torch, triton: rows LABEL-torch-norms_tT)")
     p.add_argument("--tree-sizes", nargs="+", type=int, default=[1, 16])
     p.add_argument("--context", type=int, default=512, help="prefix length in the cache")
     p.add_argument("--steps", type=int, default=20, help="profiled steps per tree size")
@@ -221,10 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         if quant == "nf4":
             quantize_backbone_(model)
             kernels = args.nf4_kernel
-        for kernel in kernels:
+        for kernel, norms in [(k, n) for k in kernels for n in (["auto"] if k == "repacked-exact" else args.norm_kernel)]:
             label = "bf16" if kernel is None else "nf4" if kernel == "auto" else f"nf4-{kernel}"
+            label += "" if norms == "auto" else f"-{norms}-norms"      # as bench_synthetic labels its results
             if kernel is not None:
                 print(use_nf4_kernel(model, kernel), flush=True)
+            print(use_norm_kernel(model, norms) or "norms: as the kernel routing left them", flush=True)
             for size in args.tree_sizes:
                 row = profile_step(model, heads, size, args.context, args.steps, args.seed)
                 profile[f"{label}_t{size}"] = row

@@ -33,7 +33,8 @@ class TreeRow:
 
 @dataclass(frozen=True)
 class QuantResult:
-    quant: str                  # none | nf4 (the --nf4-kernel auto choice) | nf4-<kernel> | tinygemm (the int4 anchor)
+    quant: str                  # none | nf4 (the --nf4-kernel auto choice) | nf4-<kernel> | tinygemm (the int4 anchor),
+                                # + -torch-norms or -triton-norms where --norm-kernel forced one
     routing: str                # which kernel multiplies the NF4 layers (quant/bnb.py, use_nf4_kernel)
     weights_bytes: int          # decoder layers + lm_head (the embedding table is not read, only T rows)
     heads_bytes: int
@@ -50,7 +51,7 @@ def format_result(r: QuantResult, shape: str, context: int) -> str:
     cell = lambda v, w=10: f"{v:>{w}.3f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
     base = r.rows[0]
     lines = [
-        f"== backbone {'bf16' if r.quant == 'none' else r.quant.upper() + ' (bf16 compute)'}, {shape} shapes, "
+        f"== backbone {_name(r.quant) if r.quant.startswith('none') else r.quant.upper() + ' (bf16 compute)'}, {shape} shapes, "
         f"context {context} (cache bucket {r.capacity}) ==",
         *([r.routing] if r.routing else []),
         f"bytes read per baseline step: weights {gb(r.weights_bytes)} + KV {gb(r.kv_bytes)}; Medusa steps add heads {gb(r.heads_bytes)}",
@@ -72,6 +73,11 @@ def format_result(r: QuantResult, shape: str, context: int) -> str:
     return "\n".join(lines)
 
 
+def _name(quant: str) -> str:
+    """A result's label as the report names it: the unquantized backbone is bf16."""
+    return "bf16" + quant.removeprefix("none") if quant.startswith("none") else quant
+
+
 def summary(results: list[QuantResult]) -> dict[str, float | None]:
     """The headline figures (ms per step, medians): the loop's baseline, 16- and 64-node tree steps,
     the projected tokens/s of the best tree, the graphed stock forward at T = 1 and transformers'
@@ -79,7 +85,7 @@ def summary(results: list[QuantResult]) -> dict[str, float | None]:
     keeps one it did not measure (a later run without --hf-generate keeps the earlier static generate())."""
     out: dict[str, float | None] = {}
     for r in results:
-        name = "bf16" if r.quant == "none" else r.quant.replace("-", "_")
+        name = _name(r.quant).replace("-", "_")
         by_size = {w.size: w for w in r.rows}
         static = r.hf_generate_ms.get("static")
         figures = {

@@ -26,6 +26,7 @@ from ..heads.medusa_heads import MedusaHeads
 from ..heads.quantize import quantize_projections
 from ..quant import cpu_int4
 from ..quant.bnb import NF4_KERNELS, bnb_config, use_nf4_kernel
+from ..quant.norm_routing import NORM_KERNELS, use_norm_kernel
 from ..quant.formats import weights_format
 from . import smollm2
 from .assets import (CPU_DEFAULT_DIR, CPU_DEFAULT_HEADS, cpu_default_backbone, fidelity_reference,
@@ -154,6 +155,8 @@ def _validate(spec: LoadSpec) -> None:
         raise LoadError(f"heads_quant {spec.heads_quant!r} is unknown: use one of {', '.join(HEADS_QUANTS)}")
     if spec.nf4_kernel not in NF4_KERNELS:
         raise LoadError(f"nf4_kernel {spec.nf4_kernel!r} is unknown: use one of {', '.join(NF4_KERNELS)}")
+    if spec.norm_kernel not in NORM_KERNELS:
+        raise LoadError(f"norm_kernel {spec.norm_kernel!r} is unknown: use one of {', '.join(NORM_KERNELS)}")
 
 
 def load(spec: LoadSpec, progress: Progress | None = None) -> Loaded:
@@ -204,6 +207,11 @@ def load(spec: LoadSpec, progress: Progress | None = None) -> Loaded:
             kernel_text = "; " + use_nf4_kernel(model, spec.nf4_kernel)
         except ValueError as err:
             raise LoadError(str(err)) from None
+    try:        # after the NF4 kernel: exact mode brings its own norms, and leaving it takes any Triton norm out
+        norm_text = use_norm_kernel(model, spec.norm_kernel)
+    except ValueError as err:
+        raise LoadError(str(err)) from None
+    kernel_text += f"; {norm_text}" if norm_text else ""
     heads = load_heads_files(files, model, dtype) if files is not None else None
     if heads is not None and spec.heads_quant == "nf4":
         heads = quantize_projections(heads, dtype)

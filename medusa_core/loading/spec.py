@@ -15,6 +15,7 @@ class LoadSpec:
     heads_quant: str = "none"         # none|nf4: quantize the heads' vocab projections
     trust_remote_code: bool = False
     nf4_kernel: str = "auto"          # auto|triton|bnb|repacked|repacked-exact: who multiplies NF4 layers (quant/bnb.py)
+    norm_kernel: str = "auto"         # auto|torch|triton: who computes the RMSNorms (quant/norm_routing.py)
     tree: str | None = None           # a preset or .json tree instead of the tree tuned for this machine
     must_run: tuple[str, ...] = ()    # trees the heads must be able to run, checked before any tuning (bench)
     retune: bool = False              # measure the tree again even if this machine's choice is cached

@@ -184,7 +184,8 @@ def enter_exact(model: nn.Module) -> None:
 
 def leave_exact(model: nn.Module) -> None:
     """The attention, norms and lm_head ``model`` had before ``enter_exact`` (found by class name: their
-    modules import Triton, and this runs on every kernel choice)."""
+    modules import Triton, and this runs on every kernel choice). The fast step's Triton norms go too:
+    the loaders route the norms again after the kernel (norm_routing.use_norm_kernel)."""
     from .exact_attention import stop_exact_rows
 
     stop_exact_rows(model)

@@ -1,8 +1,12 @@
-"""RMSNorm in which a row's output is a function of that row alone (Triton): exact mode's norm.
+"""RMSNorm in one kernel, in which a row's output is a function of that row alone (Triton): exact
+mode's norm, and on CUDA the step's wherever it times faster than transformers' (norm_routing.py).
 
-Why: torch's CUDA reductions choose how to split a row's sum from the number of rows (few rows: a
-row spread over several blocks), so a row can round differently in a 16-row tree than alone, and in
-bf16 one last bit grows through the layers into a different greedy token. Here one program takes one
+Why one kernel: transformers' LlamaRMSNorm runs as several elementwise kernels (cast, square, mean, add,
+rsqrt, multiply, cast, weight), each reading and writing the row; one program here reads a row once.
+
+Why a row alone: torch's CUDA reductions choose how to split a row's sum from the number of rows (few
+rows: a row spread over several blocks), so a row can round differently in a 16-row tree than alone, and
+in bf16 one last bit grows through the layers into a different greedy token. Here one program takes one
 row and sums its squares with a fixed pairwise tree (reshape and split, halving): the same order for
 every row whatever the row count. The arithmetic is transformers' LlamaRMSNorm's (fp32 inside, the
 normalized row cast back to the input dtype, then times the weight), so it agrees with it to rounding.
@@ -71,13 +75,15 @@ def kernel_call(rows: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps
 
 
 class RowsAloneRMSNorm(nn.Module):
-    """Stands where an RMSNorm stood in exact mode: its weight (the same parameter, under the same
-    state_dict key) and epsilon, the kernel above. The original is kept unregistered, to put back."""
+    """Stands where an RMSNorm stood: its weight (the same parameter, under the same state_dict key) and
+    epsilon, the kernel above. ``exact``: put in by exact mode, which takes it out again (else by the norm
+    routing). The original is kept unregistered, to put back."""
 
-    def __init__(self, norm: nn.Module):
+    def __init__(self, norm: nn.Module, exact: bool = True):
         super().__init__()
         self.weight = norm.weight
         self.eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+        self.exact = exact
         self.original = (norm,)         # a tuple: not a submodule (no second copy of it in modules())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
