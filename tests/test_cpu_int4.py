@@ -123,7 +123,7 @@ def test_sizes_the_kernel_cannot_take_stay_unquantized_and_are_named():
 def test_without_heads_row_invariance_is_neither_required_nor_mentioned(monkeypatch):
     # a model loaded without heads runs plain decoding only: "trees would not equal plain decoding" was
     # said (and kept it in fp32) where no tree could run
-    monkeypatch.setattr(cpu_int4, "exact_probe", lambda model: False)
+    monkeypatch.setattr(cpu_int4, "exact_probe", lambda model: ("the int4 kernel is not row-invariant on this CPU", 64))
     applied, line = cpu_int4.use_int4(tiny_model(hidden=64), measured=True)
     assert not applied and "not row-invariant on this CPU: trees would not equal plain decoding" in line
     applied, line = cpu_int4.use_int4(tiny_model(hidden=64), measured=True, trees=False)
@@ -249,3 +249,41 @@ def test_auto_refuses_an_unfaithful_int4_and_puts_fp32_back(monkeypatch):
     assert model.config._attn_implementation != exact_attention.NAME
     with torch.no_grad():
         assert torch.equal(model(x).logits, before), "the fp32 model is back as it was"
+
+
+class GemmRoundingOtherwiseFrom:
+    """torch.nn.functional as a CPU whose bf16 GEMM takes another path from ``rows`` rows up and rounds
+    otherwise there (on a Xeon with AMX oneDNN did so from 33 rows: 2026-11-27). Below, each row is
+    computed alone, so the test holds on any CPU, whatever its own GEMM does."""
+
+    def __init__(self, rows: int):
+        self.rows = rows
+
+    def linear(self, x, w, bias=None):
+        flat = x.reshape(-1, x.shape[-1])
+        y = torch.cat([torch.nn.functional.linear(row, w, bias) for row in flat.split(1)])
+        return (y * (1 + 2 ** -7) if flat.shape[0] >= self.rows else y).reshape(*x.shape[:-1], -1)
+
+
+def test_the_bf16_head_calls_its_gemm_with_as_many_rows_as_this_cpu_keeps_row_invariant(monkeypatch):
+    head = nn.Linear(64, 500, bias=False)
+    monkeypatch.setattr(cpu_int4, "F", GemmRoundingOtherwiseFrom(33))
+    assert cpu_int4.head_rows_per_call(head) == 32
+    for rows in (64, 32):
+        bf16 = cpu_int4.Bf16Head(head, rows)
+        x = torch.randn(64, 64, generator=torch.Generator().manual_seed(rows))
+        alone = torch.cat([bf16(x[i:i + 1]) for i in range(64)])
+        assert torch.equal(bf16(x), alone) == (rows == 32), rows       # 64 rows at once round otherwise there
+        assert bf16(x.reshape(2, 32, 64)).shape == (2, 32, 500)
+    model = tiny_model(hidden=64)
+    applied, line = cpu_int4.use_int4(model, measured=False)
+    assert applied and "bf16 lm_head (32 rows per call: row-invariant up to there on this CPU)" in line
+    assert model.get_output_embeddings().rows_per_call == 32 and "trees may differ" not in line
+
+
+def test_a_head_row_invariant_at_no_row_count_keeps_auto_in_fp32_and_says_it_is_the_head(monkeypatch):
+    monkeypatch.setattr(cpu_int4, "F", GemmRoundingOtherwiseFrom(2))
+    assert cpu_int4.head_rows_per_call(nn.Linear(64, 500, bias=False)) is None
+    applied, line = cpu_int4.use_int4(tiny_model(hidden=64), measured=True)
+    assert not applied and line == ("fp32 matmuls (the bf16 lm_head is not row-invariant on this CPU even 8 rows per "
+                                    "call: trees would not equal plain decoding)")

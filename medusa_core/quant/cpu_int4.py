@@ -35,7 +35,12 @@ GROUP = 32          # weights per (scale, zero) pair along the input dimension, 
 _LEVELS = 15        # codes 0..15
 _N_MULTIPLE = 16    # the kernel's packing needs out_features in multiples of 16
 PROBE_ROWS = (5, 64, 256)   # row counts the row-invariance check compares with single rows: trees, prefills
-HEAD_PROBE_ROWS = (5, 64)   # the lm_head sees a tree's rows (a prefill's last row only)
+HEAD_PROBE_ROWS = (5, 17, 33, 64)   # the lm_head sees a tree's rows (a prefill's last row only)
+# The bf16 head's GEMM takes at most this many rows per call, the largest at which this CPU keeps a row's
+# bits whatever the call's row count (head_rows_per_call): oneDNN picks its kernel by row count, and on a
+# Xeon with AMX 33 rows and more took another path that rounds otherwise (2026-11-27), so 64-node trees
+# left plain decoding there and auto kept the whole model in fp32. Each call reads the head's weights once.
+HEAD_ROWS_PER_CALL = (64, 32, 16, 8)
 REFINED = 16        # each row's top logits recomputed in fp32 by the bf16 head (Bf16Head)
 MIN_GAIN = 1.1      # auto takes int4 only if at least this much faster: no flip-flop near parity
 # auto takes int4 only if faithful to fp32 on a reference text. SmolLM2 scores well inside both limits
@@ -155,15 +160,18 @@ class Bf16Head(nn.Module):
     argmax and most of the probability lie. A dot product per (row, token), so a row keeps its bits
     whatever else is in the call (0.1 ms per row on 2 cores, against 3 ms for the GEMM)."""
 
-    def __init__(self, dense: nn.Linear):
+    def __init__(self, dense: nn.Linear, rows_per_call: int = HEAD_ROWS_PER_CALL[0]):
         super().__init__()
         self.out_features, self.in_features = dense.out_features, dense.in_features
         self.weight = dense.weight
         self.bias = dense.bias
+        self.rows_per_call = rows_per_call          # see HEAD_ROWS_PER_CALL
         self.register_buffer("weight_bf16", dense.weight.detach().bfloat16(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:                         # (..., H) -> (..., V)
-        y = F.linear(x.to(torch.bfloat16), self.weight_bf16).to(x.dtype)                     # (..., V)
+        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)                                 # (R, H)
+        parts = [F.linear(part, self.weight_bf16) for part in rows.split(self.rows_per_call)]
+        y = (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(*x.shape[:-1], -1).to(x.dtype)  # (..., V)
         if self.bias is not None:
             y = y + self.bias                      # before the top is picked: the largest logits as returned
         top = y.topk(min(REFINED, y.shape[-1]), dim=-1).indices                              # (..., R)
@@ -201,15 +209,38 @@ def row_invariant(layer: nn.Module, in_features: int, rows: int = 5, dtype: torc
     return torch.equal(together, alone)
 
 
-def exact_probe(model: nn.Module) -> bool:
-    """Every distinct decoder shape as Int4Linear at PROBE_ROWS rows, and the head as Bf16Head at
-    HEAD_PROBE_ROWS, row-invariant (the fp32 ``model`` before quantization; cheap enough for every load)."""
+def head_rows_per_call(head: nn.Linear) -> int | None:
+    """The most rows per GEMM call (of HEAD_ROWS_PER_CALL) with which the bf16 head gives every row of a
+    HEAD_PROBE_ROWS-row call the bits it gets alone on this CPU; None where not even the fewest do."""
+    x = torch.randn(max(HEAD_PROBE_ROWS), head.in_features, generator=torch.Generator().manual_seed(0))
+    x = x.to(head.weight.dtype)
+    bf16 = Bf16Head(head)
+    with torch.no_grad():
+        alone = torch.cat([bf16(x[i:i + 1]) for i in range(x.shape[0])])            # (64, V), once for all
+        for rows in HEAD_ROWS_PER_CALL:
+            bf16.rows_per_call = rows
+            if all(torch.equal(bf16(x[:n]), alone[:n]) for n in HEAD_PROBE_ROWS):
+                return rows
+    return None
+
+
+def exact_probe(model: nn.Module) -> tuple[str | None, int]:
+    """(what keeps trees from plain decoding's tokens on this CPU, None if nothing; the rows per call the bf16
+    head is row-invariant with): every distinct decoder shape as Int4Linear at PROBE_ROWS rows, and the head
+    as Bf16Head (the fp32 ``model`` before quantization; cheap enough for every load)."""
     shapes = {(d.out_features, d.in_features): d for _, _, d in _decoder_linears(model) if quantizable(d)}
     head = model.get_output_embeddings()
-    layers = [(Int4Linear.from_linear(d), d.in_features, PROBE_ROWS) for d in shapes.values()]
-    layers += [(Bf16Head(head), head.in_features, HEAD_PROBE_ROWS)] if type(head) is nn.Linear else []
     dtype = head.weight.dtype
-    return bool(layers) and all(row_invariant(layer, k, n, dtype) for layer, k, counts in layers for n in counts)
+    if not shapes or not all(row_invariant(Int4Linear.from_linear(d), d.in_features, n, dtype)
+                             for d in shapes.values() for n in PROBE_ROWS):
+        return "the int4 kernel is not row-invariant on this CPU", HEAD_ROWS_PER_CALL[0]
+    if type(head) is not nn.Linear:
+        return None, HEAD_ROWS_PER_CALL[0]
+    rows = head_rows_per_call(head)
+    if rows is None:
+        return (f"the bf16 lm_head is not row-invariant on this CPU even {HEAD_ROWS_PER_CALL[-1]} rows per call",
+                HEAD_ROWS_PER_CALL[-1])
+    return None, rows
 
 
 def exact_mode(model: nn.Module) -> bool:
@@ -250,10 +281,11 @@ def measure(model: nn.Module, rows: tuple[int, ...] = (1, 4), repeats: int = 15)
 
 
 @torch.no_grad()
-def quantize_model_int4_(model: nn.Module, replaced: list | None = None) -> int:
+def quantize_model_int4_(model: nn.Module, replaced: list | None = None,
+                         head_rows: int = HEAD_ROWS_PER_CALL[0]) -> int:
     """Every decoder Linear whose input size is a multiple of GROUP -> Int4Linear; the lm_head ->
-    Bf16Head. Returns how many Linear layers kept their dtype (sizes the kernel cannot take).
-    ``replaced`` collects (parent, name, original) so that ``restore_`` can undo it."""
+    Bf16Head taking ``head_rows`` rows per call. Returns how many Linear layers kept their dtype (sizes
+    the kernel cannot take). ``replaced`` collects (parent, name, original) so that ``restore_`` can undo it."""
     kept = 0
     for parent, name, dense in list(_decoder_linears(model)):
         if not quantizable(dense):
@@ -264,7 +296,7 @@ def quantize_model_int4_(model: nn.Module, replaced: list | None = None) -> int:
             replaced.append((parent, name, dense))
     head = model.get_output_embeddings()
     if type(head) is nn.Linear:
-        model.set_output_embeddings(Bf16Head(head))
+        model.set_output_embeddings(Bf16Head(head, head_rows))
         if replaced is not None:
             replaced.append((model, None, head))
     # transformers maps the fp32 safetensors file and the weights left (embeddings, norms) are views
@@ -302,10 +334,11 @@ def use_int4(model: nn.Module, measured: bool, reference: Reference = (), trees:
             return False, f"fp32 matmuls (no decoder layer has sizes the int4 kernel takes: in % {GROUP}, out % {_N_MULTIPLE})"
         raise ValueError(f"quant int4 needs decoder layers with input sizes in multiples of {GROUP} and output sizes "
                          f"in multiples of {_N_MULTIPLE}: use --quant none")
-    exact = exact_probe(model) if trees else True
+    gap, head_rows = exact_probe(model) if trees else (None, HEAD_ROWS_PER_CALL[0])
+    exact = gap is None
     if measured:
         if not exact:
-            return False, "fp32 matmuls (the int4 kernel is not row-invariant on this CPU: trees would not equal plain decoding)"
+            return False, f"fp32 matmuls ({gap}: trees would not equal plain decoding)"
         times = measure(model)
         gain = times["fp32_ms"] / times["int4_ms"]
         if gain < MIN_GAIN:
@@ -315,7 +348,7 @@ def use_int4(model: nn.Module, measured: bool, reference: Reference = (), trees:
         why = "asked for"
     fp32 = reference_logits(model, reference) if reference else []
     replaced: list = []
-    kept = quantize_model_int4_(model, replaced)
+    kept = quantize_model_int4_(model, replaced, head_rows)
     if reference:
         faithful = fidelity(fp32, reference_logits(model, reference), reference)
         if measured and not faithful.faithful:
@@ -327,5 +360,8 @@ def use_int4(model: nn.Module, measured: bool, reference: Reference = (), trees:
     if kept:
         why += f"; {kept} layer(s) kept unquantized"
     if trees and (kept or not exact):
-        why += ("; not row-invariant on this CPU" if not exact else "") + ", so trees may differ from plain decoding"
-    return True, f"int4 weights (group {GROUP}) with bf16 matmuls, bf16 lm_head, row-exact attention ({why})"
+        why += (f"; {gap}" if not exact else "") + ", so trees may differ from plain decoding"
+    head_text = f" ({head_rows} rows per call: row-invariant up to there on this CPU)" \
+        if head_rows < HEAD_ROWS_PER_CALL[0] else ""
+    return True, (f"int4 weights (group {GROUP}) with bf16 matmuls, bf16 lm_head{head_text}, row-exact attention "
+                  f"({why})")
