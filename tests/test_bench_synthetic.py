@@ -348,11 +348,19 @@ def test_each_norm_kernel_is_measured_and_named_apart_in_the_step_and_the_profil
                                  "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert [r["quant"] for r in data["results"]] == ["none-torch-norms", "none-triton-norms"]
-    assert data["results"][0]["routing"] == "norms: transformers' RMSNorm"
+    assert data["results"][0]["routing"] == "norms: transformers' own"
     assert data["results"][1]["routing"].startswith("norms: one Triton kernel for each of ")
     assert data["summary"]["bf16_triton_norms_baseline_ms"] == data["results"][1]["rows"][0]["loop_ms"]
     prof = tmp_path / "profile.json"
     assert profile_gpu_step.main(["--device", "cpu", "--shape", "tiny", "--quant", "none", "--tree-sizes", "1",
                                   "--context", "8", "--steps", "1", "--norm-kernel", "torch", "triton",
                                   "--json", str(prof)]) == 0
-    assert set(json.loads(prof.read_text())["step_profile"]) == {"bf16-torch-norms_t1", "bf16-triton-norms_t1"}
+    profile = json.loads(prof.read_text())["step_profile"]
+    assert set(profile) == {"bf16-torch-norms_t1", "bf16-triton-norms_t1"}
+    # a later profile of some rows, folded into a report: it replaces those rows and keeps the others
+    later = tmp_path / "later.json"
+    later.write_text(json.dumps({"step_profile": {"bf16-triton-norms_t1": {"total_ms": 1.0}}}))
+    report = tmp_path / "report.json"
+    assert bench_synthetic.main(["--fold", str(out), str(prof), str(later), "--json", str(report)]) == 0
+    folded = json.loads(report.read_text())["step_profile"]
+    assert folded == {**profile, "bf16-triton-norms_t1": {"total_ms": 1.0}}

@@ -9,7 +9,8 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 pytest.importorskip("triton", reason="the row-exact norm kernel needs Triton: pip install triton")
 from medusa_core.quant.triton_runtime import INTERPRET_ENV  # noqa: E402
-from medusa_core.quant.rows_alone_norm import RowsAloneRMSNorm, is_rms_norm, rows_alone_rms_norm  # noqa: E402
+from medusa_core.quant.norm_routing import is_rms_norm  # noqa: E402
+from medusa_core.quant.rows_alone_norm import RowsAloneRMSNorm, rows_alone_rms_norm  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -224,19 +224,20 @@ def main(argv: list[str] | None = None) -> int:
         if quant == "nf4":
             quantize_backbone_(model)
             kernels = args.nf4_kernel
-        for kernel, norms in [(k, n) for k in kernels for n in (["auto"] if k == "repacked-exact" else args.norm_kernel)]:
-            label = "bf16" if kernel is None else "nf4" if kernel == "auto" else f"nf4-{kernel}"
-            label += "" if norms == "auto" else f"-{norms}-norms"      # as bench_synthetic labels its results
-            if kernel is not None:
+        for kernel in kernels:
+            if kernel is not None:      # once per kernel: auto's timing must not route each norm choice anew
                 print(use_nf4_kernel(model, kernel), flush=True)
-            print(use_norm_kernel(model, norms) or "norms: as the kernel routing left them", flush=True)
-            for size in args.tree_sizes:
-                row = profile_step(model, heads, size, args.context, args.steps, args.seed)
-                profile[f"{label}_t{size}"] = row
-                print(format_profile(label, row), flush=True)
-                if args.json:   # a device call has a time limit: a run cut short keeps the rows it profiled
-                    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-                    Path(args.json).write_text(json.dumps({"step_profile": profile}, indent=1) + "\n")
+            for norms in ["auto"] if kernel == "repacked-exact" else args.norm_kernel:
+                label = "bf16" if kernel is None else "nf4" if kernel == "auto" else f"nf4-{kernel}"
+                label += "" if norms == "auto" else f"-{norms}-norms"      # as bench_synthetic labels its results
+                print(use_norm_kernel(model, norms) or "norms: as the kernel routing left them", flush=True)
+                for size in args.tree_sizes:
+                    row = profile_step(model, heads, size, args.context, args.steps, args.seed)
+                    profile[f"{label}_t{size}"] = row
+                    print(format_profile(label, row), flush=True)
+                    if args.json:   # a device call has a time limit: a run cut short keeps the rows it profiled
+                        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                        Path(args.json).write_text(json.dumps({"step_profile": profile}, indent=1) + "\n")
         del model, heads
     if args.json:
         print(f"wrote {args.json}")

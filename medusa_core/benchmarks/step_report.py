@@ -143,7 +143,8 @@ def fold_reports(step_json: Path, others: Sequence[Path]) -> dict:
         elif isinstance(summary_, list) and "model" in data:                    # bench
             report["demo" if "demo model" in data["model"] else "checkpoint"] = data
         elif isinstance(data.get("step_profile"), dict):                     # benchmarks.profile_gpu_step
-            report["step_profile"] = data["step_profile"]
+            # per row: a later run's rows replace the same rows, and keep the rows it did not profile
+            report["step_profile"] = {**report.get("step_profile", {}), **data["step_profile"]}
         elif isinstance(data.get("exactness"), list):                        # benchmarks.nf4_exactness
             report["exactness"] = {**report.get("exactness", {}), data["model"]: data}
         else:

@@ -171,7 +171,8 @@ def enter_exact(model: nn.Module) -> None:
     """Exact mode's attention, norms and lm_head (the repacked layers are made exact by repack_layers)."""
     from .exact_attention import use_exact_rows
     from .rows_alone_linear import RowsAloneHead
-    from .rows_alone_norm import RowsAloneRMSNorm, is_rms_norm
+    from .norm_routing import is_rms_norm
+    from .rows_alone_norm import RowsAloneRMSNorm
 
     use_exact_rows(model)
     for parent, name, child in _children(model.get_decoder()):

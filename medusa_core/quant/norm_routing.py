@@ -1,7 +1,7 @@
 """Which RMSNorm the decoder runs: transformers' own, or one Triton kernel per norm
 (rows_alone_norm.py), chosen on CUDA by timing both on the user's GPU at load.
 
-Why: transformers' LlamaRMSNorm is about seven elementwise kernels, each reading and writing the row; in
+Why: transformers' LlamaRMSNorm is several elementwise kernels, each reading and writing the row; in
 the graphed 7B step on an H100 the 65 norms took 0.83 ms of 6.1 at one row and 1.44 ms of 10.8 at 16
 (docs/performance.md, "Where the step's device time goes"). One kernel reads the row once. Whether that
 is faster here is measured, not assumed: both are timed as the step runs them (in a CUDA graph, no launch
@@ -12,17 +12,26 @@ rest of the step does.
 
 Exact mode (``--nf4-kernel repacked-exact``) owns the norms: it puts the same kernel in as its own and
 takes every RowsAloneRMSNorm out when it leaves, so the loaders route the norms after the NF4 kernel,
-every time.
+every time. Triton is imported only where its norm is asked for or timed: a machine without it loads
+with transformers' norms.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 from torch import nn
 
 NORM_KERNELS = ("auto", "torch", "triton")
+
+
+def is_rms_norm(module: nn.Module) -> bool:
+    """A transformers RMSNorm of the plain kind (weight times x / rms(x)): what RowsAloneRMSNorm replaces.
+    Gemma's (1 + weight) norms are of another kind and are left alone (and so not verified exact)."""
+    return type(module).__name__ in ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm") and \
+        isinstance(getattr(module, "weight", None), torch.Tensor)
 
 
 def _children(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -58,38 +67,41 @@ def use_norm_kernel(model: nn.Module, choice: str) -> str:
             original = child.original[0]
             original.weight = child.weight              # the parameter as it is now
             setattr(parent, name, original)
-    from .rows_alone_norm import is_rms_norm
-
     norms = [(parent, name, child) for parent, name, child in _children(model) if is_rms_norm(child)]
     if choice == "torch":
-        return "norms: transformers' RMSNorm"
+        return "norms: transformers' own"
     if not norms:
         if choice == "triton":
             raise ValueError("--norm-kernel triton: this model has no RMSNorm of a kind the Triton norm replaces "
                              "(Llama, Mistral, Qwen2, Qwen3): use --norm-kernel auto")
         return ""
     device, note = _device_of([child for _, _, child in norms]), ""
+    if device.type != "cuda" and choice == "auto":
+        return ""                                       # the interpreter is for tests, never chosen
+    try:
+        from .rows_alone_norm import RowsAloneRMSNorm
+    except ImportError as err:  # no Triton here: its norm cannot run, transformers' can
+        if choice == "triton":
+            raise ValueError(f"--norm-kernel triton: {err}") from None
+        return f"norms: transformers' own (auto: {err})"
     if device.type != "cuda":
         from .triton_runtime import INTERPRET_ENV, interpret_enabled
 
-        if choice == "auto":
-            return ""                                   # the interpreter is for tests, never chosen
         if device.type != "cpu" or not interpret_enabled():
-            raise ValueError(f"--norm-kernel triton: the Triton norm needs a CUDA device (on the CPU it runs only "
-                             f"under Triton's interpreter, {INTERPRET_ENV}=1, for tests): use --norm-kernel auto")
+            raise ValueError(f"--norm-kernel triton: the Triton norm needs a CUDA device (on {device.type} it runs "
+                             f"only under Triton's interpreter, {INTERPRET_ENV}=1, on CPU tensors, for tests): use "
+                             "--norm-kernel auto")
     elif choice == "auto":
         try:
-            torch_us, triton_us = _timed_sums([child for _, _, child in norms], device)
+            torch_us, triton_us = _timed_sums([child for _, _, child in norms], _activation_dtype(model), device)
         except Exception as err:  # e.g. a Triton that cannot compile the kernel for this GPU: said, never hidden
-            line = str(err).strip().splitlines()[0][:120] if str(err).strip() else type(err).__name__
-            return f"norms: transformers' RMSNorm (auto: the Triton norm failed on this GPU: {line})"
+            line = str(err).strip().splitlines()[0][:120] if str(err).strip() else ""
+            return f"norms: transformers' own (auto: timing the norms failed on this GPU: {type(err).__name__}: {line})"
         steps = " and a ".join(f"{m}-row" for m in _rows())
         if not triton_us < torch_us:
-            return (f"norms: transformers' RMSNorm (auto measured {torch_us:.0f} µs against {triton_us:.0f} µs for "
+            return (f"norms: transformers' own (auto measured {torch_us:.0f} µs against {triton_us:.0f} µs for "
                     f"the Triton norm over a {steps} step)")
         note = f" (auto measured {triton_us:.0f} µs against {torch_us:.0f} µs for transformers' over a {steps} step)"
-    from .rows_alone_norm import RowsAloneRMSNorm
-
     for parent, name, child in norms:
         setattr(parent, name, RowsAloneRMSNorm(child, exact=False))
     return f"norms: one Triton kernel for each of {len(norms)} RMSNorms{note}"
@@ -99,35 +111,45 @@ def _device_of(norms: list[nn.Module]) -> torch.device:
     return norms[0].weight.device
 
 
+def _activation_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the decoder's hidden states have: the embedding's (a norm's weight may be kept in fp32)."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    weight = getattr(embeddings, "weight", None)
+    return weight.dtype if isinstance(weight, torch.Tensor) and weight.is_floating_point() else torch.float32
+
+
 def _rows() -> tuple[int, ...]:
     from .bnb import AUTO_ROWS      # the rows the NF4 kernel choice weighs too: a plain step, a 16-node tree
 
     return AUTO_ROWS
 
 
-def _timed_sums(norms: list[nn.Module], device: torch.device) -> tuple[float, float]:
-    """(transformers' µs, the Triton kernel's µs) for every norm of ``norms`` once at each of _rows(), each
-    (width, dtype) timed once in a CUDA graph. A Triton result off transformers' by more than rounding
-    raises."""
+def _timed_sums(norms: list[nn.Module], dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
+    """(transformers' µs, the Triton kernel's µs) for every norm of ``norms`` once at each of _rows() tokens,
+    each (width, weight dtype) timed once in a CUDA graph on ``dtype`` inputs. A norm narrower than the
+    widest (a per-head q/k norm) sees a row per head: it is timed on as many rows as the widest holds of
+    its width. A Triton result off transformers' by more than rounding raises."""
     from .kernel_timing import graph_time_us
     from .rows_alone_norm import rows_alone_rms_norm
 
-    count: dict[tuple[int, torch.dtype], list[nn.Module]] = {}
+    same: dict[tuple[int, torch.dtype], list[nn.Module]] = {}
     for norm in norms:
-        count.setdefault((norm.weight.shape[-1], norm.weight.dtype), []).append(norm)
+        same.setdefault((norm.weight.shape[-1], norm.weight.dtype), []).append(norm)
+    widest = max(width for width, _ in same)
     torch_us = triton_us = 0.0
-    for (width, dtype), same in count.items():
-        norm = same[0]
-        eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
-        for rows in _rows():
-            x = torch.randn(rows, width, device=device, dtype=dtype)                   # (rows, width)
-            with torch.no_grad():
+    # captures on the model's GPU, not the current one (a CPU test's stand-in times nothing there)
+    on_gpu = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with on_gpu, torch.no_grad():
+        for (width, _), group in same.items():
+            norm = group[0]
+            eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+            for tokens in _rows():
+                x = torch.randn(tokens * max(1, widest // width), width, device=device, dtype=dtype)  # (rows, width)
                 reference, ours = norm(x).float(), rows_alone_rms_norm(x, norm.weight, eps).float()
                 error = float((ours - reference).norm() / reference.norm().clamp_min(1e-30))
                 if not error <= 1e-2:
                     raise RuntimeError(f"wrong result: relative error {error:.1e} against transformers' RMSNorm")
                 # 16 launches a capture: one norm is a few µs, near the events' resolution
-                torch_us += len(same) * graph_time_us([functools.partial(norm, x)] * 16)
-                triton_us += len(same) * graph_time_us(
-                    [functools.partial(rows_alone_rms_norm, x, norm.weight, eps)] * 16)
+                torch_us += len(group) * graph_time_us([functools.partial(norm, x)] * 16)
+                triton_us += len(group) * graph_time_us([functools.partial(rows_alone_rms_norm, x, norm.weight, eps)] * 16)
     return torch_us, triton_us

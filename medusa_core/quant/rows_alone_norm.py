@@ -88,10 +88,3 @@ class RowsAloneRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rows_alone_rms_norm(x, self.weight, self.eps)
-
-
-def is_rms_norm(module: nn.Module) -> bool:
-    """A transformers RMSNorm of the plain kind (weight times x / rms(x)): what RowsAloneRMSNorm replaces.
-    Gemma's (1 + weight) norms are of another kind and are left alone (and so not verified exact)."""
-    return type(module).__name__ in ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm") and \
-        isinstance(getattr(module, "weight", None), torch.Tensor)
