@@ -66,7 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default: %(default)s)")
     m.add_argument("--norm-kernel", default="auto", choices=NORM_KERNELS,
                    help="RMSNorm: auto times transformers' and one Triton kernel per norm on your GPU and keeps "
-                        "the faster (transformers' off CUDA); torch or triton force one (default: %(default)s)")
+                        "the faster (transformers' off CUDA); torch or triton force one (triton off CUDA only "
+                        "under TRITON_INTERPRET=1, for tests) (default: %(default)s)")
     m.add_argument("--trust-remote-code", action="store_true", help="allow a model repo's own Python code to run")
     d = p.add_argument_group("decoding defaults (all can be changed in the page)")
     d.add_argument("--tree", help="candidate tree: a preset (mc_sim_7b_63, small-8, small-16, chain-N, "
@@ -124,12 +125,11 @@ def check_flags(args: argparse.Namespace) -> None:
             os.environ.get("TRITON_INTERPRET") != "1":
         fail(f"--nf4-kernel {args.nf4_kernel}: the Triton kernels need a CUDA device (on {device} they run only "
              "under Triton's interpreter, TRITON_INTERPRET=1, slowly, for tests): use --nf4-kernel bnb or auto")
-    if args.norm_kernel == "triton" and not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
-        fail(f"--norm-kernel triton: the Triton norm needs a CUDA device (on {device} it runs only under Triton's "
-             "interpreter, TRITON_INTERPRET=1, slowly, for tests): use --norm-kernel auto or torch")
-    if args.norm_kernel != "auto" and args.nf4_kernel == "repacked-exact":
-        fail(f"--norm-kernel {args.norm_kernel}: --nf4-kernel repacked-exact brings its own row-exact norms: "
-             "drop --norm-kernel")
+    from medusa_core.quant.norm_routing import flag_error
+
+    norm_error = flag_error(args.norm_kernel, args.nf4_kernel, device)
+    if norm_error:
+        fail(norm_error)
 
 
 def port_free(host: str, port: int) -> bool:

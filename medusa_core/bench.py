@@ -24,9 +24,10 @@ from .decoding.tree import TreeBuffers, TreeError, build_tree_buffers, resolve_t
 from .errors import LoadError, check_writable
 from .loading.chat_format import render_chat
 from .loading.load import load
+from .loading.policy import resolve_device
 from .loading.spec import LoadSpec
 from .quant.bnb import NF4_KERNELS
-from .quant.norm_routing import NORM_KERNELS
+from .quant.norm_routing import NORM_KERNELS, flag_error
 
 
 def parser() -> argparse.ArgumentParser:
@@ -77,6 +78,9 @@ def prepare(args) -> Setup:
     for spec in args.tree or []:
         if spec != "default":
             resolve_tree(spec)
+    norm_error = flag_error(args.norm_kernel, args.nf4_kernel, resolve_device(args.device))
+    if norm_error:
+        raise ValueError(norm_error)
     # the default tree is tuned only where it is asked for: a run of presets has no use for it
     fixed = next((t for t in args.tree if t != "default"), None) if args.tree and "default" not in args.tree else None
     loaded = load(LoadSpec(model=args.model, heads=args.heads, device=args.device, dtype=args.dtype, quant=args.quant,

@@ -65,6 +65,11 @@ def test_what_the_flags_show_wrong_is_said_before_the_model_loads(checkpoint, tm
     assert "is not UTF-8 text" in capsys.readouterr().err
     assert bench.main([*base, "--json", str(tmp_path)]) == 1                        # not after the whole run
     assert f"error: --json {tmp_path} cannot be written" in capsys.readouterr().err
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert bench.main([*base, "--device", "cpu", "--norm-kernel", "triton"]) == 1
+    assert capsys.readouterr().err.startswith("error: --norm-kernel triton: the Triton norm needs a CUDA device")
+    assert bench.main([*base, "--quant", "nf4", "--nf4-kernel", "repacked-exact", "--norm-kernel", "torch"]) == 1
+    assert "brings its own row-exact norms: drop --norm-kernel" in capsys.readouterr().err
     assert loads == []
     # only presets asked: the default tree is not tuned (a tuning took 6 minutes on a busy machine before the first prompt)
     prompts = tmp_path / "p.jsonl"

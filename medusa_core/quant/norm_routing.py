@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import torch
 from torch import nn
@@ -32,6 +33,21 @@ def is_rms_norm(module: nn.Module) -> bool:
     Gemma's (1 + weight) norms are of another kind and are left alone (and so not verified exact)."""
     return type(module).__name__ in ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm") and \
         isinstance(getattr(module, "weight", None), torch.Tensor)
+
+
+def _exact_owns(choice: str) -> str:
+    return f"--norm-kernel {choice}: --nf4-kernel repacked-exact brings its own row-exact norms: drop --norm-kernel"
+
+
+def flag_error(choice: str, nf4_kernel: str, device: str) -> str | None:
+    """What the flags alone show wrong with --norm-kernel ``choice`` beside ``nf4_kernel`` on ``device`` (resolved,
+    e.g. "cpu", "cuda:0"): said by the entry points before any load; None if nothing."""
+    if choice != "auto" and nf4_kernel == "repacked-exact":
+        return _exact_owns(choice)
+    if choice == "triton" and not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+        return (f"--norm-kernel triton: the Triton norm needs a CUDA device (on {device} it runs only under Triton's "
+                "interpreter, TRITON_INTERPRET=1, slowly, for tests): use --norm-kernel auto or torch")
+    return None
 
 
 def _children(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -59,8 +75,7 @@ def use_norm_kernel(model: nn.Module, choice: str) -> str:
         raise ValueError(f"norm kernel {choice!r} is unknown: use one of {', '.join(NORM_KERNELS)}")
     if norms_routed(model) == "exact":
         if choice != "auto":
-            raise ValueError(f"--norm-kernel {choice}: --nf4-kernel repacked-exact brings its own row-exact norms: "
-                             "drop --norm-kernel")
+            raise ValueError(_exact_owns(choice))
         return ""
     for parent, name, child in _children(model):       # the fast norms of an earlier routing go first
         if _kind(child) == "fast":
