@@ -343,7 +343,7 @@ def use_int4(model: nn.Module, measured: bool, reference: Reference = (), trees:
         gain = times["fp32_ms"] / times["int4_ms"]
         if gain < MIN_GAIN:
             return False, f"fp32 matmuls (int4 measured {gain:.2f}x fp32's matmul speed here, under {MIN_GAIN}x)"
-        why = f"measured {gain:.1f}x fp32's matmul speed"
+        why = f"measured {gain:.2f}x fp32's matmul speed"
     else:
         why = "asked for"
     fp32 = reference_logits(model, reference) if reference else []
