@@ -523,7 +523,11 @@ def test_a_failed_load_keeps_the_decoding_settings(page):
     # the loaded model in a few words, not its whole Ready paragraph again
     assert "· SmolLM2-135M-Instruct with its Medusa heads is still loaded" in status and "Ready" not in status
     assert "tree tuned for this machine" in status
-    # under the Load button too: on a phone the status line is far above it, out of view, and nothing showed
+    # under the Load button too: on a phone the status line is far above it, out of view, and nothing showed.
+    # Waited for, not read once: the two lines come in one update the page may render apart (a CI run under
+    # load read the panel's "Loading…" a second after the status line had the error)
+    page.wait_for_function("() => document.querySelector('#model-status')?.innerText.trim() === "
+                           "document.querySelector('#status')?.innerText.split('\\n')[0].trim()", timeout=30_000)
     assert page.locator("#model-status").inner_text().strip() == status.split("\n")[0].strip()
     assert page.locator("input[value=greedy]").is_checked()
     assert tree.input_value().startswith("chain-2")
