@@ -162,7 +162,7 @@ def restore_bitsandbytes(model: nn.Module) -> int:
     return count
 
 
-def _children(model: nn.Module):
+def children(model: nn.Module):
     """(parent, name, child) for every module of the model, listed before any is replaced."""
     return [(parent, name, child) for parent in list(model.modules()) for name, child in list(parent.named_children())]
 
@@ -175,7 +175,7 @@ def enter_exact(model: nn.Module) -> None:
     from .rows_alone_norm import RowsAloneRMSNorm
 
     use_exact_rows(model)
-    for parent, name, child in _children(model.get_decoder()):
+    for parent, name, child in children(model.get_decoder()):
         if is_rms_norm(child):
             setattr(parent, name, RowsAloneRMSNorm(child))
     head = model.get_output_embeddings()
@@ -190,7 +190,7 @@ def leave_exact(model: nn.Module) -> None:
     from .exact_attention import stop_exact_rows
 
     stop_exact_rows(model)
-    for parent, name, child in _children(model):
+    for parent, name, child in children(model):
         if type(child).__name__ == "RowsAloneRMSNorm":
             original = child.original[0]
             original.weight = child.weight          # the parameter as it is now, were it reassigned meanwhile

@@ -51,8 +51,9 @@ def flag_error(choice: str, nf4_kernel: str, device: str) -> str | None:
 
 
 def _children(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    return [(parent, name, child) for parent in list(decoder.modules()) for name, child in list(parent.named_children())]
+    from .nf4_fused import children      # no Triton there: every load routes its norms
+
+    return children(model.get_decoder() if hasattr(model, "get_decoder") else model)
 
 
 def _kind(module: nn.Module) -> str | None:
