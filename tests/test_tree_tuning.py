@@ -24,7 +24,7 @@ from app.engine import MEDUSA, NO_SPEEDUP, ChatEngine
 from app.session import Session
 from app.settings import Settings
 from app.models import ModelSlot
-from medusa_core.loading import tree_tuning
+from medusa_core.loading import this_machine, tree_tuning
 from medusa_core.errors import LoadError
 from medusa_core.heads.accuracy import CALIBRATION_FILE
 from medusa_core.loading.load import load
@@ -156,9 +156,9 @@ def test_a_tree_file_that_disagrees_with_its_entry_is_measured_again(checkpoint,
 
 
 def test_the_cpu_share_is_what_this_process_got():
-    usable = tree_tuning.usable_cpus(torch.get_num_threads())
-    busy = tree_tuning.with_cpu_share(lambda: sum(i * i for i in range(3_000_000)))[1]   # one thread busy
-    idle = tree_tuning.with_cpu_share(lambda: time.sleep(0.3))[1]
+    usable = this_machine.usable_cpus(torch.get_num_threads())
+    busy = this_machine.with_cpu_share(lambda: sum(i * i for i in range(3_000_000)))[1]   # one thread busy
+    idle = this_machine.with_cpu_share(lambda: time.sleep(0.3))[1]
     # one thread's worth at most, whatever the machine's thread count (1/16 on 16 threads)
     assert idle < busy / 4 and busy <= 1 / usable + 0.1
 
@@ -420,7 +420,7 @@ def test_a_prompt_answered_with_nothing_is_a_load_error(checkpoint, monkeypatch)
 def test_the_key_names_the_kernels_this_cpu_runs():
     """ATEN_CPU_CAPABILITY=avx2 makes torch run its AVX2 kernels (as on a CPU without AVX-512):
     a tree measured under it is another machine's, and the key says so."""
-    code = "import json; from medusa_core.loading.tree_tuning import machine_identity; import torch; " \
+    code = "import json; from medusa_core.loading.this_machine import machine_identity; import torch; " \
            "print(json.dumps(machine_identity(torch.device('cpu'))))"
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)

@@ -16,10 +16,7 @@ CUDA), wall time per step with its one sync, on a short chat prompt.
 from __future__ import annotations
 
 import atexit
-import hashlib
 import json
-import os
-import platform
 import shutil
 import statistics
 import tempfile
@@ -27,13 +24,13 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 
 from ..decoding.step import compute_dtype
 from ..errors import LoadError
 from ..decoding.tree import build_tree_buffers, expected_tokens_per_step, grow_tree
+from .this_machine import BUSY_SHARE, entry_path, file_stamp, machine_identity, machine_line, with_cpu_share, write_atomic
 
 TUNER_VERSION = 4          # part of the cache key: a change in how trees are measured re-tunes
 CPU_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)             # tree sizes timed, root included: every CPU row costs
@@ -49,17 +46,8 @@ PRUNE_AFTER = 6            # cycles before sizes that cannot win stop being time
 TIMING_BUDGET_S = 45.0
 REPORT_EVERY = 5           # cycles between progress lines
 RUN_STEPS = 16             # steps timed per reply, then it is decoded again from the cached prompt
-# A CPU tuning during which this process got less than this share of its threads' CPU time was
-# measured against other programs (a build, tests, a video call): its choice is used for this start
-# only. The CPU default on 2 cores: quiet 0.99 and 1.00 (plain step 18-21 ms, 2 nodes at 1.23x, 5-6 s);
-# beside a test run 0.54 (plain step 63 ms, "no speedup" chosen and, before this, remembered).
-BUSY_SHARE = 0.75
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-# ISA flags that change which kernels torch and oneDNN run (/proc/cpuinfo names)
-CPU_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-             "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "avx_vnni")
 Progress = Callable[[str], None]
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -145,41 +133,6 @@ class TunedTree:
 
 # ---------------------------------------------------------------- what decides the choice
 
-def machine_identity(device: torch.device) -> dict:
-    """The hardware and software a step's cost depends on."""
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        return {"gpu": props.name, "capability": f"{props.major}.{props.minor}", "memory": props.total_memory,
-                "cuda": torch.version.cuda, "torch": torch.__version__}
-    flags: set[str] = set()
-    name = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                name = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-                break
-    return {"cpu": name, "isa": sorted(f for f in CPU_FLAGS if f in flags), "threads": torch.get_num_threads(),
-            # what torch and oneDNN dispatch to (ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA lower these)
-            "aten_capability": torch.backends.cpu.get_cpu_capability(),
-            "onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()), "torch": torch.__version__}
-
-
-def machine_line(machine: dict) -> str:
-    if "gpu" in machine:
-        return f"{machine['gpu']} (sm_{machine['capability'].replace('.', '')})"
-    return f"{machine['cpu']}, {machine['aten_capability']}, {machine['threads']} threads"
-
-
-def file_stamp(path: Path) -> list:
-    """Identity of the files under ``path`` (name, size, mtime): a changed file changes the key."""
-    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path] if path.is_file() else []
-    return [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
-
-
 def tuning_key(model, heads_dir: Path | None, mode: str, accuracy: Sequence[Sequence[float]],
                sizes: Sequence[int], device: torch.device) -> dict:
     """Everything the choice depends on: machine, torch, model and heads files, mode, accuracies."""
@@ -193,8 +146,7 @@ def tuning_key(model, heads_dir: Path | None, mode: str, accuracy: Sequence[Sequ
 
 def cache_file(key: dict, root: Path) -> Path:
     """One folder per key: the choice and its report (``choice.json``) and the tree (``tree_file``)."""
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    return root / "tuned-trees" / digest / "choice.json"
+    return entry_path(key, root, "tuned-trees", "choice.json")
 
 
 def tree_file(entry: Path) -> Path:
@@ -377,37 +329,6 @@ def tune(model, heads, tokenizer, acc: Sequence[Sequence[float]], accuracy_sourc
                      accuracy=[list(map(float, row)) for row in acc])
 
 
-def with_cpu_share(run: Callable[[], T]) -> tuple[T, float]:
-    """``run()``'s result and the share of the CPU time its threads could use that this process got
-    meanwhile: CPU seconds over wall seconds times usable CPUs (other programs' work lowers it)."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    result = run()
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    return result, cpu / (wall * usable_cpus(torch.get_num_threads())) if wall > 0 else 1.0
-
-
-def usable_cpus(threads: int) -> float:
-    """``threads``, or fewer where a cgroup quota (a container's --cpus) grants less CPU time: there
-    torch still starts a thread per core, and the share must not blame other programs for the quota."""
-    quota = cgroup_cpus()
-    return min(threads, quota) if quota else threads
-
-
-def cgroup_cpus() -> float | None:
-    """The CPUs this process's cgroup quota grants (v2 cpu.max, v1 cfs quota / period); None: no quota."""
-    try:
-        try:
-            quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
-        except FileNotFoundError:
-            quota = Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text().strip()
-            period = Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text().strip()
-        if quota in ("max", "-1"):
-            return None
-        return float(quota) / float(period) if float(period) > 0 else None
-    except (OSError, ValueError):
-        return None       # no cgroup files (not Linux, or hidden): no quota to account for
-
-
 # ---------------------------------------------------------------- remembered
 
 def read_cached(entry: Path, key: dict) -> TunedTree | None:
@@ -425,13 +346,9 @@ def read_cached(entry: Path, key: dict) -> TunedTree | None:
 
 
 def write_cached(entry: Path, key: dict, tuned: TunedTree) -> None:
-    """Write the entry and its tree file, each atomically (two apps starting at once never read half a file)."""
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    for path, text in ((tree_file(entry), json.dumps(tuned.paths) + "\n"),
-                       (entry, json.dumps({"key": key, "result": {**asdict(tuned), "cached": False}}, indent=1) + "\n")):
-        partial = path.with_name(f".{path.name}.{os.getpid()}")
-        partial.write_text(text)
-        os.replace(partial, path)
+    """Write the entry and its tree file, each atomically."""
+    write_atomic(tree_file(entry), json.dumps(tuned.paths) + "\n")
+    write_atomic(entry, json.dumps({"key": key, "result": {**asdict(tuned), "cached": False}}, indent=1) + "\n")
 
 
 def tuned_tree(model, heads, tokenizer, acc: Sequence[Sequence[float]], accuracy_source: str, *, heads_dir: Path | None,
