@@ -33,6 +33,7 @@ from .assets import (CPU_DEFAULT_DIR, CPU_DEFAULT_HEADS, cpu_default_backbone, f
                      is_bundled_heads, is_cpu_default_backbone)
 from .chat_format import stop_token_ids
 from .hub import fetch_first, fetch_snapshot, hub_reachable, local_dir
+from .int4_speed import remembered_speed
 from .memory import memory_report
 from .spec import LoadSpec
 from .policy import CUDA_HEADS, CUDA_MODEL, HEADS_QUANTS, pick_tree, resolve_device, resolve_dtype, resolve_quant
@@ -198,9 +199,14 @@ def load(spec: LoadSpec, progress: Progress | None = None) -> Loaded:
     if quant == "int4":
         try:
             applied, text = cpu_int4.use_int4(model, measured=spec.quant == "auto", trees=files is not None,
-                                              reference=fidelity_reference(tokenizer))
+                                              reference=fidelity_reference(tokenizer),
+                                              speed=lambda: remembered_speed(model, smollm2.cache_root(), spec.retune))
         except ValueError as err:
             raise LoadError(str(err)) from None
+        except OSError as err:
+            raise LoadError(f"could not write int4's measured speed into {smollm2.cache_root()} "
+                            f"({err.strerror or err}): set {smollm2.CACHE_ENV} to a writable directory, or pass "
+                            "--quant int4 or --quant none") from None
         quant, kernel_text = ("int4" if applied else "none"), "; " + text
     if quant == "nf4":
         try:

@@ -21,7 +21,7 @@ which is why only the CPU default uses this mode unless ``--quant int4`` asks fo
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +69,23 @@ class Fidelity:
     def line(self) -> str:
         return (f"on a {self.tokens}-token reference text {100 * self.agreement:.1f}% of next-token argmaxes as "
                 f"fp32's, NLL {self.nll_int4:.4f} vs {self.nll_fp32:.4f}")
+
+
+@dataclass(frozen=True)
+class Speed:
+    """The decoder's and head's matmuls in fp32 against int4 on this CPU (``measure``), and where the
+    figures come from: measured by this start, or remembered from an earlier one (loading/int4_speed.py)."""
+
+    fp32_ms: float
+    int4_ms: float
+    source: str = ""        # the load line's words after the gain: how the figures were had and kept
+
+    @property
+    def gain(self) -> float:
+        return self.fp32_ms / self.int4_ms
+
+    def line(self) -> str:
+        return f"measured {self.gain:.2f}x fp32's matmul speed{self.source}"
 
 
 @torch.no_grad()
@@ -316,14 +333,16 @@ def restore_(replaced: list) -> None:
             setattr(parent, name, original)
 
 
-def use_int4(model: nn.Module, measured: bool, reference: Reference = (), trees: bool = True) -> tuple[bool, str]:
+def use_int4(model: nn.Module, measured: bool, reference: Reference = (), trees: bool = True,
+             speed: Callable[[], Speed] | None = None) -> tuple[bool, str]:
     """Quantize ``model`` (on the CPU) for the int4 kernel -> (applied, one line saying what and why).
     ``measured`` (quant auto): only where the kernels are row-invariant here, int4 is at least
     MIN_GAIN times faster than fp32 and, on the ``reference`` texts, faithful to it (Fidelity);
     otherwise (quant int4) always, saying so when a tree would no longer equal plain decoding.
     The fidelity is measured on this CPU's own kernels (an AVX2 CPU rounds otherwise than an
     AVX-512 one) and reported in the line either way. ``trees`` False (a model loaded without heads):
-    only plain decoding runs, so row invariance is neither required nor mentioned."""
+    only plain decoding runs, so row invariance is neither required nor mentioned. ``speed``: how the
+    gain is had, ``measure`` now by default (the loader remembers it per machine: int4_speed.py)."""
     if not kernel_available():
         if measured:
             return False, f"fp32 matmuls (torch {torch.__version__} has no int4 CPU kernel)"
@@ -339,11 +358,10 @@ def use_int4(model: nn.Module, measured: bool, reference: Reference = (), trees:
     if measured:
         if not exact:
             return False, f"fp32 matmuls ({gap}: trees would not equal plain decoding)"
-        times = measure(model)
-        gain = times["fp32_ms"] / times["int4_ms"]
-        if gain < MIN_GAIN:
-            return False, f"fp32 matmuls (int4 measured {gain:.2f}x fp32's matmul speed here, under {MIN_GAIN}x)"
-        why = f"measured {gain:.2f}x fp32's matmul speed"
+        timed = speed() if speed is not None else Speed(**measure(model))
+        if timed.gain < MIN_GAIN:
+            return False, f"fp32 matmuls (int4 {timed.line()}, under {MIN_GAIN}x)"
+        why = timed.line()
     else:
         why = "asked for"
     fp32 = reference_logits(model, reference) if reference else []

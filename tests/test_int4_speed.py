@@ -1,0 +1,121 @@
+"""The CPU int4 mode's gain, measured once per (model, machine) and remembered (loading/int4_speed.py):
+restarts near cpu_int4.MIN_GAIN must not flip between fp32 and int4, whose greedy answers differ."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tiny import char_tokenizer, tiny_model
+
+from medusa_core.errors import LoadError
+from medusa_core.loading import int4_speed, load as load_module
+from medusa_core.loading.load import load
+from medusa_core.loading.spec import LoadSpec
+from medusa_core.quant import cpu_int4
+
+pytestmark = pytest.mark.skipif(not cpu_int4.kernel_available(), reason="this torch has no int4 CPU kernel")
+
+
+@pytest.fixture
+def timings(monkeypatch) -> list[dict]:
+    """cpu_int4.measure stood in by figures the test queues (each call takes the next); the list keeps
+    what is left, so a test sees how many measurements ran. The CPU is quiet unless a test says not."""
+    queued: list[dict] = []
+    monkeypatch.setattr(cpu_int4, "measure", lambda model: queued.pop(0))
+    monkeypatch.setattr(int4_speed, "with_cpu_share", lambda run: (run(), 1.0))
+    return queued
+
+
+def near_the_line(*gains: float) -> list[dict]:
+    return [{"fp32_ms": round(10.0 * g, 3), "int4_ms": 10.0} for g in gains]
+
+
+def test_the_first_start_measures_and_later_starts_keep_its_choice(timings, tmp_path):
+    model = tiny_model(hidden=64)
+    timings.extend(near_the_line(1.05, 1.2))      # what four QA restarts saw on an emulated AVX2 CPU, in short
+    first = int4_speed.remembered_speed(model, tmp_path)
+    assert round(first.gain, 2) == 1.05 and first.source == int4_speed.KEPT
+    assert len(list((tmp_path / int4_speed.FOLDER).glob(f"*/{int4_speed.NAME}"))) == 1
+    again = int4_speed.remembered_speed(tiny_model(hidden=64), tmp_path)   # the same model, loaded again
+    assert (again.fp32_ms, again.int4_ms) == (first.fp32_ms, first.int4_ms) and again.source == int4_speed.READ
+    assert len(timings) == 1, "the second start read the first one's figures instead of measuring"
+    applied, line = cpu_int4.use_int4(tiny_model(hidden=64), measured=True, trees=False,
+                                      speed=lambda: int4_speed.remembered_speed(model, tmp_path))
+    assert not applied and line == ("fp32 matmuls (int4 measured 1.05x fp32's matmul speed at an earlier start on "
+                                    "this machine, kept until --retune, under 1.1x)")
+
+
+def test_retune_measures_again_and_keeps_the_new_figures(timings, tmp_path):
+    model = tiny_model(hidden=64)
+    timings.extend(near_the_line(1.05, 1.2))
+    int4_speed.remembered_speed(model, tmp_path)
+    retuned = int4_speed.remembered_speed(model, tmp_path, retune=True)
+    assert round(retuned.gain, 2) == 1.2 and not timings
+    assert round(int4_speed.remembered_speed(model, tmp_path).gain, 2) == 1.2
+
+
+def test_another_machine_or_model_measures_for_itself(timings, tmp_path, monkeypatch):
+    timings.extend(near_the_line(1.05, 1.2, 1.3))
+    int4_speed.remembered_speed(tiny_model(hidden=64), tmp_path)
+    other = int4_speed.remembered_speed(tiny_model(hidden=64, layers=3), tmp_path)
+    assert round(other.gain, 2) == 1.2, "another model's config is another key"
+    real = int4_speed.machine_identity
+    # the same CPU with fewer threads, or run with ATEN_CPU_CAPABILITY=avx2, is another machine's cost
+    monkeypatch.setattr(int4_speed, "machine_identity", lambda device: {**real(device), "threads": 1})
+    assert round(int4_speed.remembered_speed(tiny_model(hidden=64), tmp_path).gain, 2) == 1.3 and not timings
+
+
+def test_a_busy_cpus_measurement_is_used_once_and_not_remembered(timings, tmp_path, monkeypatch):
+    timings.extend(near_the_line(0.7, 1.2))
+    monkeypatch.setattr(int4_speed, "with_cpu_share", lambda run: (run(), 0.5))
+    busy = int4_speed.remembered_speed(tiny_model(hidden=64), tmp_path)
+    assert round(busy.gain, 2) == 0.7 and "(this app got 50% of it), so not kept" in busy.source
+    assert not (tmp_path / int4_speed.FOLDER).exists()
+    monkeypatch.setattr(int4_speed, "with_cpu_share", lambda run: (run(), 1.0))
+    assert round(int4_speed.remembered_speed(tiny_model(hidden=64), tmp_path).gain, 2) == 1.2
+
+
+@pytest.mark.parametrize("damage", ["cut short", "not an object", "zero times"])
+def test_a_damaged_entry_is_measured_again(timings, tmp_path, damage):
+    model = tiny_model(hidden=64)
+    timings.extend(near_the_line(1.05, 1.2))
+    int4_speed.remembered_speed(model, tmp_path)
+    entry = next((tmp_path / int4_speed.FOLDER).glob(f"*/{int4_speed.NAME}"))
+    saved = json.loads(entry.read_text())
+    entry.write_text({"cut short": entry.read_text()[:40], "not an object": "[1, 2]",
+                      "zero times": json.dumps({**saved, "fp32_ms": 0, "int4_ms": 0})}[damage])
+    assert round(int4_speed.remembered_speed(model, tmp_path).gain, 2) == 1.2 and not timings
+
+
+@pytest.fixture
+def int4_backbone(tmp_path, monkeypatch):
+    """A tiny checkpoint that quant auto treats as the CPU default (int4 chosen by measurement), in a
+    fresh cache directory."""
+    folder = tmp_path / "backbone"
+    tiny_model(vocab=len(char_tokenizer()), hidden=64).save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(load_module, "resolve_quant", lambda quant, device, **kw: "int4" if quant == "auto" else quant)
+    return folder
+
+
+def test_a_restart_loads_with_the_first_starts_measurement(timings, int4_backbone, tmp_path):
+    timings.extend(near_the_line(1.05, 1.5))
+    first = load(LoadSpec(model=str(int4_backbone), device="cpu"))
+    again = load(LoadSpec(model=str(int4_backbone), device="cpu"))
+    assert len(timings) == 1 and first.description.replace(int4_speed.KEPT, int4_speed.READ) == again.description
+    assert "fp32 matmuls (int4 measured 1.05x" in again.description and int4_speed.READ in again.description
+    retuned = load(LoadSpec(model=str(int4_backbone), device="cpu", retune=True))
+    assert not timings and "measured 1.50x" in retuned.description
+
+
+def test_a_cache_that_cannot_be_written_is_one_line_naming_it(timings, int4_backbone, tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(blocker))
+    timings.extend(near_the_line(1.5))
+    with pytest.raises(LoadError) as err:
+        load(LoadSpec(model=str(int4_backbone), device="cpu"))
+    assert "could not write int4's measured speed into" in str(err.value) and str(blocker) in str(err.value)
+    assert "MEDUSA_CHAT_CACHE" in str(err.value) and "\n" not in str(err.value)
