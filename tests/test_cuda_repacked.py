@@ -8,6 +8,8 @@ step decodes (fp32). Skipped without CUDA: run
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -66,6 +68,31 @@ def test_exact_mode_gives_every_bf16_row_the_bits_it_gets_alone():
     alone = torch.cat([rm.repacked_matmul(x[i:i + 1], w, exact=True) for i in range(64)])
     for m in ROWS[1:]:
         assert torch.equal(rm.repacked_matmul(x[:m], w, exact=True), alone[:m]), f"M={m}"
+
+
+@pytest.mark.parametrize("m", [1, 4, 16, 64])
+def test_the_last_split_sums_the_partials_in_one_launch_to_the_reduce_kernels_bits_on_this_gpu(m):
+    # what the interpreter (one program at a time) cannot show: the arrival counts and the partials' reads
+    # across SMs, at a 7B shape's tile count, eagerly and replayed in a CUDA graph again and again
+    from medusa_core.decoding.graphs import captured
+
+    n, k = 11008, 4096
+    w = rp.repack_bnb([quantized(n, k)])
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=gen)
+    cfg = rm.RepackedConfig(m > 4, rm.row_class(m) if m <= 4 else 16, 64, 8, prefetch=m <= 4)
+    serial = dataclasses.replace(cfg, serial=True)
+    want = rm.repacked_matmul(x, w, bias, config=cfg)
+    for _ in range(20):
+        assert torch.equal(rm.repacked_matmul(x, w, bias, config=serial), want)
+    out = torch.empty_like(want)
+    graph, _ = captured(lambda: out.copy_(rm.repacked_matmul(x, w, bias, config=serial)), torch.device("cuda"))
+    for _ in range(50):
+        out.zero_()
+        graph.replay()
+        assert torch.equal(out, want)
+    assert not w.arrivals.any()
 
 
 def graphed_and_eager(model, tree_spec: str, tokens: int) -> list[list[int]]:

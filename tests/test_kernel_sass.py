@@ -107,7 +107,7 @@ def test_compiles_the_launch_repacked_matmul_makes():
     x = torch.empty(3, 128, dtype=torch.bfloat16, device=meta)
     fn, grid, args, kw, part = rm.kernel_call(x, w, None, torch.empty(3, 32, dtype=torch.bfloat16, device=meta),
                                           rm.RepackedConfig(False, 4, 16, 1), interpret=False)
-    assert fn is rm._repacked_kernel and grid == (1, 2, 1) and part is None and kw["BLOCK_M"] == 4 and args[6:10] == (3, 32, 128, 1)
+    assert fn is rm._repacked_kernel and grid == (1, 2, 1) and part is None and kw["BLOCK_M"] == 4 and args[8:12] == (3, 32, 128, 1)
 
 
 @pytest.mark.skipif(type(nm._add).__name__ == "InterpretedFunction",

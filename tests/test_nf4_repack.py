@@ -135,6 +135,46 @@ def test_looking_up_one_plane_at_a_time_changes_no_bit(n, k, group):
         rm.RepackedConfig(False, 1, 16, 1, plane_lookup=True)
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 16, 33, 64])
+def test_split_k_summed_by_the_last_split_in_the_same_launch_gives_the_reduce_kernels_bits(m):
+    # the same partials added in the same order, then the bias: a tuner may pick either; the arrival counts
+    # are back at zero after every call, so the next call (or graph replay) starts right
+    n, k, group = SHAPES[0]
+    packed, state = quantized(n, k)
+    w = rp.repack_bnb([(packed, state)], group)
+    gen = torch.Generator().manual_seed(m)
+    x, bias = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
+    block_m = rm.row_class(m) if m <= 4 else 16
+    for cfg in (rm.RepackedConfig(m >= 5, block_m, 16, 2, prefetch=m < 5), rm.RepackedConfig(m >= 5, block_m, 32, 3)):
+        two_launches = rm.repacked_matmul(x, w, bias, config=cfg)
+        serial = dataclasses.replace(cfg, serial=True)
+        assert rm.serial_fits(m, w, serial), "the counts cover 64 rows in tiles of 16"
+        for _ in range(2):
+            assert torch.equal(rm.repacked_matmul(x, w, bias, config=serial), two_launches), cfg
+            assert not w.arrivals.any(), "every tile's count is zero again"
+    torch.testing.assert_close(two_launches.double(), reference(x, packed, state, bias), rtol=1e-5, atol=1e-4)
+
+
+def test_the_serial_reduce_is_timed_beside_its_tile_and_left_where_its_counts_cannot_cover_the_rows(monkeypatch):
+    assert any(c.serial for c in rm.candidates(1, 11008, 32, 132))         # the GPU tuner times it
+    assert any(c.serial for c in rm.candidates(16, 11008, 32, 132))
+    assert not any(c.serial for c in rm.candidates(1, 32000, 1, 132)), "one group: no split to sum"
+    with pytest.raises(ValueError, match="serial with split_k >= 2"):
+        rm.RepackedConfig(False, 1, 16, 1, serial=True)
+    n, k, group = SHAPES[0]
+    packed, state = quantized(n, k)
+    w = rp.repack_bnb([(packed, state)], group)
+    assert w.arrivals.shape == (rp.ROW_TILES * 208 // 16,) and w.arrivals.dtype == torch.int32
+    serial = rm.RepackedConfig(True, 16, 16, 2, serial=True)
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(7))          # a prefill: 5 row tiles of 16
+    with pytest.raises(ValueError, match="more tiles than this weight's counts"):
+        rm.repacked_matmul(x, w, config=serial)
+    monkeypatch.setattr(rm, "fast_config", lambda *args: serial)               # as a GPU's tuner may choose
+    assert not rm.choose_config(70, w, x.dtype, x.device, exact=False).serial
+    assert rm.choose_config(16, w, x.dtype, x.device, exact=False).serial
+    torch.testing.assert_close(rm.repacked_matmul(x, w).double(), reference(x, packed, state), rtol=1e-5, atol=1e-4)
+
+
 def test_a_weight_of_eight_scale_blocks_a_group_runs_without_the_prefetch():
     packed, state = quantized(40, 256, blocksize=32)
     w = rp.repack_bnb([(packed, state)], 256)                  # 8 blocks of 32 in a group of 256

@@ -99,13 +99,14 @@ class Launch:
 def repacked_launch(k: int, n: int, m: int, cfg, dtype: torch.dtype = torch.bfloat16, group: int = 128) -> Launch:
     """``repacked_matmul`` of m rows against an (n, k) repacked weight, with ``cfg``."""
     _, rm = _triton_tools()
-    from ..quant.nf4_repack import ROWS as R, RepackedNF4, repacked_nbytes
+    from ..quant.nf4_repack import ROW_TILES, ROWS as R, RepackedNF4, repacked_nbytes
 
     meta = torch.device("meta")
     n_pad, k_pad = -(-n // R) * R, -(-k // group) * group
     w = RepackedNF4(torch.empty(n_pad // R, k_pad // group, R, group // 8, dtype=torch.int32, device=meta),
                     torch.empty(n_pad // R, k_pad // group, R, group // 64, device=meta),
-                    torch.empty(16, device=meta), n, k, 64, group)
+                    torch.empty(16, device=meta), n, k, 64, group,
+                    torch.empty(ROW_TILES * n_pad // R, dtype=torch.int32, device=meta))
     fn, grid, args, kw, _ = rm.kernel_call(torch.empty(m, k, dtype=dtype, device=meta), w, None,
                                            torch.empty(m, n, dtype=dtype, device=meta), cfg, interpret=False)
     return Launch(k, n, m, fn, args, kw, cfg.describe(), grid[0] * grid[1], cfg.block_n, group, 0, cfg.num_warps,

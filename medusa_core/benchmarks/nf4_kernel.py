@@ -169,7 +169,7 @@ def bench_fusion(device: torch.device, l2: int) -> list[dict]:
     from ..quant import nf4_repacked_matmul as rm
 
     def clone(w):
-        return dataclasses.replace(w, words=w.words.clone(), scales=w.scales.clone())
+        return dataclasses.replace(w, words=w.words.clone(), scales=w.scales.clone(), arrivals=w.arrivals.clone())
 
     gen = torch.Generator(device=device).manual_seed(2)
     out = []

@@ -38,6 +38,7 @@ class RepackedNF4Linear(nn.Module):
         self.register_buffer("words", weight.words, persistent=False)
         self.register_buffer("scales", weight.scales, persistent=False)
         self.register_buffer("code", weight.code, persistent=False)
+        self.register_buffer("arrivals", weight.arrivals, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
         self.layout = (weight.n, weight.k, weight.blocksize, weight.group)
         self.in_features, self.out_features = weight.k, weight.n
@@ -49,7 +50,7 @@ class RepackedNF4Linear(nn.Module):
 
     @property
     def packed(self) -> RepackedNF4:
-        return RepackedNF4(self.words, self.scales, self.code, *self.layout)
+        return RepackedNF4(self.words, self.scales, self.code, *self.layout, self.arrivals)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from .nf4_repacked_matmul import repacked_matmul  # Triton only once a model uses this kernel

@@ -28,6 +28,7 @@ import torch
 
 ROWS = 16                      # rows per row group: the kernel's BLOCK_N is a multiple of this
 GROUPS = (128, 256)            # columns per group: G/8 >= 16 so a plane can be an MMA's K
+ROW_TILES = 4                  # row tiles the arrival counts cover: 64 rows in tiles of 16 or more
 
 
 @dataclass(frozen=True, eq=False)
@@ -39,9 +40,14 @@ class RepackedNF4:
     k: int
     blocksize: int             # B
     group: int                 # G
+    # int32 (ROW_TILES * N_pad/16,) zeros between calls: how many split-K programs of each output tile have
+    # stored their partials, for the kernel's serial reduce (nf4_repacked_matmul); each call sets them back
+    arrivals: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
+        """The weight's bytes; the arrival counts are the kernel's workspace, as its split-K partials are
+        (N bytes a weight, 2/K of its codes' bytes)."""
         return self.words.numel() * 4 + self.scales.numel() * 4 + self.code.numel() * 4
 
 
@@ -102,7 +108,8 @@ def repack(codes: torch.Tensor, scales: torch.Tensor, code: torch.Tensor, blocks
     tiled = torch.zeros(n_pad, k_pad // blocksize, dtype=torch.float32, device=codes.device)
     tiled[:n, : k // blocksize] = scales
     tiled = tiled.reshape(n_pad // ROWS, ROWS, k_pad // group, per_group).permute(0, 2, 1, 3).contiguous()
-    return RepackedNF4(words.contiguous(), tiled, code.float().contiguous(), n, k, blocksize, group)
+    arrivals = torch.zeros(ROW_TILES * n_pad // ROWS, dtype=torch.int32, device=codes.device)
+    return RepackedNF4(words.contiguous(), tiled, code.float().contiguous(), n, k, blocksize, group, arrivals)
 
 
 def repack_bnb(weights: list[tuple[torch.Tensor, object]], group: int = 128) -> RepackedNF4:
@@ -151,6 +158,6 @@ def bnb_nbytes(n: int, k: int, blocksize: int = 64, nested: bool = True) -> int:
 
 
 def repacked_nbytes(n: int, k: int, blocksize: int = 64, group: int = 128) -> int:
-    """Bytes of ``repack``'s output for an (n, k) weight (words, scales, table)."""
+    """Bytes of ``repack``'s output for an (n, k) weight (words, scales, table: RepackedNF4.nbytes)."""
     n_pad, k_pad = -(-n // ROWS) * ROWS, -(-k // group) * group
     return n_pad * k_pad // 2 + 4 * n_pad * k_pad // blocksize + 4 * 16

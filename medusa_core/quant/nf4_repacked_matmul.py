@@ -5,7 +5,8 @@ One kernel, three constexpr paths over the same step (one group of G columns of 
   the whole K range; the scale multiplies each block's lane sums (reassociated: one multiply per 64
   values, not per value); the lanes are summed once at the end by a fixed pairwise tree (reshape and
   split, not tl.reduce, whose order depends on the tensor's layout). Split-K over programs, with a
-  deterministic reduce of fp32 partials. With PREFETCH the next group's words and scales are loaded
+  deterministic reduce of fp32 partials: a second kernel, or (``serial``, a tuner candidate) the last split
+  of each output tile to arrive, in the same order, so in the same bits. With PREFETCH the next group's words and scales are loaded
   before this group is computed, so their latency hides behind a group's work (Triton pipelines the
   tensor-core path's loads itself, but not these, which go to registers).
 - tensor cores (DOT True, M >= 5): each plane (BLOCK_N, G/8) is dequantized once, code * scale in
@@ -48,12 +49,12 @@ from .triton_runtime import check_runnable, launchable
 from .nf4_repack import ROWS, RepackedNF4
 
 
-def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr,
-                     M, N, K, KG, stride_xm, stride_om, stride_os, groups_per_split,
+def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, arrivals_ptr,
+                     M, N, K, KG, stride_xm, stride_om, stride_os, stride_sm, groups_per_split,
                      GROUP: tl.constexpr, BLOCKSIZE: tl.constexpr, LOG_LANES: tl.constexpr, DOT: tl.constexpr,
                      HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, DEQUANT_ONLY: tl.constexpr,
                      EVEN_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     PREFETCH: tl.constexpr = False, PLANE_LOOKUP: tl.constexpr = False):
+                     PREFETCH: tl.constexpr = False, PLANE_LOOKUP: tl.constexpr = False, SERIAL: tl.constexpr = False):
     # grid: (M tiles, N tiles, K splits): the M tiles of one weight tile are launched side by side, so
     # past the first they read it from L2. BLOCK_N is a multiple of the 16-row group.
     LANES: tl.constexpr = GROUP // 8                 # words per row per group = columns per plane
@@ -165,8 +166,27 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr,
                 red = a + b
             acc = tl.trans(tl.reshape(red, (BLOCK_M, BLOCK_N)))
         o_ok = n_ok[:, None] & m_ok[None, :]
-        if PARTIAL:   # fp32 partials (splits, M, N); the reduce kernel adds them in order, then the bias
+        if PARTIAL:   # fp32 partials (splits, M, N), added in split order, then the bias: by the reduce kernel,
+            #           or (SERIAL) here by whichever split of this tile stores its partials last
             tl.store(out_ptr + pid_s * stride_os + offs_m[None, :] * N + offs_n[:, None], acc, mask=o_ok)
+            if SERIAL:
+                # every thread's partials stored before the count says so (a barrier, then one thread's
+                # release at GPU scope: CUTLASS's serial split-K semaphore, in Triton's words)
+                tl.debug_barrier()
+                tile = arrivals_ptr + pid_m * tl.num_programs(1) + pid_n
+                arrived = tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu")
+                if arrived == tl.num_programs(2) - 1:
+                    tl.debug_barrier()    # the acquire above precedes every thread's reads below
+                    total = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
+                    for split in range(tl.num_programs(2)):   # the reduce kernel's order: the same bits
+                        # .cg: from L2, where the other SMs' partials are, never a stale line of this SM's L1
+                        total += tl.load(out_ptr + split * stride_os + offs_m[None, :] * N + offs_n[:, None],
+                                         mask=o_ok, other=0, cache_modifier=".cg")
+                    if HAS_BIAS:
+                        total += tl.load(bias_ptr + offs_n, mask=n_ok, other=0).to(tl.float32)[:, None]
+                    tl.store(sum_ptr + offs_m[None, :] * stride_sm + offs_n[:, None],
+                             total.to(sum_ptr.dtype.element_ty), mask=o_ok)
+                    tl.store(tile, 0)     # zero again for the next call (and the next replay of a graph)
         else:
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0).to(tl.float32)[:, None]
@@ -188,17 +208,24 @@ class RepackedConfig:
     # Compiled for sm_90 (kernel_sass, M = 16): 8.5 instructions per weight against 9.6, 64 registers
     # against 96, 8-byte shared stores of the dequantized tile against 2-byte ones, but 33 barriers a
     # group against 19 (Triton refills the table per lookup). Which is faster is the GPU's to measure.
+    serial: bool = False     # split-K: the last split of each output tile to store its partials adds them all
+    # (an atomic arrival count per tile), in place of the reduce kernel: one launch where there were two, and
+    # the same sum in the same order, so the same bits. The configs an H100 tuned for one row (2026-11-27) split
+    # K on the three decoder shapes, so a 1-row step launched a reduce kernel after each of its ~160
+    # projections; what that second launch costs, and the atomics instead, is the GPU's to measure.
 
     def __post_init__(self):
         if self.block_n % ROWS or self.block_m & (self.block_m - 1) or (self.dot and self.block_m < 16) \
-                or (self.dot and self.prefetch) or (self.plane_lookup and not self.dot):
+                or (self.dot and self.prefetch) or (self.plane_lookup and not self.dot) \
+                or (self.serial and self.split_k < 2):
             raise ValueError(f"bad repacked config {self}: block_n a multiple of {ROWS}, block_m a power of two "
-                             "(>= 16 with dot), prefetch for GEMV only, plane_lookup for dot only")
+                             "(>= 16 with dot), prefetch for GEMV only, plane_lookup for dot only, serial with "
+                             "split_k >= 2")
 
     def describe(self) -> str:
         return (f"{'dot' if self.dot else 'gemv'} m{self.block_m} n{self.block_n} split{self.split_k} "
                 f"w{self.num_warps} s{self.num_stages}{' prefetch' if self.prefetch else ''}"
-                f"{' plane' if self.plane_lookup else ''}")
+                f"{' plane' if self.plane_lookup else ''}{' serial' if self.serial else ''}")
 
 
 def _pow2(m: int) -> int:
@@ -266,6 +293,8 @@ def candidates(m: int, n: int, groups: int, sms: int) -> list[RepackedConfig]:
         out.append(RepackedConfig(True, cls, 64, split_for(n, groups, 64, 4 * sms), plane_lookup=True))
         if cls == 16:
             out.append(RepackedConfig(False, 16, 16, split_for(n, groups, 16, 2 * sms), 8, prefetch=True))
+    if first.split_k > 1:   # the default tile with its partials added in the same launch
+        out.append(dataclasses.replace(first, serial=True))
     return list(dict.fromkeys(out))     # two wave targets can give the same split
 
 
@@ -289,7 +318,8 @@ def tune_shape(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
     dense = torch.randn(n, k, device=device, dtype=dtype, generator=gen) * 0.02
     w = repack_bnb([quantize_4bit(dense, blocksize=64, compress_statistics=True, quant_type="nf4")], group)
     del dense
-    copies = [w] + [dataclasses.replace(w, words=w.words.clone(), scales=w.scales.clone())
+    copies = [w] + [dataclasses.replace(w, words=w.words.clone(), scales=w.scales.clone(),
+                                        arrivals=w.arrivals.clone())
                     for _ in range(rotation_count(w.nbytes, props.L2_cache_size) - 1)]
     x = torch.randn(row_class(m), k, device=device, dtype=dtype, generator=gen)
     key = _key(m, n, k, dtype, device, group)
@@ -326,7 +356,17 @@ def choose_config(m: int, w: RepackedNF4, dtype: torch.dtype, device: torch.devi
             fast_config(m, w.n, groups, torch.cuda.get_device_properties(device).multi_processor_count)
     if cfg.prefetch and w.group // w.blocksize > PREFETCH_MAX_SCALES:
         cfg = dataclasses.replace(cfg, prefetch=False)       # a weight of small blocks: the kernel cannot
+    if cfg.serial and not serial_fits(m, w, cfg):
+        # a prefill's rows (class 64's config serves any M above 64) outnumber the arrival counts: the reduce
+        # kernel adds the same partials in the same order, so the result has the same bits
+        cfg = dataclasses.replace(cfg, serial=False)
     return cfg
+
+
+def serial_fits(m: int, w: RepackedNF4, cfg: RepackedConfig) -> bool:
+    """Whether ``w``'s arrival counts cover every output tile of an M-row call with ``cfg``."""
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(w.n, cfg.block_n)
+    return w.arrivals is not None and tiles <= w.arrivals.numel()
 
 
 def repacked_matmul(x: torch.Tensor, w: RepackedNF4, bias: torch.Tensor | None = None, *, exact: bool = False,
@@ -370,13 +410,18 @@ def kernel_call(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: b
     splits = -(-groups // per_split)                              # no empty split
     # partials of a split-K launch: allocated per call, so a CUDA graph keeps them in its pool
     part = torch.empty(splits, m, w.n, dtype=torch.float32, device=x2.device) if splits > 1 else None
+    serial = cfg.serial and part is not None
+    if serial and not serial_fits(m, w, cfg):
+        raise ValueError(f"serial split-K needs an arrival count per output tile: {m} rows of {w.n} outputs with "
+                         f"{cfg.describe()} are more tiles than this weight's counts (choose_config drops serial)")
     has_bias = bias is not None
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(w.n, cfg.block_n), splits)
-    args = (x2, w.words, w.scales, w.code, bias if has_bias else out, part if part is not None else out,
-            m, w.n, w.k, groups, x2.stride(0), out.stride(0), m * w.n, per_split)
+    args = (x2, w.words, w.scales, w.code, bias if has_bias else out, part if part is not None else out, out,
+            w.arrivals if serial else out, m, w.n, w.k, groups, x2.stride(0), out.stride(0), m * w.n,
+            out.stride(0), per_split)
     meta = dict(HAS_BIAS=has_bias, PARTIAL=part is not None, DEQUANT_ONLY=False,
                 PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", BLOCK_M=cfg.block_m,
-                BLOCK_N=cfg.block_n, PREFETCH=cfg.prefetch, PLANE_LOOKUP=cfg.plane_lookup,
+                BLOCK_N=cfg.block_n, PREFETCH=cfg.prefetch, PLANE_LOOKUP=cfg.plane_lookup, SERIAL=serial,
                 **_constexprs(w, cfg.dot, interpret, cfg))
     return _repacked_kernel, grid, args, meta, part
 
@@ -384,7 +429,7 @@ def kernel_call(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: b
 def _launch(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: bool) -> None:
     _, grid, args, meta, part = kernel_call(x2, w, bias, out, cfg, interpret)
     launchable(_repacked_kernel, interpret)[grid](*args, **meta)
-    if part is not None:
+    if part is not None and not meta["SERIAL"]:
         nm.reduce_partials(part, bias, out, interpret)
 
 
@@ -395,7 +440,7 @@ def dequantize_repacked(w: RepackedNF4, block_n: int = 32) -> torch.Tensor:
     out = torch.empty(w.n, w.k, dtype=torch.float32, device=w.words.device)
     groups = -(-w.k // w.group)
     launchable(_repacked_kernel, interpret)[(1, triton.cdiv(w.n, block_n), groups)](
-        out, w.words, w.scales, w.code, out, out, 0, w.n, w.k, groups, 0, out.stride(0), 0, 1,
+        out, w.words, w.scales, w.code, out, out, out, out, 0, w.n, w.k, groups, 0, out.stride(0), 0, 0, 1,
         HAS_BIAS=False, PARTIAL=False, DEQUANT_ONLY=True, PRECISION="ieee", BLOCK_M=1, BLOCK_N=block_n,
         **_constexprs(w, False, interpret, None))
     return out
