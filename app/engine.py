@@ -262,15 +262,16 @@ class ChatEngine:
             return None
         speedup, bound = estimate
         slower = round(speedup, 2) < 1 if not bound else speedup <= 1    # as shown: 0.998 is "1.00x"
+        nodes = len(paths) + 1       # said here too: a typed tree is not in the picker, whose labels count nodes
         if not bound:
             # an average over the tuner's prompts: one prompt may differ far (chain-3, 0.85x here, ran a code
             # prompt at 1.58x), so the title says it is typical, not a promise for this prompt
-            return f"{name} expected {speedup:.2f}x on this machine for a typical prompt" + \
+            return f"{name} ({nodes} nodes) expected {speedup:.2f}x on this machine for a typical prompt" + \
                 (", slower than plain decoding" if slower else "")
         # past the largest tree timed, only a bound is known: it costs at least what that tree did (a 64-node
         # tree "at most 1.00x" read as breaking even; it ran at 0.6-0.9x). Said as "under": an 82-node tree "at
         # most 1.69x" read as better than the tuned 16-node tree's 1.57x, where it is far slower)
-        nodes, largest = len(paths) + 1, max(map(int, tuned.step_ms))
+        largest = max(map(int, tuned.step_ms))
         return (f"{name} expected slower than plain decoding on this machine ({nodes} nodes; under {speedup:.2f}x "
                 f"even at the {largest}-node tree's cost)" if slower
                 else f"{name} expected under {speedup:.2f}x on this machine ({nodes} nodes; {speedup:.2f}x if it cost "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gradio as gr
 
 from medusa_core.decoding.config import number
+from medusa_core.decoding.tree import tree_spelling
 from medusa_core.loading.spec import LoadSpec
 
 from .engine import BASELINE, LABELS, MEDUSA
@@ -43,6 +44,12 @@ def medusa_pane(engine, tree_name: str | None = None) -> dict:
         return gr.update(label=f"{LABELS[MEDUSA] if engine.num_heads else LABELS[BASELINE]} · tree {typed!r} cannot "
                                "run here (Send says why)")
     outlook = engine.outlook(tree_name)
+    name = engine.shown_name(tree_spelling(typed)) if typed else ""
+    if outlook is None and name and name not in {listed for _, listed in engine.tree_choices}:
+        # no estimate (a tree set by --tree, heads without accuracies): still how big the typed tree is,
+        # which the picker's labels say for the listed trees only
+        nodes = len(engine.tree_paths(name)) + 1
+        outlook = f"{name} ({nodes} node{'s' if nodes > 1 else ''})"
     return gr.update(label=engine.medusa_label(tree_name) + (f" · {outlook}" if outlook else ""))
 
 

@@ -344,7 +344,7 @@ def test_the_decoding_settings_survive_a_reload(page):
     # what it is expected to give here (ChatEngine.outlook), once the pick's round trip is back (on a busy CI
     # machine the title was read before it)
     page.wait_for_function("() => document.querySelector('#chat [data-testid=block-label]')?.innerText"
-                           ".includes('cartesian-2x2 expected')", timeout=10_000)
+                           ".includes('cartesian-2x2 (7 nodes) expected')", timeout=10_000)
     title = page.locator("#chat [data-testid=block-label]").inner_text()
     from app.browser_copy import SETTINGS_KEY
 

@@ -215,7 +215,7 @@ def test_where_no_tree_pays_plain_decoding_runs_and_the_page_says_so(checkpoint,
     assert medusa_pane(engine)["label"] == device_bound, "the chat pane's title says it too"
     # the user picks a tree with heads anyway: Medusa runs, and the title and the readout say so
     # ...and the title says beforehand what it is expected to give here: every node costs a step's time
-    assert medusa_pane(engine, "small-8")["label"].startswith("Medusa · small-8 expected 0.")
+    assert medusa_pane(engine, "small-8")["label"].startswith("Medusa · small-8 (9 nodes) expected 0.")
     assert medusa_pane(engine, "small-8")["label"].endswith("on this machine for a typical prompt, slower than plain decoding")
     # a tree larger than any timed: a bound, said as one (a 64-node tree "at most 1.00x" read as breaking even,
     # an 82-node one "at most 1.69x" as better than the tuned tree's 1.57x)
@@ -263,7 +263,7 @@ def test_the_medusa_pane_keeps_its_title_where_a_tree_pays(checkpoint, measured,
     engine = ChatEngine(load(spec(checkpoint)))
     assert not engine.no_speedup and medusa_pane(engine)["label"] == "Medusa"
     assert medusa_pane(None)["label"] == "Medusa"        # no model loaded
-    assert medusa_pane(engine, "chain-2")["label"] == "Medusa · chain-2 expected 1.84x on this machine for a typical prompt"
+    assert medusa_pane(engine, "chain-2")["label"] == "Medusa · chain-2 (3 nodes) expected 1.84x on this machine for a typical prompt"
     big = max(map(int, engine.loaded.tuned.step_ms))
     assert medusa_pane(engine, "cartesian-3x3x3")["label"] == (
         # 1 + 0.75 + 0.75 x 0.55 + 0.75 x 0.55 x 0.45 tokens per step, each step costing the plain one
@@ -281,6 +281,13 @@ def test_heads_without_accuracies_get_a_preset_and_say_how_to_tune(tmp_path, mea
     loaded = load(LoadSpec(model=str(backbone), heads=str(heads), device="cpu"))
     assert measured == [] and loaded.tuned is None
     assert loaded.default_tree == "small-16" and "medusa_core.calibrate" in loaded.tree_note
+    from app.model_panel import medusa_pane
+
+    # no estimate without accuracies, but a typed tree's size, which the picker's labels give listed trees only
+    engine = ChatEngine(loaded)
+    assert all(name != "cartesian-2x2" for _, name in engine.tree_choices)
+    assert medusa_pane(engine, "CARTESIAN-2x02")["label"] == "Medusa · cartesian-2x2 (7 nodes)"
+    assert medusa_pane(engine, "chain-2")["label"] == "Medusa", "listed: its size is in the picker"
 
 
 def test_a_broken_calibration_file_is_one_line(checkpoint, measured):
