@@ -5,10 +5,10 @@ One kernel, three constexpr paths over the same step (one group of G columns of 
   the whole K range; the scale multiplies each block's lane sums (reassociated: one multiply per 64
   values, not per value); the lanes are summed once at the end by a fixed pairwise tree (reshape and
   split, not tl.reduce, whose order depends on the tensor's layout). Split-K over programs, with a
-  deterministic reduce of fp32 partials: a second kernel, or (``serial``, a tuner candidate) the last split
-  of each output tile to arrive, in the same order, so in the same bits. With PREFETCH the next group's words and scales are loaded
-  before this group is computed, so their latency hides behind a group's work (Triton pipelines the
-  tensor-core path's loads itself, but not these, which go to registers).
+  deterministic reduce of fp32 partials: a second kernel, or (``serial``, a tuner candidate) the last
+  split of each output tile to arrive, in the same order, so in the same bits. With PREFETCH the next
+  group's words and scales are loaded before this group is computed, so their latency hides behind a
+  group's work (Triton pipelines the tensor-core path's loads itself, but not these, which go to registers).
 - tensor cores (DOT True, M >= 5): each plane (BLOCK_N, G/8) is dequantized once, code * scale in
   fp32 cast to x's dtype as bitsandbytes casts its dequantized weight, and enters ``tl.dot`` as the
   tall operand against x.T (G/8, BLOCK_M): every weight tile is decoded once for all the rows.
