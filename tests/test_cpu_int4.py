@@ -179,7 +179,7 @@ def int4_loaded(tmp_path_factory):
 
 
 def test_quant_int4_loads_and_says_so(int4_loaded):
-    assert "int4 weights (group 32) with bf16 matmuls, bf16 lm_head, row-exact attention" in int4_loaded.description
+    assert "int4 weights (group 32) with bf16 matmuls, bf16 lm_head and row-exact attention: asked for" in int4_loaded.description
     assert int4_loaded.model.config._attn_implementation == exact_attention.NAME
     assert "asked for" in int4_loaded.description
 

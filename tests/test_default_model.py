@@ -272,3 +272,22 @@ def test_a_cache_folder_named_from_home_is_expanded(monkeypatch, tmp_path):
     monkeypatch.delenv(smollm2.CACHE_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", "~/xdg")
     assert smollm2.cache_root() == tmp_path / "xdg" / "medusa-chat"
+
+
+def test_a_cache_that_cannot_be_written_names_the_path_and_says_a_file_is_in_the_way(monkeypatch, tmp_path):
+    """QA: MEDUSA_CHAT_CACHE naming a file gave "(File exists)", and a file inside the cache folder where a
+    folder goes gave "(Not a directory)" beside the cache folder's own name: both read as a wrong cache folder."""
+    from medusa_core.loading.assets import cpu_default_backbone
+
+    a_file = tmp_path / "cachefile"
+    a_file.write_text("hi")
+    monkeypatch.setenv(smollm2.CACHE_ENV, str(a_file))
+    if importlib.util.find_spec(smollm2.PACKAGE) is not None:       # the conversion's own write, end to end
+        with pytest.raises(LoadError) as err:
+            cpu_default_backbone()
+        assert str(err.value) == (f"could not write the converted {smollm2.NAME}: {a_file} is a file, not a folder: "
+                                  f"move it away, or set {smollm2.CACHE_ENV} to a writable directory")
+    denied = PermissionError(13, "Permission denied", str(tmp_path / "tuned-trees"))
+    assert smollm2.cache_write_failed("the tuned tree", denied, "or pass --tree") == (
+        f"could not write the tuned tree into {tmp_path} (Permission denied): set {smollm2.CACHE_ENV} to a writable "
+        "directory, or pass --tree")

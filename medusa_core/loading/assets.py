@@ -32,8 +32,7 @@ def cpu_default_backbone() -> Path:
     except ImportError as err:            # transformers reads GGUF files through the gguf package
         raise LoadError(f"converting {smollm2.NAME} needs the gguf package ({err}): run `pip install gguf`") from None
     except OSError as err:
-        raise LoadError(f"could not write the converted {smollm2.NAME} into {smollm2.cache_root()} "
-                        f"({err.strerror or err}): set {smollm2.CACHE_ENV} to a writable directory") from None
+        raise LoadError(smollm2.cache_write_failed(f"the converted {smollm2.NAME}", err)) from None
 
 
 def is_cpu_default_backbone(path: Path | None) -> bool:

@@ -5,13 +5,19 @@ Why: ``--quant auto`` takes int4 only where it measures at least cpu_int4.MIN_GA
 speed, and on some CPUs the gain sits near that line. On an emulated AVX2 CPU four starts measured
 1.05x, 1.1x, 1.2x and 1.2x (QA, 2026-11-27): the first ran fp32, the others int4, and the two modes
 give different greedy answers, so the same question got another answer after a restart. The first
-quiet measurement now decides for this machine until ``--retune``. One taken while other programs
-used the CPU is used for that start only (this_machine.BUSY_SHARE), as a tuned tree is.
+measurement now decides for this machine until ``--retune``.
+
+A measurement taken while other programs used the CPU (this_machine.BUSY_SHARE) is skewed, and not
+only noisy: on that AVX2 CPU busy starts measured 0.96-0.99x where quiet ones measured 1.21x (QA).
+So it is kept as provisional: later starts keep using it, measure again, and replace it by the first
+quiet measurement (one change of mode at most, where the busy figure chose otherwise). A busy
+measurement never replaces a quiet one, not even under ``--retune``.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,9 +28,24 @@ from .this_machine import BUSY_SHARE, entry_path, file_stamp, machine_identity, 
 
 SPEED_VERSION = 1        # part of the key: a change in how cpu_int4.measure times re-measures
 FOLDER, NAME = "int4-speed", "speed.json"
-# how the load line goes on after "measured 1.28x fp32's matmul speed"
-KEPT = ", kept for this machine until --retune"
-READ = " at an earlier start on this machine, kept until --retune"
+# how the load line goes on after "1.28x fp32's matmul speed, "
+FRESH = "measured now and kept for this machine until --retune"
+READ = "measured at an earlier start on this machine and kept until --retune"
+BUSY = "measured while other programs used the CPU, this app getting {share:.0%} of it"
+PROVISIONAL = "kept until a start on a quiet CPU measures again"
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What the cache holds for a key: the figures and the CPU share they were measured with."""
+
+    fp32_ms: float
+    int4_ms: float
+    cpu_share: float
+
+    @property
+    def quiet(self) -> bool:
+        return self.cpu_share >= BUSY_SHARE
 
 
 def speed_key(model) -> dict:
@@ -35,7 +56,7 @@ def speed_key(model) -> dict:
             "model_files": file_stamp(Path(source)) if source and Path(source).exists() else []}
 
 
-def read_speed(entry: Path, key: dict) -> Speed | None:
+def read_kept(entry: Path, key: dict) -> Kept | None:
     """The remembered figures for ``key``; None where there are none, or for another key, or damaged."""
     if not entry.is_file():
         return None
@@ -43,24 +64,30 @@ def read_speed(entry: Path, key: dict) -> Speed | None:
         saved = json.loads(entry.read_text())
         if not isinstance(saved, dict) or saved.get("key") != key:
             return None
-        fp32_ms, int4_ms = float(saved["fp32_ms"]), float(saved["int4_ms"])
+        kept = Kept(float(saved["fp32_ms"]), float(saved["int4_ms"]), float(saved["cpu_share"]))
     except (ValueError, TypeError, KeyError):
         return None          # an interrupted write of an older version: measured again
-    return Speed(fp32_ms, int4_ms, READ) if fp32_ms > 0 and int4_ms > 0 else None
+    return kept if kept.fp32_ms > 0 and kept.int4_ms > 0 else None
 
 
 def remembered_speed(model, cache_root: Path, retune: bool = False) -> Speed:
-    """The gain for ``model`` on this machine: read from ``cache_root`` if measured before (and not
-    ``retune``), otherwise measured now and written there unless the CPU was busy. OSError: the cache
-    could not be written (the loader names the directory and the fix)."""
+    """The gain for ``model`` on this machine (see the module docstring for which figure wins). OSError:
+    the cache could not be written (the loader names the path and the fix)."""
     key = speed_key(model)
     entry = entry_path(key, cache_root, FOLDER, NAME)
-    kept = None if retune else read_speed(entry, key)
-    if kept is not None:
-        return kept
+    kept = read_kept(entry, key)
+    if kept is not None and kept.quiet and not retune:
+        return Speed(kept.fp32_ms, kept.int4_ms, READ)
     times, share = with_cpu_share(lambda: cpu_int4.measure(model))
-    if share < BUSY_SHARE:
-        return Speed(times["fp32_ms"], times["int4_ms"],
-                     f" while other programs used the CPU (this app got {share:.0%} of it), so not kept")
+    gain = times["fp32_ms"] / times["int4_ms"]
+    if share < BUSY_SHARE and kept is not None and (kept.quiet or not retune):
+        if kept.quiet:        # --retune on a busy CPU
+            return Speed(kept.fp32_ms, kept.int4_ms,
+                         f"measured at an earlier start on a quiet CPU and kept: this --retune measured {gain:.2f}x "
+                         f"while other programs used the CPU, this app getting {share:.0%} of it, and did not keep it")
+        return Speed(kept.fp32_ms, kept.int4_ms,
+                     f"measured at an earlier start while other programs used the CPU and {PROVISIONAL}; this start "
+                     f"was busy too ({gain:.2f}x, this app getting {share:.0%} of the CPU)")
     write_atomic(entry, json.dumps({"key": key, **times, "cpu_share": round(share, 3)}, indent=1) + "\n")
-    return Speed(times["fp32_ms"], times["int4_ms"], KEPT)
+    return Speed(times["fp32_ms"], times["int4_ms"], FRESH if share >= BUSY_SHARE else f"{BUSY.format(share=share)}: "
+                                                                                       f"{PROVISIONAL}")

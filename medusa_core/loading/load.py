@@ -204,9 +204,8 @@ def load(spec: LoadSpec, progress: Progress | None = None) -> Loaded:
         except ValueError as err:
             raise LoadError(str(err)) from None
         except OSError as err:
-            raise LoadError(f"could not write int4's measured speed into {smollm2.cache_root()} "
-                            f"({err.strerror or err}): set {smollm2.CACHE_ENV} to a writable directory, or pass "
-                            "--quant int4 or --quant none") from None
+            raise LoadError(smollm2.cache_write_failed("int4's measured speed", err,
+                                                       "or pass --quant int4 or --quant none")) from None
         quant, kernel_text = ("int4" if applied else "none"), "; " + text
     if quant == "nf4":
         try:

@@ -165,6 +165,5 @@ def pick_tree(spec: LoadSpec, model, tokenizer, heads: MedusaHeads | None, heads
                                       mode=tuning_mode(spec, model, device, quant, dtype), cache_root=smollm2.cache_root(),
                                       retune=spec.retune, progress=progress)
     except OSError as err:
-        raise LoadError(f"could not write the tuned tree into {smollm2.cache_root()} ({err.strerror or err}): "
-                        f"set {smollm2.CACHE_ENV} to a writable directory, or pass --tree") from None
+        raise LoadError(smollm2.cache_write_failed("the tuned tree", err, "or pass --tree")) from None
     return (str(tree_file) if tuned.pays else "baseline"), tuned.line(), tuned

@@ -54,6 +54,19 @@ def cache_root() -> Path:
     return Path(base).expanduser() / "medusa-chat"
 
 
+def cache_write_failed(what: str, err: OSError, also: str = "") -> str:
+    """One line for a write into the cache that failed: the path that failed, why, and the fix (``also``: other
+    ways out, e.g. "or pass --tree"). A file standing where a folder goes is named as that, not by the error's
+    own words ("File exists", "Not a directory": QA read them as saying the cache directory was wrong)."""
+    failed = Path(err.filename) if isinstance(err.filename, str) else cache_root()
+    blocker = next((p for p in (failed, *failed.parents) if p.exists() and not p.is_dir()), None)
+    fix = f"set {CACHE_ENV} to a writable directory{', ' + also if also else ''}"
+    if blocker is not None:
+        return f"could not write {what}: {blocker} is a file, not a folder: move it away, or {fix}"
+    folder = failed if failed.is_dir() else failed.parent      # the folder it could not write in
+    return f"could not write {what} into {folder} ({err.strerror or err}): {fix}"
+
+
 def _stamp(source: Path) -> dict:
     stat = source.stat()
     return {"source": str(source), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}

@@ -78,14 +78,15 @@ class Speed:
 
     fp32_ms: float
     int4_ms: float
-    source: str = ""        # the load line's words after the gain: how the figures were had and kept
+    source: str = "measured now"    # the load line's words after the gain: how the figures were had and kept
 
     @property
     def gain(self) -> float:
         return self.fp32_ms / self.int4_ms
 
-    def line(self) -> str:
-        return f"measured {self.gain:.2f}x fp32's matmul speed{self.source}"
+    def line(self, verdict: str = "") -> str:
+        """``verdict`` goes beside the gain, before where it comes from."""
+        return f"{self.gain:.2f}x fp32's matmul speed{verdict}, {self.source}"
 
 
 @torch.no_grad()
@@ -360,7 +361,7 @@ def use_int4(model: nn.Module, measured: bool, reference: Reference = (), trees:
             return False, f"fp32 matmuls ({gap}: trees would not equal plain decoding)"
         timed = speed() if speed is not None else Speed(**measure(model))
         if timed.gain < MIN_GAIN:
-            return False, f"fp32 matmuls (int4 {timed.line()}, under {MIN_GAIN}x)"
+            return False, f"fp32 matmuls (int4 at {timed.line(f', under the {MIN_GAIN}x it needs')})"
         why = timed.line()
     else:
         why = "asked for"
@@ -381,5 +382,5 @@ def use_int4(model: nn.Module, measured: bool, reference: Reference = (), trees:
         why += (f"; {gap}" if not exact else "") + ", so trees may differ from plain decoding"
     head_text = f" ({head_rows} rows per call: row-invariant up to there on this CPU)" \
         if head_rows < HEAD_ROWS_PER_CALL[0] else ""
-    return True, (f"int4 weights (group {GROUP}) with bf16 matmuls, bf16 lm_head{head_text}, row-exact attention "
-                  f"({why})")
+    # the reasons after a colon, not in brackets: read as the attention's detail there (QA)
+    return True, f"int4 weights (group {GROUP}) with bf16 matmuls, bf16 lm_head{head_text} and row-exact attention: {why}"
