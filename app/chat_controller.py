@@ -25,6 +25,8 @@ from .transcript import export_folder, from_saved, saved_compare, saved_system, 
 WAITING_FOR_LOAD = "waiting for the model to load: the answer starts once it is ready (Stop gives the message back)"
 # a Stop pressed while the request waited for the tab's previous answer to end (Session.start_request)
 STOPPED_BEFORE_START = "stopped before it started"
+# the status line between Send and the first token (QA: a bare "Starting…" read as the app or model restarting)
+ANSWER_STARTING = "Starting the answer…"
 CANCELLED = "stopped: the request was cancelled"   # a script's job.cancel(): Gradio closed the handler
 INTERRUPTED = "the page was reloaded before this answer finished: press Regenerate to answer it"
 NOT_COMPARED = "plain decoding did not answer this message (compare was off): Medusa's answer is in its pane"
@@ -242,7 +244,7 @@ class ChatController:
         session.turns.append(turn)
         pending = (READOUT_PENDING, READOUT_PENDING if compare else "")
         try:
-            yield self.views(session, None, None, "", "Starting…", "", blank=pending)
+            yield self.views(session, None, None, "", ANSWER_STARTING, "", blank=pending)
         except GeneratorExit:    # cancelled before its first update: the message stays, saying so, as in _stream
             turn.note = " · ".join(filter(None, [turn.note, CANCELLED]))
             raise

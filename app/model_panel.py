@@ -147,7 +147,11 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
         # change this page saw: on a phone the line at the top is far out of view, and a failed Load showed
         # nothing where the user pressed it
         under = first_paragraph(state.line) if shown is not None else gr.update()
-        updates = {"status": state.line, "model_status": under,
+        # a page opened after another tab's Load failed beside the model that stayed: that model's Ready line (QA:
+        # every new visitor's first sight was a red error about a model they never asked for); tabs open then
+        # saw the failure as it happened, the one that pressed Load under its button too
+        opened_after = shown is None and state.error is not None and state.ready_line
+        updates = {"status": state.ready_line if opened_after else state.line, "model_status": under,
                    "note": gr.update(visible=cpu_default, **({"value": note} if note else {})),
                    "send": gr.update(interactive=engine is not None and not loading),
                    "timer": gr.Timer(active=loading), "shown_version": now}

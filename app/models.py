@@ -109,6 +109,7 @@ class SlotState:
     engine_version: int       # changes only when the engine is replaced (a load that fails keeps it)
     engine: ChatEngine | None = None   # the engine of that version, read in the same snapshot
     error: str | None = None           # why the last load failed (the model before it may still be loaded)
+    ready_line: str = ""               # the loaded model's Ready line, also while ``line`` says a switch failed
 
 
 def _size(nbytes: float) -> str:
@@ -175,7 +176,8 @@ class ModelSlot:
                 got = sum(downloaded(s) for s in (self._loading.model, self._loading.heads))
                 line += f" {time.perf_counter() - self._started:.0f} s"
                 line += f" · downloaded {_size(got)}" if got else ""
-            return SlotState(self._phase, line, self._version, self._engine_version, self.engine, self._error)
+            return SlotState(self._phase, line, self._version, self._engine_version, self.engine, self._error,
+                             self._ready_line if self.engine is not None else "")
 
     def _set(self, phase: str, line: str, engine: ChatEngine | None = None, replace_engine: bool = False,
              error: str | None = None) -> None:

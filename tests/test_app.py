@@ -121,7 +121,7 @@ def test_a_new_answer_does_not_show_the_last_ones_figures_before_its_own(client)
     _, (_, _, first, *_rest) = ask(client, "first question")
     assert "tokens/s" in first
     outputs, (_, _, readout, base_readout, *_rest) = ask(client, "second question", compare=True)
-    starting = next(o for o in outputs if o[5] == "Starting…")
+    starting = next(o for o in outputs if o[5] == "Starting the answer…")
     assert starting[2] == READOUT_PENDING and starting[3] == READOUT_PENDING
     assert "tokens/s" in readout and "tokens/s" in base_readout and READOUT_PENDING not in readout
 
@@ -724,7 +724,7 @@ def test_an_answer_whose_request_is_cancelled_stays_in_the_next_prompt(model_dir
     # cancelled at its "Starting…", before its first update: the message stays with the same note (it was
     # a bare user turn, as if still being answered)
     answer = chat.run(session, "second", "", False, dict(mode="greedy", max_new_tokens=200, tree="baseline"))
-    assert next(o for o in answer if o[5] == "Starting…")
+    assert next(o for o in answer if o[5] == "Starting the answer…")
     answer.close()
     turn = session.turns[-1]
     assert (turn.user, turn.reply, turn.note) == ("second", None, "stopped: the request was cancelled")

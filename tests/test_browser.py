@@ -503,7 +503,7 @@ def test_a_tab_whose_heartbeat_dropped_answers_its_next_message(browser, tiny_di
             page.close()
 
 
-def test_a_failed_load_keeps_the_decoding_settings(page):
+def test_a_failed_load_keeps_the_decoding_settings(page, browser):
     """Loading a model that fails leaves the previous model, and the user's mode and tree, as they were."""
     pick_greedy(page)
     tree = page.locator("#tree input")
@@ -531,6 +531,16 @@ def test_a_failed_load_keeps_the_decoding_settings(page):
     assert page.locator("#model-status").inner_text().strip() == status.split("\n")[0].strip()
     assert page.locator("input[value=greedy]").is_checked()
     assert tree.input_value().startswith("chain-2")
+    # a page opened now (another user, another tab) shows the model that is loaded, not this tab's failed Load
+    other = browser.new_page(viewport={"width": 1400, "height": 1000})   # a new visitor: its own storage
+    try:
+        other.goto(page.url, wait_until="load")
+        other.wait_for_function(READY, timeout=60_000)
+        assert other.locator("#status").inner_text().strip().startswith("Ready"), other.locator("#status").inner_text()
+        assert "does not exist" not in other.locator("#status").inner_text()
+    finally:
+        other.close()
+    assert "does not exist" in page.locator("#status").inner_text(), "this tab still says what its Load did"
     # Load again with the field emptied: refused at once, and the old failure leaves the status line
     page.locator("#model-id textarea, #model-id input").first.fill("")
     page.locator("#load-model").click()
