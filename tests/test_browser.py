@@ -591,13 +591,22 @@ def test_turning_compare_on_keeps_the_panes_at_their_newest_answer_and_their_tit
 
 def test_the_readout_fits_a_phone(page):
     """At 390 px the readout's four columns fit the pane: its last column was cut by 12 px, with no sign
-    that the table scrolled."""
+    that the table scrolled. So does the accepted-per-step bar of a long answer (QA: its 40 steps ran past
+    the pane's edge, cut off)."""
     page.set_viewport_size({"width": 390, "height": 844})
-    send(page, "Name a colour.")
+    pick_greedy(page)
+    set_max_new(page, 72)                       # over 40 steps: the bar at its full length
+    send(page, "Write a story about a dragon who learns to cook.")
     shoot(page, "phone.png")
     widths = page.evaluate("() => { const pane = document.querySelector('#readout'), table = pane.querySelector('table');"
                            " return [pane.clientWidth, table.scrollWidth]; }")
     assert widths[1] <= widths[0], f"the table is {widths[1]} px wide in a {widths[0]} px pane"
+    bar = page.evaluate("() => { const pane = document.querySelector('#readout'),"
+                        " code = [...pane.querySelectorAll('code')].pop();"
+                        " return [pane.getBoundingClientRect().right, code.getBoundingClientRect().right,"
+                        " code.innerText.length]; }")
+    assert bar[2] >= 30, f"the bar has {bar[2]} steps: too short to test"
+    assert bar[1] <= bar[0] + 1, f"the bar ends at {bar[1]:.0f} px, past the pane's edge at {bar[0]:.0f} px"
 
 
 def test_bin_icon_clears_the_conversation(page):
