@@ -19,6 +19,7 @@ exactness.json --json docs/perf/h100.json``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -40,6 +41,13 @@ class Stage:
     what: str
     module: str                 # run as `python -m module *args`
     args: tuple[str, ...]       # "{out}" stands for the output folder
+    workers: int = 0            # pytest: test processes side by side, where pytest-xdist is installed (carried)
+
+
+# The CUDA tests' 242 s on the H100 (2026-11-27) were one process: three tests took 64, 64 and 43 s, the
+# fast mode's tuner among them compiling its candidates one after another, and the GPU machine has 16 cores.
+# Side by side the stage should take about its longest test plus the workers' start (not yet measured).
+TEST_WORKERS = 4
 
 
 # In order of value (docs/performance.md, "Issue 22 on a GPU"). The H100 run of 2026-11-27 measured the
@@ -52,7 +60,7 @@ class Stage:
 STAGES = (
     Stage("cuda-tests", "the CUDA tests: the repacked kernel, the Triton norms and the graphed step on a GPU",
           "pytest", ("-q", "-p", "no:cacheprovider", "tests/test_cuda_repacked.py", "tests/test_cuda_graphs.py",
-                     "--junitxml={out}/cuda_tests.xml")),
+                     "--junitxml={out}/cuda_tests.xml"), workers=TEST_WORKERS),
     Stage("step", "the 7B NF4 step as the app routes it, with transformers' norms, and in exact mode",
           "medusa_core.bench_synthetic",
           ("--quant", "nf4", "--nf4-kernel", "auto", "repacked-exact", "--norm-kernel", "auto", "torch",
@@ -83,7 +91,8 @@ class StageResult:
 
 
 def command_of(stage: Stage, out: Path) -> list[str]:
-    return [sys.executable, "-m", stage.module, *(a.replace("{out}", str(out)) for a in stage.args)]
+    workers = ["-n", str(stage.workers)] if stage.workers and importlib.util.find_spec("xdist") is not None else []
+    return [sys.executable, "-m", stage.module, *workers, *(a.replace("{out}", str(out)) for a in stage.args)]
 
 
 def run_stage(command: list[str], log: Path, seconds: float, grace_s: float = STOP_GRACE_S) -> tuple[int, bool]:
