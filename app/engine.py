@@ -45,6 +45,11 @@ STOP_HINT = " (Stop works meanwhile)"     # for the page; an API client has no S
 TYPED_TREES = 8        # typed-in trees kept beside the listed ones (each holds its masks and buffers)
 
 
+def tree_label(name: str, nodes: int) -> str:
+    """How the tree picker lists a tree: its name and node count."""
+    return f"{name} ({nodes} node{'s' if nodes > 1 else ''})"
+
+
 @dataclass(frozen=True)
 class Update:
     """One streamed state of a request. ``queued`` > 0: waiting, that many requests ahead."""
@@ -201,8 +206,16 @@ class ChatEngine:
                 continue  # a preset deeper than the loaded heads: not offered
             self._specs.setdefault(spec, spec)
         self._specs.setdefault("baseline", "baseline")
-        return [(f"{name} ({self.tree(spec).size} node{'s' if self.tree(spec).size > 1 else ''})", name)
-                for name, spec in self._specs.items()]
+        return [(tree_label(name, self.tree(spec).size), name) for name, spec in self._specs.items()]
+
+    def typed_choice(self, tree_name: str | None) -> tuple[str, str] | None:
+        """(label with node count, name) of a tree typed in the picker that these heads can run and the list
+        lacks, as the listed ones are labelled (QA: a typed tree showed without its size); None otherwise."""
+        name = self.shown_name(tree_spelling(tree_name)) if isinstance(tree_name, str) and tree_name.strip() else ""
+        if not name or name in {listed for _, listed in self.tree_choices}:
+            return None
+        paths = self.tree_paths(name)
+        return (tree_label(name, len(paths) + 1), name) if paths is not None else None
 
     def shown_name(self, name: str) -> str:
         """The listed name of tree ``name``: a tree file read at start is listed as tree_name gives it,

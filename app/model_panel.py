@@ -7,7 +7,6 @@ from __future__ import annotations
 import gradio as gr
 
 from medusa_core.decoding.config import number
-from medusa_core.decoding.tree import tree_spelling
 from medusa_core.loading.spec import LoadSpec
 
 from .engine import BASELINE, LABELS, MEDUSA
@@ -44,13 +43,19 @@ def medusa_pane(engine, tree_name: str | None = None) -> dict:
         return gr.update(label=f"{LABELS[MEDUSA] if engine.num_heads else LABELS[BASELINE]} · tree {typed!r} cannot "
                                "run here (Send says why)")
     outlook = engine.outlook(tree_name)
-    name = engine.shown_name(tree_spelling(typed)) if typed else ""
-    if outlook is None and name and name not in {listed for _, listed in engine.tree_choices}:
-        # no estimate (a tree set by --tree, heads without accuracies): still how big the typed tree is,
-        # which the picker's labels say for the listed trees only
-        nodes = len(engine.tree_paths(name)) + 1
-        outlook = f"{name} ({nodes} node{'s' if nodes > 1 else ''})"
+    typed_choice = engine.typed_choice(typed)
+    if outlook is None and typed_choice is not None:
+        outlook = typed_choice[0]   # no estimate (a tree set by --tree, heads without accuracies): still its size
     return gr.update(label=engine.medusa_label(tree_name) + (f" · {outlook}" if outlook else ""))
+
+
+def tree_picker(engine, tree_name: str | None) -> dict:
+    """The picker's choices for ``engine``, with a typed tree ``tree_name`` labelled by its node count and shown
+    by its name as the list spells it (CHAIN-03 is chain-3)."""
+    typed = engine.typed_choice(tree_name)
+    if typed is None:
+        return gr.update(choices=engine.tree_choices)
+    return gr.update(choices=[*engine.tree_choices, typed], value=typed[1])
 
 
 MAX_STATUS_WAIT_S = 600    # the longest /model_status waits for a load (a hub download can take longer: ask again)
@@ -114,6 +119,7 @@ def with_kept(updates: dict, values: dict, engine) -> dict:
             updates[name] = {**updates.get(name, gr.update()), "interactive": on}
     if "tree" in values:
         updates["pane"] = medusa_pane(engine, values["tree"])
+        updates["tree"] = {**updates["tree"], **tree_picker(engine, values["tree"])}   # a kept typed tree's size
     return updates
 
 
@@ -252,6 +258,10 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
                                  concurrency_limit=None)
     page.controls["tree"].change(lambda tree: medusa_pane(slot.engine, tree), [page.controls["tree"]], [page.chat],
                                  api_name=False, concurrency_limit=None, show_progress="hidden")
+    # a tree typed in: listed with its size (on input only: the update would otherwise trigger itself)
+    page.controls["tree"].input(lambda tree: tree_picker(slot.engine, tree) if slot.engine is not None else gr.update(),
+                                [page.controls["tree"]], [page.controls["tree"]], api_name=False,
+                                concurrency_limit=None, show_progress="hidden")
     # the browser keeps the decoding controls as the user sets them (a model's defaults are not the user's
     # choice; the page's load puts them back: kept_values); raw values, as the controls hold them.
     # "always_last": each copy holds every control, so an older copy must never land after a newer one

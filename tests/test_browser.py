@@ -264,6 +264,20 @@ def pick_tree(page, name: str) -> None:
                            timeout=10_000)
 
 
+def test_a_typed_tree_is_listed_with_its_node_count(page):
+    """QA: the picker labels its trees with their node counts, and a tree typed in showed its bare name."""
+    box = page.locator("#tree input")
+    box.fill("CARTESIAN-3x03")
+    box.press("Enter")
+    page.wait_for_function("() => document.querySelector('#tree input')?.value === 'cartesian-3x3 (13 nodes)'",
+                           timeout=10_000)
+    page.wait_for_function("() => document.querySelector('#chat [data-testid=block-label]')?.innerText"
+                           ".includes('cartesian-3x3 (13 nodes)')", timeout=10_000)
+    shoot(page, "typed_tree.png")
+    send(page, "Hi")
+    assert "tree cartesian-3x3 (13 nodes)" in page.locator("#readout").inner_text().replace("\n", " ")
+
+
 def test_colouring_shows_spans_and_no_tag_text(page):
     """Issue #13.1: a code answer (an indented or fenced block) gets spans, never tag text."""
     pick_greedy(page)
