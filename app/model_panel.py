@@ -43,8 +43,7 @@ def medusa_pane(engine, tree_name: str | None = None) -> dict:
         return gr.update(label=f"{LABELS[MEDUSA] if engine.num_heads else LABELS[BASELINE]} · tree {typed!r} cannot "
                                "run here (Send says why)")
     outlook = engine.outlook(tree_name)
-    typed_choice = engine.typed_choice(typed)
-    if outlook is None and typed_choice is not None:
+    if outlook is None and (typed_choice := engine.typed_choice(typed)) is not None:
         outlook = typed_choice[0]   # no estimate (a tree set by --tree, heads without accuracies): still its size
     return gr.update(label=engine.medusa_label(tree_name) + (f" · {outlook}" if outlook else ""))
 

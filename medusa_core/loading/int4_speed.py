@@ -89,5 +89,5 @@ def remembered_speed(model, cache_root: Path, retune: bool = False) -> Speed:
                      f"measured at an earlier start while other programs used the CPU and {PROVISIONAL}; this start "
                      f"was busy too ({gain:.2f}x, this app getting {share:.0%} of the CPU)")
     write_atomic(entry, json.dumps({"key": key, **times, "cpu_share": round(share, 3)}, indent=1) + "\n")
-    return Speed(times["fp32_ms"], times["int4_ms"], FRESH if share >= BUSY_SHARE else f"{BUSY.format(share=share)}: "
-                                                                                       f"{PROVISIONAL}")
+    source = FRESH if share >= BUSY_SHARE else f"{BUSY.format(share=share)}: {PROVISIONAL}"
+    return Speed(times["fp32_ms"], times["int4_ms"], source)

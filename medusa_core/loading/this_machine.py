@@ -4,7 +4,8 @@ Choices made by timing (the tree, the CPU's int4 mode) hold for the machine that
 another CPU, another ISA that torch dispatches to, another thread count or another torch changes the
 costs. Each is remembered in the user's cache under a key that names this machine (``machine_identity``)
 and everything else it depends on, and measured again where the key differs. A measurement made while
-other programs used the CPU (``with_cpu_share`` under BUSY_SHARE) is used for that start only.
+other programs used the CPU (``with_cpu_share`` under BUSY_SHARE) is not trusted as one made on a quiet
+CPU: a tree measured so is used for that start only, int4's gain is kept as provisional (int4_speed.py).
 """
 
 from __future__ import annotations
