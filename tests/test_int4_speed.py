@@ -119,6 +119,9 @@ def int4_backbone(tmp_path, monkeypatch):
     char_tokenizer().save_pretrained(folder)
     monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(load_module, "resolve_quant", lambda quant, device, **kw: "int4" if quant == "auto" else quant)
+    # no fidelity check: a random model's near-uniform logits agree with int4's on one CPU's rounding and not on
+    # another's, and what is tested here is the speed alone
+    monkeypatch.setattr(load_module, "fidelity_reference", lambda tokenizer: ())
     return folder
 
 
