@@ -135,11 +135,11 @@ class ChatController:
         """A message that could not be answered: kept in the chat with its one-line error (never sent to
         the model), and put back in the box to be edited and resent; the raw output says it for scripts."""
         session.turns.append(Turn(user=message, note=error, in_box=True))
-        return self.views(session, None, None, "", self.slot.state().line, message, error=error)
+        return self.views(session, None, None, "", self.slot.state().model_line, message, error=error)
 
     def cleared(self, session: Session) -> tuple:
         """A message sent before a Clear: the conversation went, and it with it (it landed in the cleared chat)."""
-        return self.views(session, None, None, "", self.slot.state().line, blank=(READOUT_HINT, ""))
+        return self.views(session, None, None, "", self.slot.state().model_line, blank=(READOUT_HINT, ""))
 
     def engine_or_wait(self, session: Session) -> Iterator[str | SlotState]:
         """Yield status lines while a model loads, then the slot's state with its engine; a str last means
@@ -254,14 +254,14 @@ class ChatController:
         if compare and turn.reply is None and not turn.note:
             turn.note = "stopped before the Medusa pass"
         if not any(t is turn for t in session.turns):   # Clear during the answer: its readouts went with it
-            yield self.views(session, None, None, "", self.slot.state().line, blank=(READOUT_HINT, ""))
+            yield self.views(session, None, None, "", self.slot.state().model_line, blank=(READOUT_HINT, ""))
             return
         # A failed message goes back into the box so it can be edited and resent (and is replaced when it is:
         # unless plain decoding answered it in a comparison)
         turn.in_box = turn.reply is None and not turn.baseline     # a plain pass stopped before its first token: ""
         box = message if turn.reply is None else gr.update()
         # a pass that failed before its first token has no figures: the hint comes back
-        yield self.views(session, stats, base, comparison, self.slot.state().line, box, blank=(READOUT_HINT, ""),
+        yield self.views(session, stats, base, comparison, self.slot.state().model_line, box, blank=(READOUT_HINT, ""),
                          error=error)
 
     def _stream(self, session: Session, turn: Turn, engine: ChatEngine, prompt: list[int], settings: Settings,
@@ -347,7 +347,7 @@ class ChatController:
 
     def clear(self, session: Session) -> tuple:
         session.restart()
-        return [], [], READOUT_HINT, "", "", self.slot.state().line, None
+        return [], [], READOUT_HINT, "", "", self.slot.state().model_line, None
 
     @staticmethod
     def save_conversation(session: Session, system: str, compare: bool):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gradio as gr
 
 from medusa_core.decoding.config import number
+from medusa_core.decoding.tree import tree_spelling
 from medusa_core.loading.spec import LoadSpec
 
 from .engine import BASELINE, LABELS, MEDUSA
@@ -50,11 +51,14 @@ def medusa_pane(engine, tree_name: str | None = None) -> dict:
 
 def tree_picker(engine, tree_name: str | None) -> dict:
     """The picker's choices for ``engine``, with a typed tree ``tree_name`` labelled by its node count and shown
-    by its name as the list spells it (CHAIN-03 is chain-3)."""
+    by its name as the list spells it (CHAIN-03 is chain-3, a listed tree, shown with its label)."""
     typed = engine.typed_choice(tree_name)
-    if typed is None:
-        return gr.update(choices=engine.tree_choices)
-    return gr.update(choices=[*engine.tree_choices, typed], value=typed[1])
+    if typed is not None:
+        return gr.update(choices=[*engine.tree_choices, typed], value=typed[1])
+    listed = engine.shown_name(tree_spelling(tree_name)) if isinstance(tree_name, str) and tree_name.strip() else ""
+    if listed != tree_name and listed in {name for _, name in engine.tree_choices}:
+        return gr.update(choices=engine.tree_choices, value=listed)
+    return gr.update(choices=engine.tree_choices)
 
 
 MAX_STATUS_WAIT_S = 600    # the longest /model_status waits for a load (a hub download can take longer: ask again)
@@ -155,8 +159,7 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
         # a page opened after another tab's Load failed beside the model that stayed: that model's Ready line (QA:
         # every new visitor's first sight was a red error about a model they never asked for); tabs open then
         # saw the failure as it happened, the one that pressed Load under its button too
-        opened_after = shown is None and state.error is not None and state.ready_line
-        updates = {"status": state.ready_line if opened_after else state.line, "model_status": under,
+        updates = {"status": state.model_line if shown is None else state.line, "model_status": under,
                    "note": gr.update(visible=cpu_default, **({"value": note} if note else {})),
                    "send": gr.update(interactive=engine is not None and not loading),
                    "timer": gr.Timer(active=loading), "shown_version": now}

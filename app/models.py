@@ -111,6 +111,13 @@ class SlotState:
     error: str | None = None           # why the last load failed (the model before it may still be loaded)
     ready_line: str = ""               # the loaded model's Ready line, also while ``line`` says a switch failed
 
+    @property
+    def model_line(self) -> str:
+        """The status line for what answers now: the loaded model's Ready line, also after a switch failed beside
+        it. That failure is news for the tab that pressed Load, as it happens (``line``), not for every later
+        answer and page (QA: every visitor's status line showed another tab's failed Load after each answer)."""
+        return self.ready_line if self.phase == "ready" and self.ready_line else self.line
+
 
 def _size(nbytes: float) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"

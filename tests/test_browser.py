@@ -276,6 +276,10 @@ def test_a_typed_tree_is_listed_with_its_node_count(page):
     shoot(page, "typed_tree.png")
     send(page, "Hi")
     assert "tree cartesian-3x3 (13 nodes)" in page.locator("#readout").inner_text().replace("\n", " ")
+    box.fill("CHAIN-03")              # another spelling of a listed tree: shown as the list shows it
+    box.press("Enter")
+    page.wait_for_function("() => document.querySelector('#tree input')?.value === 'chain-3 (4 nodes)'",
+                           timeout=10_000)
 
 
 def test_colouring_shows_spans_and_no_tag_text(page):
@@ -552,6 +556,8 @@ def test_a_failed_load_keeps_the_decoding_settings(page, browser):
         other.wait_for_function(READY, timeout=60_000)
         assert other.locator("#status").inner_text().strip().startswith("Ready"), other.locator("#status").inner_text()
         assert "does not exist" not in other.locator("#status").inner_text()
+        send(other, "Hi")         # and after its answers (QA: the status line an answer ends with was the error)
+        assert other.locator("#status").inner_text().strip().startswith("Ready"), other.locator("#status").inner_text()
     finally:
         other.close()
     assert "does not exist" in page.locator("#status").inner_text(), "this tab still says what its Load did"

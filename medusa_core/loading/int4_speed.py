@@ -9,9 +9,11 @@ measurement now decides for this machine until ``--retune``.
 
 A measurement taken while other programs used the CPU (this_machine.BUSY_SHARE) is skewed, and not
 only noisy: on that AVX2 CPU busy starts measured 0.96-0.99x where quiet ones measured 1.21x (QA).
-So it is kept as provisional: later starts keep using it, measure again, and replace it by the first
-quiet measurement (one change of mode at most, where the busy figure chose otherwise). A busy
-measurement never replaces a quiet one, not even under ``--retune``.
+So it is kept as provisional: later starts keep using it and replace it by the first quiet measurement
+(one change of mode at most, where the busy figure chose otherwise). A later start looks at the CPU
+for 0.3 s first and measures only where it is quiet: measuring on a busy emulated AVX2 CPU took 40-110 s
+of a start, to change nothing (QA). A busy measurement never replaces a quiet one, not even under
+``--retune``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import torch
 
 from ..quant import cpu_int4
 from ..quant.cpu_int4 import Speed
-from .this_machine import BUSY_SHARE, entry_path, file_stamp, machine_identity, with_cpu_share, write_atomic
+from .this_machine import (BUSY_SHARE, cpu_share_now, entry_path, file_stamp, machine_identity, with_cpu_share,
+                           write_atomic)
 
 SPEED_VERSION = 1        # part of the key: a change in how cpu_int4.measure times re-measures
 FOLDER, NAME = "int4-speed", "speed.json"
@@ -78,6 +81,10 @@ def remembered_speed(model, cache_root: Path, retune: bool = False) -> Speed:
     kept = read_kept(entry, key)
     if kept is not None and kept.quiet and not retune:
         return Speed(kept.fp32_ms, kept.int4_ms, READ)
+    provisional = f"measured at an earlier start while other programs used the CPU and {PROVISIONAL}"
+    if kept is not None and not retune and (share := cpu_share_now()) < BUSY_SHARE:
+        return Speed(kept.fp32_ms, kept.int4_ms, f"{provisional}; this start found it busy too, this app getting "
+                                                 f"{share:.0%} of the CPU")
     times, share = with_cpu_share(lambda: cpu_int4.measure(model))
     gain = times["fp32_ms"] / times["int4_ms"]
     if share < BUSY_SHARE and kept is not None and (kept.quiet or not retune):
@@ -85,9 +92,8 @@ def remembered_speed(model, cache_root: Path, retune: bool = False) -> Speed:
             return Speed(kept.fp32_ms, kept.int4_ms,
                          f"measured at an earlier start on a quiet CPU and kept: this --retune measured {gain:.2f}x "
                          f"while other programs used the CPU, this app getting {share:.0%} of it, and did not keep it")
-        return Speed(kept.fp32_ms, kept.int4_ms,
-                     f"measured at an earlier start while other programs used the CPU and {PROVISIONAL}; this start "
-                     f"was busy too ({gain:.2f}x, this app getting {share:.0%} of the CPU)")
+        return Speed(kept.fp32_ms, kept.int4_ms, f"{provisional}; this start measured {gain:.2f}x, busy too, this "
+                                                 f"app getting {share:.0%} of the CPU")
     write_atomic(entry, json.dumps({"key": key, **times, "cpu_share": round(share, 3)}, indent=1) + "\n")
     source = FRESH if share >= BUSY_SHARE else f"{BUSY.format(share=share)}: {PROVISIONAL}"
     return Speed(times["fp32_ms"], times["int4_ms"], source)

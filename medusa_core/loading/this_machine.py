@@ -77,6 +77,19 @@ def with_cpu_share(run: Callable[[], T]) -> tuple[T, float]:
     return result, cpu / (wall * usable_cpus(torch.get_num_threads())) if wall > 0 else 1.0
 
 
+def cpu_share_now(seconds: float = 0.3) -> float:
+    """``with_cpu_share`` of ``seconds`` of matmuls on all of torch's threads: a quick look at whether other programs
+    use the CPU now, before a measurement they would skew (2 cores: 1.0 quiet, 0.5 beside two busy loops)."""
+    a = torch.randn(512, 512)      # large enough that torch's matmul takes every thread
+
+    def work() -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            a @ a
+
+    return with_cpu_share(work)[1]
+
+
 def usable_cpus(threads: int) -> float:
     """``threads``, or fewer where a cgroup quota (a container's --cpus) grants less CPU time: there
     torch still starts a thread per core, and the share must not blame other programs for the quota."""
