@@ -285,9 +285,9 @@ class ChatEngine:
         # tree "at most 1.00x" read as breaking even; it ran at 0.6-0.9x). Said as "under": an 82-node tree "at
         # most 1.69x" read as better than the tuned 16-node tree's 1.57x, where it is far slower)
         largest = max(map(int, tuned.step_ms))
-        return (f"{name} expected slower than plain decoding on this machine ({nodes} nodes; under {speedup:.2f}x "
+        return (f"{name} ({nodes} nodes) expected slower than plain decoding on this machine (under {speedup:.2f}x "
                 f"even at the {largest}-node tree's cost)" if slower
-                else f"{name} expected under {speedup:.2f}x on this machine ({nodes} nodes; {speedup:.2f}x if it cost "
+                else f"{name} ({nodes} nodes) expected under {speedup:.2f}x on this machine ({speedup:.2f}x if it cost "
                      f"no more than the {largest}-node tree timed)")
 
     def check(self, settings: Settings) -> tuple[DecodeConfig, str, TreeBuffers]:

@@ -221,7 +221,7 @@ def test_where_no_tree_pays_plain_decoding_runs_and_the_page_says_so(checkpoint,
     # an 82-node one "at most 1.69x" as better than the tuned tree's 1.57x)
     big = max(map(int, engine.loaded.tuned.step_ms))
     assert medusa_pane(engine, "CARTESIAN-3x3x03")["label"] == (
-        "Medusa · cartesian-3x3x3 expected slower than plain decoding on this machine (40 nodes; under "
+        "Medusa · cartesian-3x3x3 (40 nodes) expected slower than plain decoding on this machine (under "
         f"{engine.loaded.tuned.speedup_of(resolve_tree('cartesian-3x3x3'))[0]:.2f}x even at the {big}-node tree's cost)")
     # a tree the heads cannot fill (too deep; ranks 0-10 and 20, wider than the heads' top 10), a name that is
     # no tree, a file (read at start only: no file is read for a title): said as it is typed, no estimate
@@ -267,7 +267,7 @@ def test_the_medusa_pane_keeps_its_title_where_a_tree_pays(checkpoint, measured,
     big = max(map(int, engine.loaded.tuned.step_ms))
     assert medusa_pane(engine, "cartesian-3x3x3")["label"] == (
         # 1 + 0.75 + 0.75 x 0.55 + 0.75 x 0.55 x 0.45 tokens per step, each step costing the plain one
-        f"Medusa · cartesian-3x3x3 expected under 2.35x on this machine (40 nodes; 2.35x if it cost no more than the "
+        f"Medusa · cartesian-3x3x3 (40 nodes) expected under 2.35x on this machine (2.35x if it cost no more than the "
         f"{big}-node tree timed)")
     # the user picks the plain tree: the pane decodes plainly, and its title and readout say so
     assert medusa_pane(engine, "baseline")["label"] == "Plain decoding"
