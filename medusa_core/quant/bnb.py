@@ -16,6 +16,8 @@ import gc
 import torch
 from torch import nn
 
+from .kernel_timing import AUTO_ROWS
+
 NF4_KERNELS = ("auto", "triton", "bnb", "repacked", "repacked-exact")
 KERNEL_MAX_ROWS = 64     # tree verification sizes; longer inputs (prefill) are GEMM-bound: bnb's dequant + cuBLAS
 
@@ -252,10 +254,6 @@ def _use_triton(layers, choice: str, device: torch.device) -> str:
 
 
 REPACKED_ROW_CLASSES = (1, 2, 4, 16, 32, 64)    # the repacked kernel's row classes (nf4_repacked_matmul.row_class)
-# What auto weighs on CUDA: the projections of a plain step and of a 16-node tree step (the NF4 default
-# tree, mc_sim_7b_16). At the H100's figures (docs/performance.md) this picks the repacked kernel: 57.5 µs
-# against 70.4 for a 4096->11008 projection.
-AUTO_ROWS = (1, 16)
 
 
 def _fusions(layers, device: torch.device) -> tuple[tuple[tuple[str, ...], ...], list[str]]:

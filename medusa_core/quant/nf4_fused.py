@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .model_parts import children, is_rms_norm
 from .nf4_repack import RepackedNF4, bitsandbytes_bytes, check_bnb_nf4, repack_bnb
 
 FUSE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -163,16 +164,10 @@ def restore_bitsandbytes(model: nn.Module) -> int:
     return count
 
 
-def children(model: nn.Module):
-    """(parent, name, child) for every module of the model, listed before any is replaced."""
-    return [(parent, name, child) for parent in list(model.modules()) for name, child in list(parent.named_children())]
-
-
 def enter_exact(model: nn.Module) -> None:
     """Exact mode's attention, norms and lm_head (the repacked layers are made exact by repack_layers)."""
     from .exact_attention import use_exact_rows
     from .rows_alone_linear import RowsAloneHead
-    from .norm_routing import is_rms_norm
     from .rows_alone_norm import RowsAloneRMSNorm
 
     use_exact_rows(model)

@@ -25,14 +25,10 @@ import os
 import torch
 from torch import nn
 
+from .kernel_timing import AUTO_ROWS
+from .model_parts import children, is_rms_norm
+
 NORM_KERNELS = ("auto", "torch", "triton")
-
-
-def is_rms_norm(module: nn.Module) -> bool:
-    """A transformers RMSNorm of the plain kind (weight times x / rms(x)): what RowsAloneRMSNorm replaces.
-    Gemma's (1 + weight) norms are of another kind and are left alone (and so not verified exact)."""
-    return type(module).__name__ in ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm") and \
-        isinstance(getattr(module, "weight", None), torch.Tensor)
 
 
 def _exact_owns(choice: str) -> str:
@@ -51,8 +47,6 @@ def flag_error(choice: str, nf4_kernel: str, device: str) -> str | None:
 
 
 def _children(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
-    from .nf4_fused import children      # no Triton there: every load routes its norms
-
     return children(model.get_decoder() if hasattr(model, "get_decoder") else model)
 
 
@@ -113,7 +107,7 @@ def use_norm_kernel(model: nn.Module, choice: str) -> str:
         except Exception as err:  # e.g. a Triton that cannot compile the kernel for this GPU: said, never hidden
             line = str(err).strip().splitlines()[0][:120] if str(err).strip() else ""
             return f"norms: transformers' own (auto: timing the norms failed on this GPU: {type(err).__name__}: {line})"
-        steps = " and a ".join(f"{m}-row" for m in _rows())
+        steps = " and a ".join(f"{m}-row" for m in AUTO_ROWS)
         if not triton_us < torch_us:
             return (f"norms: transformers' own (auto measured {torch_us:.0f} µs against {triton_us:.0f} µs for "
                     f"the Triton norm over a {steps} step)")
@@ -134,14 +128,10 @@ def _activation_dtype(model: nn.Module) -> torch.dtype:
     return weight.dtype if isinstance(weight, torch.Tensor) and weight.is_floating_point() else torch.float32
 
 
-def _rows() -> tuple[int, ...]:
-    from .bnb import AUTO_ROWS      # the rows the NF4 kernel choice weighs too: a plain step, a 16-node tree
-
-    return AUTO_ROWS
 
 
 def _timed_sums(norms: list[nn.Module], dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
-    """(transformers' µs, the Triton kernel's µs) for every norm of ``norms`` once at each of _rows() tokens,
+    """(transformers' µs, the Triton kernel's µs) for every norm of ``norms`` once at each of AUTO_ROWS tokens,
     each (width, weight dtype) timed once in a CUDA graph on ``dtype`` inputs. A norm narrower than the
     widest (a per-head q/k norm) sees a row per head: it is timed on as many rows as the widest holds of
     its width. A Triton result off transformers' by more than rounding raises."""
@@ -159,7 +149,7 @@ def _timed_sums(norms: list[nn.Module], dtype: torch.dtype, device: torch.device
         for (width, _), group in same.items():
             norm = group[0]
             eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
-            for tokens in _rows():
+            for tokens in AUTO_ROWS:
                 x = torch.randn(tokens * max(1, widest // width), width, device=device, dtype=dtype)  # (rows, width)
                 reference, ours = norm(x).float(), rows_alone_rms_norm(x, norm.weight, eps).float()
                 error = float((ours - reference).norm() / reference.norm().clamp_min(1e-30))
