@@ -1,6 +1,7 @@
 """The row-exact attention kernel (quant/rows_alone_attention.py) under Triton's interpreter, fp32:
 each tree row gets the bits it gets alone over its keys laid out as plain decoding lays them out,
-whatever the row count; and the result is attention (SDPA's within rounding)."""
+whatever the row count; and the result is attention (SDPA's within rounding). Both forms of its
+reductions run: the interpreter's written-out trees and the compiled kernel's tl.reduce."""
 
 from __future__ import annotations
 
@@ -12,12 +13,23 @@ pytest.importorskip("triton", reason="the row-exact attention kernel needs Trito
 from tiny import tree_seen  # noqa: E402
 
 from medusa_core.quant.triton_runtime import INTERPRET_ENV  # noqa: E402
+from medusa_core.quant import rows_alone_attention as ra  # noqa: E402
 from medusa_core.quant.rows_alone_attention import rows_alone_attention, visible_slots  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def interpret(monkeypatch):
     monkeypatch.setenv(INTERPRET_ENV, "1")
+
+
+@pytest.fixture
+def reduction(request, monkeypatch):
+    """The interpreter's reductions (written-out trees), or the compiled kernel's (tl.reduce) run here."""
+    if request.param == "reduce":
+        call = ra.kernel_call
+        monkeypatch.setattr(ra, "kernel_call", lambda *a: (lambda fn, grid, args, meta: (
+            fn, grid, args, dict(meta, TREE=False)))(*call(*a)))
+    return request.param
 
 
 PARENTS = [-1, 0, 0, 1, 1, 2, 3]      # a 7-node tree: node i's parent
@@ -29,8 +41,10 @@ def qkv(heads: int, kv_heads: int, rows: int, width: int, dim: int, seed: int):
             torch.randn(1, kv_heads, width, dim, generator=gen))
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 32), (6, 2, 48)])    # MHA; GQA with a head size no power of 2
-def test_a_tree_row_gets_the_bits_it_gets_alone_over_its_keys_in_plain_order(heads, kv_heads, dim):
+# MHA; GQA with a head size no power of 2, also through tl.reduce (40 s under the interpreter)
+@pytest.mark.parametrize("heads,kv_heads,dim,reduction", [(4, 4, 32, "tree"), (6, 2, 48, "tree"), (6, 2, 48, "reduce")],
+                         indirect=["reduction"])
+def test_a_tree_row_gets_the_bits_it_gets_alone_over_its_keys_in_plain_order(heads, kv_heads, dim, reduction):
     prefix = 70                     # over two blocks of the list, and not a multiple of one
     width = prefix + len(PARENTS) + 9
     q, k, v = qkv(heads, kv_heads, len(PARENTS), width, dim, seed=dim)

@@ -1,5 +1,6 @@
 """Exact mode's RMSNorm kernel (quant/rows_alone_norm.py) under Triton's interpreter, fp32: it is
-transformers' RMSNorm to rounding, and a row gets the same bits alone as among other rows."""
+transformers' RMSNorm to rounding, and a row gets the same bits alone as among other rows, with the
+interpreter's sum (a written-out tree) and the compiled kernel's (tl.reduce)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 pytest.importorskip("triton", reason="the row-exact norm kernel needs Triton: pip install triton")
 from medusa_core.quant.triton_runtime import INTERPRET_ENV  # noqa: E402
 from medusa_core.quant.norm_routing import is_rms_norm  # noqa: E402
+from medusa_core.quant import rows_alone_norm as rn  # noqa: E402
 from medusa_core.quant.rows_alone_norm import RowsAloneRMSNorm, rows_alone_rms_norm  # noqa: E402
 
 
@@ -18,8 +20,18 @@ def interpret(monkeypatch):
     monkeypatch.setenv(INTERPRET_ENV, "1")
 
 
+@pytest.fixture(params=["tree", "reduce"])
+def reduction(request, monkeypatch):
+    """The interpreter's sum (a written-out tree), or the compiled kernel's (tl.reduce) run here."""
+    if request.param == "reduce":
+        call = rn.kernel_call
+        monkeypatch.setattr(rn, "kernel_call", lambda *a: (lambda fn, grid, args, meta: (
+            fn, grid, args, dict(meta, TREE=False)))(*call(*a)))
+    return request.param
+
+
 @pytest.mark.parametrize("hidden", [64, 48])          # a power of two, and not
-def test_it_is_transformers_rms_norm_and_a_row_alone_gets_its_bits(hidden):
+def test_it_is_transformers_rms_norm_and_a_row_alone_gets_its_bits(hidden, reduction):
     gen = torch.Generator().manual_seed(hidden)
     norm = LlamaRMSNorm(hidden, eps=1e-5)
     with torch.no_grad():

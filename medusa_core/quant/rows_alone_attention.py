@@ -37,14 +37,27 @@ from .triton_runtime import check_runnable, launchable
 BLOCK_W = 32      # keys per block of a row's list: fixed, so that a list is always cut at the same places
 
 
-# Reductions are fixed pairwise trees written out (reshape and split, halving), not tl.sum/tl.max: the
-# same order for every row by construction, and fast under Triton's interpreter (tl.reduce with a jit
-# combine function takes it seconds per block, and a jit helper imported without the interpreter cannot
-# be called from an interpreted kernel).
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+# Each reduction has one fixed order for every row, in one of two forms chosen by where it runs (TREE):
+# - under Triton's interpreter, a pairwise tree written out (reshape and split, halving): tl.reduce takes
+#   the interpreter seconds a block;
+# - compiled, tl.reduce (each thread its own elements, then lanes, then warps, as the compiled layout fixes
+#   them, whatever the grid). The written-out tree is not safe compiled: Triton 3.6 (the H100 image's)
+#   lays its reshapes out as whole tiles in every thread, 5.9 KB of stack and 19,000 instructions a
+#   program, where 3.9 kept it at 85 registers and no stack.
 def _rows_alone_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, count_ptr, out_ptr,
                        stride_qh, stride_qt, stride_kh, stride_kw, stride_vh, stride_vw, stride_ot, stride_oh,
                        width, scale, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_W: tl.constexpr, LOG_D: tl.constexpr, LOG_W: tl.constexpr):
+                       BLOCK_W: tl.constexpr, LOG_D: tl.constexpr, LOG_W: tl.constexpr, TREE: tl.constexpr):
     # grid: (T rows, query heads). Heads of one GQA group read the same keys (from L2 after the first):
     # one head per program keeps every tensor 2-D (a group axis made ptxas put them on the stack).
     t = tl.program_id(0)
@@ -65,28 +78,40 @@ def _rows_alone_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, count_ptr, out_ptr,
         k = tl.load(k_ptr + kvh * stride_kh + slot[:, None] * stride_kw + d[None, :], mask=kv_ok,
                     other=0).to(tl.float32)                                            # (BW, BD)
         s = k * q[None, :]                                                             # (BW, BD)
-        for level in tl.static_range(LOG_D):                                           # q . k: sum over D
-            lo, hi = tl.split(tl.reshape(s, (BLOCK_W, BLOCK_D >> (level + 1), 2)))
-            s = lo + hi
-        s = tl.where(w_ok, tl.reshape(s, (BLOCK_W,)) * scale, float("-inf"))          # (BW,)
+        if TREE:
+            for level in tl.static_range(LOG_D):                                       # q . k: sum over D
+                lo, hi = tl.split(tl.reshape(s, (BLOCK_W, BLOCK_D >> (level + 1), 2)))
+                s = lo + hi
+            s = tl.reshape(s, (BLOCK_W,))
+        else:
+            s = tl.reduce(s, 1, _add)
+        s = tl.where(w_ok, s * scale, float("-inf"))                                   # (BW,)
         top = s[None, :]
-        for level in tl.static_range(LOG_W):                                           # the block's max
-            lo, hi = tl.split(tl.reshape(top, (1, BLOCK_W >> (level + 1), 2)))
-            top = tl.maximum(lo, hi)
-        m_new = tl.maximum(m, tl.reshape(top, (1,)))                                   # (1,) finite: count >= 1
+        if TREE:
+            for level in tl.static_range(LOG_W):                                       # the block's max
+                lo, hi = tl.split(tl.reshape(top, (1, BLOCK_W >> (level + 1), 2)))
+                top = tl.maximum(lo, hi)
+            top = tl.reshape(top, (1,))
+        else:
+            top = tl.reduce(top, 1, _max)
+        m_new = tl.maximum(m, top)                                                     # (1,) finite: count >= 1
         alpha = tl.exp(m - m_new)                                                      # 0 on the first block
         p = tl.exp(s - m_new)                                                          # (BW,), 0 past count
         p_sum = p[None, :]
         v = tl.load(v_ptr + kvh * stride_vh + slot[:, None] * stride_vw + d[None, :], mask=kv_ok,
                     other=0).to(tl.float32)                                            # (BW, BD)
         pv = tl.trans(v) * p[None, :]                                                  # (BD, BW)
-        for level in tl.static_range(LOG_W):                                           # sums over the block
-            lo, hi = tl.split(tl.reshape(p_sum, (1, BLOCK_W >> (level + 1), 2)))
-            p_sum = lo + hi
-            lo, hi = tl.split(tl.reshape(pv, (BLOCK_D, BLOCK_W >> (level + 1), 2)))
-            pv = lo + hi
-        total = total * alpha + tl.reshape(p_sum, (1,))
-        acc = acc * alpha + tl.reshape(pv, (BLOCK_D,))                                 # (BD,)
+        if TREE:
+            for level in tl.static_range(LOG_W):                                       # sums over the block
+                lo, hi = tl.split(tl.reshape(p_sum, (1, BLOCK_W >> (level + 1), 2)))
+                p_sum = lo + hi
+                lo, hi = tl.split(tl.reshape(pv, (BLOCK_D, BLOCK_W >> (level + 1), 2)))
+                pv = lo + hi
+            p_sum, pv = tl.reshape(p_sum, (1,)), tl.reshape(pv, (BLOCK_D,))
+        else:
+            p_sum, pv = tl.reduce(p_sum, 1, _add), tl.reduce(pv, 1, _add)
+        total = total * alpha + p_sum                                                  # (1,)
+        acc = acc * alpha + pv                                                         # (BD,)
         m = m_new
     # the row's best key adds exp(0) = 1, so total >= 1 and the maximum changes nothing; a row that sees
     # no key (none does in a step) gets zeros instead of 0/0
@@ -147,5 +172,5 @@ def kernel_call(q, k, v, slots, counts, out, scale: float, interpret: bool) -> t
     # FP fusion named, not left to Triton's default (which 3.10 flips): every launch compiles alike
     opts = {} if interpret else {"num_warps": 4, "num_stages": 2, "enable_fp_fusion": True}
     meta = dict(GROUP=heads // k.shape[1], D=dim, BLOCK_D=block_d, BLOCK_W=BLOCK_W, LOG_D=block_d.bit_length() - 1,
-                LOG_W=BLOCK_W.bit_length() - 1, **opts)
+                LOG_W=BLOCK_W.bit_length() - 1, TREE=interpret, **opts)
     return _rows_alone_kernel, (rows, heads), args, meta

@@ -10,6 +10,13 @@ in bf16 one last bit grows through the layers into a different greedy token. Her
 row and sums its squares with a fixed pairwise tree (reshape and split, halving): the same order for
 every row whatever the row count. The arithmetic is transformers' LlamaRMSNorm's (fp32 inside, the
 normalized row cast back to the input dtype, then times the weight), so it agrees with it to rounding.
+
+Two ways to the sum of squares, chosen by where it runs, both one fixed order for every row: under the
+interpreter a pairwise tree written out (reshape and split: fast there), compiled a ``tl.reduce`` (each
+thread its own elements, then lanes, then warps: fixed by the compiled layout, not by the grid). Compiled,
+the tree is not safe: Triton 3.6 (the H100 image's) lays each level's reshape out as the whole row in every
+thread, 255 registers, 1.2 KB of stack and 14,000 instructions a row (3.9 keeps it at 43 registers), and
+on the H100 of 2026-11-27 the norm took 39 µs a call where transformers' several kernels took 17.
 """
 
 from __future__ import annotations
@@ -27,20 +34,30 @@ except ImportError as err:  # one line, naming the fix; the rest of the project 
 from .triton_runtime import check_runnable, launchable
 
 
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, eps, H: tl.constexpr, BLOCK_H: tl.constexpr,
-                     LOG_H: tl.constexpr):
-    # grid: (rows,). Reductions written out as a halving tree, not tl.sum (see rows_alone_attention.py)
+                     LOG_H: tl.constexpr, TREE: tl.constexpr):
+    # grid: (rows,). TREE (the interpreter): the sum as a written-out halving tree, not tl.reduce, which
+    # takes the interpreter seconds a row (see rows_alone_attention.py); compiled: tl.reduce (module doc)
     row = tl.program_id(0)
     col = tl.arange(0, BLOCK_H)
     ok = col < H
     x = tl.load(x_ptr + row * stride_x + col, mask=ok, other=0)
     xf = x.to(tl.float32)                                                          # (BH,)
-    sq = (xf * xf)[None, :]
-    for level in tl.static_range(LOG_H):
-        lo, hi = tl.split(tl.reshape(sq, (1, BLOCK_H >> (level + 1), 2)))
-        sq = lo + hi
+    sq = (xf * xf)[None, :]                                                        # (1, BH)
+    if TREE:
+        for level in tl.static_range(LOG_H):
+            lo, hi = tl.split(tl.reshape(sq, (1, BLOCK_H >> (level + 1), 2)))
+            sq = lo + hi
+        total = tl.reshape(sq, (1,))                                               # (1,)
+    else:
+        total = tl.reduce(sq, 1, _add)                                             # (1,)
     # IEEE-rounded square root and division (tl.sqrt is the approximate one): the same bits on any GPU
-    inv = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.reshape(sq, (1,)), H * 1.0) + eps))   # (1,)
+    inv = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(total, H * 1.0) + eps))             # (1,)
     normed = (xf * inv).to(x.dtype)                                                # back to the input dtype
     w = tl.load(w_ptr + col, mask=ok, other=0)
     tl.store(out_ptr + row * stride_o + col, (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty),
@@ -71,7 +88,7 @@ def kernel_call(rows: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps
     # FP fusion named, not left to Triton's default (which 3.10 flips): every launch compiles alike
     opts = {} if interpret else {"num_warps": 4 if block <= 2048 else 8, "num_stages": 2, "enable_fp_fusion": True}
     return (_rms_norm_kernel, (rows.shape[0],), (rows, weight, out, rows.stride(0), out.stride(0), eps),
-            dict(H=h, BLOCK_H=block, LOG_H=block.bit_length() - 1, **opts))
+            dict(H=h, BLOCK_H=block, LOG_H=block.bit_length() - 1, TREE=interpret, **opts))
 
 
 class RowsAloneRMSNorm(nn.Module):
