@@ -2,7 +2,6 @@
 and a stage that outruns the device call's time is stopped, with what it wrote kept."""
 
 import importlib
-import importlib.util
 import json
 import os
 import sys
@@ -25,17 +24,6 @@ def test_every_stage_command_is_one_its_benchmark_accepts(tmp_path):
         else:
             parsed = importlib.import_module(stage.module).parser(True).parse_args(args)
             assert str(tmp_path) in str(parsed.json), stage
-
-
-def test_the_cuda_tests_run_side_by_side_where_pytest_xdist_was_carried(tmp_path, monkeypatch):
-    tests = next(stage for stage in STAGES if stage.module == "pytest")
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "xdist" else real(name, *a))
-    assert "-n" not in command_of(tests, tmp_path), "without xdist pytest would refuse -n"
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "xdist" else real(name, *a))
-    command = command_of(tests, tmp_path)
-    assert command[3:5] == ["-n", str(gpu_runbook.TEST_WORKERS)] and command[:3] == [sys.executable, "-m", "pytest"]
-    assert all("-n" not in command_of(stage, tmp_path) for stage in STAGES if stage.module != "pytest")
 
 
 def test_a_stage_past_the_deadline_is_stopped_with_its_output_kept_and_the_rest_not_started(tmp_path):

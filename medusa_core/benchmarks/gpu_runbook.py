@@ -19,7 +19,6 @@ exactness.json --json docs/perf/h100.json``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import signal
@@ -41,26 +40,21 @@ class Stage:
     what: str
     module: str                 # run as `python -m module *args`
     args: tuple[str, ...]       # "{out}" stands for the output folder
-    workers: int = 0            # pytest: test processes side by side, where pytest-xdist is installed (carried)
 
 
-# The CUDA tests' 242 s on the H100 (2026-11-27) were one process: three tests took 64, 64 and 43 s, the
-# fast mode's tuner among them compiling its candidates one after another, and the GPU machine has 16 cores.
-# Side by side the stage should take about its longest test plus the workers' start (not yet measured).
-TEST_WORKERS = 4
-
-
-# In order of value (docs/performance.md, "Issue 22 on a GPU"). The H100 run of 2026-11-27 measured the
-# kernel table, the bf16, auto and repacked steps and the bf16 and auto profiles. What no GPU has run comes
-# first: correctness on CUDA (exact mode's new config, auto's timing, the Triton norms), the NF4 step as the
-# app routes it (auto kernel, auto norms) beside the same step with transformers' norms and beside exact
-# mode, the greedy-equality count (exact mode first, 8 prompts), the profile of that step, the anchors
-# (torch's int4 and bf16, norms as the app routes them), then the kernel table again. Each JSON is
-# rewritten after every result, so a stage cut short keeps its rows.
+# In order of value (docs/performance.md, "Issue 22 on a GPU"). Correctness on CUDA first: the CUDA tests,
+# and the kernels compiled by the GPU machine's own Triton (test_kernel_sass.py: its Triton 3.6 compiled
+# the norm that 3.9 compiles well to 14,000 instructions a row). One pytest process: four side by side
+# (pytest-xdist) took 412 s against one's 242 s on the H100 of 2026-11-27, each test 5x slower beside the
+# others. Then the NF4 step as the app routes it (auto kernel, auto norms) beside the same step with
+# transformers' norms and beside exact mode, the greedy-equality count (exact mode first, 8 prompts), the
+# profile of that step, the anchors (torch's int4 and bf16, norms as the app routes them), then the kernel
+# table again. Each JSON is rewritten after every result, so a stage cut short keeps its rows.
 STAGES = (
-    Stage("cuda-tests", "the CUDA tests: the repacked kernel, the Triton norms and the graphed step on a GPU",
-          "pytest", ("-q", "-p", "no:cacheprovider", "tests/test_cuda_repacked.py", "tests/test_cuda_graphs.py",
-                     "--junitxml={out}/cuda_tests.xml"), workers=TEST_WORKERS),
+    Stage("cuda-tests", "the CUDA tests (the repacked kernel, the Triton norms, the graphed step) and the kernels as "
+          "this machine's Triton compiles them", "pytest",
+          ("-q", "-p", "no:cacheprovider", "tests/test_kernel_sass.py", "tests/test_cuda_repacked.py",
+           "tests/test_cuda_graphs.py", "--junitxml={out}/cuda_tests.xml")),
     Stage("step", "the 7B NF4 step as the app routes it, with transformers' norms, and in exact mode",
           "medusa_core.bench_synthetic",
           ("--quant", "nf4", "--nf4-kernel", "auto", "repacked-exact", "--norm-kernel", "auto", "torch",
@@ -91,8 +85,7 @@ class StageResult:
 
 
 def command_of(stage: Stage, out: Path) -> list[str]:
-    workers = ["-n", str(stage.workers)] if stage.workers and importlib.util.find_spec("xdist") is not None else []
-    return [sys.executable, "-m", stage.module, *workers, *(a.replace("{out}", str(out)) for a in stage.args)]
+    return [sys.executable, "-m", stage.module, *(a.replace("{out}", str(out)) for a in stage.args)]
 
 
 def run_stage(command: list[str], log: Path, seconds: float, grace_s: float = STOP_GRACE_S) -> tuple[int, bool]:
