@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from .benchmarks.nf4_kernel import tuned_lines, tuning_log
 from .benchmarks.step_report import QuantResult, TreeRow, environment, fold_reports, format_result, summary
 from .benchmarks.step_timing import (copy_bandwidth, prefilled_cache, time_hf_generate, time_loop,
                                      time_step, time_stock_forward)
@@ -59,8 +60,11 @@ def bench_quant(args, quant: str, device: torch.device) -> Iterator[QuantResult]
 
         quantize_backbone_(model)
         for kernel in args.nf4_kernel:
+            known = len(tuning_log())
             routing = use_nf4_kernel(model, kernel)
             print(f"  [{quant}] {routing}", file=sys.stderr, flush=True)
+            for line in tuned_lines(tuning_log()[known:]):     # what this routing's tuners kept (CUDA)
+                print(f"  [{quant}] tuned {line}", file=sys.stderr, flush=True)
             yield from per_norm_kernel(args, model, heads, "nf4" if kernel == "auto" else f"nf4-{kernel}", routing,
                                        device, exact=kernel == "repacked-exact")
     elif quant == "tinygemm":     # the anchor: torch's int4 kernel, as gpt-fast decodes with it
@@ -253,7 +257,7 @@ def bench_command(args, device: torch.device) -> int:
             if args.json:   # after every result: a later failure keeps what was measured
                 Path(args.json).parent.mkdir(parents=True, exist_ok=True)
                 out = {"env": env, "args": vars(args), "summary": summary(results),
-                       "results": [asdict(r) for r in results]}
+                       "results": [asdict(r) for r in results], "tuning": tuning_log()}
                 Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     if args.json:
         print(f"wrote {args.json}")

@@ -127,6 +127,36 @@ def test_a_run_cut_short_keeps_every_nf4_kernel_it_finished(tmp_path, monkeypatc
     assert [r["quant"] for r in json.loads(out.read_text())["results"]] == ["nf4-bnb"]
 
 
+def test_the_step_run_says_which_config_each_tuner_kept_and_both_split_k_sums(tmp_path, monkeypatch, capsys):
+    """On a GPU the step stage shows what the tuners chose, so whether the split-K sum in one launch won is
+    known without the kernels stage (the H100 run that first could time it did not reach that stage)."""
+    rm = pytest.importorskip("medusa_core.quant.nf4_repacked_matmul", reason="the repacked kernel needs Triton")
+    from medusa_core.quant import bnb
+
+    monkeypatch.setattr(rm, "TUNING_LOG", {("old", 16, 4096, 4096, torch.bfloat16, 128): [("dot m16 n64 split2", 9.0)]})
+    routed = bnb.use_nf4_kernel
+
+    def route_and_tune(model, kernel):      # a CUDA load's tuners, as they log
+        rm.TUNING_LOG[("H100", 1, 11008, 4096, torch.bfloat16, 128)] = [
+            ("gemv m1 n64 split1 w4 s2", 30.0), ("gemv m1 n64 split4 w4 s2 prefetch", 20.5),
+            ("gemv m1 n64 split4 w4 s2 prefetch serial", 19.2), ("dot m16 n64 split2 w4 s2", None)]
+        rm.TUNING_LOG[("H100", 1, 32000, 4096, torch.bfloat16, 128)] = [("gemv m1 n64 split1 w4 s2", 44.0)]
+        return routed(model, kernel)
+
+    monkeypatch.setattr(bnb, "use_nf4_kernel", route_and_tune)
+    out = tmp_path / "step.json"
+    assert bench_synthetic.main(["--device", "cpu", "--shape", "tiny", "--quant", "nf4", "--nf4-kernel", "bnb",
+                                 "--tree-sizes", "1", "--context", "8", "--iters", "1", "--warmup", "0",
+                                 "--json", str(out)]) == 0
+    told = [line.strip() for line in capsys.readouterr().err.splitlines() if "] tuned " in line]
+    assert told == ["[nf4] tuned repacked 4096->11008 M<=1: gemv m1 n64 split4 w4 s2 prefetch serial 19.2 µs "
+                    "(split-K sum in one launch 19.2, in a second 20.5)",
+                    "[nf4] tuned repacked 4096->32000 M<=1: gemv m1 n64 split1 w4 s2 44.0 µs"]   # not the old entry
+    tuning = json.loads(out.read_text())["tuning"]
+    assert [(t["k"], t["n"], t["row_class"]) for t in tuning] == [(4096, 4096, 16), (4096, 11008, 1), (4096, 32000, 1)]
+    assert tuning[1]["timed"][3] == {"config": "dot m16 n64 split2 w4 s2", "us": None}
+
+
 def test_cli_times_transformers_generate_for_the_baseline_comparison(tmp_path):
     out = tmp_path / "gpu.json"
     assert bench_synthetic.main(["--device", "cpu", "--shape", "tiny", "--quant", "none", "--tree-sizes", "1",

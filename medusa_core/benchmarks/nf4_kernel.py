@@ -21,6 +21,7 @@ import argparse
 import functools
 import json
 import platform
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -245,13 +246,31 @@ def headline(results: list[Row], shapes: dict) -> dict:
 
 
 def tuning_log() -> list[dict]:
-    """Every config both tuners timed so far, per (kernel, shape, row class)."""
-    from ..quant import nf4_matmul as nm
-    from ..quant import nf4_repacked_matmul as rm
-
+    """Every config both tuners timed so far, per (kernel, shape, row class); none where no kernel module was
+    imported (a tuner never ran, and Triton need not be installed)."""
+    modules = (("triton", "medusa_core.quant.nf4_matmul"), ("repacked", "medusa_core.quant.nf4_repacked_matmul"))
     return [{"kernel": kernel, "n": key[2], "k": key[3], "row_class": key[1],
              "timed": [{"config": c, "us": us} for c, us in log]}
-            for kernel, logs in (("triton", nm.TUNING_LOG), ("repacked", rm.TUNING_LOG)) for key, log in logs.items()]
+            for kernel, name in modules if name in sys.modules
+            for key, log in sys.modules[name].TUNING_LOG.items()]
+
+
+def tuned_lines(log: list[dict]) -> list[str]:
+    """One line per tuned (kernel, shape, row class) of ``tuning_log()``: the config kept and its µs, and
+    where the split-K sum was timed both ways, the fastest of each (in one launch, or a second)."""
+    lines = []
+    for t in log:
+        timed = [(e["config"], e["us"]) for e in t["timed"] if e["us"] is not None]
+        if not timed:
+            continue
+        config, us = min(timed, key=lambda e: e[1])
+        line = f"{t['kernel']} {t['k']}->{t['n']} M<={t['row_class']}: {config} {us:.1f} µs"
+        serial = [u for c, u in timed if c.endswith(" serial")]
+        split = [u for c, u in timed if " split1 " not in c and not c.endswith(" serial")]
+        if serial and split:
+            line += f" (split-K sum in one launch {min(serial):.1f}, in a second {min(split):.1f})"
+        lines.append(line)
+    return lines
 
 
 def parse_shape(text: str) -> tuple[int, int]:
