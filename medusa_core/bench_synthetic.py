@@ -26,6 +26,7 @@ import argparse
 import gc
 import json
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -60,9 +61,10 @@ def bench_quant(args, quant: str, device: torch.device) -> Iterator[QuantResult]
 
         quantize_backbone_(model)
         for kernel in args.nf4_kernel:
-            known = len(tuning_log())
+            known, started = len(tuning_log()), time.perf_counter()
             routing = use_nf4_kernel(model, kernel)
-            print(f"  [{quant}] {routing}", file=sys.stderr, flush=True)
+            # the tuners' compiles and timings: most of a GPU stage's time before its first step is timed
+            print(f"  [{quant}] {routing} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
             for line in tuned_lines(tuning_log()[known:]):     # what this routing's tuners kept (CUDA)
                 print(f"  [{quant}] tuned {line}", file=sys.stderr, flush=True)
             yield from per_norm_kernel(args, model, heads, "nf4" if kernel == "auto" else f"nf4-{kernel}", routing,
@@ -89,8 +91,10 @@ def per_norm_kernel(args, model, heads, label: str, routing: str, device: torch.
     from .quant.norm_routing import use_norm_kernel
 
     for norms in ["auto"] if exact else args.norm_kernel:
+        started = time.perf_counter()
         line = use_norm_kernel(model, norms)
-        print(f"  [{label}] {line or 'norms: as the kernel routing left them'}", file=sys.stderr, flush=True)
+        print(f"  [{label}] {line or 'norms: as the kernel routing left them'} "
+              f"({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
         yield measure(args, model, heads, label if norms == "auto" else f"{label}-{norms}-norms",
                       "; ".join(t for t in (routing, line) if t), device)
 
