@@ -4,6 +4,8 @@ defaults, and the user's settings for it that the browser keeps across reloads).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import gradio as gr
 
 from medusa_core.decoding.config import number
@@ -49,16 +51,35 @@ def medusa_pane(engine, tree_name: str | None = None) -> dict:
     return gr.update(label=engine.medusa_label(tree_name) + (f" · {outlook}" if outlook else ""))
 
 
-def tree_picker(engine, tree_name: str | None) -> dict:
+MAX_TYPED_TREES = 8     # typed trees a tab's picker keeps listed, the latest
+
+
+def tree_picker(engine, tree_name: str | None, earlier: Sequence[str] = ()) -> dict:
     """The picker's choices for ``engine``, with a typed tree ``tree_name`` labelled by its node count and shown
-    by its name as the list spells it (CHAIN-03 is chain-3, a listed tree, shown with its label)."""
+    by its name as the list spells it (CHAIN-03 is chain-3, a listed tree, shown with its label). ``earlier``:
+    trees typed before in this tab, listed after the model's own where these heads run them (QA: a typed
+    tree left the list once a listed one was picked, and had to be typed again)."""
     typed = engine.typed_choice(tree_name)
+    kept = [choice for name in earlier if (choice := engine.typed_choice(name)) is not None and choice != typed]
+    choices = [*engine.tree_choices, *kept, *([typed] if typed is not None else [])]
     if typed is not None:
-        return gr.update(choices=[*engine.tree_choices, typed], value=typed[1])
+        return gr.update(choices=choices, value=typed[1])
     listed = engine.shown_name(tree_spelling(tree_name)) if isinstance(tree_name, str) and tree_name.strip() else ""
     if listed != tree_name and listed in {name for _, name in engine.tree_choices}:
-        return gr.update(choices=engine.tree_choices, value=listed)
-    return gr.update(choices=engine.tree_choices)
+        return gr.update(choices=choices, value=listed)
+    return gr.update(choices=choices)
+
+
+def on_tree_typed(engine, session, tree_name: str | None) -> dict:
+    """A tree typed into the picker, or one picked from it: the list, with the trees this tab typed kept in
+    it (``session.typed_trees``, updated)."""
+    if engine is None:
+        return gr.update()
+    update = tree_picker(engine, tree_name, session.typed_trees)
+    typed = engine.typed_choice(tree_name)
+    if typed is not None:
+        session.typed_trees = [*(name for name in session.typed_trees if name != typed[1]), typed[1]][-MAX_TYPED_TREES:]
+    return update
 
 
 MAX_STATUS_WAIT_S = 600    # the longest /model_status waits for a load (a hub download can take longer: ask again)
@@ -261,8 +282,8 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
     page.controls["tree"].change(lambda tree: medusa_pane(slot.engine, tree), [page.controls["tree"]], [page.chat],
                                  api_name=False, concurrency_limit=None, show_progress="hidden")
     # a tree typed in: listed with its size (on input only: the update would otherwise trigger itself)
-    page.controls["tree"].input(lambda tree: tree_picker(slot.engine, tree) if slot.engine is not None else gr.update(),
-                                [page.controls["tree"]], [page.controls["tree"]], api_name=False,
+    page.controls["tree"].input(lambda session, tree: on_tree_typed(slot.engine, session, tree),
+                                [page.session, page.controls["tree"]], [page.controls["tree"]], api_name=False,
                                 concurrency_limit=None, show_progress="hidden")
     # the browser keeps the decoding controls as the user sets them (a model's defaults are not the user's
     # choice; the page's load puts them back: kept_values); raw values, as the controls hold them.

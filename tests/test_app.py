@@ -1733,3 +1733,26 @@ def test_a_regenerated_answer_whose_prompt_was_cut_says_so_again(model_dirs):
     reloaded.turns, reloaded.first_turn = from_saved(to_saved(session.turns, session.first_turn))
     list(chat.regenerate(reloaded, "", False, controls))
     assert reloaded.turns[-1].note == cut and reloaded.first_turn == first_turn
+
+
+def test_trees_typed_in_a_tab_stay_in_its_picker_after_a_listed_one_is_picked(engine):
+    """QA: a typed tree left the picker's list once a listed tree was picked, and had to be typed again. A tab
+    keeps the trees it typed listed (with their sizes), another tab does not see them, and one these heads
+    cannot run is not listed."""
+    from app.model_panel import on_tree_typed
+    from app.session import Session
+
+    tab, other = Session(), Session()
+    listed = [name for _, name in engine.tree_choices]
+    on_tree_typed(engine, tab, "CARTESIAN-3x03")
+    on_tree_typed(engine, tab, "cartesian-2x2")
+    picked = on_tree_typed(engine, tab, listed[0])         # a listed tree, picked from the list
+    assert picked["choices"][:len(listed)] == engine.tree_choices
+    assert picked["choices"][len(listed):] == [("cartesian-3x3 (13 nodes)", "cartesian-3x3"),
+                                               ("cartesian-2x2 (7 nodes)", "cartesian-2x2")]
+    again = on_tree_typed(engine, tab, "cartesian-3x3")    # picked again from the list: the latest, last
+    assert again["value"] == "cartesian-3x3" and again["choices"][len(listed):] == [
+        ("cartesian-2x2 (7 nodes)", "cartesian-2x2"), ("cartesian-3x3 (13 nodes)", "cartesian-3x3")]
+    assert on_tree_typed(engine, other, listed[0])["choices"] == engine.tree_choices
+    tab.typed_trees.append("chain-9")                     # deeper than these heads (a tree kept from another model)
+    assert "chain-9" not in [name for _, name in on_tree_typed(engine, tab, listed[0])["choices"]]

@@ -280,6 +280,14 @@ def test_a_typed_tree_is_listed_with_its_node_count(page):
     box.press("Enter")
     page.wait_for_function("() => document.querySelector('#tree input')?.value === 'chain-3 (4 nodes)'",
                            timeout=10_000)
+    # the typed tree stays in the list after a listed one was picked (QA: it had to be typed again)
+    box.click()
+    typed = page.locator("#tree li[role=option][aria-label='cartesian-3x3 (13 nodes)']")
+    typed.wait_for(timeout=10_000)
+    shoot(page, "typed_tree_kept.png")
+    typed.click()
+    page.wait_for_function("() => document.querySelector('#tree input')?.value === 'cartesian-3x3 (13 nodes)'",
+                           timeout=10_000)
 
 
 def test_colouring_shows_spans_and_no_tag_text(page):
