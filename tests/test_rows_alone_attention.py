@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="the row-exact attention kernel needs Triton: pip install triton")
-from tiny import tree_seen  # noqa: E402
+from tiny import tree_seen, with_compiled_reductions  # noqa: E402
 
 from medusa_core.quant.triton_runtime import INTERPRET_ENV  # noqa: E402
 from medusa_core.quant import rows_alone_attention as ra  # noqa: E402
@@ -26,9 +26,7 @@ def interpret(monkeypatch):
 def reduction(request, monkeypatch):
     """The interpreter's reductions (written-out trees), or the compiled kernel's (tl.reduce) run here."""
     if request.param == "reduce":
-        call = ra.kernel_call
-        monkeypatch.setattr(ra, "kernel_call", lambda *a: (lambda fn, grid, args, meta: (
-            fn, grid, args, dict(meta, TREE=False)))(*call(*a)))
+        with_compiled_reductions(ra, monkeypatch)
     return request.param
 
 

@@ -9,6 +9,7 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 pytest.importorskip("triton", reason="the row-exact norm kernel needs Triton: pip install triton")
+from tiny import with_compiled_reductions  # noqa: E402
 from medusa_core.quant.triton_runtime import INTERPRET_ENV  # noqa: E402
 from medusa_core.quant.norm_routing import is_rms_norm  # noqa: E402
 from medusa_core.quant import rows_alone_norm as rn  # noqa: E402
@@ -24,9 +25,7 @@ def interpret(monkeypatch):
 def reduction(request, monkeypatch):
     """The interpreter's sum (a written-out tree), or the compiled kernel's (tl.reduce) run here."""
     if request.param == "reduce":
-        call = rn.kernel_call
-        monkeypatch.setattr(rn, "kernel_call", lambda *a: (lambda fn, grid, args, meta: (
-            fn, grid, args, dict(meta, TREE=False)))(*call(*a)))
+        with_compiled_reductions(rn, monkeypatch)
     return request.param
 
 

@@ -173,3 +173,11 @@ def tree_seen(parents: list[int], prefix: int, width: int, device: str = "cpu") 
             seen[i, prefix + j] = True
             j = parents[j]
     return seen
+
+
+def with_compiled_reductions(module, monkeypatch) -> None:
+    """Launch ``module``'s Triton kernel (its ``kernel_call``) with the reductions it runs compiled
+    (tl.reduce, TREE=False) under the interpreter, which otherwise runs its written-out trees."""
+    call = module.kernel_call
+    monkeypatch.setattr(module, "kernel_call", lambda *a: (lambda fn, grid, args, meta: (
+        fn, grid, args, dict(meta, TREE=False)))(*call(*a)))
