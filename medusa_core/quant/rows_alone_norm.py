@@ -7,8 +7,8 @@ rsqrt, multiply, cast, weight), each reading and writing the row; one program he
 Why a row alone: torch's CUDA reductions choose how to split a row's sum from the number of rows (few
 rows: a row spread over several blocks), so a row can round differently in a 16-row tree than alone, and
 in bf16 one last bit grows through the layers into a different greedy token. Here one program takes one
-row and sums its squares with a fixed pairwise tree (reshape and split, halving): the same order for
-every row whatever the row count. The arithmetic is transformers' LlamaRMSNorm's (fp32 inside, the
+row and sums its squares in one fixed order (below): the same order for every row whatever the row
+count. The arithmetic is transformers' LlamaRMSNorm's (fp32 inside, the
 normalized row cast back to the input dtype, then times the weight), so it agrees with it to rounding.
 
 Two ways to the sum of squares, chosen by where it runs, both one fixed order for every row: under the
