@@ -75,11 +75,10 @@ def on_tree_typed(engine, session, tree_name: str | None) -> dict:
     it (``session.typed_trees``, updated)."""
     if engine is None:
         return gr.update()
-    update = tree_picker(engine, tree_name, session.typed_trees)
     typed = engine.typed_choice(tree_name)
-    if typed is not None:
+    if typed is not None:   # kept first, so the list holds the latest MAX_TYPED_TREES, this one among them
         session.typed_trees = [*(name for name in session.typed_trees if name != typed[1]), typed[1]][-MAX_TYPED_TREES:]
-    return update
+    return tree_picker(engine, tree_name, session.typed_trees)
 
 
 MAX_STATUS_WAIT_S = 600    # the longest /model_status waits for a load (a hub download can take longer: ask again)

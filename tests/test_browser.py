@@ -290,6 +290,31 @@ def test_a_typed_tree_is_listed_with_its_node_count(page):
                            timeout=10_000)
 
 
+def test_enter_takes_a_typed_tree_as_typed_and_the_arrows_pick_from_the_list(page):
+    """QA MAJOR: Enter took the option the dropdown's filter highlighted, so `cartesian-2` typed beside a listed
+    `cartesian-2x2` ran the 7-node tree without a word. Enter now keeps the typed text; the arrow keys still pick."""
+    box = page.locator("#tree input")
+    box.fill("cartesian-2x2")
+    box.press("Enter")
+    page.wait_for_function("() => document.querySelector('#tree input')?.value === 'cartesian-2x2 (7 nodes)'",
+                           timeout=10_000)
+    box.click()
+    box.press("Control+a")
+    box.press_sequentially("cartesian-2")          # key by key: the list filters to cartesian-2x2 as it goes
+    page.locator("#tree li[role=option][aria-label='cartesian-2x2 (7 nodes)']").wait_for(timeout=10_000)
+    box.press("Enter")
+    page.wait_for_function("() => document.querySelector('#tree input')?.value === 'cartesian-2 (3 nodes)'",
+                           timeout=10_000)
+    box.click()
+    box.press("Control+a")
+    box.press_sequentially("cartesian-2x")
+    page.locator("#tree li[role=option][aria-label='cartesian-2x2 (7 nodes)']").wait_for(timeout=10_000)
+    box.press("ArrowDown")
+    box.press("Enter")
+    page.wait_for_function("() => document.querySelector('#tree input')?.value === 'cartesian-2x2 (7 nodes)'",
+                           timeout=10_000)
+
+
 def test_colouring_shows_spans_and_no_tag_text(page):
     """Issue #13.1: a code answer (an indented or fenced block) gets spans, never tag text."""
     pick_greedy(page)
