@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -43,6 +44,7 @@ from .decoding.tree import build_tree_buffers, expected_tokens_per_step, tree_of
 from .heads.accuracy import PUBLISHED_ACCURACIES, RANK_DECAY, TOP_K, rank_table
 from .quant.bnb import NF4_KERNELS
 from .quant.norm_routing import NORM_KERNELS
+from .quant.norm_routing import flag_error as norm_flag_error
 
 
 def bench_quant(args, quant: str, device: torch.device) -> Iterator[QuantResult]:
@@ -219,8 +221,19 @@ def checked_device(args, cuda: bool) -> torch.device:
     if device.type == "cuda" and not cuda:
         raise ValueError(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA GPU: use --device cpu --shape tiny")
     room = SHAPES[args.shape].max_position
-    if args.context + max(args.tree_sizes) + args.iters + args.warmup + 2 > room:
-        raise ValueError(f"--context {args.context} + tree + steps exceeds the {room}-token context: lower --context")
+    steps = args.iters + args.warmup + 2
+    if args.context + max(args.tree_sizes) + steps > room:
+        raise ValueError(f"--context {args.context} + the largest tree ({max(args.tree_sizes)} nodes) + {steps} steps "
+                         f"exceeds the {room}-token context: lower --context or --tree-sizes")
+    if "nf4" in args.quant and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        for kernel in args.nf4_kernel:
+            if kernel not in ("auto", "bnb"):
+                raise ValueError(f"--nf4-kernel {kernel}: the Triton kernels need a CUDA device (on {device.type} they "
+                                 "run only under Triton's interpreter, TRITON_INTERPRET=1, slowly, for tests): use "
+                                 "--nf4-kernel auto or bnb")
+    for norms in args.norm_kernel:
+        if (error := norm_flag_error(norms, "auto", str(device))) is not None:
+            raise ValueError(error)
     if min(args.iters, args.warmup + 1, args.context) < 1:
         raise ValueError("--iters and --context must be at least 1 and --warmup at least 0")
     for n in args.tree_sizes:       # fail before building a 7B model
@@ -231,9 +244,24 @@ def checked_device(args, cuda: bool) -> torch.device:
         s = SHAPES[args.shape]
         for n, k in ((s.hidden, s.hidden), (s.intermediate, s.hidden), (s.hidden, s.intermediate)):
             check_shape(n, k, args.tinygemm_group, device)
+    if args.json:       # said now, not after the whole run, whose results it would lose
+        check_writable(Path(args.json))
     if "nf4" in args.quant or args.heads_quant == "nf4":
         import bitsandbytes  # noqa: F401  (fails here, not after building the bf16 model)
     return device
+
+
+def check_writable(path: Path) -> None:
+    """ValueError in one line unless ``path`` (its folder made if missing) can be written."""
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a"):
+            pass
+    except OSError as err:
+        raise ValueError(f"--json {path}: cannot write there ({err.strerror or err}): name a writable file") from None
+    if not existed:
+        path.unlink()
 
 
 def save_checkpoint_command(args, device: torch.device) -> int:

@@ -177,6 +177,27 @@ def test_cuda_request_without_a_gpu_is_one_line_error(capsys):
     assert capsys.readouterr().err == "error: --device 'tpu' is unknown: use cpu, cuda or cuda:N\n"
 
 
+def test_flags_that_cannot_run_are_one_line_errors_before_the_run(tmp_path, monkeypatch, capsys):
+    """QA: a CUDA-only kernel asked for on the CPU ended in a traceback, an unwritable --json in one after the
+    whole run (its results lost), and a tree larger than the context was told to lower --context."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    tiny = ["--device", "cpu", "--shape", "tiny", "--tree-sizes", "1", "--iters", "1"]
+    assert bench_synthetic.main([*tiny, "--quant", "nf4", "--nf4-kernel", "bnb", "repacked"]) == 1
+    assert capsys.readouterr().err.startswith("error: --nf4-kernel repacked: the Triton kernels need a CUDA device")
+    assert bench_synthetic.main([*tiny, "--norm-kernel", "triton"]) == 1
+    assert capsys.readouterr().err.startswith("error: --norm-kernel triton: the Triton norm needs a CUDA device")
+    blocked = tmp_path / "a file"
+    blocked.write_text("")
+    assert bench_synthetic.main([*tiny, "--json", str(blocked / "step.json")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --json {blocked / 'step.json'}: cannot write there") and err.count("\n") == 1
+    assert bench_synthetic.main([*tiny, "--tree-sizes", "2000", "--context", "1", "--warmup", "0"]) == 1
+    assert capsys.readouterr().err == ("error: --context 1 + the largest tree (2000 nodes) + 3 steps exceeds the "
+                                       "1024-token context: lower --context or --tree-sizes\n")
+    out = tmp_path / "new" / "step.json"
+    assert bench_synthetic.main([*tiny, "--json", str(out)]) == 0 and json.loads(out.read_text())["results"]
+
+
 def test_fold_names_the_file_it_cannot_read(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text("not json")
