@@ -106,6 +106,16 @@ def test_a_malformed_shape_is_one_line(capsys):
     assert "shape '4096' is not KxN" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args,says", [(["--shape", "0x11008"], "shape '0x11008' has a side below 1"),
+                                       (["--rows", "0"], "argument --rows: 0 is below 1: give a row count"),
+                                       (["--arch", "0"], "argument --arch: 0 is below 75")])
+def test_numbers_it_cannot_compile_for_are_one_line(args, says, capsys):
+    # QA: a traceback, rows of zeros or FAILED rows with exit 0, and 10,000 lines of PTX dump
+    with pytest.raises(SystemExit) as stop:
+        ks.main(args)
+    assert stop.value.code == 2 and says in capsys.readouterr().err
+
+
 def test_compiles_the_launch_repacked_matmul_makes():
     # the same arguments as a real launch, on meta tensors: a change to the launch reaches the report
     meta = torch.device("meta")

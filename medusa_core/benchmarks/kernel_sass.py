@@ -333,11 +333,25 @@ def calibrate(report_json: Path, gpu: Gpu, workdir: Path) -> list[dict]:
     return out
 
 
+def at_least(low: int, what: str):
+    """An argparse type: an int of at least ``low``, else one line naming the value."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number: give {what}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is below {low}: give {what}")
+        return value
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", type=parse_shape, nargs="+", default=list(SHAPES), help="KxN, e.g. 4096x11008")
-    parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
-    parser.add_argument("--arch", type=int, default=H100.arch,
+    parser.add_argument("--rows", type=at_least(1, "a row count"), nargs="+", default=list(ROWS))
+    parser.add_argument("--arch", type=at_least(75, "a compute capability Triton compiles for (sm_75 and later)"),
+                        default=H100.arch,
                         help="compute capability: 90 is sm_90 (H100); the estimates keep the H100's SMs and clock")
     parser.add_argument("--candidates", action="store_true", help="every config the tuner would time, too")
     parser.add_argument("--calibrate", type=Path, metavar="REPORT",
@@ -370,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         _write(args.json, gpu, rows)
         return 0
     rows = []
-    print(f"{'K->N':>12} {'M':>3} {'mode':>9} {'config':<28} {'reg':>4} {'spill':>5} {'instr/w':>7} "
+    print(f"{'K->N':>12} {'M':>3} {'mode':>9} {'config':<40} {'reg':>4} {'spill':>5} {'instr/w':>7} "
           f"{'lds/w':>5} {'issue':>6} {'smem':>6} {'floor':>6}  (µs: estimates for {H100.sms} SMs at "
           f"{H100.boost_ghz} GHz, not timings)")
     with tempfile.TemporaryDirectory() as tmp:
@@ -383,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"{f'{k}->{n}':>12} {m:>3} {mode:>9} {cfg.describe()}: FAILED ({err})")
                         continue
                     rows.append(dict(mode=mode, **asdict(r)))
-                    print(f"{f'{k}->{n}':>12} {m:>3} {mode:>9} {r.config:<28} {r.registers:>4} {r.local_bytes:>5} "
+                    print(f"{f'{k}->{n}':>12} {m:>3} {mode:>9} {r.config:<40} {r.registers:>4} {r.local_bytes:>5} "
                           f"{r.instructions_per_weight:>7} {r.shared_loads_per_weight:>5} {r.issue_us:>6} {r.shared_us:>6} "
                           f"{r.floor_us:>6}")
     _write(args.json, gpu, rows)

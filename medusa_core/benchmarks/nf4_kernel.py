@@ -278,6 +278,8 @@ def parse_shape(text: str) -> tuple[int, int]:
         k, n = (int(v) for v in text.lower().split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"shape {text!r} is not KxN (in x out features), e.g. 4096x11008") from None
+    if min(k, n) < 1:
+        raise argparse.ArgumentTypeError(f"shape {text!r} has a side below 1: K and N are feature counts, e.g. 4096x11008")
     return k, n
 
 
