@@ -133,16 +133,17 @@ def valid(name: str, value) -> bool:
     return True
 
 
-def with_kept(updates: dict, values: dict, engine) -> dict:
+def with_kept(updates: dict, values: dict, engine, typed: Sequence[str] = ()) -> dict:
     """The model controls' ``updates`` by name with the kept ``values`` put in: the mode's controls
-    enabled as the kept mode needs, and the pane titled for the kept tree."""
+    enabled as the kept mode needs, and the pane titled for the kept tree (``typed``: the tab's typed trees,
+    listed with it)."""
     updates = {**updates, **{name: {**updates.get(name, gr.update()), "value": value} for name, value in values.items()}}
     if "mode" in values:
         for name, on in mode_enabled(values["mode"]).items():
             updates[name] = {**updates.get(name, gr.update()), "interactive": on}
     if "tree" in values:
         updates["pane"] = medusa_pane(engine, values["tree"])
-        updates["tree"] = {**updates["tree"], **tree_picker(engine, values["tree"])}   # a kept typed tree's size
+        updates["tree"] = {**updates["tree"], **tree_picker(engine, values["tree"], typed)}   # a kept typed tree's size
     return updates
 
 
@@ -157,9 +158,10 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
     ``model_outputs(page)`` the page's load event uses too. ``start``: the decoding settings the page
     opened with (app.models.start_settings)."""
 
-    def sync(shown: tuple[int, int] | None, max_new_value, stored=None) -> tuple:
+    def sync(shown: tuple[int, int] | None, max_new_value, stored=None, session: Session | None = None) -> tuple:
         """The page's model controls for the slot's state; ``shown`` is the (slot version, engine
-        version) the page shows now (None: nothing yet). The tree, max new tokens and the decoding
+        version) the page shows now (None: nothing yet); ``session``: the tab's, whose typed trees a model
+        that arrives lists too where its heads run them. The tree, max new tokens and the decoding
         settings go to the model's defaults only when the model itself changed: a status change
         (a load starting, or failing while the previous model stays) keeps the user's choices. A
         model that arrives gets the settings the browser kept for it (``stored``, settings_copy)."""
@@ -193,7 +195,8 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
             except (TypeError, ValueError):
                 current = engine.max_new_tokens
             # why this tree (tuned, preset...) is on the status line: not repeated under the picker
-            updates.update(tree=gr.update(choices=engine.tree_choices, value=engine.default_tree),
+            typed = session.typed_trees if session is not None else ()
+            updates.update(tree=tree_picker(engine, None, typed) | {"value": engine.default_tree},
                            max_new_tokens=gr.update(maximum=engine.context, value=min(current, engine.context)),
                            pane=medusa_pane(engine))
             defaults = default_settings(engine.loaded)
@@ -201,7 +204,7 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
             # those, or what the user chose while it loaded
             if not (shown is not None and shown[1] == 0 and defaults == start):
                 updates.update(zip(("mode", *MODE_CONTROLS), decoding_values(defaults)))
-            updates = with_kept(updates, kept_values(stored, engine), engine)
+            updates = with_kept(updates, kept_values(stored, engine), engine, typed)
             if isinstance(stored, dict) and stored.get("model") is None and isinstance(stored.get("settings"), dict):
                 # set while the page had no model: this model's now (the browser keeps it under its name)
                 updates["kept"] = {"model": engine.loaded.source,
@@ -265,8 +268,8 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
 
     gr.api(model_status, api_name="model_status", concurrency_limit=None)
     max_new, outputs = page.controls["max_new_tokens"], model_outputs(page)
-    page.timer.tick(sync, [page.shown_version, max_new, page.kept], outputs, api_name=False, concurrency_limit=None,
-                    show_progress="hidden")
+    page.timer.tick(sync, [page.shown_version, max_new, page.kept, page.session], outputs, api_name=False,
+                    concurrency_limit=None, show_progress="hidden")
     page.watch.tick(watch, [page.session, page.shown_version], [page.timer], api_name=False, concurrency_limit=None,
                     show_progress="hidden")
     # raw values (preprocess=False): a script's bad number reaches sync, which takes it as unset, instead of
