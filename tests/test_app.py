@@ -1756,6 +1756,13 @@ def test_trees_typed_in_a_tab_stay_in_its_picker_after_a_listed_one_is_picked(en
     assert on_tree_typed(engine, other, listed[0])["choices"] == engine.tree_choices
     tab.typed_trees.append("chain-9")                     # deeper than these heads (a tree kept from another model)
     assert "chain-9" not in [name for _, name in on_tree_typed(engine, tab, listed[0])["choices"]]
+    # a model that arrives (the sync timer) lists them too, and a kept tree with them (QA: missing after a switch)
+    from app.model_panel import with_kept, tree_picker
+    arrived = tree_picker(engine, None, ["cartesian-3x3"]) | {"value": engine.default_tree}
+    assert arrived["choices"][len(listed):] == [("cartesian-3x3 (13 nodes)", "cartesian-3x3")]
+    kept = with_kept({"tree": arrived}, {"tree": "cartesian-2x2"}, engine, ["cartesian-3x3"])["tree"]
+    assert kept["value"] == "cartesian-2x2" and [name for _, name in kept["choices"][len(listed):]] == [
+        "cartesian-3x3", "cartesian-2x2"]
     for width in range(2, 11):                           # nine more typed: the latest 8 listed, at once
         latest = on_tree_typed(engine, tab, f"cartesian-{width}x1")
     assert [name for _, name in latest["choices"][len(listed):]] == [f"cartesian-{w}x1" for w in range(3, 11)]
