@@ -122,15 +122,12 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.nf4_kernel != "auto" and not nf4:
         fail(f"--nf4-kernel {args.nf4_kernel} picks the kernel of NF4 weights, and --quant {args.quant} on {device} "
              "makes none: add --quant nf4, or drop --nf4-kernel")
-    if args.nf4_kernel not in ("auto", "bnb") and not device.startswith("cuda") and \
-            os.environ.get("TRITON_INTERPRET") != "1":
-        fail(f"--nf4-kernel {args.nf4_kernel}: the Triton kernels need a CUDA device (on {device} they run only "
-             "under Triton's interpreter, TRITON_INTERPRET=1, slowly, for tests): use --nf4-kernel bnb or auto")
-    from medusa_core.quant.norm_routing import flag_error
+    from medusa_core.quant.bnb import flag_error as kernel_error
+    from medusa_core.quant.norm_routing import flag_error as norm_error
 
-    norm_error = flag_error(args.norm_kernel, args.nf4_kernel, device)
-    if norm_error:
-        fail(norm_error)
+    for error in (kernel_error(args.nf4_kernel, device), norm_error(args.norm_kernel, args.nf4_kernel, device)):
+        if error:
+            fail(error)
 
 
 def port_free(host: str, port: int) -> bool:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -43,6 +42,7 @@ from .benchmarks.synthetic import (DTYPE, SHAPES, build_heads, build_model, chec
 from .decoding.tree import build_tree_buffers, expected_tokens_per_step, tree_of_size
 from .heads.accuracy import PUBLISHED_ACCURACIES, RANK_DECAY, TOP_K, rank_table
 from .quant.bnb import NF4_KERNELS
+from .quant.bnb import flag_error as kernel_flag_error
 from .quant.norm_routing import NORM_KERNELS
 from .quant.norm_routing import flag_error as norm_flag_error
 
@@ -225,15 +225,10 @@ def checked_device(args, cuda: bool) -> torch.device:
     if args.context + max(args.tree_sizes) + steps > room:
         raise ValueError(f"--context {args.context} + the largest tree ({max(args.tree_sizes)} nodes) + {steps} steps "
                          f"exceeds the {room}-token context: lower --context or --tree-sizes")
-    if "nf4" in args.quant and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        for kernel in args.nf4_kernel:
-            if kernel not in ("auto", "bnb"):
-                raise ValueError(f"--nf4-kernel {kernel}: the Triton kernels need a CUDA device (on {device.type} they "
-                                 "run only under Triton's interpreter, TRITON_INTERPRET=1, slowly, for tests): use "
-                                 "--nf4-kernel auto or bnb")
-    for norms in args.norm_kernel:
-        if (error := norm_flag_error(norms, "auto", str(device))) is not None:
-            raise ValueError(error)
+    errors = [kernel_flag_error(kernel, str(device)) for kernel in args.nf4_kernel if "nf4" in args.quant] + \
+        [norm_flag_error(norms, "auto", str(device)) for norms in args.norm_kernel]
+    if error := next((e for e in errors if e), None):
+        raise ValueError(error)
     if min(args.iters, args.warmup + 1, args.context) < 1:
         raise ValueError("--iters and --context must be at least 1 and --warmup at least 0")
     for n in args.tree_sizes:       # fail before building a 7B model

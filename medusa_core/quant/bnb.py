@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import os
 
 import torch
 from torch import nn
@@ -19,6 +20,15 @@ from torch import nn
 from .kernel_timing import AUTO_ROWS
 
 NF4_KERNELS = ("auto", "triton", "bnb", "repacked", "repacked-exact")
+
+
+def flag_error(choice: str, device: str) -> str | None:
+    """What the flags alone show wrong with --nf4-kernel ``choice`` on ``device`` (resolved, e.g. "cpu",
+    "cuda:0"): said by the entry points before any load; None if nothing."""
+    if choice not in ("auto", "bnb") and not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+        return (f"--nf4-kernel {choice}: the Triton kernels need a CUDA device (on {device} they run only under "
+                "Triton's interpreter, TRITON_INTERPRET=1, slowly, for tests): use --nf4-kernel bnb or auto")
+    return None
 KERNEL_MAX_ROWS = 64     # tree verification sizes; longer inputs (prefill) are GEMM-bound: bnb's dequant + cuBLAS
 
 
