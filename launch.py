@@ -75,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                   "for this machine at the first start (remembered in the cache)")
     d.add_argument("--retune", action="store_true",
                    help="measure this machine again to choose the tree (and, for the CPU default, whether int4 "
-                        "pays), even if a choice is cached")
+                        "pays; on a GPU, the kernels' timings), even if a choice is cached")
     d.add_argument("--max-new-tokens", type=int, default=256,
                    help="initial limit of tokens per answer (default: %(default)s)")
     d.add_argument("--system-prompt", default="", help="initial system prompt (empty: the model's default)")

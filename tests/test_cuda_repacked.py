@@ -131,6 +131,29 @@ def test_a_captured_step_through_fused_repacked_layers_decodes_what_the_eager_st
         assert len(runs[0]) == 40
 
 
+def test_a_second_start_on_this_gpu_routes_as_the_first_from_the_remembered_timings(monkeypatch, tmp_path):
+    # loading/kernel_memory.py on a real GPU: the first load's auto routing times and keeps its timings, a
+    # second (in-process caches emptied, as in a new process) reads them all, times nothing and routes alike
+    from medusa_core.loading.load import route_kernels
+    from medusa_core.loading.spec import LoadSpec
+    from medusa_core.quant import bnb as qb
+    from medusa_core.quant import nf4_matmul as nm
+
+    monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path))
+    lines = []
+    for _ in range(2):
+        for module, cache in ((rm, "_TUNED"), (nm, "_TUNED"), (qb, "_TIMED")):
+            monkeypatch.setattr(module, cache, {})
+        model = tiny_model("llama", hidden=64, vocab=64, seed=3).cuda()
+        quantize_linear_nf4_(model, torch.float32)
+        lines.append(route_kernels(model, LoadSpec(device="cuda"), "nf4", "cuda"))
+    print(*lines, sep="\n")                # the GPU session's record, with the first start's tuning seconds
+    first, _, note_1 = lines[0].rpartition("; kernel timings: ")
+    second, _, note_2 = lines[1].rpartition("; kernel timings: ")
+    assert first == second and " measured now in " in note_1 and " read from an earlier start " in note_2, lines
+    assert note_1.split()[0] == note_2.split()[0], lines
+
+
 def test_auto_times_the_norms_on_this_gpu_and_a_captured_step_through_the_triton_norms_decodes_as_eager():
     from medusa_core.quant.norm_routing import norms_routed, use_norm_kernel
 

@@ -10,6 +10,7 @@ Every failure is one LoadError line.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,6 +34,7 @@ from .assets import (CPU_DEFAULT_DIR, CPU_DEFAULT_HEADS, cpu_default_backbone, f
                      is_bundled_heads, is_cpu_default_backbone)
 from .chat_format import stop_token_ids
 from .hub import fetch_first, fetch_snapshot, hub_reachable, local_dir
+from . import kernel_memory
 from .int4_speed import remembered_speed
 from .memory import memory_report
 from .spec import LoadSpec
@@ -207,16 +209,7 @@ def load(spec: LoadSpec, progress: Progress | None = None) -> Loaded:
             raise LoadError(smollm2.cache_write_failed("int4's measured speed", err,
                                                        "or pass --quant int4 or --quant none")) from None
         quant, kernel_text = ("int4" if applied else "none"), "; " + text
-    if quant == "nf4":
-        try:
-            kernel_text = "; " + use_nf4_kernel(model, spec.nf4_kernel)
-        except ValueError as err:
-            raise LoadError(str(err)) from None
-    try:        # after the NF4 kernel: exact mode brings its own norms, and leaving it takes any Triton norm out
-        norm_text = use_norm_kernel(model, spec.norm_kernel)
-    except ValueError as err:
-        raise LoadError(str(err)) from None
-    kernel_text += f"; {norm_text}" if norm_text else ""
+    kernel_text += route_kernels(model, spec, quant, device)
     heads = load_heads_files(files, model, dtype) if files is not None else None
     if heads is not None and spec.heads_quant == "nf4":
         heads = quantize_projections(heads, dtype)
@@ -253,6 +246,26 @@ def _identity(source: str) -> str:
     """A hub id as it is; a local directory as its full path (./heads and ~/heads name the same one)."""
     path = local_dir(source)
     return str(path.resolve()) if path is not None else source
+
+
+def route_kernels(model, spec: LoadSpec, quant: str, device: str) -> str:
+    """The NF4 kernel (nf4 only), then the norms, as ``spec`` asks; "; "-led parts of the load line. On CUDA what
+    they time is remembered for this GPU (kernel_memory.py): a later start reads it instead of timing again."""
+    timings = kernel_memory.recall(torch.device(device), smollm2.cache_root(), spec.retune) \
+        if device.startswith("cuda") else None
+    try:
+        with timings.routing() if timings else contextlib.nullcontext():
+            nf4_text = use_nf4_kernel(model, spec.nf4_kernel) if quant == "nf4" else ""
+            # after the NF4 kernel: exact mode brings its own norms, and leaving it takes any Triton norm out
+            norm_text = use_norm_kernel(model, spec.norm_kernel)
+    except ValueError as err:
+        raise LoadError(str(err)) from None
+    if timings:
+        try:
+            timings.save()
+        except OSError as err:
+            raise LoadError(smollm2.cache_write_failed("the GPU's kernel timings", err)) from None
+    return "".join(f"; {text}" for text in (nf4_text, norm_text, timings.note if timings else "") if text)
 
 
 def load_backbone_dir(directory: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):

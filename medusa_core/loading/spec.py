@@ -18,4 +18,4 @@ class LoadSpec:
     norm_kernel: str = "auto"         # auto|torch|triton: who computes the RMSNorms (quant/norm_routing.py)
     tree: str | None = None           # a preset or .json tree instead of the tree tuned for this machine
     must_run: tuple[str, ...] = ()    # trees the heads must be able to run, checked before any tuning (bench)
-    retune: bool = False              # measure the tree (and CPU int4's gain) again even if cached
+    retune: bool = False              # measure the tree (CPU int4's gain, the GPU's kernel timings) again even if cached

@@ -123,26 +123,32 @@ _TIMED: dict[tuple, float] = {}   # (device name, N, K, dtype, rows, kernel) -> 
 
 def _timed_us(layer, dtype: torch.dtype, rows: int, kernel: str) -> float:
     """µs of ``kernel`` (bnb: bitsandbytes' own matmul; triton: nf4_matmul) for ``rows`` rows on this
-    layer's shape, in a CUDA graph over weight copies larger than L2; cached per (GPU, N, K, dtype, rows)."""
+    layer's shape, in a CUDA graph over weight copies larger than L2; cached per (GPU, N, K, dtype, rows) and,
+    inside kernel_timing.remembering, across starts."""
+    from .kernel_timing import remembered
+
+    state = layer.weight.quant_state
+    key = (torch.cuda.get_device_name(layer.weight.device), *(int(s) for s in state.shape), dtype, rows, kernel)
+    if key not in _TIMED:
+        _TIMED[key] = remembered("nf4-layer", (*key, state.blocksize),
+                                 lambda: _time_layer(layer, dtype, rows, kernel), float)
+    return _TIMED[key]
+
+
+def _time_layer(layer, dtype: torch.dtype, rows: int, kernel: str) -> float:
     import bitsandbytes as bnb
 
     from . import nf4_matmul
     from .kernel_timing import graph_time_us, rotating_copies
 
-    state = layer.weight.quant_state
-    n, k = (int(s) for s in state.shape)
-    device = layer.weight.device
-    key = (torch.cuda.get_device_name(device), n, k, dtype, rows, kernel)
-    if key not in _TIMED:
-        copies = rotating_copies(layer.weight.data, state, torch.cuda.get_device_properties(device).L2_cache_size)
-        x = torch.randn(rows, k, device=device, dtype=dtype)
-        if kernel == "bnb":
-            calls = [functools.partial(bnb.matmul_4bit, x, p.t(), quant_state=s) for p, s in copies]
-        else:
-            calls = [functools.partial(nf4_matmul.nf4_matmul, x, p, s) for p, s in copies]
-        _TIMED[key] = graph_time_us(calls)
-        del copies, calls
-    return _TIMED[key]
+    state, device = layer.weight.quant_state, layer.weight.device
+    copies = rotating_copies(layer.weight.data, state, torch.cuda.get_device_properties(device).L2_cache_size)
+    x = torch.randn(rows, int(state.shape[1]), device=device, dtype=dtype)
+    if kernel == "bnb":
+        calls = [functools.partial(bnb.matmul_4bit, x, p.t(), quant_state=s) for p, s in copies]
+    else:
+        calls = [functools.partial(nf4_matmul.nf4_matmul, x, p, s) for p, s in copies]
+    return graph_time_us(calls)
 
 
 def _one_row_us(layer, dtype: torch.dtype) -> tuple[float, float]:

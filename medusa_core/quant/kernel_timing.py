@@ -1,19 +1,29 @@
 """Timing kernel candidates as the decoding step runs them: inside a CUDA graph (no launch
 overhead), cycling through copies of the weight that together exceed L2 (a model's layers are not
 L2-resident either), and keeping the fastest config that agrees with a reference. The NF4 tuners
-(nf4_matmul, nf4_repacked_matmul), the bitsandbytes routing and the kernel benchmark use it."""
+(nf4_matmul, nf4_repacked_matmul), the bitsandbytes routing, the norm routing and the kernel benchmark
+use it.
+
+What a routing measures can be remembered across starts (``remembered`` inside ``remembering``): the
+app's loader keeps it on disk per GPU (loading/kernel_memory.py), so a second start routes as the first
+did without timing again. Outside ``remembering`` (the benchmarks) everything is timed afresh."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
-from typing import TypeVar
+import dataclasses
+import json
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 
 from ..decoding.graphs import captured
 
 Config = TypeVar("Config")     # a kernel's config: any object with describe() -> str
+T = TypeVar("T")
 # What auto weighs on CUDA, for the NF4 kernel (quant/bnb.py) and the norms (quant/norm_routing.py): a plain
 # step's rows and a 16-node tree step's (the NF4 default tree, mc_sim_7b_16). At the H100's figures
 # (docs/performance.md) this picks the repacked kernel: 57.5 µs against 70.4 for a 4096->11008 projection.
@@ -27,6 +37,68 @@ class NoConfigCompiled(RuntimeError):
     def __init__(self, what: str):
         super().__init__(f"{what}: use --nf4-kernel bnb")
         self.what = what
+
+
+@dataclasses.dataclass
+class Memory:
+    """Measurements kept under string keys (JSON values: ``entries``, as read from disk and as added now),
+    and how many of them this routing read and measured. ``retune``: measure every one again."""
+
+    entries: dict[str, Any]
+    retune: bool = False
+    read: int = 0
+    measured: int = 0
+
+
+_ACTIVE = threading.local()     # the loading thread's Memory: an answer's thread may tune at its first step
+
+
+@contextlib.contextmanager
+def remembering(memory: Memory) -> Iterator[Memory]:
+    """Within: ``remembered`` reads from and adds to ``memory`` (in this thread)."""
+    before = getattr(_ACTIVE, "memory", None)
+    _ACTIVE.memory = memory
+    try:
+        yield memory
+    finally:
+        _ACTIVE.memory = before
+
+
+def remembered(what: str, key: tuple, measure: Callable[[], T], decode: Callable[[Any], T]) -> T:
+    """``measure()``; inside ``remembering``, what an earlier measure of (``what``, ``key``) gave instead
+    (``decode`` turns its JSON back into the value; an entry it cannot read is measured again). A measure
+    that raises is not remembered: a kernel that failed to tune is tried again at the next start."""
+    memory = getattr(_ACTIVE, "memory", None)
+    if memory is None:
+        return measure()
+    name = f"{what} {json.dumps([str(part) for part in key])}"
+    if not memory.retune and name in memory.entries:
+        try:
+            value = decode(memory.entries[name])
+        except (TypeError, ValueError, KeyError, IndexError):
+            pass            # written by an older version of the tuner: measured again below, and replaced
+        else:
+            memory.read += 1
+            return value
+    value = measure()
+    memory.entries[name] = as_json(value)
+    memory.measured += 1
+    return value
+
+
+def as_json(value: Any) -> Any:
+    """``value`` with dataclasses as dicts and tuples as lists: what ``remembered`` stores."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: as_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (tuple, list)):
+        return [as_json(v) for v in value]
+    return value
+
+
+def decode_tuning(config_class: type[Config], saved: Any) -> tuple[Config, list[tuple[str, float | None]]]:
+    """A tuner's remembered (fastest config, [(config, µs or None)]) back from ``as_json``'s form."""
+    best, log = saved
+    return config_class(**best), [(str(name), None if us is None else float(us)) for name, us in log]
 
 
 def pick_fastest(configs: list[Config], run: Callable[[Config], torch.Tensor],

@@ -34,7 +34,7 @@ try:
 except ImportError as err:  # one line, naming the fix; the rest of the project never needs Triton
     raise ImportError(f"medusa_core.quant.nf4_matmul needs Triton ({err}): pip install 'triton>=3.7'") from None
 
-from .kernel_timing import NoConfigCompiled, graph_time_us, pick_fastest, rotating_copies
+from .kernel_timing import NoConfigCompiled, decode_tuning, graph_time_us, pick_fastest, remembered, rotating_copies
 from .triton_runtime import check_runnable, launchable
 
 
@@ -514,10 +514,19 @@ def tune_shape(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
                wide: bool = False) -> KernelConfig:
     """Time every candidate for this row class (``wide``: the long list) on a random NF4 weight of shape
     (n, k), rotating among copies larger than L2 (the model's layers are not L2-resident either); cache
-    the fastest for choose_config."""
+    the fastest for choose_config (and, inside kernel_timing.remembering, across starts)."""
+    key = _key(m, n, k, dtype, device, blocksize)
+    best, TUNING_LOG[key] = remembered(
+        "triton-nf4", (*key, wide), lambda: _time_candidates(m, n, k, dtype, device, blocksize, wide, key),
+        lambda saved: decode_tuning(KernelConfig, saved))
+    _TUNED[key] = best
+    return best
+
+
+def _time_candidates(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, blocksize: int, wide: bool,
+                     key: tuple) -> tuple[KernelConfig, list]:
     from bitsandbytes.functional import quantize_4bit
 
-    key = _key(m, n, k, dtype, device, blocksize)
     props = torch.cuda.get_device_properties(device)
     gen = torch.Generator(device=device).manual_seed(0)
     w = torch.randn(n, k, device=device, dtype=dtype, generator=gen) * 0.02
@@ -525,15 +534,13 @@ def tune_shape(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
     del w
     copies = rotating_copies(packed, state, props.L2_cache_size)
     x = torch.randn(row_class(m) if m > 1 else 1, k, device=device, dtype=dtype, generator=gen)
-    best, TUNING_LOG[key] = pick_fastest(
+    best, log = pick_fastest(
         candidates(row_class(m), n, k, props.multi_processor_count, blocksize, wide),
         run=lambda cfg: nf4_matmul(x, packed, state, config=cfg),
         time_us=lambda cfg: graph_time_us([functools.partial(nf4_matmul, x, p, s, config=cfg) for p, s in copies],
                                           replays=3),
         where=f"{n}x{k} M<={row_class(m)} on {key[0]}")
     if best is None:
+        TUNING_LOG[key] = log       # the skipped configs, for the benchmark's print
         raise NoConfigCompiled(f"no Triton NF4 config compiled for {n}x{k} on {key[0]}")
-    _TUNED[key] = best
-    return best
-
-
+    return best, log

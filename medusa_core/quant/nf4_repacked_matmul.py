@@ -44,7 +44,7 @@ except ImportError as err:  # one line, naming the fix; the rest of the project 
                       "pip install 'triton>=3.7'") from None
 
 from . import nf4_matmul as nm
-from .kernel_timing import NoConfigCompiled, graph_time_us, pick_fastest, rotation_count
+from .kernel_timing import NoConfigCompiled, decode_tuning, graph_time_us, pick_fastest, remembered, rotation_count
 from .triton_runtime import check_runnable, launchable
 from .nf4_repack import ROWS, RepackedNF4
 
@@ -308,7 +308,17 @@ def _key(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, group
 
 def tune_shape(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, group: int = 128) -> RepackedConfig:
     """CUDA only: time candidates() for M's row class on a random NF4 (n, k) weight, rotating among
-    copies larger than L2, each inside a CUDA graph; cache the fastest for choose_config."""
+    copies larger than L2, each inside a CUDA graph; cache the fastest for choose_config (and, inside
+    kernel_timing.remembering, across starts)."""
+    key = _key(m, n, k, dtype, device, group)
+    best, TUNING_LOG[key] = remembered("repacked", key, lambda: _time_candidates(m, n, k, dtype, device, group, key),
+                                       lambda saved: decode_tuning(RepackedConfig, saved))
+    _TUNED[key] = best
+    return best
+
+
+def _time_candidates(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, group: int,
+                     key: tuple) -> tuple[RepackedConfig, list]:
     from bitsandbytes.functional import quantize_4bit
 
     from .nf4_repack import repack_bnb
@@ -322,17 +332,16 @@ def tune_shape(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
                                         arrivals=w.arrivals.clone())
                     for _ in range(rotation_count(w.nbytes, props.L2_cache_size) - 1)]
     x = torch.randn(row_class(m), k, device=device, dtype=dtype, generator=gen)
-    key = _key(m, n, k, dtype, device, group)
-    best, TUNING_LOG[key] = pick_fastest(
+    best, log = pick_fastest(
         candidates(m, n, -(-k // group), props.multi_processor_count),
         run=lambda cfg: repacked_matmul(x, w, config=cfg),
         time_us=lambda cfg: graph_time_us([functools.partial(repacked_matmul, x, c, config=cfg) for c in copies],
                                              replays=3),
         where=f"repacked {n}x{k} M<={row_class(m)} on {key[0]}")
     if best is None:
+        TUNING_LOG[key] = log       # the skipped configs, for the benchmark's print
         raise NoConfigCompiled(f"no repacked NF4 config compiled for {n}x{k} on {key[0]}")
-    _TUNED[key] = best
-    return best
+    return best, log
 
 
 def tuned_us(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, group: int = 128) -> float:

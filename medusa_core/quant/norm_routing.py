@@ -25,7 +25,7 @@ import os
 import torch
 from torch import nn
 
-from .kernel_timing import AUTO_ROWS
+from .kernel_timing import AUTO_ROWS, remembered
 from .model_parts import children, is_rms_norm
 
 NORM_KERNELS = ("auto", "torch", "triton")
@@ -103,7 +103,10 @@ def use_norm_kernel(model: nn.Module, choice: str) -> str:
                              "--norm-kernel auto")
     elif choice == "auto":
         try:
-            torch_us, triton_us = _timed_sums([child for _, _, child in norms], _activation_dtype(model), device)
+            modules, dtype = [child for _, _, child in norms], _activation_dtype(model)
+            torch_us, triton_us = remembered("norms", _timing_key(modules, dtype),
+                                             lambda: _timed_sums(modules, dtype, device),
+                                             lambda saved: (float(saved[0]), float(saved[1])))
         except Exception as err:  # e.g. a Triton that cannot compile the kernel for this GPU: said, never hidden
             line = str(err).strip().splitlines()[0][:120] if str(err).strip() else ""
             return f"norms: transformers' own (auto: timing the norms failed on this GPU: {type(err).__name__}: {line})"
@@ -128,6 +131,16 @@ def _activation_dtype(model: nn.Module) -> torch.dtype:
     return weight.dtype if isinstance(weight, torch.Tensor) and weight.is_floating_point() else torch.float32
 
 
+
+
+def _timing_key(norms: list[nn.Module], dtype: torch.dtype) -> tuple:
+    """What ``_timed_sums`` depends on besides the GPU (whose memory holds it): the input dtype and how many norms
+    of each (width, weight dtype)."""
+    counts: dict[tuple[int, str], int] = {}
+    for norm in norms:
+        shape = (int(norm.weight.shape[-1]), str(norm.weight.dtype))
+        counts[shape] = counts.get(shape, 0) + 1
+    return dtype, sorted(counts.items())
 
 
 def _timed_sums(norms: list[nn.Module], dtype: torch.dtype, device: torch.device) -> tuple[float, float]:

@@ -1,0 +1,193 @@
+"""The GPU's kernel timings remembered across starts (loading/kernel_memory.py), run here with the GPU stood
+in: a device that says "cuda", and each tuner's timing replaced by a counter. A second start on the same GPU
+routes as the first did without timing anything; --retune, another GPU, another Triton or a changed kernel
+times again; a damaged file is timed again and rewritten; a tuner that failed is not remembered; an
+unwritable cache is one line naming the folder and the fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the NF4 tuners and the Triton norm need Triton: pip install triton")
+from tiny import tiny_model  # noqa: E402
+
+from medusa_core.errors import LoadError  # noqa: E402
+from medusa_core.loading import kernel_memory  # noqa: E402
+from medusa_core.loading.load import route_kernels  # noqa: E402
+from medusa_core.loading.spec import LoadSpec  # noqa: E402
+from medusa_core.quant import bnb as qb  # noqa: E402
+from medusa_core.quant import nf4_matmul as nm  # noqa: E402
+from medusa_core.quant import nf4_repacked_matmul as rm  # noqa: E402
+from medusa_core.quant import norm_routing as nr  # noqa: E402
+from medusa_core.quant.kernel_timing import NoConfigCompiled  # noqa: E402
+
+GPU = torch.device("cuda")
+
+
+class StandInGpu:
+    """A GPU named ``name`` whose tuners time nothing: each measurement is counted in ``timed`` and gives
+    a config (and µs) that depends on the shape, so a wrong entry read back would show."""
+
+    def __init__(self, monkeypatch, name: str = "Stand-in H100"):
+        self.timed: list[str] = []
+        self.failing: set[str] = set()
+        self.monkeypatch = monkeypatch
+        self.use(name)
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda device=None: SimpleNamespace(multi_processor_count=132, L2_cache_size=50 << 20))
+
+        def repacked(m, n, k, dtype, device, group, key):
+            self.timed.append(f"repacked {n}x{k} m{m}")
+            if "repacked" in self.failing:
+                raise NoConfigCompiled(f"no repacked NF4 config compiled for {n}x{k} on {key[0]}")
+            best = rm.RepackedConfig(m > 4, rm.row_class(m), 32 if n > k else 64, 2, serial=m == 1)
+            return best, [(best.describe(), 20.0 + m), ("gemv m16 n16 split4 w8", None)]
+
+        def triton(m, n, k, dtype, device, blocksize, wide, key):
+            self.timed.append(f"triton {n}x{k} m{m}")
+            best = nm.KernelConfig(nm.row_class(m), 128, 4, 4, 1, sub=1, slots=2)
+            return best, [(best.describe(), 30.0 + m)]
+
+        def norms(modules, dtype, device):
+            self.timed.append(f"norms x{len(modules)}")
+            return 13.0 * len(modules), 3.0 * len(modules)
+
+        monkeypatch.setattr(rm, "_time_candidates", repacked)
+        monkeypatch.setattr(nm, "_time_candidates", triton)
+        monkeypatch.setattr(qb, "_time_layer", lambda layer, dtype, rows, kernel: self.timed.append(kernel) or 24.0)
+        monkeypatch.setattr(nr, "_timed_sums", norms)
+        monkeypatch.setattr(nr, "_device_of", lambda modules: GPU)
+
+    def use(self, name: str) -> None:
+        """Another GPU in the same slot (what the cache key reads of it)."""
+        self.monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+        self.monkeypatch.setattr(kernel_memory, "machine_identity", lambda device: {
+            "gpu": name, "capability": "9.0", "memory": 85 << 30, "cuda": "13.0", "torch": torch.__version__})
+
+
+def start(root: Path, retune: bool = False, monkeypatch=None) -> tuple[kernel_memory.KernelTimings, list]:
+    """One start's routing: what the app's load asks the tuners and the norm routing, with the in-process
+    caches empty (as in a new process); returns the timings and everything the routing decided."""
+    for module in (rm, nm):
+        monkeypatch.setattr(module, "_TUNED", {})
+        monkeypatch.setattr(module, "TUNING_LOG", {})
+    monkeypatch.setattr(qb, "_TIMED", {})
+    layer = SimpleNamespace(weight=SimpleNamespace(device=GPU, quant_state=SimpleNamespace(shape=(11008, 4096),
+                                                                                           blocksize=64)))
+    timings = kernel_memory.recall(GPU, root, retune)
+    model = tiny_model()
+    with timings.routing():
+        decided = [rm.tune_shape(m, 11008, 4096, torch.bfloat16, GPU) for m in (1, 16)]
+        decided += [nm.tune_shape(16, 11008, 4096, torch.bfloat16, GPU), qb._timed_us(layer, torch.bfloat16, 1, "bnb"),
+                    nr.use_norm_kernel(model, "auto")]
+    timings.save()
+    return timings, decided + [dict(rm.TUNING_LOG), dict(nm.TUNING_LOG)]
+
+
+def test_a_second_start_on_the_same_gpu_routes_as_the_first_without_timing(monkeypatch, tmp_path):
+    gpu = StandInGpu(monkeypatch)
+    first, decided = start(tmp_path, monkeypatch=monkeypatch)
+    assert len(gpu.timed) == 5 and first.memory.measured == 5 and first.memory.read == 0
+    assert first.note.startswith("kernel timings: 5 measured now in ") and \
+        first.note.endswith(" s, kept for this Stand-in H100 (sm_90) until --retune")
+    assert decided[4].startswith("norms: one Triton kernel for each of 5 RMSNorms (auto measured 15 µs against 65")
+
+    gpu.timed.clear()
+    second, again = start(tmp_path, monkeypatch=monkeypatch)
+    assert gpu.timed == []                       # nothing timed: the configs, the µs and the logs came from disk
+    assert again == decided
+    assert second.memory.read == 5 and second.note == ("kernel timings: 5 read from an earlier start on this "
+                                                       "Stand-in H100 (sm_90) (--retune times them again)")
+
+
+def test_retune_another_gpu_another_triton_or_a_changed_kernel_times_again(monkeypatch, tmp_path):
+    gpu = StandInGpu(monkeypatch)
+    start(tmp_path, monkeypatch=monkeypatch)
+    gpu.timed.clear()
+    timings, _ = start(tmp_path, retune=True, monkeypatch=monkeypatch)
+    assert len(gpu.timed) == 5 and timings.memory.read == 0
+
+    gpu.use("Stand-in RTX 4090")
+    gpu.timed.clear()
+    start(tmp_path, monkeypatch=monkeypatch)
+    assert len(gpu.timed) == 5
+    gpu.use("Stand-in H100")                     # both GPUs' timings are kept, each under its own key
+    gpu.timed.clear()
+    start(tmp_path, monkeypatch=monkeypatch)
+    assert gpu.timed == []
+
+    real_version = kernel_memory._version
+    monkeypatch.setattr(kernel_memory, "_version", lambda package: "9.9" if package == "triton" else real_version(package))
+    start(tmp_path, monkeypatch=monkeypatch)
+    assert len(gpu.timed) == 5
+
+    # a kernel's source changed (here: another folder of modules): its digest is part of the key
+    sources = tmp_path / "quant"
+    sources.mkdir()
+    (sources / "nf4_repacked_matmul.py").write_text("BLOCK = 64\n")
+    before = kernel_memory.sources_digest(sources)
+    (sources / "nf4_repacked_matmul.py").write_text("BLOCK = 128\n")
+    assert kernel_memory.sources_digest(sources) != before
+    assert kernel_memory.sources_digest() == kernel_memory.memory_key(GPU)["kernels"]
+
+
+def test_a_damaged_file_is_timed_again_and_written_whole(monkeypatch, tmp_path):
+    gpu = StandInGpu(monkeypatch)
+    first, decided = start(tmp_path, monkeypatch=monkeypatch)
+    first.entry.write_text(first.entry.read_text()[:100])          # an interrupted write
+    gpu.timed.clear()
+    assert start(tmp_path, monkeypatch=monkeypatch)[1] == decided and len(gpu.timed) == 5
+    assert len(json.loads(first.entry.read_text())["entries"]) == 5
+
+    saved = json.loads(first.entry.read_text())                     # one entry an older tuner wrote differently
+    name = next(n for n in saved["entries"] if n.startswith("repacked "))
+    saved["entries"][name] = {"block": 64}
+    first.entry.write_text(json.dumps(saved))
+    gpu.timed.clear()
+    assert start(tmp_path, monkeypatch=monkeypatch)[1] == decided and gpu.timed == ["repacked 11008x4096 m1"]
+
+
+def test_a_tuner_that_failed_is_tried_again_at_the_next_start(monkeypatch, tmp_path):
+    gpu = StandInGpu(monkeypatch)
+    gpu.failing.add("repacked")
+    with pytest.raises(NoConfigCompiled):
+        start(tmp_path, monkeypatch=monkeypatch)
+    gpu.failing.clear()
+    gpu.timed.clear()
+    start(tmp_path, monkeypatch=monkeypatch)
+    assert "repacked 11008x4096 m1" in gpu.timed
+
+
+def test_outside_a_load_every_tuning_times_afresh(monkeypatch):
+    """The benchmarks time every run: no memory is read or written outside ``routing()``."""
+    gpu = StandInGpu(monkeypatch)
+    for _ in range(2):
+        monkeypatch.setattr(rm, "_TUNED", {})
+        rm.tune_shape(16, 4096, 4096, torch.bfloat16, GPU)
+    assert gpu.timed == ["repacked 4096x4096 m16"] * 2
+
+
+def test_the_load_line_says_what_was_timed_and_an_unwritable_cache_is_one_line(monkeypatch, tmp_path):
+    StandInGpu(monkeypatch)
+    monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path / "cache"))
+    spec = LoadSpec(device="cuda", norm_kernel="auto")
+    text = route_kernels(tiny_model(), spec, "none", "cuda")
+    assert text.startswith("; norms: one Triton kernel for each of 5 RMSNorms (auto measured") and \
+        "; kernel timings: 1 measured now in " in text, text
+    assert route_kernels(tiny_model(), spec, "none", "cuda").endswith(
+        "; kernel timings: 1 read from an earlier start on this Stand-in H100 (sm_90) (--retune times them again)")
+    assert route_kernels(tiny_model(), LoadSpec(device="cuda", norm_kernel="torch"), "none", "cuda") == \
+        "; norms: transformers' own"                                # nothing timed: nothing said about timings
+
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(blocker))
+    with pytest.raises(LoadError) as err:
+        route_kernels(tiny_model(), spec, "none", "cuda")
+    assert str(err.value) == (f"could not write the GPU's kernel timings: {blocker} is a file, not a folder: move it "
+                              "away, or set MEDUSA_CHAT_CACHE to a writable directory")
