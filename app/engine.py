@@ -24,12 +24,12 @@ from medusa_core.decoding.generate import generate, max_context, new_cache, pref
 from medusa_core.decoding.step import compute_dtype
 from medusa_core.decoding.step_store import needs_capture
 from medusa_core.decoding.tree import (PRESETS, TOP_K, Paths, TreeBuffers, TreeError, UnknownTreeError,
-                                      build_tree_buffers, resolve_tree, tree_name, tree_spelling, validate_paths)
+                                      build_tree_buffers, resolve_tree, tree_name, validate_paths)
 
 from .detok import Detokenizer
 from .readout import Comparison, Meter, Stats, explain_divergence, interleaved_ratios
 from .session import RequestQueue, Session
-from .settings import Settings
+from .settings import Settings, tree_choice
 
 BASELINE, MEDUSA, COMPARISON = "baseline", "medusa", "comparison"
 LABELS = {BASELINE: "Plain decoding", MEDUSA: "Medusa"}
@@ -195,7 +195,7 @@ class ChatEngine:
     def _tree_choices(self, preferred: Sequence[str]) -> list[tuple[str, str]]:
         """(label with node count, name) for every tree the loaded heads can fill; the trees the
         user named come first. A named tree that does not fit raises TreeError at startup."""
-        for spec in [*dict.fromkeys(tree_spelling(s) for s in preferred if s and s.strip())]:   # CHAIN-03 is chain-3
+        for spec in [*dict.fromkeys(tree_choice(s) for s in preferred if s and s.strip())]:   # CHAIN-03 is chain-3
             if self.num_heads or spec == "baseline":
                 self._specs.setdefault(tree_name(spec), spec)
                 self.tree(spec)
@@ -211,7 +211,7 @@ class ChatEngine:
     def typed_choice(self, tree_name: str | None) -> tuple[str, str] | None:
         """(label with node count, name) of a tree typed in the picker that these heads can run and the list
         lacks, as the listed ones are labelled (QA: a typed tree showed without its size); None otherwise."""
-        name = self.shown_name(tree_spelling(tree_name)) if isinstance(tree_name, str) and tree_name.strip() else ""
+        name = self.shown_name(tree_choice(tree_name)) if isinstance(tree_name, str) and tree_name.strip() else ""
         if not name or name in {listed for _, listed in self.tree_choices}:
             return None
         paths = self.tree_paths(name)
@@ -248,7 +248,7 @@ class ChatEngine:
         can fill (checked, not built); None otherwise (unknown, too deep or too wide for these heads, or a
         tree file, which is read at start only). A tree kept from another start or another model may be any
         of those."""
-        name = self.shown_name(tree_spelling(name))
+        name = self.shown_name(tree_choice(name))
         if name in self._specs:      # built when it was listed: a tree file is not read again
             return self.tree(name).paths
         if name.endswith(".json"):
@@ -266,7 +266,7 @@ class ChatEngine:
         tree set by --tree, heads without accuracies) or the tree is not one it can value. Said before the
         answer: a typed 364-node tree ran at 0.1 tokens/s on the CPU, the tuned 2-node one at 1.2x."""
         tuned = self.loaded.tuned
-        name = self.shown_name(tree_spelling(tree_name or "") or self.default_tree)   # CHAIN-03 is chain-3
+        name = self.shown_name(tree_choice(tree_name or "") or self.default_tree)   # CHAIN-03 is chain-3
         if tuned is None or name == self.default_tree:
             return None
         paths = self.tree_paths(name)       # None: sending it says what is wrong with it

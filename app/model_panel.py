@@ -9,14 +9,13 @@ from collections.abc import Sequence
 import gradio as gr
 
 from medusa_core.decoding.config import number
-from medusa_core.decoding.tree import tree_spelling
 from medusa_core.loading.spec import LoadSpec
 
 from .engine import BASELINE, LABELS, MEDUSA
 from .layout import MODE_CONTROLS, SAMPLING, Page, cpu_default_note, mode_enabled
 from .models import ModelSlot, default_settings, spec_for
 from .session import Session
-from .settings import Settings
+from .settings import Settings, tree_choice
 
 
 def control_state(mode: str) -> tuple[dict, ...]:
@@ -64,7 +63,10 @@ def tree_picker(engine, tree_name: str | None, earlier: Sequence[str] = ()) -> d
     choices = [*engine.tree_choices, *kept, *([typed] if typed is not None else [])]
     if typed is not None:
         return gr.update(choices=choices, value=typed[1])
-    listed = engine.shown_name(tree_spelling(tree_name)) if isinstance(tree_name, str) and tree_name.strip() else ""
+    if isinstance(tree_name, str) and not tree_name.strip():
+        # an emptied box sends the default tree: it shows it (QA: spaces typed stayed there as the choice)
+        return gr.update(choices=choices, value=engine.default_tree)
+    listed = engine.shown_name(tree_choice(tree_name)) if isinstance(tree_name, str) else ""
     if listed != tree_name and listed in {name for _, name in engine.tree_choices}:
         return gr.update(choices=choices, value=listed)
     return gr.update(choices=choices)

@@ -4,6 +4,7 @@ The page and the OpenAI endpoint both build one by field name."""
 
 from __future__ import annotations
 
+import re
 import secrets
 from dataclasses import dataclass, fields, replace
 
@@ -26,6 +27,18 @@ def flag(name: str, value) -> bool:
 # the page's seeds (and its scripting API's, the same handler): a browser's number box holds a whole number exactly
 # only up to 2**53 - 1; past it, 9007199254740993 typed ran as ...992, and 2**63 - 1 was refused as 9223372036854776000
 PAGE_SEED_MAX = 2**53 - 1
+
+
+_LABEL = re.compile(r"(.+?)\s*\([0-9]+ nodes?\)", re.ASCII)     # app/engine.tree_label's form
+
+
+def tree_choice(text: str) -> str:
+    """The tree ``text`` names, spelled once: a label as the picker lists trees ("cartesian-3x3 (13 nodes)") is
+    its name (QA: typing or pasting a label was refused unless that tree was listed), CHAIN-03 is chain-3."""
+    text = text.strip()
+    if match := _LABEL.fullmatch(text):
+        text = match[1]
+    return tree_spelling(text)
 
 
 @dataclass(frozen=True)
@@ -60,7 +73,7 @@ class Settings(DecodeConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.tree is not None:   # one spelling per tree, from the page and the API alike: CHAIN-03 is chain-3
-            object.__setattr__(self, "tree", tree_spelling(self.tree) or None)
+            object.__setattr__(self, "tree", tree_choice(self.tree) or None)
 
     def with_drawn_seed(self) -> "Settings":
         """These settings with a random seed drawn now where the answer samples and names none (the page's -1),

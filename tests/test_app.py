@@ -1735,6 +1735,25 @@ def test_a_regenerated_answer_whose_prompt_was_cut_says_so_again(model_dirs):
     assert reloaded.turns[-1].note == cut and reloaded.first_turn == first_turn
 
 
+def test_a_tree_typed_as_the_picker_labels_it_is_that_tree_and_an_emptied_box_shows_the_default(engine):
+    """QA: typing or pasting a label ("cartesian-3x3 (13 nodes)") was refused unless that tree was listed, and
+    spaces typed into the picker stayed there while Send ran the default tree."""
+    from app.model_panel import on_tree_typed
+    from app.session import Session
+    from app.settings import Settings
+
+    tab = Session()
+    typed = on_tree_typed(engine, tab, " Cartesian-3x3 (13 nodes) ")
+    assert typed["value"] == "cartesian-3x3" and ("cartesian-3x3 (13 nodes)", "cartesian-3x3") in typed["choices"]
+    assert engine.check(Settings.parse(tree="cartesian-3x1 (7 nodes)"))[1:] == (
+        "cartesian-3x1", engine.tree("cartesian-3x1"))
+    label, name = engine.tree_choices[-1]                                    # a listed tree, by its label
+    assert engine.check(Settings.parse(tree=label))[1] == name and label != name
+    for blank in ("   ", ""):
+        assert on_tree_typed(engine, tab, blank)["value"] == engine.default_tree
+    assert engine.check(Settings.parse(tree="   "))[1] == engine.default_tree
+
+
 def test_trees_typed_in_a_tab_stay_in_its_picker_after_a_listed_one_is_picked(engine):
     """QA: a typed tree left the picker's list once a listed tree was picked, and had to be typed again. A tab
     keeps the trees it typed listed (with their sizes), another tab does not see them, and one these heads
