@@ -116,6 +116,13 @@ def test_numbers_it_cannot_compile_for_are_one_line(args, says, capsys):
     assert stop.value.code == 2 and says in capsys.readouterr().err
 
 
+def test_a_json_it_could_not_write_is_one_line_before_compiling(tmp_path, capsys, monkeypatch):
+    # QA: it compiled every config first, then failed writing with a traceback, the results lost
+    monkeypatch.setattr(ks, "report", lambda *a, **kw: pytest.fail("compiled before checking --json"))
+    assert ks.main(["--json", str(tmp_path), "--shape", "64x64", "--rows", "1"]) == 2
+    assert f"--json {tmp_path} cannot be written" in capsys.readouterr().err
+
+
 def test_compiles_the_launch_repacked_matmul_makes():
     # the same arguments as a real launch, on meta tensors: a change to the launch reaches the report
     meta = torch.device("meta")

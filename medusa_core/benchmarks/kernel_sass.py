@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import check_writable
 from .nf4_kernel import SHAPES, parse_shape   # SHAPES (K in, N out): what the kernel benchmark times
 
 ROWS = (1, 2, 4, 16, 32, 64)
@@ -359,6 +360,11 @@ def main(argv: list[str] | None = None) -> int:
                              "(e.g. docs/perf/h100.json), estimates beside the measured µs")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    try:
+        check_writable(args.json)           # now, not after minutes of compiling (QA)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     gpu = Gpu(args.arch, H100.sms, H100.boost_ghz, H100.copy_tb_s)
     try:
         _triton_tools()

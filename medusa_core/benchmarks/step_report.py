@@ -55,8 +55,9 @@ def format_result(r: QuantResult, shape: str, context: int) -> str:
         f"context {context} (cache bucket {r.capacity}) ==",
         *([r.routing] if r.routing else []),
         f"bytes read per baseline step: weights {gb(r.weights_bytes)} + KV {gb(r.kv_bytes)}; Medusa steps add heads {gb(r.heads_bytes)}",
-        f"baseline loop step {base.loop_ms:.3f} ms -> {base.bandwidth_gbs:.0f} GB/s read; device copy bandwidth "
-        f"{r.copy_bandwidth_gbs:.0f} GB/s ({100 * base.bandwidth_gbs / r.copy_bandwidth_gbs:.0f}% of it)",
+        # three significant figures: a tiny model's step reads a few MB, and "0 GB/s (0% of it)" said nothing (QA)
+        f"baseline loop step {base.loop_ms:.3f} ms -> {base.bandwidth_gbs:.3g} GB/s read; device copy bandwidth "
+        f"{r.copy_bandwidth_gbs:.0f} GB/s ({100 * base.bandwidth_gbs / r.copy_bandwidth_gbs:.3g}% of it)",
     ]
     if r.hf_generate_ms:
         cells = ", ".join(f"{k} {v:.3f} ms/token" if isinstance(v, float) else f"{k} {v}" for k, v in r.hf_generate_ms.items())
