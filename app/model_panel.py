@@ -279,6 +279,12 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
     buttons = [output for output in outputs if output is not page.shown_version]    # the line under them first
     page.load.click(on_load_model, [page.known, page.model_box, page.heads_box, max_new, page.shown_version],
                     buttons, api_name="load_model", concurrency_limit=None, preprocess=False)
+    # the model controls show what Load will load: a pick from the list empties the boxes, and typing in a box
+    # takes the pick back (QA: a path left in the backbone box silently won over a model picked after it).
+    # In the browser only: nothing to ask the server
+    page.known.input(None, None, [page.model_box, page.heads_box], js="() => ['', '']", api_name=False)
+    for box in (page.model_box, page.heads_box):
+        box.input(None, None, [page.known], js="() => null", api_name=False)
     page.unload.click(on_unload, [max_new, page.shown_version], buttons, api_name="unload_model",
                       concurrency_limit=None, preprocess=False)
     page.controls["mode"].change(control_state, [page.controls["mode"]], page.mode_controls, api_name=False,

@@ -604,6 +604,23 @@ def test_a_failed_load_keeps_the_decoding_settings(page, browser):
     assert "does not exist" not in page.locator("#status").inner_text()
 
 
+def test_the_model_controls_show_what_load_will_load(page):
+    """QA: a path left in the backbone box silently won over a model picked from Known models after it. A pick
+    empties the boxes; typing in a box takes the pick back."""
+    page.locator("#model-panel").click()   # the accordion
+    backbone, heads = (page.locator(f"#{box} textarea, #{box} input").first for box in ("model-id", "heads-id"))
+    backbone.fill("/some/old/path")
+    heads.fill("/some/old/heads")
+    page.locator("#known-model input").click()
+    page.get_by_role("option").first.click()
+    page.wait_for_function("() => !document.querySelector('#model-id textarea, #model-id input').value", timeout=10_000)
+    assert backbone.input_value() == "" and heads.input_value() == ""
+    assert page.locator("#known-model input").input_value()
+    heads.press_sequentially("/my/heads")
+    page.wait_for_function("() => !document.querySelector('#known-model input').value", timeout=10_000)
+    assert heads.input_value() == "/my/heads"
+
+
 def pane_left_to_scroll(page, pane: str) -> float:
     """How far a chat pane is scrolled above its end, in px."""
     return page.evaluate(f"() => {{ const e = document.querySelector('{pane} .bubble-wrap'); "
