@@ -657,6 +657,11 @@ def test_turning_compare_on_keeps_the_panes_at_their_newest_answer_and_their_tit
                                  for part in ("label", ".icon-button-wrapper", ".bubble-wrap"))
         assert label["x"] + label["width"] <= icon["x"], f"{pane}'s title runs under its bin icon"
         assert messages["y"] >= label["y"] + label["height"], f"{pane}'s title runs over its messages"
+    # the panes' messages start level, though the Medusa title wraps and the plain one does not (QA: 40 px apart)
+    titles = [page.locator(f"{pane} label").first.bounding_box()["height"] for pane in ("#chat", "#chat-baseline")]
+    assert titles[0] > titles[1] + 10, titles
+    tops = [page.locator(f"{pane} .bubble-wrap").first.bounding_box()["y"] for pane in ("#chat", "#chat-baseline")]
+    assert abs(tops[0] - tops[1]) <= 1, tops
 
 
 def test_the_readout_fits_a_phone(page):
@@ -664,6 +669,12 @@ def test_the_readout_fits_a_phone(page):
     that the table scrolled. So does the accepted-per-step bar of a long answer (QA: its 40 steps ran past
     the pane's edge, cut off)."""
     page.set_viewport_size({"width": 390, "height": 844})
+    # the empty chat's hint keeps off the pane's edges (QA: flush against the left edge on a phone)
+    hint = page.evaluate("() => { const pane = document.querySelector('#chat').getBoundingClientRect(),"
+                         " text = document.createRange(); text.selectNodeContents("
+                         "document.querySelector('#chat .placeholder-content p'));"
+                         " const box = text.getBoundingClientRect(); return [box.left - pane.left, pane.right - box.right]; }")
+    assert min(hint) >= 8, f"the hint is {hint[0]:.0f} px from the pane's left edge and {hint[1]:.0f} px from its right"
     pick_greedy(page)
     set_max_new(page, 120)                      # over 40 steps: the bar at its full length (it overflowed from ~32)
     send(page, "Write a story about a dragon who learns to cook.")
