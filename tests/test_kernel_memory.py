@@ -176,13 +176,16 @@ def test_the_load_line_says_what_was_timed_and_an_unwritable_cache_is_one_line(m
     StandInGpu(monkeypatch)
     monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path / "cache"))
     spec = LoadSpec(device="cuda", norm_kernel="auto")
-    text = route_kernels(tiny_model(), spec, "none", "cuda")
+    said = []
+    text = route_kernels(tiny_model(), spec, "none", "cuda", said.append)
+    assert said == ["timing the kernels on this GPU (once: later starts read what this measures)"]   # the page's line
     assert text.startswith("; norms: one Triton kernel for each of 5 RMSNorms (auto measured") and \
         "; kernel timings: 1 measured now in " in text, text
-    assert route_kernels(tiny_model(), spec, "none", "cuda").endswith(
+    assert route_kernels(tiny_model(), spec, "none", "cuda", said.append).endswith(
         "; kernel timings: 1 read from an earlier start on this Stand-in H100 (sm_90) (--retune times them again)")
     assert route_kernels(tiny_model(), LoadSpec(device="cuda", norm_kernel="torch"), "none", "cuda") == \
         "; norms: transformers' own"                                # nothing timed: nothing said about timings
+    assert len(said) == 1, said                                     # a start that reads its timings is quick
 
     blocker = tmp_path / "blocker"
     blocker.write_text("not a folder")

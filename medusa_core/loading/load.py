@@ -209,7 +209,7 @@ def load(spec: LoadSpec, progress: Progress | None = None) -> Loaded:
             raise LoadError(smollm2.cache_write_failed("int4's measured speed", err,
                                                        "or pass --quant int4 or --quant none")) from None
         quant, kernel_text = ("int4" if applied else "none"), "; " + text
-    kernel_text += route_kernels(model, spec, quant, device)
+    kernel_text += route_kernels(model, spec, quant, device, progress)
     heads = load_heads_files(files, model, dtype) if files is not None else None
     if heads is not None and spec.heads_quant == "nf4":
         heads = quantize_projections(heads, dtype)
@@ -248,11 +248,15 @@ def _identity(source: str) -> str:
     return str(path.resolve()) if path is not None else source
 
 
-def route_kernels(model, spec: LoadSpec, quant: str, device: str) -> str:
+def route_kernels(model, spec: LoadSpec, quant: str, device: str, progress: Progress | None = None) -> str:
     """The NF4 kernel (nf4 only), then the norms, as ``spec`` asks; "; "-led parts of the load line. On CUDA what
-    they time is remembered for this GPU (kernel_memory.py): a later start reads it instead of timing again."""
+    they time is remembered for this GPU (kernel_memory.py): a later start reads it instead of timing again.
+    ``progress`` hears of a first start's timing, which takes a while."""
     timings = kernel_memory.recall(torch.device(device), smollm2.cache_root(), spec.retune) \
         if device.startswith("cuda") else None
+    if timings is not None and not timings.memory.entries and progress is not None and \
+            "auto" in ((spec.nf4_kernel if quant == "nf4" else ""), spec.norm_kernel):
+        progress("timing the kernels on this GPU (once: later starts read what this measures)")
     try:
         with timings.routing() if timings else contextlib.nullcontext():
             nf4_text = use_nf4_kernel(model, spec.nf4_kernel) if quant == "nf4" else ""
