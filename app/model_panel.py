@@ -77,10 +77,25 @@ def on_tree_typed(engine, session, tree_name: str | None) -> dict:
     it (``session.typed_trees``, updated)."""
     if engine is None:
         return gr.update()
-    typed = engine.typed_choice(tree_name)
-    if typed is not None:   # kept first, so the list holds the latest MAX_TYPED_TREES, this one among them
-        session.typed_trees = [*(name for name in session.typed_trees if name != typed[1]), typed[1]][-MAX_TYPED_TREES:]
+    note_typed(engine, session, tree_name)
     return tree_picker(engine, tree_name, session.typed_trees)
+
+
+def note_typed(engine, session, tree_name) -> None:
+    """``session.typed_trees`` with ``tree_name`` last where it is a typed tree these heads run; the same list
+    however often it is called for one tree (the picker's handler and the browser's copy both call it)."""
+    typed = engine.typed_choice(tree_name) if isinstance(tree_name, str) else None
+    if typed is not None and session.typed_trees[-1:] != [typed[1]]:   # the latest MAX_TYPED_TREES, this one last
+        session.typed_trees = [*(name for name in session.typed_trees if name != typed[1]), typed[1]][-MAX_TYPED_TREES:]
+
+
+def kept_typed(kept) -> list[str]:
+    """The typed trees in the browser's copy (settings_copy), for a tab that reloads: names only (the loaded
+    heads decide which are listed); none from an older or damaged copy."""
+    typed = kept.get("typed_trees") if isinstance(kept, dict) else None
+    if not isinstance(typed, list):
+        return []
+    return [name for name in typed if isinstance(name, str) and 0 < len(name.strip()) <= 200][-MAX_TYPED_TREES:]
 
 
 MAX_STATUS_WAIT_S = 600    # the longest /model_status waits for a load (a hub download can take longer: ask again)
@@ -95,17 +110,19 @@ MODEL_OUTPUTS = ("model_status", "status", "note", "send", "tree", "max_new_toke
 KEPT = ("mode", *SAMPLING, "max_new_tokens", "tree", "seed", "colour_heads")
 
 
-def settings_copy(engine, *values) -> dict:
+def settings_copy(engine, *values, typed: Sequence[str] = ()) -> dict:
     """What the browser keeps of the decoding controls (``values`` in KEPT's order, as the page holds them):
     the values and the model they were set for, ``engine`` (None while the page has no model yet: the copy is
     then for the model that arrives, and sync labels it for that one). The model's default tree is kept as
-    None, "the default": the tree tuned on this start may be plain decoding on the next, or not listed."""
+    None, "the default": the tree tuned on this start may be plain decoding on the next, or not listed.
+    ``typed``: the tab's typed trees, which a reload lists again (QA: they were gone after a reload)."""
     # a value no control runs is not kept (the copy keeps only what kept_values would put back): a seed
     # typed past 2**64 could not even be stored, and its traceback took the copy's other values with it
     settings = {name: value for name, value in zip(KEPT, values) if valid(name, value)}
     if engine is not None and settings.get("tree") == engine.default_tree:
         settings["tree"] = None
-    return {"model": engine.loaded.source if engine is not None else None, "settings": settings}
+    return {"model": engine.loaded.source if engine is not None else None, "settings": settings,
+            **({"typed_trees": list(typed)} if typed else {})}
 
 
 def kept_values(kept, engine) -> dict:
@@ -174,6 +191,8 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
             return tuple({"timer": gr.Timer(active=False), "shown_version": shown}.get(name, gr.update())
                          for name in MODEL_OUTPUTS)
         engine = state.engine
+        if shown is None and session is not None and not session.typed_trees:
+            session.typed_trees = kept_typed(stored)        # a reloaded tab's typed trees, from the browser's copy
         cpu_default = engine is not None and engine.loaded.cpu_default
         note = cpu_default_note(engine.weights, str(engine.dtype).removeprefix("torch.")) if cpu_default else None
         # the status line's first paragraph under the Load button too (the tree's is the status line's), for a
@@ -210,7 +229,8 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
             if isinstance(stored, dict) and stored.get("model") is None and isinstance(stored.get("settings"), dict):
                 # set while the page had no model: this model's now (the browser keeps it under its name)
                 updates["kept"] = {"model": engine.loaded.source,
-                                   "settings": {k: v for k, v in stored["settings"].items() if valid(k, v)}}
+                                   "settings": {k: v for k, v in stored["settings"].items() if valid(k, v)},
+                                   **({"typed_trees": kept_typed(stored)} if kept_typed(stored) else {})}
         return tuple(updates.get(name, gr.update()) for name in MODEL_OUTPUTS)
 
     def page_only(updates: tuple) -> tuple:
@@ -299,17 +319,20 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
     # choice; the page's load puts them back: kept_values); raw values, as the controls hold them.
     # "always_last": each copy holds every control, so an older copy must never land after a newer one
     # (two controls set in quick succession each sent one)
-    def on_control(shown, *values):
+    def on_control(shown, session: Session, *values):
         """The browser's copy after the user set a control, for the model whose controls the page shows: in
         the moment between another model's arrival and the page showing its controls, the values are still
-        the old model's (they were saved under the new one)."""
+        the old model's (they were saved under the new one). A typed tree is noted here too: this may run
+        before the picker's own handler."""
         state = slot.state()
         if state.engine is not None and (shown is None or shown[1] != state.engine_version):
             return gr.update()
-        return settings_copy(state.engine, *values)
+        if state.engine is not None:
+            note_typed(state.engine, session, values[KEPT.index("tree")])
+        return settings_copy(state.engine, *values, typed=session.typed_trees)
 
     kept = [page.controls[name] for name in KEPT]
-    gr.on([control.input for control in kept], on_control, [page.shown_version, *kept], [page.kept], api_name=False,
+    gr.on([control.input for control in kept], on_control, [page.shown_version, page.session, *kept], [page.kept], api_name=False,
           concurrency_limit=None, preprocess=False, show_progress="hidden", trigger_mode="always_last")
     return sync
 

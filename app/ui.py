@@ -41,7 +41,7 @@ def build_ui(slot: ModelSlot, *, system_prompt: str = "", base_spec: LoadSpec = 
             them, gets the conversation and its title in one update)."""
             chat.tab_opened(session, request.session_hash)
             medusa, baseline, system, compare, box = chat.restored(session, stored, system)
-            *controls, pane = sync(None, max_new_value, kept)
+            *controls, pane = sync(None, max_new_value, kept, session)
             return (baseline, system, compare, box, *controls, {**pane, "value": medusa})
 
         # this tab's copies of the conversation and the settings from the browser first, then the page built from them

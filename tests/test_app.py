@@ -36,6 +36,11 @@ def app(model_dirs, tmp_path_factory):
     args = ["--model", str(backbone), "--heads", str(heads), "--device", "cpu",
             "--tree", str(backbone.parent / "tree.json"), "--max-new-tokens", "48"]
     with launched(args, log) as url:
+        from gradio_client import Client
+
+        # loaded before the first test: a message sent during the load runs the default tree (as after any
+        # load), and a test run alone saw that instead of the tree it named
+        assert Client(url, verbose=False).predict(120, api_name="/model_status")["phase"] == "ready"
         yield url, log
 
 
@@ -1752,6 +1757,24 @@ def test_a_tree_typed_as_the_picker_labels_it_is_that_tree_and_an_emptied_box_sh
     for blank in ("   ", ""):
         assert on_tree_typed(engine, tab, blank)["value"] == engine.default_tree
     assert engine.check(Settings.parse(tree="   "))[1] == engine.default_tree
+
+
+def test_a_reloaded_tab_gets_its_typed_trees_back_from_the_browsers_copy(engine):
+    """QA: a reload listed only the tree in the box of those the tab had typed. The browser's copy of the
+    controls carries them (names only: the loaded heads decide which are listed); a damaged copy gives none."""
+    from app.model_panel import KEPT, kept_typed, note_typed, settings_copy
+    from app.session import Session
+
+    tab = Session()
+    for name in ("cartesian-3x3", "cartesian-2x1", "cartesian-2x1", listed := engine.tree_choices[0][1]):
+        note_typed(engine, tab, name)             # twice the same tree, and a listed one: no change
+    values = dict(mode="greedy", temperature=0.7, top_p=1.0, epsilon=0.09, delta=0.3, max_new_tokens=48,
+                  tree=listed, seed=-1, colour_heads=False)
+    copy = settings_copy(engine, *(values[name] for name in KEPT), typed=tab.typed_trees)
+    assert kept_typed(copy) == tab.typed_trees == ["cartesian-3x3", "cartesian-2x1"]
+    for damaged in (None, [], {"typed_trees": "cartesian-3x3"}, {"typed_trees": [3, None, " ", "x" * 300]}):
+        assert kept_typed(damaged) == []
+    assert kept_typed({"typed_trees": [f"chain-{d}" for d in range(1, 20)]})[0] == "chain-12"   # the latest 8
 
 
 def test_trees_typed_in_a_tab_stay_in_its_picker_after_a_listed_one_is_picked(engine):

@@ -288,6 +288,29 @@ def test_a_typed_tree_is_listed_with_its_node_count(page):
     typed.click()
     page.wait_for_function("() => document.querySelector('#tree input')?.value === 'cartesian-3x3 (13 nodes)'",
                            timeout=10_000)
+    # and after a reload, with a listed tree picked last (QA: only the tree in the box was listed again)
+    page.wait_for_function("() => document.querySelector('#chat [data-testid=block-label]')?.innerText"
+                           ".includes('cartesian-3x3')", timeout=10_000)
+    page.wait_for_timeout(500)              # the pick's own update is in before the next tree is typed
+    box.click()
+    box.press("Control+a")
+    box.press_sequentially("cartesian-2x1")
+    box.press("Enter")
+    page.wait_for_function("() => document.querySelector('#tree input')?.value === 'cartesian-2x1 (5 nodes)'",
+                           timeout=10_000)
+    box.click()
+    page.get_by_role("option", name="chain-2").click()
+    page.wait_for_function("() => document.querySelector('#tree input')?.value.startsWith('chain-2')", timeout=10_000)
+    # the browser's copy is written after the pick
+    page.wait_for_function("() => Object.keys(localStorage).some((k) => k.startsWith('medusa-chat-settings:') && "
+                           "localStorage[k].includes('cartesian-2x1') && localStorage[k].includes('\"chain-2'))",
+                           timeout=10_000)
+    page.reload(wait_until="load")
+    page.wait_for_function(READY, timeout=60_000)
+    assert page.locator("#tree input").input_value().startswith("chain-2")
+    page.locator("#tree input").click()
+    for label in ("cartesian-3x3 (13 nodes)", "cartesian-2x1 (5 nodes)"):
+        page.locator(f"#tree li[role=option][aria-label='{label}']").wait_for(timeout=10_000)
 
 
 def test_enter_takes_a_typed_tree_as_typed_and_the_arrows_pick_from_the_list(page):
