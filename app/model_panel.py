@@ -4,6 +4,7 @@ defaults, and the user's settings for it that the browser keeps across reloads).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 import gradio as gr
@@ -13,7 +14,7 @@ from medusa_core.loading.spec import LoadSpec
 
 from .engine import BASELINE, LABELS, MEDUSA
 from .layout import MODE_CONTROLS, SAMPLING, Page, cpu_default_note, mode_enabled
-from .models import ModelSlot, default_settings, spec_for
+from .models import KNOWN_MODELS, ModelSlot, default_settings, spec_for
 from .session import Session
 from .settings import Settings, tree_choice
 
@@ -299,12 +300,19 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
     buttons = [output for output in outputs if output is not page.shown_version]    # the line under them first
     page.load.click(on_load_model, [page.known, page.model_box, page.heads_box, max_new, page.shown_version],
                     buttons, api_name="load_model", concurrency_limit=None, preprocess=False)
-    # the model controls show what Load will load: a pick from the list empties the boxes, and typing in a box
-    # takes the pick back (QA: a path left in the backbone box silently won over a model picked after it).
-    # In the browser only: nothing to ask the server
-    page.known.input(None, None, [page.model_box, page.heads_box], js="() => ['', '']", api_name=False)
+    # the model controls show what Load will load: a pick from the list empties the boxes, and text put in a box
+    # takes the pick back (QA: a path left in the backbone box silently won over a model picked after it). In the
+    # browser only: nothing to ask the server. The list's input event also comes when its filter text is
+    # dropped (Escape, a click away): only a listed entry empties the boxes (QA: typed paths were wiped). A
+    # box's change event, not its input: a pasted or filled-in path sends no input event (QA); the boxes
+    # emptied by a pick send a change too, which keeps the pick
+    labels = json.dumps([entry.label for entry in KNOWN_MODELS])
+    page.known.input(None, [page.known, page.model_box, page.heads_box], [page.model_box, page.heads_box],
+                     js=f"(known, model, heads) => {labels}.includes(known) ? ['', ''] : [model, heads]",
+                     api_name=False)
     for box in (page.model_box, page.heads_box):
-        box.input(None, None, [page.known], js="() => null", api_name=False)
+        box.change(None, [box, page.known], [page.known], js="(text, known) => text.trim() ? null : known",
+                   api_name=False)
     page.unload.click(on_unload, [max_new, page.shown_version], buttons, api_name="unload_model",
                       concurrency_limit=None, preprocess=False)
     page.controls["mode"].change(control_state, [page.controls["mode"]], page.mode_controls, api_name=False,

@@ -25,6 +25,7 @@ from medusa_core.loading.policy import CUDA_HEADS, CUDA_MODEL, TREE_BY_HEADS, re
 from medusa_core.loading import smollm2
 from medusa_core.loading.smollm2 import NAME as SMOLLM2
 from medusa_core.decoding.tree import TreeError
+from medusa_core.quant.kernel_timing import beside
 
 from .engine import ChatEngine
 from .settings import Settings
@@ -258,7 +259,9 @@ class ModelSlot:
         what = self._describe(spec)
         self._log(f"Loading {what}…")
         try:
-            loaded = self._loader(spec, progress=self._progress)
+            old = self.engine     # still answering meanwhile: kernel timings taken beside it are not kept
+            with beside(lambda: old is not None and old.queue.active()):
+                loaded = self._loader(spec, progress=self._progress)
             with self._lock:
                 self._line = "⏳ Building the decoding trees…"
             engine = ChatEngine(loaded, extra_trees=extra_trees, max_new_tokens=self.max_new_tokens)

@@ -163,6 +163,11 @@ class RequestQueue:
             self._cond.wait_for(lambda: self._waiting[0] is ticket, timeout)
             return self._waiting.index(ticket)
 
+    def active(self) -> bool:
+        """Whether a request is generating or waiting."""
+        with self._cond:
+            return bool(self._waiting)
+
     def leave(self, ticket: object) -> None:
         with self._cond:
             self._waiting.remove(ticket)

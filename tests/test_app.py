@@ -1752,6 +1752,7 @@ def test_a_tree_typed_as_the_picker_labels_it_is_that_tree_and_an_emptied_box_sh
     assert typed["value"] == "cartesian-3x3" and ("cartesian-3x3 (13 nodes)", "cartesian-3x3") in typed["choices"]
     assert engine.check(Settings.parse(tree="cartesian-3x1 (7 nodes)"))[1:] == (
         "cartesian-3x1", engine.tree("cartesian-3x1"))
+    assert engine.check(Settings.parse(tree="CHAIN-2 (3 NODES)"))[1] == "chain-2"       # as CHAIN-2 is (QA)
     label, name = engine.tree_choices[-1]                                    # a listed tree, by its label
     assert engine.check(Settings.parse(tree=label))[1] == name and label != name
     for blank in ("   ", ""):
@@ -1808,3 +1809,28 @@ def test_trees_typed_in_a_tab_stay_in_its_picker_after_a_listed_one_is_picked(en
     for width in range(2, 11):                           # nine more typed: the latest 8 listed, at once
         latest = on_tree_typed(engine, tab, f"cartesian-{width}x1")
     assert [name for _, name in latest["choices"][len(listed):]] == [f"cartesian-{w}x1" for w in range(3, 11)]
+
+
+def test_a_load_beside_a_running_answer_tells_the_kernel_timings_so(model_dirs):
+    """A Load while the current model still answers: the load's kernel timings (taken on the GPU they share)
+    hear that an answer runs, and are used for that load only (loading/kernel_memory.py)."""
+    from app.models import ModelSlot
+    from medusa_core.loading.load import load
+    from medusa_core.loading.spec import LoadSpec
+    from medusa_core.quant import kernel_timing
+
+    backbone, heads = model_dirs
+    spec = LoadSpec(model=str(backbone), heads=str(heads), device="cpu")
+    heard = []
+
+    def loader(s, progress):
+        heard.append(kernel_timing._ACTIVE.busy())     # what a measurement in this load would ask
+        return load(s, progress)
+
+    slot = ModelSlot(loader=loader, log=lambda line: None)
+    slot.start(spec)
+    assert slot.wait(120).phase == "ready"
+    ticket = slot.engine.queue.join()                   # an answer generating on the model being replaced
+    slot.start(spec)
+    assert slot.wait(120).phase == "ready"
+    assert heard == [False, True] and ticket is not None

@@ -84,6 +84,8 @@ def test_cli_runs_tiny_on_cpu_for_bf16_and_nf4_and_writes_json(tmp_path, capsys)
     assert "proj. speedup" in printed and "loop ms" in printed
     # a tiny model reads a few MB a step: its bandwidth is said in significant figures (QA: "0 GB/s (0% of it)")
     assert " 0 GB/s" not in printed and "(0% of it)" not in printed, printed
+    from medusa_core.benchmarks.step_report import _figure
+    assert (_figure(1616.8), _figure(54.61), _figure(0.01234)) == ("1617", "54.6", "0.0123")   # an H100's, whole
     data = json.loads(out.read_text())
     assert {"device", "torch", "transformers", "bitsandbytes"} <= set(data["env"])
     results = {r["quant"]: r for r in data["results"]}

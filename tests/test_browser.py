@@ -639,8 +639,16 @@ def test_the_model_controls_show_what_load_will_load(page):
     page.wait_for_function("() => !document.querySelector('#model-id textarea, #model-id input').value", timeout=10_000)
     assert backbone.input_value() == "" and heads.input_value() == ""
     assert page.locator("#known-model input").input_value()
-    heads.press_sequentially("/my/heads")
+    heads.fill("/my/heads")                    # as a paste does: no key pressed (QA: a pasted path kept the pick)
     page.wait_for_function("() => !document.querySelector('#known-model input').value", timeout=10_000)
+    assert heads.input_value() == "/my/heads"
+    # a filter typed in the list and dropped without a pick leaves the boxes as they are (QA: both were wiped)
+    known = page.locator("#known-model input")
+    known.click()
+    known.press_sequentially("Vic")
+    known.press("Escape")
+    page.locator("#model-status").click(force=True)
+    page.wait_for_timeout(1000)
     assert heads.input_value() == "/my/heads"
 
 

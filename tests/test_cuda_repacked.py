@@ -150,7 +150,7 @@ def test_a_second_start_on_this_gpu_routes_as_the_first_from_the_remembered_timi
     print(*lines, sep="\n")                # the GPU session's record, with the first start's tuning seconds
     first, _, note_1 = lines[0].rpartition("; kernel timings: ")
     second, _, note_2 = lines[1].rpartition("; kernel timings: ")
-    assert first == second and " measured now in " in note_1 and " read from an earlier start " in note_2, lines
+    assert first == second and " measured now in " in note_1 and " read from those kept " in note_2, lines
     assert note_1.split()[0] == note_2.split()[0], lines
 
 

@@ -46,6 +46,12 @@ class QuantResult:
     rows: tuple[TreeRow, ...]
 
 
+def _figure(x: float) -> str:
+    """Whole above 100, else three significant figures: a tiny model's step reads a few MB, and "0 GB/s (0% of
+    it)" said nothing (QA); an H100's 1617 GB/s is not 1.62e+03 either."""
+    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
 def format_result(r: QuantResult, shape: str, context: int) -> str:
     gb = lambda b: f"{b / 1e9:.3f} GB" if b >= 1e8 else f"{b / 1e6:.3f} MB"  # noqa: E731
     cell = lambda v, w=10: f"{v:>{w}.3f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
@@ -55,9 +61,8 @@ def format_result(r: QuantResult, shape: str, context: int) -> str:
         f"context {context} (cache bucket {r.capacity}) ==",
         *([r.routing] if r.routing else []),
         f"bytes read per baseline step: weights {gb(r.weights_bytes)} + KV {gb(r.kv_bytes)}; Medusa steps add heads {gb(r.heads_bytes)}",
-        # three significant figures: a tiny model's step reads a few MB, and "0 GB/s (0% of it)" said nothing (QA)
-        f"baseline loop step {base.loop_ms:.3f} ms -> {base.bandwidth_gbs:.3g} GB/s read; device copy bandwidth "
-        f"{r.copy_bandwidth_gbs:.0f} GB/s ({100 * base.bandwidth_gbs / r.copy_bandwidth_gbs:.3g}% of it)",
+        f"baseline loop step {base.loop_ms:.3f} ms -> {_figure(base.bandwidth_gbs)} GB/s read; device copy bandwidth "
+        f"{r.copy_bandwidth_gbs:.0f} GB/s ({_figure(100 * base.bandwidth_gbs / r.copy_bandwidth_gbs)}% of it)",
     ]
     if r.hf_generate_ms:
         cells = ", ".join(f"{k} {v:.3f} ms/token" if isinstance(v, float) else f"{k} {v}" for k, v in r.hf_generate_ms.items())

@@ -68,8 +68,8 @@ def read_kept(entry: Path, key: dict) -> Kept | None:
         if not isinstance(saved, dict) or saved.get("key") != key:
             return None
         kept = Kept(float(saved["fp32_ms"]), float(saved["int4_ms"]), float(saved["cpu_share"]))
-    except (ValueError, TypeError, KeyError):
-        return None          # an interrupted write of an older version: measured again
+    except (OSError, ValueError, TypeError, KeyError):
+        return None          # an interrupted write of an older version, or a file this user cannot read: measured again
     return kept if kept.fp32_ms > 0 and kept.int4_ms > 0 else None
 
 

@@ -9,24 +9,23 @@ start on the same GPU reads it and routes the same way without timing (``--retun
 
 A timing holds only for what it was measured with: the key names the GPU (name, compute capability,
 memory, SMs), torch, CUDA, Triton and bitsandbytes, and a digest of the kernels' and tuners' source (every
-module of medusa_core/quant), so another GPU, an upgrade or a changed kernel is timed afresh. The
-benchmarks never read it: they time every run.
+module of medusa_core/quant), so another GPU, an upgrade or a changed kernel is timed afresh. Whatever
+loads through ``loading.load`` uses it as the app does (``bench``, which measures the app's path, included);
+the step, kernel and profile benchmarks route the kernels themselves and time every run.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.metadata
 import json
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..quant import kernel_timing
+from .smollm2 import cache_write_failed
 from .this_machine import entry_path, machine_identity, machine_line, write_atomic
 
 MEMORY_VERSION = 1        # part of the key: a change in what is stored times everything again
@@ -64,8 +63,8 @@ def read_entries(entry: Path, key: dict) -> dict:
         return {}
     try:
         saved = json.loads(entry.read_text())
-    except ValueError:
-        return {}             # an interrupted write: timed again, and written whole
+    except (OSError, ValueError):
+        return {}             # an interrupted write, or a file this user cannot read: timed again, written whole
     if not isinstance(saved, dict) or saved.get("key") != key or not isinstance(saved.get("entries"), dict):
         return {}
     return saved["entries"]
@@ -73,38 +72,41 @@ def read_entries(entry: Path, key: dict) -> dict:
 
 @dataclass
 class KernelTimings:
-    """One load's kernel timings: ``memory`` holds what an earlier start measured and what this one adds;
-    ``routing()`` is where the routings read and add to it; ``save()`` writes what is new."""
+    """One load's kernel timings: ``memory`` holds what was kept before and what this load adds; ``routing()``
+    is where the routings read and add to it; ``save()`` writes what is new."""
 
     key: dict
     entry: Path
     memory: kernel_timing.Memory
-    seconds: float = 0.0               # the routings' wall time
+    unsaved: str = ""                  # why what was measured could not be kept, as the load line says it
 
-    @contextlib.contextmanager
-    def routing(self) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            with kernel_timing.remembering(self.memory):
-                yield
-        finally:
-            self.seconds += time.perf_counter() - start
+    def routing(self):
+        return kernel_timing.remembering(self.memory)
 
     def save(self) -> None:
-        """OSError: the cache could not be written (the loader names the path and the fix)."""
-        if self.memory.measured:
+        """Writes what was measured. A cache that cannot be written does not fail the load, whose routing is done
+        (QA: a 7B load failed after its kernels were timed): the load line says why they were not kept."""
+        if not self.memory.measured or self.memory.disturbed:
+            return
+        try:
             write_atomic(self.entry, json.dumps({"key": self.key, "entries": self.memory.entries}, indent=1) + "\n")
+        except OSError as err:
+            self.unsaved = cache_write_failed("them", err)
 
     @property
     def note(self) -> str:
-        """What the load line says: read, measured now (and how long that took), or "" where nothing was timed."""
+        """What the load line says: timings read, measured now (and how long measuring took), or "" where nothing
+        was timed."""
         m, where = self.memory, machine_line(self.key["machine"])
         if not m.read and not m.measured:
             return ""                  # nothing timed: bitsandbytes or transformers' norms asked for by name
         if not m.measured:
-            return f"kernel timings: {m.read} read from an earlier start on this {where} (--retune times them again)"
-        earlier = f", {m.read} read from an earlier start" if m.read else ""
-        return f"kernel timings: {m.measured} measured now in {self.seconds:.0f} s{earlier}, kept for this {where} until --retune"
+            return f"kernel timings: {len(m.read)} read from those kept for this {where} (--retune measures them again)"
+        read = f" ({len(m.read)} more read from those kept)" if m.read else ""
+        kept = f"not kept: {self.unsaved}" if self.unsaved else \
+            "used for this load only: measured while an answer ran on this GPU" if m.disturbed else \
+            f"kept for this {where} until --retune"
+        return f"kernel timings: {len(m.measured)} measured now in {m.seconds:.0f} s{read}, {kept}"
 
 
 def recall(device: torch.device, cache_root: Path, retune: bool = False) -> KernelTimings:

@@ -123,4 +123,8 @@ def write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}")
     partial.write_text(text)
-    os.replace(partial, path)
+    try:
+        os.replace(partial, path)
+    except OSError as err:      # e.g. a folder where the file goes: the error names that path, and no copy stays
+        partial.unlink(missing_ok=True)
+        raise OSError(err.errno, err.strerror, str(path)) from None

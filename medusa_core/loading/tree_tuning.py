@@ -341,8 +341,9 @@ def read_cached(entry: Path, key: dict) -> TunedTree | None:
             return None     # another key, or a tree file another start rewrote: measured again
         # an entry written before the table was kept beside it: the key holds it (to 6 digits)
         return TunedTree(**{"accuracy": key["accuracy"], **saved["result"], "cached": True})
-    except (ValueError, TypeError, KeyError):
-        return None          # a damaged entry (an interrupted write of an older version) is measured again
+    except (OSError, ValueError, TypeError, KeyError):
+        return None          # a damaged entry (an interrupted write of an older version) or an unreadable one:
+        #                      measured again (QA: a file this user could not read failed every load)
 
 
 def write_cached(entry: Path, key: dict, tuned: TunedTree) -> None:

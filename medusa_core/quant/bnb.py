@@ -118,20 +118,20 @@ def _nf4_layers(model: nn.Module):
                 yield parent, name, child
 
 
-_TIMED: dict[tuple, float] = {}   # (device name, N, K, dtype, rows, kernel) -> µs
+_TIMED: dict[tuple, float] = {}   # (device name, N, K, blocksize, dtype, rows, kernel) -> µs
 
 
 def _timed_us(layer, dtype: torch.dtype, rows: int, kernel: str) -> float:
     """µs of ``kernel`` (bnb: bitsandbytes' own matmul; triton: nf4_matmul) for ``rows`` rows on this
     layer's shape, in a CUDA graph over weight copies larger than L2; cached per (GPU, N, K, dtype, rows) and,
     inside kernel_timing.remembering, across starts."""
-    from .kernel_timing import remembered
+    from .kernel_timing import remembered, remembering_now
 
     state = layer.weight.quant_state
-    key = (torch.cuda.get_device_name(layer.weight.device), *(int(s) for s in state.shape), dtype, rows, kernel)
-    if key not in _TIMED:
-        _TIMED[key] = remembered("nf4-layer", (*key, state.blocksize),
-                                 lambda: _time_layer(layer, dtype, rows, kernel), float)
+    key = (torch.cuda.get_device_name(layer.weight.device), *(int(s) for s in state.shape), state.blocksize, dtype,
+           rows, kernel)
+    if key not in _TIMED or remembering_now():
+        _TIMED[key] = remembered("nf4-layer", key, lambda: _time_layer(layer, dtype, rows, kernel), float)
     return _TIMED[key]
 
 

@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -41,13 +42,16 @@ class NoConfigCompiled(RuntimeError):
 
 @dataclasses.dataclass
 class Memory:
-    """Measurements kept under string keys (JSON values: ``entries``, as read from disk and as added now),
-    and how many of them this routing read and measured. ``retune``: measure every one again."""
+    """Measurements kept under string keys (JSON values: ``entries``, as read from disk and as added now);
+    the names this load took from what was kept before it (``read``) and measured itself (``measured``), and the
+    seconds its measuring took. ``retune``: measure each one again, once."""
 
     entries: dict[str, Any]
     retune: bool = False
-    read: int = 0
-    measured: int = 0
+    read: set[str] = dataclasses.field(default_factory=set)
+    measured: set[str] = dataclasses.field(default_factory=set)
+    seconds: float = 0.0
+    disturbed: bool = False      # a measurement ran beside other work on the device (``beside``): not to be kept
 
 
 _ACTIVE = threading.local()     # the loading thread's Memory: an answer's thread may tune at its first step
@@ -64,6 +68,27 @@ def remembering(memory: Memory) -> Iterator[Memory]:
         _ACTIVE.memory = before
 
 
+@contextlib.contextmanager
+def beside(busy: Callable[[], bool]) -> Iterator[None]:
+    """Within (in this thread): ``busy()`` says whether other work runs on the device now, e.g. an answer of
+    the model being replaced. A measurement it overlaps marks the memory ``disturbed``: its timings route this
+    load, and are not kept for later ones (QA: a Load beside a running answer would have kept skewed timings
+    until --retune; the CPU's measurements have the same guard, loading/this_machine.BUSY_SHARE)."""
+    before = getattr(_ACTIVE, "busy", None)
+    _ACTIVE.busy = busy
+    try:
+        yield
+    finally:
+        _ACTIVE.busy = before
+
+
+def remembering_now() -> bool:
+    """Whether this thread is inside ``remembering``. There the tuners ask ``remembered`` before their own
+    in-process caches, so that the memory holds, and its counts say, everything a load used (QA: a second
+    load in one process took its timings from those caches unsaid, and --retune did not reach them)."""
+    return getattr(_ACTIVE, "memory", None) is not None
+
+
 def remembered(what: str, key: tuple, measure: Callable[[], T], decode: Callable[[Any], T]) -> T:
     """``measure()``; inside ``remembering``, what an earlier measure of (``what``, ``key``) gave instead
     (``decode`` turns its JSON back into the value; an entry it cannot read is measured again). A measure
@@ -72,17 +97,23 @@ def remembered(what: str, key: tuple, measure: Callable[[], T], decode: Callable
     if memory is None:
         return measure()
     name = f"{what} {json.dumps([str(part) for part in key])}"
-    if not memory.retune and name in memory.entries:
+    if name in memory.measured or (not memory.retune and name in memory.entries):
         try:
             value = decode(memory.entries[name])
         except (TypeError, ValueError, KeyError, IndexError):
             pass            # written by an older version of the tuner: measured again below, and replaced
         else:
-            memory.read += 1
+            if name not in memory.measured:
+                memory.read.add(name)
             return value
+    busy = getattr(_ACTIVE, "busy", None) or (lambda: False)
+    start, disturbed = time.perf_counter(), busy()
     value = measure()
+    memory.seconds += time.perf_counter() - start
+    memory.disturbed = memory.disturbed or disturbed or busy()
     memory.entries[name] = as_json(value)
-    memory.measured += 1
+    memory.measured.add(name)
+    memory.read.discard(name)
     return value
 
 

@@ -34,7 +34,8 @@ try:
 except ImportError as err:  # one line, naming the fix; the rest of the project never needs Triton
     raise ImportError(f"medusa_core.quant.nf4_matmul needs Triton ({err}): pip install 'triton>=3.7'") from None
 
-from .kernel_timing import NoConfigCompiled, decode_tuning, graph_time_us, pick_fastest, remembered, rotating_copies
+from .kernel_timing import (NoConfigCompiled, decode_tuning, graph_time_us, pick_fastest, remembered, remembering_now,
+                            rotating_copies)
 from .triton_runtime import check_runnable, launchable
 
 
@@ -493,7 +494,7 @@ def choose_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devi
         return KernelConfig(row_class(m), 64, 1, 4, 1)     # the interpreter: fewest programs
     key = _key(m, n, k, dtype, device, blocksize)
     cfg = _TUNED.get(key)
-    if cfg is not None:
+    if cfg is not None and not (remembering_now() and not torch.cuda.is_current_stream_capturing()):
         return cfg
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     if torch.cuda.is_current_stream_capturing():
@@ -505,7 +506,7 @@ def choose_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devi
 def tuned_us(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, blocksize: int = 64) -> float:
     """µs of the fastest config timed for M's row class and this shape on this GPU (tuned first if not yet)."""
     key = _key(m, n, k, dtype, device, blocksize)
-    if key not in _TUNED:
+    if key not in _TUNED or remembering_now():
         tune_shape(m, n, k, dtype, device, blocksize)
     return min(us for _, us in TUNING_LOG[key] if us is not None)
 

@@ -44,7 +44,8 @@ except ImportError as err:  # one line, naming the fix; the rest of the project 
                       "pip install 'triton>=3.7'") from None
 
 from . import nf4_matmul as nm
-from .kernel_timing import NoConfigCompiled, decode_tuning, graph_time_us, pick_fastest, remembered, rotation_count
+from .kernel_timing import (NoConfigCompiled, decode_tuning, graph_time_us, pick_fastest, remembered, remembering_now,
+                            rotation_count)
 from .triton_runtime import check_runnable, launchable
 from .nf4_repack import ROWS, RepackedNF4
 
@@ -347,7 +348,7 @@ def _time_candidates(m: int, n: int, k: int, dtype: torch.dtype, device: torch.d
 def tuned_us(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, group: int = 128) -> float:
     """µs of the fastest config timed for M's row class and this shape on this GPU (tuned first if not yet)."""
     key = _key(m, n, k, dtype, device, group)
-    if key not in _TUNED:
+    if key not in _TUNED or remembering_now():
         tune_shape(m, n, k, dtype, device, group)
     return min(us for _, us in TUNING_LOG[key] if us is not None)
 

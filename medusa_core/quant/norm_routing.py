@@ -135,11 +135,13 @@ def _activation_dtype(model: nn.Module) -> torch.dtype:
 
 def _timing_key(norms: list[nn.Module], dtype: torch.dtype) -> tuple:
     """What ``_timed_sums`` depends on besides the GPU (whose memory holds it): the input dtype and how many norms
-    of each (width, weight dtype)."""
-    counts: dict[tuple[int, str], int] = {}
+    of each kind (class, width, weight dtype, epsilon): the class and epsilon decide its correctness check too."""
+    counts: dict[tuple, int] = {}
     for norm in norms:
-        shape = (int(norm.weight.shape[-1]), str(norm.weight.dtype))
-        counts[shape] = counts.get(shape, 0) + 1
+        eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+        kind = (f"{type(norm).__module__}.{type(norm).__qualname__}", int(norm.weight.shape[-1]), str(norm.weight.dtype),
+                eps)
+        counts[kind] = counts.get(kind, 0) + 1
     return dtype, sorted(counts.items())
 
 
