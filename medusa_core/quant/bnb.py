@@ -123,8 +123,8 @@ _TIMED: dict[tuple, float] = {}   # (device name, N, K, blocksize, dtype, rows, 
 
 def _timed_us(layer, dtype: torch.dtype, rows: int, kernel: str) -> float:
     """µs of ``kernel`` (bnb: bitsandbytes' own matmul; triton: nf4_matmul) for ``rows`` rows on this
-    layer's shape, in a CUDA graph over weight copies larger than L2; cached per (GPU, N, K, dtype, rows) and,
-    inside kernel_timing.remembering, across starts."""
+    layer's shape, in a CUDA graph over weight copies larger than L2; cached per (GPU, N, K, blocksize, dtype,
+    rows) and, inside kernel_timing.remembering, across starts."""
     from .kernel_timing import remembered, remembering_now
 
     state = layer.weight.quant_state

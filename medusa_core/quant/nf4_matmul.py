@@ -494,12 +494,11 @@ def choose_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devi
         return KernelConfig(row_class(m), 64, 1, 4, 1)     # the interpreter: fewest programs
     key = _key(m, n, k, dtype, device, blocksize)
     cfg = _TUNED.get(key)
-    if cfg is not None and not (remembering_now() and not torch.cuda.is_current_stream_capturing()):
+    if cfg is not None and not remembering_now():       # a load asks its memory (kernel_timing.remembered)
         return cfg
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
     if torch.cuda.is_current_stream_capturing():
         # timing needs its own graph and syncs: not inside someone else's capture; tune_shape() first
-        return default_config(m, n, k, sms)
+        return cfg or default_config(m, n, k, torch.cuda.get_device_properties(device).multi_processor_count)
     return tune_shape(m, n, k, dtype, device, blocksize)
 
 
