@@ -229,9 +229,10 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
             updates = with_kept(updates, kept_values(stored, engine), engine, typed)
             if isinstance(stored, dict) and stored.get("model") is None and isinstance(stored.get("settings"), dict):
                 # set while the page had no model: this model's now (the browser keeps it under its name)
+                typed_kept = kept_typed(stored)
                 updates["kept"] = {"model": engine.loaded.source,
                                    "settings": {k: v for k, v in stored["settings"].items() if valid(k, v)},
-                                   **({"typed_trees": kept_typed(stored)} if kept_typed(stored) else {})}
+                                   **({"typed_trees": typed_kept} if typed_kept else {})}
         return tuple(updates.get(name, gr.update()) for name in MODEL_OUTPUTS)
 
     def page_only(updates: tuple) -> tuple:
@@ -340,8 +341,8 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
         return settings_copy(state.engine, *values, typed=session.typed_trees)
 
     kept = [page.controls[name] for name in KEPT]
-    gr.on([control.input for control in kept], on_control, [page.shown_version, page.session, *kept], [page.kept], api_name=False,
-          concurrency_limit=None, preprocess=False, show_progress="hidden", trigger_mode="always_last")
+    gr.on([control.input for control in kept], on_control, [page.shown_version, page.session, *kept], [page.kept],
+          api_name=False, concurrency_limit=None, preprocess=False, show_progress="hidden", trigger_mode="always_last")
     return sync
 
 
