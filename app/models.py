@@ -260,7 +260,7 @@ class ModelSlot:
         self._log(f"Loading {what}…")
         try:
             old = self.engine     # still answering meanwhile: kernel timings taken beside it are not kept
-            with beside(lambda: old is not None and old.queue.active()):
+            with beside(lambda: old.queue.activity() if old is not None else (False, 0)):
                 loaded = self._loader(spec, progress=self._progress)
             with self._lock:
                 self._line = "⏳ Building the decoding trees…"

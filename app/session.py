@@ -150,11 +150,13 @@ class RequestQueue:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._waiting: list[object] = []   # the head of the queue is generating
+        self.joined = 0                     # requests ever queued: one that came and went is seen by the count
 
     def join(self) -> object:
         ticket = object()
         with self._cond:
             self._waiting.append(ticket)
+            self.joined += 1
         return ticket
 
     def wait(self, ticket: object, timeout: float) -> int:
@@ -163,10 +165,10 @@ class RequestQueue:
             self._cond.wait_for(lambda: self._waiting[0] is ticket, timeout)
             return self._waiting.index(ticket)
 
-    def active(self) -> bool:
-        """Whether a request is generating or waiting."""
+    def activity(self) -> tuple[bool, int]:
+        """(whether a request is generating or waiting, requests ever queued): kernel_timing.beside's probe."""
         with self._cond:
-            return bool(self._waiting)
+            return bool(self._waiting), self.joined
 
     def leave(self, ticket: object) -> None:
         with self._cond:

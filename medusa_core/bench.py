@@ -52,6 +52,9 @@ def parser() -> argparse.ArgumentParser:
                         "(bitsandbytes elsewhere), triton forces the Triton kernel, bnb keeps bitsandbytes")
     p.add_argument("--norm-kernel", choices=NORM_KERNELS, default="auto",
                    help="RMSNorm: auto times transformers' and the Triton norm on CUDA (transformers' elsewhere)")
+    p.add_argument("--retune", action="store_true",
+                   help="measure this machine afresh, as the app's --retune: the default tree, and on a GPU the kernel "
+                        "timings (without it they are read from an earlier start's, as the app reads them)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=1, help="warm-up runs of each decoder before timing")
     p.add_argument("--no-references", action="store_true", help="skip transformers generate() and prompt lookup")
@@ -84,7 +87,7 @@ def prepare(args) -> Setup:
     # the default tree is tuned only where it is asked for: a run of presets has no use for it
     fixed = next((t for t in args.tree if t != "default"), None) if args.tree and "default" not in args.tree else None
     loaded = load(LoadSpec(model=args.model, heads=args.heads, device=args.device, dtype=args.dtype, quant=args.quant,
-                           nf4_kernel=args.nf4_kernel, norm_kernel=args.norm_kernel, tree=fixed,
+                           nf4_kernel=args.nf4_kernel, norm_kernel=args.norm_kernel, tree=fixed, retune=args.retune,
                            must_run=tuple(t for t in args.tree or [] if t not in ("default", "baseline"))))
     asked = [loaded.default_tree if t == "default" else t for t in args.tree or ["default"] * (loaded.heads is not None)]
     tree_names = list(dict.fromkeys(t for t in asked if t != "baseline"))     # the baseline always runs

@@ -60,15 +60,17 @@ def check_writable(path: str | None, flag: str = "--json") -> None:
     folder = next((p for p in [target.parent, *target.parent.parents] if p.exists()), Path("."))
     writable = not target.is_dir() and folder.is_dir() and os.access(folder, os.W_OK) and \
         (not target.exists() or os.access(target, os.W_OK))
-    if writable and folder == target.parent:
+    if writable:
         # tried, not only asked: root passes os.access for /proc and read-only mounts (QA: a traceback after
-        # the whole run); a file made for the try is removed
-        existed = target.exists()
+        # the whole run). In the file's folder, or the nearest one that exists where the rest is made later; a
+        # file made for the try is removed
+        trial = target if folder == target.parent else folder / f".medusa-write-check-{os.getpid()}"
+        existed = trial.exists()
         try:
-            with target.open("a"):
+            with trial.open("a"):
                 pass
             if not existed:
-                target.unlink()
+                trial.unlink()
         except OSError:
             writable = False
     if not writable:

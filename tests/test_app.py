@@ -1824,7 +1824,7 @@ def test_a_load_beside_a_running_answer_tells_the_kernel_timings_so(model_dirs):
     heard = []
 
     def loader(s, progress):
-        heard.append(kernel_timing._ACTIVE.busy())     # what a measurement in this load would ask
+        heard.append(kernel_timing._ACTIVE.activity())     # what a measurement in this load would ask
         return load(s, progress)
 
     slot = ModelSlot(loader=loader, log=lambda line: None)
@@ -1833,4 +1833,4 @@ def test_a_load_beside_a_running_answer_tells_the_kernel_timings_so(model_dirs):
     ticket = slot.engine.queue.join()                   # an answer generating on the model being replaced
     slot.start(spec)
     assert slot.wait(120).phase == "ready"
-    assert heard == [False, True] and ticket is not None
+    assert heard == [(False, 0), (True, 1)] and ticket is not None

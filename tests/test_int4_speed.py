@@ -44,7 +44,7 @@ def test_the_first_start_measures_and_later_starts_keep_its_choice(timings, tmp_
     applied, line = cpu_int4.use_int4(tiny_model(hidden=64), measured=True, trees=False,
                                       speed=lambda: int4_speed.remembered_speed(model, tmp_path))
     assert not applied and line == ("fp32 matmuls (int4 at 1.05x fp32's matmul speed, under the 1.1x it needs, "
-                                    "measured at an earlier start on this machine and kept until --retune)")
+                                    "measured earlier on this machine and kept until --retune)")
 
 
 def test_retune_measures_again_and_keeps_the_new_figures(timings, tmp_path):

@@ -181,6 +181,15 @@ def test_an_unreadable_file_is_timed_again_and_a_cache_it_cannot_write_is_said_n
                                  "MEDUSA_CHAT_CACHE to a writable directory"), timings.note
     assert sorted(p.name for p in first.entry.parent.iterdir()) == ["timings.json"]   # no partial copy left
 
+    first.entry.rmdir()                                             # a full disk
+    real_write = Path.write_text
+    monkeypatch.setattr(Path, "write_text", lambda self, *a, **kw: (_ for _ in ()).throw(OSError(28, "No space left"))
+                        if self.name.startswith(".timings.json") else real_write(self, *a, **kw))
+    timings, _ = start(tmp_path, monkeypatch=monkeypatch)
+    assert timings.note.endswith(f", not kept: could not write them into {first.entry.parent} (No space left): set "
+                                 "MEDUSA_CHAT_CACHE to a writable directory"), timings.note
+    assert list(first.entry.parent.iterdir()) == []
+
 
 def test_timings_measured_beside_a_running_answer_route_this_load_only(monkeypatch, tmp_path):
     """QA: a Load beside an answer still running on the GPU (the app's ModelSlot passes its old engine's queue as
@@ -188,11 +197,15 @@ def test_timings_measured_beside_a_running_answer_route_this_load_only(monkeypat
     from medusa_core.quant.kernel_timing import beside
 
     gpu = StandInGpu(monkeypatch)
-    answering = iter([False, False, True])            # an answer starts during the third measurement
-    with beside(lambda: next(answering, False)):
-        timings, decided = start(tmp_path, monkeypatch=monkeypatch)
-    assert timings.note.endswith(" s, used for this load only: measured while an answer ran on this GPU"), timings.note
-    assert not timings.entry.exists()
+    # (an answer running, answers ever started), read before and after each measurement
+    for seen in ([(False, 0)] * 5 + [(True, 1)],     # an answer starts during the third measurement
+                 [(False, 0)] * 3 + [(False, 1)]):   # one starts and ends inside the second (QA: it was missed)
+        answering = iter(seen)
+        with beside(lambda: next(answering, seen[-1])):
+            timings, decided = start(tmp_path, monkeypatch=monkeypatch)
+        assert timings.note.endswith(" s, used for this load only: measured while an answer ran on this GPU"), \
+            timings.note
+        assert not timings.entry.exists()
     gpu.timed.clear()
     again, _ = start(tmp_path, monkeypatch=monkeypatch)           # a quiet load measures again, and keeps them
     assert len(gpu.timed) == 5 and again.entry.exists() and again.note.endswith("until --retune")

@@ -120,7 +120,7 @@ def test_a_json_it_could_not_write_is_one_line_before_compiling(tmp_path, capsys
     # QA: it compiled every config first, then failed writing with a traceback, the results lost
     monkeypatch.setattr(ks, "report", lambda *a, **kw: pytest.fail("compiled before checking --json"))
     # a folder; and a path no one can write, not even root, whom os.access lets through (QA)
-    for path in (str(tmp_path), "/proc/medusa-sass.json"):
+    for path in (str(tmp_path), "/proc/medusa-sass.json", "/proc/medusa/new/sass.json"):
         assert ks.main(["--json", path, "--shape", "64x64", "--rows", "1"]) == 2
         assert f"--json {path} cannot be written" in capsys.readouterr().err
 

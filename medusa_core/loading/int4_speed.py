@@ -33,7 +33,7 @@ SPEED_VERSION = 1        # part of the key: a change in how cpu_int4.measure tim
 FOLDER, NAME = "int4-speed", "speed.json"
 # how the load line goes on after "1.28x fp32's matmul speed, "
 FRESH = "measured now and kept for this machine until --retune"
-READ = "measured at an earlier start on this machine and kept until --retune"
+READ = "measured earlier on this machine and kept until --retune"   # an earlier start, or an earlier load (QA)
 BUSY = "measured while other programs used the CPU, this app getting {share:.0%} of it"
 PROVISIONAL = "kept until a start on a quiet CPU measures again"
 

@@ -122,9 +122,9 @@ def write_atomic(path: Path, text: str) -> None:
     """Two apps starting at once never read half a file: each writes its own copy and renames it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}")
-    partial.write_text(text)
     try:
+        partial.write_text(text)
         os.replace(partial, path)
-    except OSError as err:      # e.g. a folder where the file goes: the error names that path, and no copy stays
+    except OSError as err:      # a full disk, a folder where the file goes: the error names the path, no copy stays
         partial.unlink(missing_ok=True)
         raise OSError(err.errno, err.strerror, str(path)) from None

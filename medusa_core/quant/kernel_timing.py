@@ -69,17 +69,18 @@ def remembering(memory: Memory) -> Iterator[Memory]:
 
 
 @contextlib.contextmanager
-def beside(busy: Callable[[], bool]) -> Iterator[None]:
-    """Within (in this thread): ``busy()`` says whether other work runs on the device now, e.g. an answer of
-    the model being replaced. A measurement it overlaps marks the memory ``disturbed``: its timings route this
-    load, and are not kept for later ones (QA: a Load beside a running answer would have kept skewed timings
-    until --retune; the CPU's measurements have the same guard, loading/this_machine.BUSY_SHARE)."""
-    before = getattr(_ACTIVE, "busy", None)
-    _ACTIVE.busy = busy
+def beside(activity: Callable[[], tuple[bool, int]]) -> Iterator[None]:
+    """Within (in this thread): ``activity()`` says whether other work runs on the device now and how many pieces
+    of it ever started, e.g. the answers of the model being replaced. A measurement that work overlaps (running
+    as it starts or ends, or started meanwhile) marks the memory ``disturbed``: its timings route this load,
+    and are not kept for later ones (QA: a Load beside a running answer would have kept skewed timings until
+    --retune; the CPU's measurements have the same guard, loading/this_machine.BUSY_SHARE)."""
+    before = getattr(_ACTIVE, "activity", None)
+    _ACTIVE.activity = activity
     try:
         yield
     finally:
-        _ACTIVE.busy = before
+        _ACTIVE.activity = before
 
 
 def remembering_now() -> bool:
@@ -106,11 +107,18 @@ def remembered(what: str, key: tuple, measure: Callable[[], T], decode: Callable
             if name not in memory.measured:
                 memory.read.add(name)
             return value
-    busy = getattr(_ACTIVE, "busy", None) or (lambda: False)
-    start, disturbed = time.perf_counter(), busy()
-    value = measure()
-    memory.seconds += time.perf_counter() - start
-    memory.disturbed = memory.disturbed or disturbed or busy()
+    activity = getattr(_ACTIVE, "activity", None) or (lambda: (False, 0))
+    (running, started), start = activity(), time.perf_counter()
+    depth = getattr(_ACTIVE, "depth", 0)
+    _ACTIVE.depth = depth + 1
+    try:
+        value = measure()
+    finally:
+        _ACTIVE.depth = depth
+    if depth == 0:          # a measure that measures more inside (a warm-up that tunes) counts its time once
+        memory.seconds += time.perf_counter() - start
+    running_after, started_after = activity()
+    memory.disturbed = memory.disturbed or running or running_after or started_after != started
     memory.entries[name] = as_json(value)
     memory.measured.add(name)
     memory.read.discard(name)
