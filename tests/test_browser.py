@@ -370,8 +370,9 @@ def test_conversation_survives_a_reload_and_exports(page):
         page.locator("#export-md").click()
     text = Path(download.value.path()).read_text()
     assert "**User:**" in text and "remember me" in text and "**Assistant:**" in text
-    # how the answer was made, under it
-    assert re.search(r"\n\*(Medusa|Plain decoding) · tree .+: \d+ tokens?", text), text
+    # how the answer was made, under it (plain decoding where the tuner found no tree that pays on this CPU: a busy
+    # or an AVX2-only one, "Plain decoding: Medusa gives no speedup on this device · tree baseline ...")
+    assert re.search(r"\n\*(Medusa|Plain decoding)[^·\n]* · tree .+: \d+ tokens?", text), text
     # a system prompt edited after the last message is saved when the box is left, not with the next message
     page.locator("#system textarea").fill("Answer in one word.")
     page.locator("#message textarea").click()
@@ -596,7 +597,8 @@ def test_a_failed_load_keeps_the_decoding_settings(page, browser):
     status = page.locator("#status").inner_text()
     # the loaded model in a few words, not its whole Ready paragraph again
     assert "· SmolLM2-135M-Instruct with its Medusa heads is still loaded" in status and "Ready" not in status
-    assert "tree tuned for this machine" in status
+    # the tree paragraph too: the tuned tree, or plain decoding where none pays on this CPU (busy, or AVX2-only)
+    assert "tree tuned for this machine" in status or "gives no speedup on this device" in status, status
     # under the Load button too: on a phone the status line is far above it, out of view, and nothing showed.
     # Waited for, not read once: the two lines come in one update the page may render apart (a CI run under
     # load read the panel's "Loading…" a second after the status line had the error)
