@@ -8,7 +8,6 @@ import json
 import pytest
 from tiny import char_tokenizer, tiny_model
 
-from medusa_core.errors import LoadError
 from medusa_core.loading import int4_speed, this_machine, load as load_module
 from medusa_core.loading.load import load
 from medusa_core.loading.spec import LoadSpec
@@ -150,17 +149,20 @@ def test_a_restart_loads_with_the_first_starts_measurement(timings, int4_backbon
 
 
 @pytest.mark.parametrize("share", [1.0, 0.5])
-def test_a_cache_that_cannot_be_written_is_one_line_naming_the_path_whatever_the_cpus_load(
+def test_a_cache_that_cannot_be_written_loads_with_what_was_measured_and_names_the_path_whatever_the_cpus_load(
         timings, int4_backbone, tmp_path, monkeypatch, share):
-    # QA: the cache folder was named where the failing path was a file inside it; and a busy start, which
-    # wrote nothing, loaded where a quiet one failed
+    # QA: the cache folder was named where the failing path was a file inside it; a busy start, which wrote
+    # nothing, loaded where a quiet one failed; then the load failed after measuring, where an unwritable cache
+    # of kernel timings or of the tuned tree only says they were not kept
     cache = tmp_path / "cache"
     cache.mkdir(exist_ok=True)
     (cache / int4_speed.FOLDER).write_text("a file where the folder goes")
     monkeypatch.setattr(int4_speed, "with_cpu_share", busy(share))
-    timings.extend(near_the_line(1.5))
-    with pytest.raises(LoadError) as err:
-        load(LoadSpec(model=str(int4_backbone), device="cpu"))
-    assert str(err.value).startswith(f"could not write int4's measured speed: {cache / int4_speed.FOLDER} is a file, "
-                                     "not a folder")
-    assert "MEDUSA_CHAT_CACHE" in str(err.value) and "\n" not in str(err.value)
+    timings.extend(near_the_line(1.5, 1.05))
+    first = load(LoadSpec(model=str(int4_backbone), device="cpu"))
+    assert "row-exact attention: 1.50x fp32's matmul speed, measured " in first.description
+    assert (f"not kept: could not write it: {cache / int4_speed.FOLDER} is a file, not a folder: move it away, or set "
+            "MEDUSA_CHAT_CACHE to a writable directory") in first.description
+    assert ("while other programs used the CPU" in first.description) == (share < 1.0)
+    again = load(LoadSpec(model=str(int4_backbone), device="cpu"))     # nothing was kept: measured again
+    assert not timings and "fp32 matmuls (int4 at 1.05x" in again.description

@@ -147,6 +147,22 @@ def test_a_tuning_measured_on_a_busy_cpu_is_used_once_and_not_remembered(checkpo
     assert len(measured) == 3 and again.tuned.cached and again.tuned.paths == quiet.tuned.paths
 
 
+def test_a_cache_that_cannot_be_written_runs_the_tuned_tree_and_says_it_was_not_kept(checkpoint, measured,
+                                                                                       monkeypatch, tmp_path):
+    """QA: a tuned-tree cache that could not be written failed the load after minutes of tuning, where the GPU's
+    kernel timings only said "not kept". Now this start runs what it measured, from a file of its own, and its line
+    names the path in the way and the fix; the next start tunes again."""
+    monkeypatch.setattr(tree_tuning, "MIN_SPEEDUP", 0.0)          # some tree pays: there is a tree file
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "tuned-trees").write_text("a file where the folder goes")
+    first = load(spec(checkpoint))
+    assert first.tuned.pays and json.loads(Path(first.default_tree).read_text()) == first.tuned.paths
+    assert first.tree_note.endswith(f", not kept: could not write it: {tmp_path / 'cache' / 'tuned-trees'} is a file, "
+                                    "not a folder: move it away, or set MEDUSA_CHAT_CACHE to a writable directory)")
+    again = load(spec(checkpoint))
+    assert len(measured) == 2 and not again.tuned.cached and ", not kept: could not write it: " in again.tree_note
+
+
 def test_a_tree_file_that_disagrees_with_its_entry_is_measured_again(checkpoint, measured, monkeypatch, tmp_path):
     monkeypatch.setattr(tree_tuning, "MIN_SPEEDUP", 0.0)
     first = load(spec(checkpoint))

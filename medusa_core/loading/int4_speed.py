@@ -26,6 +26,7 @@ import torch
 
 from ..quant import cpu_int4
 from ..quant.cpu_int4 import Speed
+from .smollm2 import cache_write_failed
 from .this_machine import (BUSY_SHARE, cpu_share_now, entry_path, file_stamp, machine_identity, with_cpu_share,
                            write_atomic)
 
@@ -74,8 +75,9 @@ def read_kept(entry: Path, key: dict) -> Kept | None:
 
 
 def remembered_speed(model, cache_root: Path, retune: bool = False) -> Speed:
-    """The gain for ``model`` on this machine (see the module docstring for which figure wins). OSError:
-    the cache could not be written (the loader names the path and the fix)."""
+    """The gain for ``model`` on this machine (see the module docstring for which figure wins). A cache that
+    cannot be written does not fail the load: this start uses what it measured and its line says why it was
+    not kept, naming the path and the fix."""
     key = speed_key(model)
     entry = entry_path(key, cache_root, FOLDER, NAME)
     kept = read_kept(entry, key)
@@ -94,6 +96,11 @@ def remembered_speed(model, cache_root: Path, retune: bool = False) -> Speed:
                          f"while other programs used the CPU, this app getting {share:.0%} of it, and did not keep it")
         return Speed(kept.fp32_ms, kept.int4_ms, f"{provisional}; this start measured {gain:.2f}x, busy too, this "
                                                  f"app getting {share:.0%} of the CPU")
-    write_atomic(entry, json.dumps({"key": key, **times, "cpu_share": round(share, 3)}, indent=1) + "\n")
     source = FRESH if share >= BUSY_SHARE else f"{BUSY.format(share=share)}: {PROVISIONAL}"
+    try:
+        write_atomic(entry, json.dumps({"key": key, **times, "cpu_share": round(share, 3)}, indent=1) + "\n")
+    except OSError as err:
+        # measured: this start decides by it, the next start measures again (QA: the load failed after measuring)
+        measured = BUSY.format(share=share) if share < BUSY_SHARE else "measured now"
+        source = f"{measured}, not kept: {cache_write_failed('it', err)}"
     return Speed(times["fp32_ms"], times["int4_ms"], source)

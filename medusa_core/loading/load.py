@@ -205,9 +205,6 @@ def load(spec: LoadSpec, progress: Progress | None = None) -> Loaded:
                                               speed=lambda: remembered_speed(model, smollm2.cache_root(), spec.retune))
         except ValueError as err:
             raise LoadError(str(err)) from None
-        except OSError as err:
-            raise LoadError(smollm2.cache_write_failed("int4's measured speed", err,
-                                                       "or pass --quant int4 or --quant none")) from None
         quant, kernel_text = ("int4" if applied else "none"), "; " + text
     kernel_text += route_kernels(model, spec, quant, device, progress)
     heads = load_heads_files(files, model, dtype) if files is not None else None

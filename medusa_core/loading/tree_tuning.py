@@ -22,7 +22,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -30,6 +30,7 @@ import torch
 from ..decoding.step import compute_dtype
 from ..errors import LoadError
 from ..decoding.tree import build_tree_buffers, expected_tokens_per_step, grow_tree
+from .smollm2 import cache_write_failed
 from .this_machine import BUSY_SHARE, entry_path, file_stamp, machine_identity, machine_line, with_cpu_share, write_atomic
 
 TUNER_VERSION = 4          # part of the cache key: a change in how trees are measured re-tunes
@@ -67,6 +68,7 @@ class TunedTree:
     cpu_share: float | None = None      # CPU: this process's share of its threads' CPU time while timing
     cached: bool = False
     accuracy: list[list[float]] | None = None   # the heads' table the choice was made from (speedup_of)
+    not_kept: str = ""                  # why a choice measured on a quiet CPU could not be cached (the fix named)
 
     @property
     def pays(self) -> bool:
@@ -119,6 +121,8 @@ class TunedTree:
         if self.contended and not self.cached:
             when += (f" while other programs were using the CPU (this app got {self.cpu_share:.0%} of it), "
                      "so it is not kept in the cache")
+        if self.not_kept:
+            when += f", not kept: {self.not_kept}"
         if self.pays:
             return (f"tree tuned for this machine (the default): {self.nodes} nodes, expected {self.expected_speedup:.2f}x "
                     f"({self.expected_tokens_per_step:.2f} tokens/step; {when})")
@@ -365,13 +369,23 @@ def tuned_tree(model, heads, tokenizer, acc: Sequence[Sequence[float]], accuracy
     if cached is not None:
         return cached, tree_file(entry)
     tuned = tune(model, heads, tokenizer, acc, accuracy_source, progress, sizes)
-    if tuned.contended:
-        # this start runs the tree from a file of its own: the cache, and an entry a quiet start may be
-        # writing at this moment, stay as they are
-        folder = Path(tempfile.mkdtemp(prefix="medusa-chat-tree-"))
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)   # each busy start left one behind for good
-        own = folder / tree_file(entry).name
-        own.write_text(json.dumps(tuned.paths) + "\n")
-        return tuned, own
-    write_cached(entry, key, tuned)   # OSError: the loader names the directory and the fix
-    return tuned, tree_file(entry)
+    if not tuned.contended:
+        try:
+            write_cached(entry, key, tuned)
+            return tuned, tree_file(entry)
+        except OSError as err:
+            # the choice is measured and this load runs it; a cache it cannot keep it in costs the next start
+            # the minutes of tuning, not this one its model (QA: the load failed after tuning)
+            tuned = replace(tuned, not_kept=cache_write_failed("it", err))
+    # this start runs the tree from a file of its own: the cache, and an entry a quiet start may be writing at
+    # this moment, stay as they are
+    return tuned, own_tree_file(tuned.paths, tree_file(entry).name)
+
+
+def own_tree_file(paths: list[list[int]], name: str) -> Path:
+    """A tree file for this process only, removed when it exits (each busy start once left one behind for good)."""
+    folder = Path(tempfile.mkdtemp(prefix="medusa-chat-tree-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    own = folder / name
+    own.write_text(json.dumps(paths) + "\n")
+    return own
