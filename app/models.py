@@ -20,6 +20,7 @@ import torch
 from medusa_core.errors import LoadError
 from medusa_core.loading.assets import CPU_DEFAULT_HEADS, CPU_DEFAULT_TREE, is_bundled_heads, is_cpu_default_backbone
 from medusa_core.loading.load import load
+from medusa_core.loading.memory import memory_report
 from medusa_core.loading.spec import LoadSpec
 from medusa_core.loading.policy import CUDA_HEADS, CUDA_MODEL, TREE_BY_HEADS, resolve_device
 from medusa_core.loading import smollm2
@@ -206,6 +207,11 @@ class ModelSlot:
         self._ready.notify_all()
         return old if replace_engine else None
 
+    def _swap(self, engine: ChatEngine) -> ChatEngine | None:
+        """``engine`` answers from now on (the line still says the load runs); the one it replaces, to retire."""
+        with self._lock:
+            return self._commit(self._phase, self._line, engine, True, self._error)
+
     @staticmethod
     def _retire(old: ChatEngine | None, new: ChatEngine | None) -> None:
         if old is not None:
@@ -262,6 +268,7 @@ class ModelSlot:
             old = self.engine     # still answering meanwhile: kernel timings taken beside it are not kept
             with beside(lambda: old.queue.activity() if old is not None else (False, 0)):
                 loaded = self._loader(spec, progress=self._progress)
+            replacing, old = old is not None, None    # this frame's reference kept the old model from being freed
             with self._lock:
                 self._line = "⏳ Building the decoding trees…"
             engine = ChatEngine(loaded, extra_trees=extra_trees, max_new_tokens=self.max_new_tokens)
@@ -278,12 +285,18 @@ class ModelSlot:
                        "check the model's files, or load another)")
             return
         seconds = time.perf_counter() - self._started
-        line = f"Ready · {loaded.description} · loaded in {seconds:.1f} s · {loaded.memory}"
+        memory = loaded.memory
+        if replacing:
+            # the new engine answers from here on and the old model is freed before the memory is told: measured
+            # during the load, it counted both models (QA: a second load of SmolLM2 said 1.88 GiB for 1.18)
+            self._retire(self._swap(engine), engine)
+            memory = memory_report(loaded.model, loaded.heads, str(engine.device))
+        line = f"Ready · {loaded.description} · loaded in {seconds:.1f} s · {memory}"
         if loaded.tree_note:   # on a line of its own: which tree runs, and why, is what a user looks for
             line += f"\n\n{loaded.tree_note}"
         self._kept = f"{loaded_name(loaded)} is still loaded" + (f"\n\n{loaded.tree_note}" if loaded.tree_note else "")
         self._ready_line = line
-        self._set("ready", line, engine, replace_engine=True)
+        self._set("ready", line, engine, replace_engine=not replacing)
         self._log(line)
 
     def _progress(self, line: str) -> None:

@@ -1288,6 +1288,39 @@ def test_unload_frees_the_tabs_caches_too(model_dirs):
     assert session.caches == {} and all(ref() is None for ref in kept), "the unloaded model's caches are still held"
 
 
+def test_a_second_load_frees_the_model_it_replaces_before_its_ready_line_tells_the_memory(model_dirs, monkeypatch):
+    """QA: loading SmolLM2 again from the panel said "process RSS 1.88 GiB" where the first load said 1.18: the
+    figure was taken while the old model was still held (by the load's own thread, too). The Ready line of a
+    model that replaces another now tells the memory once the old model is gone."""
+    import weakref
+
+    import app.models as models
+    from medusa_core.loading.load import load
+    from medusa_core.loading.spec import LoadSpec
+
+    backbone, heads = model_dirs
+    loaded_models, alive_when_told = [], []
+
+    def loader(spec, progress):
+        loaded = load(spec, progress=progress)
+        loaded_models.append(weakref.ref(loaded.model))
+        return loaded
+
+    def report(model, heads, device):
+        alive_when_told.append([ref() is not None for ref in loaded_models[:-1]])
+        return "memory as told"
+
+    monkeypatch.setattr(models, "memory_report", report, raising=False)
+    slot = models.ModelSlot(loader=loader, log=lambda line: None)
+    spec = LoadSpec(model=str(backbone), heads=str(heads), device="cpu")
+    for _ in range(2):
+        slot.start(spec)
+        assert slot.wait(120).phase == "ready"
+    assert alive_when_told == [[False]], "the old model was still held when the memory was told"
+    assert "loaded in" in slot.state().line and " · memory as told" in slot.state().line
+    slot.unload()
+
+
 def test_a_closed_tab_starts_no_answer(model_dirs):
     """Once its tab is closed or reloaded, a request from it (a Send that waited for a stopped answer)
     ends at once instead of reading its prompt for nobody: its Stop stays set."""
