@@ -39,6 +39,7 @@ from .benchmarks.step_timing import (copy_bandwidth, prefilled_cache, time_hf_ge
                                      time_step, time_stock_forward)
 from .benchmarks.synthetic import (DTYPE, SHAPES, build_heads, build_model, check_not_zero, quantize_backbone_,
                                    save_random_checkpoint, weight_bytes)
+from .errors import check_writable
 from .decoding.tree import build_tree_buffers, expected_tokens_per_step, tree_of_size
 from .heads.accuracy import PUBLISHED_ACCURACIES, RANK_DECAY, TOP_K, rank_table
 from .quant.bnb import NF4_KERNELS
@@ -240,23 +241,10 @@ def checked_device(args, cuda: bool) -> torch.device:
         for n, k in ((s.hidden, s.hidden), (s.intermediate, s.hidden), (s.hidden, s.intermediate)):
             check_shape(n, k, args.tinygemm_group, device)
     if args.json:       # said now, not after the whole run, whose results it would lose
-        check_writable(Path(args.json))
+        check_writable(args.json)
     if "nf4" in args.quant or args.heads_quant == "nf4":
         import bitsandbytes  # noqa: F401  (fails here, not after building the bf16 model)
     return device
-
-
-def check_writable(path: Path) -> None:
-    """ValueError in one line unless ``path`` (its folder made if missing) can be written."""
-    existed = path.exists()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a"):
-            pass
-    except OSError as err:
-        raise ValueError(f"--json {path}: cannot write there ({err.strerror or err}): name a writable file") from None
-    if not existed:
-        path.unlink()
 
 
 def save_checkpoint_command(args, device: torch.device) -> int:
