@@ -161,6 +161,13 @@ def test_a_cache_that_cannot_be_written_runs_the_tuned_tree_and_says_it_was_not_
                                     "not a folder: move it away, or set MEDUSA_CHAT_CACHE to a writable directory)")
     again = load(spec(checkpoint))
     assert len(measured) == 2 and not again.tuned.cached and ", not kept: could not write it: " in again.tree_note
+    # nor a file of its own: one line, naming the folder and the ways out
+    denied = PermissionError(13, "Permission denied", str(tmp_path / "tmp"))
+    monkeypatch.setattr(tree_tuning.tempfile, "mkdtemp", lambda prefix: (_ for _ in ()).throw(denied))
+    with pytest.raises(LoadError) as err:
+        load(spec(checkpoint))
+    assert str(err.value) == (f"could not write the tuned tree's file into {tmp_path / 'tmp'} (Permission denied): "
+                              "set TMPDIR to a writable folder, or pass --tree")
 
 
 def test_a_tree_file_that_disagrees_with_its_entry_is_measured_again(checkpoint, measured, monkeypatch, tmp_path):

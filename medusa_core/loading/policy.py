@@ -5,6 +5,7 @@ the heads carry accuracies, a preset where they do not)."""
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -164,6 +165,7 @@ def pick_tree(spec: LoadSpec, model, tokenizer, heads: MedusaHeads | None, heads
         tuned, tree_file = tuned_tree(model, heads, tokenizer, accuracy.table, accuracy.source, heads_dir=heads_dir,
                                       mode=tuning_mode(spec, model, device, quant, dtype), cache_root=smollm2.cache_root(),
                                       retune=spec.retune, progress=progress)
-    except OSError as err:
-        raise LoadError(smollm2.cache_write_failed("the tuned tree", err, "or pass --tree")) from None
+    except OSError as err:     # the tree file this start runs from, in the temporary folder (the cache's does not fail)
+        raise LoadError(f"could not write the tuned tree's file into {err.filename or tempfile.gettempdir()} "
+                        f"({err.strerror or err}): set TMPDIR to a writable folder, or pass --tree") from None
     return (str(tree_file) if tuned.pays else "baseline"), tuned.line(), tuned
