@@ -5,7 +5,11 @@ has an id in sessionStorage (which a reload keeps and each tab has its own of) a
 under that id in localStorage; a new tab starts from the copy written last, so the conversation also
 survives closing the browser. A hidden component carries the copy between the page and the server:
 READ fills it on page load, WRITE stores each value the server sets. The decoding settings are kept
-the same way, beside the conversation (SETTINGS_KEY, READ_BOTH, WRITE_SETTINGS)."""
+the same way, beside the conversation (SETTINGS_KEY, READ_BOTH, WRITE_SETTINGS). The server keeps the
+conversation as each sent message's answer ended until the browser has stored it (FinishedCopies)."""
+
+import threading
+from collections import OrderedDict
 
 KEY = "medusa-chat-conversation"
 SETTINGS_KEY = "medusa-chat-settings"
@@ -49,3 +53,33 @@ READ_BOTH = f"""() => {{{_TAB}
 }}"""
 WRITE = _write(KEY)
 WRITE_SETTINGS = _write(SETTINGS_KEY)
+
+
+PENDING = "pending"     # the id a copy written at a send carries (ChatController.save_pending)
+
+
+class FinishedCopies:
+    """The conversation as each sent message's answer ended, by the id its copy written at the send carries.
+    The browser stores the copy after an answer in a follow-up event; a reload in the moment between the
+    answer's end and that copy read the copy written at the send, and called the finished answer cut off by
+    the reload (QA, on a busy machine). The page load asks here first. Only the newest are kept: a copy is
+    looked for within moments of its answer's end."""
+
+    def __init__(self, kept: int = 64) -> None:
+        self._copies: OrderedDict[str, dict] = OrderedDict()
+        self._kept, self._lock = kept, threading.Lock()
+
+    def keep(self, copy_id: str | None, copy: dict) -> None:
+        if not copy_id:
+            return
+        with self._lock:
+            self._copies[copy_id] = copy
+            self._copies.move_to_end(copy_id)
+            while len(self._copies) > self._kept:
+                self._copies.popitem(last=False)
+
+    def newest(self, stored):
+        """``stored``, the browser's copy, or the one its answer ended with where that is kept here."""
+        copy_id = stored.get(PENDING) if isinstance(stored, dict) else None
+        with self._lock:
+            return self._copies.get(copy_id, stored) if isinstance(copy_id, str) else stored

@@ -5,6 +5,7 @@ conversation and the export files are here too."""
 from __future__ import annotations
 
 import inspect
+import uuid
 import weakref
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -13,6 +14,7 @@ import gradio as gr
 
 from medusa_core.decoding.config import SettingError
 
+from .browser_copy import PENDING, FinishedCopies
 from .engine import BASELINE, COMPARISON, LABELS, MEDUSA, ChatEngine, EngineClosed
 from .layout import READOUT_HINT, Page
 from .models import ModelSlot, SlotState
@@ -81,6 +83,7 @@ class ChatController:
         # each open tab's Session by Gradio's session hash, so that closing or reloading the tab stops its
         # answer (weak: a tab's Session goes with Gradio's state for it)
         self.tabs: weakref.WeakValueDictionary[str, Session] = weakref.WeakValueDictionary()
+        self.finished = FinishedCopies()     # each sent message's conversation as its answer ended
 
     def tab_opened(self, session: Session, session_hash: str | None) -> None:
         """A request from the tab starts (or its page loads): the tab is alive. Gradio also runs the page's
@@ -189,6 +192,13 @@ class ChatController:
                                  mark)
         finally:
             session.busy.release()
+
+    def send(self, session: Session, message, system, compare, controls: dict, shown=None) -> Iterator[tuple]:
+        """The page's send: ``run``, then the conversation as the answer ended kept under the id of the browser's
+        copy written at the send, where a page load finds it (FinishedCopies): the page shows the answer done
+        before the follow-up event stores that copy in the browser."""
+        yield from self.run(session, message, system, compare, controls, shown)
+        self.finished.keep(session.sent_copy, self.browser_copy(session, system, compare))
 
     @staticmethod
     def refused(reason: str) -> tuple:
@@ -350,13 +360,18 @@ class ChatController:
         return [], [], READOUT_HINT, "", "", self.slot.state().model_line, None
 
     @staticmethod
-    def save_conversation(session: Session, system: str, compare: bool):
+    def browser_copy(session: Session, system: str, compare: bool) -> dict:
+        """The conversation as the browser keeps it (app/browser_copy.py)."""
+        # a message waiting for a model is kept as an unanswered one: a reload brings it back, to Regenerate
+        turns = [*session.turns, Turn(user=session.waiting)] if session.waiting else session.turns
+        return to_saved(turns, session.first_turn, system or "", compare is True)
+
+    @classmethod
+    def save_conversation(cls, session: Session, system: str, compare: bool):
         """After each change: the browser's copy of the conversation, the export files, and Regenerate on
         while there is a message to answer again. An empty conversation is saved too: Clear must also
         empty the browser's copy, or a reload brings it back."""
-        # a message waiting for a model is kept as an unanswered one: a reload brings it back, to Regenerate
-        turns = [*session.turns, Turn(user=session.waiting)] if session.waiting else session.turns
-        saved = to_saved(turns, session.first_turn, system or "", compare is True)
+        saved = cls.browser_copy(session, system, compare)
         regenerate = gr.update(interactive=any(turn.user for turn in session.turns))
         if not session.turns:
             return (saved, gr.update(value=None, interactive=False), gr.update(value=None, interactive=False),
@@ -379,8 +394,9 @@ class ChatController:
         # a message back in the box is replaced by the one sent (Session.drop_resent): kept here, a reload
         # during the answer brought it back for good
         turns = session.turns[:-1] if session.turns and session.turns[-1].in_box else session.turns
-        return (to_saved([*turns, Turn(user=message)], session.first_turn, system or "", compare is True),
-                gr.update(interactive=True))
+        session.sent_copy = uuid.uuid4().hex      # the copy its answer ends with is kept under it (FinishedCopies)
+        return ({**to_saved([*turns, Turn(user=message)], session.first_turn, system or "", compare is True),
+                 PENDING: session.sent_copy}, gr.update(interactive=True))
 
     @staticmethod
     def restored(session: Session, stored, system: str) -> tuple:
@@ -427,7 +443,7 @@ def wire_chat(page: Page, chat: ChatController) -> dict:
                 top_p: float, epsilon: float, delta: float, max_new_tokens: int, tree: str | None,
                 seed: int, colour_heads: bool, shown_version: tuple[int, int] | None, request: gr.Request):
         chat.tab_opened(session, request.session_hash)
-        yield from chat.run(session, message, system, compare, dict(
+        yield from chat.send(session, message, system, compare, dict(
             mode=mode, temperature=temperature, top_p=top_p, epsilon=epsilon, delta=delta,
             max_new_tokens=max_new_tokens, tree=tree, seed=seed, colour_heads=colour_heads), shown_version)
 

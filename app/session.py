@@ -51,6 +51,7 @@ class Session:
         self._sends, self._sends_lock = 0, threading.Lock()
         self.export_dir: Path | None = None  # the tab's export files (app/transcript.py), made on first use
         self.typed_trees: list[str] = []    # trees typed into the picker in this tab, oldest first: kept in its list
+        self.sent_copy: str | None = None   # the id the browser's copy written at the last send carries (browser_copy)
 
     def stop(self, clear: bool = False) -> None:
         with self._stop_lock:     # one hold: a mark taken meanwhile sees the Clear and its Stop, or neither

@@ -1262,6 +1262,38 @@ def test_first_capture_is_announced_and_clear_keeps_the_caches(engine, monkeypat
     assert session.caches == caches and all(c.length == 0 for c in caches.values()) and not session.turns
 
 
+def test_a_reload_before_the_browser_stores_the_finished_answer_still_brings_it_back(model_dirs):
+    """QA (seen once, on a busy machine): reloading just after a finished answer showed it as "the page was reloaded
+    before this answer finished". The browser stores the conversation after the answer in a follow-up event; a
+    reload before that read the copy written at the send. The page load now finds the copy the answer ended with."""
+    from app.chat_controller import INTERRUPTED, ChatController
+    from app.models import ModelSlot
+    from app.session import Session
+    from medusa_core.loading.spec import LoadSpec
+
+    backbone, heads = model_dirs
+    slot = ModelSlot(log=lambda line: None)
+    slot.start(LoadSpec(model=str(backbone), heads=str(heads), device="cpu"))
+    assert slot.wait(120).phase == "ready"
+    chat, session = ChatController(slot), Session()
+    at_send, _ = chat.save_pending(session, "Name a colour.", "Be brief.", True)   # what the browser holds
+    assert at_send["turns"][-1]["reply"] is None
+    last = list(chat.send(session, "Name a colour.", "Be brief.", True, {"max_new_tokens": 6}))[-1]
+    reply = last[6]["reply"]
+    assert reply, last[6]
+    reloaded = Session()
+    medusa, baseline, system, compare, _ = chat.restored(reloaded, chat.finished.newest(at_send), "")
+    shown = [part["text"] for message in medusa for part in message["content"]]
+    assert not any(INTERRUPTED in text for text in shown), shown
+    assert [(t.user, t.reply) for t in reloaded.turns] == [("Name a colour.", reply)]
+    assert system == "Be brief." and compare is True
+    # a copy the browser stored later (no id) and an unknown id are the browser's own
+    later = chat.save_conversation(session, "Be brief.", True)[0]
+    assert chat.finished.newest(later) is later
+    assert chat.finished.newest({**at_send, "pending": "another"})["turns"][-1]["reply"] is None
+    slot.unload()
+
+
 def test_unload_frees_the_tabs_caches_too(model_dirs):
     """A tab's KV caches belong to the engine they were made with: Unload frees them with the model
     (they stayed until the tab's next message: 250 MiB of SmolLM2's 764 MiB resident after Unload)."""
