@@ -198,7 +198,8 @@ class ChatController:
         copy written at the send, where a page load finds it (FinishedCopies): the page shows the answer done
         before the follow-up event stores that copy in the browser."""
         yield from self.run(session, message, system, compare, controls, shown)
-        self.finished.keep(session.sent_copy, self.browser_copy(session, system, compare))
+        if not session.closed:    # an answer the reload itself stopped is said to be cut off by it, with Regenerate
+            self.finished.keep(session.sent_copy, self.browser_copy(session, system, compare))
 
     @staticmethod
     def refused(reason: str) -> tuple:

@@ -1291,6 +1291,12 @@ def test_a_reload_before_the_browser_stores_the_finished_answer_still_brings_it_
     later = chat.save_conversation(session, "Be brief.", True)[0]
     assert chat.finished.newest(later) is later
     assert chat.finished.newest({**at_send, "pending": "another"})["turns"][-1]["reply"] is None
+    # an answer the reload stopped is not kept: the page says the reload cut it off, and offers Regenerate
+    cut, _ = chat.save_pending(session, "Tell me more.", "Be brief.", True)
+    chat.tab_opened(session, "the tab")
+    chat.tab_closed("the tab")
+    list(chat.send(session, "Tell me more.", "Be brief.", True, {"max_new_tokens": 6}))
+    assert chat.finished.newest(cut) is cut
     slot.unload()
 
 
