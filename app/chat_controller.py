@@ -193,11 +193,11 @@ class ChatController:
         finally:
             session.busy.release()
 
-    def send(self, session: Session, message, system, compare, controls: dict, shown=None) -> Iterator[tuple]:
-        """The page's send: ``run``, then the conversation as the answer ended kept under the id of the browser's
-        copy written at the send, where a page load finds it (FinishedCopies): the page shows the answer done
-        before the follow-up event stores that copy in the browser."""
-        yield from self.run(session, message, system, compare, controls, shown)
+    def kept(self, updates: Iterator[tuple], session: Session, system, compare) -> Iterator[tuple]:
+        """The page's send or regenerate (``updates``), then the conversation as its answer ended, kept under the
+        id of the browser's copy written as it was sent, where a page load finds it (FinishedCopies): the page
+        shows the answer done before the follow-up event stores that copy in the browser."""
+        yield from updates
         if not session.closed:    # an answer the reload itself stopped is said to be cut off by it, with Regenerate
             self.finished.keep(session.sent_copy, self.browser_copy(session, system, compare))
 
@@ -395,9 +395,14 @@ class ChatController:
         # a message back in the box is replaced by the one sent (Session.drop_resent): kept here, a reload
         # during the answer brought it back for good
         turns = session.turns[:-1] if session.turns and session.turns[-1].in_box else session.turns
-        session.sent_copy = uuid.uuid4().hex      # the copy its answer ends with is kept under it (FinishedCopies)
-        return ({**to_saved([*turns, Turn(user=message)], session.first_turn, system or "", compare is True),
-                 PENDING: session.sent_copy}, gr.update(interactive=True))
+        return sent_copy(session, [*turns, Turn(user=message)], system, compare), gr.update(interactive=True)
+
+    @staticmethod
+    def regenerate_pending(session: Session, system: str, compare: bool):
+        """Just before a regenerate: Stop on, and the browser's copy as it is, with the id its new answer is kept
+        under."""
+        session.send_started()
+        return sent_copy(session, session.turns, system, compare), gr.update(interactive=True)
 
     @staticmethod
     def restored(session: Session, stored, system: str) -> tuple:
@@ -415,6 +420,13 @@ class ChatController:
         kept = saved_system(stored)
         return (display(session.turns), display(session.turns, BASELINE), system if kept is None else kept,
                 saved_compare(stored), last.user if last is not None and last.in_box else gr.update())
+
+
+def sent_copy(session: Session, turns: list[Turn], system: str, compare: bool) -> dict:
+    """The browser's copy of ``turns`` as a message is sent, with a new id: the copy its answer ends with is kept
+    under it (ChatController.kept)."""
+    session.sent_copy = uuid.uuid4().hex
+    return {**to_saved(turns, session.first_turn, system or "", compare is True), PENDING: session.sent_copy}
 
 
 def no_engine(state: SlotState) -> str:
@@ -444,17 +456,19 @@ def wire_chat(page: Page, chat: ChatController) -> dict:
                 top_p: float, epsilon: float, delta: float, max_new_tokens: int, tree: str | None,
                 seed: int, colour_heads: bool, shown_version: tuple[int, int] | None, request: gr.Request):
         chat.tab_opened(session, request.session_hash)
-        yield from chat.send(session, message, system, compare, dict(
+        yield from chat.kept(chat.run(session, message, system, compare, dict(
             mode=mode, temperature=temperature, top_p=top_p, epsilon=epsilon, delta=delta,
-            max_new_tokens=max_new_tokens, tree=tree, seed=seed, colour_heads=colour_heads), shown_version)
+            max_new_tokens=max_new_tokens, tree=tree, seed=seed, colour_heads=colour_heads), shown_version),
+            session, system, compare)
 
     def on_regenerate(session: Session, system: str, compare: bool, mode: str, temperature: float,
                       top_p: float, epsilon: float, delta: float, max_new_tokens: int, tree: str | None,
                       seed: int, colour_heads: bool, shown_version: tuple[int, int] | None, request: gr.Request):
         chat.tab_opened(session, request.session_hash)
-        yield from chat.regenerate(session, system, compare, dict(
+        yield from chat.kept(chat.regenerate(session, system, compare, dict(
             mode=mode, temperature=temperature, top_p=top_p, epsilon=epsilon, delta=delta,
-            max_new_tokens=max_new_tokens, tree=tree, seed=seed, colour_heads=colour_heads), shown_version)
+            max_new_tokens=max_new_tokens, tree=tree, seed=seed, colour_heads=colour_heads), shown_version),
+            session, system, compare)
 
     def on_stop(session: Session):
         session.stop()  # the loop checks it after every token: generation ends within one step
@@ -464,10 +478,6 @@ def wire_chat(page: Page, chat: ChatController) -> dict:
         start (a send refused because the tab was busy must not turn it off under the running answer, nor
         the end of a stopped answer under the message sent right after it), and goes grey when nothing runs."""
         return gr.update(interactive=session.send_ended())
-
-    def regenerate_started(session: Session):
-        session.send_started()
-        return gr.update(interactive=True)
 
     outputs = [page.chat, page.base_chat, page.readout, page.base_readout, page.comparison, page.status,
                page.raw, page.box]
@@ -489,8 +499,8 @@ def wire_chat(page: Page, chat: ChatController) -> dict:
           [page.saved, page.stop], api_name=False, concurrency_limit=None, show_progress="hidden",
           trigger_mode="multiple").then(
         on_send, page.inputs(*_parameters(on_send)), api_name="send", **events).then(**save_after).then(**stop_after)
-    page.regenerate.click(regenerate_started, [page.session], [page.stop], api_name=False,
-                          concurrency_limit=None, show_progress="hidden", trigger_mode="multiple").then(
+    page.regenerate.click(chat.regenerate_pending, [page.session, page.system, page.compare], [page.saved, page.stop],
+                          api_name=False, concurrency_limit=None, show_progress="hidden", trigger_mode="multiple").then(
         on_regenerate, page.inputs(*_parameters(on_regenerate)), api_name="regenerate", **events).then(
         **save_after).then(**stop_after)
     # Stop and Clear must not wait behind a running answer: no concurrency limit.

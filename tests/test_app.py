@@ -1278,7 +1278,8 @@ def test_a_reload_before_the_browser_stores_the_finished_answer_still_brings_it_
     chat, session = ChatController(slot), Session()
     at_send, _ = chat.save_pending(session, "Name a colour.", "Be brief.", True)   # what the browser holds
     assert at_send["turns"][-1]["reply"] is None
-    last = list(chat.send(session, "Name a colour.", "Be brief.", True, {"max_new_tokens": 6}))[-1]
+    last = list(chat.kept(chat.run(session, "Name a colour.", "Be brief.", True, {"max_new_tokens": 6}), session,
+                          "Be brief.", True))[-1]
     reply = last[6]["reply"]
     assert reply, last[6]
     reloaded = Session()
@@ -1287,6 +1288,13 @@ def test_a_reload_before_the_browser_stores_the_finished_answer_still_brings_it_
     assert not any(INTERRUPTED in text for text in shown), shown
     assert [(t.user, t.reply) for t in reloaded.turns] == [("Name a colour.", reply)]
     assert system == "Be brief." and compare is True
+    # a regenerated answer too: the copy written as it started carries the old answer, and an id
+    at_regenerate, _ = chat.regenerate_pending(session, "Be brief.", True)
+    list(chat.kept(chat.regenerate(session, "Be brief.", True, {"max_new_tokens": 4}), session, "Be brief.", True))
+    regenerated = chat.finished.newest(at_regenerate)["turns"]
+    assert len(regenerated) == 1 and regenerated[0]["reply"] == session.turns[-1].reply
+    assert regenerated[0]["answered"]["settings"]["max_new_tokens"] == 4 != at_regenerate["turns"][0]["answered"][
+        "settings"]["max_new_tokens"]
     # a copy the browser stored later (no id) and an unknown id are the browser's own
     later = chat.save_conversation(session, "Be brief.", True)[0]
     assert chat.finished.newest(later) is later
@@ -1295,7 +1303,8 @@ def test_a_reload_before_the_browser_stores_the_finished_answer_still_brings_it_
     cut, _ = chat.save_pending(session, "Tell me more.", "Be brief.", True)
     chat.tab_opened(session, "the tab")
     chat.tab_closed("the tab")
-    list(chat.send(session, "Tell me more.", "Be brief.", True, {"max_new_tokens": 6}))
+    list(chat.kept(chat.run(session, "Tell me more.", "Be brief.", True, {"max_new_tokens": 6}), session,
+                   "Be brief.", True))
     assert chat.finished.newest(cut) is cut
     slot.unload()
 
