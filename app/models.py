@@ -5,9 +5,6 @@ only once it has loaded (a failed load keeps the old one); unloading frees it.
 
 from __future__ import annotations
 
-import ctypes
-import gc
-import sys
 import threading
 import time
 import traceback
@@ -20,7 +17,7 @@ import torch
 from medusa_core.errors import LoadError
 from medusa_core.loading.assets import CPU_DEFAULT_HEADS, CPU_DEFAULT_TREE, is_bundled_heads, is_cpu_default_backbone
 from medusa_core.loading.load import load
-from medusa_core.loading.memory import memory_report
+from medusa_core.loading.memory import free_memory, memory_report
 from medusa_core.loading.spec import LoadSpec
 from medusa_core.loading.policy import CUDA_HEADS, CUDA_MODEL, TREE_BY_HEADS, resolve_device
 from medusa_core.loading import smollm2
@@ -176,6 +173,7 @@ class ModelSlot:
         self._kept = ""             # what a failed switch says of the loaded model: its name and tree line
         self._loading: LoadSpec | None = None
         self._started = 0.0
+        self._retiring: list[ChatEngine] = []     # replaced engines, until _retire closes them
 
     # ---- state
     def state(self) -> SlotState:
@@ -191,34 +189,41 @@ class ModelSlot:
     def _set(self, phase: str, line: str, engine: ChatEngine | None = None, replace_engine: bool = False,
              error: str | None = None) -> None:
         with self._lock:
-            old = self._commit(phase, line, engine, replace_engine, error)
-        self._retire(old, engine)
+            self._commit(phase, line, engine, replace_engine, error)
+        self._retire(engine)
 
     def _commit(self, phase: str, line: str, engine: ChatEngine | None, replace_engine: bool,
-                error: str | None) -> ChatEngine | None:
-        """The new state, under the lock; the engine it replaces, to retire once the lock is let go."""
+                error: str | None) -> None:
+        """The new state, under the lock; the engine it replaces goes to ``_retiring``, for ``_retire`` once the lock
+        is let go."""
         self._error = error
-        old = self.engine
         if replace_engine:
+            if self.engine is not None:
+                self._retiring.append(self.engine)
             self.engine = engine
             self._engine_version += 1
         self._phase, self._line = phase, line
         self._version += 1
         self._ready.notify_all()
-        return old if replace_engine else None
 
-    def _swap(self, engine: ChatEngine) -> ChatEngine | None:
-        """``engine`` answers from now on (the line still says the load runs); the one it replaces, to retire."""
+    def _swap(self, engine: ChatEngine) -> None:
+        """``engine`` answers from now on (the line still says the load runs); the one it replaces is retired."""
         with self._lock:
-            return self._commit(self._phase, self._line, engine, True, self._error)
+            self._commit(self._phase, self._line, engine, True, self._error)
+        self._retire(engine)
 
-    @staticmethod
-    def _retire(old: ChatEngine | None, new: ChatEngine | None) -> None:
-        if old is not None:
-            old.close("another model was loaded: ask again to have it answer" if new is not None else
-                      "the model was unloaded")
-            del old
-            _free_memory()
+    def _retire(self, new: ChatEngine | None) -> None:
+        """Close the engines replaced since the last call, and free their memory. Only ``_retiring`` held them:
+        a caller's own reference kept a model alive past the memory figure said after it (QA: Unload said
+        921 MiB resident where the process was at 724 MiB a moment later)."""
+        with self._lock:
+            retiring, self._retiring = self._retiring, []
+        if not retiring:
+            return
+        reason = "another model was loaded: ask again to have it answer" if new is not None else "the model was unloaded"
+        while retiring:
+            retiring.pop().close(reason)
+        free_memory()
 
     def wait(self, timeout: float) -> SlotState:
         """Block while a load runs (up to ``timeout`` s); the state after."""
@@ -245,8 +250,8 @@ class ModelSlot:
         with self._lock:
             if self._phase == "loading":
                 return "a model is loading: unload it once it has loaded"
-            old = self._commit("empty", EMPTY_LINE, None, True, None)
-        self._retire(old, None)
+            self._commit("empty", EMPTY_LINE, None, True, None)
+        self._retire(None)
         line = f"Model unloaded · {memory_now()}"
         self._log(line)
         return line
@@ -289,7 +294,7 @@ class ModelSlot:
         if replacing:
             # the new engine answers from here on and the old model is freed before the memory is told: measured
             # during the load, it counted both models (QA: a second load of SmolLM2 said 1.88 GiB for 1.18)
-            self._retire(self._swap(engine), engine)
+            self._swap(engine)
             memory = memory_report(loaded.model, loaded.heads, str(engine.device))
         line = f"Ready · {loaded.description} · loaded in {seconds:.1f} s · {memory}"
         if loaded.tree_note:   # on a line of its own: which tree runs, and why, is what a user looks for
@@ -353,16 +358,3 @@ def spec_for(choice: str | None, model: str, heads: str, base: LoadSpec) -> Load
     if not choice:
         raise ValueError("no model given: pick one from Known models, or type a hub id or local directory")
     raise ValueError(f"model choice {choice!r} is unknown: pick one from the list, or type a hub id or directory")
-
-
-def _free_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    # glibc keeps freed heap pages for the process to reuse, so an unloaded model's CPU weights still
-    # counted as resident (SmolLM2 unloaded: 1.09 GiB resident, 531 MiB after a trim); other C
-    # libraries have no malloc_trim, and their freed memory is what it is
-    if sys.platform.startswith("linux"):
-        trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
-        if trim is not None:
-            trim(0)
