@@ -244,8 +244,10 @@ def render_comparison(comparison: Comparison) -> str:
     # no rates beside "–": they would read 0.0 where the readouts say "–". The headline is the whole
     # answers' ratio, the windows are stretches of both answers: on a short answer the headline can
     # fall outside the windows' range, so say which is which
-    parts = [headline] + ([f"(whole answers: {medusa.tokens_per_second:.1f} vs {baseline.tokens_per_second:.1f} "
-                           "tokens/s)"] if ratio else [])
+    # each figure named: the panes show plain decoding first, the speedup reads Medusa first (QA: the token counts
+    # came plain first, the speeds Medusa first, neither labelled)
+    parts = [headline] + ([f"(whole answers: Medusa {medusa.tokens_per_second:.1f} vs plain "
+                           f"{baseline.tokens_per_second:.1f} tokens/s)"] if ratio else [])
     if len(comparison.ratios) >= 2:
         low, q1, median, q3, high = quartiles(comparison.ratios)
         parts.append(f"· step-interleaved, over {len(comparison.ratios)} overlapping windows of {RATIO_WINDOW} steps: "
@@ -258,6 +260,6 @@ def render_comparison(comparison: Comparison) -> str:
     elif comparison.identical is False:
         parts.append(f"· greedy answers **differ**: {comparison.divergence}")
     if comparison.unlike and ratio:   # a tester read 4.22× off a 6-token plain answer beside a 40-token one
-        parts.append(f"· not greedy: the answers are different texts ({baseline.tokens} and {medusa.tokens} "
-                     "tokens), so their speeds compare unlike work; greedy compares like for like")
+        parts.append(f"· not greedy: the answers are different texts (Medusa {count(medusa.tokens, 'token')}, plain "
+                     f"{baseline.tokens}), so their speeds compare unlike work; greedy compares like for like")
     return " ".join(parts)

@@ -105,7 +105,7 @@ def test_a_second_start_on_the_same_gpu_routes_as_the_first_without_timing(monke
     assert gpu.timed == []                       # nothing timed: the configs, the µs and the logs came from disk
     assert again == decided
     assert len(second.memory.read) == 5 and second.note == (
-        "kernel timings: 5 read from those kept for this Stand-in H100 (sm_90) (--retune measures them again)")
+        "kernel timings: 5 read from those kept for this Stand-in H100 (sm_90), --retune measures them again")
 
 
 def test_a_second_load_in_one_process_says_what_it_used_and_retune_reaches_the_in_process_caches(monkeypatch, tmp_path):
@@ -257,7 +257,7 @@ def test_the_load_line_says_what_was_timed_and_what_could_not_be_kept(monkeypatc
     assert text.startswith("; norms: one Triton kernel for each of 5 RMSNorms (auto measured") and \
         "; kernel timings: 1 measured now in " in text, text
     assert route_kernels(tiny_model(), spec, "none", "cuda", said.append).endswith(
-        "; kernel timings: 1 read from those kept for this Stand-in H100 (sm_90) (--retune measures them again)")
+        "; kernel timings: 1 read from those kept for this Stand-in H100 (sm_90), --retune measures them again")
     assert route_kernels(tiny_model(), LoadSpec(device="cuda", norm_kernel="torch"), "none", "cuda") == \
         "; norms: transformers' own"                                # nothing timed: nothing said about timings
     assert len(said) == 1, said                                     # a start that reads its timings is quick

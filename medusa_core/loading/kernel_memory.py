@@ -101,7 +101,7 @@ class KernelTimings:
         if not m.read and not m.measured:
             return ""                  # nothing timed: bitsandbytes or transformers' norms asked for by name
         if not m.measured:
-            return f"kernel timings: {len(m.read)} read from those kept for this {where} (--retune measures them again)"
+            return f"kernel timings: {len(m.read)} read from those kept for this {where}, --retune measures them again"
         read = f" ({len(m.read)} more read from those kept)" if m.read else ""
         kept = f"not kept: {self.unsaved}" if self.unsaved else \
             "used for this load only: measured while an answer ran on this GPU" if m.disturbed else \

@@ -116,7 +116,7 @@ class TunedTree:
     def line(self) -> str:
         """One line for the page and the console: which tree runs by default and why (the status line
         shows it after an answer with another tree too: a tester read it as that answer's tree)."""
-        when = "read from the cache (--retune measures again)" if self.cached else \
+        when = "read from the cache; --retune measures again" if self.cached else \
             f"measured in {self.seconds:.0f} s" if self.seconds >= 1 else "measured in under a second"
         if self.contended and not self.cached:
             when += (f" while other programs were using the CPU (this app got {self.cpu_share:.0%} of it), "
