@@ -161,8 +161,8 @@ def test_a_cache_that_cannot_be_written_loads_with_what_was_measured_and_names_t
     timings.extend(near_the_line(1.5, 1.05))
     first = load(LoadSpec(model=str(int4_backbone), device="cpu"))
     assert "row-exact attention: 1.50x fp32's matmul speed, measured " in first.description
-    assert (f"not kept: could not write it: {cache / int4_speed.FOLDER} is a file, not a folder: move it away, or set "
-            "MEDUSA_CHAT_CACHE to a writable directory") in first.description
+    assert (f"not kept: could not write the measured speed: {cache / int4_speed.FOLDER} is a file, not a folder: move "
+            "it away, or set MEDUSA_CHAT_CACHE to a writable directory") in first.description
     assert ("while other programs used the CPU" in first.description) == (share < 1.0)
     again = load(LoadSpec(model=str(int4_backbone), device="cpu"))     # nothing was kept: measured again
     assert not timings and "fp32 matmuls (int4 at 1.05x" in again.description

@@ -157,10 +157,12 @@ def test_a_cache_that_cannot_be_written_runs_the_tuned_tree_and_says_it_was_not_
     (tmp_path / "cache" / "tuned-trees").write_text("a file where the folder goes")
     first = load(spec(checkpoint))
     assert first.tuned.pays and json.loads(Path(first.default_tree).read_text()) == first.tuned.paths
-    assert first.tree_note.endswith(f", not kept: could not write it: {tmp_path / 'cache' / 'tuned-trees'} is a file, "
-                                    "not a folder: move it away, or set MEDUSA_CHAT_CACHE to a writable directory)")
+    assert first.tree_note.endswith(f", not kept: could not write the tuned tree: {tmp_path / 'cache' / 'tuned-trees'} "
+                                    "is a file, not a folder: move it away, or set MEDUSA_CHAT_CACHE to a writable "
+                                    "directory)")
     again = load(spec(checkpoint))
-    assert len(measured) == 2 and not again.tuned.cached and ", not kept: could not write it: " in again.tree_note
+    assert len(measured) == 2 and not again.tuned.cached
+    assert ", not kept: could not write the tuned tree: " in again.tree_note
     # nor a file of its own: one line, naming the folder and the ways out
     denied = PermissionError(13, "Permission denied", str(tmp_path / "tmp"))
     monkeypatch.setattr(tree_tuning.tempfile, "mkdtemp", lambda prefix: (_ for _ in ()).throw(denied))

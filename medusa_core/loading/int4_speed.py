@@ -102,5 +102,5 @@ def remembered_speed(model, cache_root: Path, retune: bool = False) -> Speed:
     except OSError as err:
         # measured: this start decides by it, the next start measures again (QA: the load failed after measuring)
         measured = BUSY.format(share=share) if share < BUSY_SHARE else "measured now"
-        source = f"{measured}, not kept: {cache_write_failed('it', err)}"
+        source = f"{measured}, not kept: {cache_write_failed('the measured speed', err)}"
     return Speed(times["fp32_ms"], times["int4_ms"], source)

@@ -63,6 +63,9 @@ def cache_write_failed(what: str, err: OSError, also: str = "") -> str:
     fix = f"set {CACHE_ENV} to a writable directory{', ' + also if also else ''}"
     if blocker is not None:
         return f"could not write {what}: {blocker} is a file, not a folder: move it away, or {fix}"
+    if isinstance(err, IsADirectoryError):
+        # a folder where the file goes (QA: the line named only the cache variable, not the folder in the way)
+        return f"could not write {what}: {failed} is a folder, not a file: move it away, or {fix}"
     folder = failed if failed.is_dir() else failed.parent      # the folder it could not write in
     return f"could not write {what} into {folder} ({err.strerror or err}): {fix}"
 

@@ -376,7 +376,7 @@ def tuned_tree(model, heads, tokenizer, acc: Sequence[Sequence[float]], accuracy
         except OSError as err:
             # the choice is measured and this load runs it; a cache it cannot keep it in costs the next start
             # the minutes of tuning, not this one its model (QA: the load failed after tuning)
-            tuned = replace(tuned, not_kept=cache_write_failed("it", err))
+            tuned = replace(tuned, not_kept=cache_write_failed("the tuned tree", err))
     # this start runs the tree from a file of its own: the cache, and an entry a quiet start may be writing at
     # this moment, stay as they are
     return tuned, own_tree_file(tuned.paths, tree_file(entry).name)
