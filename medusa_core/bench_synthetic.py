@@ -240,7 +240,7 @@ def checked_device(args, cuda: bool) -> torch.device:
         s = SHAPES[args.shape]
         for n, k in ((s.hidden, s.hidden), (s.intermediate, s.hidden), (s.hidden, s.intermediate)):
             check_shape(n, k, args.tinygemm_group, device)
-    if args.json:       # said now, not after the whole run, whose results it would lose
+    if args.json is not None:       # said now, not after the whole run, whose results it would lose
         check_writable(args.json)
     if "nf4" in args.quant or args.heads_quant == "nf4":
         import bitsandbytes  # noqa: F401  (fails here, not after building the bf16 model)

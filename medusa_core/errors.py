@@ -54,10 +54,15 @@ def run_command(body: Callable[[], object]) -> int:
 
 def check_writable(path: str | None, flag: str = "--json") -> None:
     """ValueError, before any work, where ``path`` could not be written at the end of the run."""
-    if not path:
+    if path is None:
         return
+    if not str(path).strip():      # it ran the whole benchmark and wrote nothing (QA)
+        raise ValueError(f"{flag} is empty: give a file path in a folder you can write")
     target = Path(path)
     folder = next((p for p in [target.parent, *target.parent.parents] if p.exists()), Path("."))
+    if folder.exists() and not folder.is_dir():      # the reason named, not guessed (QA)
+        raise ValueError(f"{flag} {path} cannot be written: {folder} is a file, not a folder: give a file path in a "
+                         "folder you can write")
     writable = not target.is_dir() and folder.is_dir() and os.access(folder, os.W_OK) and \
         (not target.exists() or os.access(target, os.W_OK))
     if writable:

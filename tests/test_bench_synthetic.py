@@ -194,7 +194,10 @@ def test_flags_that_cannot_run_are_one_line_errors_before_the_run(tmp_path, monk
     blocked.write_text("")
     assert bench_synthetic.main([*tiny, "--json", str(blocked / "step.json")]) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"error: --json {blocked / 'step.json'} cannot be written") and err.count("\n") == 1
+    assert err == (f"error: --json {blocked / 'step.json'} cannot be written: {blocked} is a file, not a folder: give "
+                   "a file path in a folder you can write\n")
+    assert bench_synthetic.main([*tiny, "--json", ""]) == 1       # it ran the whole benchmark and wrote nothing
+    assert capsys.readouterr().err == "error: --json is empty: give a file path in a folder you can write\n"
     assert bench_synthetic.main([*tiny, "--tree-sizes", "2000", "--context", "1", "--warmup", "0"]) == 1
     assert capsys.readouterr().err == ("error: --context 1 + the largest tree (2000 nodes) + 3 steps exceeds the "
                                        "1024-token context: lower --context or --tree-sizes\n")
