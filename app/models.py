@@ -252,7 +252,12 @@ class ModelSlot:
                 return "a model is loading: unload it once it has loaded"
             self._commit("empty", EMPTY_LINE, None, True, None)
         self._retire(None)
-        line = f"Model unloaded · {memory_now()}"
+        memory = memory_now()
+        line = f"Model unloaded · {memory}"
+        with self._lock:     # the status keeps it: the page replaced it with EMPTY_LINE at its next sync (QA: 0.6 s)
+            if self._phase == "empty" and self._line == EMPTY_LINE:
+                self._line = f"{EMPTY_LINE} · unloaded: {memory}"
+                self._version += 1
         self._log(line)
         return line
 

@@ -1372,6 +1372,8 @@ def test_a_load_or_unload_frees_the_model_it_replaces_before_it_tells_the_memory
     # Unload too (QA: it said 921 MiB resident where the process was at 724 MiB a moment later)
     monkeypatch.setattr(models, "memory_now", lambda: str([ref() is not None for ref in loaded_models]))
     assert slot.unload() == "Model unloaded · [False, False]"
+    # and the status line keeps saying it (the page's next sync replaced it with "No model loaded" within a second)
+    assert slot.state().line == f"{models.EMPTY_LINE} · unloaded: [False, False]"
 
 
 def test_a_closed_tab_starts_no_answer(model_dirs):
