@@ -708,6 +708,11 @@ def test_the_readout_fits_a_phone(page):
                          "document.querySelector('#chat .placeholder-content p'));"
                          " const box = text.getBoundingClientRect(); return [box.left - pane.left, pane.right - box.right]; }")
     assert min(hint) >= 8, f"the hint is {hint[0]:.0f} px from the pane's left edge and {hint[1]:.0f} px from its right"
+    # the chat starts on the first screen: the CPU note and the model's lines above it took the whole of it (QA);
+    # they scroll in boxes of their own there
+    page.evaluate("() => window.scrollTo(0, 0)")
+    chat_top = page.evaluate("() => document.querySelector('#chat').getBoundingClientRect().top")
+    assert chat_top < 844 / 2, f"the chat starts {chat_top:.0f} px down a 844 px screen"
     pick_greedy(page)
     set_max_new(page, 120)                      # over 40 steps: the bar at its full length (it overflowed from ~32)
     send(page, "Write a story about a dragon who learns to cook.")
