@@ -304,6 +304,9 @@ class ModelSlot:
         line = f"Ready · {loaded.description} · loaded in {seconds:.1f} s · {memory}"
         if loaded.tree_note:   # on a line of its own: which tree runs, and why, is what a user looks for
             line += f"\n\n{loaded.tree_note}"
+        if self.max_new_tokens > engine.context:   # said, as the page says a value typed past the slider (QA)
+            line += (f"\n\n--max-new-tokens {self.max_new_tokens} is more than this model's {engine.context}-token "
+                     f"context: its default is {engine.max_new_tokens}")
         self._kept = f"{loaded_name(loaded)} is still loaded" + (f"\n\n{loaded.tree_note}" if loaded.tree_note else "")
         self._ready_line = line
         self._set("ready", line, engine, replace_engine=not replacing)

@@ -247,6 +247,23 @@ def test_a_long_max_new_tokens_flag_fits_the_page():
     slider.postprocess(5000)          # what every event that outputs it does: it raised "greater than maximum"
 
 
+def test_a_max_new_tokens_flag_past_the_models_context_is_said(model_dirs):
+    """QA: --max-new-tokens 100000 was held to the context without a word, where the page says so of a value typed
+    past its slider."""
+    from app.models import ModelSlot
+    from medusa_core.loading.spec import LoadSpec
+
+    backbone, heads = model_dirs
+    slot = ModelSlot(max_new_tokens=100_000, log=lambda line: None)
+    slot.start(LoadSpec(model=str(backbone), heads=str(heads), device="cpu"))
+    state = slot.wait(120)
+    context = state.engine.context
+    assert state.engine.max_new_tokens == context < 100_000
+    assert state.line.endswith(f"--max-new-tokens 100000 is more than this model's {context}-token context: its "
+                               f"default is {context}"), state.line
+    slot.unload()
+
+
 def test_the_plain_pane_shows_no_answer_plain_decoding_did_not_give():
     from app.chat_controller import display
     from app.engine import BASELINE
