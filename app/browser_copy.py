@@ -69,9 +69,7 @@ class FinishedCopies:
         self._copies: OrderedDict[str, dict] = OrderedDict()
         self._kept, self._lock = kept, threading.Lock()
 
-    def keep(self, copy_id: str | None, copy: dict) -> None:
-        if not copy_id:
-            return
+    def keep(self, copy_id: str, copy: dict) -> None:
         with self._lock:
             self._copies[copy_id] = copy
             self._copies.move_to_end(copy_id)

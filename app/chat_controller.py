@@ -198,7 +198,9 @@ class ChatController:
         id of the browser's copy written as it was sent, where a page load finds it (FinishedCopies): the page
         shows the answer done before the follow-up event stores that copy in the browser."""
         yield from updates
-        if not session.closed:    # an answer the reload itself stopped is said to be cut off by it, with Regenerate
+        # none for a script (no copy was written at its send); an answer the reload itself stopped is said to be
+        # cut off by it, with Regenerate
+        if session.sent_copy and not session.closed:
             self.finished.keep(session.sent_copy, self.browser_copy(session, system, compare))
 
     @staticmethod
