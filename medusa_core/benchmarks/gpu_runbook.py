@@ -8,10 +8,13 @@ machine found cold costs a minute or more to start: few, full calls are worth mo
 ones, and a call that runs past its limit is killed. Each stage runs as its own process with the time
 that is left, and is stopped before the deadline, so the command returns on its own and $OUT comes
 back whole. Each benchmark rewrites its JSON after every result, so a stage cut short keeps what it
-measured. ``runbook.json`` in --out says per stage: the command, its exit status, its seconds, and
-whether the deadline cut it or left it unstarted. Each stage's output is in ``<stage>.log``.
+measured. ``runbook.json`` says per stage: the command, its exit status, its seconds, and whether the
+deadline cut it or left it unstarted. Each stage's output is in ``<stage>.log``.
 
-Back on the development machine, the JSONs fold into one report (docs/performance.md):
+The device tool brings back at most 8 files from $OUT, and the stages write 14: the stages write in a
+folder of their own, and --out gets ``runbook.tar.gz`` (all of it, rewritten after each stage) and a copy of
+``runbook.json``. Back on the development machine, ``tar xzf runbook.tar.gz``, and the JSONs fold into one
+report (docs/performance.md):
 ``python -m medusa_core.bench_synthetic --fold docs/perf/h100.json step.json anchors.json nf4.json profile.json
 exactness.json --json docs/perf/h100.json``.
 """
@@ -24,6 +27,8 @@ import os
 import signal
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -106,11 +111,23 @@ def run_stage(command: list[str], log: Path, seconds: float, grace_s: float = ST
             return proc.returncode, True
 
 
+def pack(folder: Path, archive: Path) -> None:
+    """Every file in ``folder`` into the gzipped tar ``archive``, replaced whole: a call killed while packing
+    leaves the previous archive."""
+    part = archive.with_name(archive.name + ".part")
+    with tarfile.open(part, "w:gz") as tar:
+        for path in sorted(folder.iterdir()):
+            if path.is_file():
+                tar.add(path, arcname=path.name)
+    os.replace(part, archive)
+
+
 def run_stages(stages: list[Stage], out: Path, deadline: float, commands: dict[str, list[str]] | None = None,
-               min_stage_s: float = MIN_STAGE_S, grace_s: float = STOP_GRACE_S) -> list[StageResult]:
+               min_stage_s: float = MIN_STAGE_S, grace_s: float = STOP_GRACE_S,
+               archive: Path | None = None) -> list[StageResult]:
     """Each stage in order with the time left before ``deadline`` (time.monotonic()), less ``grace_s`` to
-    stop it; runbook.json in ``out`` is rewritten after each. ``commands`` replaces a stage's command by
-    name (tests)."""
+    stop it; runbook.json in ``out`` is rewritten after each, and ``out`` packed into ``archive`` where one is
+    given (with runbook.json beside it). ``commands`` replaces a stage's command by name (tests)."""
     out.mkdir(parents=True, exist_ok=True)
     results: list[StageResult] = []
     for stage in stages:
@@ -127,14 +144,18 @@ def run_stages(stages: list[Stage], out: Path, deadline: float, commands: dict[s
             results.append(StageResult(stage.name, command, status, code, round(time.monotonic() - started, 1),
                                        log.name))
             print(f"[{stage.name}] {status} (exit {code}) in {results[-1].seconds:.0f} s; output in {log}", flush=True)
-        (out / "runbook.json").write_text(json.dumps([asdict(r) for r in results], indent=1) + "\n")
+        manifest = json.dumps([asdict(r) for r in results], indent=1) + "\n"
+        (out / "runbook.json").write_text(manifest)
+        if archive is not None:
+            pack(out, archive)
+            (archive.parent / "runbook.json").write_text(manifest)
     return results
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m medusa_core.benchmarks.gpu_runbook", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, required=True, help="where every JSON, log and runbook.json go ($OUT)")
+    p.add_argument("--out", type=Path, required=True, help="where runbook.tar.gz (every JSON and log) and runbook.json go ($OUT)")
     p.add_argument("--stages", nargs="+", choices=STAGE_NAMES, help="these stages only (default: all, in order)")
     p.add_argument("--from", dest="start", choices=STAGE_NAMES, help="this stage and the ones after it")
     p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
@@ -164,8 +185,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     deadline = time.monotonic() + args.budget_s
     names = args.stages or STAGE_NAMES[STAGE_NAMES.index(args.start or STAGE_NAMES[0]):]
-    results = run_stages([s for s in STAGES if s.name in names], args.out, deadline)
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="runbook-"))
+    results = run_stages([s for s in STAGES if s.name in names], work, deadline,
+                         archive=args.out / "runbook.tar.gz")
     print("\n" + "\n".join(f"{r.name:<12} {r.status:<12} {r.seconds:>6.0f} s" for r in results))
+    print(f"every JSON and log: {args.out / 'runbook.tar.gz'}")
     return 0 if all(r.status == "done" for r in results) else 1
 
 
