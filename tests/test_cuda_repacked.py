@@ -151,7 +151,10 @@ def test_a_second_start_on_this_gpu_routes_as_the_first_from_the_remembered_timi
     first, _, note_1 = lines[0].rpartition("; kernel timings: ")
     second, _, note_2 = lines[1].rpartition("; kernel timings: ")
     assert first == second and " measured now in " in note_1 and " read from those kept " in note_2, lines
-    assert note_1.split()[0] == note_2.split()[0], lines
+    # the second start reads what its routing asks for. The first also kept the Triton tuner's results that
+    # timing a layer with that kernel measured inside its timing; the second reads the layer's timing and
+    # never asks for them (H100, 2026-11-27: 43 measured, 39 read, routed alike)
+    assert 0 < int(note_2.split()[0]) <= int(note_1.split()[0]), lines
 
 
 def test_auto_times_the_norms_on_this_gpu_and_a_captured_step_through_the_triton_norms_decodes_as_eager():
