@@ -362,10 +362,13 @@ def test_the_step_profile_counts_kernels_once_and_charges_tritons_to_the_range_a
               device("_reduce_kernel", 2000, 2010),        # outside every range
               device("medusa:attention", 700, 800), device("medusa:projections", 700, 750),   # one start
               device("_repacked_kernel", 700, 720), device("_rows_alone_kernel", 760, 790)]
-    per, unlinked = attribute(events, on_cuda=True)
+    per, unlinked, ops = attribute(events, on_cuda=True)
     assert per["projections"] == 10 + 30 + 30 + 20 and per["attention"] == 20 + 30 and per["unlinked"] == 10
     assert sum(per.values()) == 150                       # every kernel once, no range counted as one
     assert dict(unlinked) == {"_reduce_kernel": 10}
+    # what inside each category costs, by op or kernel name
+    assert dict(ops) == {("projections", "aten::mm"): 10, ("projections", "_repacked_kernel"): 80,
+                         ("attention", "_rows_alone_kernel"): 50, ("unlinked", "_reduce_kernel"): 10}
 
 
 def test_step_profile_charges_each_part_of_the_step_and_folds_into_the_report(tmp_path):
@@ -386,6 +389,11 @@ def test_step_profile_charges_each_part_of_the_step_and_folds_into_the_report(tm
         for part in ("projections", "attention", "norms", "lm_head", "outside"):
             assert parts[part] > 0, (name, part)
         assert (parts["heads"] > 0) == name.endswith("t16"), name      # the baseline step runs no heads
+        # each category lists its largest ops, whose times are part of it
+        assert set(row["top_ops_ms"]) == {part for part, v in parts.items() if v}, name
+        for part, top in row["top_ops_ms"].items():
+            assert top and sum(top.values()) <= parts[part] + 1e-9, (name, part)
+        assert any(op.startswith("aten::") for op in row["top_ops_ms"]["attention"]), row["top_ops_ms"]["attention"]
     step = tmp_path / "gpu.json"
     assert bench_synthetic.main(["--device", "cpu", "--shape", "tiny", "--quant", "none", "--tree-sizes", "1",
                                  "--context", "8", "--iters", "2", "--warmup", "0", "--json", str(step)]) == 0
