@@ -7,6 +7,8 @@ per weight (not a chain of selects, and not repeated for every row of a multi-ro
 
 import dataclasses
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -159,3 +161,20 @@ def test_calibration_sets_the_committed_kernel_estimate_beside_its_measured_time
     report.write_text(json.dumps({"rows": []}))
     assert ks.main(["--calibrate", str(report)]) == 1
     assert "no timed nf4_matmul rows" in capsys.readouterr().err
+
+
+def test_kernels_imported_under_the_interpreter_still_compile_for_the_gpu():
+    # a test that imports a kernel module under TRITON_INTERPRET=1 first (test_bench_synthetic's Triton norm on
+    # CPU tensors) made the helpers the kernels call the interpreter's, and every norm check after it failed
+    import subprocess
+    import sys
+
+    code = ("from medusa_core.quant import nf4_matmul, rows_alone_attention, rows_alone_norm\n"
+            "from medusa_core.benchmarks import kernel_sass as ks\n"
+            "for launch in (ks.norm_launch(4096), ks.attention_launch(9, 3, 64, rows=16)):\n"
+            "    assert ks.compile_launch(launch, ks.H100.arch).asm['cubin']\n"
+            "print('compiled')\n")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-2000:]

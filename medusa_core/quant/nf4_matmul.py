@@ -36,13 +36,13 @@ except ImportError as err:  # one line, naming the fix; the rest of the project 
 
 from .kernel_timing import (NoConfigCompiled, decode_tuning, graph_time_us, pick_fastest, remembered, remembering_now,
                             rotating_copies)
-from .triton_runtime import check_runnable, launchable
+from .triton_runtime import check_runnable, helper, launchable
 
 
 # The kernels use core builtins only (tl.full, tl.reduce with this combine function, not tl.zeros or
 # tl.sum): Triton's standard library is jit-decorated when triton is imported, so under an interpreter
 # chosen later (see launchable) its functions would refuse to run.
-@triton.jit
+@helper
 def _add(a, b):
     return a + b
 

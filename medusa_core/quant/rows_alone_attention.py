@@ -32,17 +32,17 @@ except ImportError as err:  # one line, naming the fix; the rest of the project 
     raise ImportError(f"medusa_core.quant.rows_alone_attention needs Triton ({err}): "
                       "pip install 'triton>=3.7'") from None
 
-from .triton_runtime import check_runnable, launchable
+from .triton_runtime import check_runnable, helper, launchable
 
 BLOCK_W = 32      # keys per block of a row's list: fixed, so that a list is always cut at the same places
 
 
-@triton.jit
+@helper
 def _add(a, b):
     return a + b
 
 
-@triton.jit
+@helper
 def _max(a, b):
     return tl.maximum(a, b)
 

@@ -31,10 +31,10 @@ try:
 except ImportError as err:  # one line, naming the fix; the rest of the project never needs Triton
     raise ImportError(f"medusa_core.quant.rows_alone_norm needs Triton ({err}): pip install 'triton>=3.7'") from None
 
-from .triton_runtime import check_runnable, launchable
+from .triton_runtime import check_runnable, helper, launchable
 
 
-@triton.jit
+@helper
 def _add(a, b):
     return a + b
 

@@ -35,6 +35,16 @@ def check_runnable(device: torch.device) -> None:
                        "tests) or use --nf4-kernel bnb")
 
 
+def helper(fn):
+    """A function the kernels call (a ``tl.reduce`` combine), in its compiled form always. ``triton.jit`` at import
+    under TRITON_INTERPRET=1 gives the interpreter's form, which a kernel compiled for a GPU cannot call: the
+    SASS checks of the norm failed once a test had imported it under the interpreter. The interpreter runs
+    this form as plain Python."""
+    from triton.runtime.jit import JITFunction
+
+    return JITFunction(fn)
+
+
 @functools.cache
 def launchable(fn, interpret: bool):
     """A kernel function compiled for CUDA (triton.jit) or run by Triton's interpreter for CPU tensors,
