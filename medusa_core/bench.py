@@ -137,7 +137,8 @@ def measure(args, setup: Setup, encoded: list[list[int]]) -> list[dict[str, Run]
     return results
 
 
-def report(args, setup: Setup, prompts: list[str], encoded: list[list[int]], results: list[dict[str, Run]]) -> None:
+def report(args, setup: Setup, prompts: list[str], encoded: list[list[int]], results: list[dict[str, Run]],
+           load_seconds: float) -> None:
     """The summary table (and the --json report)."""
     device, trees = setup.device, setup.trees
     base = [r["baseline"] for r in results]
@@ -152,7 +153,8 @@ def report(args, setup: Setup, prompts: list[str], encoded: list[list[int]], res
     print(peak_memory(str(device)))
     if args.json:
         out = {
-            "args": vars(args), "model": setup.loaded.description, "device": str(device),
+            "args": vars(args), "model": setup.loaded.description, "load_seconds": round(load_seconds, 2),
+            "device": str(device),
             "torch": torch.__version__, "memory": peak_memory(str(device)),
             "trees": {n: t.size for n, t in trees.items()},
             "prompts": [{"prompt": text, "prompt_tokens": len(ids), **{k: {**asdict(v), "tokens_per_s": v.tokens_per_s}
@@ -167,17 +169,21 @@ def main(argv: list[str] | None = None) -> int:
     prompts = bench_prompts(args.prompts)      # before the load: a missing file is said at once
     try:
         check_writable(args.json)              # not after the whole run
+        started = time.perf_counter()
         setup = prepare(args)
+        load_seconds = time.perf_counter() - started
     except (LoadError, TreeError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     tok = setup.loaded.tokenizer
     encoded = [tok(text)["input_ids"] if args.raw else render_chat(tok, text) for text in prompts]
     print(setup.loaded.description)
+    # what a user waits for at the app's start: on a GPU's first start the kernel timings, here and later read
+    print(f"loaded in {load_seconds:.1f} s")
     if setup.loaded.tree_note:
         print(setup.loaded.tree_note)
     print(setup.loaded.memory)
-    report(args, setup, prompts, encoded, measure(args, setup, encoded))
+    report(args, setup, prompts, encoded, measure(args, setup, encoded), load_seconds)
     return 0
 
 

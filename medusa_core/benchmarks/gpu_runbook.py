@@ -16,7 +16,7 @@ folder of their own, and --out gets ``runbook.tar.gz`` (all of it, rewritten aft
 ``runbook.json``. Back on the development machine, ``tar xzf runbook.tar.gz``, and the JSONs fold into one
 report (docs/performance.md):
 ``python -m medusa_core.bench_synthetic --fold docs/perf/h100.json step.json anchors.json nf4.json profile.json
-exactness.json --json docs/perf/h100.json``.
+exactness.json first_start.json --json docs/perf/h100.json``.
 """
 
 from __future__ import annotations
@@ -53,8 +53,9 @@ class Stage:
 # (pytest-xdist) took 412 s against one's 242 s on the H100 of 2026-11-27, each test 5x slower beside the
 # others. Then the NF4 step as the app routes it (auto kernel, auto norms) beside the same step with
 # transformers' norms and beside exact mode, the greedy-equality count (exact mode first, 8 prompts), the
-# profile of that step, the anchors (torch's int4 and bf16, norms as the app routes them), then the kernel
-# table again. Each JSON is rewritten after every result, so a stage cut short keeps its rows.
+# profile of that step, the anchors (torch's int4 and bf16, norms as the app routes them), the kernel
+# table again, and the app's loading path started twice on a saved 7B (never yet measured). Each JSON is
+# rewritten after every result, so a stage cut short keeps its rows.
 STAGES = (
     Stage("cuda-tests", "the CUDA tests (the repacked kernel, the Triton norms, the graphed step) and the kernels as "
           "this machine's Triton compiles them", "pytest",
@@ -75,6 +76,9 @@ STAGES = (
           ("--quant", "tinygemm", "none", "--tree-sizes", "1", "16", "64", "--json", "{out}/anchors.json")),
     Stage("kernels", "every NF4 kernel per projection and row count, the tuners' timings",
           "medusa_core.benchmarks.nf4_kernel", ("--json", "{out}/nf4.json")),
+    Stage("first-start", "a random 7B checkpoint through the app's loader twice: the first start's kernel timings, "
+          "the second's reading them, and bench against transformers' generate()",
+          "medusa_core.benchmarks.first_start", ("--json", "{out}/first_start.json")),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
 

@@ -133,8 +133,9 @@ def fold_reports(step_json: Path, others: Sequence[Path]) -> dict:
     """One report for docs/perf/<gpu>.json: a bench_gpu JSON, with added to its ``summary`` the
     headline figures of later bench_gpu runs (their results appended; a re-measured figure
     replaces the earlier one), of benchmarks.nf4_kernel, and of ``bench`` runs (the demo model, or a saved
-    random checkpoint), each full JSON kept beside, the step profile of benchmarks.profile_gpu_step, and the
-    greedy-equality counts of benchmarks.nf4_exactness (per model)."""
+    random checkpoint), each full JSON kept beside, the step profile of benchmarks.profile_gpu_step, the
+    greedy-equality counts of benchmarks.nf4_exactness (per model), and the two starts of
+    benchmarks.first_start (their load seconds; the last start's bench run as the checkpoint's)."""
     report = json.loads(step_json.read_text())
     extras: dict = {}
     for path in others:
@@ -153,9 +154,14 @@ def fold_reports(step_json: Path, others: Sequence[Path]) -> dict:
             report["step_profile"] = {**report.get("step_profile", {}), **data["step_profile"]}
         elif isinstance(data.get("exactness"), list):                        # benchmarks.nf4_exactness
             report["exactness"] = {**report.get("exactness", {}), data["model"]: data}
+        elif isinstance(data.get("first_start"), dict):                     # benchmarks.first_start
+            report["first_start"] = data["first_start"]
+            benched = [row["bench"] for row in data["first_start"]["starts"] if "bench" in row]
+            if benched:         # the last start's bench run is the checkpoint row, as a bench JSON folded alone
+                report["checkpoint"] = benched[-1]
         else:
-            raise ValueError(f"{path}: not a bench_synthetic, nf4_kernel, profile_gpu_step, nf4_exactness or bench "
-                             "JSON: pass those, or leave it out")
+            raise ValueError(f"{path}: not a bench_synthetic, nf4_kernel, profile_gpu_step, nf4_exactness, "
+                             "first_start or bench JSON: pass those, or leave it out")
     # every step result in the order measured: a later result of the same label replaces the earlier figures
     results = [QuantResult(**{**r, "rows": tuple(TreeRow(**w) for w in r["rows"])}) for r in report["results"]]
     # the kernel figures from the merged kernel report: also those an earlier fold brought in
@@ -169,6 +175,7 @@ def fold_reports(step_json: Path, others: Sequence[Path]) -> dict:
             extras[f"{name}_medusa_tokens_per_s"] = max(medusa, default=None)
             if "transformers generate()" in rows:
                 extras[f"{name}_hf_generate_tokens_per_s"] = rows["transformers generate()"]["tokens_per_s"]
+    extras.update(report.get("first_start", {}).get("summary", {}))
     report["summary"] = {**summary(results), **kernel, **extras}
     return report
 
