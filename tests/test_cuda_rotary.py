@@ -1,0 +1,64 @@
+"""The rotary kernel (quant/rotary_kernel.py) on CUDA: in bf16, where Triton's CPU interpreter rounds otherwise,
+its bits are transformers' own, eagerly and inside a CUDA graph, and a captured decoding step through it gives
+the tokens the step gives without it. Skipped without CUDA: the runbook's cuda-tests stage runs it."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytest.importorskip("triton", reason="the rotary kernel needs Triton: pip install triton")
+
+from tiny import copied_heads, tiny_model  # noqa: E402
+
+from medusa_core.decoding.config import DecodeConfig  # noqa: E402
+from medusa_core.decoding.generate import generate  # noqa: E402
+from medusa_core.decoding.tree import build_tree_buffers, resolve_tree  # noqa: E402
+from medusa_core.quant import rotary_kernel as rk  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _transformers_rotary_back():
+    yield
+    for family in rk.FAMILIES:
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        module.apply_rotary_pos_emb = getattr(module.apply_rotary_pos_emb, "original", module.apply_rotary_pos_emb)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 16, 300])
+def test_the_kernel_gives_transformers_bits_on_this_gpu(dtype, tokens):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    q = torch.randn(1, tokens, 32, 128, device="cuda", generator=gen).to(dtype).transpose(1, 2)   # Llama-2-7B
+    k = torch.randn(1, tokens, 8, 128, device="cuda", generator=gen).to(dtype).transpose(1, 2)    # GQA's 8
+    angles = torch.randn(1, tokens, 64, device="cuda", generator=gen) * 50
+    cos, sin = (f(torch.cat((angles, angles), -1)).to(dtype) for f in (torch.cos, torch.sin))
+    want = apply_rotary_pos_emb(q, k, cos, sin)
+    got = rk.fused_rotary(q, k, cos, sin)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    graph, out = torch.cuda.CUDAGraph(), None
+    rk.fused_rotary(q, k, cos, sin)         # compiled before the capture
+    with torch.cuda.graph(graph):
+        out = rk.fused_rotary(q, k, cos, sin)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+
+
+def test_a_captured_bf16_step_through_it_decodes_the_tokens_it_decodes_without_it():
+    model = tiny_model("llama", hidden=64, vocab=64, seed=3).cuda().to(torch.bfloat16)
+    heads = copied_heads(model, num_heads=3).cuda().to(torch.bfloat16)
+    tree = build_tree_buffers(resolve_tree("cartesian-2x2x2"), 3, dtype=torch.bfloat16, device="cuda")
+
+    def decode():
+        return [t for s in generate(model, [1, 5, 7, 9, 3], heads=heads, tree=tree,
+                                    config=DecodeConfig(max_new_tokens=40), graphs=True) for t in s.tokens]
+
+    plain = decode()
+    assert rk.use_rotary_kernel(model, "triton").startswith("rotary: one Triton kernel")
+    assert decode() == plain
