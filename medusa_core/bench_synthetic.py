@@ -38,7 +38,7 @@ from .benchmarks.step_report import QuantResult, TreeRow, environment, fold_repo
 from .benchmarks.step_timing import (copy_bandwidth, prefilled_cache, time_hf_generate, time_loop,
                                      time_step, time_stock_forward)
 from .benchmarks.synthetic import (DTYPE, SHAPES, build_heads, build_model, check_not_zero, quantize_backbone_,
-                                   save_random_checkpoint, weight_bytes)
+                                   rotary_flag_error, route_rotary, save_random_checkpoint, weight_bytes)
 from .errors import check_writable
 from .decoding.tree import build_tree_buffers, expected_tokens_per_step, tree_of_size
 from .heads.accuracy import PUBLISHED_ACCURACIES, RANK_DECAY, TOP_K, rank_table
@@ -98,8 +98,12 @@ def per_norm_kernel(args, model, heads, label: str, routing: str, device: torch.
         line = use_norm_kernel(model, norms)
         print(f"  [{label}] {line or 'norms: as the kernel routing left them'} "
               f"({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
-        yield measure(args, model, heads, label if norms == "auto" else f"{label}-{norms}-norms",
-                      "; ".join(t for t in (routing, line) if t), device)
+        for rotary in args.rotary_kernel:       # transformers' unmarked (the app's), the kernel marked
+            rotary_line = route_rotary(model, rotary)
+            yield measure(args, model, heads, (label if norms == "auto" else f"{label}-{norms}-norms")
+                          + ("-triton-rotary" if rotary == "triton" else ""),
+                          "; ".join(t for t in (routing, line, rotary_line) if t), device)
+    route_rotary(model, "torch")
 
 
 def measure(args, model, heads, label: str, routing: str, device: torch.device) -> QuantResult:
@@ -167,6 +171,9 @@ def parser(cuda: bool) -> argparse.ArgumentParser:
                         "triton (the kernel), bnb (bitsandbytes)")
     p.add_argument("--norm-kernel", nargs="+", choices=NORM_KERNELS, default=["auto"],
                    help="RMSNorm choices, each measured (auto: as the app, timed on CUDA; torch, triton forced)")
+    p.add_argument("--rotary-kernel", nargs="+", choices=("torch", "triton"), default=["torch"],
+                   help="rotary embedding choices, each measured: torch (transformers', the app's) or triton (one "
+                        "kernel for q and k, bit for bit the same; not in the app until measured faster)")
     p.add_argument("--tree-sizes", nargs="+", type=int, default=[1, 4, 8, 16, 32, 64, 128])
     p.add_argument("--context", type=int, default=512, help="prefix length in the cache while timing")
     p.add_argument("--iters", type=int, default=30)
@@ -234,6 +241,8 @@ def checked_device(args, cuda: bool) -> torch.device:
         raise ValueError("--iters and --context must be at least 1 and --warmup at least 0")
     for n in args.tree_sizes:       # fail before building a 7B model
         tree_of_size(rank_table(args.accuracies, decay=args.rank_decay), n)
+    if error := rotary_flag_error(args.rotary_kernel, device):
+        raise ValueError(error)
     if "tinygemm" in args.quant:     # every projection's shape, before a 7B model is built
         from .quant.tinygemm import check_shape
 

@@ -5,7 +5,9 @@ Medusa heads stand in for downloads that the GPU machine cannot make."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,3 +158,22 @@ def save_random_checkpoint(shape: Shape, num_heads: int, directory: Path, seed: 
     model.save_pretrained(backbone)
     save_heads(heads, heads_dir, base_model=str(backbone))
     return backbone, heads_dir
+
+
+def route_rotary(model, choice: str) -> str:
+    """The rotary embedding by ``choice``: "" for transformers' (the app's; Triton not imported for it), else the
+    routing's line."""
+    if choice == "torch" and "medusa_core.quant.rotary_kernel" not in sys.modules:
+        return ""
+    from ..quant.rotary_kernel import use_rotary_kernel
+
+    line = use_rotary_kernel(model, choice)
+    return line if choice == "triton" else ""
+
+
+def rotary_flag_error(choices: list[str], device: torch.device) -> str | None:
+    """--rotary-kernel triton where the kernel cannot run, said before a model is built; None if it can."""
+    if "triton" in choices and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return (f"--rotary-kernel triton: the Triton rotary needs a CUDA device (on {device.type} it runs only under "
+                "Triton's interpreter, TRITON_INTERPRET=1, slowly, for tests): use --rotary-kernel torch")
+    return None
