@@ -178,3 +178,17 @@ def test_kernels_imported_under_the_interpreter_still_compile_for_the_gpu():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_rotary_kernel_compiles_without_local_memory_or_a_fused_multiply_add(tmp_path, dtype):
+    # quant/rotary_kernel.py: bit for bit transformers' rotary only if x * cos + r * sin is not contracted to an FMA
+    cubin = tmp_path / "rotary.cubin"
+    cubin.write_bytes(ks.compile_launch(ks.rotary_launch(32, 8, 128, dtype=dtype), ks.H100.arch).asm["cubin"])
+    res = ks.resources(cubin)
+    assert res["REG"] > 0 and res["LOCAL"] == 0 and res["STACK"] == 0, res
+    assert _instructions(cubin) < 300
+    if dtype == torch.float32:      # in bf16 the compiler multiplies and adds in bf16, each rounded once: the same
+        #                             bits, since a bf16 product is exact in fp32; the GPU test checks them
+        opcodes = [line.split()[0] for line in ks.disassemble(cubin) if not line.endswith(":") and line.split()]
+        assert not any(op.startswith("FFMA") for op in opcodes), sorted(set(opcodes))

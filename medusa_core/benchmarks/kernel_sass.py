@@ -142,6 +142,21 @@ def norm_launch(hidden: int, rows: int = 16, dtype: torch.dtype = torch.bfloat16
                   2 * rows * hidden * dtype.itemsize)
 
 
+def rotary_launch(heads: int, kv_heads: int, dim: int, tokens: int = 16, dtype: torch.dtype = torch.bfloat16) -> Launch:
+    """``fused_rotary`` (quant/rotary_kernel.py) of ``tokens`` tokens' queries and keys, laid out as the attention
+    module makes them ((B, T, heads, D) projections seen as (B, heads, T, D))."""
+    from ..quant import rotary_kernel as rk
+
+    meta = torch.device("meta")
+    q = torch.empty(1, tokens, heads, dim, dtype=dtype, device=meta).transpose(1, 2)
+    k = torch.empty(1, tokens, kv_heads, dim, dtype=dtype, device=meta).transpose(1, 2)
+    cos = torch.empty(1, tokens, dim, dtype=dtype, device=meta)
+    fn, grid, args, kw = rk.kernel_call(q, k, cos, cos, q, k, False)
+    # for compile_launch and resources (no per-weight counts: it is no matmul); the floor: q and k read and written
+    return Launch(dim, (heads + kv_heads) * dim, tokens, fn, args, kw, "rotary", grid[0] * grid[1] * grid[2], 1, dim, 0,
+                  kw["num_warps"], 2 * (heads + kv_heads) * tokens * dim * dtype.itemsize)
+
+
 def head_launch(k: int, n: int, rows: int = 16, dtype: torch.dtype = torch.bfloat16) -> Launch:
     """``rows_alone_linear`` (exact mode's lm_head) of ``rows`` rows against a dense (n, k) weight."""
     from ..quant import rows_alone_linear as rl

@@ -42,12 +42,11 @@ ROTARY_KERNELS = ("torch", "triton")
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, T, q_heads,
+def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, q_heads,
                    sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sc_b, sc_t, so_qb, so_qh, so_qt, so_kb, so_kh, so_kt,
                    D: tl.constexpr, BLOCK_D: tl.constexpr):
-    # grid: (batch * tokens, q heads + kv heads); one program rotates one head's row of one token
-    bt, head = tl.program_id(0), tl.program_id(1)
-    b, t = bt // T, bt % T
+    # grid: (tokens, q heads + kv heads, batch); one program rotates one head's row of one token
+    t, head, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     d = tl.arange(0, BLOCK_D)
     ok = d < D
     half = D // 2
@@ -93,18 +92,25 @@ def fused_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     layout: what ``apply_rotary_pos_emb(q, k, cos, sin)`` returns, bit for bit."""
     check_runnable(q.device)
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-    b, heads, t, d = q.shape
     if q.numel() + k.numel() == 0:
         return q_out, k_out
-    cb = cos.stride(0) if cos.shape[0] == b else 0          # one table for the batch broadcasts
     interpret = q.device.type == "cpu"
+    fn, grid, args, meta = kernel_call(q, k, cos, sin, q_out, k_out, interpret)
+    launchable(fn, interpret)[grid](*args, **meta)
+    return q_out, k_out
+
+
+def kernel_call(q, k, cos, sin, q_out, k_out, interpret: bool) -> tuple:
+    """(kernel function, grid, args, constexprs) of one launch: ``fused_rotary`` runs it, and
+    benchmarks/kernel_sass.py compiles exactly this call for a GPU without one."""
+    b, heads, t, d = q.shape
+    cb = cos.stride(0) if cos.shape[0] == b else 0          # one table for the batch broadcasts
     # FP fusion off: an fp32 x * cos + r * sin contracted to one FMA would round once where eager rounds twice
     opts = {} if interpret else {"num_warps": 1 if d <= 128 else 2, "num_stages": 1, "enable_fp_fusion": False}
-    launchable(_rotary_kernel, interpret)[(b * t, heads + k.shape[1])](
-        q, k, cos, sin, q_out, k_out, t, heads, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-        k.stride(2), cb, cos.stride(1), q_out.stride(0), q_out.stride(1), q_out.stride(2), k_out.stride(0),
-        k_out.stride(1), k_out.stride(2), D=d, BLOCK_D=triton.next_power_of_2(d), **opts)
-    return q_out, k_out
+    args = (q, k, cos, sin, q_out, k_out, heads, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+            k.stride(2), cb, cos.stride(1), q_out.stride(0), q_out.stride(1), q_out.stride(2), k_out.stride(0),
+            k_out.stride(1), k_out.stride(2))
+    return _rotary_kernel, (t, heads + k.shape[1], b), args, dict(D=d, BLOCK_D=triton.next_power_of_2(d), **opts)
 
 
 def _family_module(model: nn.Module):
