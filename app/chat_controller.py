@@ -424,6 +424,14 @@ class ChatController:
                 saved_compare(stored), last.user if last is not None and last.in_box else gr.update())
 
 
+def restored_readouts(turns: list[Turn]) -> tuple[str, str]:
+    """(Medusa's readout, plain decoding's) after a reload: the last answer's figures as they showed when it ended,
+    or the hint where the last exchange has none (cut off by the reload, or refused)."""
+    answered = (turns[-1].answered or {}) if turns else {}
+    medusa, base = Stats.from_saved(answered.get("medusa")), Stats.from_saved(answered.get("baseline"))
+    return (render_live(medusa) if medusa else READOUT_HINT), (render_live(base) if base else "")
+
+
 def sent_copy(session: Session, turns: list[Turn], system: str, compare: bool) -> dict:
     """The browser's copy of ``turns`` as a message is sent, with a new id: the copy its answer ends with is kept
     under it (ChatController.kept)."""

@@ -7,6 +7,7 @@ turn Stats into the Markdown the readout panes show.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 
@@ -71,8 +72,40 @@ class Stats:
             "time_to_first_token": None if self.ttft is None else round(self.ttft, 4),
             "ttft": None if self.ttft is None else round(self.ttft, 4),
             "seconds": round(self.total_seconds, 4), "finish_reason": self.finish_reason,
-            "last_accepted": list(self.accepted[-SPARK_STEPS:]),
+            "last_accepted": list(self.accepted[-SPARK_STEPS:]), "tree_depth": self.tree_depth,
         }
+
+    @classmethod
+    def from_saved(cls, saved) -> Stats | None:
+        """The Stats ``as_dict`` wrote, back from a saved conversation, to show its last answer's readout after a
+        reload (QA: the readout showed its placeholder, the figures only in the export); None where the saved
+        figures are missing or damaged (the browser's copy may be older, or edited)."""
+        if not isinstance(saved, dict):
+            return None
+        counts = [saved.get(k) for k in ("tree_size", "tokens", "steps", "from_heads")]
+        accepted = saved.get("last_accepted", [])
+        if not all(_whole(v) for v in counts) or not isinstance(accepted, list) or not all(_whole(v) for v in accepted):
+            return None
+        tree_size, tokens, steps, from_heads = counts
+        ttft, rate, seconds = saved.get("time_to_first_token"), saved.get("tokens_per_second"), saved.get("seconds")
+        if not (ttft is None or _real(ttft)) or not _real(seconds) or (steps and not (_real(rate) and rate > 0)):
+            return None
+        # the decoding seconds from the unrounded rate, so the rate shows as it showed ("seconds" is rounded)
+        decode = (tokens - 1) / rate if steps else max(0.0, seconds - (ttft or 0.0))
+        depth = saved.get("tree_depth")
+        finish = saved.get("finish_reason")
+        return cls(label=str(saved.get("label") or "Medusa"), tree=str(saved.get("tree") or ""), tree_size=tree_size,
+                   tree_depth=depth if _whole(depth) else max(accepted, default=1) - 1,    # older copies kept none
+                   tokens=tokens, steps=steps, accepted=tuple(accepted), from_heads=from_heads, ttft=ttft,
+                   decode_seconds=decode, finish_reason=finish if isinstance(finish, str) else None)
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
 @dataclass

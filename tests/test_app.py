@@ -1288,7 +1288,7 @@ def test_a_reload_before_the_browser_stores_the_finished_answer_still_brings_it_
     """QA (seen once, on a busy machine): reloading just after a finished answer showed it as "the page was reloaded
     before this answer finished". The browser stores the conversation after the answer in a follow-up event; a
     reload before that read the copy written at the send. The page load now finds the copy the answer ended with."""
-    from app.chat_controller import INTERRUPTED, ChatController
+    from app.chat_controller import INTERRUPTED, ChatController, restored_readouts
     from app.models import ModelSlot
     from app.session import Session
     from medusa_core.loading.spec import LoadSpec
@@ -1310,6 +1310,8 @@ def test_a_reload_before_the_browser_stores_the_finished_answer_still_brings_it_
     assert not any(INTERRUPTED in text for text in shown), shown
     assert [(t.user, t.reply) for t in reloaded.turns] == [("Name a colour.", reply)]
     assert system == "Be brief." and compare is True
+    # both readouts come back as the answer left them (QA: they showed their placeholders after a reload)
+    assert restored_readouts(reloaded.turns) == (last[2], last[3]) and "tokens/s" in last[3], last[2:4]
     # a regenerated answer too: the copy written as it started carries the old answer, and an id
     at_regenerate, _ = chat.regenerate_pending(session, "Be brief.", True)
     list(chat.kept(chat.regenerate(session, "Be brief.", True, {"max_new_tokens": 4}), session, "Be brief.", True))

@@ -204,3 +204,27 @@ def test_a_message_back_in_the_box_goes_back_there_after_a_reload():
     assert [t["user"] for t in pending["turns"]] == ["Hi", "Second message, edited"]
     session.drop_resent()                    # what the send does first
     assert [(t.user, t.reply) for t in session.turns] == [("Hi", "Hello!")]
+
+
+def test_a_reloaded_conversations_readout_shows_its_last_answers_figures_or_the_hint():
+    from app.chat_controller import restored_readouts
+    from app.layout import READOUT_HINT
+    from app.readout import Stats, render_live
+    from app.transcript import from_saved, to_saved
+
+    stats = Stats(label="Medusa", tree="small-8", tree_size=8, tree_depth=3, tokens=21, steps=9,
+                  accepted=(1, 4, 2, 3, 1, 2, 4, 2, 1), from_heads=11, ttft=0.1234, decode_seconds=1.6667,
+                  finish_reason="eos")
+    answered = {"settings": {}, "medusa": stats.as_dict(), "baseline": None}
+    turns, _ = from_saved(to_saved([Turn(user="Hi", reply="Hello!", answered=answered)], 0))
+    assert restored_readouts(turns) == (render_live(stats), "")
+    older = {k: v for k, v in stats.as_dict().items() if k != "tree_depth"}      # copies saved before it was kept
+    turns, _ = from_saved(to_saved([Turn(user="Hi", reply="Hello!", answered={**answered, "medusa": older})], 0))
+    assert restored_readouts(turns)[0] == render_live(stats)       # its deepest accepted step stands in
+    for damaged in ({**stats.as_dict(), "tokens": "21"}, {**stats.as_dict(), "tokens_per_second": None},
+                    {**stats.as_dict(), "last_accepted": [1, None]}, "figures"):
+        turns, _ = from_saved(to_saved([Turn(user="Hi", reply="Hello!", answered={**answered, "medusa": damaged})], 0))
+        assert restored_readouts(turns) == (READOUT_HINT, ""), damaged
+    # the last exchange cut off by the reload has no figures: the hint, not the exchange before's
+    turns, _ = from_saved(to_saved([Turn(user="Hi", reply="Hello!", answered=answered), Turn(user="More")], 0))
+    assert restored_readouts(turns) == (READOUT_HINT, "")
