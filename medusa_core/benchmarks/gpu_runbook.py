@@ -1,7 +1,7 @@
 """Issue 22's GPU measurements, most valuable first, inside one device call's time limit.
 
     python3 -m medusa_core.benchmarks.gpu_runbook --out $OUT                    # every stage, 570 s in all
-    python3 -m medusa_core.benchmarks.gpu_runbook --out $OUT --from profile     # a later call: the rest
+    python3 -m medusa_core.benchmarks.gpu_runbook --out $OUT --from exactness   # a later call: the rest
 
 A lent GPU comes with 15 minutes of device time for a whole session and 10 minutes per command, and a
 machine found cold costs a minute or more to start: few, full calls are worth more than many small
@@ -51,37 +51,36 @@ class Stage:
 # and the kernels compiled by the GPU machine's own Triton (test_kernel_sass.py: its Triton 3.6 compiled
 # the norm that 3.9 compiles well to 14,000 instructions a row). One pytest process: four side by side
 # (pytest-xdist) took 412 s against one's 242 s on the H100 of 2026-11-27, each test 5x slower beside the
-# others. Then the NF4 step as the app routes it (auto kernel, auto norms) beside the same step with
-# transformers' norms and beside exact mode, the greedy-equality count (exact mode first, 8 prompts), the
-# profile of that step, the anchors (torch's int4 and bf16, norms as the app routes them), the kernel
-# table again, and the app's loading path started twice on a saved 7B (never yet measured). Each JSON is
-# rewritten after every result, so a stage cut short keeps its rows.
+# others. Then what the third H100 run (2026-11-27) left open, most valuable first: the NF4 step as the app routes
+# it (auto kernel, auto norms) and in exact mode, each with transformers' rotary and the Triton one; the profile
+# of that step with its largest ops per category, both rotaries; the app's loading path started twice on a saved
+# 7B (never yet measured). Then what that run measured, again: the greedy-equality count (exact mode first, 8
+# prompts), the anchors (torch's int4 and bf16), the kernel table. Each JSON is rewritten after every result,
+# so a stage cut short keeps its rows.
 STAGES = (
-    Stage("cuda-tests", "the CUDA tests (the repacked kernel, the Triton norms, the graphed step) and the kernels as "
-          "this machine's Triton compiles them", "pytest",
+    Stage("cuda-tests", "the CUDA tests (the repacked kernel, the Triton norms and rotary, the graphed step) and the "
+          "kernels as this machine's Triton compiles them", "pytest",
           ("-q", "-p", "no:cacheprovider", "tests/test_kernel_sass.py", "tests/test_cuda_repacked.py",
            "tests/test_cuda_graphs.py", "tests/test_cuda_rotary.py", "--junitxml={out}/cuda_tests.xml")),
-    Stage("step", "the 7B NF4 step as the app routes it, with transformers' norms, and in exact mode, each with "
-          "transformers' rotary and the Triton one",
-          "medusa_core.bench_synthetic",
-          ("--quant", "nf4", "--nf4-kernel", "auto", "repacked-exact", "--norm-kernel", "auto", "torch",
-           "--rotary-kernel", "torch", "triton", "--tree-sizes", "1", "16", "64", "--json", "{out}/step.json")),
+    Stage("step", "the 7B NF4 step as the app routes it and in exact mode, each with transformers' rotary and the "
+          "Triton one", "medusa_core.bench_synthetic",
+          ("--quant", "nf4", "--nf4-kernel", "auto", "repacked-exact", "--rotary-kernel", "torch", "triton",
+           "--tree-sizes", "1", "16", "64", "--json", "{out}/step.json")),
+    Stage("profile", "the 7B NF4 step's device time by category as the app routes it, T = 1 and 16, and with "
+          "the Triton rotary", "medusa_core.benchmarks.profile_gpu_step",
+          ("--quant", "nf4", "--nf4-kernel", "auto", "--rotary-kernel", "torch", "triton", "--json",
+           "{out}/profile.json")),
+    Stage("first-start", "a random 7B checkpoint through the app's loader twice: the first start's kernel timings, "
+          "the second's reading them, and bench against transformers' generate()",
+          "medusa_core.benchmarks.first_start", ("--json", "{out}/first_start.json")),
     Stage("exactness", "how often greedy NF4 Medusa equals plain decoding, per kernel (random 7B)",
           "medusa_core.benchmarks.nf4_exactness",
           ("--kernels", "repacked-exact", "auto", "bnb", "--prompts", "8", "--json", "{out}/exactness.json")),
-    Stage("profile", "the 7B NF4 step's device time by category as the app routes it, T = 1 and 16, and with "
-          "the Triton rotary",
-          "medusa_core.benchmarks.profile_gpu_step",
-          ("--quant", "nf4", "--nf4-kernel", "auto", "--rotary-kernel", "torch", "triton", "--json",
-           "{out}/profile.json")),
     Stage("anchors", "torch's int4 (gpt-fast's kernel) and bf16 in the same 7B step, norms as the app routes them",
           "medusa_core.bench_synthetic",
           ("--quant", "tinygemm", "none", "--tree-sizes", "1", "16", "64", "--json", "{out}/anchors.json")),
     Stage("kernels", "every NF4 kernel per projection and row count, the tuners' timings",
           "medusa_core.benchmarks.nf4_kernel", ("--json", "{out}/nf4.json")),
-    Stage("first-start", "a random 7B checkpoint through the app's loader twice: the first start's kernel timings, "
-          "the second's reading them, and bench against transformers' generate()",
-          "medusa_core.benchmarks.first_start", ("--json", "{out}/first_start.json")),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
 
