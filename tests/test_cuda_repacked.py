@@ -70,6 +70,21 @@ def test_exact_mode_gives_every_bf16_row_the_bits_it_gets_alone():
         assert torch.equal(rm.repacked_matmul(x[:m], w, exact=True), alone[:m]), f"M={m}"
 
 
+def test_every_exact_candidate_is_checked_on_this_gpu_and_the_one_kept_gives_every_row_its_bits_alone(capsys):
+    # tune_exact on the GPU: each candidate's rows are checked before it is timed; the one kept is row-exact at
+    # every row count, one row and 65 (a second row tile) included
+    n, k = 1000, 4096
+    chosen = rm.tune_exact(n, k, torch.bfloat16, torch.device("cuda"))
+    log = rm.TUNING_LOG[rm._exact_key(n, k, torch.bfloat16, torch.device("cuda"), 128)]
+    print(chosen.describe(), log)               # the GPU session's record: which tile exact mode keeps here
+    assert chosen in rm.exact_candidates(n, k // 128, torch.cuda.get_device_properties(0).multi_processor_count)
+    w = rp.repack_bnb([quantized(n, k, seed=2)])
+    x = torch.randn(65, k, device="cuda", dtype=torch.bfloat16, generator=torch.Generator(device="cuda").manual_seed(3))
+    alone = torch.cat([rm.repacked_matmul(x[i:i + 1], w, exact=True) for i in range(65)])
+    for m in (*ROWS[1:], 65):
+        assert torch.equal(rm.repacked_matmul(x[:m], w, exact=True), alone[:m]), f"M={m} with {chosen.describe()}"
+
+
 @pytest.mark.parametrize("m", [1, 4, 16, 64])
 def test_the_last_split_sums_the_partials_in_one_launch_to_the_reduce_kernels_bits_on_this_gpu(m):
     # what the interpreter (one program at a time) cannot show: the arrival counts and the partials' reads

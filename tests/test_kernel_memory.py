@@ -269,3 +269,44 @@ def test_the_load_line_says_what_was_timed_and_what_could_not_be_kept(monkeypatc
     assert route_kernels(tiny_model(), spec, "none", "cuda").endswith(
         f", not kept: could not write them: {blocker} is a file, not a folder: move it away, or set MEDUSA_CHAT_CACHE "
         "to a writable directory")
+
+
+def test_exact_modes_config_is_the_fastest_of_those_checked_row_exact_on_the_gpu(monkeypatch, tmp_path):
+    # nf4_repacked_matmul.tune_exact with the GPU stood in: a candidate whose multi-row calls give a row other bits
+    # than the row alone is skipped, however fast; the fastest of the rest over a 1-row and a 16-row call is kept,
+    # remembered across starts, and is what exact mode's calls then run
+    StandInGpu(monkeypatch)
+    n, k = 64, 256
+    weight = torch.randn(n, k)
+    monkeypatch.setattr(rm, "_tuning_weight", lambda n, k, dtype, device, group: (weight, [weight], None))
+    monkeypatch.setattr(torch, "randn", lambda *shape, **kw: torch.ones(*shape[:2]) * torch.arange(1, shape[0] + 1)[:, None])
+    candidates = rm.exact_candidates(n, k // 128, 132)
+    first, drifting, fastest = candidates[0], candidates[2], candidates[3]
+
+    def matmul(x, w, config):       # rows alone, as exact mode must; one candidate drifts with the row count
+        out = torch.stack([w @ row for row in x])
+        return out + (1e-3 if config == drifting and x.shape[0] > 1 else 0.0)
+
+    speed = {first: 40.0, drifting: 5.0, fastest: 20.0}
+    monkeypatch.setattr(rm, "repacked_matmul", matmul)
+    monkeypatch.setattr(rm, "graph_time_us", lambda calls, replays: speed.get(calls[0].keywords["config"], 30.0))
+    monkeypatch.setattr(rm, "_EXACT", {})
+    timings = kernel_memory.recall(GPU, tmp_path)
+    with timings.routing():
+        chosen = rm.exact_tuned(n, k, torch.bfloat16, GPU)
+    timings.save()
+    assert chosen == fastest
+    log = dict(rm.TUNING_LOG[rm._exact_key(n, k, torch.bfloat16, GPU, 128)])
+    assert log[drifting.describe()] is None and log[fastest.describe()] == 40.0    # skipped; 20 µs at 1 and at 16 rows
+    from medusa_core.benchmarks.nf4_kernel import tuned_lines, tuning_log
+
+    assert f"repacked {k}->{n} exact, every M: {fastest.describe()} 40.0 µs for a 1-row and a 16-row call (1 of 4 not " \
+        "row-exact or failed)" in tuned_lines(tuning_log())
+    assert rm.choose_config(16, SimpleNamespace(n=n, k=k, group=128, blocksize=64, arrivals=None), torch.bfloat16, GPU,
+                            exact=True) == fastest
+    monkeypatch.setattr(rm, "_EXACT", {})           # a new start reads it instead of timing
+    monkeypatch.setattr(rm, "repacked_matmul", lambda *a, **kw: pytest.fail("timed again"))
+    again = kernel_memory.recall(GPU, tmp_path)
+    with again.routing():
+        assert rm.exact_tuned(n, k, torch.bfloat16, GPU) == fastest
+    assert again.note.startswith("kernel timings: 1 read from those kept")

@@ -91,6 +91,11 @@ def bench_shape(k: int, n: int, device: torch.device, l2: int) -> tuple[list[Row
     check = {method: {} for method in CHECKED}
     rows = []
     tuned = set()
+    try:        # exact mode's one config for every M, as an exact load tunes it (rows checked on this GPU first)
+        rm.tune_exact(n, k, torch.bfloat16, device)
+    except Exception as err:  # fail soft: one line; the exact column below runs the untuned config
+        line = str(err).strip().splitlines()[0][:160] if str(err).strip() else ""
+        print(f"  {k}->{n} exact tuning: FAILED ({type(err).__name__}: {line})")
     for m in ROWS:
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen)
         for name, kernel in (("triton", nm), ("repacked", rm)):
@@ -264,6 +269,10 @@ def tuned_lines(log: list[dict]) -> list[str]:
         if not timed:
             continue
         config, us = min(timed, key=lambda e: e[1])
+        if t["row_class"] == "exact":       # exact mode's one config for every M (nf4_repacked_matmul.tune_exact)
+            lines.append(f"{t['kernel']} {t['k']}->{t['n']} exact, every M: {config} {us:.1f} µs for a 1-row and a "
+                         f"16-row call ({len(t['timed']) - len(timed)} of {len(t['timed'])} not row-exact or failed)")
+            continue
         line = f"{t['kernel']} {t['k']}->{t['n']} M<={t['row_class']}: {config} {us:.1f} µs"
         serial = [u for c, u in timed if c.endswith(" serial")]
         split = [u for c, u in timed if " split1 " not in c and not c.endswith(" serial")]

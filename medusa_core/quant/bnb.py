@@ -343,8 +343,8 @@ def _use_repacked(model: nn.Module, layers=None, exact: bool = False, device: to
     """Every NF4 layer -> the repacked kernel for all row counts, q/k/v and gate/up each fused where that
     times faster on this GPU (always in exact mode and off CUDA: nothing is timed there); ``repacked``:
     (the modules made, the layers kept, the groups kept apart) where auto already repacked. bitsandbytes' packed
-    bytes are freed (rebuilt exactly if another choice is made later). On CUDA, fast mode's configs are
-    timed now, not later inside someone's graph capture. Exact mode takes the row-exact attention too,
+    bytes are freed (rebuilt exactly if another choice is made later). On CUDA, the configs are timed now
+    (exact mode's checked row-exact first), not later inside someone's graph capture. Exact mode takes the row-exact attention too,
     and says which other pieces of the step are row-invariant on this machine."""
     from . import nf4_fused
 
@@ -352,10 +352,13 @@ def _use_repacked(model: nn.Module, layers=None, exact: bool = False, device: to
         fuse, apart = _fusions(layers, device) if device.type == "cuda" and not exact else (nf4_fused.FUSE, [])
         repacked = (*nf4_fused.repack_layers(layers, exact=exact, fuse=fuse), apart)
     made, kept, apart = repacked
-    if device.type == "cuda" and not exact:
+    if device.type == "cuda":
         from . import nf4_repacked_matmul as rm
 
         for n, k, dtype in {(f.out_features, f.in_features, f.compute_dtype or torch.float32) for f in made}:
+            if exact:       # one config for every M, checked row-exact on this GPU before it is timed
+                rm.exact_tuned(n, k, dtype, device)
+                continue
             for m in REPACKED_ROW_CLASSES:
                 rm.tuned_us(m, n, k, dtype, device)
     fused = sum(len(f.splits) > 1 for f in made)

@@ -263,6 +263,20 @@ def exact_config(n: int, groups: int, sms: int) -> RepackedConfig:
     return RepackedConfig(True, 64, 64, split_for(n, groups, 64, 2 * sms))
 
 
+def exact_candidates(n: int, groups: int, sms: int) -> list[RepackedConfig]:
+    """Exact mode's configs worth timing on a GPU, each one tile, block_n and split for every M: the measured
+    one-tile config first (the reference), then 16-row tiles. A 16-row tile dequantizes the weight once per 16
+    rows, so a 1-row call reads and unpacks what fast mode's 16-row path does: on the H100 that path took 37 µs
+    on 4096->11008 at 16 rows, where the 64-row tile took 46 at one row (2026-11-27, third run). Exact mode's trees
+    are small (its default is the 16-node NF4 tree), and the tile is timed, not assumed: its rows are checked
+    equal to rows alone on the GPU before it is timed (``tune_exact``)."""
+    first = exact_config(n, groups, sms)
+    out = [first, dataclasses.replace(first, plane_lookup=True)]
+    for waves, plane in ((2, False), (2, True), (4, True)):
+        out.append(RepackedConfig(True, 16, 64, split_for(n, groups, 64, waves * sms), plane_lookup=plane))
+    return list(dict.fromkeys(out))
+
+
 def fast_config(m: int, n: int, groups: int, sms: int) -> RepackedConfig:
     """Untimed per-M choice: GEMV up to 4 rows, tensor cores from 5, ~2-4 waves of programs. A GPU
     session's tune_shape() replaces it per (GPU, shape, row class)."""
@@ -318,8 +332,8 @@ def tune_shape(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
     return best
 
 
-def _time_candidates(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, group: int,
-                     key: tuple) -> tuple[RepackedConfig, list]:
+def _tuning_weight(n: int, k: int, dtype: torch.dtype, device: torch.device, group: int):
+    """(a random repacked NF4 (n, k) weight, copies of it that together exceed L2, a generator for inputs)."""
     from bitsandbytes.functional import quantize_4bit
 
     from .nf4_repack import repack_bnb
@@ -332,6 +346,13 @@ def _time_candidates(m: int, n: int, k: int, dtype: torch.dtype, device: torch.d
     copies = [w] + [dataclasses.replace(w, words=w.words.clone(), scales=w.scales.clone(),
                                         arrivals=w.arrivals.clone())
                     for _ in range(rotation_count(w.nbytes, props.L2_cache_size) - 1)]
+    return w, copies, gen
+
+
+def _time_candidates(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, group: int,
+                     key: tuple) -> tuple[RepackedConfig, list]:
+    props = torch.cuda.get_device_properties(device)
+    w, copies, gen = _tuning_weight(n, k, dtype, device, group)
     x = torch.randn(row_class(m), k, device=device, dtype=dtype, generator=gen)
     best, log = pick_fastest(
         candidates(m, n, -(-k // group), props.multi_processor_count),
@@ -342,6 +363,60 @@ def _time_candidates(m: int, n: int, k: int, dtype: torch.dtype, device: torch.d
     if best is None:
         TUNING_LOG[key] = log       # the skipped configs, for the benchmark's print
         raise NoConfigCompiled(f"no repacked NF4 config compiled for {n}x{k} on {key[0]}")
+    return best, log
+
+
+_EXACT: dict[tuple, RepackedConfig] = {}   # exact mode's config per (GPU, N, K, dtype, group), checked row-exact
+EXACT_CHECK_ROWS = (3, 17, 64)             # the calls whose rows are checked against rows alone (tiles part-filled)
+
+
+def _exact_key(n: int, k: int, dtype: torch.dtype, device: torch.device, group: int) -> tuple:
+    return torch.cuda.get_device_name(device), "exact", n, k, dtype, group
+
+
+def tune_exact(n: int, k: int, dtype: torch.dtype, device: torch.device, group: int = 128) -> RepackedConfig:
+    """CUDA only: exact mode's config for this shape on this GPU: of exact_candidates(), those whose every row of a
+    3-, 17- and 64-row call has the bits that row gets alone here, the fastest over a 1-row and a 16-row call
+    (kernel_timing.AUTO_ROWS); kept for choose_config and, inside kernel_timing.remembering, across starts.
+    The check runs on the GPU, not on faith: on the H100 a GEMV exact mode that held under the interpreter was
+    not row-exact (docs/performance.md). No candidate passing is NoConfigCompiled, naming the shape."""
+    key = _exact_key(n, k, dtype, device, group)
+    best, TUNING_LOG[key] = remembered("repacked-exact", key, lambda: _time_exact(n, k, dtype, device, group, key),
+                                       lambda saved: decode_tuning(RepackedConfig, saved))
+    _EXACT[key] = best
+    return best
+
+
+def exact_tuned(n: int, k: int, dtype: torch.dtype, device: torch.device, group: int = 128) -> RepackedConfig:
+    """Exact mode's config for this shape on this GPU, tuned first if this process has not (or inside a load, so
+    that its memory counts what it used)."""
+    key = _exact_key(n, k, dtype, device, group)
+    return tune_exact(n, k, dtype, device, group) if key not in _EXACT or remembering_now() else _EXACT[key]
+
+
+def _time_exact(n: int, k: int, dtype: torch.dtype, device: torch.device, group: int,
+                key: tuple) -> tuple[RepackedConfig, list]:
+    from .kernel_timing import AUTO_ROWS
+
+    props = torch.cuda.get_device_properties(device)
+    w, copies, gen = _tuning_weight(n, k, dtype, device, group)
+    x = torch.randn(max(EXACT_CHECK_ROWS), k, device=device, dtype=dtype, generator=gen)
+
+    def checked(cfg: RepackedConfig) -> torch.Tensor:
+        alone = torch.cat([repacked_matmul(x[i:i + 1], w, config=cfg) for i in range(x.shape[0])])
+        for m in EXACT_CHECK_ROWS:
+            if not torch.equal(repacked_matmul(x[:m], w, config=cfg), alone[:m]):
+                raise RuntimeError(f"not row-exact: a row of a {m}-row call differs from that row alone")
+        return alone
+
+    best, log = pick_fastest(
+        exact_candidates(n, -(-k // group), props.multi_processor_count), run=checked,
+        time_us=lambda cfg: sum(graph_time_us([functools.partial(repacked_matmul, x[:m], c, config=cfg)
+                                               for c in copies], replays=3) for m in AUTO_ROWS),
+        where=f"repacked exact {n}x{k} on {key[0]}")
+    if best is None:
+        TUNING_LOG[key] = log
+        raise NoConfigCompiled(f"no repacked NF4 config gave every row of {n}x{k} the bits it gets alone on {key[0]}")
     return best, log
 
 
@@ -359,8 +434,9 @@ def choose_config(m: int, w: RepackedNF4, dtype: torch.dtype, device: torch.devi
         # exact: numpy's elementwise sums give a row the same bits whatever block_m is; only the split is
         # fixed. Not the tensor cores: numpy's matmul is position-dependent on some CPUs (AVX2 OpenBLAS)
         cfg = RepackedConfig(False, min(_pow2(m), 64), 64, 1) if exact else fast_config(m, w.n, groups, 0)
-    elif exact:
-        cfg = exact_config(w.n, groups, torch.cuda.get_device_properties(device).multi_processor_count)
+    elif exact:     # the config tune_exact checked and timed on this GPU, else the one measured exact on an H100
+        cfg = _EXACT.get(_exact_key(w.n, w.k, dtype, device, w.group)) or \
+            exact_config(w.n, groups, torch.cuda.get_device_properties(device).multi_processor_count)
     else:
         cfg = _TUNED.get(_key(m, w.n, w.k, dtype, device, w.group)) or \
             fast_config(m, w.n, groups, torch.cuda.get_device_properties(device).multi_processor_count)
