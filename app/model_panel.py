@@ -200,6 +200,8 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
         # change this page saw: on a phone the line at the top is far out of view, and a failed Load showed
         # nothing where the user pressed it
         under = first_paragraph(state.line) if shown is not None else gr.update()
+        if session is not None and session.refused_at == state.version:
+            under = gr.update()        # this tab's refused Load made this version: its refusal stays the news
         # a page opened after another tab's Load failed beside the model that stayed: that model's Ready line (QA:
         # every new visitor's first sight was a red error about a model they never asked for); tabs open then
         # saw the failure as it happened, the one that pressed Load under its button too
@@ -242,12 +244,14 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
         later send of that script ran the default tree instead of the one it named (ChatController.for_engine)."""
         return tuple(update for name, update in zip(MODEL_OUTPUTS, updates) if name != "shown_version")
 
-    def on_load_model(choice, model_id, heads_id, max_new_value, shown):
+    def on_load_model(choice, model_id, heads_id, max_new_value, shown, session=None):
         try:
             spec = spec_for(choice, model_id, heads_id, base_spec)
         except ValueError as err:
             slot.dismiss_failure()      # this refusal is the news: an older load's error is not repeated beside it
-            return (f"❌ {err}", *page_only(sync(shown, max_new_value))[1:])
+            if isinstance(session, Session):
+                session.refused_at = slot.state().version
+            return (f"❌ {err}", *page_only(sync(shown, max_new_value, session=session))[1:])
         refused = slot.start(spec)
         if refused:     # a toast: a line under the panel would still say "still loading" once it has loaded
             gr.Warning(refused)
@@ -299,8 +303,9 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
     # raw values (preprocess=False): a script's bad number reaches sync, which takes it as unset, instead of
     # Gradio's multi-line preprocessing error
     buttons = [output for output in outputs if output is not page.shown_version]    # the line under them first
-    page.load.click(on_load_model, [page.known, page.model_box, page.heads_box, max_new, page.shown_version],
-                    buttons, api_name="load_model", concurrency_limit=None, preprocess=False)
+    page.load.click(on_load_model, [page.known, page.model_box, page.heads_box, max_new, page.shown_version,
+                                    page.session], buttons, api_name="load_model", concurrency_limit=None,
+                    preprocess=False)
     # the model controls show what Load will load: a pick from the list empties the boxes, and text put in a box
     # takes the pick back (QA: a path left in the backbone box silently won over a model picked after it). In the
     # browser only: nothing to ask the server. The list's input event also comes when its filter text is

@@ -52,6 +52,9 @@ class Session:
         self.export_dir: Path | None = None  # the tab's export files (app/transcript.py), made on first use
         self.typed_trees: list[str] = []    # trees typed into the picker in this tab, oldest first: kept in its list
         self.sent_copy: str | None = None   # the id the browser's copy written at the last send carries (browser_copy)
+        # the model slot's version after a Load this tab refused (no model given) took an old failure off the status
+        # line: its syncs keep the refusal under the Load button (QA: it gave way to the Ready line within seconds)
+        self.refused_at: int | None = None
 
     def stop(self, clear: bool = False) -> None:
         with self._stop_lock:     # one hold: a mark taken meanwhile sees the Clear and its Stop, or neither

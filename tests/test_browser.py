@@ -627,6 +627,8 @@ def test_a_failed_load_keeps_the_decoding_settings(page, browser):
     page.wait_for_function("() => document.querySelector('#status')?.innerText.trim().startsWith('Ready')",
                            timeout=30_000)
     assert "does not exist" not in page.locator("#status").inner_text()
+    page.wait_for_timeout(5_000)      # two syncs: the refusal stays under the button (QA: the Ready line took it in 1-3 s)
+    assert "no model given" in page.locator("#model-status").inner_text(), page.locator("#model-status").inner_text()
 
 
 def test_the_model_controls_show_what_load_will_load(page):
