@@ -18,9 +18,9 @@ import torch
 
 from .benchmarks.runs import (ModuleTimer, Run, bench_prompts, format_table, peak_memory, run_hf, run_loop, summarize,
                               write_json)
-from .decoding.config import DEFAULTS, MODES, DecodeConfig, SettingError, limits
+from .decoding.config import DEFAULTS, GREEDY_BELOW, MODES, DecodeConfig, SettingError, limits
 from .decoding.step import compute_dtype
-from .decoding.tree import TreeBuffers, TreeError, build_tree_buffers, resolve_tree, tree_name
+from .decoding.tree import TreeBuffers, TreeError, UnknownTreeError, build_tree_buffers, resolve_tree, tree_name
 from .errors import LoadError, check_writable
 from .loading.chat_format import render_chat
 from .loading.load import load
@@ -43,7 +43,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tree", nargs="+", help="tree presets or JSON files, each benchmarked; 'default' is the model's "
                                              "default tree (tuned for this machine), which also runs when --tree is not given")
     p.add_argument("--mode", choices=MODES, default=DEFAULTS.mode)
-    p.add_argument("--temperature", type=float, default=DEFAULTS.temperature, help=limits("temperature").help)
+    p.add_argument("--temperature", type=float, help=f"{limits('temperature').help} (default {DEFAULTS.temperature:g})")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16")
     p.add_argument("--quant", default="auto", help="auto|nf4|int8|int4|none (int4: torch's CPU kernel)")
@@ -73,14 +73,25 @@ class Setup:
 def prepare(args) -> Setup:
     """Load the model and build the trees asked for; LoadError, TreeError or ValueError in one line. What the
     flags alone show wrong is said before the load (minutes, with a tuning on a busy machine)."""
+    # a temperature given with greedy decoding would do nothing: refused, as the OpenAI API refuses it (QA)
+    if args.mode == "greedy" and args.temperature is not None and args.temperature >= GREEDY_BELOW:
+        raise ValueError(f"--temperature {args.temperature:g} with --mode greedy: greedy decoding draws nothing, so "
+                         "the temperature would do nothing: drop --temperature, or use --mode sample or typical")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup {args.warmup} must be at least 0")
+    temperature = DEFAULTS.temperature if args.temperature is None else args.temperature
     try:
-        config = DecodeConfig(mode=args.mode, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+        config = DecodeConfig(mode=args.mode, temperature=temperature, max_new_tokens=args.max_new_tokens,
                               seed=args.seed)
     except SettingError as err:       # named as the flag, not the field
         raise ValueError(f"--{err.name.replace('_', '-')} {err.problem}") from None
     for spec in args.tree or []:
         if spec != "default":
-            resolve_tree(spec)
+            try:
+                resolve_tree(spec)
+            except UnknownTreeError as err:     # the choices the help names: default too (QA)
+                raise UnknownTreeError(str(err).replace(": use one of ", ": use default (the model's default tree), ",
+                                                        1)) from None
     norm_error = flag_error(args.norm_kernel, args.nf4_kernel, resolve_device(args.device))
     if norm_error:
         raise ValueError(norm_error)

@@ -70,6 +70,15 @@ def test_what_the_flags_show_wrong_is_said_before_the_model_loads(checkpoint, tm
     assert capsys.readouterr().err.startswith("error: --norm-kernel triton: the Triton norm needs a CUDA device")
     assert bench.main([*base, "--quant", "nf4", "--nf4-kernel", "repacked-exact", "--norm-kernel", "torch"]) == 1
     assert "brings its own row-exact norms: drop --norm-kernel" in capsys.readouterr().err
+    # what the OpenAI API refuses, and a negative warm-up (QA: both ran)
+    assert bench.main([*base, "--mode", "greedy", "--temperature", "0.7"]) == 1
+    assert capsys.readouterr().err.strip() == ("error: --temperature 0.7 with --mode greedy: greedy decoding draws "
+                                               "nothing, so the temperature would do nothing: drop --temperature, or "
+                                               "use --mode sample or typical")
+    assert bench.main([*base, "--warmup", "-1"]) == 1
+    assert capsys.readouterr().err.strip() == "error: --warmup -1 must be at least 0"
+    assert bench.main([*base, "--tree", "nope"]) == 1           # the help offers 'default': so does the error
+    assert "unknown tree 'nope': use default (the model's default tree), " in capsys.readouterr().err
     assert loads == []
     # only presets asked: the default tree is not tuned (a tuning took 6 minutes on a busy machine before the first prompt)
     prompts = tmp_path / "p.jsonl"
