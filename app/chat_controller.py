@@ -138,7 +138,9 @@ class ChatController:
         """A message that could not be answered: kept in the chat with its one-line error (never sent to
         the model), and put back in the box to be edited and resent; the raw output says it for scripts."""
         session.turns.append(Turn(user=message, note=error, in_box=True))
-        return self.views(session, None, None, "", self.slot.state().model_line, message, error=error)
+        # the readouts go back to their hint: the figures of the answer before read as this message's (QA NIT)
+        return self.views(session, None, None, "", self.slot.state().model_line, message, blank=(READOUT_HINT, ""),
+                          error=error)
 
     def cleared(self, session: Session) -> tuple:
         """A message sent before a Clear: the conversation went, and it with it (it landed in the cleared chat)."""

@@ -466,9 +466,11 @@ def test_bad_api_values_give_one_line_notes_not_tracebacks(client, app):
 def test_a_message_resent_after_it_was_refused_shows_once(client):
     """A refused message goes back to the box with its one-line reason in the chat; sent again (fixed, or
     edited), it replaces that attempt: the chat showed the question twice, and so did the exports."""
-    ask(client, "first question", max_new=4)
-    _, (chat, *_, box) = ask(client, "second question", tree="bogus")
+    _, (_, _, answered_readout, *_rest) = ask(client, "first question", max_new=4)
+    _, (chat, _, readout, *_, box) = ask(client, "second question", tree="bogus")
     assert box == "second question" and "unknown tree 'bogus'" in texts(chat)[-1][1]
+    # the readout leaves the first answer's figures: under this message's error they read as its own (QA NIT)
+    assert "tokens/s" in answered_readout and readout == READOUT_HINT, readout
     _, (chat, *_rest) = ask(client, "second question", tree="bogus2")           # refused again: one attempt shown
     assert [t for r, t in texts(chat) if r == "user"] == ["first question", "second question"]
     _, (chat, *_, raw, _) = ask(client, "second question, edited", max_new=4)
