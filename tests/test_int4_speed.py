@@ -166,3 +166,11 @@ def test_a_cache_that_cannot_be_written_loads_with_what_was_measured_and_names_t
     assert ("while other programs used the CPU" in first.description) == (share < 1.0)
     again = load(LoadSpec(model=str(int4_backbone), device="cpu"))     # nothing was kept: measured again
     assert not timings and "fp32 matmuls (int4 at 1.05x" in again.description
+
+
+def test_the_load_says_when_it_checks_and_times_the_4bit_weights(timings, int4_backbone):
+    # QA: a first start's status line kept saying it converted the model while it checked int4 against fp32
+    timings.extend(near_the_line(1.5))
+    lines: list[str] = []
+    load(LoadSpec(model=str(int4_backbone), device="cpu"), progress=lines.append)
+    assert lines and lines[0] == "checking the 4-bit weights against fp32 and timing them on this CPU", lines

@@ -163,7 +163,7 @@ def _validate(spec: LoadSpec) -> None:
 
 
 def load(spec: LoadSpec, progress: Progress | None = None) -> Loaded:
-    """``progress`` hears what a long step is doing (the tree tuning of a first start)."""
+    """``progress`` hears what a long step is doing (the 4-bit check and the tree tuning of a first start)."""
     _validate(spec)
     device = resolve_device(spec.device)
     if spec.model is None and spec.heads is None:
@@ -199,6 +199,8 @@ def load(spec: LoadSpec, progress: Progress | None = None) -> Loaded:
                                      spec.trust_remote_code)
     kernel_text = ""
     if quant == "int4":
+        if progress is not None:   # the line said "converts" while this ran (QA: 40 s of a busy first start)
+            progress("checking the 4-bit weights against fp32 and timing them on this CPU")
         try:
             applied, text = cpu_int4.use_int4(model, measured=spec.quant == "auto", trees=files is not None,
                                               reference=fidelity_reference(tokenizer),
