@@ -213,7 +213,7 @@ def test_a_reloaded_conversations_readout_shows_its_last_answers_figures_or_the_
     from app.transcript import from_saved, to_saved
 
     stats = Stats(label="Medusa", tree="small-8", tree_size=8, tree_depth=3, tokens=21, steps=9,
-                  accepted=(1, 4, 2, 3, 1, 2, 4, 2, 1), from_heads=11, ttft=0.1234, decode_seconds=1.6667,
+                  accepted=(1, 4, 2, 3, 1, 2, 4, 2, 1), from_heads=11, ttft=0.0094996, decode_seconds=1.6667,
                   finish_reason="eos")
     answered = {"settings": {}, "medusa": stats.as_dict(), "baseline": None}
     turns, _ = from_saved(to_saved([Turn(user="Hi", reply="Hello!", answered=answered)], 0))
