@@ -56,6 +56,7 @@ def measured(monkeypatch, tmp_path) -> list[int]:
     monkeypatch.setattr(tree_tuning, "measure_step_seconds", counting)
     # a quiet machine, whatever else runs beside the tests (test_a_busy_cpu_... covers the other case)
     monkeypatch.setattr(tree_tuning, "with_cpu_share", lambda run: (run(), 1.0))
+    monkeypatch.setattr(tree_tuning, "_NOT_CACHED", {})       # no choice an earlier test's loads measured
     return calls
 
 
@@ -147,6 +148,30 @@ def test_a_tuning_measured_on_a_busy_cpu_is_used_once_and_not_remembered(checkpo
     assert len(measured) == 3 and again.tuned.cached and again.tuned.paths == quiet.tuned.paths
 
 
+def test_a_busy_tuning_is_reused_by_a_later_load_in_the_same_process(checkpoint, measured, monkeypatch, tmp_path):
+    """QA: Unload then Load of the same model on a busy machine tuned the tree again (105 s) that the same
+    process had measured 25 minutes before. A later load in the process runs the earlier choice and says
+    where it came from; --retune, or another process, measures again; the cache stays as it was."""
+    monkeypatch.setattr(tree_tuning, "MIN_SPEEDUP", 0.0)          # some tree pays: there is a tree file
+    monkeypatch.setattr(tree_tuning, "with_cpu_share", lambda run: (run(), 0.5))
+    busy = load(spec(checkpoint))
+    again = load(spec(checkpoint))
+    assert len(measured) == 1, "the second load in this process ran the first one's choice"
+    assert again.tuned.earlier and not again.tuned.cached and again.default_tree == busy.default_tree
+    assert again.tuned.paths == busy.tuned.paths == json.loads(Path(again.default_tree).read_text())
+    assert again.tree_note.endswith(" by an earlier load in this process while other programs were using the CPU "
+                                    "(this app got 50% of it), so it is not kept in the cache; restarting the app "
+                                    "measures again)")
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").rglob("*.json"))
+    load(spec(checkpoint, retune=True))
+    assert len(measured) == 2, "--retune measures again"
+    monkeypatch.setattr(tree_tuning, "with_cpu_share", lambda run: (run(), 0.9))
+    quiet = load(spec(checkpoint, retune=True))     # a quiet measurement is cached, and later loads read it
+    assert len(measured) == 3 and not quiet.tuned.contended
+    later = load(spec(checkpoint))
+    assert len(measured) == 3 and later.tuned.cached and not later.tuned.earlier
+
+
 def test_a_cache_that_cannot_be_written_runs_the_tuned_tree_and_says_it_was_not_kept(checkpoint, measured,
                                                                                        monkeypatch, tmp_path):
     """QA: a tuned-tree cache that could not be written failed the load after minutes of tuning, where the GPU's
@@ -160,12 +185,19 @@ def test_a_cache_that_cannot_be_written_runs_the_tuned_tree_and_says_it_was_not_
     assert first.tree_note.endswith(f", not kept: could not write the tuned tree: {tmp_path / 'cache' / 'tuned-trees'} "
                                     "is a file, not a folder: move it away, or set MEDUSA_CHAT_CACHE to a writable "
                                     "directory)")
+    again = load(spec(checkpoint))          # a load later in this process runs what this one measured
+    assert len(measured) == 1 and again.tuned.earlier and again.tuned.paths == first.tuned.paths
+    assert again.tree_note.endswith(", not kept: could not write the tuned tree: "
+                                    f"{tmp_path / 'cache' / 'tuned-trees'} is a file, not a folder: move it away, or set "
+                                    "MEDUSA_CHAT_CACHE to a writable directory; restarting the app measures again)")
+    monkeypatch.setattr(tree_tuning, "_NOT_CACHED", {})                 # the next start
     again = load(spec(checkpoint))
-    assert len(measured) == 2 and not again.tuned.cached
+    assert len(measured) == 2 and not again.tuned.cached and not again.tuned.earlier
     assert ", not kept: could not write the tuned tree: " in again.tree_note
     # nor a file of its own: one line, naming the folder and the ways out
     denied = PermissionError(13, "Permission denied", str(tmp_path / "tmp"))
     monkeypatch.setattr(tree_tuning.tempfile, "mkdtemp", lambda prefix: (_ for _ in ()).throw(denied))
+    monkeypatch.setattr(tree_tuning, "_NOT_CACHED", {})                 # another start
     with pytest.raises(LoadError) as err:
         load(spec(checkpoint))
     assert str(err.value) == (f"could not write the tuned tree's file into {tmp_path / 'tmp'} (Permission denied): "

@@ -69,6 +69,7 @@ class TunedTree:
     cached: bool = False
     accuracy: list[list[float]] | None = None   # the heads' table the choice was made from (speedup_of)
     not_kept: str = ""                  # why a choice measured on a quiet CPU could not be cached (the fix named)
+    earlier: bool = False               # measured by an earlier load in this process and not cached (_NOT_CACHED)
 
     @property
     def pays(self) -> bool:
@@ -118,11 +119,15 @@ class TunedTree:
         shows it after an answer with another tree too: a tester read it as that answer's tree)."""
         when = "read from the cache; --retune measures again" if self.cached else \
             f"measured in {self.seconds:.0f} s" if self.seconds >= 1 else "measured in under a second"
+        if self.earlier:
+            when = f"{when} by an earlier load in this process"
         if self.contended and not self.cached:
             when += (f" while other programs were using the CPU (this app got {self.cpu_share:.0%} of it), "
                      "so it is not kept in the cache")
         if self.not_kept:
             when += f", not kept: {self.not_kept}"
+        if self.earlier:
+            when += "; restarting the app measures again"
         if self.pays:
             return (f"tree tuned for this machine (the default): {self.nodes} nodes, expected {self.expected_speedup:.2f}x "
                     f"({self.expected_tokens_per_step:.2f} tokens/step; {when})")
@@ -356,6 +361,12 @@ def write_cached(entry: Path, key: dict, tuned: TunedTree) -> None:
     write_atomic(entry, json.dumps({"key": key, "result": {**asdict(tuned), "cached": False}}, indent=1) + "\n")
 
 
+# Choices this process measured and could not cache (a busy CPU, an unwritable cache), by cache entry: a later
+# load of the same model in this process runs them again rather than tuning for minutes once more (QA: Unload
+# then Load on a busy machine waited 105 s for a tree the same process had measured 25 minutes before)
+_NOT_CACHED: dict[Path, tuple[dict, TunedTree, Path]] = {}
+
+
 def tuned_tree(model, heads, tokenizer, acc: Sequence[Sequence[float]], accuracy_source: str, *, heads_dir: Path | None,
                mode: str, cache_root: Path, retune: bool = False,
                progress: Progress = lambda line: None) -> tuple[TunedTree, Path]:
@@ -368,10 +379,14 @@ def tuned_tree(model, heads, tokenizer, acc: Sequence[Sequence[float]], accuracy
     cached = None if retune else read_cached(entry, key)
     if cached is not None:
         return cached, tree_file(entry)
+    earlier = None if retune else _NOT_CACHED.get(entry)
+    if earlier is not None and earlier[0] == key and earlier[2].is_file():
+        return replace(earlier[1], earlier=True), earlier[2]
     tuned = tune(model, heads, tokenizer, acc, accuracy_source, progress, sizes)
     if not tuned.contended:
         try:
             write_cached(entry, key, tuned)
+            _NOT_CACHED.pop(entry, None)
             return tuned, tree_file(entry)
         except OSError as err:
             # the choice is measured and this load runs it; a cache it cannot keep it in costs the next start
@@ -379,7 +394,9 @@ def tuned_tree(model, heads, tokenizer, acc: Sequence[Sequence[float]], accuracy
             tuned = replace(tuned, not_kept=cache_write_failed("the tuned tree", err))
     # this start runs the tree from a file of its own: the cache, and an entry a quiet start may be writing at
     # this moment, stay as they are
-    return tuned, own_tree_file(tuned.paths, tree_file(entry).name)
+    own = own_tree_file(tuned.paths, tree_file(entry).name)
+    _NOT_CACHED[entry] = (key, tuned, own)
+    return tuned, own
 
 
 def own_tree_file(paths: list[list[int]], name: str) -> Path:
