@@ -37,8 +37,9 @@ from .benchmarks.nf4_kernel import tuned_lines, tuning_log
 from .benchmarks.step_report import QuantResult, TreeRow, environment, fold_reports, format_result, summary
 from .benchmarks.step_timing import (copy_bandwidth, prefilled_cache, time_hf_generate, time_loop,
                                      time_step, time_stock_forward)
-from .benchmarks.synthetic import (DTYPE, SHAPES, build_heads, build_model, check_not_zero, quantize_backbone_,
-                                   rotary_flag_error, route_rotary, save_random_checkpoint, weight_bytes)
+from .benchmarks.synthetic import (DTYPE, SHAPES, attention_flag_error, build_heads, build_model, check_not_zero,
+                                   quantize_backbone_, rotary_flag_error, route_attention, route_rotary,
+                                   save_random_checkpoint, weight_bytes)
 from .errors import check_writable
 from .decoding.tree import build_tree_buffers, expected_tokens_per_step, tree_of_size
 from .heads.accuracy import PUBLISHED_ACCURACIES, RANK_DECAY, TOP_K, rank_table
@@ -98,11 +99,15 @@ def per_norm_kernel(args, model, heads, label: str, routing: str, device: torch.
         line = use_norm_kernel(model, norms)
         print(f"  [{label}] {line or 'norms: as the kernel routing left them'} "
               f"({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
-        for rotary in args.rotary_kernel:       # transformers' unmarked (the app's), the kernel marked
+        for rotary in args.rotary_kernel:       # transformers' unmarked (the app's), the kernels marked
             rotary_line = route_rotary(model, rotary)
-            yield measure(args, model, heads, (label if norms == "auto" else f"{label}-{norms}-norms")
-                          + ("-triton-rotary" if rotary == "triton" else ""),
-                          "; ".join(t for t in (routing, line, rotary_line) if t), device)
+            for attention in ["sdpa"] if exact else args.attention_kernel:   # exact mode keeps its own attention
+                attention_line = route_attention(model, attention)
+                yield measure(args, model, heads, (label if norms == "auto" else f"{label}-{norms}-norms")
+                              + ("-triton-rotary" if rotary == "triton" else "")
+                              + ("-split-attention" if attention == "split" else ""),
+                              "; ".join(t for t in (routing, line, rotary_line, attention_line) if t), device)
+            route_attention(model, "sdpa")
     route_rotary(model, "torch")
 
 
@@ -174,6 +179,9 @@ def parser(cuda: bool) -> argparse.ArgumentParser:
     p.add_argument("--rotary-kernel", nargs="+", choices=("torch", "triton"), default=["torch"],
                    help="rotary embedding choices, each measured: torch (transformers', the app's) or triton (one "
                         "kernel for q and k, bit for bit the same; not in the app until measured faster)")
+    p.add_argument("--attention-kernel", nargs="+", choices=("sdpa", "split"), default=["sdpa"],
+                   help="attention choices, each measured: sdpa (transformers', the app's) or split (Triton, split over "
+                        "the keys, hidden key blocks unread; not in the app until measured faster; not in exact mode)")
     p.add_argument("--tree-sizes", nargs="+", type=int, default=[1, 4, 8, 16, 32, 64, 128])
     p.add_argument("--context", type=int, default=512, help="prefix length in the cache while timing")
     p.add_argument("--iters", type=int, default=30)
@@ -241,7 +249,7 @@ def checked_device(args, cuda: bool) -> torch.device:
         raise ValueError("--iters and --context must be at least 1 and --warmup at least 0")
     for n in args.tree_sizes:       # fail before building a 7B model
         tree_of_size(rank_table(args.accuracies, decay=args.rank_decay), n)
-    if error := rotary_flag_error(args.rotary_kernel, device):
+    if error := rotary_flag_error(args.rotary_kernel, device) or attention_flag_error(args.attention_kernel, device):
         raise ValueError(error)
     if "tinygemm" in args.quant:     # every projection's shape, before a 7B model is built
         from .quant.tinygemm import check_shape

@@ -432,10 +432,18 @@ def test_each_norm_kernel_is_measured_and_named_apart_in_the_step_and_the_profil
     assert folded == {**profile, "bf16-triton-norms_t1": {"total_ms": 1.0}}
 
 
-def test_each_rotary_kernel_is_measured_and_named_apart_in_the_step_and_the_profile(tmp_path, monkeypatch):
-    """--rotary-kernel torch triton: the same step twice in one run, told apart (transformers', the app's, unmarked),
-    and the model's family has transformers' rotary back after the run."""
-    pytest.importorskip("triton", reason="the rotary kernel needs Triton")
+KERNEL_FLAGS = [("--rotary-kernel", "torch", "triton", "triton-rotary",
+                 "rotary: one Triton kernel for the queries and keys of each layer"),
+                ("--attention-kernel", "sdpa", "split", "split-attention",
+                 "attention: split over the keys in Triton, hidden key blocks skipped")]
+
+
+@pytest.mark.parametrize("flag,default,choice,suffix,line", KERNEL_FLAGS)
+def test_each_step_kernel_choice_is_measured_and_named_apart_in_the_step_and_the_profile(
+        tmp_path, monkeypatch, flag, default, choice, suffix, line):
+    """--rotary-kernel torch triton, --attention-kernel sdpa split: the same step twice in one run, told apart
+    (transformers', the app's, unmarked), and the model's family has transformers' rotary back after the run."""
+    pytest.importorskip("triton", reason="the step's Triton kernels need Triton")
     from transformers.models.llama import modeling_llama
 
     from medusa_core.benchmarks import profile_gpu_step
@@ -443,28 +451,29 @@ def test_each_rotary_kernel_is_measured_and_named_apart_in_the_step_and_the_prof
     monkeypatch.setenv("TRITON_INTERPRET", "1")           # the kernel on CPU tensors
     original = modeling_llama.apply_rotary_pos_emb
     out = tmp_path / "step.json"
-    assert bench_synthetic.main(["--device", "cpu", "--shape", "tiny", "--quant", "none", "--rotary-kernel", "torch",
-                                 "triton", "--tree-sizes", "1", "--context", "8", "--iters", "1", "--warmup", "0",
+    assert bench_synthetic.main(["--device", "cpu", "--shape", "tiny", "--quant", "none", flag, default, choice,
+                                 "--tree-sizes", "1", "--context", "8", "--iters", "1", "--warmup", "0",
                                  "--json", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert [r["quant"] for r in data["results"]] == ["none", "none-triton-rotary"]
-    assert "rotary" not in data["results"][0]["routing"]
-    assert data["results"][1]["routing"].endswith("rotary: one Triton kernel for the queries and keys of each layer")
-    assert data["summary"]["bf16_triton_rotary_baseline_ms"] == data["results"][1]["rows"][0]["loop_ms"]
+    assert [r["quant"] for r in data["results"]] == ["none", f"none-{suffix}"]
+    assert line.split(":")[0] not in data["results"][0]["routing"]
+    assert data["results"][1]["routing"].endswith(line)
+    assert data["summary"][f"bf16_{suffix.replace('-', '_')}_baseline_ms"] == data["results"][1]["rows"][0]["loop_ms"]
     assert modeling_llama.apply_rotary_pos_emb is original
     prof = tmp_path / "profile.json"
     assert profile_gpu_step.main(["--device", "cpu", "--shape", "tiny", "--quant", "none", "--tree-sizes", "1",
-                                  "--context", "8", "--steps", "1", "--rotary-kernel", "torch", "triton",
-                                  "--json", str(prof)]) == 0
-    assert set(json.loads(prof.read_text())["step_profile"]) == {"bf16_t1", "bf16-triton-rotary_t1"}
+                                  "--context", "8", "--steps", "1", flag, default, choice, "--json", str(prof)]) == 0
+    assert set(json.loads(prof.read_text())["step_profile"]) == {"bf16_t1", f"bf16-{suffix}_t1"}
     assert modeling_llama.apply_rotary_pos_emb is original
 
 
-def test_the_rotary_kernel_on_a_cpu_without_the_interpreter_is_one_line_before_a_build(capsys, monkeypatch):
+@pytest.mark.parametrize("flag,default,choice,suffix,line", KERNEL_FLAGS)
+def test_a_step_kernel_on_a_cpu_without_the_interpreter_is_one_line_before_a_build(
+        capsys, monkeypatch, flag, default, choice, suffix, line):
     from medusa_core.benchmarks import profile_gpu_step
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     for main in (bench_synthetic.main, profile_gpu_step.main):
-        assert main(["--device", "cpu", "--rotary-kernel", "triton"]) == 1
+        assert main(["--device", "cpu", flag, choice]) == 1
         err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and "--rotary-kernel torch" in err and "TRITON_INTERPRET=1" in err, err
+        assert len(err.splitlines()) == 1 and f"{flag} {default}" in err and "TRITON_INTERPRET=1" in err, err

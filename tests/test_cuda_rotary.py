@@ -12,11 +12,8 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 pytest.importorskip("triton", reason="the rotary kernel needs Triton: pip install triton")
 
-from tiny import copied_heads, tiny_model  # noqa: E402
+from tiny import tree_decoding  # noqa: E402
 
-from medusa_core.decoding.config import DecodeConfig  # noqa: E402
-from medusa_core.decoding.generate import generate  # noqa: E402
-from medusa_core.decoding.tree import build_tree_buffers, resolve_tree  # noqa: E402
 from medusa_core.quant import rotary_kernel as rk  # noqa: E402
 
 
@@ -51,14 +48,7 @@ def test_the_kernel_gives_transformers_bits_on_this_gpu(dtype, tokens):
 
 
 def test_a_captured_bf16_step_through_it_decodes_the_tokens_it_decodes_without_it():
-    model = tiny_model("llama", hidden=64, vocab=64, seed=3).cuda().to(torch.bfloat16)
-    heads = copied_heads(model, num_heads=3).cuda().to(torch.bfloat16)
-    tree = build_tree_buffers(resolve_tree("cartesian-2x2x2"), 3, dtype=torch.bfloat16, device="cuda")
-
-    def decode():
-        return [t for s in generate(model, [1, 5, 7, 9, 3], heads=heads, tree=tree,
-                                    config=DecodeConfig(max_new_tokens=40), graphs=True) for t in s.tokens]
-
+    model, decode = tree_decoding("cuda", torch.bfloat16, max_new_tokens=40, graphs=True)
     plain = decode()
     assert rk.use_rotary_kernel(model, "triton").startswith("rotary: one Triton kernel")
     assert decode() == plain

@@ -192,3 +192,19 @@ def test_the_rotary_kernel_compiles_without_local_memory_or_a_fused_multiply_add
         #                             bits, since a bf16 product is exact in fp32; the GPU test checks them
         opcodes = [line.split()[0] for line in ks.disassemble(cubin) if not line.endswith(":") and line.split()]
         assert not any(op.startswith("FFMA") for op in opcodes), sorted(set(opcodes))
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(32, 32, 128), (9, 3, 64)])     # Llama-2-7B; SmolLM2 (GQA)
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_the_split_attention_compiles_to_tensor_cores_with_nothing_in_local_memory(tmp_path, heads, kv_heads, dim, rows):
+    # quant/split_attention.py: the rows padded to 16 so that scores and values go through tl.dot; 64 rows at
+    # 4 warps took 205 registers a thread (8 warps: 162); fp32 spilled at every size, and goes to SDPA on a GPU
+    for merge in (False, True):
+        cubin = tmp_path / f"split{merge}.cubin"
+        launch = ks.split_attention_launch(heads, kv_heads, dim, rows, merge=merge)
+        cubin.write_bytes(ks.compile_launch(launch, ks.H100.arch).asm["cubin"])
+        res = ks.resources(cubin)
+        assert res["REG"] > 0 and res["LOCAL"] == 0 and res["STACK"] == 0, res
+        opcodes = {ks.opcode(line) for line in ks.disassemble(cubin) if not line.endswith(":")}
+        # HMMA (mma.sync), or at 64 rows Hopper's HGMMA (wgmma)
+        assert merge or any(op.startswith(("HMMA", "HGMMA")) for op in opcodes), sorted(opcodes)

@@ -9,11 +9,8 @@ import torch
 
 pytest.importorskip("triton", reason="the rotary kernel needs Triton")
 
-from tiny import copied_heads, tiny_model  # noqa: E402
+from tiny import tiny_model, tree_decoding  # noqa: E402
 
-from medusa_core.decoding.config import DecodeConfig  # noqa: E402
-from medusa_core.decoding.generate import generate  # noqa: E402
-from medusa_core.decoding.tree import build_tree_buffers, resolve_tree  # noqa: E402
 
 
 @pytest.fixture
@@ -71,14 +68,7 @@ def test_in_bf16_the_kernels_roundings_are_transformers_roundings():
 
 
 def test_a_model_routed_through_it_decodes_the_same_tokens_and_goes_back(interpreter):
-    model = tiny_model("llama", hidden=64, vocab=64, seed=3)
-    heads = copied_heads(model, num_heads=3)
-    tree = build_tree_buffers(resolve_tree("cartesian-2x2x2"), 3)
-
-    def decode():
-        return [t for s in generate(model, [1, 5, 7, 9, 3], heads=heads, tree=tree,
-                                    config=DecodeConfig(max_new_tokens=12)) for t in s.tokens]
-
+    model, decode = tree_decoding()
     before = decode()
     line = interpreter.use_rotary_kernel(model, "triton")
     assert line.startswith("rotary: one Triton kernel") and interpreter.routed(model) == "triton"

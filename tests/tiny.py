@@ -56,6 +56,24 @@ def copied_heads(model, num_heads: int = 5) -> MedusaHeads:
     return heads.eval()
 
 
+def tree_decoding(device: str = "cpu", dtype: torch.dtype = torch.float32, max_new_tokens: int = 12,
+                  graphs: bool | None = None):
+    """(model, decode): a tiny Llama (hidden 64, vocab 64) with 3 copied heads; ``decode()`` gives its greedy Medusa
+    tokens for a fixed prompt over the cartesian-2x2x2 tree, through whatever the model is routed to at the call."""
+    from medusa_core.decoding.tree import build_tree_buffers, resolve_tree
+
+    model = tiny_model("llama", hidden=64, vocab=64, seed=3).to(device, dtype)
+    heads = copied_heads(model, num_heads=3).to(device, dtype)
+    tree = build_tree_buffers(resolve_tree("cartesian-2x2x2"), 3, dtype=dtype, device=device)
+
+    def decode() -> list[int]:
+        return [t for s in generate(model, [1, 5, 7, 9, 3], heads=heads, tree=tree,
+                                    config=DecodeConfig(max_new_tokens=max_new_tokens), graphs=graphs)
+                for t in s.tokens]
+
+    return model, decode
+
+
 def random_heads(model, num_heads: int = 5, seed: int = 1) -> MedusaHeads:
     """Heads whose guesses are almost always wrong: exercises rejection."""
     torch.manual_seed(seed)

@@ -52,24 +52,26 @@ class Stage:
 # the norm that 3.9 compiles well to 14,000 instructions a row). One pytest process: four side by side
 # (pytest-xdist) took 412 s against one's 242 s on the H100 of 2026-11-27, each test 5x slower beside the
 # others. Then what the third H100 run (2026-11-27) left open, most valuable first: the NF4 step as the app routes
-# it (auto kernel, auto norms) and in exact mode, each with transformers' rotary and the Triton one; the profile
-# of that step with its largest ops per category, both rotaries; the app's loading path started twice on a saved
+# it (auto kernel, auto norms) and in exact mode, each with transformers' rotary and the Triton one, and (fast
+# mode) with SDPA and the split attention; the profile of that step with its largest ops per category, with each
+# rotary and attention; the app's loading path started twice on a saved
 # 7B (never yet measured). Then what that run measured, again: the greedy-equality count (exact mode first, 8
 # prompts), the anchors (torch's int4 and bf16), the kernel table. Each JSON is rewritten after every result,
 # so a stage cut short keeps its rows.
 STAGES = (
-    Stage("cuda-tests", "the CUDA tests (the repacked kernel, the Triton norms and rotary, the graphed step) and the "
-          "kernels as this machine's Triton compiles them", "pytest",
+    Stage("cuda-tests", "the CUDA tests (the repacked kernel, the Triton norms, rotary and split attention, the "
+          "graphed step) and the kernels as this machine's Triton compiles them", "pytest",
           ("-q", "-p", "no:cacheprovider", "tests/test_kernel_sass.py", "tests/test_cuda_repacked.py",
-           "tests/test_cuda_graphs.py", "tests/test_cuda_rotary.py", "--junitxml={out}/cuda_tests.xml")),
+           "tests/test_cuda_graphs.py", "tests/test_cuda_rotary.py", "tests/test_cuda_split_attention.py",
+           "--junitxml={out}/cuda_tests.xml")),
     Stage("step", "the 7B NF4 step as the app routes it and in exact mode, each with transformers' rotary and the "
-          "Triton one", "medusa_core.bench_synthetic",
+          "Triton one, and (fast mode) with SDPA and the split attention", "medusa_core.bench_synthetic",
           ("--quant", "nf4", "--nf4-kernel", "auto", "repacked-exact", "--rotary-kernel", "torch", "triton",
-           "--tree-sizes", "1", "16", "64", "--json", "{out}/step.json")),
+           "--attention-kernel", "sdpa", "split", "--tree-sizes", "1", "16", "64", "--json", "{out}/step.json")),
     Stage("profile", "the 7B NF4 step's device time by category as the app routes it, T = 1 and 16, and with "
-          "the Triton rotary", "medusa_core.benchmarks.profile_gpu_step",
-          ("--quant", "nf4", "--nf4-kernel", "auto", "--rotary-kernel", "torch", "triton", "--json",
-           "{out}/profile.json")),
+          "the Triton rotary and the split attention", "medusa_core.benchmarks.profile_gpu_step",
+          ("--quant", "nf4", "--nf4-kernel", "auto", "--rotary-kernel", "torch", "triton", "--attention-kernel",
+           "sdpa", "split", "--json", "{out}/profile.json")),
     Stage("first-start", "a random 7B checkpoint through the app's loader twice: the first start's kernel timings, "
           "the second's reading them, and bench against transformers' generate()",
           "medusa_core.benchmarks.first_start", ("--json", "{out}/first_start.json")),

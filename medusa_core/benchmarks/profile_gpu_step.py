@@ -34,7 +34,8 @@ from ..heads.accuracy import PUBLISHED_ACCURACIES, TOP_K, rank_table
 from ..quant.bnb import NF4_KERNELS, use_nf4_kernel
 from ..quant.norm_routing import NORM_KERNELS, use_norm_kernel
 from .step_timing import prefilled_cache
-from .synthetic import DTYPE, SHAPES, build_heads, build_model, quantize_backbone_, rotary_flag_error, route_rotary
+from .synthetic import (DTYPE, SHAPES, attention_flag_error, build_heads, build_model, quantize_backbone_,
+                        rotary_flag_error, route_attention, route_rotary)
 
 PREFIX = "medusa:"
 CATEGORIES = {
@@ -212,6 +213,8 @@ def parser(cuda: bool) -> argparse.ArgumentParser:
                    help="who computes the RMSNorms; each is profiled (torch, triton: rows LABEL-torch-norms_tT)")
     p.add_argument("--rotary-kernel", nargs="+", default=["torch"], choices=("torch", "triton"),
                    help="who rotates the queries and keys; each is profiled (triton: rows LABEL-triton-rotary_tT)")
+    p.add_argument("--attention-kernel", nargs="+", default=["sdpa"], choices=("sdpa", "split"),
+                   help="who attends; each is profiled (split: rows LABEL-split-attention_tT; exact mode: sdpa only)")
     p.add_argument("--tree-sizes", nargs="+", type=int, default=[1, 16])
     p.add_argument("--context", type=int, default=512, help="prefix length in the cache")
     p.add_argument("--steps", type=int, default=20, help="profiled steps per tree size")
@@ -227,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not cuda:
         print(f"error: --device {args.device}: this torch sees no CUDA GPU: use --device cpu --shape tiny", file=sys.stderr)
         return 1
-    if error := rotary_flag_error(args.rotary_kernel, device):
+    if error := rotary_flag_error(args.rotary_kernel, device) or attention_flag_error(args.attention_kernel, device):
         print(f"error: {error}", file=sys.stderr)
         return 1
     shape = SHAPES[args.shape or ("7b" if device.type == "cuda" else "tiny")]
@@ -252,14 +255,18 @@ def main(argv: list[str] | None = None) -> int:
                 print(use_norm_kernel(model, norms) or "norms: as the kernel routing left them", flush=True)
                 for rotary in args.rotary_kernel:
                     print(route_rotary(model, rotary) or "rotary: transformers' own", flush=True)
-                    row_label = label + ("-triton-rotary" if rotary == "triton" else "")
-                    for size in args.tree_sizes:
-                        row = profile_step(model, heads, size, args.context, args.steps, args.seed)
-                        profile[f"{row_label}_t{size}"] = row
-                        print(format_profile(row_label, row), flush=True)
-                        if args.json:   # a device call has a time limit: a run cut short keeps the rows it profiled
-                            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-                            Path(args.json).write_text(json.dumps({"step_profile": profile}, indent=1) + "\n")
+                    for attention in ["sdpa"] if kernel == "repacked-exact" else args.attention_kernel:
+                        print(route_attention(model, attention) or "attention: transformers' SDPA", flush=True)
+                        row_label = label + ("-triton-rotary" if rotary == "triton" else "") + \
+                            ("-split-attention" if attention == "split" else "")
+                        for size in args.tree_sizes:
+                            row = profile_step(model, heads, size, args.context, args.steps, args.seed)
+                            profile[f"{row_label}_t{size}"] = row
+                            print(format_profile(row_label, row), flush=True)
+                            if args.json:   # a device call has a time limit: a run cut short keeps what it profiled
+                                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                                Path(args.json).write_text(json.dumps({"step_profile": profile}, indent=1) + "\n")
+                    route_attention(model, "sdpa")
                 route_rotary(model, "torch")
         del model, heads
     if args.json:

@@ -171,9 +171,30 @@ def route_rotary(model, choice: str) -> str:
     return line if choice == "triton" else ""
 
 
+def route_attention(model, choice: str) -> str:
+    """The attention by ``choice``: "" for transformers' SDPA (the app's; Triton not imported for it), else the
+    routing's line."""
+    if choice == "sdpa" and "medusa_core.quant.split_attention" not in sys.modules:
+        return ""
+    from ..quant.split_attention import use_split_attention
+
+    line = use_split_attention(model, choice)
+    return line if choice == "split" else ""
+
+
+def _triton_flag_error(flag: str, choices: list[str], triton_choice: str, what: str, default: str,
+                       device: torch.device) -> str | None:
+    if triton_choice in choices and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return (f"{flag} {triton_choice}: {what} needs a CUDA device (on {device.type} it runs only under "
+                f"Triton's interpreter, TRITON_INTERPRET=1, slowly, for tests): use {flag} {default}")
+    return None
+
+
 def rotary_flag_error(choices: list[str], device: torch.device) -> str | None:
     """--rotary-kernel triton where the kernel cannot run, said before a model is built; None if it can."""
-    if "triton" in choices and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return (f"--rotary-kernel triton: the Triton rotary needs a CUDA device (on {device.type} it runs only under "
-                "Triton's interpreter, TRITON_INTERPRET=1, slowly, for tests): use --rotary-kernel torch")
-    return None
+    return _triton_flag_error("--rotary-kernel", choices, "triton", "the Triton rotary", "torch", device)
+
+
+def attention_flag_error(choices: list[str], device: torch.device) -> str | None:
+    """--attention-kernel split where the kernel cannot run, said before a model is built; None if it can."""
+    return _triton_flag_error("--attention-kernel", choices, "split", "the split attention", "sdpa", device)

@@ -1,0 +1,66 @@
+"""The split attention (quant/split_attention.py) on CUDA, in bf16 and fp16 at Llama-7B and SmolLM2 shapes: within
+rounding of SDPA with the step's mask, blocks no row sees never read, the same bits eagerly and inside a CUDA graph,
+and a captured decoding step through it running the kernel. Skipped without CUDA: the runbook's cuda-tests stage
+runs it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytest.importorskip("triton", reason="the split attention needs Triton: pip install triton")
+
+from tiny import tree_decoding  # noqa: E402
+
+from medusa_core.quant import split_attention as sa  # noqa: E402
+
+
+def step_mask(rows: int, width: int, prefix: int, dtype: torch.dtype) -> torch.Tensor:
+    """(1, 1, rows, width): the prefix and a chain of tree rows seen, the rest of the bucket hidden (dtype's min)."""
+    seen = torch.zeros(rows, width, dtype=torch.bool, device="cuda")
+    seen[:, :prefix] = True
+    seen[:, prefix:prefix + rows] = torch.tril(torch.ones(rows, rows, dtype=torch.bool, device="cuda"))
+    return torch.zeros(rows, width, dtype=dtype, device="cuda").masked_fill_(~seen, torch.finfo(dtype).min)[None, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 16, 64])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(32, 32, 128), (9, 3, 64)])
+def test_it_is_sdpa_within_rounding_reads_no_hidden_block_and_replays_its_bits(dtype, rows, heads, kv_heads, dim):
+    width, prefix = 1024, 530                                   # the bench's bucket and prefix
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    q = torch.randn(1, heads, rows, dim, device="cuda", generator=gen).to(dtype)
+    k, v = (torch.randn(1, kv_heads, width, dim, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    mask = step_mask(rows, width, prefix, dtype)
+    group = heads // kv_heads
+    want = F.scaled_dot_product_attention(q.float(), k.repeat_interleave(group, 1).float(),
+                                          v.repeat_interleave(group, 1).float(), attn_mask=mask.float()).transpose(1, 2)
+    unseen = -(-(prefix + rows) // sa.BLOCK_W) * sa.BLOCK_W
+    k[:, :, unseen:], v[:, :, unseen:] = float("nan"), float("nan")           # read, they would make NaN
+    got = sa.split_attention(q, k, v, mask)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = sa.split_attention(q, k, v, mask)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, got)
+
+
+def test_a_captured_bf16_step_runs_through_it():
+    model, decode = tree_decoding("cuda", torch.bfloat16, max_new_tokens=40, graphs=True)
+    plain = decode()
+    assert sa.use_split_attention(model, "split").startswith("attention: split over the keys")
+    calls = []
+    kernel = sa.split_attention
+    sa.split_attention = lambda *a: calls.append(a[0].shape[2]) or kernel(*a)
+    try:
+        routed = decode()
+    finally:
+        sa.split_attention = kernel
+        sa.use_split_attention(model, "sdpa")
+    assert 15 in calls and len(routed) == len(plain)      # the 15-node tree's rows
+    # bf16 sums in another order may tip a near-tie of this random model: most tokens agree, not necessarily all
+    assert sum(a == b for a, b in zip(routed, plain)) >= len(plain) // 2, (routed, plain)
