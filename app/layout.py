@@ -175,7 +175,11 @@ def build_layout(slot: ModelSlot, system_prompt: str, start: Settings) -> Page:
                 model_status = gr.Markdown(elem_id="model-status")
             system = gr.Textbox(system_prompt, label="System prompt", lines=3, elem_id="system")
             compare = gr.Checkbox(False, label="Compare with plain decoding", elem_id="compare")
-            colour = gr.Checkbox(False, label="Colour tokens that came from the heads", elem_id="colour")
+            # words only: punctuation can be Markdown syntax (a list's "1."), so a marker around it would break
+            # the rendering; QA counted "4 from heads" in the readout and saw one word coloured
+            colour = gr.Checkbox(False, label="Colour words that came from the heads", elem_id="colour",
+                                 info="punctuation, spaces and line breaks the heads guessed count in the readout "
+                                      "but are not coloured")
             controls = {**decoding_controls(slot.max_new_tokens, start), "colour_heads": colour}
     return Page(session, saved, kept, shown_version, timer, watch, note, status, base_column, base_chat, base_readout, chat, readout,
                 comparison, box, send, stop, regenerate, clear, export_json, export_md, raw, known, model_box,
