@@ -80,17 +80,17 @@ def test_a_busy_cpus_measurement_is_provisional_until_a_quiet_start_and_never_re
     monkeypatch.setattr(int4_speed, "cpu_share_now", lambda: 0.5)
     first = int4_speed.remembered_speed(model, tmp_path)
     assert round(first.gain, 2) == 0.97 and first.source == ("measured while other programs used the CPU, this app "
-                                                              "getting 53% of it: kept until a start on a quiet CPU "
+                                                              "getting 53% of it: kept until a load on a quiet CPU "
                                                               "measures again")
     # busy again: a 0.3 s look at the CPU, and the first figure decides without measuring (QA: measuring on a busy
     # CPU took 40-110 s of each start, to change nothing)
     second = int4_speed.remembered_speed(model, tmp_path)
     assert round(second.gain, 2) == 0.97 and len(timings) == 4
-    assert second.source.endswith("; this start found it busy too, this app getting 50% of the CPU")
+    assert second.source.endswith("; this load found it busy too, this app getting 50% of the CPU")
     # the look saw a quiet CPU, but the measurement was busy: the first figure still decides
     monkeypatch.setattr(int4_speed, "cpu_share_now", lambda: 0.9)
     third = int4_speed.remembered_speed(model, tmp_path)
-    assert round(third.gain, 2) == 0.97 and "this start measured 0.99x, busy too, this app getting 53% of the CPU" \
+    assert round(third.gain, 2) == 0.97 and "this load measured 0.99x, busy too, this app getting 53% of the CPU" \
         in third.source
     monkeypatch.setattr(int4_speed, "with_cpu_share", busy(0.97))
     quiet = int4_speed.remembered_speed(model, tmp_path)              # the one change of mode

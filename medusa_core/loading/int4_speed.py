@@ -36,7 +36,8 @@ FOLDER, NAME = "int4-speed", "speed.json"
 FRESH = "measured now and kept for this machine until --retune"
 READ = "measured earlier on this machine and kept until --retune"   # an earlier start, or an earlier load (QA)
 BUSY = "measured while other programs used the CPU, this app getting {share:.0%} of it"
-PROVISIONAL = "kept until a start on a quiet CPU measures again"
+# "load", not "start": an Unload and Load in one process reads these too, and said "at an earlier start" (QA)
+PROVISIONAL = "kept until a load on a quiet CPU measures again"
 
 
 @dataclass(frozen=True)
@@ -83,24 +84,24 @@ def remembered_speed(model, cache_root: Path, retune: bool = False) -> Speed:
     kept = read_kept(entry, key)
     if kept is not None and kept.quiet and not retune:
         return Speed(kept.fp32_ms, kept.int4_ms, READ)
-    provisional = f"measured at an earlier start while other programs used the CPU and {PROVISIONAL}"
+    provisional = f"measured at an earlier load while other programs used the CPU and {PROVISIONAL}"
     if kept is not None and not retune and (share := cpu_share_now()) < BUSY_SHARE:
-        return Speed(kept.fp32_ms, kept.int4_ms, f"{provisional}; this start found it busy too, this app getting "
+        return Speed(kept.fp32_ms, kept.int4_ms, f"{provisional}; this load found it busy too, this app getting "
                                                  f"{share:.0%} of the CPU")
     times, share = with_cpu_share(lambda: cpu_int4.measure(model))
     gain = times["fp32_ms"] / times["int4_ms"]
     if share < BUSY_SHARE and kept is not None and (kept.quiet or not retune):
         if kept.quiet:        # --retune on a busy CPU
             return Speed(kept.fp32_ms, kept.int4_ms,
-                         f"measured at an earlier start on a quiet CPU and kept: this --retune measured {gain:.2f}x "
+                         f"measured at an earlier load on a quiet CPU and kept: this --retune measured {gain:.2f}x "
                          f"while other programs used the CPU, this app getting {share:.0%} of it, and did not keep it")
-        return Speed(kept.fp32_ms, kept.int4_ms, f"{provisional}; this start measured {gain:.2f}x, busy too, this "
+        return Speed(kept.fp32_ms, kept.int4_ms, f"{provisional}; this load measured {gain:.2f}x, busy too, this "
                                                  f"app getting {share:.0%} of the CPU")
     source = FRESH if share >= BUSY_SHARE else f"{BUSY.format(share=share)}: {PROVISIONAL}"
     try:
         write_atomic(entry, json.dumps({"key": key, **times, "cpu_share": round(share, 3)}, indent=1) + "\n")
     except OSError as err:
-        # measured: this start decides by it, the next start measures again (QA: the load failed after measuring)
+        # measured: this load decides by it, the next one measures again (QA: the load failed after measuring)
         measured = BUSY.format(share=share) if share < BUSY_SHARE else "measured now"
         source = f"{measured}, not kept: {cache_write_failed('the measured speed', err)}"
     return Speed(times["fp32_ms"], times["int4_ms"], source)
