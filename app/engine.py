@@ -313,6 +313,9 @@ class ChatEngine:
             raise ValueError(f"tree {name!r}: tree files are read at start only: run launch.py --tree {name}, "
                              "or type a preset (chain-N, cartesian-AxB...) or pick one from the list")
         try:
+            # checked here first: a name that is no tree is refused at once, not after the model thread's current
+            # work (QA: an API request's typo waited 21 s behind a page's long prompt)
+            validate_paths(resolve_tree(name), self.num_heads, TOP_K)
             self.on_model_thread(self.tree, name)   # builds it (torch work: on the model thread)
         except TreeError as err:
             if not self.num_heads:

@@ -11,6 +11,7 @@ import copy
 import html
 import os
 import re
+import threading
 import time
 
 import pytest
@@ -586,6 +587,24 @@ def test_named_tree_shows_as_its_name(client, model_dirs):
     for name in ("tree", "tree.json"):
         _, (chat, _, readout, *_rest) = ask(client, "hi", tree=name, max_new=8)
         assert "tree `tree`" in readout and str(model_dirs[0].parent) not in readout
+
+
+def test_a_tree_that_cannot_run_is_refused_while_the_model_is_busy(engine):
+    """QA: an API request naming no tree waited for the model thread (21 s behind a page reading a long prompt)
+    before its one-line refusal; the other bad values were refused at once."""
+    from app.settings import Settings
+
+    busy, release = threading.Event(), threading.Event()
+    engine._model_thread.submit(lambda: busy.set() or release.wait(30))
+    try:
+        assert busy.wait(10)
+        for tree, says in (("nonsense-tree", "unknown tree 'nonsense-tree'"), ("chain-9", "tree depth 9 is more")):
+            started = time.monotonic()
+            with pytest.raises(ValueError) as err:
+                engine.check(Settings(tree=tree))
+            assert says in str(err.value) and time.monotonic() - started < 5
+    finally:
+        release.set()
 
 
 def test_typed_trees_are_kept_only_a_few_at_a_time(engine):
