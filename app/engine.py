@@ -398,6 +398,7 @@ class ChatEngine:
             pane_caches = [caches.setdefault(name, new_cache(self.model)) for name in passes]
             # Both panes prefill the same tokens: a pane whose cache fell behind (compare was off for some
             # turns) would otherwise prefill the whole conversation and show a slower first token.
+            held = max(cache.length for cache in pane_caches)
             shared = min(cache.reuse_prefix(prompt_ids) for cache in pane_caches)
             for cache in pane_caches:
                 cache.rewind(shared)
@@ -409,8 +410,11 @@ class ChatEngine:
             if any(needs_capture(self.model, r.cache, r.tree, config, len(prompt_ids)) for r in runs):
                 yield Update(notice=PREPARING)
             if len(prompt_ids) - shared > prefill_piece(self.device):   # read in pieces: seconds on a CPU, say why
-                yield Update(notice=f"reading {len(prompt_ids) - shared:,} new prompt tokens before the answer"
-                                    f"{STOP_HINT}…")
+                # kept tokens past the shared start no longer match (the oldest exchange left the context, the
+                # system prompt changed, a pane joined): "new" read as a short follow-up of 8,097 tokens (QA)
+                what = "prompt tokens before the answer: the conversation again from where it changed" \
+                    if shared < held - 1 else "new prompt tokens before the answer"
+                yield Update(notice=f"reading {len(prompt_ids) - shared:,} {what}{STOP_HINT}…")
             yield from self._drive(session, runs, settings)
         finally:
             self.queue.leave(ticket)

@@ -1787,6 +1787,25 @@ def test_the_load_line_mentions_the_conversion_only_when_it_will_happen(tmp_path
     assert ModelSlot._describe(LoadSpec(device="cpu")) == f"{smollm2.NAME} with its Medusa heads"
 
 
+def test_a_conversation_read_again_from_an_earlier_point_is_not_called_new(engine, monkeypatch):
+    """QA: after the oldest exchange left the context, a short follow-up said "reading 8,097 new prompt tokens":
+    the kept conversation is read again from where its start moved, and the line says so."""
+    from app.session import Session
+    from app.settings import Settings
+    from medusa_core.decoding import generate as loop
+
+    monkeypatch.setattr(loop, "PREFILL_PIECE", 8)
+    session = Session()
+    first = engine.prompt_ids([{"role": "user", "content": "tell me about " * 12}], None)
+    said = [u.notice for u in engine.answer(session, first, Settings(max_new_tokens=4)) if u.notice]
+    assert said == [f"reading {len(first):,} new prompt tokens before the answer (Stop works meanwhile)…"]
+    cut = engine.prompt_ids([{"role": "user", "content": "and about " * 12}], None)     # another start
+    said = [u.notice for u in engine.answer(session, cut, Settings(max_new_tokens=4)) if u.notice]
+    shared = next(i for i, (a, b) in enumerate(zip(first, cut)) if a != b)
+    assert said == [f"reading {len(cut) - shared:,} prompt tokens before the answer: the conversation again from "
+                    "where it changed (Stop works meanwhile)…"]
+
+
 def test_stop_while_a_long_prompt_is_read_ends_the_answer_before_its_first_token(engine, monkeypatch):
     """Stop is heard between the pieces of a long prompt's prefill (it used to wait for the whole
     prefill: most of a minute for a 5,000-token paste on 2 cores); the chat says what happened."""
