@@ -353,18 +353,26 @@ class ChatEngine:
         answer = min(int(settings.max_new_tokens), self.context // 4)
         reserve = answer + tree.size      # a verification step writes the whole tree's rows past the answer
         exchanges = session.exchanges()
+        whole = None                      # the prompt with every exchange: whether the answer's room cut it
         for drop in range(len(exchanges) + 1):
             messages = [m for _, user, reply in exchanges[drop:]
                         for m in ({"role": "user", "content": user}, {"role": "assistant", "content": reply})]
             ids = self.prompt_ids(messages + [{"role": "user", "content": message}], system)
+            whole = len(ids) if whole is None else whole
             if len(ids) + reserve <= self.context:
                 if not drop:
                     return ids, None
                 session.first_turn = exchanges[drop - 1][0] + 1
                 # all that are out by now, those an earlier message cut included (it counted only this cut's)
                 out = sum(1 for t in session.turns[:session.first_turn] if t.user and t.reply is not None)
-                return ids, (f"the oldest {out} exchange{'s' if out > 1 else ''} left the model's prompt to fit "
-                             f"its {self.context}-token context (still shown here)")
+                note = (f"the oldest {out} exchange{'s' if out > 1 else ''} left the model's prompt to fit its "
+                        f"{self.context}-token context (still shown here)")
+                if whole + tree.size < self.context:
+                    # the conversation fitted; a large Max new tokens took its room (QA: a pasted document went
+                    # for an answer that used 42 of the 2,048 tokens held for it, and the note blamed the context)
+                    note += (f": {answer:,} tokens are kept for the answer (Max new tokens "
+                             f"{int(settings.max_new_tokens):,}), and a lower Max new tokens keeps more of the conversation")
+                return ids, note
         alone = len(self.prompt_ids([{"role": "user", "content": message}], None))
         fix = "shorten the system prompt (the message fits without it)" if system and alone + reserve <= self.context \
             else "shorten the message"

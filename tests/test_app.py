@@ -1856,6 +1856,31 @@ def test_a_load_out_of_gpu_memory_suggests_only_what_the_model_does_not_use_alre
                       "try --quant nf4, a smaller model, or unload the current one first"]
 
 
+def test_a_cut_that_a_large_max_new_tokens_caused_says_so(engine):
+    """QA: with Max new tokens at its top, a quarter of the context is held for the answer, and a pasted document
+    that fitted the context left the prompt for a 42-token answer, the note blaming the context alone."""
+    from app.session import Session, Turn
+    from app.settings import Settings
+
+    session, message = Session(), "What was it about?"
+    session.turns.append(Turn(user="", reply="Noted."))
+    for reps in range(1, 400):         # a document that leaves less than a quarter of the context
+        session.turns[-1].user = "a document: " + "lists hold items in order " * reps
+        whole = engine.prompt_ids([{"role": "user", "content": session.turns[-1].user},
+                                   {"role": "assistant", "content": "Noted."}, {"role": "user", "content": message}],
+                                  None)
+        if len(whole) > engine.context * 3 // 4:
+            break
+    small, big = Settings(max_new_tokens=64), Settings(max_new_tokens=engine.context)
+    ids, note = engine.fit_prompt(session, message, None, small)
+    assert note is None and ids == whole
+    ids, note = engine.fit_prompt(session, message, None, big)
+    reserve = engine.context // 4
+    assert note == (f"the oldest 1 exchange left the model's prompt to fit its {engine.context}-token context (still "
+                    f"shown here): {reserve:,} tokens are kept for the answer (Max new tokens {engine.context:,}), and a "
+                    "lower Max new tokens keeps more of the conversation")
+
+
 def test_a_regenerated_answer_whose_prompt_was_cut_says_so_again(model_dirs):
     """QA: Regenerate replaced the answer that carried "the oldest N exchanges left the model's prompt" with
     one that ran without them too but said nothing (the cut holds, so it was not made again)."""
