@@ -31,7 +31,8 @@ from ..decoding.step import compute_dtype
 from ..errors import LoadError
 from ..decoding.tree import build_tree_buffers, expected_tokens_per_step, grow_tree
 from .smollm2 import cache_write_failed
-from .this_machine import BUSY_SHARE, entry_path, file_stamp, machine_identity, machine_line, with_cpu_share, write_atomic
+from .this_machine import (BUSY_SHARE, cpu_share_now, entry_path, file_stamp, machine_identity, machine_line,
+                           with_cpu_share, write_atomic)
 
 TUNER_VERSION = 4          # part of the cache key: a change in how trees are measured re-tunes
 CPU_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)             # tree sizes timed, root included: every CPU row costs
@@ -112,7 +113,11 @@ class TunedTree:
 
     @property
     def no_speedup_cause(self) -> str:
-        return "with these heads" if self.heads_limited else "on this device"
+        if self.heads_limited:
+            return "with these heads"
+        # the pane title says it too, not only the status line (QA: "no speedup on this device ... 0.27x" from a
+        # busy tuning, where the same machine measured 1.35x quiet)
+        return "on this device" + (" (as measured while other programs used the CPU)" if self.contended else "")
 
     def line(self) -> str:
         """One line for the page and the console: which tree runs by default and why (the status line
@@ -127,7 +132,8 @@ class TunedTree:
         if self.not_kept:
             when += f", not kept: {self.not_kept}"
         if self.earlier:
-            when += "; restarting the app measures again"
+            when += "; a load on a quiet CPU, or a restart, measures again" if self.contended else \
+                "; restarting the app measures again"
         if self.pays:
             return (f"tree tuned for this machine (the default): {self.nodes} nodes, expected {self.expected_speedup:.2f}x "
                     f"({self.expected_tokens_per_step:.2f} tokens/step; {when})")
@@ -363,7 +369,9 @@ def write_cached(entry: Path, key: dict, tuned: TunedTree) -> None:
 
 # Choices this process measured and could not cache (a busy CPU, an unwritable cache), by cache entry: a later
 # load of the same model in this process runs them again rather than tuning for minutes once more (QA: Unload
-# then Load on a busy machine waited 105 s for a tree the same process had measured 25 minutes before)
+# then Load on a busy machine waited 105 s for a tree the same process had measured 25 minutes before). A busy
+# choice only while the CPU is still busy: on a quiet one the load measures again, and keeps what it measures
+# (a busy tuning had turned Medusa off for the process, where the quiet machine measured 1.35x)
 _NOT_CACHED: dict[Path, tuple[dict, TunedTree, Path]] = {}
 
 
@@ -380,7 +388,8 @@ def tuned_tree(model, heads, tokenizer, acc: Sequence[Sequence[float]], accuracy
     if cached is not None:
         return cached, tree_file(entry)
     earlier = None if retune else _NOT_CACHED.get(entry)
-    if earlier is not None and earlier[0] == key and earlier[2].is_file():
+    if earlier is not None and earlier[0] == key and earlier[2].is_file() and \
+            (not earlier[1].contended or cpu_share_now() < BUSY_SHARE):
         return replace(earlier[1], earlier=True), earlier[2]
     tuned = tune(model, heads, tokenizer, acc, accuracy_source, progress, sizes)
     if not tuned.contended:
