@@ -120,7 +120,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, rows, wi
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m = m_new
-    # partials (splits, heads, BT[, BD]): merged by _merge_kernel
+    # partials laid out (heads, splits, BT[, BD]): merged by _merge_kernel
     part = h * splits + split
     tl.store(m_ptr + part * BLOCK_T + t, m)
     tl.store(l_ptr + part * BLOCK_T + t, total)
