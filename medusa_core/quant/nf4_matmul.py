@@ -36,15 +36,7 @@ except ImportError as err:  # one line, naming the fix; the rest of the project 
 
 from .kernel_timing import (NoConfigCompiled, decode_tuning, graph_time_us, pick_fastest, remembered, remembering_now,
                             rotating_copies)
-from .triton_runtime import check_runnable, helper, launchable
-
-
-# The kernels use core builtins only (tl.full, tl.reduce with this combine function, not tl.zeros or
-# tl.sum): Triton's standard library is jit-decorated when triton is imported, so under an interpreter
-# chosen later (see launchable) its functions would refuse to run.
-@helper
-def _add(a, b):
-    return a + b
+from .triton_runtime import add, check_runnable, launchable
 
 
 def _nf4_kernel(x_ptr, w_ptr, code_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, bias_ptr, out_ptr,
@@ -123,7 +115,7 @@ def _nf4_kernel(x_ptr, w_ptr, code_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offs
                 acc = tl.dot(wo, xo, acc, input_precision=PRECISION)
     if not DEQUANT_ONLY:
         if BLOCK_M == 1:
-            acc += tl.reduce(acc1, 1, _add)[:, None]
+            acc += tl.reduce(acc1, 1, add)[:, None]
         o_ok = n_ok[:, None] & m_ok[None, :]
         if PARTIAL:   # fp32 partial sums (splits, M, N); the reduce kernel adds bias and casts
             tl.store(out_ptr + pid_s * stride_os + offs_m[None, :] * N + offs_n[:, None], acc, mask=o_ok)
@@ -211,7 +203,7 @@ def _nf4_stream_kernel(x_ptr, w_ptr, code_ptr, absmax_ptr, code2_ptr, absmax2_pt
                 if BLOCK_M == 1:
                     xe = tl.reshape(xe.to(tl.float32), (1, SUB, HALF))
                     xo = tl.reshape(xo.to(tl.float32), (1, SUB, HALF))
-                    acc += tl.reduce(tl.reduce(code_even * xe + code_odd * xo, 2, _add) * scale, 1, _add)[:, None]
+                    acc += tl.reduce(tl.reduce(code_even * xe + code_odd * xo, 2, add) * scale, 1, add)[:, None]
                 else:
                     if SUB == 1:
                         we = tl.reshape(code_even, (BLOCK_N, HALF)).to(cdt)

@@ -32,19 +32,9 @@ except ImportError as err:  # one line, naming the fix; the rest of the project 
     raise ImportError(f"medusa_core.quant.rows_alone_attention needs Triton ({err}): "
                       "pip install 'triton>=3.7'") from None
 
-from .triton_runtime import check_runnable, helper, launchable
+from .triton_runtime import add, check_runnable, launchable, maximum
 
 BLOCK_W = 32      # keys per block of a row's list: fixed, so that a list is always cut at the same places
-
-
-@helper
-def _add(a, b):
-    return a + b
-
-
-@helper
-def _max(a, b):
-    return tl.maximum(a, b)
 
 
 # Each reduction has one fixed order for every row, in one of two forms chosen by where it runs (TREE):
@@ -84,7 +74,7 @@ def _rows_alone_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, count_ptr, out_ptr,
                 s = lo + hi
             s = tl.reshape(s, (BLOCK_W,))
         else:
-            s = tl.reduce(s, 1, _add)
+            s = tl.reduce(s, 1, add)
         s = tl.where(w_ok, s * scale, float("-inf"))                                   # (BW,)
         top = s[None, :]
         if TREE:
@@ -93,7 +83,7 @@ def _rows_alone_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, count_ptr, out_ptr,
                 top = tl.maximum(lo, hi)
             top = tl.reshape(top, (1,))
         else:
-            top = tl.reduce(top, 1, _max)
+            top = tl.reduce(top, 1, maximum)
         m_new = tl.maximum(m, top)                                                     # (1,) finite: count >= 1
         alpha = tl.exp(m - m_new)                                                      # 0 on the first block
         p = tl.exp(s - m_new)                                                          # (BW,), 0 past count
@@ -109,7 +99,7 @@ def _rows_alone_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, count_ptr, out_ptr,
                 pv = lo + hi
             p_sum, pv = tl.reshape(p_sum, (1,)), tl.reshape(pv, (BLOCK_D,))
         else:
-            p_sum, pv = tl.reduce(p_sum, 1, _add), tl.reduce(pv, 1, _add)
+            p_sum, pv = tl.reduce(p_sum, 1, add), tl.reduce(pv, 1, add)
         total = total * alpha + p_sum                                                  # (1,)
         acc = acc * alpha + pv                                                         # (BD,)
         m = m_new

@@ -31,12 +31,7 @@ try:
 except ImportError as err:  # one line, naming the fix; the rest of the project never needs Triton
     raise ImportError(f"medusa_core.quant.rows_alone_norm needs Triton ({err}): pip install 'triton>=3.7'") from None
 
-from .triton_runtime import check_runnable, helper, launchable
-
-
-@helper
-def _add(a, b):
-    return a + b
+from .triton_runtime import add, check_runnable, launchable
 
 
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, eps, H: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -55,7 +50,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, eps, H: tl.const
             sq = lo + hi
         total = tl.reshape(sq, (1,))                                               # (1,)
     else:
-        total = tl.reduce(sq, 1, _add)                                             # (1,)
+        total = tl.reduce(sq, 1, add)                                             # (1,)
     # IEEE-rounded square root and division (tl.sqrt is the approximate one): the same bits on any GPU
     inv = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(total, H * 1.0) + eps))             # (1,)
     normed = (xf * inv).to(x.dtype)                                                # back to the input dtype

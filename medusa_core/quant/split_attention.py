@@ -34,7 +34,7 @@ try:
 except ImportError as err:  # one line, naming the fix; the rest of the project never needs Triton
     raise ImportError(f"medusa_core.quant.split_attention needs Triton ({err}): pip install 'triton>=3.7'") from None
 
-from .triton_runtime import check_runnable, interpret_enabled, launchable
+from .triton_runtime import add, check_runnable, interpret_enabled, launchable, maximum
 
 NAME = "medusa_split"          # its name in transformers' AttentionInterface
 ATTENTION_KERNELS = ("sdpa", "split")
@@ -70,8 +70,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, rows, wi
         bias = tl.load(mask_ptr + t[:, None] * stride_mt + w[None, :] * stride_mw,
                        mask=t_ok[:, None] & w_ok[None, :], other=float("-inf")).to(tl.float32)   # (BT, BW)
         # a block every row's mask hides is skipped: its keys and values are never read. TREE (the
-        # interpreter): maxima and sums as written-out halvings (tl.max and tl.sum are jit functions it cannot
-        # call once Triton was imported without it, and its tl.reduce takes seconds a block)
+        # interpreter): maxima and sums as written-out halvings (its tl.reduce takes seconds a block)
         if TREE:
             top = bias
             for level in tl.static_range(LOG_W):
@@ -83,7 +82,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, rows, wi
                 top = tl.maximum(lo, hi)
             seen = tl.reshape(top, (1,))
         else:
-            seen = tl.max(tl.max(bias, 1), 0)
+            seen = tl.reduce(tl.reduce(bias, 1, maximum), 0, maximum)
         if seen > hidden:
             kv_ok = w_ok[:, None] & d_ok[None, :]
             k = tl.load(k_ptr + kvh * stride_kh + w[:, None] * stride_kw + d[None, :], mask=kv_ok, other=0)   # (BW, BD)
@@ -99,7 +98,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, rows, wi
                     top = tl.maximum(lo, hi)
                 top = tl.reshape(top, (BLOCK_T,))
             else:
-                top = tl.max(s, 1)
+                top = tl.reduce(s, 1, maximum)
             m_new = tl.maximum(m, top)
             base = tl.where(m_new == float("-inf"), 0.0, m_new)          # a row that has seen nothing yet: no NaN
             alpha = tl.exp(m - base)
@@ -111,7 +110,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, rows, wi
                     p_sum = lo + hi
                 p_sum = tl.reshape(p_sum, (BLOCK_T,))
             else:
-                p_sum = tl.sum(p, 1)
+                p_sum = tl.reduce(p, 1, add)
             total = total * alpha + p_sum
             v = tl.load(v_ptr + kvh * stride_vh + w[:, None] * stride_vw + d[None, :], mask=kv_ok, other=0)   # (BW, BD)
             if IEEE:

@@ -14,6 +14,7 @@ import torch
 
 try:
     import triton
+    import triton.language as tl
 except ImportError as err:  # one line, naming the fix; the rest of the project never needs Triton
     raise ImportError(f"medusa_core's Triton kernels need Triton ({err}): pip install 'triton>=3.7'") from None
 
@@ -53,3 +54,17 @@ def launchable(fn, interpret: bool):
         from triton.runtime.interpreter import InterpretedFunction
         return InterpretedFunction(fn)
     return triton.jit(fn)
+
+
+# The combine functions of the kernels' tl.reduce calls. The kernels use core builtins (tl.full, tl.reduce), not
+# tl.zeros, tl.sum or tl.max: those are jit functions of Triton's standard library, decorated when triton is
+# imported, so under an interpreter chosen later they refuse to run, and where triton was imported under
+# TRITON_INTERPRET=1 a kernel compiled for a GPU cannot call them.
+@helper
+def add(a, b):
+    return a + b
+
+
+@helper
+def maximum(a, b):
+    return tl.maximum(a, b)
