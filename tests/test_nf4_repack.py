@@ -20,6 +20,7 @@ from medusa_core.decoding.config import DecodeConfig  # noqa: E402
 from medusa_core.decoding.generate import generate  # noqa: E402
 from medusa_core.decoding.step import ROW_EXACT_ATTENTION  # noqa: E402
 from medusa_core.decoding.tree import build_tree_buffers, resolve_tree  # noqa: E402
+from medusa_core.quant import kernel_timing as kt  # noqa: E402
 from medusa_core.quant import nf4_fused  # noqa: E402
 from medusa_core.quant.triton_runtime import INTERPRET_ENV  # noqa: E402
 from medusa_core.quant import nf4_repack as rp  # noqa: E402
@@ -102,20 +103,34 @@ def test_split_k_tiles_and_3d_input(cfg):
     torch.testing.assert_close(y.double(), reference(x, packed, state, bias), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("n,k,group,blocksize", [(*shape, 64) for shape in SHAPES] + [(40, 256, 128, 128)])
-def test_prefetching_the_next_group_changes_no_bit(n, k, group, blocksize):
-    # the same products and sums, only loaded a group earlier: a tuner may pick either. 1, 2 and 4 scale
-    # blocks per group
+@pytest.mark.parametrize("n,k,group,blocksize", [(*shape, 64) for shape in SHAPES] + [(40, 256, 128, 128),
+                                                                                      (24, 960, 128, 64)])
+def test_prefetching_groups_ahead_changes_no_bit(n, k, group, blocksize):
+    # the same products and sums, only loaded one or two groups earlier: a tuner may pick any. 1, 2 and 4 scale
+    # blocks per group; splits of one group (nothing to prefetch past it), of two, and of three (8 groups, K cut
+    # short in the last), so both lookaheads reach past a split's end, masked
     packed, state = quantized(n, k, blocksize=blocksize)
     w = rp.repack_bnb([(packed, state)], group)
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(2))
     for block_m, block_n, split in ((1, 16, 1), (4, 32, 2), (8, 16, 3)):
         plain = rm.repacked_matmul(x, w, config=rm.RepackedConfig(False, block_m, block_n, split))
-        ahead = rm.repacked_matmul(x, w, config=rm.RepackedConfig(False, block_m, block_n, split, prefetch=True))
-        assert torch.equal(plain, ahead), (block_m, block_n, split)
+        for depth in (1, 2):
+            ahead = rm.repacked_matmul(x, w, config=rm.RepackedConfig(False, block_m, block_n, split, prefetch=depth))
+            assert torch.equal(plain, ahead), (block_m, block_n, split, depth)
     torch.testing.assert_close(ahead.double(), reference(x, packed, state), rtol=1e-5, atol=1e-4)
-    with pytest.raises(ValueError, match="prefetch for GEMV only"):
-        rm.RepackedConfig(True, 16, 64, 1, prefetch=True)
+    with pytest.raises(ValueError, match="prefetch 0, 1 or 2 and for GEMV only"):
+        rm.RepackedConfig(True, 16, 64, 1, prefetch=1)
+    with pytest.raises(ValueError, match="prefetch 0, 1 or 2 and for GEMV only"):
+        rm.RepackedConfig(False, 1, 64, 1, prefetch=3)
+
+
+def test_a_tuning_remembered_before_prefetch_depths_reads_as_depth_one():
+    # kernel_timing remembers configs as JSON across starts; one saved when prefetch was a bool says true
+    best, _ = kt.decode_tuning(rm.RepackedConfig, [{"dot": False, "block_m": 1, "block_n": 64, "split_k": 4,
+                                                     "num_warps": 4, "num_stages": 2, "prefetch": True}, []])
+    assert best.prefetch == 1 and type(best.prefetch) is int
+    assert best.describe() == "gemv m1 n64 split4 w4 s2 prefetch"
+    assert rm.RepackedConfig(False, 1, 64, 4, prefetch=2).describe() == "gemv m1 n64 split4 w4 s2 prefetch2"
 
 
 @pytest.mark.parametrize("n,k,group", SHAPES)

@@ -7,8 +7,8 @@ One kernel, three constexpr paths over the same step (one group of G columns of 
   split, not tl.reduce, whose order depends on the tensor's layout). Split-K over programs, with a
   deterministic reduce of fp32 partials: a second kernel, or (``serial``, a tuner candidate) the last
   split of each output tile to arrive, in the same order, so in the same bits. With PREFETCH the next
-  group's words and scales are loaded before this group is computed, so their latency hides behind a
-  group's work (Triton pipelines the tensor-core path's loads itself, but not these, which go to registers).
+  one or two groups' words and scales are loaded before this group is computed, so their latency hides behind
+  a group's work (Triton pipelines the tensor-core path's loads itself, but not these, which go to registers).
 - tensor cores (DOT True, M >= 5): each plane (BLOCK_N, G/8) is dequantized once, code * scale in
   fp32 cast to x's dtype as bitsandbytes casts its dequantized weight, and enters ``tl.dot`` as the
   tall operand against x.T (G/8, BLOCK_M): every weight tile is decoded once for all the rows.
@@ -55,7 +55,7 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, 
                      GROUP: tl.constexpr, BLOCKSIZE: tl.constexpr, LOG_LANES: tl.constexpr, DOT: tl.constexpr,
                      HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, DEQUANT_ONLY: tl.constexpr,
                      EVEN_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     PREFETCH: tl.constexpr = False, PLANE_LOOKUP: tl.constexpr = False, SERIAL: tl.constexpr = False):
+                     PREFETCH: tl.constexpr = 0, PLANE_LOOKUP: tl.constexpr = False, SERIAL: tl.constexpr = False):
     # grid: (M tiles, N tiles, K splits): the M tiles of one weight tile are launched side by side, so
     # past the first they read it from L2. BLOCK_N is a multiple of the 16-row group.
     LANES: tl.constexpr = GROUP // 8                 # words per row per group = columns per plane
@@ -84,19 +84,36 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, 
     # (BN, LANES) words: 16 rows x G/2 bytes contiguous per row group; row-only mask keeps 16-byte loads
     word = tl.max_contiguous(tl.multiple_of(lane, LANES), LANES)
     scale_col = tl.arange(0, SCALES)
-    if PREFETCH:   # GEMV: the next group's words and scales are in flight while this group is computed
+    # PREFETCH (GEMV): the words and scales of the next PREFETCH groups are in flight while a group is computed
+    # (see RepackedConfig.prefetch)
+    if PREFETCH >= 1:
         first = (offs_n < tl.where(g_lo < g_hi, N, 0))[:, None]                          # (BN, 1)
         words_next = tl.load(w_ptr + ((slot + g_lo * 16) * LANES)[:, None] + word[None, :], mask=first, other=0)
         scales_next = tl.load(s_ptr + ((slot + g_lo * 16) * SCALES)[:, None] + scale_col[None, :], mask=first,
                               other=0)                                                    # (BN, SCALES)
+    if PREFETCH >= 2:
+        second = (offs_n < tl.where(g_lo + 1 < g_hi, N, 0))[:, None]
+        words_after = tl.load(w_ptr + ((slot + (g_lo + 1) * 16) * LANES)[:, None] + word[None, :], mask=second,
+                              other=0)
+        scales_after = tl.load(s_ptr + ((slot + (g_lo + 1) * 16) * SCALES)[:, None] + scale_col[None, :],
+                               mask=second, other=0)
     for kg in range(g_lo, g_hi):
-        if PREFETCH:
+        if PREFETCH >= 1:
             words = words_next
             scales = scales_next
-            ahead = (offs_n < tl.where(kg + 1 < g_hi, N, 0))[:, None]                # (BN, 1): not past the split
-            nxt = slot + (kg + 1) * 16                                              # (BN,) the next group's slots
-            words_next = tl.load(w_ptr + (nxt * LANES)[:, None] + word[None, :], mask=ahead, other=0)
-            scales_next = tl.load(s_ptr + (nxt * SCALES)[:, None] + scale_col[None, :], mask=ahead, other=0)
+            if PREFETCH >= 2:
+                words_next = words_after
+                scales_next = scales_after
+            ahead = (offs_n < tl.where(kg + PREFETCH < g_hi, N, 0))[:, None]         # (BN, 1): not past the split
+            nxt = slot + (kg + PREFETCH) * 16                                       # (BN,) that group's slots
+            loaded = tl.load(w_ptr + (nxt * LANES)[:, None] + word[None, :], mask=ahead, other=0)
+            loaded_scales = tl.load(s_ptr + (nxt * SCALES)[:, None] + scale_col[None, :], mask=ahead, other=0)
+            if PREFETCH >= 2:
+                words_after = loaded
+                scales_after = loaded_scales
+            else:
+                words_next = loaded
+                scales_next = loaded_scales
         else:
             words = tl.load(w_ptr + ((slot + kg * 16) * LANES)[:, None] + word[None, :], mask=n_ok[:, None], other=0)
         if not PLANE_LOOKUP:   # every weight of the step looked up at once: one table fill per step, not per plane
@@ -110,8 +127,8 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, 
             p4, p5 = tl.split(hi0)
             p6, p7 = tl.split(hi1)
             planes = (p0, p1, p2, p3, p4, p5, p6, p7)                            # each (BN, LANES) fp32
-        if PREFETCH:    # the prefetched (BN, SCALES) tile by column, halving like the planes (no tl.sum: see
-            #             nf4_matmul's note on Triton's jit-decorated standard library under the interpreter)
+        if PREFETCH >= 1:    # the prefetched (BN, SCALES) tile by column, halving like the planes (no tl.sum: see
+            #             triton_runtime's note on Triton's jit-decorated standard library)
             if SCALES == 1:
                 block_scales = (tl.reshape(scales, (BLOCK_N,)),)
             elif SCALES == 2:
@@ -123,7 +140,7 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, 
                 block_scales = (s0, s1, s2, s3)
         for i in tl.static_range(8):
             if i % PER_SCALE == 0:      # (BN,) the scale of the block planes i.. lie in
-                if PREFETCH:
+                if PREFETCH >= 1:
                     scale = block_scales[i // PER_SCALE]
                 else:
                     scale = tl.load(s_ptr + (slot + kg * 16) * SCALES + i // PER_SCALE, mask=n_ok, other=0)
@@ -203,8 +220,11 @@ class RepackedConfig:
     split_k: int        # programs along K (in whole groups); > 1 adds the reduce kernel
     num_warps: int = 4
     num_stages: int = 2
-    prefetch: bool = False   # GEMV: load the next group's words and scales before computing this one
-    #                          (the tensor-core path gets the same from Triton's pipeliner, num_stages)
+    prefetch: int = 0   # GEMV: groups whose words and scales are loaded before this one is computed (0, 1, 2;
+    # the tensor-core path gets the same from Triton's pipeliner, num_stages). On the H100 one group ahead took
+    # the 1-row 4096->11008 call from 33 to 20 µs, and splitting K 2, 4 or 8 ways moved it by 1 µs: a program
+    # waits on its loads, not on the bytes. Two ahead: 137 registers a thread against 123 (sm_90, Triton 3.9; 128
+    # against 120 under 3.6), so 3 programs of 4 warps fit an SM where 4 did: 1.5x the bytes in flight, not 2x.
     plane_lookup: bool = False   # tensor cores: look each plane up just before its dot, not all 8 at once.
     # Compiled for sm_90 (kernel_sass, M = 16): 8.5 instructions per weight against 9.6, 64 registers
     # against 96, 8-byte shared stores of the dequantized tile against 2-byte ones, but 33 barriers a
@@ -217,15 +237,18 @@ class RepackedConfig:
 
     def __post_init__(self):
         if self.block_n % ROWS or self.block_m & (self.block_m - 1) or (self.dot and self.block_m < 16) \
-                or (self.dot and self.prefetch) or (self.plane_lookup and not self.dot) \
+                or (self.dot and self.prefetch) or self.prefetch not in (0, 1, 2) \
+                or (self.plane_lookup and not self.dot) \
                 or (self.serial and self.split_k < 2):
             raise ValueError(f"bad repacked config {self}: block_n a multiple of {ROWS}, block_m a power of two "
-                             "(>= 16 with dot), prefetch for GEMV only, plane_lookup for dot only, serial with "
-                             "split_k >= 2")
+                             "(>= 16 with dot), prefetch 0, 1 or 2 and for GEMV only, plane_lookup for dot only, "
+                             "serial with split_k >= 2")
+        object.__setattr__(self, "prefetch", int(self.prefetch))   # a tuning remembered as true/false reads as 1/0
 
     def describe(self) -> str:
         return (f"{'dot' if self.dot else 'gemv'} m{self.block_m} n{self.block_n} split{self.split_k} "
                 f"w{self.num_warps} s{self.num_stages}{' prefetch' if self.prefetch else ''}"
+                f"{self.prefetch if self.prefetch > 1 else ''}"
                 f"{' plane' if self.plane_lookup else ''}{' serial' if self.serial else ''}")
 
 
@@ -283,7 +306,7 @@ def fast_config(m: int, n: int, groups: int, sms: int) -> RepackedConfig:
     cls = row_class(m)
     if cls <= 4:
         block_n = 64 if cls == 1 else 32
-        return RepackedConfig(False, cls, block_n, split_for(n, groups, block_n, 4 * sms), prefetch=True)
+        return RepackedConfig(False, cls, block_n, split_for(n, groups, block_n, 4 * sms), prefetch=1)
     return RepackedConfig(True, cls, 64, split_for(n, groups, 64, 2 * sms))
 
 
@@ -294,11 +317,14 @@ def candidates(m: int, n: int, groups: int, sms: int) -> list[RepackedConfig]:
     first = fast_config(m, n, groups, sms)
     out = [first]
     if cls <= 4:
-        out.append(dataclasses.replace(first, prefetch=False))     # what the prefetch's registers cost
+        out.append(dataclasses.replace(first, prefetch=0))     # what the prefetch's registers cost
+        out.append(dataclasses.replace(first, prefetch=2))     # two groups in flight, and with half the splits:
+        out.append(dataclasses.replace(first, prefetch=2,      # each program's loop twice as long to hide them in
+                                       split_k=split_for(n, groups, first.block_n, 2 * sms)))
         for block_n, warps, waves in ((first.block_n, 4, 2), (first.block_n, 4, 8), (2 * first.block_n, 8, 4),
                                       (16, 4, 4)):
             out.append(RepackedConfig(False, cls, block_n, split_for(n, groups, block_n, waves * sms), warps,
-                                      prefetch=True))
+                                      prefetch=1))
         out.append(RepackedConfig(True, 16, 64, split_for(n, groups, 64, 2 * sms)))
     else:
         for block_n, warps, waves in ((64, 4, 1), (64, 4, 4), (128, 8, 2), (32, 4, 2)):
@@ -307,9 +333,11 @@ def candidates(m: int, n: int, groups: int, sms: int) -> list[RepackedConfig]:
         out.append(dataclasses.replace(first, plane_lookup=True))
         out.append(RepackedConfig(True, cls, 64, split_for(n, groups, 64, 4 * sms), plane_lookup=True))
         if cls == 16:
-            out.append(RepackedConfig(False, 16, 16, split_for(n, groups, 16, 2 * sms), 8, prefetch=True))
+            out.append(RepackedConfig(False, 16, 16, split_for(n, groups, 16, 2 * sms), 8, prefetch=1))
     if first.split_k > 1:   # the default tile with its partials added in the same launch
         out.append(dataclasses.replace(first, serial=True))
+        if not first.dot:
+            out.append(dataclasses.replace(first, serial=True, prefetch=2))
     return list(dict.fromkeys(out))     # two wave targets can give the same split
 
 
