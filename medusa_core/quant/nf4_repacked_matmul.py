@@ -302,12 +302,15 @@ def exact_candidates(n: int, groups: int, sms: int) -> list[RepackedConfig]:
 
 def fast_config(m: int, n: int, groups: int, sms: int) -> RepackedConfig:
     """Untimed per-M choice: GEMV up to 4 rows, tensor cores from 5, ~2-4 waves of programs. A GPU
-    session's tune_shape() replaces it per (GPU, shape, row class)."""
+    session's tune_shape() replaces it per (GPU, shape, row class). The tensor cores look each plane up
+    before its dot: on the H100 (third run, docs/perf/h100-2026-11-27c/kernels.log) that was the fastest
+    tile, or within 5% of it, in all 12 (shape, row class) pairs from 16 rows, where the same tile looking
+    all planes up at once took 1.07-1.44x as long."""
     cls = row_class(m)
     if cls <= 4:
         block_n = 64 if cls == 1 else 32
         return RepackedConfig(False, cls, block_n, split_for(n, groups, block_n, 4 * sms), prefetch=1)
-    return RepackedConfig(True, cls, 64, split_for(n, groups, 64, 2 * sms))
+    return RepackedConfig(True, cls, 64, split_for(n, groups, 64, 2 * sms), plane_lookup=True)
 
 
 def candidates(m: int, n: int, groups: int, sms: int) -> list[RepackedConfig]:
@@ -327,13 +330,12 @@ def candidates(m: int, n: int, groups: int, sms: int) -> list[RepackedConfig]:
                                       prefetch=1))
         out.append(RepackedConfig(True, 16, 64, split_for(n, groups, 64, 2 * sms)))
     else:
+        out.append(dataclasses.replace(first, plane_lookup=False))   # all 8 planes looked up at once
         for block_n, warps, waves in ((64, 4, 1), (64, 4, 4), (128, 8, 2), (32, 4, 2)):
             out.append(RepackedConfig(True, cls, block_n, split_for(n, groups, block_n, waves * sms), warps))
-        # the per-plane lookup at the default tile, and with more programs (its fewer registers fit more per SM)
-        out.append(dataclasses.replace(first, plane_lookup=True))
+        # the per-plane lookup with more programs (its fewer registers fit more per SM)
         out.append(RepackedConfig(True, cls, 64, split_for(n, groups, 64, 4 * sms), plane_lookup=True))
-        if cls == 16:
-            out.append(RepackedConfig(False, 16, 16, split_for(n, groups, 16, 2 * sms), 8, prefetch=1))
+        # (a 16-row GEMV was timed here until the H100 took 4.0-5.8x the fastest tile for it on all four shapes)
     if first.split_k > 1:   # the default tile with its partials added in the same launch
         out.append(dataclasses.replace(first, serial=True))
         if not first.dot:
