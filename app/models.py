@@ -356,6 +356,10 @@ def spec_for(choice: str | None, model: str, heads: str, base: LoadSpec) -> Load
     """The LoadSpec of the page's model controls: a typed model (and heads) wins over the list.
     The command line's --tree and --retune were for the model it started with: another model gets
     its own tuned tree (from the cache when this machine has measured it)."""
+    # the scripting API passes its values as sent (a number reached .strip() as a traceback's last line: QA)
+    for what, value in (("model choice", choice), ("model id", model), ("heads id", heads)):
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"{what} {value!r} is not text: give a hub id or a local directory as a string")
     model, heads = (model or "").strip(), (heads or "").strip()
     base = replace(base, tree=None, retune=False)
     if model or heads:

@@ -1501,6 +1501,13 @@ def test_a_script_learns_whether_its_load_failed(model_dirs, tmp_path):
                            (-1, "wait -1 is out of range: give 0 to 600")):
             with pytest.raises(Exception, match=says):
                 client.predict(wait, api_name="/model_status")
+        # a number for an id: the one-line refusal, not a traceback's last line, and the model stays (QA)
+        for field, value, what in (("model_id", 12345, "model id"), ("heads_id", ["a"], "heads id"),
+                                   ("choice", 7, "model choice")):
+            said = client.predict(**{"choice": None, "model_id": "", "heads_id": "", "max_new_value": 48,
+                                     field: value}, api_name="/load_model")
+            assert said[0] == f"❌ {what} {value!r} is not text: give a hub id or a local directory as a string", said
+        assert client.predict(api_name="/model_status")["phase"] == "ready"
     finally:
         demo.close()
         slot.unload()
