@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import gradio as gr
 
-from medusa_core.decoding.config import number
+from medusa_core.decoding.config import limits, number
 from medusa_core.loading.spec import LoadSpec
 
 from .engine import BASELINE, LABELS, MEDUSA
@@ -119,11 +119,27 @@ def settings_copy(engine, *values, typed: Sequence[str] = ()) -> dict:
     ``typed``: the tab's typed trees, which a reload lists again (QA: they were gone after a reload)."""
     # a value no control runs is not kept (the copy keeps only what kept_values would put back): a seed
     # typed past 2**64 could not even be stored, and its traceback took the copy's other values with it
-    settings = {name: value for name, value in zip(KEPT, values) if valid(name, value)}
+    settings = {name: value for name, value in ((name, as_the_slider_runs(name, value, engine))
+                                                for name, value in zip(KEPT, values)) if valid(name, value)}
     if engine is not None and settings.get("tree") == engine.default_tree:
         settings["tree"] = None
     return {"model": engine.loaded.source if engine is not None else None, "settings": settings,
             **({"typed_trees": list(typed)} if typed else {})}
+
+
+def as_the_slider_runs(name: str, value, engine):
+    """``value`` as the page runs it: a number typed into a slider's box past one of its ends is put back at that
+    end when the box loses focus, and the answer runs with that, but no input event says so. Kept as typed, a
+    temperature of -1 ran at 0 and came back at the default, 0.7, after a reload (QA)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value
+    if name == "max_new_tokens":       # its top is the model's context, once a model has loaded
+        low, high = limits(name).low, engine.context if engine is not None else None
+    elif name in SAMPLING and limits(name).slider is not None:
+        low, high, _ = limits(name).slider
+    else:
+        return value
+    return min(max(value, low), high) if high is not None else max(value, low)
 
 
 def kept_values(kept, engine) -> dict:

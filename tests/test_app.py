@@ -668,6 +668,13 @@ def test_kept_settings_come_back_for_their_model_only_and_as_far_as_they_are_val
     copy = settings_copy(engine, *values[:-2], 10**20, True)
     assert "seed" not in copy["settings"] and copy["settings"]["mode"] == "typical"
     orjson.dumps(copy)
+    # a number typed into a slider's box past one of its ends: the slider puts it back at that end and the answer
+    # runs with that, so the copy keeps that too (QA: -1 ran at 0, and a reload brought back 0.7, the default)
+    past = settings_copy(engine, "sample", -1, 0, 5, 1.5, engine.context + 100, "chain-2", 7, True)
+    assert kept_values(past, engine) == dict(zip(KEPT, ("sample", 0, 0.01, 1, 1, engine.context, "chain-2", 7,
+                                                        True)))
+    assert settings_copy(None, "sample", 9, 0.5, 0.2, 0.3, 10**6, None, -1, False)["settings"]["max_new_tokens"] \
+        == 10**6, "no model yet: no context to put it under (kept_values checks it against the model that comes)"
 
 
 def test_a_kept_tree_comes_back_only_where_this_start_runs_it(engine):
