@@ -194,10 +194,10 @@ HOSTILE = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"tree": "no-such-tree"}}, 400, "tree"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"mode": "warp"}}, 400, "warp"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0.7,
-      "medusa": {"mode": "typical", "epsilon": 0}}, 400, "medusa.epsilon 0.0 is out of range: use a value in (0, 1] (at 0 "
+      "medusa": {"mode": "typical", "epsilon": 0}}, 400, "medusa.epsilon 0 is out of range: use a value in (0, 1] (at 0 "
                                                           "every guess the heads make is kept)"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"delta": 5}}, 400,
-     "medusa.delta 5.0 is out of range: use a value in (0, 1]"),
+     "medusa.delta 5 is out of range: use a value in (0, 1]"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"treee": "small-8"}}, 400,
      "unknown field 'medusa.treee': remove it (\"medusa\" takes tree, mode, epsilon, delta)"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, 400,

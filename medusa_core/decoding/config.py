@@ -102,7 +102,7 @@ class DecodeConfig:
             if limits.low is not None and (value < limits.low or (limits.open_low and value == limits.low)):
                 raise SettingError(f.name, _below(value, limits))
             if limits.high is not None and value > limits.high:
-                raise SettingError(f.name, f"{shortened(str(value))} is out of range: {limits.fix}")
+                raise SettingError(f.name, f"{shortened(as_typed(value))} is out of range: {limits.fix}")
 
     @property
     def greedy(self) -> bool:
@@ -118,7 +118,16 @@ def shortened(text: str) -> str:
     return text if len(text) <= 40 else f"{text[:37]}..."
 
 
+def as_typed(value) -> str:
+    """A number as the user most likely typed it: a whole float without its ".0" (a script's temperature=5 was
+    quoted back as 5.0, once parsed)."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return str(value)
+
+
 def _below(value, limits: Limits) -> str:
+    value = as_typed(value)
     if not limits.fix:
         return f"{value} must be at least {limits.low}"
     if limits.low == 0 and limits.high is None:
