@@ -281,7 +281,7 @@ class ChatEngine:
             # prompt at 1.58x), so the title says it is typical, not a promise for this prompt
             # timed beside other programs, the figure may be far off an answer's measured speedup (QA: 0.81x above
             # a measured 1.34x): said, so the two can be told apart
-            busy = ", from timings taken while other programs used the CPU" if tuned.contended else ""
+            busy = f", from timings taken while {tuned.busy_with} used the CPU" if tuned.contended else ""
             return f"{name} ({nodes} nodes) expected {speedup:.2f}x on this machine for a typical prompt" + \
                 (", slower than plain decoding" if slower else "") + busy
         # past the largest tree timed, only a bound is known: it costs at least what that tree did (a 64-node

@@ -90,8 +90,8 @@ def test_a_busy_cpus_measurement_is_provisional_until_a_quiet_start_and_never_re
     # the look saw a quiet CPU, but the measurement was busy: the first figure still decides
     monkeypatch.setattr(int4_speed, "cpu_share_now", lambda: 0.9)
     third = int4_speed.remembered_speed(model, tmp_path)
-    assert round(third.gain, 2) == 0.97 and "this load measured 0.99x, busy too, this app getting 53% of the CPU" \
-        in third.source
+    assert round(third.gain, 2) == 0.97 and "; this load measured 0.99x while other programs used the CPU, this app " \
+        "getting 53% of it" in third.source
     monkeypatch.setattr(int4_speed, "with_cpu_share", busy(0.97))
     quiet = int4_speed.remembered_speed(model, tmp_path)              # the one change of mode
     assert round(quiet.gain, 2) == 1.21 and quiet.source == int4_speed.FRESH
@@ -103,6 +103,28 @@ def test_a_busy_cpus_measurement_is_provisional_until_a_quiet_start_and_never_re
         in retuned.source and retuned.source.endswith("and did not keep it")
     monkeypatch.setattr(int4_speed, "with_cpu_share", busy(1.0))
     assert round(int4_speed.remembered_speed(model, tmp_path, retune=True).gain, 2) == 1.3 and not timings
+
+
+def test_a_load_beside_an_answer_of_the_model_it_replaces_blames_that_answer_not_other_programs(timings, tmp_path,
+                                                                                                monkeypatch):
+    # QA: a Load while this tab still answered said "while other programs used the CPU" with nothing else running
+    from medusa_core.quant.kernel_timing import beside
+
+    model = tiny_model(hidden=64)
+    timings.extend(near_the_line(0.97, 0.99))
+    monkeypatch.setattr(int4_speed, "with_cpu_share", busy(0.6))
+    monkeypatch.setattr(int4_speed, "cpu_share_now", lambda: 0.6)
+    with beside(lambda: (True, 1)):          # the replaced model's answer runs all along
+        first = int4_speed.remembered_speed(model, tmp_path)
+        second = int4_speed.remembered_speed(model, tmp_path)
+    assert first.source == ("measured while an answer on the model this load replaces still ran: kept until a load "
+                            "on a quiet CPU measures again")
+    assert second.source == ("measured at an earlier load on a busy CPU and kept until a load on a quiet CPU measures "
+                             "again; this load found it busy too, with an answer still running here")
+    monkeypatch.setattr(int4_speed, "cpu_share_now", lambda: 0.9)   # the look quiet, the measurement not
+    third = int4_speed.remembered_speed(model, tmp_path)             # and no answer beside it: other programs it is
+    assert third.source.endswith("this load measured 0.99x while other programs used the CPU, this app getting 60% "
+                                 "of it")
 
 
 def test_the_look_at_the_cpu_gives_a_share_of_its_threads_time():

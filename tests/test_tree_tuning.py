@@ -185,6 +185,22 @@ def test_no_speedup_measured_on_a_busy_cpu_says_so_in_the_pane_title_too():
     assert dataclasses.replace(tuned, cpu_share=0.95).no_speedup_cause == "on this device"
 
 
+def test_a_tuning_beside_an_answer_of_the_model_it_replaces_blames_that_answer(checkpoint, measured, monkeypatch):
+    """QA: a Load while a tab still answered said the CPU was busy with other programs, with nothing else running."""
+    from medusa_core.quant.kernel_timing import beside
+
+    monkeypatch.setattr(tree_tuning, "MIN_SPEEDUP", 0.0)
+    monkeypatch.setattr(tree_tuning, "with_cpu_share", lambda run: (run(), 0.5))
+    with beside(lambda: (True, 1)):          # the replaced model's answer runs all along
+        loaded = load(spec(checkpoint))
+    assert loaded.tuned.beside_answer and loaded.tuned.contended
+    assert loaded.tree_note.endswith("while an answer on the model this load replaces still ran, so it is not kept "
+                                     "in the cache)"), loaded.tree_note
+    assert "other programs" not in loaded.tree_note
+    assert dataclasses.replace(loaded.tuned, paths=[], nodes=1).no_speedup_cause == \
+        "on this device (as measured while an answer on the model this load replaces used the CPU)"
+
+
 def test_a_cache_that_cannot_be_written_runs_the_tuned_tree_and_says_it_was_not_kept(checkpoint, measured,
                                                                                        monkeypatch, tmp_path):
     """QA: a tuned-tree cache that could not be written failed the load after minutes of tuning, where the GPU's

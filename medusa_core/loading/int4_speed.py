@@ -26,6 +26,7 @@ import torch
 
 from ..quant import cpu_int4
 from ..quant.cpu_int4 import Speed
+from ..quant.kernel_timing import with_work_beside
 from .smollm2 import cache_write_failed
 from .this_machine import (BUSY_SHARE, cpu_share_now, entry_path, file_stamp, machine_identity, with_cpu_share,
                            write_atomic)
@@ -35,7 +36,10 @@ FOLDER, NAME = "int4-speed", "speed.json"
 # how the load line goes on after "1.28x fp32's matmul speed, "
 FRESH = "measured now and kept for this machine until --retune"
 READ = "measured earlier on this machine and kept until --retune"   # an earlier start, or an earlier load (QA)
-BUSY = "measured while other programs used the CPU, this app getting {share:.0%} of it"
+BUSY = "while other programs used the CPU, this app getting {share:.0%} of it"
+# a load beside an answer still running on the model it replaces (kernel_timing.beside): the CPU that answer took is
+# this app's own, not other programs' (QA: the line blamed other programs with nothing else running)
+ANSWERING = "while an answer on the model this load replaces still ran"
 # "load", not "start": an Unload and Load in one process reads these too, and said "at an earlier start" (QA)
 PROVISIONAL = "kept until a load on a quiet CPU measures again"
 
@@ -84,24 +88,25 @@ def remembered_speed(model, cache_root: Path, retune: bool = False) -> Speed:
     kept = read_kept(entry, key)
     if kept is not None and kept.quiet and not retune:
         return Speed(kept.fp32_ms, kept.int4_ms, READ)
-    provisional = f"measured at an earlier load while other programs used the CPU and {PROVISIONAL}"
-    if kept is not None and not retune and (share := cpu_share_now()) < BUSY_SHARE:
-        return Speed(kept.fp32_ms, kept.int4_ms, f"{provisional}; this load found it busy too, this app getting "
-                                                 f"{share:.0%} of the CPU")
-    times, share = with_cpu_share(lambda: cpu_int4.measure(model))
+    provisional = f"measured at an earlier load on a busy CPU and {PROVISIONAL}"
+    if kept is not None and not retune:
+        share, answering = with_work_beside(cpu_share_now)
+        if share < BUSY_SHARE:
+            busy = "with an answer still running here" if answering else f"this app getting {share:.0%} of the CPU"
+            return Speed(kept.fp32_ms, kept.int4_ms, f"{provisional}; this load found it busy too, {busy}")
+    (times, share), answering = with_work_beside(lambda: with_cpu_share(lambda: cpu_int4.measure(model)))
+    busy = ANSWERING if answering else BUSY.format(share=share)
     gain = times["fp32_ms"] / times["int4_ms"]
     if share < BUSY_SHARE and kept is not None and (kept.quiet or not retune):
         if kept.quiet:        # --retune on a busy CPU
-            return Speed(kept.fp32_ms, kept.int4_ms,
-                         f"measured at an earlier load on a quiet CPU and kept: this --retune measured {gain:.2f}x "
-                         f"while other programs used the CPU, this app getting {share:.0%} of it, and did not keep it")
-        return Speed(kept.fp32_ms, kept.int4_ms, f"{provisional}; this load measured {gain:.2f}x, busy too, this "
-                                                 f"app getting {share:.0%} of the CPU")
-    source = FRESH if share >= BUSY_SHARE else f"{BUSY.format(share=share)}: {PROVISIONAL}"
+            return Speed(kept.fp32_ms, kept.int4_ms, f"measured at an earlier load on a quiet CPU and kept: this "
+                                                     f"--retune measured {gain:.2f}x {busy}, and did not keep it")
+        return Speed(kept.fp32_ms, kept.int4_ms, f"{provisional}; this load measured {gain:.2f}x {busy}")
+    source = FRESH if share >= BUSY_SHARE else f"measured {busy}: {PROVISIONAL}"
     try:
         write_atomic(entry, json.dumps({"key": key, **times, "cpu_share": round(share, 3)}, indent=1) + "\n")
     except OSError as err:
         # measured: this load decides by it, the next one measures again (QA: the load failed after measuring)
-        measured = BUSY.format(share=share) if share < BUSY_SHARE else "measured now"
+        measured = f"measured {busy}" if share < BUSY_SHARE else "measured now"
         source = f"{measured}, not kept: {cache_write_failed('the measured speed', err)}"
     return Speed(times["fp32_ms"], times["int4_ms"], source)

@@ -30,6 +30,7 @@ import torch
 from ..decoding.step import compute_dtype
 from ..errors import LoadError
 from ..decoding.tree import build_tree_buffers, expected_tokens_per_step, grow_tree
+from ..quant.kernel_timing import with_work_beside
 from .smollm2 import cache_write_failed
 from .this_machine import (BUSY_SHARE, cpu_share_now, entry_path, file_stamp, machine_identity, machine_line,
                            with_cpu_share, write_atomic)
@@ -71,6 +72,7 @@ class TunedTree:
     accuracy: list[list[float]] | None = None   # the heads' table the choice was made from (speedup_of)
     not_kept: str = ""                  # why a choice measured on a quiet CPU could not be cached (the fix named)
     earlier: bool = False               # measured by an earlier load in this process and not cached (_NOT_CACHED)
+    beside_answer: bool = False         # timed while an answer on the model this load replaces still ran
 
     @property
     def pays(self) -> bool:
@@ -78,8 +80,14 @@ class TunedTree:
 
     @property
     def contended(self) -> bool:
-        """Measured while other programs used the CPU: not remembered (tuned_tree)."""
+        """Measured while other programs (or this app's answer: busy_with) used the CPU: not remembered (tuned_tree)."""
         return self.cpu_share is not None and self.cpu_share < BUSY_SHARE
+
+    @property
+    def busy_with(self) -> str:
+        """What kept the CPU busy while a contended tuning timed its steps (QA: a load beside an answer still
+        running in this app blamed other programs, with nothing else running)."""
+        return "an answer on the model this load replaces" if self.beside_answer else "other programs"
 
     def speedup_of(self, paths: Sequence[Sequence[int]]) -> tuple[float, bool] | None:
         """Another tree's expected speedup over plain decoding on this machine, from the same measured
@@ -117,7 +125,7 @@ class TunedTree:
             return "with these heads"
         # the pane title says it too, not only the status line (QA: "no speedup on this device ... 0.27x" from a
         # busy tuning, where the same machine measured 1.35x quiet)
-        return "on this device" + (" (as measured while other programs used the CPU)" if self.contended else "")
+        return "on this device" + (f" (as measured while {self.busy_with} used the CPU)" if self.contended else "")
 
     def line(self) -> str:
         """One line for the page and the console: which tree runs by default and why (the status line
@@ -127,8 +135,9 @@ class TunedTree:
         if self.earlier:
             when = f"{when} by an earlier load in this process"
         if self.contended and not self.cached:
-            when += (f" while other programs were using the CPU (this app got {self.cpu_share:.0%} of it), "
-                     "so it is not kept in the cache")
+            when += (" while an answer on the model this load replaces still ran" if self.beside_answer else
+                     f" while other programs were using the CPU (this app got {self.cpu_share:.0%} of it)") + \
+                ", so it is not kept in the cache"
         if self.not_kept:
             when += f", not kept: {self.not_kept}"
         if self.earlier:
@@ -332,7 +341,8 @@ def tune(model, heads, tokenizer, acc: Sequence[Sequence[float]], accuracy_sourc
     prompt_ids = render_chat(tokenizer, PROMPT)
     lengths = {n: expected_tokens_per_step(paths, acc) for n, paths in grown.items()}
     with torch.inference_mode():
-        seconds, share = with_cpu_share(lambda: measure_step_seconds(model, heads, trees, prompt_ids, lengths, progress))
+        (seconds, share), answering = with_work_beside(
+            lambda: with_cpu_share(lambda: measure_step_seconds(model, heads, trees, prompt_ids, lengths, progress)))
     chosen, speedup, best, best_speedup, fitted = choose(acc, seconds)
     paths = [list(p) for p in grown[chosen]] if chosen > 1 else []
     return TunedTree(paths=paths, nodes=chosen, expected_tokens_per_step=round(expected_tokens_per_step(grown[chosen], acc), 4),
@@ -340,7 +350,7 @@ def tune(model, heads, tokenizer, acc: Sequence[Sequence[float]], accuracy_sourc
                      step_ms={str(n): round(1e3 * s, 3) for n, s in sorted(fitted.items())},
                      seconds=round(time.perf_counter() - started, 2), accuracy_source=accuracy_source,
                      machine=machine_line(machine_identity(device)),
-                     cpu_share=round(share, 3) if device.type == "cpu" else None,
+                     cpu_share=round(share, 3) if device.type == "cpu" else None, beside_answer=answering,
                      accuracy=[list(map(float, row)) for row in acc])
 
 

@@ -83,6 +83,16 @@ def beside(activity: Callable[[], tuple[bool, int]]) -> Iterator[None]:
         _ACTIVE.activity = before
 
 
+def with_work_beside(run: Callable[[], T]) -> tuple[T, bool]:
+    """``run()``'s result and whether the work ``beside`` names overlapped it: running as it started or ended, or
+    started meanwhile. Outside ``beside``, never."""
+    activity = getattr(_ACTIVE, "activity", None) or (lambda: (False, 0))
+    running, started = activity()
+    value = run()
+    running_after, started_after = activity()
+    return value, running or running_after or started_after != started
+
+
 def remembering_now() -> bool:
     """Whether this thread is inside ``remembering``. There the tuners ask ``remembered`` before their own
     in-process caches, so that the memory holds, and its counts say, everything a load used (QA: a second
@@ -107,18 +117,16 @@ def remembered(what: str, key: tuple, measure: Callable[[], T], decode: Callable
             if name not in memory.measured:
                 memory.read.add(name)
             return value
-    activity = getattr(_ACTIVE, "activity", None) or (lambda: (False, 0))
-    (running, started), start = activity(), time.perf_counter()
+    start = time.perf_counter()
     depth = getattr(_ACTIVE, "depth", 0)
     _ACTIVE.depth = depth + 1
     try:
-        value = measure()
+        value, overlapped = with_work_beside(measure)
     finally:
         _ACTIVE.depth = depth
     if depth == 0:          # a measure that measures more inside (a warm-up that tunes) counts its time once
         memory.seconds += time.perf_counter() - start
-    running_after, started_after = activity()
-    memory.disturbed = memory.disturbed or running or running_after or started_after != started
+    memory.disturbed = memory.disturbed or overlapped
     memory.entries[name] = as_json(value)
     memory.measured.add(name)
     memory.read.discard(name)
