@@ -320,7 +320,11 @@ class ChatController:
                 if update.error:
                     error = update.error
                     turn.note = " · ".join(filter(None, [cut, error]))
-                yield self.views(session, stats, base, "", f"Generating: {label}…", partial=partial)
+                # a load (another tab's, a script's) replaces the model this answer runs on once it is ready: said
+                # while it runs, so the cut is no surprise (QA: the status said "Generating" to the end)
+                loading = " (a model is loading: this answer stops once it has loaded)" \
+                    if self.slot.loading else ""
+                yield self.views(session, stats, base, "", f"Generating: {label}…{loading}", partial=partial)
         except GeneratorExit:   # the request was cancelled mid-answer (a script's job.cancel()): nothing more can be
             # shown, and what was shown stays in the next prompt with a note, as after Stop (it stayed on screen
             # and was silently left out of the prompt)

@@ -176,6 +176,12 @@ class ModelSlot:
         self._retiring: list[ChatEngine] = []     # replaced engines, until _retire closes them
 
     # ---- state
+    @property
+    def loading(self) -> bool:
+        """Whether a load runs now (cheaper than state(), which looks at the download)."""
+        with self._lock:
+            return self._phase == "loading"
+
     def state(self) -> SlotState:
         with self._lock:
             line = self._line
@@ -220,9 +226,13 @@ class ModelSlot:
             retiring, self._retiring = self._retiring, []
         if not retiring:
             return
-        reason = "another model was loaded: ask again to have it answer" if new is not None else "the model was unloaded"
         while retiring:
-            retiring.pop().close(reason)
+            old = retiring.pop()
+            # the same model loaded again is not "another model" (QA: a Load of the model already loaded said so)
+            again = new is not None and old.loaded.source == new.loaded.source
+            old.close("the model was unloaded" if new is None else
+                      f"{'the model was loaded again' if again else 'another model was loaded'}: ask again to have "
+                      "it answer")
         free_memory()
 
     def wait(self, timeout: float) -> SlotState:

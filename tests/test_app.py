@@ -1620,11 +1620,12 @@ def test_a_tab_that_still_shows_the_old_model_runs_the_new_ones_default_tree(mod
         assert raw["medusa"]["tree"] == "baseline", raw
 
 
-@pytest.mark.parametrize("then", ["unload", "load another"])
-def test_an_answer_running_when_its_model_goes_ends_saying_why(model_dirs, then):
+@pytest.mark.parametrize("then", ["unload", "load another", "load it again"])
+def test_an_answer_running_when_its_model_goes_ends_saying_why(model_dirs, then, tmp_path):
     """Unload, or a load that replaces the model, while an answer streams: the answer stops at its next
     step with a one-line note and keeps what it wrote (it died on "cannot schedule new futures after
     shutdown", the status stuck on "Generating")."""
+    import shutil
     import threading
 
     from app.chat_controller import ChatController
@@ -1632,9 +1633,13 @@ def test_an_answer_running_when_its_model_goes_ends_saying_why(model_dirs, then)
     from app.session import Session
     from medusa_core.loading.spec import LoadSpec
 
+    from medusa_core.loading.load import load
+
     backbone, heads = model_dirs
     spec = LoadSpec(model=str(backbone), heads=str(heads), device="cpu")
-    slot = ModelSlot(log=lambda line: None)
+    gate = threading.Event()     # held while the answer is watched during the second load
+    gate.set()
+    slot = ModelSlot(loader=lambda s, progress: (gate.wait(60), load(s, progress))[1], log=lambda line: None)
     slot.start(spec)
     assert slot.wait(120).phase == "ready"
     slot.engine.model.get_decoder().register_forward_hook(lambda *args: time.sleep(0.02))   # it goes mid-answer
@@ -1648,12 +1653,26 @@ def test_an_answer_running_when_its_model_goes_ends_saying_why(model_dirs, then)
     if then == "unload":
         slot.unload()
     else:
-        slot.start(spec)
+        before = len(updates)
+        other = spec
+        if then == "load another":      # the same weights in another folder: another model to the app
+            other = LoadSpec(model=str(shutil.copytree(backbone, tmp_path / "other")), heads=str(heads), device="cpu")
+        gate.clear()
+        slot.start(other)
+        # while the load runs, the answer's status says it will stop (QA: it said "Generating" to the end)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(
+                "a model is loading: this answer stops once it has loaded" in u[5] for u in updates[before:]):
+            time.sleep(0.02)
+        assert any("a model is loading: this answer stops once it has loaded" in u[5] for u in updates[before:])
+        gate.set()
         assert slot.wait(120).phase == "ready"
     answering.join(60)
     assert not answering.is_alive()
     turn = session.turns[-1]
-    why = "the model was unloaded" if then == "unload" else "another model was loaded"
+    # the same model loaded again is not "another model" (QA)
+    why = {"unload": "the model was unloaded", "load it again": "the model was loaded again"}.get(
+        then, "another model was loaded")
     assert turn.reply and turn.note == f"stopped: {why}" + ("" if then == "unload" else ": ask again to have it answer")
     assert "Generating" not in updates[-1][5], "the status line stayed on the stopped answer"
     # its readout sums up what it wrote, as a stopped answer's does (it showed no summary line, as if running)
