@@ -37,11 +37,12 @@ def to_saved(turns: list[Turn], first_turn: int, system: str = "", compare: bool
 
 
 def saved_system(saved) -> str | None:
-    """The system prompt kept with a saved conversation that has turns; None otherwise (an empty
-    conversation does not override the prompt the app was started with)."""
-    if not isinstance(saved, dict) or not saved.get("turns") or not isinstance(saved.get("system"), str):
+    """The system prompt kept with a saved conversation: the one it was held with, or one typed before its first
+    message or after Clear (QA: the box came back empty, where the other settings came back as set); None where
+    there is none of these (an empty box with no conversation gives back the prompt the app was started with)."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("system"), str):
         return None
-    return saved["system"]
+    return saved["system"] if saved.get("turns") or saved["system"] else None
 
 
 def saved_compare(saved) -> bool:

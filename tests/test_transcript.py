@@ -228,3 +228,16 @@ def test_a_reloaded_conversations_readout_shows_its_last_answers_figures_or_the_
     # the last exchange cut off by the reload has no figures: the hint, not the exchange before's
     turns, _ = from_saved(to_saved([Turn(user="Hi", reply="Hello!", answered=answered), Turn(user="More")], 0))
     assert restored_readouts(turns) == (READOUT_HINT, "")
+
+
+def test_a_system_prompt_typed_before_the_first_message_or_after_clear_comes_back_after_a_reload():
+    """QA: a system prompt typed and not yet sent, or left in the box after Clear, was gone after a reload, where
+    the decoding settings set the same way came back. An empty box with no conversation gives the prompt the app
+    was started with (launch.py --system-prompt) back instead of keeping "nothing"."""
+    from app.transcript import saved_system, to_saved
+
+    assert saved_system(to_saved([], 0, "You are a pirate.")) == "You are a pirate."
+    assert saved_system(to_saved([], 0, "")) is None
+    assert saved_system(to_saved([Turn(user="Hi", reply="Arr.")], 0, "")) == "", "a conversation held without one"
+    assert saved_system(to_saved([Turn(user="Hi", reply="Arr.")], 0, "Be terse.")) == "Be terse."
+    assert saved_system({"turns": [], "system": 7}) is None and saved_system(None) is None
