@@ -228,11 +228,12 @@ class ModelSlot:
             return
         while retiring:
             old = retiring.pop()
+            if new is None:
+                old.close("the model was unloaded")
+                continue
             # the same model loaded again is not "another model" (QA: a Load of the model already loaded said so)
-            again = new is not None and old.loaded.source == new.loaded.source
-            old.close("the model was unloaded" if new is None else
-                      f"{'the model was loaded again' if again else 'another model was loaded'}: ask again to have "
-                      "it answer")
+            what = "the model was loaded again" if old.loaded.source == new.loaded.source else "another model was loaded"
+            old.close(f"{what}: ask again to have it answer")
         free_memory()
 
     def wait(self, timeout: float) -> SlotState:
@@ -367,9 +368,11 @@ def spec_for(choice: str | None, model: str, heads: str, base: LoadSpec) -> Load
     The command line's --tree and --retune were for the model it started with: another model gets
     its own tuned tree (from the cache when this machine has measured it)."""
     # the scripting API passes its values as sent (a number reached .strip() as a traceback's last line: QA)
-    for what, value in (("model choice", choice), ("model id", model), ("heads id", heads)):
+    for what, value, fix in (("model choice", choice, "a label from Known models"),
+                             ("model id", model, "a hub id or a local directory"),
+                             ("heads id", heads, "a hub id or a local directory")):
         if value is not None and not isinstance(value, str):
-            raise ValueError(f"{what} {value!r} is not text: give a hub id or a local directory as a string")
+            raise ValueError(f"{what} {value!r} is not text: give {fix} as a string")
     model, heads = (model or "").strip(), (heads or "").strip()
     base = replace(base, tree=None, retune=False)
     if model or heads:

@@ -1509,11 +1509,12 @@ def test_a_script_learns_whether_its_load_failed(model_dirs, tmp_path):
             with pytest.raises(Exception, match=says):
                 client.predict(wait, api_name="/model_status")
         # a number for an id: the one-line refusal, not a traceback's last line, and the model stays (QA)
-        for field, value, what in (("model_id", 12345, "model id"), ("heads_id", ["a"], "heads id"),
-                                   ("choice", 7, "model choice")):
+        for field, value, what, fix in (("model_id", 12345, "model id", "a hub id or a local directory"),
+                                        ("heads_id", ["a"], "heads id", "a hub id or a local directory"),
+                                        ("choice", 7, "model choice", "a label from Known models")):
             said = client.predict(**{"choice": None, "model_id": "", "heads_id": "", "max_new_value": 48,
                                      field: value}, api_name="/load_model")
-            assert said[0] == f"❌ {what} {value!r} is not text: give a hub id or a local directory as a string", said
+            assert said[0] == f"❌ {what} {value!r} is not text: give {fix} as a string", said
         assert client.predict(api_name="/model_status")["phase"] == "ready"
     finally:
         demo.close()
