@@ -37,6 +37,9 @@ MAX_NEW_LIMIT = 4096   # the slider's top before a model is loaded; then the mod
 SAMPLING = ("temperature", "top_p", "epsilon", "delta")   # set by a model's defaults
 # enabled by the mode that uses them: greedy and typical acceptance draw nothing, so the seed is exact sampling's
 MODE_CONTROLS = (*SAMPLING, "seed")
+# an idle tab's line while another tab's or a script's request holds the model (QA: it said only "Ready", and a
+# message sent then waited without the tab having said why until it was sent)
+BUSY_ELSEWHERE = "⏳ The model is answering another tab or a script now: a message you send waits for it."
 
 
 @dataclass
@@ -49,6 +52,7 @@ class Page:
     watch: gr.Timer              # looks, while idle, whether the model changed elsewhere; then starts ``timer``
     note: gr.Markdown
     status: gr.Markdown
+    busy_hint: gr.Markdown       # shown while the model answers another tab or a script (model_panel.watch)
     base_column: gr.Column
     base_chat: gr.Chatbot
     base_readout: gr.Markdown
@@ -133,6 +137,7 @@ def build_layout(slot: ModelSlot, system_prompt: str, start: Settings) -> Page:
     gr.Markdown("# Medusa chat")
     note = gr.Markdown(cpu_default_note(None), elem_id="note", elem_classes="note", visible=False)
     status = gr.Markdown(slot.state().line, elem_id="status", elem_classes="status")
+    busy_hint = gr.Markdown(BUSY_ELSEWHERE, elem_id="busy-hint", visible=False)
     with gr.Row():
         with gr.Column(scale=3):
             with gr.Row(equal_height=True):
@@ -181,6 +186,6 @@ def build_layout(slot: ModelSlot, system_prompt: str, start: Settings) -> Page:
                                  info="punctuation, spaces and line breaks the heads guessed count in the readout "
                                       "but are not coloured")
             controls = {**decoding_controls(slot.max_new_tokens, start), "colour_heads": colour}
-    return Page(session, saved, kept, shown_version, timer, watch, note, status, base_column, base_chat, base_readout, chat, readout,
+    return Page(session, saved, kept, shown_version, timer, watch, note, status, busy_hint, base_column, base_chat, base_readout, chat, readout,
                 comparison, box, send, stop, regenerate, clear, export_json, export_md, raw, known, model_box,
                 heads_box, load, unload, model_status, system, compare, controls)

@@ -284,9 +284,19 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
         sync's own outputs, even unchanged, put stale values back into a streaming answer's status line and a
         tree picked meanwhile. While this tab answers, its status line is the answer's: the sync waits for it."""
         state = slot.state()
+        hint = busy_hint(session, state.engine)
         if session.busy.locked() or (shown == (state.version, state.engine_version) and state.phase != "loading"):
+            return gr.update(), hint
+        return gr.Timer(active=True), hint
+
+    def busy_hint(session: Session, engine) -> dict:
+        """The line under the status while another tab's or a script's request holds the model and this tab has none
+        running: shown or hidden only when that changes (the status line itself stays the sync's and the answer's)."""
+        elsewhere = engine is not None and not session.busy.locked() and engine.queue.activity()[0]
+        if elsewhere == session.busy_hint_shown:
             return gr.update()
-        return gr.Timer(active=True)
+        session.busy_hint_shown = elsewhere
+        return gr.update(visible=elsewhere)
 
     def model_status(wait: float = 0.0) -> dict:
         """For scripts, which see no status line: {"phase": "loading", "ready", "failed" or "empty", "status": the
@@ -314,8 +324,8 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
     max_new, outputs = page.controls["max_new_tokens"], model_outputs(page)
     page.timer.tick(sync, [page.shown_version, max_new, page.kept, page.session], outputs, api_name=False,
                     concurrency_limit=None, show_progress="hidden")
-    page.watch.tick(watch, [page.session, page.shown_version], [page.timer], api_name=False, concurrency_limit=None,
-                    show_progress="hidden")
+    page.watch.tick(watch, [page.session, page.shown_version], [page.timer, page.busy_hint], api_name=False,
+                    concurrency_limit=None, show_progress="hidden")
     # raw values (preprocess=False): a script's bad number reaches sync, which takes it as unset, instead of
     # Gradio's multi-line preprocessing error
     buttons = [output for output in outputs if output is not page.shown_version]    # the line under them first

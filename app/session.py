@@ -55,6 +55,7 @@ class Session:
         # the model slot's version after a Load this tab refused (no model given) took an old failure off the status
         # line: its syncs keep the refusal under the Load button (QA: it gave way to the Ready line within seconds)
         self.refused_at: int | None = None
+        self.busy_hint_shown = False        # whether the tab shows layout.BUSY_ELSEWHERE (model_panel.watch)
 
     def stop(self, clear: bool = False) -> None:
         with self._stop_lock:     # one hold: a mark taken meanwhile sees the Clear and its Stop, or neither

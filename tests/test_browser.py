@@ -503,15 +503,21 @@ def test_every_reload_continues_the_conversation_it_shows(page):
         assert len(users) == i + 2 and "banana" in users[0], f"reload {i + 1} lost the conversation: {users}"
 
 
+def ready_tabs(context, url: str, count: int) -> list:
+    """``count`` tabs of one browser ``context`` at ``url``, each with its model ready."""
+    tabs = [context.new_page() for _ in range(count)]
+    for tab in tabs:
+        tab.goto(url)
+        tab.wait_for_function(READY, timeout=120_000)
+    return tabs
+
+
 def test_two_tabs_each_reload_their_own_conversation(browser, default_app):
     """Two tabs of one browser: a reload brings back that tab's conversation and system prompt (the
     browser's one shared copy gave it the other tab's), and a new tab starts from the copy written last."""
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
     try:
-        first, second = context.new_page(), context.new_page()
-        for tab in (first, second):
-            tab.goto(default_app)
-            tab.wait_for_function(READY, timeout=120_000)
+        first, second = ready_tabs(context, default_app, 2)
         first.locator("#system textarea").fill("You are a pirate.")
         send(first, "Tab A: name a fruit.")
         send(second, "Tab B: name a car brand.")
@@ -527,6 +533,29 @@ def test_two_tabs_each_reload_their_own_conversation(browser, default_app):
         third.wait_for_function("() => document.querySelectorAll('#chat .message.user').length === 1",
                                 timeout=60_000)
         assert third.locator("#chat .message.user").inner_text().strip() == "Tab B: name a car brand."
+    finally:
+        context.close()
+
+
+def test_an_idle_tab_says_when_the_model_answers_another_tab(browser, default_app):
+    """QA: an idle tab said only "Ready" while another tab's answer held the model; a message sent there waited,
+    and said why only once sent. It now says so while it lasts, and the line goes when the other answer ends."""
+    from app.layout import BUSY_ELSEWHERE
+
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    try:
+        first, second = ready_tabs(context, default_app, 2)
+        hint = second.locator("#busy-hint")
+        assert not hint.is_visible()
+        set_max_new(first, 2000)
+        first.locator("#message textarea").fill("Write a very long essay about trains.")
+        first.locator("#send").click()
+        hint.wait_for(state="visible", timeout=15_000)      # the watch looks every 2 s
+        assert hint.inner_text().strip() == BUSY_ELSEWHERE
+        assert not first.locator("#busy-hint").is_visible(), "the answering tab's own answer is not 'another tab'"
+        first.locator("#stop").click()
+        first.wait_for_function(READY, timeout=60_000)
+        hint.wait_for(state="hidden", timeout=15_000)
     finally:
         context.close()
 
