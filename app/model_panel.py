@@ -280,9 +280,10 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
     def watch(session: Session, shown):
         """Every 2 s: a model loaded, switched or unloaded elsewhere (another tab, the API) starts the sync timer,
         so this tab's status line, Send button and tree follow it (a tab said Ready with Send on after an unload,
-        and after a switch ran its old tree on the new model). The watch itself outputs only that timer: the
-        sync's own outputs, even unchanged, put stale values back into a streaming answer's status line and a
-        tree picked meanwhile. While this tab answers, its status line is the answer's: the sync waits for it."""
+        and after a switch ran its old tree on the new model). The watch itself outputs only that timer and the busy
+        hint (a line of its own): the sync's outputs, even unchanged, put stale values back into a streaming answer's
+        status line and a tree picked meanwhile. While this tab answers, its status line is the answer's: the sync
+        waits for it."""
         state = slot.state()
         hint = busy_hint(session, state.engine)
         if session.busy.locked() or (shown == (state.version, state.engine_version) and state.phase != "loading"):
