@@ -27,7 +27,7 @@ def cpu_default_note(weights: str | None, dtype: str = "float32") -> str:
             "on bitsandbytes' 4-bit NF4 weights" if weights and weights.startswith("NF4") else f"in {dtype}")
     return ("**SmolLM2-135M-Instruct on the CPU.** This is what `python launch.py` serves without a CUDA GPU: "
             "SmolLM2-135M-Instruct, a small instruction-tuned chat model (135 M parameters), with Medusa heads "
-            f"trained for it, running on the CPU {runs} (the model line says which matmuls run, and why). Expect "
+            f"trained for it, running on the CPU {runs} (the Model panel says which matmuls run, and why). Expect "
             "short, simple answers; the speed numbers are real. On a CUDA machine `python launch.py` loads "
             "Vicuna-7B with Medusa heads.")
 

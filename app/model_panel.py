@@ -189,6 +189,12 @@ def first_paragraph(line: str) -> str:
     return line.split("\n\n")[0]
 
 
+def panel_status(news: str, state) -> str:
+    """Under the Load button: ``news`` (what this page's Load or Unload did, or a change it saw), then the loaded
+    model in full (SlotState.details), which the status line leaves out."""
+    return "\n\n".join(filter(None, [news, f"Loaded: {state.details}" if state.details else ""]))
+
+
 def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Settings):
     """Attach the model panel's events; returns ``sync(shown, max_new_value, stored)``, the update of
     ``model_outputs(page)`` the page's load event uses too. ``start``: the decoding settings the page
@@ -215,7 +221,7 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
         # the status line's first paragraph under the Load button too (the tree's is the status line's), for a
         # change this page saw: on a phone the line at the top is far out of view, and a failed Load showed
         # nothing where the user pressed it
-        under = first_paragraph(state.line) if shown is not None else gr.update()
+        under = panel_status(first_paragraph(state.line) if shown is not None else "", state)
         if session is not None and session.refused_at == state.version:
             under = gr.update()        # this tab's refused Load made this version: its refusal stays the news
         # a page opened after another tab's Load failed beside the model that stayed: that model's Ready line (QA:
@@ -272,7 +278,8 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
         if refused:     # a toast: a line under the panel would still say "still loading" once it has loaded
             gr.Warning(refused)
         # a load that failed at once (a missing folder) has ended by now: its line has the tree paragraph too
-        return (first_paragraph(slot.state().line), *page_only(sync(shown, max_new_value))[1:])
+        state = slot.state()
+        return (panel_status(first_paragraph(state.line), state), *page_only(sync(shown, max_new_value))[1:])
 
     def on_unload(max_new_value, shown):
         return (slot.unload(), *page_only(sync(shown, max_new_value))[1:])
@@ -301,10 +308,11 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
 
     def model_status(wait: float = 0.0) -> dict:
         """For scripts, which see no status line: {"phase": "loading", "ready", "failed" or "empty", "status": the
-        page's status line, "model": the loaded model or null, "error": why the last load failed or null (a failed
-        switch keeps the model before it: phase "ready"), "trees" and "default_tree": the model's}, after waiting up to ``wait`` seconds (at most
-        MAX_STATUS_WAIT_S) for a load in progress to end. /load_model answers at once, while the load starts: a
-        script could not tell a path that failed from a load still running."""
+        page's status line, "details": the loaded model in full (the Model panel's), "model": the loaded model or
+        null, "error": why the last load failed or null (a failed switch keeps the model before it: phase "ready"),
+        "trees" and "default_tree": the model's}, after waiting up to ``wait`` seconds (at most MAX_STATUS_WAIT_S)
+        for a load in progress to end. /load_model answers at once, while the load starts: a script could not tell
+        a path that failed from a load still running."""
         try:
             seconds = 0.0 if wait is None else number("wait", wait)    # a bool is refused, not 1 s
         except ValueError as err:
@@ -316,7 +324,7 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
         engine = state.engine
         # the trees /send's tree takes as listed (the picker's choices; view_api cannot list them: they come with the
         # model), and the one it runs without a tree
-        return {"phase": state.phase, "status": state.line,
+        return {"phase": state.phase, "status": state.line, "details": state.details,
                 "model": engine.loaded.source if engine is not None else None, "error": state.error,
                 "trees": [name for _, name in engine.tree_choices] if engine is not None else [],
                 "default_tree": engine.default_tree if engine is not None else None}

@@ -109,6 +109,9 @@ class SlotState:
     engine: ChatEngine | None = None   # the engine of that version, read in the same snapshot
     error: str | None = None           # why the last load failed (the model before it may still be loaded)
     ready_line: str = ""               # the loaded model's Ready line, also while ``line`` says a switch failed
+    # the loaded model in full (its weights, kernels, fidelity check, heads, memory): the Model panel's, not the
+    # status line's (QA: a five-line paragraph of internals on every page view, where a user looks for the tree)
+    details: str = ""
 
     @property
     def model_line(self) -> str:
@@ -168,6 +171,7 @@ class ModelSlot:
         self.engine: ChatEngine | None = None
         self._phase, self._line, self._version = "empty", EMPTY_LINE, 0
         self._ready_line = ""       # the loaded model's Ready line, which a dismissed failure gives back
+        self._details = ""          # the loaded model's description and memory (SlotState.details)
         self._engine_version = 0
         self._error: str | None = None
         self._kept = ""             # what a failed switch says of the loaded model: its name and tree line
@@ -189,8 +193,9 @@ class ModelSlot:
                 got = sum(downloaded(s) for s in (self._loading.model, self._loading.heads))
                 line += f" {time.perf_counter() - self._started:.0f} s"
                 line += f" · downloaded {_size(got)}" if got else ""
+            loaded = self.engine is not None
             return SlotState(self._phase, line, self._version, self._engine_version, self.engine, self._error,
-                             self._ready_line if self.engine is not None else "")
+                             self._ready_line if loaded else "", self._details if loaded else "")
 
     def _set(self, phase: str, line: str, engine: ChatEngine | None = None, replace_engine: bool = False,
              error: str | None = None) -> None:
@@ -312,16 +317,18 @@ class ModelSlot:
             # during the load, it counted both models (QA: a second load of SmolLM2 said 1.88 GiB for 1.18)
             self._swap(engine)
             memory = memory_report(loaded.model, loaded.heads, str(engine.device))
-        line = f"Ready · {loaded.description} · loaded in {seconds:.1f} s · {memory}"
+        line = f"Ready · {loaded_name(loaded)} · {runs_as(loaded, engine)} · loaded in {seconds:.1f} s"
+        details = f"{loaded.description} · {memory}"
         if loaded.tree_note:   # on a line of its own: which tree runs, and why, is what a user looks for
             line += f"\n\n{loaded.tree_note}"
         if self.max_new_tokens > engine.context:   # said, as the page says a value typed past the slider (QA)
             line += (f"\n\n--max-new-tokens {self.max_new_tokens} is more than this model's {engine.context}-token "
                      f"context: its default is {engine.max_new_tokens}")
         self._kept = f"{loaded_name(loaded)} is still loaded" + (f"\n\n{loaded.tree_note}" if loaded.tree_note else "")
-        self._ready_line = line
+        with self._lock:
+            self._ready_line, self._details = line, details
         self._set("ready", line, engine, replace_engine=not replacing)
-        self._log(line)
+        self._log(f"{line}\n\n{details}")
 
     def _progress(self, line: str) -> None:
         """A long step of the load (the first start's tree tuning): the page's line and the console."""
@@ -361,6 +368,12 @@ def loaded_name(loaded) -> str:
     name = str(getattr(loaded.model.config, "name_or_path", "") or "the model")
     return (Path(name).name if Path(name).is_absolute() else name) + \
         (" with its Medusa heads" if loaded.heads is not None else "")
+
+
+def runs_as(loaded, engine: ChatEngine) -> str:
+    """How the weights run, in a few words: "int4 on cpu", "NF4 on cuda", "bfloat16 on cuda"."""
+    dtype = str(engine.dtype).removeprefix("torch.")
+    return f"{loaded.weights or dtype} on {engine.device.type}"
 
 
 def spec_for(choice: str | None, model: str, heads: str, base: LoadSpec) -> LoadSpec:

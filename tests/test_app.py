@@ -1416,7 +1416,7 @@ def test_a_load_or_unload_frees_the_model_it_replaces_before_it_tells_the_memory
         slot.start(spec)
         assert slot.wait(120).phase == "ready"
     assert alive_when_told == [[False]], "the old model was still held when the memory was told"
-    assert "loaded in" in slot.state().line and " · memory as told" in slot.state().line
+    assert "loaded in" in slot.state().line and slot.state().details.endswith(" · memory as told")
     # Unload too (QA: it said 921 MiB resident where the process was at 724 MiB a moment later)
     monkeypatch.setattr(models, "memory_now", lambda: str([ref() is not None for ref in loaded_models]))
     assert slot.unload() == "Model unloaded · [False, False]"
@@ -1473,7 +1473,7 @@ def test_a_script_learns_whether_its_load_failed(model_dirs, tmp_path):
     try:
         client = Client(f"http://127.0.0.1:{port}/", verbose=False)
         assert client.predict(api_name="/model_status") == {"phase": "empty", "status": slot.state().line,
-                                                            "model": None, "error": None, "trees": [],
+                                                            "details": "", "model": None, "error": None, "trees": [],
                                                             "default_tree": None}
         slot.start(spec)
         assert client.predict(api_name="/model_status")["phase"] == "loading"

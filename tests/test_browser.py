@@ -138,9 +138,16 @@ def test_the_page_says_what_it_runs_and_starts_with_its_settings(page):
     assert "SmolLM2-135M-Instruct" in note and "CPU" in note and "Vicuna-7B" in note
     status = page.locator("#status").inner_text()
     assert "SmolLM2-135M-Instruct" in status
-    # the note and the model line agree on the weights (it said 4-bit where the model line said float32)
-    assert ("on its own 4-bit weights" in note) == ("(int4," in status), (note, status)
-    assert ("running on the CPU in float32" in note) == ("(unquantized, float32" in status), (note, status)
+    # the model in full is the Model panel's: the status line is what runs and which tree (QA: a five-line paragraph
+    # of internals on every page view)
+    assert status.count("\n") <= 3 and len(status) < 400, status
+    page.locator("#model-panel").click()   # the accordion
+    details = page.locator("#model-status").inner_text()
+    assert "Loaded: SmolLM2-135M-Instruct" in details and "process RSS" in details, details
+    # the note, the status and the model panel agree on the weights (it said 4-bit where the model line said float32)
+    assert ("on its own 4-bit weights" in note) == ("int4 on cpu" in status) == ("(int4," in details), (note, status)
+    assert ("running on the CPU in float32" in note) == ("float32 on cpu" in status) == \
+        ("(unquantized, float32" in details), (note, status)
     # the tree tuned for this machine at the first start (or plain decoding where none pays), and why
     tree = page.locator("#tree input").input_value()
     assert ("tree tuned for this machine (the default)" in status and tree.startswith("tuned (")) or \
@@ -631,9 +638,11 @@ def test_a_failed_load_keeps_the_decoding_settings(page, browser):
     # under the Load button too: on a phone the status line is far above it, out of view, and nothing showed.
     # Waited for, not read once: the two lines come in one update the page may render apart (a CI run under
     # load read the panel's "Loading…" a second after the status line had the error)
-    page.wait_for_function("() => document.querySelector('#model-status')?.innerText.trim() === "
-                           "document.querySelector('#status')?.innerText.split('\\n')[0].trim()", timeout=30_000)
-    assert page.locator("#model-status").inner_text().strip() == status.split("\n")[0].strip()
+    page.wait_for_function("() => document.querySelector('#model-status')?.innerText.trim().startsWith("
+                           "document.querySelector('#status')?.innerText.split('\\n')[0].trim())", timeout=30_000)
+    under = page.locator("#model-status").inner_text().strip()
+    # then the model that stays, in full
+    assert under.startswith(status.split("\n")[0].strip()) and "\nLoaded: SmolLM2-135M-Instruct" in under, under
     assert page.locator("input[value=greedy]").is_checked()
     assert tree.input_value().startswith("chain-2")
     # a page opened now (another user, another tab) shows the model that is loaded, not this tab's failed Load
