@@ -21,7 +21,7 @@ from .models import ModelSlot, SlotState
 from .readout import Stats, count, render_comparison, render_live
 from .render import note_html, reply_html, user_html
 from .session import Session, Turn
-from .settings import Settings, flag
+from .settings import Settings, flag, text
 from .transcript import export_folder, from_saved, saved_compare, saved_system, to_saved, write_exports
 
 WAITING_FOR_LOAD = "waiting for the model to load: the answer starts once it is ready (Stop gives the message back)"
@@ -185,13 +185,17 @@ class ChatController:
     def run(self, session: Session, message, system, compare, controls: dict, shown=None) -> Iterator[tuple]:
         """One request from the tab; ``controls`` are the raw control values by Settings field name, ``shown``
         the model version the tab's controls show (for_engine)."""
+        try:     # a script's list or number is refused, not answered as its printed form
+            message, system = text("message", message), text("system", system)
+        except ValueError as err:
+            yield self.refused(str(err))
+            return
         mark = self.take_turn(session, session.sent_mark())
         if mark is None:
             yield self.refused(BUSY + " (your text stays in the box)")
             return
         try:
-            yield from self._run(session, str(message or "").strip(), str(system or ""), compare, controls, shown,
-                                 mark)
+            yield from self._run(session, message.strip(), system, compare, controls, shown, mark)
         finally:
             session.busy.release()
 
@@ -335,6 +339,11 @@ class ChatController:
         return stats, base, comparison, error
 
     def regenerate(self, session: Session, system, compare, controls: dict, shown=None) -> Iterator[tuple]:
+        try:
+            system = text("system", system)
+        except ValueError as err:
+            yield self.refused(f"{err} (the answer stays as it was)")
+            return
         # the tab's lock first: a second click while the first regenerates must not pop the turn it answers
         mark = self.take_turn(session, session.sent_mark())
         if mark is None:
@@ -359,7 +368,7 @@ class ChatController:
                 return
             replaced = session.turns.pop()
             session.first_turn = min(session.first_turn, len(session.turns))
-            yield from self._run(session, replaced.user, str(system or ""), compare, controls, shown, mark, started=True,
+            yield from self._run(session, replaced.user, system, compare, controls, shown, mark, started=True,
                                  cut_before=replaced.cut)
         finally:
             session.busy.release()

@@ -24,6 +24,14 @@ def flag(name: str, value) -> bool:
     raise ValueError(f"{name} {value!r} is not true or false: give true or false")
 
 
+def text(name: str, value) -> str:
+    """A raw text value (the message box, the system prompt, or a script's argument) as a str; ValueError names
+    anything else (QA: a script's message=["a", "b"] was answered as the text "['a', 'b']")."""
+    if value is None or isinstance(value, str):
+        return value or ""
+    raise ValueError(f"{name} {shortened(repr(value))} is not text: send it as a string")
+
+
 # the page's seeds (and its scripting API's, the same handler): a browser's number box holds a whole number exactly
 # only up to 2**53 - 1; past it, 9007199254740993 typed ran as ...992, and 2**63 - 1 was refused as 9223372036854776000
 PAGE_SEED_MAX = 2**53 - 1

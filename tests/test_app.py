@@ -464,6 +464,23 @@ def test_bad_api_values_give_one_line_notes_not_tracebacks(client, app):
     assert "Traceback" not in app[1].read_text()
 
 
+def test_a_message_or_system_prompt_that_is_not_text_is_refused(client):
+    """QA: a script's message=["a", "b"] (or {"text": "hi"}) was answered as the text "['a', 'b']"; other wrongly
+    typed values were refused. It is refused too, by name, and the conversation does not change."""
+    for kw, words in [(dict(message=["a", "b"]), "message ['a', 'b'] is not text: send it as a string"),
+                      (dict(message={"text": "hi"}), "message {'text': 'hi'} is not text"),
+                      (dict(message=7), "message 7 is not text"),
+                      (dict(message="fine", system=["be", "brief"]), "system ['be', 'brief'] is not text")]:
+        message = kw.pop("message")
+        _, (chat, *_, raw, _) = ask(client, message, **kw)
+        assert words in raw["error"], raw
+        assert chat == {"__type__": "update"}, "the chat is left as it is: nothing is added to the conversation"
+    ask(client, "a first question", max_new=4)
+    chat, *_, raw, _ = client.submit(*send_args("", system=["be", "brief"])[1:], api_name="/regenerate").result(
+        timeout=120)
+    assert chat == {"__type__": "update"} and "system ['be', 'brief'] is not text" in raw["error"], raw
+
+
 def test_a_message_resent_after_it_was_refused_shows_once(client):
     """A refused message goes back to the box with its one-line reason in the chat; sent again (fixed, or
     edited), it replaces that attempt: the chat showed the question twice, and so did the exports."""
