@@ -470,6 +470,13 @@ SCROLL_TO_END = """() => setTimeout(() => document.querySelectorAll('#chat .bubb
     .forEach(pane => pane.scrollTo({top: pane.scrollHeight})), 300)"""
 
 
+# Stop answers the "Still answering …: press Stop" toast: it goes with the click (QA: it stayed its 10 s beside the
+# Ready line of the stopped answer, still asking for Stop)
+DISMISS_BUSY = """() => document.querySelectorAll('[data-testid="toast-body"]').forEach(toast => {
+    if (toast.innerText.includes(%r)) toast.querySelector('[data-testid="toast-close"]')?.click();
+})""" % BUSY
+
+
 def wire_chat(page: Page, chat: ChatController) -> dict:
     """Attach the conversation's events; returns ``save_after``, the event that follows every change.
     The chat handlers' parameters are the scripting API's parameter names, and ``page.inputs``
@@ -530,6 +537,7 @@ def wire_chat(page: Page, chat: ChatController) -> dict:
         **save_after).then(**stop_after)
     # Stop and Clear must not wait behind a running answer: no concurrency limit.
     page.stop.click(on_stop, [page.session], None, api_name="stop", concurrency_limit=None)
+    page.stop.click(None, None, None, js=DISMISS_BUSY, api_name=False)
     # the chat panes' own bin icons do what Clear does
     for trigger, name in ((page.clear.click, "clear"), (page.chat.clear, False), (page.base_chat.clear, False)):
         trigger(chat.clear, [page.session], outputs[:-1], api_name=name, concurrency_limit=None).then(**save_after)

@@ -878,7 +878,7 @@ def test_a_reload_during_a_long_read_stops_the_answer_nobody_will_see(browser, t
 
 def test_a_send_during_an_answer_says_why_it_waits(browser, tiny_dirs, monkeypatch):
     """A second message while the tab answers is not dropped without a word: a toast says why, and
-    the text stays in the box. Stop is on only while there is an answer to stop, and the refused
+    the text stays in the box, until Stop. Stop is on only while there is an answer to stop, and the refused
     message does not turn it off under the running one. The first answer reads a long prompt at a
     quarter second a piece, so it surely runs through the checks (a story from SmolLM2 could end
     inside them on a fast machine, and Stop then rightly went grey)."""
@@ -905,7 +905,11 @@ def test_a_send_during_an_answer_says_why_it_waits(browser, tiny_dirs, monkeypat
         assert not turned_off, "the refused message turned Stop off while the first answer ran"
         assert "reading" in page.locator("#status").inner_text(), "the first answer ended: nothing was tested"
         assert len(run.forwards) < run.pieces, "the first answer read its whole prompt: nothing was tested"
+        # the toast asks for Stop: it goes with Stop's click (QA: it stayed 10 s beside the stopped answer's Ready)
+        toast = page.get_by_text("Still answering your previous message")
+        assert toast.count() and toast.first.is_visible(), "the toast had gone before Stop: nothing was tested"
         stop.click()
+        toast.first.wait_for(state="detached", timeout=3_000)
         page.wait_for_function(READY, timeout=30_000)
         page.wait_for_function("() => document.querySelector('#stop')?.disabled", timeout=10_000)
         page.close()
