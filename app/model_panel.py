@@ -227,9 +227,15 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
         # a page opened after another tab's Load failed beside the model that stayed: that model's Ready line (QA:
         # every new visitor's first sight was a red error about a model they never asked for); tabs open then
         # saw the failure as it happened, the one that pressed Load under its button too
-        updates = {"status": state.model_line if shown is None else state.line, "model_status": under,
+        # a tab whose message waited for this load is answering it now: its status line is the answer's (the load's
+        # Ready line, written over "Generating", read as an idle page, and a message sent then was refused as busy)
+        answering = session is not None and session.busy.locked()
+        status = gr.update() if answering else state.model_line if shown is None else state.line
+        updates = {"status": status, "model_status": under,
                    "note": gr.update(visible=cpu_default, **({"value": note} if note else {})),
-                   "send": gr.update(interactive=engine is not None and not loading),
+                   # on while a model is loading too: a message sent then waits for it, as Enter's always did (QA: a
+                   # grey Send beside an Enter that sent read as "you cannot send now")
+                   "send": gr.update(interactive=engine is not None or loading),
                    "timer": gr.Timer(active=loading), "shown_version": now}
         if shown is not None and shown[1] == state.engine_version:
             pass                       # the same model: the controls stay as the user set them

@@ -28,8 +28,9 @@ OUT = Path(__file__).resolve().parent.parent / "out"
 ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--no-first-run"]
 # The status line while an answer runs or waits; otherwise it names the model ("Ready · ...", or after a
-# failed load which model is still loaded). JavaScript, for wait_for_function.
-IDLE_STATUS = ("(() => { const status = document.querySelector('#status');"
+# failed load which model is still loaded). JavaScript, for wait_for_function. The markdown's text only: the line's
+# progress tracker, hidden, is in its innerText too ("queue: 1/1 | 0.3/0.4s ⏳ Waiting…" read as idle)
+IDLE_STATUS = ("(() => { const status = document.querySelector('#status [data-testid=markdown]');"
                " return !!status && !/^(Starting|Generating|\u23f3)/.test(status.innerText.trim()); })()")
 # a model is loaded, Send is on and nothing runs
 READY = f"() => {{ const send = document.querySelector('#send'); return !!send && !send.disabled && {IDLE_STATUS}; }}"
@@ -1014,7 +1015,8 @@ def test_a_model_changed_elsewhere_reaches_an_open_tab(browser, tiny_dirs):
 
 
 def test_page_opens_before_the_model_has_loaded(browser):
-    """The page is served at once, shows load progress and keeps Send off until the model is in."""
+    """The page is served at once and shows load progress; Send is on, and a message sent meanwhile waits for the
+    model (QA: Send was grey while Enter sent and the message waited)."""
     from app.browser_copy import SETTINGS_KEY
     from app.models import CPU_DEFAULTS, ModelSlot
     from medusa_core.loading.load import load
@@ -1039,15 +1041,23 @@ def test_page_opens_before_the_model_has_loaded(browser):
                                    timeout=30_000)
             shoot(page, "loading.png")
             assert "SmolLM2-135M-Instruct" in page.locator("#status").inner_text()
-            assert page.locator("#send").is_disabled()
+            assert page.locator("#send").is_enabled()
             # the page opens with the loading model's settings, and a mode picked meanwhile stays
             assert page.locator(f"input[value={CPU_DEFAULTS.mode}]").is_checked()
             page.locator("input[value=typical]").check()
             page.wait_for_function("() => !document.querySelector('#epsilon input[type=range]')?.disabled",
                                    timeout=10_000)
+            # a message sent now waits in the chat, saying so, and is answered once the model is in
+            page.locator("#message textarea").fill("hello")
+            page.locator("#send").click()
+            page.get_by_text("waiting for the model to load").first.wait_for(timeout=10_000)
+            assert page.locator("#message textarea").input_value() == ""
             gate.set()
             page.wait_for_function(READY, timeout=120_000)
-            page.wait_for_function("() => !document.querySelector('#send')?.disabled", timeout=30_000)
+            page.wait_for_function("() => document.querySelectorAll('#chat .message.bot').length === 1 && "
+                                   "!document.querySelector('#chat').innerText.includes('waiting for the model')",
+                                   timeout=30_000)
+            assert assistant_texts(page, "chat")[-1].strip()
             assert page.locator("input[value=typical]").is_checked() and slider_enabled(page, "epsilon")
             # and the browser keeps it for the model that arrived (it kept the copy from before, which a
             # reload brought back)
