@@ -317,7 +317,7 @@ class ModelSlot:
             # during the load, it counted both models (QA: a second load of SmolLM2 said 1.88 GiB for 1.18)
             self._swap(engine)
             memory = memory_report(loaded.model, loaded.heads, str(engine.device))
-        line = f"Ready · {loaded_name(loaded)} · {runs_as(loaded, engine)} · loaded in {seconds:.1f} s"
+        line = f"Ready · {loaded_name(loaded)} · {runs_as(engine)} · loaded in {seconds:.1f} s"
         details = f"{loaded.description} · {memory}"
         if loaded.tree_note:   # on a line of its own: which tree runs, and why, is what a user looks for
             line += f"\n\n{loaded.tree_note}"
@@ -370,10 +370,9 @@ def loaded_name(loaded) -> str:
         (" with its Medusa heads" if loaded.heads is not None else "")
 
 
-def runs_as(loaded, engine: ChatEngine) -> str:
+def runs_as(engine: ChatEngine) -> str:
     """How the weights run, in a few words: "int4 on cpu", "NF4 on cuda", "bfloat16 on cuda"."""
-    dtype = str(engine.dtype).removeprefix("torch.")
-    return f"{loaded.weights or dtype} on {engine.device.type}"
+    return f"{engine.weights or str(engine.dtype).removeprefix('torch.')} on {engine.device.type}"
 
 
 def spec_for(choice: str | None, model: str, heads: str, base: LoadSpec) -> LoadSpec:
