@@ -114,6 +114,13 @@ def test_cli_errors_are_one_line_before_any_work(backbone_dir, tmp_path, capsys)
     cases += [([*prompts, "--eval-every", "0"], "--eval-every 0 must be at least 1"),
               ([*prompts, "--lr", "-0.5"], "--lr -0.5 must be a positive learning rate"),
               ([*prompts, "--threads", "-1"], "--threads -1 must be 0 (torch's choice) or a positive count")]
+    # QA16 MINOR-1: these two came after the whole self-distillation
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases += [([*prompts, "--resume"], f"--resume given but {tmp_path / 'h' / 'work' / 'checkpoint.pt'} does not exist: "
+                                       "drop --resume to start fresh"),
+              ([*prompts, "--init-heads", str(tmp_path / "nope")], f"{tmp_path / 'nope'} does not exist"),
+              ([*prompts, "--init-heads", str(empty)], f"{empty} has no medusa_lm_head.safetensors")]
     for args, why in cases:
         assert main([*common, *args]) == 1
         err = capsys.readouterr().err.strip().splitlines()[-1]

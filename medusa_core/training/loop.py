@@ -14,13 +14,14 @@ import torch
 from torch import nn
 
 from ..heads.accuracy import CALIBRATION_FILE
-from ..heads.files import PROPOSAL_FILE
+from ..heads.files import PROPOSAL_FILE, HeadsFiles, load_heads_files, read_heads_dir
 from ..heads.medusa_heads import HeadsConfig, MedusaHeads
 from . import data
 from .evaluation import rank_counts, rank_histogram
 from .loss import Positions, backbone_hidden, cached_positions, head_loss, padded, positions
 
 TREE_FILE = "tree.json"     # calibrate's tree beside the heads (README: --out my-heads/tree.json)
+CHECKPOINT_FILE = "checkpoint.pt"   # in the work folder
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ def train_heads(model: nn.Module, heads: MedusaHeads, rows: list[tuple[list[int]
     # run follows the --lr / --root-lr it was given
     opt = torch.optim.AdamW(groups, lr=config.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(config.seed)
-    ckpt_path = work / "checkpoint.pt"
+    ckpt_path = work / CHECKPOINT_FILE
     if config.cache_hidden:
         train_cache = cached_positions(model, rows, pad, num_heads, desc="hidden states (train)")
         held_cache = cached_positions(model, held, pad, num_heads, desc="hidden states (held-out)")
@@ -174,9 +175,7 @@ def held_out_accuracy(heads: MedusaHeads, counts) -> dict:
 
 def resume(ckpt_path: Path, heads: MedusaHeads, opt: torch.optim.Optimizer, gen: torch.Generator,
            device: torch.device) -> tuple[int, list[dict]]:
-    """Heads, optimizer and sampling state from the checkpoint; (its step, its history)."""
-    if not ckpt_path.is_file():
-        raise FileNotFoundError(f"--resume given but {ckpt_path} does not exist: drop --resume to start fresh")
+    """Heads, optimizer and sampling state from the checkpoint (check_resumable said it is there); (its step, its history)."""
     # weights_only: a checkpoint holds tensors and numbers only
     ckpt = torch.load(ckpt_path, map_location=device, weights_only=True)
     heads.load_state_dict(ckpt["heads"])
@@ -186,12 +185,16 @@ def resume(ckpt_path: Path, heads: MedusaHeads, opt: torch.optim.Optimizer, gen:
     return ckpt["step"], json.loads(ckpt["history"])
 
 
-def warm_start(directory: str, model: nn.Module, root_conditioned: bool) -> MedusaHeads:
-    """Heads saved in ``directory`` (checked against ``model``, with their proposal vocabulary), given
-    zero root blocks if ``root_conditioned`` and they have none: they start exactly where they were."""
-    from ..heads.files import load_heads_dir
+def check_resumable(work: Path) -> None:
+    """FileNotFoundError where --resume has no checkpoint to continue from."""
+    if not (work / CHECKPOINT_FILE).is_file():
+        raise FileNotFoundError(f"--resume given but {work / CHECKPOINT_FILE} does not exist: drop --resume to start fresh")
 
-    saved = load_heads_dir(directory, model)
+
+def warm_start(files: HeadsFiles, model: nn.Module, root_conditioned: bool) -> MedusaHeads:
+    """Heads read from their folder (checked against ``model``, with their proposal vocabulary), given
+    zero root blocks if ``root_conditioned`` and they have none: they start exactly where they were."""
+    saved = load_heads_files(files, model)
     if not root_conditioned or saved.config.root_conditioned:
         return saved
     heads = MedusaHeads(replace(saved.config, root_conditioned=True))
@@ -219,10 +222,14 @@ def main_with_config(config: TrainConfig) -> dict:
     from ..heads.files import save_heads
     from ..loading.load import load_backbone, load_backbone_dir
 
+    work = Path(config.work_dir or Path(config.out) / "work")
+    # said before the load and the self-distillation, which can take hours (QA: both came after it)
+    if config.resume:
+        check_resumable(work)
+    init_files = read_heads_dir(config.init_heads) if config.init_heads else None
     torch.manual_seed(config.seed)
     if config.threads:
         torch.set_num_threads(config.threads)
-    work = Path(config.work_dir or Path(config.out) / "work")
     work.mkdir(parents=True, exist_ok=True)
     if config.load_in_4bit:
         if not config.device.startswith("cuda"):
@@ -240,8 +247,8 @@ def main_with_config(config: TrainConfig) -> dict:
     rows, held = data.split_rows(rows, config.held_out, config.seed)
     text = model.config.get_text_config()
     lm_head = model.get_output_embeddings()
-    if config.init_heads:
-        heads = warm_start(config.init_heads, model, config.root_conditioned)
+    if init_files is not None:
+        heads = warm_start(init_files, model, config.root_conditioned)
     else:
         heads = MedusaHeads(HeadsConfig(config.num_heads, config.num_layers, text.hidden_size,
                                         lm_head.weight.shape[0], config.own_projection, config.root_conditioned))
