@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..decoding.config import DecodeConfig, SettingError
 from ..heads.accuracy import CALIBRATION_FILE
 from ..heads.files import PROPOSAL_FILE, HeadsFiles, load_heads_files, read_heads_dir
 from ..heads.medusa_heads import HeadsConfig, MedusaHeads
@@ -82,6 +83,12 @@ class TrainConfig:
         for flag, value in (("--lr", self.lr), ("--root-lr", self.root_lr)):
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{flag} {value} must be a positive learning rate, e.g. 1e-3")
+        for temperature in self.temperatures:
+            # the limits sampling has everywhere else (bench, the page, the API): -1 was distilled and trained on (QA16)
+            try:
+                DecodeConfig(mode="sample", temperature=temperature)
+            except SettingError as err:       # named as the flag, as bench names it
+                raise ValueError(f"--temperatures {err.problem}") from None
         check_threads(self.threads)
 
 
