@@ -118,14 +118,10 @@ def check_flags(args: argparse.Namespace) -> None:
         fail(str(err))
     # an NF4 kernel choice where no NF4 weights are (it was ignored without a word), or a Triton one where
     # Triton cannot run (refused only once the model had loaded, leaving none)
-    nf4 = args.quant == "nf4" or (args.quant == "auto" and device.startswith("cuda"))
-    if args.nf4_kernel != "auto" and not nf4:
-        fail(f"--nf4-kernel {args.nf4_kernel} picks the kernel of NF4 weights, and --quant {args.quant} on {device} "
-             "makes none: add --quant nf4, or drop --nf4-kernel")
     from medusa_core.quant.bnb import flag_error as kernel_error
     from medusa_core.quant.norm_routing import flag_error as norm_error
 
-    for error in (kernel_error(args.nf4_kernel, device), norm_error(args.norm_kernel, args.nf4_kernel, device)):
+    for error in (kernel_error(args.nf4_kernel, device, args.quant), norm_error(args.norm_kernel, args.nf4_kernel, device)):
         if error:
             fail(error)
 

@@ -27,7 +27,9 @@ from .loading.load import load
 from .loading.policy import resolve_device
 from .loading.spec import LoadSpec
 from .quant.bnb import NF4_KERNELS
-from .quant.norm_routing import NORM_KERNELS, flag_error
+from .quant.bnb import flag_error as kernel_flag_error
+from .quant.norm_routing import NORM_KERNELS
+from .quant.norm_routing import flag_error as norm_flag_error
 
 
 def parser() -> argparse.ArgumentParser:
@@ -92,9 +94,12 @@ def prepare(args) -> Setup:
             except UnknownTreeError as err:     # the choices the help names: default too (QA)
                 raise UnknownTreeError(str(err).replace(": use one of ", ": use default (the model's default tree), ",
                                                         1)) from None
-    norm_error = flag_error(args.norm_kernel, args.nf4_kernel, resolve_device(args.device))
-    if norm_error:
-        raise ValueError(norm_error)
+    device = resolve_device(args.device)
+    # the NF4 kernel's checks are launch.py's: a choice where the load makes no NF4 weights was ignored (QA16)
+    flags_error = norm_flag_error(args.norm_kernel, args.nf4_kernel, device) or \
+        kernel_flag_error(args.nf4_kernel, device, args.quant)
+    if flags_error:
+        raise ValueError(flags_error)
     # the default tree is tuned only where it is asked for: a run of presets has no use for it
     fixed = next((t for t in args.tree if t != "default"), None) if args.tree and "default" not in args.tree else None
     loaded = load(LoadSpec(model=args.model, heads=args.heads, device=args.device, dtype=args.dtype, quant=args.quant,

@@ -70,6 +70,12 @@ def test_what_the_flags_show_wrong_is_said_before_the_model_loads(checkpoint, tm
     assert capsys.readouterr().err.startswith("error: --norm-kernel triton: the Triton norm needs a CUDA device")
     assert bench.main([*base, "--quant", "nf4", "--nf4-kernel", "repacked-exact", "--norm-kernel", "torch"]) == 1
     assert "brings its own row-exact norms: drop --norm-kernel" in capsys.readouterr().err
+    # launch.py's line, from the same check (QA16: bench loaded int4 and ignored the flag without a word)
+    assert bench.main([*base, "--device", "cpu", "--nf4-kernel", "triton"]) == 1
+    assert capsys.readouterr().err.strip() == ("error: --nf4-kernel triton picks the kernel of NF4 weights, and --quant "
+                                               "auto on cpu makes none: add --quant nf4, or drop --nf4-kernel")
+    assert bench.main([*base, "--device", "cpu", "--quant", "nf4", "--nf4-kernel", "repacked"]) == 1
+    assert capsys.readouterr().err.startswith("error: --nf4-kernel repacked: the Triton kernels need a CUDA device")
     # what the OpenAI API refuses, and a negative warm-up (QA: both ran)
     assert bench.main([*base, "--mode", "greedy", "--temperature", "0.7"]) == 1
     assert capsys.readouterr().err.strip() == ("error: --temperature 0.7 with --mode greedy: greedy decoding draws "

@@ -22,9 +22,14 @@ from .kernel_timing import AUTO_ROWS
 NF4_KERNELS = ("auto", "triton", "bnb", "repacked", "repacked-exact")
 
 
-def flag_error(choice: str, device: str) -> str | None:
+def flag_error(choice: str, device: str, quant: str | None = None) -> str | None:
     """What the flags alone show wrong with --nf4-kernel ``choice`` on ``device`` (resolved, e.g. "cpu",
-    "cuda:0"): said by the entry points before any load; None if nothing."""
+    "cuda:0") beside --quant ``quant`` (None: the caller makes NF4 weights): said by the entry points before
+    any load; None if nothing."""
+    # a kernel choice where the load makes no NF4 weights was ignored without a word (launch, then bench: QA16)
+    if quant is not None and choice != "auto" and not (quant == "nf4" or (quant == "auto" and device.startswith("cuda"))):
+        return (f"--nf4-kernel {choice} picks the kernel of NF4 weights, and --quant {quant} on {device} "
+                "makes none: add --quant nf4, or drop --nf4-kernel")
     if choice not in ("auto", "bnb") and not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
         return (f"--nf4-kernel {choice}: the Triton kernels need a CUDA device (on {device} they run only under "
                 "Triton's interpreter, TRITON_INTERPRET=1, slowly, for tests): use --nf4-kernel bnb or auto")
