@@ -38,7 +38,7 @@ from .benchmarks.step_report import QuantResult, TreeRow, environment, fold_repo
 from .benchmarks.step_timing import (copy_bandwidth, prefilled_cache, time_hf_generate, time_loop,
                                      time_step, time_stock_forward)
 from .benchmarks.synthetic import (DTYPE, SHAPES, attention_flag_error, build_heads, build_model, check_not_zero,
-                                   quantize_backbone_, rotary_flag_error, route_attention, route_rotary,
+                                   cpu_run_notes, quantize_backbone_, rotary_flag_error, route_attention, route_rotary,
                                    save_random_checkpoint, weight_bytes)
 from .errors import check_writable
 from .decoding.tree import build_tree_buffers, expected_tokens_per_step, tree_of_size
@@ -276,8 +276,10 @@ def save_checkpoint_command(args, device: torch.device) -> int:
     return 0
 
 
-def bench_command(args, device: torch.device) -> int:
+def bench_command(args, device: torch.device, cuda: bool) -> int:
     """Time every tree size, per backbone precision, and print (and write) the results."""
+    for line in cpu_run_notes(device, cuda, args.shape, args.quant, args.nf4_kernel):
+        print(line, flush=True)
     env = environment(device)
     print(", ".join(f"{k} {v}" for k, v in env.items()))
     print(f"heads' top-1 accuracies {args.accuracies}; rank i of head k counts a[k] * {args.rank_decay}**i")
@@ -309,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    return save_checkpoint_command(args, device) if args.save_checkpoint else bench_command(args, device)
+    return save_checkpoint_command(args, device) if args.save_checkpoint else bench_command(args, device, cuda)
 
 
 if __name__ == "__main__":

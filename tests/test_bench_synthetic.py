@@ -477,3 +477,19 @@ def test_a_step_kernel_on_a_cpu_without_the_interpreter_is_one_line_before_a_bui
         assert main(["--device", "cpu", flag, choice]) == 1
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and f"{flag} {default}" in err and "TRITON_INTERPRET=1" in err, err
+
+
+def test_a_cpu_run_says_first_that_it_is_a_smoke_check_and_which_nf4_flags_it_skips(capsys):
+    """QA16: the step benchmarks ran tiny shapes on a CPU machine and printed speedups (and wrote out/h100.json)
+    with no word that they are no speed claims, and dropped --nf4-kernel without a word."""
+    from medusa_core.benchmarks import profile_gpu_step
+
+    runs = ((bench_synthetic.main, ["--iters", "1", "--warmup", "0"]), (profile_gpu_step.main, ["--steps", "1"]))
+    for main, extra in runs:
+        assert main(["--device", "cpu", "--tree-sizes", "1", "--context", "8", "--nf4-kernel", "bnb", "auto", *extra]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert "tiny shapes on the CPU, a smoke check of the code path; its figures are not speed claims (run it on " \
+               "a CUDA machine for the 7B shapes)" in lines[0], lines[:2]
+        assert lines[1] == ("--nf4-kernel bnb auto skipped: it picks the kernel of NF4 weights, and --quant none builds "
+                            "none (NF4 is a default only on CUDA): add --quant nf4 to run it here"), lines[:2]
+        assert not any(line.startswith("nf4") or "[nf4" in line for line in lines)

@@ -34,8 +34,8 @@ from ..heads.accuracy import PUBLISHED_ACCURACIES, TOP_K, rank_table
 from ..quant.bnb import NF4_KERNELS, use_nf4_kernel
 from ..quant.norm_routing import NORM_KERNELS, use_norm_kernel
 from .step_timing import prefilled_cache
-from .synthetic import (DTYPE, SHAPES, attention_flag_error, build_heads, build_model, quantize_backbone_,
-                        rotary_flag_error, route_attention, route_rotary)
+from .synthetic import (DTYPE, SHAPES, attention_flag_error, build_heads, build_model, cpu_run_notes,
+                        quantize_backbone_, rotary_flag_error, route_attention, route_rotary)
 
 PREFIX = "medusa:"
 CATEGORIES = {
@@ -233,13 +233,17 @@ def main(argv: list[str] | None = None) -> int:
     if error := rotary_flag_error(args.rotary_kernel, device) or attention_flag_error(args.attention_kernel, device):
         print(f"error: {error}", file=sys.stderr)
         return 1
-    shape = SHAPES[args.shape or ("7b" if device.type == "cuda" else "tiny")]
+    shape_name = args.shape or ("7b" if device.type == "cuda" else "tiny")
+    shape = SHAPES[shape_name]
     if args.context + max(args.tree_sizes) + 2 > shape.max_position:
         print(f"error: --context {args.context} leaves no room in the {shape.max_position}-token context: lower it",
               file=sys.stderr)
         return 1
+    quants = args.quant or (["none", "nf4"] if device.type == "cuda" else ["none"])
+    for line in cpu_run_notes(device, cuda, shape_name, quants, args.nf4_kernel):
+        print(line, flush=True)
     profile = {}
-    for quant in args.quant or (["none", "nf4"] if device.type == "cuda" else ["none"]):
+    for quant in quants:
         model = build_model(shape, device, args.seed)
         heads = build_heads(shape, len(PUBLISHED_ACCURACIES), device, args.seed + 1)
         kernels = [None]

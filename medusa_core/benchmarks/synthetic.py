@@ -190,6 +190,20 @@ def _triton_flag_error(flag: str, choices: list[str], triton_choice: str, what: 
     return None
 
 
+def cpu_run_notes(device: torch.device, cuda: bool, shape: str, quants: list[str], nf4_kernels: list[str]) -> list[str]:
+    """The lines a run on the CPU prints before anything else: the step benchmarks run there as a smoke check,
+    and their tables (speedups included) read like the GPU's (QA16: a CPU run wrote out/h100.json without a
+    word); an --nf4-kernel choice without an NF4 backbone is said to be skipped, not dropped silently."""
+    if device.type == "cuda":
+        return []
+    lines = [f"{'no CUDA GPU' if not cuda else f'--device {device}'}: {shape} shapes on the CPU, a smoke check of the "
+             "code path; its figures are not speed claims (run it on a CUDA machine for the 7B shapes)"]
+    if nf4_kernels != ["auto"] and "nf4" not in quants:
+        lines.append(f"--nf4-kernel {' '.join(nf4_kernels)} skipped: it picks the kernel of NF4 weights, and --quant "
+                     f"{' '.join(quants)} builds none (NF4 is a default only on CUDA): add --quant nf4 to run it here")
+    return lines
+
+
 def rotary_flag_error(choices: list[str], device: torch.device) -> str | None:
     """--rotary-kernel triton where the kernel cannot run, said before a model is built; None if it can."""
     return _triton_flag_error("--rotary-kernel", choices, "triton", "the Triton rotary", "torch", device)
