@@ -25,6 +25,7 @@ Stages (each writes under --work and --out; run them in order, on the machines t
 
 On 2 CPU cores the heads stage would take days (answer generation is slow even batched, and every
 training step runs five vocabulary-wide projections forwards and backwards); a GPU does it in minutes.
+It is refused off a GPU: the default stages (prompts heads) need --device cuda.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class BuildConfig:
 
 
 def run(stages: list[str], work: Path, out: Path, device: str, config: BuildConfig, model_dir: Path | None) -> dict:
+    check_stages(stages, device)
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "build_log.json"
@@ -180,6 +182,15 @@ def build_root_heads(prompts: Path, work: Path, heads_dir: Path, device: str, co
         seed=config.seed, base_model=smollm2.HUB_ID))
     return {k: report[k] for k in ("train_sequences", "held_out_sequences", "train_positions",
                                    "held_out_positions", "final", "history")}
+
+
+def check_stages(stages: list[str], device: str) -> None:
+    """ValueError, before any stage, for the heads stage off a GPU: the help says it would take days on 2 CPU
+    cores, and the bare command (its default stages include heads) started it there without a word (QA16)."""
+    if "heads" in stages and not device.startswith("cuda"):
+        raise ValueError(f"the heads stage on --device {device} would take days (self-distillation of every prompt, "
+                         "then vocabulary-wide training): run it with --device cuda on a GPU machine, or "
+                         "--stages prompts vocab tree on the CPU")
 
 
 def most_used(answers: list[list[int]], size: int) -> tuple[list[int], float]:

@@ -82,3 +82,15 @@ def test_counts_below_one_are_refused_before_any_stage(tmp_path, capsys):
         main(["--stages", "prompts", "--prompt-count", "-100", "--work", str(tmp_path / "work"), "--out", str(tmp_path)])
     assert stopped.value.code == 2 and "--prompt-count -100 must be at least 1" in capsys.readouterr().err
     assert not (tmp_path / "work").exists()
+
+
+def test_the_heads_stage_off_a_gpu_is_refused_before_any_stage(tmp_path, capsys):
+    """QA16: the bare command (default stages prompts heads) on a CPU started the days-long self-distillation."""
+    from medusa_core.smol_build import main
+
+    assert main(["--device", "cpu", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err == ("error: the heads stage on --device cpu would take days (self-distillation of every prompt, then "
+                   "vocabulary-wide training): run it with --device cuda on a GPU machine, or --stages prompts vocab "
+                   "tree on the CPU\n")
+    assert not (tmp_path / "work").exists() and not (tmp_path / "out").exists()
