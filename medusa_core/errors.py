@@ -52,6 +52,16 @@ def run_command(body: Callable[[], object]) -> int:
     return 0
 
 
+def check_folder(path: str | Path, flag: str = "--out") -> None:
+    """ValueError, before any work, where ``path``, a folder the command makes or writes into, is a file or lies
+    under one (QA16: mkdir's "Not a directory" named a path below it the user never gave, with no fix)."""
+    target = Path(path)
+    existing = next((p for p in [target, *target.parents] if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        where = "is a file" if existing == target else f"lies under {existing}, a file"
+        raise ValueError(f"{flag} {path} {where}: give a directory")
+
+
 def check_writable(path: str | None, flag: str = "--json") -> None:
     """ValueError, before any work, where ``path`` could not be written at the end of the run."""
     if path is None:

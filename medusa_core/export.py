@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import LoadError, run_command
+from .errors import LoadError, check_folder, run_command
 from .heads.medusa_heads import HeadsConfig
 from .heads.files import (HEADS_FILE, HeadsFiles, check_declared, heads_config_from_keys, read_heads_dir,
                           save_safetensors)
@@ -140,6 +140,7 @@ def export(spec: ExportSpec) -> list[Path]:
         raise LoadError(f"format {spec.format!r} is unknown: use one of {', '.join(FORMATS)}")
     if spec.dtype not in DTYPES:
         raise LoadError(f"dtype {spec.dtype!r} is unknown: use one of {', '.join(DTYPES)}")
+    check_folder(spec.out)      # before the heads are read: a hub download can take minutes
     files, found = read_source(spec.heads)
     dtype = DTYPES[spec.dtype]
     written = []

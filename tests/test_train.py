@@ -106,7 +106,11 @@ def test_cli_errors_are_one_line_before_any_work(backbone_dir, tmp_path, capsys)
     common = ["--model", str(backbone_dir / "backbone"), "--raw-prompts", "--steps", "2"]
     cases = [(["--out", str(tmp_path / "h"), "--prompts", str(tmp_path / "missing.jsonl")],
               f"{tmp_path / 'missing.jsonl'}: No such file or directory"),
-             (["--out", str(a_file), "--prompts", str(backbone_dir / "prompts.jsonl")], "Not a directory"),
+             # QA16 NIT-1: it named {a_file}/work, "Not a directory", with no fix
+             (["--out", str(a_file), "--prompts", str(backbone_dir / "prompts.jsonl")],
+              f"--out {a_file} is a file: give a directory"),
+             (["--out", str(tmp_path / "h"), "--work-dir", str(a_file), "--prompts", str(backbone_dir / "prompts.jsonl")],
+              f"--work-dir {a_file} is a file: give a directory"),
              (["--out", str(tmp_path / "h"), "--prompts", str(backbone_dir / "prompts.jsonl"), "--num-heads", "0"],
               "num_heads 0: train at least 1 head (--num-heads)")]
     # QA 5c: each a ZeroDivisionError or torch's traceback, after the distillation

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..decoding.config import DecodeConfig, SettingError
+from ..errors import check_folder
 from ..heads.accuracy import CALIBRATION_FILE
 from ..heads.files import PROPOSAL_FILE, HeadsFiles, load_heads_files, read_heads_dir
 from ..heads.medusa_heads import HeadsConfig, MedusaHeads
@@ -230,7 +231,10 @@ def main_with_config(config: TrainConfig) -> dict:
     from ..loading.load import load_backbone, load_backbone_dir
 
     work = Path(config.work_dir or Path(config.out) / "work")
-    # said before the load and the self-distillation, which can take hours (QA: both came after it)
+    # said before the load and the self-distillation, which can take hours (QA: these came after it)
+    check_folder(config.out)
+    if config.work_dir:
+        check_folder(config.work_dir, "--work-dir")
     if config.resume:
         check_resumable(work)
     init_files = read_heads_dir(config.init_heads) if config.init_heads else None
