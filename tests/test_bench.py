@@ -48,6 +48,10 @@ def test_bench_reports_bad_input_in_one_line(checkpoint, tmp_path, capsys):
     assert "would both be named 'tree' in the table: rename one" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="does not exist"):
         bench.main(["--model", str(backbone), "--heads", str(heads), "--prompts", str(tmp_path / "missing.jsonl")])
+    with pytest.raises(SystemExit) as stopped:     # QA16 NIT-2: a folder was said not to exist
+        bench.main(["--model", str(backbone), "--heads", str(heads), "--prompts", str(tmp_path)])
+    assert str(stopped.value) == (f"error: prompts file {tmp_path} is a directory: give a .jsonl file with one "
+                                  '{"prompt": ...} per line')
 
 
 def test_what_the_flags_show_wrong_is_said_before_the_model_loads(checkpoint, tmp_path, capsys, monkeypatch):

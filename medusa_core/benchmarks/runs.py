@@ -138,6 +138,8 @@ def format_table(rows: list[Row]) -> str:
 def bench_prompts(path: str | None) -> list[str]:
     """The --prompts file, else the held-out chat prompts in assets/smollm2 (no head was trained on them)."""
     path = path or str(CPU_DEFAULT_PROMPTS)
+    if Path(path).is_dir():      # "does not exist" was said of a folder that does (QA16)
+        raise SystemExit(f"error: prompts file {path} is a directory: give a .jsonl file with one {{\"prompt\": ...}} per line")
     if not Path(path).is_file():
         raise SystemExit(f"error: prompts file {path} does not exist: give a JSONL file with one {{\"prompt\": ...}} per line")
     try:
