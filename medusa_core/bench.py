@@ -26,10 +26,8 @@ from .loading.chat_format import render_chat
 from .loading.load import load
 from .loading.policy import resolve_device
 from .loading.spec import LoadSpec
-from .quant.bnb import NF4_KERNELS
-from .quant.bnb import flag_error as kernel_flag_error
-from .quant.norm_routing import NORM_KERNELS
-from .quant.norm_routing import flag_error as norm_flag_error
+from .quant.bnb import NF4_KERNELS, flag_error as kernel_flag_error
+from .quant.norm_routing import NORM_KERNELS, flag_error as norm_flag_error
 
 
 def parser() -> argparse.ArgumentParser:
