@@ -36,6 +36,11 @@ IDLE_STATUS = ("(() => { const status = document.querySelector('#status [data-te
 READY = f"() => {{ const send = document.querySelector('#send'); return !!send && !send.disabled && {IDLE_STATUS}; }}"
 
 
+def status_of(page):
+    """The status line's text, without its progress tracker ("processing | 0.0s" read as a line of the status)."""
+    return page.locator("#status [data-testid=markdown]").inner_text()
+
+
 @pytest.fixture
 def browser():
     sync_api = pytest.importorskip("playwright.sync_api")
@@ -137,7 +142,7 @@ def set_max_new(page, tokens: int) -> None:
 def test_the_page_says_what_it_runs_and_starts_with_its_settings(page):
     note = page.locator("#note").inner_text()
     assert "SmolLM2-135M-Instruct" in note and "CPU" in note and "Vicuna-7B" in note
-    status = page.locator("#status").inner_text()
+    status = status_of(page)
     assert "SmolLM2-135M-Instruct" in status
     # the model in full is the Model panel's: the status line is what runs and which tree (QA: a five-line paragraph
     # of internals on every page view)
@@ -184,7 +189,7 @@ def test_typical_acceptance_is_tuned_with_sliders(page):
     send(page, "Name a colour.")
     shoot(page, "typical_sliders.png")
     assert assistant_texts(page, "chat")[-1].strip()
-    assert "Ready" in page.locator("#status").inner_text()
+    assert "Ready" in status_of(page)
     page.get_by_label("Exact sampling").check()
     page.wait_for_function("() => document.querySelector('#seed input')?.disabled === false", timeout=10_000)
 
@@ -627,11 +632,11 @@ def test_a_failed_load_keeps_the_decoding_settings(page, browser):
     page.locator("#model-id textarea, #model-id input").first.fill("/nonexistent/model-dir")
     page.locator("#load-model").click()
     # the load fails in the background; the status line says so once the page's timer looks
-    page.wait_for_function("() => document.querySelector('#status')?.innerText.includes('does not exist')",
+    page.wait_for_function("() => document.querySelector('#status [data-testid=markdown]')?.innerText.includes('does not exist')",
                            timeout=60_000)
     page.wait_for_timeout(1000)
     shoot(page, "failed_load.png")
-    status = page.locator("#status").inner_text()
+    status = status_of(page)
     # the loaded model in a few words, not its whole Ready paragraph again
     assert "· SmolLM2-135M-Instruct with its Medusa heads is still loaded" in status and "Ready" not in status
     # the tree paragraph too: the tuned tree, or plain decoding where none pays on this CPU (busy, or AVX2-only)
@@ -640,7 +645,7 @@ def test_a_failed_load_keeps_the_decoding_settings(page, browser):
     # Waited for, not read once: the two lines come in one update the page may render apart (a CI run under
     # load read the panel's "Loading…" a second after the status line had the error)
     page.wait_for_function("() => document.querySelector('#model-status')?.innerText.trim().startsWith("
-                           "document.querySelector('#status')?.innerText.split('\\n')[0].trim())", timeout=30_000)
+                           "document.querySelector('#status [data-testid=markdown]')?.innerText.split('\\n')[0].trim())", timeout=30_000)
     under = page.locator("#model-status").inner_text().strip()
     # then the model that stays, in full
     assert under.startswith(status.split("\n")[0].strip()) and "\nLoaded: SmolLM2-135M-Instruct" in under, under
@@ -651,21 +656,21 @@ def test_a_failed_load_keeps_the_decoding_settings(page, browser):
     try:
         other.goto(page.url, wait_until="load")
         other.wait_for_function(READY, timeout=60_000)
-        assert other.locator("#status").inner_text().strip().startswith("Ready"), other.locator("#status").inner_text()
-        assert "does not exist" not in other.locator("#status").inner_text()
+        assert status_of(other).strip().startswith("Ready"), status_of(other)
+        assert "does not exist" not in status_of(other)
         send(other, "Hi")         # and after its answers (QA: the status line an answer ends with was the error)
-        assert other.locator("#status").inner_text().strip().startswith("Ready"), other.locator("#status").inner_text()
+        assert status_of(other).strip().startswith("Ready"), status_of(other)
     finally:
         other.close()
-    assert "does not exist" in page.locator("#status").inner_text(), "this tab still says what its Load did"
+    assert "does not exist" in status_of(page), "this tab still says what its Load did"
     # Load again with the field emptied: refused at once, and the old failure leaves the status line
     page.locator("#model-id textarea, #model-id input").first.fill("")
     page.locator("#load-model").click()
     page.wait_for_function("() => document.querySelector('#model-status')?.innerText.includes('no model given')",
                            timeout=30_000)
-    page.wait_for_function("() => document.querySelector('#status')?.innerText.trim().startsWith('Ready')",
+    page.wait_for_function("() => document.querySelector('#status [data-testid=markdown]')?.innerText.trim().startsWith('Ready')",
                            timeout=30_000)
-    assert "does not exist" not in page.locator("#status").inner_text()
+    assert "does not exist" not in status_of(page)
     page.wait_for_timeout(5_000)      # two syncs: the refusal stays under the button (QA: the Ready line took it in 1-3 s)
     assert "no model given" in page.locator("#model-status").inner_text(), page.locator("#model-status").inner_text()
 
@@ -866,7 +871,7 @@ def test_a_reload_during_a_long_read_stops_the_answer_nobody_will_see(browser, t
         page = open_page(browser, run.url)
         page.locator("#message textarea").fill(run.prompt)
         page.locator("#send").click()
-        page.wait_for_function("() => document.querySelector('#status')?.innerText.includes('reading')",
+        page.wait_for_function("() => document.querySelector('#status [data-testid=markdown]')?.innerText.includes('reading')",
                                timeout=30_000)
         page.reload()
         page.wait_for_function(READY, timeout=30_000)
@@ -889,7 +894,7 @@ def test_a_send_during_an_answer_says_why_it_waits(browser, tiny_dirs, monkeypat
         assert stop.is_disabled(), "nothing runs: Stop is grey"
         page.locator("#message textarea").fill(run.prompt)
         page.locator("#send").click()
-        page.wait_for_function("() => document.querySelector('#status')?.innerText.includes('reading')",
+        page.wait_for_function("() => document.querySelector('#status [data-testid=markdown]')?.innerText.includes('reading')",
                                timeout=30_000)
         assert stop.is_enabled()
         page.locator("#message textarea").fill("another one")
@@ -904,7 +909,7 @@ def test_a_send_during_an_answer_says_why_it_waits(browser, tiny_dirs, monkeypat
             poll();
         })""")
         assert not turned_off, "the refused message turned Stop off while the first answer ran"
-        assert "reading" in page.locator("#status").inner_text(), "the first answer ended: nothing was tested"
+        assert "reading" in status_of(page), "the first answer ended: nothing was tested"
         assert len(run.forwards) < run.pieces, "the first answer read its whole prompt: nothing was tested"
         # the toast asks for Stop: it goes with Stop's click (QA: it stayed 10 s beside the stopped answer's Ready)
         toast = page.get_by_text("Still answering your previous message")
@@ -934,7 +939,7 @@ def test_a_load_started_elsewhere_leaves_a_running_answers_status_line(browser, 
         page = open_page(browser, run.url)
         page.locator("#message textarea").fill(run.prompt)
         page.locator("#send").click()
-        page.wait_for_function("() => document.querySelector('#status')?.innerText.includes('reading')",
+        page.wait_for_function("() => document.querySelector('#status [data-testid=markdown]')?.innerText.includes('reading')",
                                timeout=30_000)
         page.evaluate("""() => { window.statuses = [];
             const status = document.querySelector('#status');
@@ -949,7 +954,7 @@ def test_a_load_started_elsewhere_leaves_a_running_answers_status_line(browser, 
         assert not any("Loading" in text for text in shown), shown
         gate.set()
         page.wait_for_function(READY, timeout=60_000)
-        assert page.locator("#status").inner_text().startswith("Ready")
+        assert status_of(page).startswith("Ready")
         assert "the model was loaded again" in page.locator("#chat").inner_text()     # the same folders
         page.close()
 
@@ -995,7 +1000,7 @@ def test_a_model_changed_elsewhere_reaches_an_open_tab(browser, tiny_dirs):
         slot.unload()                                         # as another tab's Unload does
         # status and Send come in one update, which the page may apply in two renders: wait for both (CI on a
         # busy machine once read Send between them)
-        page.wait_for_function("() => document.querySelector('#status')?.innerText.includes('No model loaded') "
+        page.wait_for_function("() => document.querySelector('#status [data-testid=markdown]')?.innerText.includes('No model loaded') "
                                "&& document.querySelector('#send')?.disabled", timeout=15_000)
         slot.start(LoadSpec(model=str(backbone), device="cpu"))   # no heads: plain decoding only
         assert slot.wait(120).phase == "ready"
@@ -1035,12 +1040,12 @@ def test_page_opens_before_the_model_has_loaded(browser):
             slot.start(spec)
             page = browser.new_page(viewport={"width": 1400, "height": 900})
             page.goto(url)
-            page.wait_for_function("() => document.querySelector('#status')?.innerText.includes('Loading')",
+            page.wait_for_function("() => document.querySelector('#status [data-testid=markdown]')?.innerText.includes('Loading')",
                                    timeout=30_000)
-            page.wait_for_function("() => /\\d+ s/.test(document.querySelector('#status')?.innerText)",
+            page.wait_for_function("() => /\\d+ s/.test(document.querySelector('#status [data-testid=markdown]')?.innerText)",
                                    timeout=30_000)
             shoot(page, "loading.png")
-            assert "SmolLM2-135M-Instruct" in page.locator("#status").inner_text()
+            assert "SmolLM2-135M-Instruct" in status_of(page)
             assert page.locator("#send").is_enabled()
             # the page opens with the loading model's settings, and a mode picked meanwhile stays
             assert page.locator(f"input[value={CPU_DEFAULTS.mode}]").is_checked()
@@ -1081,7 +1086,7 @@ def test_page_opens_before_the_model_has_loaded(browser):
             slot.unload()
             slot.start(spec)
             page.reload()
-            page.wait_for_function("() => document.querySelector('#status')?.innerText.includes('Loading')",
+            page.wait_for_function("() => document.querySelector('#status [data-testid=markdown]')?.innerText.includes('Loading')",
                                    timeout=30_000)
             assert page.locator(f"input[value={CPU_DEFAULTS.mode}]").is_checked(), "no model yet: its defaults"
             gate.set()
