@@ -3,6 +3,7 @@ Markdown files the page exports."""
 
 from __future__ import annotations
 
+import atexit
 import html
 import json
 import math
@@ -10,6 +11,7 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from markdown_it import MarkdownIt
@@ -26,6 +28,9 @@ FORMAT = "medusa-chat/1"
 FENCE = re.compile(r"( {0,3})(`{3,}|~{3,})(.*)")
 # what a Markdown viewer makes of a text: CommonMark with GitHub's tables and strikethrough
 VIEWER = MarkdownIt("commonmark").enable(["table", "strikethrough"])
+# This process's folder of export folders, made at the first export and removed when the process exits
+_EXPORTS: list[Path] = []
+_EXPORTS_LOCK = threading.Lock()
 
 
 def to_saved(turns: list[Turn], first_turn: int, system: str = "", compare: bool = False) -> dict:
@@ -195,8 +200,14 @@ def _system_line(title: str, system: str) -> str:
 
 
 def export_folder() -> Path:
-    """A new private temporary directory for one tab's export files."""
-    return Path(tempfile.mkdtemp(prefix="medusa-chat-"))
+    """A new private temporary directory for one tab's export files. It lies in this process's own folder,
+    which goes when the process exits (Ctrl+C or SIGTERM too): a tab still open then left its conversation
+    in /tmp for good, one folder per tab and start."""
+    with _EXPORTS_LOCK:     # two tabs' first exports at once would make two process folders
+        if not _EXPORTS:
+            _EXPORTS.append(Path(tempfile.mkdtemp(prefix="medusa-chat-exports-")))
+            atexit.register(shutil.rmtree, _EXPORTS[0], ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix="tab-", dir=_EXPORTS[0]))
 
 
 def discard_exports(session: Session) -> None:
