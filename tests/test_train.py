@@ -183,6 +183,9 @@ def test_heads_trained_over_others_take_nothing_of_theirs(backbone_dir, capsys):
     modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir() if p.is_file()}
     assert modes["medusa_lm_head.safetensors"] == modes["config.json"], "the weights readable as the config is"
     said = capsys.readouterr().out
+    # where the heads are, how to use them, and that the work folder's checkpoint may go
+    assert f"heads written to {out}: chat with them by python launch.py --model {backbone_dir / 'backbone'} --heads " \
+           f"{out}" in said and f"{out / 'work'} keeps checkpoint.pt (" in said, said
     assert f"removed {out / CALIBRATION_FILE}: it described the heads this training replaced (python -m " \
            "medusa_core.calibrate measures the new ones)" in said and f"removed {out / PROPOSAL_FILE}" in said
 

@@ -277,4 +277,17 @@ def main_with_config(config: TrainConfig) -> dict:
     report = {"config": asdict(config),
               "train_sequences": len(rows), "held_out_sequences": len(held), **result}
     (work / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(trained_line(config, work), flush=True)
     return report
+
+
+def trained_line(config: TrainConfig, work: Path) -> str:
+    """Where the heads are and how to use them, and what the work folder still holds (QA: the command ended
+    without a word, leaving a checkpoint several times the heads' size that no document named)."""
+    def shown(path: Path) -> str:
+        return f"{path.name} ({path.stat().st_size / 2**20:,.0f} MiB, for --resume)" if path.name == CHECKPOINT_FILE \
+            else path.name
+    kept = ", ".join(shown(path) for path in sorted(work.iterdir()))
+    return (f"heads written to {config.out}: chat with them by python launch.py --model {config.model} --heads "
+            f"{config.out}, and tune their tree by python -m medusa_core.calibrate (README). {work} keeps {kept}: "
+            "delete it once you no longer train these heads")
