@@ -26,6 +26,7 @@ from .loading.chat_format import render_chat
 from .loading.load import load
 from .loading.policy import resolve_device
 from .loading.spec import LoadSpec
+from .loading.this_machine import BUSY_SHARE, with_cpu_share
 from .quant.bnb import NF4_KERNELS, flag_error as kernel_flag_error
 from .quant.norm_routing import NORM_KERNELS, flag_error as norm_flag_error
 
@@ -121,8 +122,9 @@ def prepare(args) -> Setup:
     return Setup(loaded, config, trees, device)
 
 
-def measure(args, setup: Setup, encoded: list[list[int]]) -> list[dict[str, Run]]:
-    """Every decoder on a prompt, then the next prompt (interleaved, after a warm-up); per prompt, the runs by name."""
+def measure(args, setup: Setup, encoded: list[list[int]]) -> tuple[list[dict[str, Run]], float | None]:
+    """Every decoder on a prompt, then the next prompt (interleaved, after a warm-up): per prompt, the runs by name;
+    and on a CPU the share of it this process got meanwhile (``with_cpu_share``; None on a GPU)."""
     loaded, trees = setup.loaded, setup.trees
     timed = [loaded.model.get_decoder(), loaded.model.get_output_embeddings(), *([loaded.heads] if loaded.heads else [])]
     timer = ModuleTimer(timed) if setup.device.type == "cpu" else None
@@ -143,17 +145,21 @@ def measure(args, setup: Setup, encoded: list[list[int]]) -> list[dict[str, Run]
         torch.cuda.reset_peak_memory_stats()
     results = []
     started = time.perf_counter()
-    for n, ids in enumerate(encoded, 1):
-        results.append(one_round(ids))
-        print(f"prompt {n}/{len(encoded)} done, {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+
+    def timed_rounds() -> None:
+        for n, ids in enumerate(encoded, 1):
+            results.append(one_round(ids))
+            print(f"prompt {n}/{len(encoded)} done, {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+
+    _, share = with_cpu_share(timed_rounds)
     if timer:
         timer.remove()
-    return results
+    return results, (round(share, 3) if setup.device.type == "cpu" else None)
 
 
 def report(args, setup: Setup, prompts: list[str], encoded: list[list[int]], results: list[dict[str, Run]],
-           load_seconds: float) -> None:
-    """The summary table (and the --json report)."""
+           cpu_share: float | None, load_seconds: float) -> None:
+    """The summary table (and the --json report), and a warning under it where other programs used the CPU."""
     device, trees = setup.device, setup.trees
     base = [r["baseline"] for r in results]
     rows = [summarize("baseline (1-node tree)", base, base, True)]
@@ -164,11 +170,16 @@ def report(args, setup: Setup, prompts: list[str], encoded: list[list[int]], res
     print(f"{len(prompts)} prompts{' (raw)' if args.raw else ''}, {args.max_new_tokens} new tokens max, "
           f"mode {args.mode}, device {device}")
     print(format_table(rows))
+    if cpu_share is not None and cpu_share < BUSY_SHARE:
+        # other programs' work slows the larger tree steps more than the plain ones (QA: ratios from a busy CPU
+        # were printed as the machine's, where the tree tuner in the same process said it was busy)
+        print(f"warning: other programs used the CPU while this ran (the benchmark got {cpu_share:.0%} of it): the "
+              "speedups above are skewed; run again with the machine otherwise idle")
     print(peak_memory(str(device)))
     if args.json:
         out = {
             "args": vars(args), "model": setup.loaded.description, "load_seconds": round(load_seconds, 2),
-            "device": str(device),
+            "device": str(device), "cpu_share": cpu_share,
             "torch": torch.__version__, "memory": peak_memory(str(device)),
             "trees": {n: t.size for n, t in trees.items()},
             "prompts": [{"prompt": text, "prompt_tokens": len(ids), **{k: {**asdict(v), "tokens_per_s": v.tokens_per_s}
@@ -197,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     if setup.loaded.tree_note:
         print(setup.loaded.tree_note)
     print(setup.loaded.memory)
-    report(args, setup, prompts, encoded, measure(args, setup, encoded), load_seconds)
+    report(args, setup, prompts, encoded, *measure(args, setup, encoded), load_seconds)
     return 0
 
 

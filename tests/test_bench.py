@@ -36,6 +36,33 @@ def test_bench_runs_end_to_end_and_writes_json(checkpoint, tmp_path, capsys):
     assert rows["medusa small-8"]["identical"] == "yes"
 
 
+def test_a_run_beside_other_programs_says_its_speedups_are_skewed(checkpoint, tmp_path, capsys):
+    """QA: bench printed speedups measured on a busy CPU as the machine's, without a word (the tree tuner in the same
+    process said the CPU was busy). One busy loop per core here, as a build or a test run would be."""
+    import os
+    import subprocess
+    import sys
+
+    backbone, heads = checkpoint
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n')
+    out = tmp_path / "bench.json"
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(len(os.sched_getaffinity(0)))]
+    try:
+        code = bench.main(["--model", str(backbone), "--heads", str(heads), "--prompts", str(prompts), "--raw",
+                           "--tree", "chain-2", "--max-new-tokens", "24", "--warmup", "1", "--no-references",
+                           "--json", str(out)])
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+    assert code == 0
+    share = json.loads(out.read_text())["cpu_share"]
+    assert share < 0.75
+    assert f"warning: other programs used the CPU while this ran (the benchmark got {share:.0%} of it): the speedups " \
+           "above are skewed; run again with the machine otherwise idle" in capsys.readouterr().out
+
+
 def test_bench_reports_bad_input_in_one_line(checkpoint, tmp_path, capsys):
     backbone, heads = checkpoint
     assert bench.main(["--model", str(backbone), "--heads", str(heads), "--tree", "nope"]) == 1
