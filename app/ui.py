@@ -49,8 +49,7 @@ def build_ui(slot: ModelSlot, *, system_prompt: str = "", base_spec: LoadSpec = 
         demo.load(None, None, [page.saved, page.kept], js=browser_copy.READ_BOTH, api_name=False).then(
             restore, [page.session, page.saved, page.kept, page.controls["max_new_tokens"], page.system],
             [page.base_chat, page.system, page.compare, page.box, page.readout, page.base_readout, *model_outputs(page)],
-            # a few milliseconds: its progress tracker only flashed "processing | 0.0s" over the status line
-            api_name=False, show_progress="hidden").then(**save_after)
+            api_name=False).then(**save_after)
         page.saved.change(None, [page.saved], None, js=browser_copy.WRITE, api_name=False)
         page.kept.change(None, [page.kept], None, js=browser_copy.WRITE_SETTINGS, api_name=False)
         demo.load(None, None, None, js=range_notice.SCRIPT, api_name=False)

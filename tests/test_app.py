@@ -234,25 +234,6 @@ def test_no_event_but_the_tabs_own_replaces_its_session():
     assert first is not second and not first.turns and first.cancel is not second.cancel
 
 
-def test_opening_the_page_shows_no_progress_tracker_over_the_status_line():
-    """The page's restore (on every open and reload) showed Gradio's "processing | 0.0s" over the status line and
-    the model controls, as part of the line's text."""
-    from app.models import ModelSlot
-    from app.ui import build_ui
-
-    demo = build_ui(ModelSlot(log=lambda line: None))
-    config = demo.get_config_file()
-    (status,) = [c["id"] for c in config["components"] if c.get("props", {}).get("elem_id") == "status"]
-    on_open = {dep["id"] for dep in config["dependencies"] if any(event == "load" for _, event in dep["targets"])}
-    while True:     # the events chained after the page's load, with .then
-        after = {dep["id"] for dep in config["dependencies"] if dep.get("trigger_after") in on_open} - on_open
-        if not after:
-            break
-        on_open |= after
-    writing = [dep for dep in config["dependencies"] if dep["id"] in on_open and status in dep["outputs"]]
-    assert writing and all(dep["show_progress"] == "hidden" for dep in writing), writing
-
-
 def test_a_long_max_new_tokens_flag_fits_the_page():
     """--max-new-tokens past the slider's usual top (4096) raises the top: the value above it broke the whole
     page (an Error on every component, the status line wrong, Send off)."""
