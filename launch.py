@@ -251,13 +251,23 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         demo.close()
     if slot.state().phase == "loading":
-        # the load's thread is inside torch (converting, or timing trees): the interpreter's exit under it
-        # aborted ("terminate called without an active exception", exit 134); nothing it holds needs saving
-        # (the conversion and the tuner's cache write each land in one rename), so the process ends here
-        print("stopped while the model was loading", flush=True)
-        sys.stderr.flush()
-        os._exit(0)
+        end_while_loading()
     return 0
+
+
+def end_while_loading() -> None:
+    """The end of a process stopped while a model loads. The load's thread is inside torch (converting, or timing
+    trees): the interpreter's exit under it aborted ("terminate called without an active exception", exit 134).
+    Nothing it holds needs saving (the conversion and the tuner's cache write each land in one rename), so the
+    process ends here, removing first what the exit handlers would have: the tabs' exports, its tree files."""
+    from app.transcript import remove_exports
+    from medusa_core.loading.tree_tuning import remove_own_tree_files
+
+    remove_exports()
+    remove_own_tree_files()
+    print("stopped while the model was loading", flush=True)
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -206,8 +206,14 @@ def export_folder() -> Path:
     with _EXPORTS_LOCK:     # two tabs' first exports at once would make two process folders
         if not _EXPORTS:
             _EXPORTS.append(Path(tempfile.mkdtemp(prefix="medusa-chat-exports-")))
-            atexit.register(shutil.rmtree, _EXPORTS[0], ignore_errors=True)
+            atexit.register(remove_exports)
     return Path(tempfile.mkdtemp(prefix="tab-", dir=_EXPORTS[0]))
+
+
+def remove_exports() -> None:
+    """Every tab's export files: at the process's exit, and by launch.py where it ends without the exit handlers."""
+    for folder in _EXPORTS:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def discard_exports(session: Session) -> None:

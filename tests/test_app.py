@@ -1793,32 +1793,38 @@ def test_a_tab_keeps_one_export_folder_and_it_goes_with_the_tab():
     discard_exports(session)   # a tab that never exported, or already cleaned, is fine
 
 
-@pytest.mark.parametrize("end", ["exit", "SIGTERM"])
-def test_the_export_folders_of_tabs_still_open_go_when_the_app_ends(end):
-    """Ctrl+C, or SIGTERM as launch.py takes it, with tabs still open: their exports (the conversations) stayed
-    in /tmp for good, a folder per tab and start (the test machine had 400 of them)."""
+@pytest.mark.parametrize("end", ["exit", "SIGTERM", "while loading"])
+def test_what_a_process_writes_to_tmp_goes_when_the_app_ends(end):
+    """Ctrl+C, or SIGTERM as launch.py takes it, with tabs still open: their exports (the conversations) stayed in
+    /tmp for good, a folder per tab and start (the test machine had 400 of them). Stopped while a model loads,
+    launch.py ends without the exit handlers: it removes them itself, and a tree file of an earlier load too."""
     import signal
     import subprocess
     import sys
     from pathlib import Path
 
-    script = ("import signal, sys, time\n"
+    script = ("import signal, sys\n"
               "import launch\n"
               "from app.transcript import export_folder\n"
+              "from medusa_core.loading.tree_tuning import own_tree_file\n"
               "signal.signal(signal.SIGTERM, launch.interrupt)\n"
               "for tab in range(2):\n"
               "    (export_folder() / 'conversation.md').write_text('my secret plans')\n"
               "    print(export_folder(), flush=True)\n"
-              "if sys.argv[1] == 'SIGTERM':\n"
-              "    time.sleep(120)\n")
+              "print(own_tree_file([[0]], 'tree.json'), flush=True)\n"
+              "sys.stdin.readline()\n"    # until the test has seen the files (SIGTERM comes in meanwhile)
+              "if sys.argv[1] == 'while loading':\n"
+              "    launch.end_while_loading()\n")
     proc = subprocess.Popen([sys.executable, "-c", script, end], cwd=Path(__file__).resolve().parent.parent,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    folders = [Path(proc.stdout.readline().strip()) for _ in range(2)]
-    assert all(folder.is_dir() for folder in folders) and folders[0].parent == folders[1].parent
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    *folders, tree = [Path(proc.stdout.readline().strip()) for _ in range(3)]
+    assert all(folder.is_dir() for folder in folders) and folders[0].parent == folders[1].parent and tree.is_file()
     if end == "SIGTERM":
         proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=60)
-    assert not folders[0].parent.exists()
+    said, _ = proc.communicate("\n", timeout=60)
+    assert not folders[0].parent.exists() and not tree.parent.exists()
+    if end == "while loading":
+        assert proc.returncode == 0 and said == "stopped while the model was loading\n"
 
 
 def test_every_forward_pass_runs_on_the_engines_one_model_thread(model_dirs):

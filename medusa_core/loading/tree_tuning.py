@@ -418,10 +418,22 @@ def tuned_tree(model, heads, tokenizer, acc: Sequence[Sequence[float]], accuracy
     return tuned, own
 
 
+# this process's own tree files' folders (own_tree_file)
+_OWN_TREES: list[Path] = []
+
+
+def remove_own_tree_files() -> None:
+    """At the process's exit, and by launch.py where it ends without the exit handlers."""
+    for folder in _OWN_TREES:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def own_tree_file(paths: list[list[int]], name: str) -> Path:
     """A tree file for this process only, removed when it exits (each busy start once left one behind for good)."""
     folder = Path(tempfile.mkdtemp(prefix="medusa-chat-tree-"))
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    if not _OWN_TREES:
+        atexit.register(remove_own_tree_files)
+    _OWN_TREES.append(folder)
     own = folder / name
     own.write_text(json.dumps(paths) + "\n")
     return own
