@@ -260,7 +260,7 @@ def end_while_loading() -> None:
     trees): the interpreter's exit under it aborted ("terminate called without an active exception", exit 134).
     Nothing it holds needs saving (the conversion and the tuner's cache write each land in one rename), so the
     process ends here, removing first what the exit handlers would have: the tabs' exports, its tree files."""
-    from app.transcript import remove_exports
+    from app.export_files import remove_all as remove_exports
     from medusa_core.loading.tree_tuning import remove_own_tree_files
 
     remove_exports()

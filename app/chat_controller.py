@@ -22,7 +22,8 @@ from .readout import Stats, count, render_comparison, render_live
 from .render import note_html, reply_html, user_html
 from .session import Session, Turn
 from .settings import Settings, flag, text
-from .transcript import export_folder, from_saved, saved_compare, saved_system, to_saved, write_exports
+from .export_files import discard_tab_exports, write_tab_exports
+from .transcript import from_saved, saved_compare, saved_system, to_saved
 
 WAITING_FOR_LOAD = "waiting for the model to load: the answer starts once it is ready (Stop gives the message back)"
 # a Stop pressed while the request waited for the tab's previous answer to end (Session.start_request)
@@ -106,8 +107,11 @@ class ChatController:
             session.closed = True     # a request that starts later (a Send queued after Stop) stops too
             session.cancel.set()
             # Its keys and values are never read again (a reloaded tab, a script's next Client, is a new
-            # session): freed now, not when Gradio drops the closed session's state an hour later
+            # session): freed now, not when Gradio drops the closed session's state an hour later. Its export
+            # files too: the State's delete_callback, which removed them, never ran (Gradio 6 calls it only for
+            # a State some event returns), and every reload left a copy of the conversation in /tmp (QA)
             session.drop_caches()
+            discard_tab_exports(session)
 
     def views(self, session: Session, stats: Stats | None, base: Stats | None, comparison: str,
               status_line: str, box: str | dict = gr.update(), blank: tuple[str, str] | None = None,
@@ -391,13 +395,11 @@ class ChatController:
         empty the browser's copy, or a reload brings it back."""
         saved = cls.browser_copy(session, system, compare)
         regenerate = gr.update(interactive=any(turn.user for turn in session.turns))
-        if not session.turns:
+        if not session.turns:    # Clear: the cleared conversation's files go too (QA: kept until the app ended)
+            discard_tab_exports(session)
             return (saved, gr.update(value=None, interactive=False), gr.update(value=None, interactive=False),
                     regenerate)
-        if session.export_dir is None:
-            session.export_dir = export_folder()
-        as_json, as_md = write_exports(session.turns, session.first_turn, session.export_dir, system or "",
-                                       compare is True)
+        as_json, as_md = write_tab_exports(session, system or "", compare is True)
         return saved, gr.update(value=as_json, interactive=True), gr.update(value=as_md, interactive=True), regenerate
 
     @staticmethod

@@ -13,7 +13,6 @@ from medusa_core.decoding.config import limits
 from .models import KNOWN_MODELS, ModelSlot
 from .session import Session
 from .settings import Settings
-from .transcript import discard_exports
 
 MODE_CHOICES = [("Greedy", "greedy"), ("Exact sampling", "sample"), ("Typical acceptance", "typical")]
 
@@ -88,13 +87,6 @@ class Page:
         return [self.controls[name] for name in MODE_CONTROLS]
 
 
-def end_tab(session: Session) -> None:
-    """A tab closed or reloaded: stop its answer, so the model is free for the next request, and
-    remove its export files."""
-    session.cancel.set()
-    discard_exports(session)
-
-
 def mode_enabled(mode: str) -> dict[str, bool]:
     """Which of MODE_CONTROLS ``mode`` uses, by name: temperature unless greedy, top-p and the seed for
     exact sampling, ε and δ for typical acceptance."""
@@ -130,7 +122,9 @@ def decoding_controls(max_new_tokens: int, start: Settings) -> dict:
 def build_layout(slot: ModelSlot, system_prompt: str, start: Settings) -> Page:
     """The components, inside the caller's gr.Blocks; the decoding controls at ``start``."""
     # each tab's own Session: a copy of this one, made when the tab's first event reads it (Session.__deepcopy__)
-    session = gr.State(Session(), delete_callback=end_tab)   # called when the tab's session ends
+    # (a closed tab's end is ChatController.tab_closed's, from the page's unload: Gradio 6 calls a State's
+    # delete_callback only for a State some event returns, and none returns this one)
+    session = gr.State(Session())
     saved = gr.JSON(None, visible=False, elem_id="saved")   # filled and stored by app/browser_copy.py's scripts
     kept = gr.JSON(None, visible=False, elem_id="kept")     # likewise
     shown_version, timer, watch = gr.State(None), gr.Timer(0.5, active=True), gr.Timer(2.0, active=True)

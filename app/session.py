@@ -49,7 +49,7 @@ class Session:
         self.busy = threading.Lock()        # one request per tab at a time
         # the page's sends and regenerates whose events have not all run yet: Stop stays on while there is one
         self._sends, self._sends_lock = 0, threading.Lock()
-        self.export_dir: Path | None = None  # the tab's export files (app/transcript.py), made on first use
+        self.export_dir: Path | None = None  # the tab's export files (app/export_files.py), made on first use
         self.typed_trees: list[str] = []    # trees typed into the picker in this tab, oldest first: kept in its list
         self.sent_copy: str | None = None   # the id the browser's copy written at the last send carries (browser_copy)
         # the model slot's version after a Load this tab refused (no model given) took an old failure off the status

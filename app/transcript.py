@@ -3,22 +3,17 @@ Markdown files the page exports."""
 
 from __future__ import annotations
 
-import atexit
 import html
 import json
 import math
 import re
-import shutil
-import sys
-import tempfile
-import threading
 from pathlib import Path
 
 from markdown_it import MarkdownIt
 
 from medusa_core.decoding.config import is_greedy
 
-from .session import Session, Turn
+from .session import Turn
 from .readout import FINISH_TEXT, count
 from .render import reply_html
 
@@ -28,9 +23,6 @@ FORMAT = "medusa-chat/1"
 FENCE = re.compile(r"( {0,3})(`{3,}|~{3,})(.*)")
 # what a Markdown viewer makes of a text: CommonMark with GitHub's tables and strikethrough
 VIEWER = MarkdownIt("commonmark").enable(["table", "strikethrough"])
-# This process's folder of export folders, made at the first export and removed when the process exits
-_EXPORTS: list[Path] = []
-_EXPORTS_LOCK = threading.Lock()
 
 
 def to_saved(turns: list[Turn], first_turn: int, system: str = "", compare: bool = False) -> dict:
@@ -199,40 +191,10 @@ def _system_line(title: str, system: str) -> str:
     return f"**{title}:**" + (f" {shown}" if shown == system else f"\n\n{shown}")
 
 
-def export_folder() -> Path:
-    """A new private temporary directory for one tab's export files. It lies in this process's own folder,
-    which goes when the process exits (Ctrl+C or SIGTERM too): a tab still open then left its conversation
-    in /tmp for good, one folder per tab and start."""
-    with _EXPORTS_LOCK:     # two tabs' first exports at once would make two process folders
-        if not _EXPORTS:
-            _EXPORTS.append(Path(tempfile.mkdtemp(prefix="medusa-chat-exports-")))
-            atexit.register(remove_exports)
-    return Path(tempfile.mkdtemp(prefix="tab-", dir=_EXPORTS[0]))
-
-
-def remove_exports() -> None:
-    """Every tab's export files: at the process's exit, and by launch.py where it ends without the exit handlers."""
-    for folder in _EXPORTS:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def discard_exports(session: Session) -> None:
-    """Remove a finished tab's export files (``Session.export_dir``), if it wrote any. Gradio calls
-    this in the loop that ends every expired tab, so a failure is reported here, not raised there."""
-    folder, session.export_dir = session.export_dir, None
-    if folder is None or not folder.is_dir():
-        return
-    try:
-        shutil.rmtree(folder)
-    except OSError as err:
-        print(f"medusa-chat: could not remove the export folder {folder} ({err}): delete it by hand",
-              file=sys.stderr, flush=True)
-
-
 def write_exports(turns: list[Turn], first_turn: int, folder: Path, system: str = "",
                   compare: bool = False) -> tuple[str, str]:
-    """(JSON path, Markdown path) of the conversation, written over the previous export in ``folder``
-    (one per tab: a directory per change left a copy of every state of every chat in /tmp)."""
+    """(JSON path, Markdown path) of the conversation, written into ``folder`` (app/export_files.py
+    says which)."""
     as_json, as_md = folder / "conversation.json", folder / "conversation.md"
     saved = to_saved(turns, first_turn, system, compare)
     as_json.write_text(json.dumps(saved, ensure_ascii=False, indent=2), encoding="utf-8")

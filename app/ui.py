@@ -26,8 +26,8 @@ CSS_PATH = Path(__file__).resolve().parent.parent / "assets" / "style.css"
 
 
 def build_ui(slot: ModelSlot, *, system_prompt: str = "", base_spec: LoadSpec = LoadSpec()) -> gr.Blocks:
-    # delete_cache: Gradio keeps a copy of each export file it serves, one per change; those older than a
-    # day go (checked hourly): a tab left for a day gets fresh links with its next change
+    # delete_cache: whatever Gradio copies into its cache goes after a day (checked hourly). The export files,
+    # once a copy per change, are served as they are (app/export_files.py): nothing of ours is copied there
     with gr.Blocks(title="Medusa chat", delete_cache=(3600, 86400)) as demo:
         start = start_settings(base_spec)
         page = build_layout(slot, system_prompt, start)

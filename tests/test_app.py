@@ -1768,29 +1768,44 @@ def test_a_cuda_fault_says_to_restart_the_app():
                     "console has the details; restart the app: a CUDA error stays with the process)")
 
 
-def test_a_tab_keeps_one_export_folder_and_it_goes_with_the_tab():
-    """Each change rewrites the tab's two export files in place (a folder per change left a copy of
-    every state of every conversation in /tmp); the tab's end removes them."""
+def test_a_tab_keeps_only_its_latest_export_and_it_goes_with_the_tab_or_a_clear():
+    """Each change writes the tab's two export files anew and removes the version before (a folder per change
+    left a copy of every state of every conversation in /tmp), at a new address (a browser may keep a file it
+    downloaded under its address). The tab's close (tab_closed, from the page's unload) and Clear remove them:
+    the State's delete_callback that was to do it never ran, and every reload left a copy (QA17)."""
     import json
     from pathlib import Path
 
+    from app.chat_controller import ChatController
+    from app.export_files import write_tab_exports
+    from app.models import ModelSlot
     from app.session import Session, Turn
-    from app.transcript import discard_exports, export_folder, write_exports
 
+    chat = ChatController(ModelSlot(log=lambda line: None))
     session = Session()
-    session.export_dir = export_folder()
+    chat.tab_opened(session, "tab-1")
     session.turns.append(Turn(user="hello", reply="hi"))
-    first = write_exports(session.turns, 0, session.export_dir)
+    first = write_tab_exports(session, "", False)
     session.turns.append(Turn(user="and now?", reply="still here"))
-    second = write_exports(session.turns, 0, session.export_dir, system="be brief")
-    assert first == second and sorted(p.name for p in session.export_dir.iterdir()) == ["conversation.json",
-                                                                                       "conversation.md"]
+    second = write_tab_exports(session, "be brief", False)
+    assert first != second and not Path(first[0]).exists() and not Path(first[1]).exists()
+    assert sorted(p.name for p in session.export_dir.rglob("*") if p.is_file()) == ["conversation.json",
+                                                                                   "conversation.md"]
     saved = json.loads(Path(second[0]).read_text(encoding="utf-8"))
     assert [t["user"] for t in saved["turns"]] == ["hello", "and now?"] and saved["system"] == "be brief"
     folder = session.export_dir
-    discard_exports(session)
+    chat.tab_closed("tab-1")
     assert not folder.exists() and session.export_dir is None
-    discard_exports(session)   # a tab that never exported, or already cleaned, is fine
+
+    # Clear: the conversation is empty, and so are the exports
+    cleared = Session()
+    cleared.turns.append(Turn(user="forget me", reply="ok"))
+    _, json_button, md_button, _ = chat.save_conversation(cleared, "", False)
+    folder = cleared.export_dir
+    assert Path(json_button["value"]).is_file() and Path(md_button["value"]).is_file()
+    cleared.restart()
+    _, json_button, md_button, _ = chat.save_conversation(cleared, "", False)
+    assert json_button["value"] is None and md_button["value"] is None and not folder.exists()
 
 
 @pytest.mark.parametrize("end", ["exit", "SIGTERM", "while loading"])
@@ -1805,12 +1820,15 @@ def test_what_a_process_writes_to_tmp_goes_when_the_app_ends(end):
 
     script = ("import signal, sys\n"
               "import launch\n"
-              "from app.transcript import export_folder\n"
+              "from app.export_files import write_tab_exports\n"
+              "from app.session import Session, Turn\n"
               "from medusa_core.loading.tree_tuning import own_tree_file\n"
               "signal.signal(signal.SIGTERM, launch.interrupt)\n"
               "for tab in range(2):\n"
-              "    (export_folder() / 'conversation.md').write_text('my secret plans')\n"
-              "    print(export_folder(), flush=True)\n"
+              "    session = Session()\n"
+              "    session.turns.append(Turn(user='my secret plans', reply='safe with me'))\n"
+              "    write_tab_exports(session, '', False)\n"
+              "    print(session.export_dir, flush=True)\n"
               "print(own_tree_file([[0]], 'tree.json'), flush=True)\n"
               "sys.stdin.readline()\n"    # until the test has seen the files (SIGTERM comes in meanwhile)
               "if sys.argv[1] == 'while loading':\n"

@@ -415,6 +415,46 @@ def test_conversation_survives_a_reload_and_exports(page):
     assert "compare was off" in assistant_texts(page, "chat-baseline")[0]
 
 
+def test_a_tabs_export_is_its_conversation_only_while_it_is_open(page):
+    """QA17: every reload and tab left a copy of the conversation in /tmp until the app ended, Clear kept the cleared
+    one, and Gradio copied both files into its cache at every answer (kept a day; for good after a stop with a tab
+    open). Now the download is the tab's one current file, which Clear and the tab's end remove."""
+    import os
+    import random
+    import tempfile
+    from urllib.parse import unquote
+
+    def exported() -> Path:
+        page.wait_for_function("() => !document.querySelector('#export-md')?.disabled", timeout=30_000)
+        with page.expect_download() as download:
+            page.locator("#export-md").click()
+        served = Path(unquote(download.value.url.split("file=", 1)[1]))
+        assert marker in Path(download.value.path()).read_text() and marker in served.read_text()
+        return served
+
+    def gone(path: Path) -> None:
+        deadline = time.time() + 30
+        while path.exists():
+            assert time.time() < deadline, f"{path} is still there"
+            time.sleep(0.2)
+
+    started = time.time()
+    marker = f"remember {random.randrange(10**9)}"
+    send(page, marker)
+    served = exported()
+    cache = Path(os.environ.get("GRADIO_TEMP_DIR") or Path(tempfile.gettempdir()) / "gradio")
+    copies = [p for p in cache.rglob("conversation.*") if p.stat().st_mtime >= started - 1 and marker in p.read_text()]
+    assert not copies, "served from where it is written, not copied into Gradio's cache"
+    page.locator("#clear").click()
+    gone(served)
+    send(page, marker)
+    served = exported()
+    page.reload()       # the tab's end; the reloaded tab restores the conversation into a folder of its own
+    page.wait_for_function("() => document.querySelectorAll('#chat .message.user').length === 1", timeout=30_000)
+    gone(served)
+    assert exported() != served
+
+
 def test_the_decoding_settings_survive_a_reload(page):
     """A reload brings back the mode, the sliders, max new tokens, the tree and the colouring as the user
     left them (they came back as the model's defaults), and the page reads them as it did: the pane's
