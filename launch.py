@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from app.models import ModelSlot
     from app.openai_api import api_routes
-    from app.ui import CSS_PATH, build_ui, theme
+    from app.ui import CSS_PATH, build_ui, start_queue, theme
 
     spec = load_spec(args)
     def log(line: str) -> None:
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
 
     slot = ModelSlot(max_new_tokens=args.max_new_tokens, log=log)
     demo = build_ui(slot, system_prompt=args.system_prompt, base_spec=spec)
-    demo.queue(default_concurrency_limit=1)
+    start_queue(demo)
     try:
         # the API's routes go first into Gradio's own FastAPI app: same process, port and model
         routes = [] if args.no_api else api_routes(slot, args.api_key)

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from app.models import ModelSlot
     from app.openai_api import api_routes, model_id
-    from app.ui import build_ui
+    from app.ui import build_ui, start_queue
     from medusa_core.loading.assets import CPU_DEFAULT_PROMPTS
     from medusa_core.loading.spec import LoadSpec
     from medusa_core.training.data import read_prompts
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     slot = ModelSlot(max_new_tokens=config.max_new_tokens, log=print)
     spec = LoadSpec(device="cpu")
     demo = build_ui(slot, base_spec=spec)
-    demo.queue(default_concurrency_limit=1)
+    start_queue(demo)
     port = free_port()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
                 app_kwargs={"routes": api_routes(slot)})

@@ -7,6 +7,7 @@ tab (app/browser_copy.py), so it survives a reload.
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is imported: no phoning home
 
@@ -23,6 +24,10 @@ from .model_panel import model_outputs, wire_model_panel
 from .models import ModelSlot, start_settings
 
 CSS_PATH = Path(__file__).resolve().parent.parent / "assets" / "style.css"
+# How long Gradio's queue sleeps between looks for a new event while it has none. Its own 1 ms (50 ms on
+# Windows) kept the idle app at 5% of a core, 1,700 wake-ups a second with no tab open (QA17); 20 ms is
+# unnoticed before an answer that takes seconds.
+IDLE_POLL_S = 0.02
 
 
 def build_ui(slot: ModelSlot, *, system_prompt: str = "", base_spec: LoadSpec = LoadSpec()) -> gr.Blocks:
@@ -61,6 +66,18 @@ def build_ui(slot: ModelSlot, *, system_prompt: str = "", base_spec: LoadSpec = 
 
         demo.unload(closed)
     return demo
+
+
+def start_queue(demo: gr.Blocks) -> None:
+    """The page's queue: one event per handler at a time unless it says otherwise, polled every IDLE_POLL_S
+    while idle. Gradio has no public setting for the poll: where its queue lacks the attribute, the console
+    says so and Gradio's own poll stays."""
+    demo.queue(default_concurrency_limit=1)
+    if isinstance(getattr(demo._queue, "sleep_when_free", None), float):
+        demo._queue.sleep_when_free = IDLE_POLL_S
+    else:
+        print(f"note: Gradio {gr.__version__}'s queue has no sleep_when_free: its idle poll stays as Gradio sets "
+              "it (a few percent of a core while idle)", file=sys.stderr, flush=True)
 
 
 def theme() -> gr.themes.Base:

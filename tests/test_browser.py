@@ -64,10 +64,10 @@ def default_app(tmp_path_factory) -> Iterator[str]:
 @contextmanager
 def in_process_app(slot, spec) -> Iterator[str]:
     """The page served from this process around ``slot``, which the test starts."""
-    from app.ui import CSS_PATH, build_ui, theme
+    from app.ui import CSS_PATH, build_ui, start_queue, theme
 
     demo = build_ui(slot, base_spec=spec)
-    demo.queue(default_concurrency_limit=1)
+    start_queue(demo)
     port = free_port()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, theme=theme(),
                 css_paths=[CSS_PATH])

@@ -536,7 +536,7 @@ def tiny_app(tiny_dirs, request):
     """A URL serving the tiny checkpoint with the API (key from the test's param), and its slot."""
     from app.models import ModelSlot
     from app.openai_api import api_routes
-    from app.ui import build_ui
+    from app.ui import build_ui, start_queue
     from medusa_core.loading.load import load
     from medusa_core.loading.spec import LoadSpec
 
@@ -551,7 +551,7 @@ def tiny_app(tiny_dirs, request):
     slot = ModelSlot(loader=loader, log=lambda line: None)
     spec = LoadSpec(model=str(backbone), heads=str(heads), device="cpu")
     demo = build_ui(slot, base_spec=spec)
-    demo.queue(default_concurrency_limit=1)
+    start_queue(demo)
     port = free_port()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
                 app_kwargs={"routes": api_routes(slot, getattr(request, "param", None))})
