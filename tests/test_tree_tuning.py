@@ -128,16 +128,16 @@ def test_a_tuning_measured_on_a_busy_cpu_is_used_once_and_not_remembered(checkpo
     file of its own, says so, and leaves the cache as it was."""
     monkeypatch.setattr(tree_tuning, "MIN_SPEEDUP", 0.0)          # some tree pays: there is a tree file
     monkeypatch.setattr(tree_tuning, "with_cpu_share", lambda run: (run(), 0.5))
-    at_exit = []
-    monkeypatch.setattr(tree_tuning.atexit, "register", lambda fn, *args, **kw: at_exit.append((fn, args, kw)))
+    monkeypatch.setattr(tree_tuning, "_OWN_TREES", [])   # this test's tree files only: other tests' loads keep theirs
     busy = load(spec(checkpoint))
     assert busy.tuned.cpu_share == 0.5 and busy.tuned.contended and busy.tuned.pays
     assert busy.tree_note.endswith("while other programs were using the CPU (this app got 50% of it), so it is "
                                    "not kept in the cache)")
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").rglob("*.json"))
     assert json.loads(Path(busy.default_tree).read_text()) == busy.tuned.paths   # this start runs what it measured
-    for fn, args, kw in at_exit:        # and its file goes when the app exits (209 folders were left in /tmp)
-        fn(*args, **kw)
+    # and its file goes when the app exits (209 folders were left in /tmp): what the exit handler runs
+    # (test_app's test_what_a_process_writes_to_tmp_goes_when_the_app_ends ends a process to see it run)
+    tree_tuning.remove_own_tree_files()
     assert not Path(busy.default_tree).parent.exists()
     monkeypatch.setattr(tree_tuning, "with_cpu_share", lambda run: (run(), 0.9))
     quiet = load(spec(checkpoint))
