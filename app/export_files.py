@@ -4,7 +4,8 @@ They are served to the browser from where they are written. Given to the downloa
 files, Gradio copied both into its cache at every change (a copy of the whole conversation per answer,
 kept a day), and a stop with a tab still open left those copies for good. Here the process has one
 folder, registered with Gradio as static (served as it is, never copied), a folder per tab inside it
-holding only the latest version, removed when the tab closes, on Clear, and when the process ends."""
+holding the latest version and the one before, removed when the tab closes, on Clear, and when the
+process ends."""
 
 from __future__ import annotations
 
@@ -23,6 +24,12 @@ from .transcript import write_exports
 # this process's folder of tab folders, made at the first export
 _ROOT: list[Path] = []
 _ROOT_LOCK = threading.Lock()
+# One write (and prune) at a time: a tab's saves may run at once (an edited system prompt left, then Compare
+# clicked), and each removed the other's version (QA17b: both downloads 403, a FileNotFoundError toast)
+_WRITE_LOCK = threading.Lock()
+# versions a tab keeps: the current one, and the one before, which a download clicked just as a save landed
+# still asks for (QA17b: 403 for a click right after leaving the system prompt)
+KEPT_VERSIONS = 2
 
 
 def process_folder() -> Path:
@@ -37,22 +44,26 @@ def process_folder() -> Path:
 
 def write_tab_exports(session: Session, system: str, compare: bool) -> tuple[str, str]:
     """(JSON path, Markdown path) of the tab's conversation as it is now. Each version goes into a new
-    folder and the previous one is removed: a browser may keep a file it downloaded under its address
-    (no Cache-Control on Gradio's file route), so an address never gets other content."""
-    if session.export_dir is None:
-        session.export_dir = Path(tempfile.mkdtemp(prefix="tab-", dir=process_folder()))
-    version = Path(tempfile.mkdtemp(dir=session.export_dir))
-    paths = write_exports(session.turns, session.first_turn, version, system, compare)
-    for old in session.export_dir.iterdir():
-        if old != version:
-            shutil.rmtree(old, ignore_errors=True)
+    numbered folder, and those before the last KEPT_VERSIONS are removed: a browser may keep a file it
+    downloaded under its address (no Cache-Control on Gradio's file route), so an address never gets
+    other content."""
+    with _WRITE_LOCK:
+        if session.export_dir is None:
+            session.export_dir = Path(tempfile.mkdtemp(prefix="tab-", dir=process_folder()))
+        versions = sorted(int(p.name) for p in session.export_dir.iterdir() if p.name.isdigit())
+        version = session.export_dir / str(versions[-1] + 1 if versions else 1)
+        version.mkdir()
+        paths = write_exports(session.turns, session.first_turn, version, system, compare)
+        for old in versions[:len(versions) - (KEPT_VERSIONS - 1)]:
+            shutil.rmtree(session.export_dir / str(old), ignore_errors=True)
     return paths
 
 
 def discard_tab_exports(session: Session) -> None:
     """Remove the tab's export files, if it wrote any: the tab closed or was cleared. A failure is said on
     the console, not raised: it runs where Gradio ends a tab."""
-    folder, session.export_dir = session.export_dir, None
+    with _WRITE_LOCK:    # not under a save that is writing into it
+        folder, session.export_dir = session.export_dir, None
     if folder is None or not folder.is_dir():
         return
     try:

@@ -1779,11 +1779,12 @@ def test_a_cuda_fault_says_to_restart_the_app():
                     "console has the details; restart the app: a CUDA error stays with the process)")
 
 
-def test_a_tab_keeps_only_its_latest_export_and_it_goes_with_the_tab_or_a_clear():
-    """Each change writes the tab's two export files anew and removes the version before (a folder per change
-    left a copy of every state of every conversation in /tmp), at a new address (a browser may keep a file it
-    downloaded under its address). The tab's close (tab_closed, from the page's unload) and Clear remove them:
-    the State's delete_callback that was to do it never ran, and every reload left a copy (QA17)."""
+def test_a_tab_keeps_only_its_latest_exports_and_they_go_with_the_tab_or_a_clear():
+    """Each change writes the tab's two export files anew, at a new address (a browser may keep a file it
+    downloaded under its address), and removes the versions before the last two (a folder per change left a
+    copy of every state of every conversation in /tmp; the one before stays for a download clicked just as a
+    save landed). The tab's close (tab_closed, from the page's unload) and Clear remove them: the State's
+    delete_callback that was to do it never ran, and every reload left a copy (QA17)."""
     import json
     from pathlib import Path
 
@@ -1799,9 +1800,10 @@ def test_a_tab_keeps_only_its_latest_export_and_it_goes_with_the_tab_or_a_clear(
     first = write_tab_exports(session, "", False)
     session.turns.append(Turn(user="and now?", reply="still here"))
     second = write_tab_exports(session, "be brief", False)
-    assert first != second and not Path(first[0]).exists() and not Path(first[1]).exists()
-    assert sorted(p.name for p in session.export_dir.rglob("*") if p.is_file()) == ["conversation.json",
-                                                                                   "conversation.md"]
+    assert first != second and all(Path(path).is_file() for path in first)
+    third = write_tab_exports(session, "be brief", False)
+    assert not any(Path(path).exists() for path in first) and all(Path(path).is_file() for path in second + third)
+    assert len([p for p in session.export_dir.rglob("*") if p.is_file()]) == 4
     saved = json.loads(Path(second[0]).read_text(encoding="utf-8"))
     assert [t["user"] for t in saved["turns"]] == ["hello", "and now?"] and saved["system"] == "be brief"
     folder = session.export_dir
@@ -1817,6 +1819,35 @@ def test_a_tab_keeps_only_its_latest_export_and_it_goes_with_the_tab_or_a_clear(
     cleared.restart()
     _, json_button, md_button, _ = chat.save_conversation(cleared, "", False)
     assert json_button["value"] is None and md_button["value"] is None and not folder.exists()
+
+
+def test_a_tabs_saves_at_once_leave_each_its_files():
+    """Two saves of one tab at once (an edited system prompt left, then Compare clicked, fire two) removed each
+    other's version: both downloads failed, and the page showed a FileNotFoundError (QA17b: 6 of 77 rounds)."""
+    import threading
+    from pathlib import Path
+
+    from app.export_files import write_tab_exports
+    from app.session import Session, Turn
+
+    session = Session()
+    session.turns.append(Turn(user="hello", reply="hi"))
+    written, errors = [], []
+
+    def save() -> None:
+        for _ in range(100):
+            try:
+                written.append(write_tab_exports(session, "", False))
+            except OSError as err:
+                errors.append(err)
+
+    savers = [threading.Thread(target=save) for _ in range(2)]
+    for saver in savers:
+        saver.start()
+    for saver in savers:
+        saver.join()
+    assert not errors and len(written) == 200
+    assert all(Path(path).is_file() for path in written[-1])
 
 
 @pytest.mark.parametrize("end", ["exit", "SIGTERM", "while loading"])
