@@ -29,6 +29,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 HEADS_QUANTS = ("none", "nf4")
 NF4_KERNELS = ("auto", "triton", "bnb", "repacked", "repacked-exact")
 NORM_KERNELS = ("auto", "torch", "triton")
+ROTARY_CHOICES = ("auto", "torch", "triton")
+ATTENTION_CHOICES = ("auto", "sdpa", "split")
 LOCAL_HOSTS = {"127.0.0.1", "localhost"}
 API_KEY_ENV = "MEDUSA_CHAT_API_KEY"     # the same name as app.openai_api's (kept here: --help imports no torch)
 
@@ -68,6 +70,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="RMSNorm: auto times transformers' and one Triton kernel per norm on your GPU and keeps "
                         "the faster (transformers' off CUDA); torch or triton force one (triton off CUDA only "
                         "under TRITON_INTERPRET=1, for tests) (default: %(default)s)")
+    m.add_argument("--rotary-kernel", default="auto", choices=ROTARY_CHOICES,
+                   help="rotary embedding: auto times transformers' and one Triton kernel for the queries and keys "
+                        "on your GPU and keeps the faster (bit for bit the same; transformers' off CUDA); torch or "
+                        "triton force one (default: %(default)s)")
+    m.add_argument("--attention-kernel", default="auto", choices=ATTENTION_CHOICES,
+                   help="attention over the cache: auto times transformers' SDPA and the split Triton kernel on your "
+                        "GPU and keeps the faster (SDPA off CUDA, in fp32 and in exact mode); sdpa or split force "
+                        "one (default: %(default)s)")
     m.add_argument("--trust-remote-code", action="store_true", help="allow a model repo's own Python code to run")
     d = p.add_argument_group("decoding defaults (all can be changed in the page)")
     d.add_argument("--tree", help="candidate tree: a preset (mc_sim_7b_63, small-8, small-16, chain-N, "
@@ -119,9 +129,11 @@ def check_flags(args: argparse.Namespace) -> None:
     # an NF4 kernel choice where no NF4 weights are (it was ignored without a word), or a Triton one where
     # Triton cannot run (refused only once the model had loaded, leaving none)
     from medusa_core.quant.bnb import flag_error as kernel_error
+    from medusa_core.quant.attention_routing import flag_error as attention_error
     from medusa_core.quant.norm_routing import flag_error as norm_error
 
-    for error in (kernel_error(args.nf4_kernel, device, args.quant), norm_error(args.norm_kernel, args.nf4_kernel, device)):
+    for error in (kernel_error(args.nf4_kernel, device, args.quant), norm_error(args.norm_kernel, args.nf4_kernel, device),
+                  attention_error(args.rotary_kernel, args.attention_kernel, args.nf4_kernel, device)):
         if error:
             fail(error)
 
@@ -189,7 +201,8 @@ def load_spec(args: argparse.Namespace):
     # model and heads left None: the loader picks the machine's default (and says so)
     return LoadSpec(model=args.model, heads=args.heads, device=args.device, quant=args.quant, dtype=args.dtype,
                     heads_quant=args.heads_quant, trust_remote_code=args.trust_remote_code,
-                    nf4_kernel=args.nf4_kernel, norm_kernel=args.norm_kernel, tree=args.tree, retune=args.retune)
+                    nf4_kernel=args.nf4_kernel, norm_kernel=args.norm_kernel, rotary_kernel=args.rotary_kernel,
+                    attention_kernel=args.attention_kernel, tree=args.tree, retune=args.retune)
 
 
 def interrupt(signum: int, frame) -> None:

@@ -28,6 +28,8 @@ from .loading.policy import resolve_device
 from .loading.spec import LoadSpec
 from .loading.this_machine import BUSY_SHARE, with_cpu_share
 from .quant.bnb import NF4_KERNELS, flag_error as kernel_flag_error
+from .quant.attention_routing import ATTENTION_CHOICES, ROTARY_CHOICES
+from .quant.attention_routing import flag_error as attention_flag_error
 from .quant.norm_routing import NORM_KERNELS, flag_error as norm_flag_error
 
 
@@ -53,6 +55,11 @@ def parser() -> argparse.ArgumentParser:
                         "(bitsandbytes elsewhere), triton forces the Triton kernel, bnb keeps bitsandbytes")
     p.add_argument("--norm-kernel", choices=NORM_KERNELS, default="auto",
                    help="RMSNorm: auto times transformers' and the Triton norm on CUDA (transformers' elsewhere)")
+    p.add_argument("--rotary-kernel", choices=ROTARY_CHOICES, default="auto",
+                   help="rotary embedding: auto times transformers' and the Triton rotary on CUDA (transformers' "
+                        "elsewhere)")
+    p.add_argument("--attention-kernel", choices=ATTENTION_CHOICES, default="auto",
+                   help="attention: auto times SDPA and the split Triton kernel on CUDA (SDPA elsewhere)")
     p.add_argument("--retune", action="store_true",
                    help="measure this machine afresh, as the app's --retune: the default tree, and on a GPU the kernel "
                         "timings (without it they are read from an earlier start's, as the app reads them)")
@@ -96,13 +103,15 @@ def prepare(args) -> Setup:
     device = resolve_device(args.device)
     # the NF4 kernel's checks are launch.py's: a choice where the load makes no NF4 weights was ignored (QA16)
     flags_error = norm_flag_error(args.norm_kernel, args.nf4_kernel, device) or \
-        kernel_flag_error(args.nf4_kernel, device, args.quant)
+        kernel_flag_error(args.nf4_kernel, device, args.quant) or \
+        attention_flag_error(args.rotary_kernel, args.attention_kernel, args.nf4_kernel, device)
     if flags_error:
         raise ValueError(flags_error)
     # the default tree is tuned only where it is asked for: a run of presets has no use for it
     fixed = next((t for t in args.tree if t != "default"), None) if args.tree and "default" not in args.tree else None
     loaded = load(LoadSpec(model=args.model, heads=args.heads, device=args.device, dtype=args.dtype, quant=args.quant,
-                           nf4_kernel=args.nf4_kernel, norm_kernel=args.norm_kernel, tree=fixed, retune=args.retune,
+                           nf4_kernel=args.nf4_kernel, norm_kernel=args.norm_kernel, rotary_kernel=args.rotary_kernel,
+                           attention_kernel=args.attention_kernel, tree=fixed, retune=args.retune,
                            must_run=tuple(t for t in args.tree or [] if t not in ("default", "baseline"))))
     asked = [loaded.default_tree if t == "default" else t for t in args.tree or ["default"] * (loaded.heads is not None)]
     tree_names = list(dict.fromkeys(t for t in asked if t != "baseline"))     # the baseline always runs

@@ -38,13 +38,15 @@ from .benchmarks.step_report import QuantResult, TreeRow, environment, fold_repo
 from .benchmarks.step_timing import (copy_bandwidth, prefilled_cache, time_hf_generate, time_loop,
                                      time_step, time_stock_forward)
 from .benchmarks.synthetic import (DTYPE, SHAPES, attention_flag_error, build_heads, build_model, check_not_zero,
-                                   cpu_run_notes, quantize_backbone_, rotary_flag_error, route_attention, route_rotary,
+                                   choice_label, cpu_run_notes, quantize_backbone_, rotary_flag_error, route_attention,
+                                   route_rotary,
                                    save_random_checkpoint, weight_bytes)
 from .errors import check_writable
 from .decoding.tree import build_tree_buffers, expected_tokens_per_step, tree_of_size
 from .heads.accuracy import PUBLISHED_ACCURACIES, RANK_DECAY, TOP_K, rank_table
 from .quant.bnb import NF4_KERNELS
 from .quant.bnb import flag_error as kernel_flag_error
+from .quant.attention_routing import ATTENTION_CHOICES, ROTARY_CHOICES
 from .quant.norm_routing import NORM_KERNELS
 from .quant.norm_routing import flag_error as norm_flag_error
 
@@ -99,13 +101,12 @@ def per_norm_kernel(args, model, heads, label: str, routing: str, device: torch.
         line = use_norm_kernel(model, norms)
         print(f"  [{label}] {line or 'norms: as the kernel routing left them'} "
               f"({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
-        for rotary in args.rotary_kernel:       # transformers' unmarked (the app's), the kernels marked
+        for rotary in args.rotary_kernel:       # auto unmarked (the app's routing), a forced choice marked
             rotary_line = route_rotary(model, rotary)
-            for attention in ["sdpa"] if exact else args.attention_kernel:   # exact mode keeps its own attention
+            for attention in ["auto"] if exact else args.attention_kernel:   # exact mode keeps its own attention
                 attention_line = route_attention(model, attention)
                 yield measure(args, model, heads, (label if norms == "auto" else f"{label}-{norms}-norms")
-                              + ("-triton-rotary" if rotary == "triton" else "")
-                              + ("-split-attention" if attention == "split" else ""),
+                              + choice_label(rotary, attention),
                               "; ".join(t for t in (routing, line, rotary_line, attention_line) if t), device)
             route_attention(model, "sdpa")
     route_rotary(model, "torch")
@@ -176,12 +177,12 @@ def parser(cuda: bool) -> argparse.ArgumentParser:
                         "triton (the kernel), bnb (bitsandbytes)")
     p.add_argument("--norm-kernel", nargs="+", choices=NORM_KERNELS, default=["auto"],
                    help="RMSNorm choices, each measured (auto: as the app, timed on CUDA; torch, triton forced)")
-    p.add_argument("--rotary-kernel", nargs="+", choices=("torch", "triton"), default=["torch"],
-                   help="rotary embedding choices, each measured: torch (transformers', the app's) or triton (one "
-                        "kernel for q and k, bit for bit the same; not in the app until measured faster)")
-    p.add_argument("--attention-kernel", nargs="+", choices=("sdpa", "split"), default=["sdpa"],
-                   help="attention choices, each measured: sdpa (transformers', the app's) or split (Triton, split over "
-                        "the keys, hidden key blocks unread; not in the app until measured faster; not in exact mode)")
+    p.add_argument("--rotary-kernel", nargs="+", choices=ROTARY_CHOICES, default=["auto"],
+                   help="rotary embedding choices, each measured: auto (as the app: timed on CUDA), torch "
+                        "(transformers') or triton (one kernel for q and k, bit for bit the same)")
+    p.add_argument("--attention-kernel", nargs="+", choices=ATTENTION_CHOICES, default=["auto"],
+                   help="attention choices, each measured: auto (as the app: timed on CUDA), sdpa (transformers') or "
+                        "split (Triton, split over the keys, hidden key blocks unread; not in exact mode)")
     p.add_argument("--tree-sizes", nargs="+", type=int, default=[1, 4, 8, 16, 32, 64, 128])
     p.add_argument("--context", type=int, default=512, help="prefix length in the cache while timing")
     p.add_argument("--iters", type=int, default=30)

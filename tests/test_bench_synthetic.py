@@ -432,17 +432,17 @@ def test_each_norm_kernel_is_measured_and_named_apart_in_the_step_and_the_profil
     assert folded == {**profile, "bf16-triton-norms_t1": {"total_ms": 1.0}}
 
 
-KERNEL_FLAGS = [("--rotary-kernel", "torch", "triton", "triton-rotary",
+KERNEL_FLAGS = [("--rotary-kernel", "auto", "triton", "triton-rotary",
                  "rotary: one Triton kernel for the queries and keys of each layer"),
-                ("--attention-kernel", "sdpa", "split", "split-attention",
+                ("--attention-kernel", "auto", "split", "split-attention",
                  "attention: split over the keys in Triton, hidden key blocks skipped")]
 
 
 @pytest.mark.parametrize("flag,default,choice,suffix,line", KERNEL_FLAGS)
 def test_each_step_kernel_choice_is_measured_and_named_apart_in_the_step_and_the_profile(
         tmp_path, monkeypatch, flag, default, choice, suffix, line):
-    """--rotary-kernel torch triton, --attention-kernel sdpa split: the same step twice in one run, told apart
-    (transformers', the app's, unmarked), and the model's family has transformers' rotary back after the run."""
+    """--rotary-kernel auto triton, --attention-kernel auto split: the same step twice in one run, told apart
+    (auto, the app's routing, unmarked), and the model's family has transformers' rotary back after the run."""
     pytest.importorskip("triton", reason="the step's Triton kernels need Triton")
     from transformers.models.llama import modeling_llama
 

@@ -64,3 +64,23 @@ def test_a_captured_bf16_step_runs_through_it():
     assert 15 in calls and len(routed) == len(plain)      # the 15-node tree's rows
     # bf16 sums in another order may tip a near-tie of this random model: most tokens agree, not necessarily all
     assert sum(a == b for a, b in zip(routed, plain)) >= len(plain) // 2, (routed, plain)
+
+
+def test_auto_times_the_rotary_and_the_attention_on_this_gpu_and_says_both_sums():
+    # quant/attention_routing.py's real timings (graphs, the kernels' own checks of their results): either answer
+    # is right on a given GPU, and the line says both sums and routes as it says
+    from tiny import tiny_model
+
+    from medusa_core.quant import attention_routing as ar
+
+    model = tiny_model("llama", hidden=256, vocab=64, seed=3).to("cuda", torch.bfloat16)
+    try:
+        rotary, attention = ar.use_rotary(model, "auto"), ar.use_attention(model, "auto")
+        print(rotary, attention, sep="\n")          # the GPU session's record
+        assert "(auto measured " in rotary and " over a 1-row and a 16-row step)" in rotary, rotary
+        assert "(auto measured " in attention and " over a 1-row and a 16-row step)" in attention, attention
+        assert ar.rotary_routed(model) == ("triton" if rotary.startswith("rotary: one Triton") else "torch")
+        assert ar.attention_routed(model) == ("split" if attention.startswith("attention: split") else "sdpa")
+    finally:
+        ar.use_rotary(model, "torch")
+        ar.use_attention(model, "sdpa")

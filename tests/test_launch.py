@@ -279,8 +279,10 @@ def test_the_flag_choices_are_the_loaders():
     import launch
     from medusa_core.loading.policy import DTYPES, HEADS_QUANTS, QUANTS
     from medusa_core.quant.bnb import NF4_KERNELS
+    from medusa_core.quant.attention_routing import ATTENTION_CHOICES, ROTARY_CHOICES
     from medusa_core.quant.norm_routing import NORM_KERNELS
 
     assert launch.QUANTS == QUANTS and launch.HEADS_QUANTS == HEADS_QUANTS and launch.NF4_KERNELS == NF4_KERNELS
     assert launch.NORM_KERNELS == NORM_KERNELS
+    assert launch.ROTARY_CHOICES == ROTARY_CHOICES and launch.ATTENTION_CHOICES == ATTENTION_CHOICES
     assert set(launch.DTYPES) == set(DTYPES)

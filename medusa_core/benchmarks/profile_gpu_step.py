@@ -31,10 +31,11 @@ from ..decoding.config import DecodeConfig
 from ..decoding.step_store import step_for
 from ..decoding.tree import build_tree_buffers, tree_of_size
 from ..heads.accuracy import PUBLISHED_ACCURACIES, TOP_K, rank_table
+from ..quant.attention_routing import ATTENTION_CHOICES, ROTARY_CHOICES
 from ..quant.bnb import NF4_KERNELS, use_nf4_kernel
 from ..quant.norm_routing import NORM_KERNELS, use_norm_kernel
 from .step_timing import prefilled_cache
-from .synthetic import (DTYPE, SHAPES, attention_flag_error, build_heads, build_model, cpu_run_notes,
+from .synthetic import (DTYPE, SHAPES, attention_flag_error, build_heads, build_model, choice_label, cpu_run_notes,
                         quantize_backbone_, rotary_flag_error, route_attention, route_rotary)
 
 PREFIX = "medusa:"
@@ -211,10 +212,12 @@ def parser(cuda: bool) -> argparse.ArgumentParser:
                    help="who multiplies NF4 layers; each is profiled on the same weights (rows nf4-KERNEL_tT)")
     p.add_argument("--norm-kernel", nargs="+", default=["auto"], choices=NORM_KERNELS,
                    help="who computes the RMSNorms; each is profiled (torch, triton: rows LABEL-torch-norms_tT)")
-    p.add_argument("--rotary-kernel", nargs="+", default=["torch"], choices=("torch", "triton"),
-                   help="who rotates the queries and keys; each is profiled (triton: rows LABEL-triton-rotary_tT)")
-    p.add_argument("--attention-kernel", nargs="+", default=["sdpa"], choices=("sdpa", "split"),
-                   help="who attends; each is profiled (split: rows LABEL-split-attention_tT; exact mode: sdpa only)")
+    p.add_argument("--rotary-kernel", nargs="+", default=["auto"], choices=ROTARY_CHOICES,
+                   help="who rotates the queries and keys; each is profiled (auto: as the app; a forced choice: rows "
+                        "LABEL-triton-rotary_tT or LABEL-torch-rotary_tT)")
+    p.add_argument("--attention-kernel", nargs="+", default=["auto"], choices=ATTENTION_CHOICES,
+                   help="who attends; each is profiled (auto: as the app; a forced choice: rows LABEL-split-attention_tT "
+                        "or LABEL-sdpa-attention_tT; exact mode: its own only)")
     p.add_argument("--tree-sizes", nargs="+", type=int, default=[1, 16])
     p.add_argument("--context", type=int, default=512, help="prefix length in the cache")
     p.add_argument("--steps", type=int, default=20, help="profiled steps per tree size")
@@ -258,11 +261,10 @@ def main(argv: list[str] | None = None) -> int:
                 label += "" if norms == "auto" else f"-{norms}-norms"      # as bench_synthetic labels its results
                 print(use_norm_kernel(model, norms) or "norms: as the kernel routing left them", flush=True)
                 for rotary in args.rotary_kernel:
-                    print(route_rotary(model, rotary) or "rotary: transformers' own", flush=True)
-                    for attention in ["sdpa"] if kernel == "repacked-exact" else args.attention_kernel:
-                        print(route_attention(model, attention) or "attention: transformers' SDPA", flush=True)
-                        row_label = label + ("-triton-rotary" if rotary == "triton" else "") + \
-                            ("-split-attention" if attention == "split" else "")
+                    print(route_rotary(model, rotary) or "rotary: as the app routes it here", flush=True)
+                    for attention in ["auto"] if kernel == "repacked-exact" else args.attention_kernel:
+                        print(route_attention(model, attention) or "attention: as the app routes it here", flush=True)
+                        row_label = label + choice_label(rotary, attention)
                         for size in args.tree_sizes:
                             row = profile_step(model, heads, size, args.context, args.steps, args.seed)
                             profile[f"{row_label}_t{size}"] = row

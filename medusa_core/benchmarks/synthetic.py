@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,25 +241,24 @@ def save_random_checkpoint(shape: Shape, num_heads: int, directory: Path, seed: 
 
 
 def route_rotary(model, choice: str) -> str:
-    """The rotary embedding by ``choice``: "" for transformers' (the app's; Triton not imported for it), else the
-    routing's line."""
-    if choice == "torch" and "medusa_core.quant.rotary_kernel" not in sys.modules:
-        return ""
-    from ..quant.rotary_kernel import use_rotary_kernel
+    """The rotary embedding by ``choice`` (auto: as the app routes it; torch, triton forced): the routing's line,
+    "" where it says nothing (auto off CUDA)."""
+    from ..quant.attention_routing import use_rotary
 
-    line = use_rotary_kernel(model, choice)
-    return line if choice == "triton" else ""
+    return use_rotary(model, choice)
 
 
 def route_attention(model, choice: str) -> str:
-    """The attention by ``choice``: "" for transformers' SDPA (the app's; Triton not imported for it), else the
-    routing's line."""
-    if choice == "sdpa" and "medusa_core.quant.split_attention" not in sys.modules:
-        return ""
-    from ..quant.split_attention import use_split_attention
+    """The attention by ``choice`` (auto: as the app routes it; sdpa, split forced): the routing's line, "" where
+    it says nothing (auto off CUDA, in fp32, in exact mode)."""
+    from ..quant.attention_routing import use_attention
 
-    line = use_split_attention(model, choice)
-    return line if choice == "split" else ""
+    return use_attention(model, choice)
+
+
+def choice_label(rotary: str, attention: str) -> str:
+    """A result label's tail for a forced rotary or attention choice; auto (the app's routing) is unmarked."""
+    return ("" if rotary == "auto" else f"-{rotary}-rotary") + ("" if attention == "auto" else f"-{attention}-attention")
 
 
 def _triton_flag_error(flag: str, choices: list[str], triton_choice: str, what: str, default: str,
@@ -287,9 +285,9 @@ def cpu_run_notes(device: torch.device, cuda: bool, shape: str, quants: list[str
 
 def rotary_flag_error(choices: list[str], device: torch.device) -> str | None:
     """--rotary-kernel triton where the kernel cannot run, said before a model is built; None if it can."""
-    return _triton_flag_error("--rotary-kernel", choices, "triton", "the Triton rotary", "torch", device)
+    return _triton_flag_error("--rotary-kernel", choices, "triton", "the Triton rotary", "auto", device)
 
 
 def attention_flag_error(choices: list[str], device: torch.device) -> str | None:
     """--attention-kernel split where the kernel cannot run, said before a model is built; None if it can."""
-    return _triton_flag_error("--attention-kernel", choices, "split", "the split attention", "sdpa", device)
+    return _triton_flag_error("--attention-kernel", choices, "split", "the split attention", "auto", device)

@@ -27,6 +27,7 @@ from ..heads.medusa_heads import MedusaHeads
 from ..heads.quantize import quantize_projections
 from ..quant import cpu_int4
 from ..quant.bnb import NF4_KERNELS, bnb_config, use_nf4_kernel
+from ..quant.attention_routing import ATTENTION_CHOICES, ROTARY_CHOICES, use_attention, use_rotary
 from ..quant.norm_routing import NORM_KERNELS, use_norm_kernel
 from ..quant.formats import weights_format
 from . import smollm2
@@ -160,6 +161,11 @@ def _validate(spec: LoadSpec) -> None:
         raise LoadError(f"nf4_kernel {spec.nf4_kernel!r} is unknown: use one of {', '.join(NF4_KERNELS)}")
     if spec.norm_kernel not in NORM_KERNELS:
         raise LoadError(f"norm_kernel {spec.norm_kernel!r} is unknown: use one of {', '.join(NORM_KERNELS)}")
+    if spec.rotary_kernel not in ROTARY_CHOICES:
+        raise LoadError(f"rotary_kernel {spec.rotary_kernel!r} is unknown: use one of {', '.join(ROTARY_CHOICES)}")
+    if spec.attention_kernel not in ATTENTION_CHOICES:
+        raise LoadError(f"attention_kernel {spec.attention_kernel!r} is unknown: use one of "
+                        f"{', '.join(ATTENTION_CHOICES)}")
 
 
 def load(spec: LoadSpec, progress: Progress | None = None) -> Loaded:
@@ -248,24 +254,29 @@ def _identity(source: str) -> str:
 
 
 def route_kernels(model, spec: LoadSpec, quant: str, device: str, progress: Progress | None = None) -> str:
-    """The NF4 kernel (nf4 only), then the norms, as ``spec`` asks; "; "-led parts of the load line. On CUDA what
-    they time is remembered for this GPU (kernel_memory.py): a later start reads it instead of timing again.
-    ``progress`` hears of a first start's timing, which takes a while."""
+    """The NF4 kernel (nf4 only), then the norms, the rotary and the attention, as ``spec`` asks; "; "-led parts of
+    the load line. On CUDA what they time is remembered for this GPU (kernel_memory.py): a later start reads it
+    instead of timing again. ``progress`` hears of a first start's timing, which takes a while."""
     timings = kernel_memory.recall(torch.device(device), smollm2.cache_root(), spec.retune) \
         if device.startswith("cuda") else None
     if timings is not None and not timings.memory.entries and progress is not None and \
-            "auto" in ((spec.nf4_kernel if quant == "nf4" else ""), spec.norm_kernel):
+            "auto" in ((spec.nf4_kernel if quant == "nf4" else ""), spec.norm_kernel, spec.rotary_kernel,
+                       spec.attention_kernel):
         progress("timing the kernels on this GPU (once: later starts read what this measures)")
     try:
         with timings.routing() if timings else contextlib.nullcontext():
             nf4_text = use_nf4_kernel(model, spec.nf4_kernel) if quant == "nf4" else ""
             # after the NF4 kernel: exact mode brings its own norms, and leaving it takes any Triton norm out
             norm_text = use_norm_kernel(model, spec.norm_kernel)
+            # after the NF4 kernel too: exact mode's attention is its own, and auto leaves it so
+            rotary_text = use_rotary(model, spec.rotary_kernel)
+            attention_text = use_attention(model, spec.attention_kernel)
     except ValueError as err:
         raise LoadError(str(err)) from None
     if timings:
         timings.save()
-    return "".join(f"; {text}" for text in (nf4_text, norm_text, timings.note if timings else "") if text)
+    texts = (nf4_text, norm_text, rotary_text, attention_text, timings.note if timings else "")
+    return "".join(f"; {text}" for text in texts if text)
 
 
 def load_backbone_dir(directory: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):

@@ -16,6 +16,8 @@ class LoadSpec:
     trust_remote_code: bool = False
     nf4_kernel: str = "auto"          # auto|triton|bnb|repacked|repacked-exact: who multiplies NF4 layers (quant/bnb.py)
     norm_kernel: str = "auto"         # auto|torch|triton: who computes the RMSNorms (quant/norm_routing.py)
+    rotary_kernel: str = "auto"       # auto|torch|triton: who rotates queries and keys (quant/attention_routing.py)
+    attention_kernel: str = "auto"    # auto|sdpa|split: who attends over the cache (quant/attention_routing.py)
     tree: str | None = None           # a preset or .json tree instead of the tree tuned for this machine
     must_run: tuple[str, ...] = ()    # trees the heads must be able to run, checked before any tuning (bench)
     retune: bool = False              # measure the tree (CPU int4's gain, the GPU's kernel timings) again even if cached

