@@ -53,8 +53,9 @@ def test_every_path_multiplies_within_bf16_rounding(m):
     ref = x.float() @ bnbf.dequantize_4bit(packed, state).float().T
     plane = rm.RepackedConfig(True, max(16, rm.row_class(m)), 64, 2, plane_lookup=True)
     gemv = rm.RepackedConfig(False, min(rm.row_class(m), 4), 16, 1)     # the GEMV at any M, as fast mode never runs it
+    group = rm.RepackedConfig(True, max(16, rm.row_class(m)), 64, 2, whole_group=True)
     for name, kw in (("fast", {}), ("exact", {"exact": True}), ("plane_lookup", {"config": plane}),
-                     ("gemv", {"config": gemv})):
+                     ("gemv", {"config": gemv}), ("whole_group", {"config": group})):
         y = rm.repacked_matmul(x, w, **kw)
         assert y.shape == (m, n) and y.dtype == torch.bfloat16, name
         rel = float((y.float() - ref).norm() / ref.norm())

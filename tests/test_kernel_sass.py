@@ -35,10 +35,11 @@ def test_gemv_loads_words_16_bytes_at_a_time_and_looks_each_weight_up_once(tmp_p
     assert r.issue_us > 0 and r.shared_us > 0 and r.floor_us > 0
 
 
-@pytest.mark.parametrize("plane_lookup", [False, True])
-def test_tensor_core_path_compiles_without_spills(tmp_path, plane_lookup):
+@pytest.mark.parametrize("plane_lookup,whole_group", [(False, False), (True, False), (False, True)])
+def test_tensor_core_path_compiles_without_spills(tmp_path, plane_lookup, whole_group):
     k, n = 4096, 4096
-    cfg = dataclasses.replace(rm.fast_config(16, n, k // 128, ks.H100.sms), plane_lookup=plane_lookup)
+    cfg = dataclasses.replace(rm.fast_config(16, n, k // 128, ks.H100.sms), plane_lookup=plane_lookup,
+                              whole_group=whole_group)
     assert cfg.dot
     r = ks.report(ks.repacked_launch(k, n, 16, cfg), ks.H100, tmp_path)
     assert r.local_bytes == 0 and r.shared_bytes > 0, r

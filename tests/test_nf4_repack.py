@@ -133,6 +133,29 @@ def test_a_tuning_remembered_before_prefetch_depths_reads_as_depth_one():
     assert rm.RepackedConfig(False, 1, 64, 4, prefetch=2).describe() == "gemv m1 n64 split4 w4 s2 prefetch2"
 
 
+@pytest.mark.parametrize("n,k,group,blocksize", [(*shape, 64) for shape in SHAPES] + [(40, 256, 128, 128),
+                                                                                      (24, 960, 128, 64)])
+def test_the_whole_group_in_one_dot_multiplies_within_rounding(n, k, group, blocksize):
+    # the group's 8 planes as one tile, its columns in the words' order and x's put in the same order: the same
+    # weights (bitsandbytes' bits) summed in another order. 1, 2 and 4 scale blocks a group, K cut short, splits
+    packed, state = quantized(n, k, blocksize=blocksize)
+    w = rp.repack_bnb([(packed, state)], group)
+    gen = torch.Generator().manual_seed(7)
+    for m, cfg in ((1, rm.RepackedConfig(True, 16, 64, 1, whole_group=True)),
+                   (20, rm.RepackedConfig(True, 16, 32, 2, whole_group=True)),
+                   (33, rm.RepackedConfig(True, 32, 16, 3, whole_group=True))):
+        x = torch.randn(m, k, generator=gen)
+        bias = torch.randn(n, generator=gen)
+        y = rm.repacked_matmul(x, w, bias, config=cfg)
+        torch.testing.assert_close(y.double(), reference(x, packed, state, bias), rtol=1e-5, atol=1e-4)
+    assert any(c.whole_group for c in rm.candidates(16, 11008, 32, 132))       # the GPU tuner times it,
+    assert any(c.whole_group for c in rm.exact_candidates(11008, 32, 132))      # exact mode's where rows are exact
+    assert rm.RepackedConfig(True, 16, 64, 2, whole_group=True).describe() == "dot m16 n64 split2 w4 s2 group"
+    for bad in (dict(dot=False, block_m=1), dict(dot=True, block_m=16, plane_lookup=True)):
+        with pytest.raises(ValueError, match="whole_group for dot only and not with plane_lookup"):
+            rm.RepackedConfig(block_n=16, split_k=1, whole_group=True, **bad)
+
+
 @pytest.mark.parametrize("n,k,group", SHAPES)
 def test_looking_up_one_plane_at_a_time_changes_no_bit(n, k, group):
     # the tensor-core path's two lookups (all planes of a group at once, or each before its dot) give the

@@ -11,7 +11,9 @@ One kernel, three constexpr paths over the same step (one group of G columns of 
   a group's work (Triton pipelines the tensor-core path's loads itself, but not these, which go to registers).
 - tensor cores (DOT True, M >= 5): each plane (BLOCK_N, G/8) is dequantized once, code * scale in
   fp32 cast to x's dtype as bitsandbytes casts its dequantized weight, and enters ``tl.dot`` as the
-  tall operand against x.T (G/8, BLOCK_M): every weight tile is decoded once for all the rows.
+  tall operand against x.T (G/8, BLOCK_M): every weight tile is decoded once for all the rows. Or
+  (WHOLE_GROUP, a tuner candidate) the group's 8 planes as one (BLOCK_N, G) tile in one dot, x's group put
+  in the words' column order.
 - DEQUANT_ONLY: writes code * scale (fp32) to an (N, K) buffer: the bit-exact test of the layout
   and of the lookup the two matmul paths use.
 The 16-entry NF4 table is looked up with ``tl.gather``, which Triton lowers to one shared-memory load
@@ -55,7 +57,8 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, 
                      GROUP: tl.constexpr, BLOCKSIZE: tl.constexpr, LOG_LANES: tl.constexpr, DOT: tl.constexpr,
                      HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, DEQUANT_ONLY: tl.constexpr,
                      EVEN_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     PREFETCH: tl.constexpr = 0, PLANE_LOOKUP: tl.constexpr = False, SERIAL: tl.constexpr = False):
+                     PREFETCH: tl.constexpr = 0, PLANE_LOOKUP: tl.constexpr = False, SERIAL: tl.constexpr = False,
+                     WHOLE_GROUP: tl.constexpr = False):
     # grid: (M tiles, N tiles, K splits): the M tiles of one weight tile are launched side by side, so
     # past the first they read it from L2. BLOCK_N is a multiple of the 16-row group.
     LANES: tl.constexpr = GROUP // 8                 # words per row per group = columns per plane
@@ -116,65 +119,90 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, 
                 scales_next = loaded_scales
         else:
             words = tl.load(w_ptr + ((slot + kg * 16) * LANES)[:, None] + word[None, :], mask=n_ok[:, None], other=0)
-        if not PLANE_LOOKUP:   # every weight of the step looked up at once: one table fill per step, not per plane
-            nibs = (words[:, :, None] >> shifts[None, None, :]) & 15              # (BN, LANES, 8)
-            codes = tl.reshape(tl.gather(table, tl.reshape(nibs, (BLOCK_N * LANES * 8,)), 0), (BLOCK_N, LANES, 8))
-            lo, hi = tl.split(tl.reshape(codes, (BLOCK_N, LANES, 4, 2)))           # planes 0..3, 4..7
-            lo0, lo1 = tl.split(tl.reshape(lo, (BLOCK_N, LANES, 2, 2)))
-            hi0, hi1 = tl.split(tl.reshape(hi, (BLOCK_N, LANES, 2, 2)))
-            p0, p1 = tl.split(lo0)
-            p2, p3 = tl.split(lo1)
-            p4, p5 = tl.split(hi0)
-            p6, p7 = tl.split(hi1)
-            planes = (p0, p1, p2, p3, p4, p5, p6, p7)                            # each (BN, LANES) fp32
-        if PREFETCH >= 1:    # the prefetched (BN, SCALES) tile by column, halving like the planes (no tl.sum: see
-            #             triton_runtime's note on Triton's jit-decorated standard library)
-            if SCALES == 1:
-                block_scales = (tl.reshape(scales, (BLOCK_N,)),)
-            elif SCALES == 2:
-                block_scales = tl.split(scales)
+        if WHOLE_GROUP:   # tensor cores, the whole group in one dot (see RepackedConfig.whole_group)
+            # position j = l * 8 + p of the group: plane p of word l, which holds column p * LANES + l
+            j = tl.arange(0, GROUP)
+            spread = tl.reshape(tl.broadcast_to(words[:, :, None], (BLOCK_N, LANES, 8)), (BLOCK_N, GROUP))
+            nibs = (spread >> (4 * (j % 8))[None, :]) & 15                                  # (BN, GROUP)
+            codes = tl.reshape(tl.gather(table, tl.reshape(nibs, (BLOCK_N * GROUP,)), 0), (BLOCK_N, GROUP))
+            scales = tl.load(s_ptr + ((slot + kg * 16) * SCALES)[:, None] + scale_col[None, :], mask=n_ok[:, None],
+                             other=0)                                                      # (BN, SCALES)
+            # plane p's scale: (BN, SCALES) spread over the group's columns in order (block, q, l: column p * LANES +
+            # l), then each position j takes its plane's. A gather, not a reshape into position order: compiled
+            # for sm_90 (Triton 3.6) the reshape cost 96 more shared-memory loads a group (198 against 102)
+            scale_g = tl.reshape(tl.broadcast_to(scales[:, :, None, None], (BLOCK_N, SCALES, PER_SCALE, LANES)),
+                                 (BLOCK_N, GROUP))
+            w_g = (codes * tl.gather(scale_g, tl.broadcast_to(((j % 8) * LANES)[None, :], (BLOCK_N, GROUP)), 1)
+                   ).to(x_ptr.dtype.element_ty)                                 # bitsandbytes' weight, cast
+            # x's group loaded in order (contiguous, vectorized), then put in the weight's column order
+            col_g = kg * GROUP + tl.arange(0, GROUP)                                         # (GROUP,)
+            if EVEN_K:
+                x_ok = m_ok[None, :]
             else:
-                even, odd = tl.split(tl.reshape(scales, (BLOCK_N, SCALES // 2, 2)))   # columns 0, 2 | 1, 3
-                s0, s2 = tl.split(even)
-                s1, s3 = tl.split(odd)
-                block_scales = (s0, s1, s2, s3)
-        for i in tl.static_range(8):
-            if i % PER_SCALE == 0:      # (BN,) the scale of the block planes i.. lie in
-                if PREFETCH >= 1:
-                    scale = block_scales[i // PER_SCALE]
+                x_ok = m_ok[None, :] & (col_g < K)[:, None]
+            x_n = tl.load(x_ptr + offs_m[None, :] * stride_xm + col_g[:, None], mask=x_ok, other=0)   # (GROUP, BM)
+            x_g = tl.reshape(tl.permute(tl.reshape(x_n, (8, LANES, BLOCK_M)), (1, 0, 2)), (GROUP, BLOCK_M))
+            acc = tl.dot(w_g, x_g, acc, input_precision=PRECISION)
+        else:   # tensor cores plane by plane, or the GEMV
+            if not PLANE_LOOKUP:   # every weight of the step looked up at once: one table fill per step, not per plane
+                nibs = (words[:, :, None] >> shifts[None, None, :]) & 15              # (BN, LANES, 8)
+                codes = tl.reshape(tl.gather(table, tl.reshape(nibs, (BLOCK_N * LANES * 8,)), 0), (BLOCK_N, LANES, 8))
+                lo, hi = tl.split(tl.reshape(codes, (BLOCK_N, LANES, 4, 2)))           # planes 0..3, 4..7
+                lo0, lo1 = tl.split(tl.reshape(lo, (BLOCK_N, LANES, 2, 2)))
+                hi0, hi1 = tl.split(tl.reshape(hi, (BLOCK_N, LANES, 2, 2)))
+                p0, p1 = tl.split(lo0)
+                p2, p3 = tl.split(lo1)
+                p4, p5 = tl.split(hi0)
+                p6, p7 = tl.split(hi1)
+                planes = (p0, p1, p2, p3, p4, p5, p6, p7)                            # each (BN, LANES) fp32
+            if PREFETCH >= 1:    # the prefetched (BN, SCALES) tile by column, halving like the planes (no tl.sum: see
+                #             triton_runtime's note on Triton's jit-decorated standard library)
+                if SCALES == 1:
+                    block_scales = (tl.reshape(scales, (BLOCK_N,)),)
+                elif SCALES == 2:
+                    block_scales = tl.split(scales)
                 else:
-                    scale = tl.load(s_ptr + (slot + kg * 16) * SCALES + i // PER_SCALE, mask=n_ok, other=0)
-            if PLANE_LOOKUP:   # tensor cores: one plane at a time (see RepackedConfig.plane_lookup)
-                nib = tl.reshape((words >> (4 * i)) & 15, (BLOCK_N * LANES,))
-                code = tl.reshape(tl.gather(table, nib, 0), (BLOCK_N, LANES))     # (BN, LANES) fp32
-            else:
-                code = planes[i]                                                # (BN, LANES) fp32
-            col = kg * GROUP + i * LANES + lane                                 # (LANES,) plane i's columns
-            k_ok = col < K
-            if DEQUANT_ONLY:
-                tl.store(out_ptr + row[:, None] * stride_om + col[None, :], code * scale[:, None],
-                         mask=n_ok[:, None] & k_ok[None, :])
-            elif DOT:
-                w_t = (code * scale[:, None]).to(x_ptr.dtype.element_ty)      # bitsandbytes' weight, cast
-                if EVEN_K:
-                    x_ok = m_ok[None, :]
+                    even, odd = tl.split(tl.reshape(scales, (BLOCK_N, SCALES // 2, 2)))   # columns 0, 2 | 1, 3
+                    s0, s2 = tl.split(even)
+                    s1, s3 = tl.split(odd)
+                    block_scales = (s0, s1, s2, s3)
+            for i in tl.static_range(8):
+                if i % PER_SCALE == 0:      # (BN,) the scale of the block planes i.. lie in
+                    if PREFETCH >= 1:
+                        scale = block_scales[i // PER_SCALE]
+                    else:
+                        scale = tl.load(s_ptr + (slot + kg * 16) * SCALES + i // PER_SCALE, mask=n_ok, other=0)
+                if PLANE_LOOKUP:   # tensor cores: one plane at a time (see RepackedConfig.plane_lookup)
+                    nib = tl.reshape((words >> (4 * i)) & 15, (BLOCK_N * LANES,))
+                    code = tl.reshape(tl.gather(table, nib, 0), (BLOCK_N, LANES))     # (BN, LANES) fp32
                 else:
-                    x_ok = m_ok[None, :] & k_ok[:, None]
-                x_t = tl.load(x_ptr + offs_m[None, :] * stride_xm + col[:, None], mask=x_ok, other=0)   # (LANES, BM)
-                acc = tl.dot(w_t, x_t, acc, input_precision=PRECISION)
-            else:
-                if EVEN_K:
-                    x_ok = m_ok[:, None]
+                    code = planes[i]                                                # (BN, LANES) fp32
+                col = kg * GROUP + i * LANES + lane                                 # (LANES,) plane i's columns
+                k_ok = col < K
+                if DEQUANT_ONLY:
+                    tl.store(out_ptr + row[:, None] * stride_om + col[None, :], code * scale[:, None],
+                             mask=n_ok[:, None] & k_ok[None, :])
+                elif DOT:
+                    w_t = (code * scale[:, None]).to(x_ptr.dtype.element_ty)      # bitsandbytes' weight, cast
+                    if EVEN_K:
+                        x_ok = m_ok[None, :]
+                    else:
+                        x_ok = m_ok[None, :] & k_ok[:, None]
+                    x_t = tl.load(x_ptr + offs_m[None, :] * stride_xm + col[:, None], mask=x_ok, other=0)  # (LANES, BM)
+                    acc = tl.dot(w_t, x_t, acc, input_precision=PRECISION)
                 else:
-                    x_ok = m_ok[:, None] & k_ok[None, :]
-                xv = tl.load(x_ptr + offs_m[:, None] * stride_xm + col[None, :], mask=x_ok, other=0).to(tl.float32)
-                prod = xv[:, None, :] * code[None, :, :]                         # (BM, BN, LANES)
-                if i % PER_SCALE == 0:
-                    block = prod
-                else:
-                    block = block + prod
-                if i % PER_SCALE == PER_SCALE - 1:
-                    lanes_acc = lanes_acc + block * scale[None, :, None]
+                    if EVEN_K:
+                        x_ok = m_ok[:, None]
+                    else:
+                        x_ok = m_ok[:, None] & k_ok[None, :]
+                    xv = tl.load(x_ptr + offs_m[:, None] * stride_xm + col[None, :], mask=x_ok, other=0).to(tl.float32)
+                    prod = xv[:, None, :] * code[None, :, :]                         # (BM, BN, LANES)
+                    if i % PER_SCALE == 0:
+                        block = prod
+                    else:
+                        block = block + prod
+                    if i % PER_SCALE == PER_SCALE - 1:
+                        lanes_acc = lanes_acc + block * scale[None, :, None]
     if not DEQUANT_ONLY:
         if not DOT:
             # lanes -> one sum per (row, output): adjacent pairs, halving, the same tree for every element
@@ -229,6 +257,15 @@ class RepackedConfig:
     # Compiled for sm_90 (kernel_sass, M = 16): 8.5 instructions per weight against 9.6, 64 registers
     # against 96, 8-byte shared stores of the dequantized tile against 2-byte ones, but 33 barriers a
     # group against 19 (Triton refills the table per lookup). Which is faster is the GPU's to measure.
+    whole_group: bool = False    # tensor cores: the group's 8 planes dequantized into one (BLOCK_N, G) tile and
+    # multiplied in one dot (K = G), its columns in the order the words hold them (x loaded in the same order),
+    # where the plane paths make 8 dots of K = G/8. Why: compiled for sm_90 each dot's operand goes through
+    # shared memory with its barriers, and on the H200 (2026-11-28) the 16-row tile took 2x the one-row GEMV on
+    # the same bytes (37.7 against 18.9 µs, 4096->11008), 3.6x the static issue estimate. Compiled for sm_90
+    # (Triton 3.6, kernel_sass, M = 16, 4 warps): 4 barriers a group against the plane lookup's 33, at 8.8
+    # instructions per weight against 7.8 and 158 registers against 56 (8 warps: 105 registers, 11.8). Which
+    # is faster is the GPU's to measure. Fast mode's sums run in another order, within rounding; exact mode
+    # times it only where tune_exact finds its rows exact on the GPU.
     serial: bool = False     # split-K: the last split of each output tile to store its partials adds them all
     # (an atomic arrival count per tile), in place of the reduce kernel: one launch where there were two, and
     # the same sum in the same order, so the same bits. The configs an H100 tuned for one row (2026-11-27) split
@@ -239,17 +276,19 @@ class RepackedConfig:
         if self.block_n % ROWS or self.block_m & (self.block_m - 1) or (self.dot and self.block_m < 16) \
                 or (self.dot and self.prefetch) or self.prefetch not in (0, 1, 2) \
                 or (self.plane_lookup and not self.dot) \
+                or (self.whole_group and (not self.dot or self.plane_lookup)) \
                 or (self.serial and self.split_k < 2):
             raise ValueError(f"bad repacked config {self}: block_n a multiple of {ROWS}, block_m a power of two "
                              "(>= 16 with dot), prefetch 0, 1 or 2 and for GEMV only, plane_lookup for dot only, "
-                             "serial with split_k >= 2")
+                             "whole_group for dot only and not with plane_lookup, serial with split_k >= 2")
         object.__setattr__(self, "prefetch", int(self.prefetch))   # a tuning remembered as true/false reads as 1/0
 
     def describe(self) -> str:
         return (f"{'dot' if self.dot else 'gemv'} m{self.block_m} n{self.block_n} split{self.split_k} "
                 f"w{self.num_warps} s{self.num_stages}{' prefetch' if self.prefetch else ''}"
                 f"{self.prefetch if self.prefetch > 1 else ''}"
-                f"{' plane' if self.plane_lookup else ''}{' serial' if self.serial else ''}")
+                f"{' plane' if self.plane_lookup else ''}{' group' if self.whole_group else ''}"
+                f"{' serial' if self.serial else ''}")
 
 
 def _pow2(m: int) -> int:
@@ -297,6 +336,7 @@ def exact_candidates(n: int, groups: int, sms: int) -> list[RepackedConfig]:
     out = [first, dataclasses.replace(first, plane_lookup=True)]
     for waves, plane in ((2, False), (2, True), (4, True)):
         out.append(RepackedConfig(True, 16, 64, split_for(n, groups, 64, waves * sms), plane_lookup=plane))
+    out.append(RepackedConfig(True, 16, 64, split_for(n, groups, 64, 2 * sms), whole_group=True))
     return list(dict.fromkeys(out))
 
 
@@ -335,6 +375,9 @@ def candidates(m: int, n: int, groups: int, sms: int) -> list[RepackedConfig]:
             out.append(RepackedConfig(True, cls, block_n, split_for(n, groups, block_n, waves * sms), warps))
         # the per-plane lookup with more programs (its fewer registers fit more per SM)
         out.append(RepackedConfig(True, cls, 64, split_for(n, groups, 64, 4 * sms), plane_lookup=True))
+        # the whole group in one dot, with 4 warps and with 8 (fewer registers a thread, more programs an SM)
+        out.append(dataclasses.replace(first, plane_lookup=False, whole_group=True))
+        out.append(dataclasses.replace(first, plane_lookup=False, whole_group=True, num_warps=8))
         # (a 16-row GEMV was timed here until the H100 took 4.0-5.8x the fastest tile for it on all four shapes)
     if first.split_k > 1:   # the default tile with its partials added in the same launch
         out.append(dataclasses.replace(first, serial=True))
@@ -538,6 +581,7 @@ def kernel_call(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: b
     meta = dict(HAS_BIAS=has_bias, PARTIAL=part is not None, DEQUANT_ONLY=False,
                 PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", BLOCK_M=cfg.block_m,
                 BLOCK_N=cfg.block_n, PREFETCH=cfg.prefetch, PLANE_LOOKUP=cfg.plane_lookup, SERIAL=serial,
+                WHOLE_GROUP=cfg.whole_group,
                 **_constexprs(w, cfg.dot, interpret, cfg))
     return _repacked_kernel, grid, args, meta, part
 
