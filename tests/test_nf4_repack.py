@@ -144,7 +144,10 @@ def test_the_whole_group_in_one_dot_multiplies_within_rounding(n, k, group, bloc
     for m, cfg in ((1, rm.RepackedConfig(True, 16, 64, 1, whole_group=True)),
                    (20, rm.RepackedConfig(True, 16, 32, 2, whole_group=True)),
                    (33, rm.RepackedConfig(True, 32, 16, 3, whole_group=True))):
-        x = torch.randn(m, k, generator=gen)
+        # x's rows inside wider ones holding NaN past K: a group cut short must not read past its row's end
+        wide = torch.full((m, k + 64), float("nan"))
+        wide[:, :k] = torch.randn(m, k, generator=gen)
+        x = wide[:, :k]
         bias = torch.randn(n, generator=gen)
         y = rm.repacked_matmul(x, w, bias, config=cfg)
         torch.testing.assert_close(y.double(), reference(x, packed, state, bias), rtol=1e-5, atol=1e-4)
