@@ -172,3 +172,72 @@ def test_a_forced_kernel_where_it_cannot_run_is_one_line(monkeypatch):
     assert ar.flag_error("triton", "split", "auto", "cuda:0") is None and ar.flag_error("auto", "auto", "bnb", "cpu") is None
     with pytest.raises(ValueError, match=r"^rotary kernel 'fused' is unknown: use one of auto, torch, triton$"):
         ar.use_rotary(tiny_model(), "fused")
+
+
+def test_the_load_line_names_what_auto_kept_on_a_gpu(monkeypatch):
+    from medusa_core.loading import load as load_module
+
+    StandInGpu(monkeypatch)
+    monkeypatch.setattr(load_module.kernel_memory, "recall", lambda *args: None)     # nothing kept, nothing read
+    text = load_module.route_kernels(tiny_model(), LoadSpec(device="cuda"), "none", "cuda")
+    assert "; rotary: one Triton kernel for the queries and keys of each layer (auto measured 10 µs" in text, text
+    assert "; attention: split over the keys in Triton, hidden key blocks skipped (auto measured 200 µs" in text, text
+
+
+def test_a_split_attention_off_sdpa_is_refused_before_it_is_timed(monkeypatch):
+    from medusa_core.quant import split_attention
+
+    model = tiny_model(layers=1)
+    stand_in_clock(monkeypatch)
+    real = split_attention.split_attention_forward
+    monkeypatch.setattr(split_attention, "split_attention_forward",
+                        lambda *args, **kw: (real(*args, **kw)[0] * 1.05, None))
+    with pytest.raises(RuntimeError, match=r"^wrong result: relative error 5\.0e-02 against SDPA$"):
+        ar._timed_attention(model)
+
+
+def test_a_family_the_kernels_do_not_serve_keeps_transformers_without_timing(monkeypatch):
+    model = tiny_model()
+    model.config.model_type = "gemma2"        # softcapping: the split kernel would hand every call back to SDPA
+    StandInGpu(monkeypatch, fails=AssertionError("timed a family the kernels do not serve"))
+    assert ar.use_rotary(model, "auto") == "" and ar.use_attention(model, "auto") == ""
+    assert routes(model) == ("torch", "sdpa")
+
+
+def test_exact_modes_attention_is_not_called_sdpa_and_a_forced_split_says_the_flag_to_use():
+    model = tiny_model(hidden=64)
+    quantize_linear_nf4_(model, torch.float32)
+    use_nf4_kernel(model, "repacked-exact")
+    assert ar.use_attention(model, "sdpa") == ""           # exact mode's row-exact attention stays, and is not SDPA
+    with pytest.raises(ValueError, match=r"\(exact mode keeps its own\): use --attention-kernel auto$"):
+        ar.use_attention(model, "split")
+
+
+def test_a_forced_kernel_the_machine_cannot_run_is_a_load_error_before_anything_loads(monkeypatch):
+    monkeypatch.delenv(INTERPRET_ENV)
+    with pytest.raises(LoadError, match=r"^--rotary-kernel triton: the Triton rotary needs a CUDA device .* use "
+                                        r"--rotary-kernel auto or torch$"):
+        load(LoadSpec(model="never-read", device="cpu", rotary_kernel="triton"))
+
+
+def test_a_load_that_fails_leaves_the_models_family_routed_as_it_was(tmp_path, monkeypatch):
+    """The app keeps answering with the model it has while another loads, and keeps it if the load fails: the
+    family's rotary (which that model's Ready line names) is as it was after the failed load."""
+    from medusa_core.benchmarks.synthetic import made_tokenizer
+    from medusa_core.loading import load as load_module
+
+    def tree_fails(*args, **kw):      # anything after the routing: here, the tree tuning
+        raise RuntimeError("no-such-tree: the tree tuning failed")
+
+    monkeypatch.setattr(load_module, "pick_tree", tree_fails)
+
+    running = tiny_model()
+    ar.use_rotary(running, "triton")
+    routed = modeling_llama.apply_rotary_pos_emb
+    assert ar.rotary_routed(running) == "triton"
+    other = tiny_model(vocab=256, seed=1)
+    other.save_pretrained(tmp_path)
+    made_tokenizer(256).save_pretrained(tmp_path)
+    with pytest.raises(RuntimeError, match="no-such-tree"):
+        load(LoadSpec(model=str(tmp_path), device="cpu", quant="none", rotary_kernel="torch"))
+    assert modeling_llama.apply_rotary_pos_emb is routed and ar.rotary_routed(running) == "triton"

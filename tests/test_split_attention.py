@@ -103,5 +103,5 @@ def test_its_routing_says_what_it_cannot_do_in_one_line(sa):
     with pytest.raises(ValueError) as err:
         sa.use_split_attention(model, "split")
     assert str(err.value) == ("--attention-kernel split: this model's attention is 'eager', not SDPA (exact mode keeps "
-                              "its own): use --attention-kernel sdpa")
+                              "its own): use --attention-kernel auto")
     assert model.config._attn_implementation == "eager"

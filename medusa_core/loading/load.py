@@ -27,7 +27,9 @@ from ..heads.medusa_heads import MedusaHeads
 from ..heads.quantize import quantize_projections
 from ..quant import cpu_int4
 from ..quant.bnb import NF4_KERNELS, bnb_config, use_nf4_kernel
-from ..quant.attention_routing import ATTENTION_CHOICES, ROTARY_CHOICES, use_attention, use_rotary
+from ..quant.attention_routing import (ATTENTION_CHOICES, ROTARY_CHOICES, rotary_kept_on_failure, use_attention,
+                                       use_rotary)
+from ..quant.attention_routing import flag_error as attention_flag_error
 from ..quant.norm_routing import NORM_KERNELS, use_norm_kernel
 from ..quant.formats import weights_format
 from . import smollm2
@@ -172,6 +174,8 @@ def load(spec: LoadSpec, progress: Progress | None = None) -> Loaded:
     """``progress`` hears what a long step is doing (the 4-bit check and the tree tuning of a first start)."""
     _validate(spec)
     device = resolve_device(spec.device)
+    if error := attention_flag_error(spec.rotary_kernel, spec.attention_kernel, spec.nf4_kernel, device):
+        raise LoadError(error)      # before minutes of loading, and as launch.py says it
     if spec.model is None and spec.heads is None:
         if not device.startswith("cuda") and not CPU_DEFAULT_HEADS.is_dir():
             raise LoadError(f"the bundled heads {CPU_DEFAULT_HEADS} are missing: restore assets/smollm2 from git, "
@@ -214,16 +218,17 @@ def load(spec: LoadSpec, progress: Progress | None = None) -> Loaded:
         except ValueError as err:
             raise LoadError(str(err)) from None
         quant, kernel_text = ("int4" if applied else "none"), "; " + text
-    kernel_text += route_kernels(model, spec, quant, device, progress)
-    heads = load_heads_files(files, model, dtype) if files is not None else None
-    if heads is not None and spec.heads_quant == "nf4":
-        heads = quantize_projections(heads, dtype)
+    with rotary_kept_on_failure(model):     # the rotary routing is the family's: a failed load leaves it as it was
+        kernel_text += route_kernels(model, spec, quant, device, progress)
+        heads = load_heads_files(files, model, dtype) if files is not None else None
+        if heads is not None and spec.heads_quant == "nf4":
+            heads = quantize_projections(heads, dtype)
 
-    bundled = heads is not None and is_bundled_heads(spec.heads)
-    cpu_default = smollm2_backbone and bundled and not device.startswith("cuda")
-    tree, tree_note, tuned = pick_tree(spec, model, tokenizer, heads, heads_dir, device, bundled, quant, dtype,
-                                       progress or (lambda line: None))
-    stop_ids = tuple(sorted(stop_set(model, stop_token_ids(tokenizer))))
+        bundled = heads is not None and is_bundled_heads(spec.heads)
+        cpu_default = smollm2_backbone and bundled and not device.startswith("cuda")
+        tree, tree_note, tuned = pick_tree(spec, model, tokenizer, heads, heads_dir, device, bundled, quant, dtype,
+                                           progress or (lambda line: None))
+        stop_ids = tuple(sorted(stop_set(model, stop_token_ids(tokenizer))))
 
     what = (f"{quant if quant != 'none' else 'unquantized'}, {str(dtype).removeprefix('torch.')} compute on {device}"
             f"{kernel_text}")

@@ -23,6 +23,7 @@ import contextlib
 import functools
 import os
 import sys
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -42,12 +43,30 @@ def flag_error(rotary: str, attention: str, nf4_kernel: str, device: str) -> str
         return ("--attention-kernel split: --nf4-kernel repacked-exact brings its own row-exact attention: "
                 "drop --attention-kernel")
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    for flag, choice, forced, what, other in (("--rotary-kernel", rotary, "triton", "the Triton rotary", "torch"),
-                                              ("--attention-kernel", attention, "split", "the split attention", "sdpa")):
+    for flag, choice, forced, what, other in (
+            ("--rotary-kernel", rotary, "triton", "the Triton rotary", "torch"),
+            ("--attention-kernel", attention, "split", "the split attention", "sdpa")):
         if choice == forced and not device.startswith("cuda") and not interpreted:
             return (f"{flag} {forced}: {what} needs a CUDA device (on {device} it runs only under Triton's "
                     f"interpreter, TRITON_INTERPRET=1, slowly, for tests): use {flag} auto or {other}")
     return None
+
+
+@contextlib.contextmanager
+def rotary_kept_on_failure(model: nn.Module) -> Iterator[None]:
+    """Within: a failure puts the model family's rotary back as it was. The routing is the family's, for every
+    model of it in the process, and the app keeps answering with the model it has while another loads, and
+    keeps it if that load fails (review: a failed load left the kept model's routing, which its Ready line
+    names and its tuned tree is keyed by, switched)."""
+    family = getattr(getattr(model, "config", None), "model_type", None)
+    module = sys.modules.get(f"transformers.models.{family}.modeling_{family}")
+    before = getattr(module, "apply_rotary_pos_emb", None)
+    try:
+        yield
+    except BaseException:
+        if before is not None:
+            module.apply_rotary_pos_emb = before
+        raise
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -126,7 +145,8 @@ def use_rotary(model: nn.Module, choice: str) -> str:
         return (f"rotary: transformers' own (auto measured {torch_us:.0f} µs against {triton_us:.0f} µs for the "
                 f"Triton rotary over a {_steps()} step)")
     line = use_rotary_kernel(model, "triton")
-    return f"{line} (auto measured {triton_us:.0f} µs against {torch_us:.0f} µs for transformers' over a {_steps()} step)"
+    return (f"{line} (auto measured {triton_us:.0f} µs against {torch_us:.0f} µs for transformers' over a {_steps()} "
+            "step)")
 
 
 def use_attention(model: nn.Module, choice: str) -> str:
@@ -138,8 +158,9 @@ def use_attention(model: nn.Module, choice: str) -> str:
         from .split_attention import use_split_attention
 
         use_split_attention(model, "sdpa")
-    if choice == "sdpa":
-        return "attention: transformers' SDPA"
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if choice == "sdpa":    # exact mode's own attention is not SDPA, and stays (the NF4 line names it)
+        return "attention: transformers' SDPA" if implementation == "sdpa" else ""
     if choice == "split":
         try:
             from .split_attention import use_split_attention
@@ -147,15 +168,19 @@ def use_attention(model: nn.Module, choice: str) -> str:
             raise ValueError(f"--attention-kernel split: {err}") from None
         return use_split_attention(model, "split")
     device, modules = _device(model), _attention_modules(model)
-    implementation = getattr(model.config, "_attn_implementation", None)
     if device.type != "cuda" or not modules or implementation != "sdpa":
         return ""
     if _dtype(model) not in (torch.bfloat16, torch.float16):
         return ""       # the kernel computes 16-bit calls only (fp32's dot spilled on sm_90): SDPA runs every call
     try:
+        from .rotary_kernel import FAMILIES
         from .split_attention import use_split_attention
     except ImportError as err:
         return f"attention: transformers' SDPA (auto: {err})"
+    if getattr(model.config, "model_type", None) not in FAMILIES or _shapes(model)[2] > 256:
+        # another family may bring softcapping or sinks, and a head wider than 256 is SDPA's: the kernel would
+        # hand every call back, and a timing of SDPA against itself would name a kernel that never runs
+        return ""
     try:
         sdpa_us, split_us = remembered("attention", _attention_key(model), lambda: _timed_attention(model),
                                        lambda saved: (float(saved[0]), float(saved[1])))

@@ -259,7 +259,7 @@ def use_split_attention(model, choice: str) -> str:
         return "attention: transformers' SDPA"
     if current not in ("sdpa", NAME):
         raise ValueError(f"--attention-kernel split: this model's attention is {current!r}, not SDPA (exact mode keeps "
-                         "its own): use --attention-kernel sdpa")
+                         "its own): use --attention-kernel auto")
     check_runnable(model.get_output_embeddings().weight.device)
     if current != NAME:
         config._medusa_split_before = current
