@@ -136,17 +136,8 @@ def use_rotary(model: nn.Module, choice: str) -> str:
         return f"rotary: transformers' own (auto: {err})"
     if getattr(model.config, "model_type", None) not in FAMILIES:
         return ""
-    try:
-        torch_us, triton_us = remembered("rotary", _rotary_key(model), lambda: _timed_rotary(model),
-                                         lambda saved: (float(saved[0]), float(saved[1])))
-    except Exception as err:  # e.g. a Triton that cannot compile the kernel for this GPU: said, never hidden
-        return f"rotary: transformers' own (auto: timing the rotary failed on this GPU: {_said(err)})"
-    if not triton_us < torch_us:
-        return (f"rotary: transformers' own (auto measured {torch_us:.0f} µs against {triton_us:.0f} µs for the "
-                f"Triton rotary over a {_steps()} step)")
-    line = use_rotary_kernel(model, "triton")
-    return (f"{line} (auto measured {triton_us:.0f} µs against {torch_us:.0f} µs for transformers' over a {_steps()} "
-            "step)")
+    return _faster_kept("rotary", _rotary_key(model), lambda: _timed_rotary(model), "rotary: transformers' own",
+                        "transformers'", "the Triton rotary", lambda: use_rotary_kernel(model, "triton"))
 
 
 def use_attention(model: nn.Module, choice: str) -> str:
@@ -181,16 +172,23 @@ def use_attention(model: nn.Module, choice: str) -> str:
         # another family may bring softcapping or sinks, and a head wider than 256 is SDPA's: the kernel would
         # hand every call back, and a timing of SDPA against itself would name a kernel that never runs
         return ""
+    return _faster_kept("attention", _attention_key(model), lambda: _timed_attention(model),
+                        "attention: transformers' SDPA", "SDPA", "the split attention",
+                        lambda: use_split_attention(model, "split"))
+
+
+def _faster_kept(what: str, key: tuple, measure, stock_line: str, stock_name: str, kernel_name: str, route) -> str:
+    """The kernel, routed by ``route()``, where ``measure()`` ((stock µs, kernel µs), remembered per GPU) times it
+    faster; else the stock function, kept. One line either way, with both sums, or why nothing was timed."""
     try:
-        sdpa_us, split_us = remembered("attention", _attention_key(model), lambda: _timed_attention(model),
-                                       lambda saved: (float(saved[0]), float(saved[1])))
-    except Exception as err:  # said, never hidden
-        return f"attention: transformers' SDPA (auto: timing the attention failed on this GPU: {_said(err)})"
-    if not split_us < sdpa_us:
-        return (f"attention: transformers' SDPA (auto measured {sdpa_us:.0f} µs against {split_us:.0f} µs for the "
-                f"split attention over a {_steps()} step)")
-    line = use_split_attention(model, "split")
-    return f"{line} (auto measured {split_us:.0f} µs against {sdpa_us:.0f} µs for SDPA over a {_steps()} step)"
+        stock_us, kernel_us = remembered(what, key, measure, lambda saved: (float(saved[0]), float(saved[1])))
+    except Exception as err:  # e.g. a Triton that cannot compile the kernel for this GPU: said, never hidden
+        return f"{stock_line} (auto: timing the {what} failed on this GPU: {_said(err)})"
+    if not kernel_us < stock_us:
+        return (f"{stock_line} (auto measured {stock_us:.0f} µs against {kernel_us:.0f} µs for {kernel_name} over a "
+                f"{_steps()} step)")
+    return (f"{route()} (auto measured {kernel_us:.0f} µs against {stock_us:.0f} µs for {stock_name} over a "
+            f"{_steps()} step)")
 
 
 def _shapes(model: nn.Module) -> tuple[int, int, int, int]:
