@@ -39,14 +39,13 @@ from .benchmarks.step_timing import (copy_bandwidth, prefilled_cache, time_hf_ge
                                      time_step, time_stock_forward)
 from .benchmarks.synthetic import (DTYPE, SHAPES, attention_flag_error, build_heads, build_model, check_not_zero,
                                    choice_label, cpu_run_notes, quantize_backbone_, rotary_flag_error, route_attention,
-                                   route_rotary,
-                                   save_random_checkpoint, weight_bytes)
+                                   route_rotary, save_random_checkpoint, weight_bytes)
 from .errors import check_writable
 from .decoding.tree import build_tree_buffers, expected_tokens_per_step, tree_of_size
 from .heads.accuracy import PUBLISHED_ACCURACIES, RANK_DECAY, TOP_K, rank_table
+from .quant.attention_routing import ATTENTION_CHOICES, ROTARY_CHOICES
 from .quant.bnb import NF4_KERNELS
 from .quant.bnb import flag_error as kernel_flag_error
-from .quant.attention_routing import ATTENTION_CHOICES, ROTARY_CHOICES
 from .quant.norm_routing import NORM_KERNELS
 from .quant.norm_routing import flag_error as norm_flag_error
 
