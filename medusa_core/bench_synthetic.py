@@ -37,9 +37,9 @@ from .benchmarks.nf4_kernel import tuned_lines, tuning_log
 from .benchmarks.step_report import QuantResult, TreeRow, environment, fold_reports, format_result, summary
 from .benchmarks.step_timing import (copy_bandwidth, prefilled_cache, time_hf_generate, time_loop,
                                      time_step, time_stock_forward)
-from .benchmarks.synthetic import (DTYPE, SHAPES, attention_flag_error, build_heads, build_model, check_not_zero,
-                                   choice_label, cpu_run_notes, quantize_backbone_, rotary_flag_error, route_attention,
-                                   route_rotary, save_random_checkpoint, weight_bytes)
+from .benchmarks.synthetic import (DTYPE, SHAPES, build_heads, build_model, check_not_zero, choice_label, cpu_run_notes,
+                                   kernel_flags_error, quantize_backbone_, route_attention, route_rotary,
+                                   save_random_checkpoint, weight_bytes)
 from .errors import check_writable
 from .decoding.tree import build_tree_buffers, expected_tokens_per_step, tree_of_size
 from .heads.accuracy import PUBLISHED_ACCURACIES, RANK_DECAY, TOP_K, rank_table
@@ -249,7 +249,7 @@ def checked_device(args, cuda: bool) -> torch.device:
         raise ValueError("--iters and --context must be at least 1 and --warmup at least 0")
     for n in args.tree_sizes:       # fail before building a 7B model
         tree_of_size(rank_table(args.accuracies, decay=args.rank_decay), n)
-    if error := rotary_flag_error(args.rotary_kernel, device) or attention_flag_error(args.attention_kernel, device):
+    if error := kernel_flags_error(args.rotary_kernel, args.attention_kernel, device):
         raise ValueError(error)
     if "tinygemm" in args.quant:     # every projection's shape, before a 7B model is built
         from .quant.tinygemm import check_shape

@@ -35,8 +35,8 @@ from ..quant.attention_routing import ATTENTION_CHOICES, ROTARY_CHOICES
 from ..quant.bnb import NF4_KERNELS, use_nf4_kernel
 from ..quant.norm_routing import NORM_KERNELS, use_norm_kernel
 from .step_timing import prefilled_cache
-from .synthetic import (DTYPE, SHAPES, attention_flag_error, build_heads, build_model, choice_label, cpu_run_notes,
-                        quantize_backbone_, rotary_flag_error, route_attention, route_rotary)
+from .synthetic import (DTYPE, SHAPES, build_heads, build_model, choice_label, cpu_run_notes, kernel_flags_error,
+                        quantize_backbone_, route_attention, route_rotary)
 
 PREFIX = "medusa:"
 CATEGORIES = {
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not cuda:
         print(f"error: --device {args.device}: this torch sees no CUDA GPU: use --device cpu --shape tiny", file=sys.stderr)
         return 1
-    if error := rotary_flag_error(args.rotary_kernel, device) or attention_flag_error(args.attention_kernel, device):
+    if error := kernel_flags_error(args.rotary_kernel, args.attention_kernel, device):
         print(f"error: {error}", file=sys.stderr)
         return 1
     shape_name = args.shape or ("7b" if device.type == "cuda" else "tiny")

@@ -5,7 +5,6 @@ Medusa heads stand in for downloads that the GPU machine cannot make."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -261,14 +260,6 @@ def choice_label(rotary: str, attention: str) -> str:
     return ("" if rotary == "auto" else f"-{rotary}-rotary") + ("" if attention == "auto" else f"-{attention}-attention")
 
 
-def _triton_flag_error(flag: str, choices: list[str], triton_choice: str, what: str, default: str,
-                       device: torch.device) -> str | None:
-    if triton_choice in choices and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return (f"{flag} {triton_choice}: {what} needs a CUDA device (on {device.type} it runs only under "
-                f"Triton's interpreter, TRITON_INTERPRET=1, slowly, for tests): use {flag} {default}")
-    return None
-
-
 def cpu_run_notes(device: torch.device, cuda: bool, shape: str, quants: list[str], nf4_kernels: list[str]) -> list[str]:
     """The lines a run on the CPU prints before anything else: the step benchmarks run there as a smoke check,
     and their tables (speedups included) read like the GPU's (QA16: a CPU run wrote out/h100.json without a
@@ -283,11 +274,9 @@ def cpu_run_notes(device: torch.device, cuda: bool, shape: str, quants: list[str
     return lines
 
 
-def rotary_flag_error(choices: list[str], device: torch.device) -> str | None:
-    """--rotary-kernel triton where the kernel cannot run, said before a model is built; None if it can."""
-    return _triton_flag_error("--rotary-kernel", choices, "triton", "the Triton rotary", "auto", device)
+def kernel_flags_error(rotary: list[str], attention: list[str], device: torch.device) -> str | None:
+    """A --rotary-kernel or --attention-kernel choice whose kernel cannot run here, said before a model is built, as
+    the app says it (quant/attention_routing.flag_error); None if every choice can run."""
+    from ..quant.attention_routing import flag_error
 
-
-def attention_flag_error(choices: list[str], device: torch.device) -> str | None:
-    """--attention-kernel split where the kernel cannot run, said before a model is built; None if it can."""
-    return _triton_flag_error("--attention-kernel", choices, "split", "the split attention", "auto", device)
+    return next((error for r in rotary for a in attention if (error := flag_error(r, a, "auto", str(device)))), None)
