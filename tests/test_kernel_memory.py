@@ -278,7 +278,7 @@ def test_exact_modes_config_is_the_fastest_of_those_checked_row_exact_on_the_gpu
     StandInGpu(monkeypatch)
     n, k = 64, 256
     weight = torch.randn(n, k)
-    monkeypatch.setattr(rm, "_tuning_weight", lambda n, k, dtype, device, group: (weight, [weight], None))
+    monkeypatch.setattr(rm, "tuning_weight", lambda n, k, dtype, device, group: (weight, [weight], None))
     monkeypatch.setattr(torch, "randn", lambda *shape, **kw: torch.ones(*shape[:2]) * torch.arange(1, shape[0] + 1)[:, None])
     candidates = rm.exact_candidates(n, k // 128, 132)
     first, drifting, fastest = candidates[0], candidates[2], candidates[3]

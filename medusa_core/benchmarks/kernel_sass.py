@@ -97,8 +97,10 @@ class Launch:
     floor_bytes: int           # what the weight and its scales weigh
 
 
-def repacked_launch(k: int, n: int, m: int, cfg, dtype: torch.dtype = torch.bfloat16, group: int = 128) -> Launch:
-    """``repacked_matmul`` of m rows against an (n, k) repacked weight, with ``cfg``."""
+def repacked_launch(k: int, n: int, m: int, cfg, dtype: torch.dtype = torch.bfloat16, group: int = 128,
+                    ladder: int = 0) -> Launch:
+    """``repacked_matmul`` of m rows against an (n, k) repacked weight, with ``cfg`` (``ladder``: a rung of
+    benchmarks/kernel_ladder.py)."""
     _, rm = _triton_tools()
     from ..quant.nf4_repack import ROW_TILES, ROWS as R, RepackedNF4, repacked_nbytes
 
@@ -109,7 +111,8 @@ def repacked_launch(k: int, n: int, m: int, cfg, dtype: torch.dtype = torch.bflo
                     torch.empty(16, device=meta), n, k, 64, group,
                     torch.empty(ROW_TILES * n_pad // R, dtype=torch.int32, device=meta))
     fn, grid, args, kw, _ = rm.kernel_call(torch.empty(m, k, dtype=dtype, device=meta), w, None,
-                                           torch.empty(m, n, dtype=dtype, device=meta), cfg, interpret=False)
+                                           torch.empty(m, n, dtype=dtype, device=meta), cfg, interpret=False,
+                                           ladder=ladder)
     return Launch(k, n, m, fn, args, kw, cfg.describe(), grid[0] * grid[1], cfg.block_n, group, 0, cfg.num_warps,
                   repacked_nbytes(n, k, 64, group))
 

@@ -48,7 +48,7 @@ except ImportError as err:  # one line, naming the fix; the rest of the project 
 from . import nf4_matmul as nm
 from .kernel_timing import (NoConfigCompiled, decode_tuning, graph_time_us, pick_fastest, remembered, remembering_now,
                             rotation_count)
-from .triton_runtime import check_runnable, launchable
+from .triton_runtime import bitwise_xor, check_runnable, launchable
 from .nf4_repack import ROWS, RepackedNF4
 
 
@@ -58,9 +58,13 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, 
                      HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, DEQUANT_ONLY: tl.constexpr,
                      EVEN_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      PREFETCH: tl.constexpr = 0, PLANE_LOOKUP: tl.constexpr = False, SERIAL: tl.constexpr = False,
-                     WHOLE_GROUP: tl.constexpr = False):
+                     WHOLE_GROUP: tl.constexpr = False, LADDER: tl.constexpr = 0):
     # grid: (M tiles, N tiles, K splits): the M tiles of one weight tile are launched side by side, so
     # past the first they read it from L2. BLOCK_N is a multiple of the 16-row group.
+    # LADDER (0 in every real call; benchmarks/kernel_ladder.py times the others): 1 = table-free, each code is
+    # its nibble's bits under 1.0's (1 + nibble * 2**-23: the mask that extracts it sets them, one LOP3, where an
+    # int-to-float conversion would be a slower instruction than the lookup it replaces); 2 = read-only, the
+    # words and scales loaded as always and only folded together by XOR: no x, no lookup, no arithmetic.
     LANES: tl.constexpr = GROUP // 8                 # words per row per group = columns per plane
     PER_SCALE: tl.constexpr = BLOCKSIZE // LANES     # planes sharing one scale
     SCALES: tl.constexpr = GROUP // BLOCKSIZE
@@ -82,6 +86,8 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, 
     shifts = 4 * ((tl.arange(0, 8) & 1) * 4 + (tl.arange(0, 8) & 2) + (tl.arange(0, 8) & 4) // 4)   # (8,)
     acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)            # DOT
     lanes_acc = tl.full((BLOCK_M, BLOCK_N, LANES), 0.0, tl.float32)   # GEMV
+    word_bits = tl.full((BLOCK_N, LANES), 0, tl.int32)                # LADDER 2
+    scale_bits = tl.full((BLOCK_N, SCALES), 0, tl.int32)
     g_lo = pid_s * groups_per_split
     g_hi = tl.minimum(g_lo + groups_per_split, KG)
     # (BN, LANES) words: 16 rows x G/2 bytes contiguous per row group; row-only mask keeps 16-byte loads
@@ -119,12 +125,21 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, 
                 scales_next = loaded_scales
         else:
             words = tl.load(w_ptr + ((slot + kg * 16) * LANES)[:, None] + word[None, :], mask=n_ok[:, None], other=0)
-        if WHOLE_GROUP:   # tensor cores, the whole group in one dot (see RepackedConfig.whole_group)
+        if LADDER == 2:   # the loads alone: the prefetched scales, or this group's
+            if PREFETCH == 0:
+                scales = tl.load(s_ptr + ((slot + kg * 16) * SCALES)[:, None] + scale_col[None, :], mask=n_ok[:, None],
+                                 other=0)
+            word_bits = word_bits ^ words
+            scale_bits = scale_bits ^ scales.to(tl.int32, bitcast=True)
+        elif WHOLE_GROUP:   # tensor cores, the whole group in one dot (see RepackedConfig.whole_group)
             # position j = l * 8 + p of the group: plane p of word l, which holds column p * LANES + l
             j = tl.arange(0, GROUP)
             spread = tl.reshape(tl.broadcast_to(words[:, :, None], (BLOCK_N, LANES, 8)), (BLOCK_N, GROUP))
             nibs = (spread >> (4 * (j % 8))[None, :]) & 15                                  # (BN, GROUP)
-            codes = tl.reshape(tl.gather(table, tl.reshape(nibs, (BLOCK_N * GROUP,)), 0), (BLOCK_N, GROUP))
+            if LADDER == 1:
+                codes = (nibs | 0x3F800000).to(tl.float32, bitcast=True)
+            else:
+                codes = tl.reshape(tl.gather(table, tl.reshape(nibs, (BLOCK_N * GROUP,)), 0), (BLOCK_N, GROUP))
             scales = tl.load(s_ptr + ((slot + kg * 16) * SCALES)[:, None] + scale_col[None, :], mask=n_ok[:, None],
                              other=0)                                                      # (BN, SCALES)
             # plane p's scale: (BN, SCALES) spread over the group's columns in order (block, q, l: column p * LANES +
@@ -146,7 +161,11 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, 
         else:   # tensor cores plane by plane, or the GEMV
             if not PLANE_LOOKUP:   # every weight of the step looked up at once: one table fill per step, not per plane
                 nibs = (words[:, :, None] >> shifts[None, None, :]) & 15              # (BN, LANES, 8)
-                codes = tl.reshape(tl.gather(table, tl.reshape(nibs, (BLOCK_N * LANES * 8,)), 0), (BLOCK_N, LANES, 8))
+                if LADDER == 1:
+                    codes = (nibs | 0x3F800000).to(tl.float32, bitcast=True)
+                else:
+                    codes = tl.reshape(tl.gather(table, tl.reshape(nibs, (BLOCK_N * LANES * 8,)), 0),
+                                       (BLOCK_N, LANES, 8))
                 lo, hi = tl.split(tl.reshape(codes, (BLOCK_N, LANES, 4, 2)))           # planes 0..3, 4..7
                 lo0, lo1 = tl.split(tl.reshape(lo, (BLOCK_N, LANES, 2, 2)))
                 hi0, hi1 = tl.split(tl.reshape(hi, (BLOCK_N, LANES, 2, 2)))
@@ -173,8 +192,11 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, 
                     else:
                         scale = tl.load(s_ptr + (slot + kg * 16) * SCALES + i // PER_SCALE, mask=n_ok, other=0)
                 if PLANE_LOOKUP:   # tensor cores: one plane at a time (see RepackedConfig.plane_lookup)
-                    nib = tl.reshape((words >> (4 * i)) & 15, (BLOCK_N * LANES,))
-                    code = tl.reshape(tl.gather(table, nib, 0), (BLOCK_N, LANES))     # (BN, LANES) fp32
+                    if LADDER == 1:
+                        code = (((words >> (4 * i)) & 15) | 0x3F800000).to(tl.float32, bitcast=True)
+                    else:
+                        nib = tl.reshape((words >> (4 * i)) & 15, (BLOCK_N * LANES,))
+                        code = tl.reshape(tl.gather(table, nib, 0), (BLOCK_N, LANES))  # (BN, LANES) fp32
                 else:
                     code = planes[i]                                                # (BN, LANES) fp32
                 col = kg * GROUP + i * LANES + lane                                 # (LANES,) plane i's columns
@@ -204,7 +226,10 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, 
                     if i % PER_SCALE == PER_SCALE - 1:
                         lanes_acc = lanes_acc + block * scale[None, :, None]
     if not DEQUANT_ONLY:
-        if not DOT:
+        if LADDER == 2:   # one XOR per output row, as a float in every column (the store below as usual)
+            bits = tl.reduce(word_bits, 1, bitwise_xor) ^ tl.reduce(scale_bits, 1, bitwise_xor)    # (BN,)
+            acc = tl.broadcast_to(bits.to(tl.float32)[:, None], (BLOCK_N, BLOCK_M))
+        elif not DOT:
             # lanes -> one sum per (row, output): adjacent pairs, halving, the same tree for every element
             red = lanes_acc
             for level in tl.static_range(LOG_LANES):
@@ -405,7 +430,7 @@ def tune_shape(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
     return best
 
 
-def _tuning_weight(n: int, k: int, dtype: torch.dtype, device: torch.device, group: int):
+def tuning_weight(n: int, k: int, dtype: torch.dtype, device: torch.device, group: int):
     """(a random repacked NF4 (n, k) weight, copies of it that together exceed L2, a generator for inputs)."""
     from bitsandbytes.functional import quantize_4bit
 
@@ -425,7 +450,7 @@ def _tuning_weight(n: int, k: int, dtype: torch.dtype, device: torch.device, gro
 def _time_candidates(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, group: int,
                      key: tuple) -> tuple[RepackedConfig, list]:
     props = torch.cuda.get_device_properties(device)
-    w, copies, gen = _tuning_weight(n, k, dtype, device, group)
+    w, copies, gen = tuning_weight(n, k, dtype, device, group)
     x = torch.randn(row_class(m), k, device=device, dtype=dtype, generator=gen)
     best, log = pick_fastest(
         candidates(m, n, -(-k // group), props.multi_processor_count),
@@ -472,7 +497,7 @@ def _time_exact(n: int, k: int, dtype: torch.dtype, device: torch.device, group:
     from .kernel_timing import AUTO_ROWS
 
     props = torch.cuda.get_device_properties(device)
-    w, copies, gen = _tuning_weight(n, k, dtype, device, group)
+    w, copies, gen = tuning_weight(n, k, dtype, device, group)
     x = torch.randn(max(EXACT_CHECK_ROWS), k, device=device, dtype=dtype, generator=gen)
 
     def checked(cfg: RepackedConfig) -> torch.Tensor:
@@ -529,9 +554,9 @@ def serial_fits(m: int, w: RepackedNF4, cfg: RepackedConfig) -> bool:
 
 
 def repacked_matmul(x: torch.Tensor, w: RepackedNF4, bias: torch.Tensor | None = None, *, exact: bool = False,
-                    config: RepackedConfig | None = None) -> torch.Tensor:
+                    config: RepackedConfig | None = None, ladder: int = 0) -> torch.Tensor:
     """x (..., K) fp16/bf16/fp32 @ W.T (+ bias) -> (..., N) in x's dtype. ``exact``: each row's bits do
-    not depend on how many rows are in the call."""
+    not depend on how many rows are in the call. ``ladder``: benchmarks/kernel_ladder.py's rungs only."""
     if x.shape[-1] != w.k:
         raise ValueError(f"x has {x.shape[-1]} features but the NF4 weight is {w.n}x{w.k}: wrong layer")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -544,7 +569,7 @@ def repacked_matmul(x: torch.Tensor, w: RepackedNF4, bias: torch.Tensor | None =
     out = torch.empty(m, w.n, dtype=x.dtype, device=x.device)    # (M, N)
     if m:
         cfg = config or choose_config(m, w, x.dtype, x.device, exact)
-        _launch(x2, w, bias, out, cfg, x.device.type == "cpu")
+        _launch(x2, w, bias, out, cfg, x.device.type == "cpu", ladder)
     return out.reshape(*x.shape[:-1], w.n)
 
 
@@ -556,9 +581,10 @@ def _constexprs(w: RepackedNF4, dot: bool, interpret: bool, cfg: RepackedConfig 
                 EVEN_K=w.k % w.group == 0, **opts)
 
 
-def kernel_call(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: bool) -> tuple:
+def kernel_call(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: bool, ladder: int = 0) -> tuple:
     """(kernel function, grid, args, keyword args, fp32 partials or None) of one launch: ``_launch``
-    runs it, and benchmarks/kernel_sass.py compiles exactly this call for a GPU without one."""
+    runs it, and benchmarks/kernel_sass.py compiles exactly this call for a GPU without one. ``ladder``: the
+    kernel with parts taken out, for benchmarks/kernel_ladder.py only (the kernel's LADDER)."""
     m = x2.shape[0]
     if cfg.prefetch and w.group // w.blocksize > PREFETCH_MAX_SCALES:
         raise ValueError(f"prefetch takes at most {PREFETCH_MAX_SCALES} scale blocks per group, and group {w.group} "
@@ -581,13 +607,13 @@ def kernel_call(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: b
     meta = dict(HAS_BIAS=has_bias, PARTIAL=part is not None, DEQUANT_ONLY=False,
                 PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", BLOCK_M=cfg.block_m,
                 BLOCK_N=cfg.block_n, PREFETCH=cfg.prefetch, PLANE_LOOKUP=cfg.plane_lookup, SERIAL=serial,
-                WHOLE_GROUP=cfg.whole_group,
+                WHOLE_GROUP=cfg.whole_group, LADDER=ladder,
                 **_constexprs(w, cfg.dot, interpret, cfg))
     return _repacked_kernel, grid, args, meta, part
 
 
-def _launch(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: bool) -> None:
-    _, grid, args, meta, part = kernel_call(x2, w, bias, out, cfg, interpret)
+def _launch(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: bool, ladder: int = 0) -> None:
+    _, grid, args, meta, part = kernel_call(x2, w, bias, out, cfg, interpret, ladder)
     launchable(_repacked_kernel, interpret)[grid](*args, **meta)
     if part is not None and not meta["SERIAL"]:
         nm.reduce_partials(part, bias, out, interpret)

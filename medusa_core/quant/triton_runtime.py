@@ -68,3 +68,8 @@ def add(a, b):
 @helper
 def maximum(a, b):
     return tl.maximum(a, b)
+
+
+@helper
+def bitwise_xor(a, b):
+    return a ^ b
