@@ -16,7 +16,8 @@ folder of their own, and --out gets ``runbook.tar.gz`` (all of it, rewritten aft
 ``runbook.json``. Back on the development machine, ``tar xzf runbook.tar.gz``, and the JSONs fold into one
 report (docs/performance.md):
 ``python -m medusa_core.bench_synthetic --fold docs/perf/h100.json step.json anchors.json nf4.json profile.json
-exactness.json first_start.json --json docs/perf/h100.json``.
+exactness.json first_start.json --json docs/perf/h100.json`` (``ladder.json`` is read as it is: its table is
+in ``ladder.log``).
 """
 
 from __future__ import annotations
@@ -51,18 +52,26 @@ class Stage:
 # and the kernels compiled by the GPU machine's own Triton (test_kernel_sass.py: its Triton 3.6 compiled
 # the norm that 3.9 compiles well to 14,000 instructions a row). One pytest process: four side by side
 # (pytest-xdist) took 412 s against one's 242 s on the H100 of 2026-11-27, each test 5x slower beside the
-# others. Then the NF4 step as the app routes it (auto kernel, norms, rotary and attention) and in exact mode,
-# against transformers' rotary and SDPA. Then what the H200 run (2026-11-28) left open: the app's loading path
-# started twice on a saved 7B (never yet measured), the anchors (torch's int4 and bf16) and the kernel table on
-# that GPU. Then what it measured, again: the profile with its largest ops per category, and the greedy-equality
-# count (exact mode first, 8 prompts). Each JSON is rewritten after every result, so a stage cut short keeps its
-# rows.
+# others. Then where a call's time goes (the kernel ladder: the 1-row call runs at a third of the bandwidth and
+# no tuner knob moves it), and what no GPU has yet measured on the H200 of 2026-11-28: the kernel table (the whole
+# group in one dot among the tuner's candidates, 64 rows, bitsandbytes) and the anchors (torch's int4 and bf16).
+# Then the NF4 step as the app routes it (auto kernel, norms, rotary and attention) and in exact mode, against
+# transformers' rotary and SDPA; the app's loading path started twice on a saved 7B (never yet measured); the
+# profile with its largest ops per category, and the greedy-equality count (exact mode first, 8 prompts). Each
+# JSON is rewritten after every result, so a stage cut short keeps its rows.
 STAGES = (
     Stage("cuda-tests", "the CUDA tests (the repacked kernel, the Triton norms, rotary and split attention, the "
           "graphed step) and the kernels as this machine's Triton compiles them", "pytest",
           ("-q", "-p", "no:cacheprovider", "tests/test_kernel_sass.py", "tests/test_cuda_repacked.py",
            "tests/test_cuda_graphs.py", "tests/test_cuda_rotary.py", "tests/test_cuda_split_attention.py",
            "--junitxml={out}/cuda_tests.xml")),
+    Stage("ladder", "the repacked kernel taken apart at 1 and 16 rows: whole, without its table lookup, loading only",
+          "medusa_core.benchmarks.kernel_ladder", ("--json", "{out}/ladder.json")),
+    Stage("kernels", "every NF4 kernel per projection and row count, the tuners' timings",
+          "medusa_core.benchmarks.nf4_kernel", ("--json", "{out}/nf4.json")),
+    Stage("anchors", "torch's int4 (gpt-fast's kernel) and bf16 in the same 7B step, norms as the app routes them",
+          "medusa_core.bench_synthetic",
+          ("--quant", "tinygemm", "none", "--tree-sizes", "1", "16", "64", "--json", "{out}/anchors.json")),
     Stage("step", "the 7B NF4 step as the app routes it (auto rotary and attention) and in exact mode, each also "
           "with transformers' rotary, and (fast mode) with SDPA", "medusa_core.bench_synthetic",
           ("--quant", "nf4", "--nf4-kernel", "auto", "repacked-exact", "--rotary-kernel", "auto", "torch",
@@ -70,11 +79,6 @@ STAGES = (
     Stage("first-start", "a random 7B checkpoint through the app's loader twice: the first start's kernel timings, "
           "the second's reading them, and bench against transformers' generate()",
           "medusa_core.benchmarks.first_start", ("--json", "{out}/first_start.json")),
-    Stage("anchors", "torch's int4 (gpt-fast's kernel) and bf16 in the same 7B step, norms as the app routes them",
-          "medusa_core.bench_synthetic",
-          ("--quant", "tinygemm", "none", "--tree-sizes", "1", "16", "64", "--json", "{out}/anchors.json")),
-    Stage("kernels", "every NF4 kernel per projection and row count, the tuners' timings",
-          "medusa_core.benchmarks.nf4_kernel", ("--json", "{out}/nf4.json")),
     Stage("profile", "the 7B NF4 step's device time by category as the app routes it, T = 1 and 16, and with "
           "transformers' rotary and SDPA", "medusa_core.benchmarks.profile_gpu_step",
           ("--quant", "nf4", "--nf4-kernel", "auto", "--rotary-kernel", "auto", "torch", "--attention-kernel",
