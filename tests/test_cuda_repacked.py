@@ -1,5 +1,6 @@
 """The repacked NF4 kernel on CUDA in bf16: what Triton's CPU interpreter cannot show (issue 22).
-The layout dequantizes to the bits bitsandbytes' CUDA kernel gives; every path multiplies within
+The layout dequantizes to the bits bitsandbytes' CUDA kernel gives (through the table compiled in as
+constants too); every path multiplies within
 bf16 rounding; exact mode gives each bf16 row the bits it gets alone, its attention kernel too, and
 (where this GPU keeps the norms row-invariant) bf16 greedy Medusa decodes plain decoding's tokens; and a
 captured decoding step through the fused, repacked layers, or through the Triton norms, decodes what the eager
@@ -44,6 +45,17 @@ def test_repacked_weights_dequantize_to_bitsandbytes_cuda_bits(n, k):
     assert torch.equal(rp.bitsandbytes_bytes(w), packed)
 
 
+def test_the_table_compiled_for_this_gpu_as_selects_gives_every_weight_bitsandbytes_bits():
+    # select_lookup puts the 16 values in the machine code as constants: identity rows make each output one
+    # weight times 1 plus zeros, so the dot hands back the weight it decoded, which must be bitsandbytes' bf16
+    n, k = 1000, 4096
+    packed, state = quantized(n, k)
+    w = rp.repack_bnb([(packed, state)])
+    cfg = rm.RepackedConfig(True, 64, 64, 1, plane_lookup=True, select_lookup=True)
+    eye = torch.eye(k, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(rm.repacked_matmul(eye, w, config=cfg).T, bnbf.dequantize_4bit(packed, state))
+
+
 @pytest.mark.parametrize("m", ROWS)
 def test_every_path_multiplies_within_bf16_rounding(m):
     n, k = 1000, 4096
@@ -54,8 +66,10 @@ def test_every_path_multiplies_within_bf16_rounding(m):
     plane = rm.RepackedConfig(True, max(16, rm.row_class(m)), 64, 2, plane_lookup=True)
     gemv = rm.RepackedConfig(False, min(rm.row_class(m), 4), 16, 1)     # the GEMV at any M, as fast mode never runs it
     group = rm.RepackedConfig(True, max(16, rm.row_class(m)), 64, 2, whole_group=True)
+    select = dataclasses.replace(plane, select_lookup=True)
     for name, kw in (("fast", {}), ("exact", {"exact": True}), ("plane_lookup", {"config": plane}),
-                     ("gemv", {"config": gemv}), ("whole_group", {"config": group})):
+                     ("gemv", {"config": gemv}), ("whole_group", {"config": group}),
+                     ("select_lookup", {"config": select})):
         y = rm.repacked_matmul(x, w, **kw)
         assert y.shape == (m, n) and y.dtype == torch.bfloat16, name
         rel = float((y.float() - ref).norm() / ref.norm())

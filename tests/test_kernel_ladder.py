@@ -82,6 +82,10 @@ def _fp_fusion(monkeypatch):
 def test_compiled_for_sm90_the_rungs_keep_the_loads_and_drop_what_they_name(tmp_path, _fp_fusion, m):
     k, n = 4096, 11008
     for cfg in kl.configs(m, n, k, ks.H100.sms):
+        if cfg.select_lookup:     # timed full only (its other rungs are the plane tile's): no table in shared memory
+            r = ks.report(ks.repacked_launch(k, n, m, cfg), ks.H100, tmp_path)
+            assert r.local_bytes == 0 and r.shared_loads_per_weight < 1, r
+            continue
         got = {rung: ks.report(ks.repacked_launch(k, n, m, cfg, ladder=level), ks.H100, tmp_path)
                for rung, level in kl.RUNGS.items()}
         full, table_free, read_only = got["full"], got["table-free"], got["read-only"]
@@ -97,11 +101,12 @@ def test_compiled_for_sm90_the_rungs_keep_the_loads_and_drop_what_they_name(tmp_
             assert table_free.opcodes.get("FFMA") == full.opcodes.get("FFMA") > 0, (table_free, full)
 
 
-def test_a_row_takes_its_fast_config_apart_with_the_split_sum_in_the_launch_and_sixteen_the_whole_group_too():
+def test_a_row_takes_its_fast_config_apart_with_the_split_sum_in_the_launch_and_sixteen_two_other_lookups_too():
     (one,) = kl.configs(1, 11008, 4096, 132)
     assert not one.dot and one.serial == (one.split_k > 1) and one.split_k > 1
     sixteen = kl.configs(16, 11008, 4096, 132)
-    assert [c.whole_group for c in sixteen] == [False, True] and all(c.dot for c in sixteen)
+    assert [(c.select_lookup, c.whole_group) for c in sixteen] == [(False, False), (True, False), (False, True)]
+    assert all(c.dot for c in sixteen)
 
 
 def test_a_shape_is_timed_at_every_rung_with_the_full_one_checked(monkeypatch):
@@ -113,15 +118,18 @@ def test_a_shape_is_timed_at_every_rung_with_the_full_one_checked(monkeypatch):
     ran = []
     monkeypatch.setattr(kt, "graph_time_us", lambda calls, replays=5: ran.append(calls[0]()) or 2.5)
     rows = kl.bench_shape(192, 40, (1, 16), torch.device("cpu"), bandwidth=1e9, dtype=torch.float32)
-    # the whole group's read-only rung is the plane tile's kernel (no lookup, no dot): not timed twice
-    assert [(r.m, r.config.endswith(" group"), r.rung) for r in rows] == \
-        [(1, False, "full"), (1, False, "table-free"), (1, False, "read-only"), (16, False, "full"),
-         (16, False, "table-free"), (16, False, "read-only"), (16, True, "full"), (16, True, "table-free")], rows
+    # the whole group's read-only rung, and the select tile's other rungs, are the plane tile's kernels: not
+    # timed twice
+    lookup = {(False, False): "table", (True, False): "select", (False, True): "group"}
+    assert [(r.m, lookup[" select" in r.config, r.config.endswith(" group")], r.rung) for r in rows] == \
+        [(1, "table", "full"), (1, "table", "table-free"), (1, "table", "read-only"), (16, "table", "full"),
+         (16, "table", "table-free"), (16, "table", "read-only"), (16, "select", "full"), (16, "group", "full"),
+         (16, "group", "table-free")], rows
     assert all(r.us == 2.5 and r.error == "" for r in rows), rows
     assert len(ran) == len(rows)
     assert rows[0].floor_us == pytest.approx(rp.repacked_nbytes(40, 192) / 1e9 * 1e6, rel=1e-2)
     lines = kl.table(rows)
-    assert len(lines) == 1 + 3 and "192->40" in lines[1] and lines[3].rstrip().endswith("-")
+    assert len(lines) == 1 + 4 and "192->40" in lines[1] and lines[4].rstrip().endswith("-")
     assert f"{2.5 / rows[0].floor_us:4.1f}x" in lines[1]
 
 

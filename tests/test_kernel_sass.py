@@ -46,6 +46,22 @@ def test_tensor_core_path_compiles_without_spills(tmp_path, plane_lookup, whole_
     assert "HGMMA" in r.opcodes or "HMMA" in r.opcodes, r.opcodes     # the weight tile meets the tensor cores
 
 
+def test_the_select_lookup_decodes_each_plane_in_the_registers_of_its_dot(tmp_path):
+    # select_lookup's reason to be timed: with the table as constants, Triton decodes the plane where the dot
+    # reads it, not through shared memory. The plane tile refills its table before each plane's gather and
+    # stores each decoded plane to shared memory; the select tile's loop has neither, for more instructions
+    k, n = 4096, 11008
+    plane = rm.fast_config(16, n, k // 128, ks.H100.sms)
+    assert plane.plane_lookup
+    table, select = (ks.report(ks.repacked_launch(k, n, 16, cfg), ks.H100, tmp_path)
+                     for cfg in (plane, dataclasses.replace(plane, select_lookup=True)))
+    assert select.local_bytes == 0 and ("HGMMA" in select.opcodes or "HMMA" in select.opcodes), select
+    assert select.opcodes.get("BAR", 0) <= 2 < 8 * 2 < table.opcodes["BAR"], (select.opcodes, table.opcodes)
+    assert "STS" not in select.opcodes and table.opcodes.get("STS", 0) >= 8, (select.opcodes, table.opcodes)
+    assert select.shared_loads_per_weight < 0.5 <= 1 <= table.shared_loads_per_weight, (select, table)
+    assert select.opcodes.get("FSEL", 0) >= 8 * select.weights_per_thread, select.opcodes   # the tree, per weight
+
+
 def _instructions(cubin) -> int:
     return sum(not line.endswith(":") for line in ks.disassemble(cubin))
 

@@ -176,6 +176,33 @@ def test_looking_up_one_plane_at_a_time_changes_no_bit(n, k, group):
         rm.RepackedConfig(False, 1, 16, 1, plane_lookup=True)
 
 
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("n,k,group", SHAPES)
+def test_the_table_compiled_in_as_selects_gives_every_weight_bitsandbytes_bits_and_changes_no_product(nested, n, k,
+                                                                                                      group):
+    # select_lookup, a tuner candidate: the plane tile with the 16 values as constants. Identity rows make each
+    # output one weight times 1 (plus zeros), so the dot hands back the dequantized weight itself, bit for bit
+    packed, state = quantized(n, k, nested)
+    w = rp.repack_bnb([(packed, state)], group)
+    assert w.table == tuple(state.code.tolist())          # read once at repack, for the compiler
+    plane = rm.RepackedConfig(True, 64, 64, 1, plane_lookup=True)
+    select = dataclasses.replace(plane, select_lookup=True)
+    assert select.describe() == "dot m64 n64 split1 w4 s2 plane select"
+    assert torch.equal(rm.repacked_matmul(torch.eye(k), w, config=select).T, bnbf.dequantize_4bit(packed, state))
+    gen = torch.Generator().manual_seed(5)
+    for m, cfg in ((5, plane), (16, dataclasses.replace(plane, block_m=16, block_n=32, split_k=2)),
+                   (33, dataclasses.replace(plane, block_m=32, block_n=16, split_k=3, serial=True))):
+        x, bias = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
+        got = rm.repacked_matmul(x, w, bias, config=dataclasses.replace(cfg, select_lookup=True))
+        assert torch.equal(got, rm.repacked_matmul(x, w, bias, config=cfg)), cfg    # the same codes, the same dots
+    assert any(c.select_lookup for c in rm.candidates(16, 11008, 32, 132))        # the GPU tuner times it,
+    assert any(c.select_lookup for c in rm.exact_candidates(11008, 32, 132))       # exact mode's where rows are exact
+    with pytest.raises(ValueError, match="select_lookup with plane_lookup only"):
+        rm.RepackedConfig(True, 16, 64, 1, select_lookup=True)
+    with pytest.raises(ValueError, match="has 0 values on the host: make it with nf4_repack.repack"):
+        rm.repacked_matmul(x, dataclasses.replace(w, table=()), config=dataclasses.replace(plane, select_lookup=True))
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 16, 33, 64])
 def test_split_k_summed_by_the_last_split_in_the_same_launch_gives_the_reduce_kernels_bits(m):
     # the same partials added in the same order, then the bias: a tuner may pick either; the arrival counts
@@ -291,6 +318,8 @@ def test_fused_qkv_and_gate_up_equal_the_separate_projections(exact):
                         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert getattr(parent, group[0]).fused._pending is None      # nothing kept once all slices are taken
     assert attn.q_proj.fused.out_features == 64 + 32 + 32 and attn.q_proj.out_features == 64   # one (Nq+Nk+Nv) weight
+    fused = attn.q_proj.fused.packed            # rebuilt from the module's buffers at each call: its table too
+    assert fused.table == tuple(fused.code.tolist()) and len(fused.table) == 16
     assert "bitsandbytes for all 14" in use_nf4_kernel(model, "bnb")      # back, byte for byte
     for parent, group in names:
         for name in group:

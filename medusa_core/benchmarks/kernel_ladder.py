@@ -21,8 +21,9 @@ grid's loads cost (programs, bytes in flight); ``table-free`` over ``read-only``
 cost; ``full`` over ``table-free`` what the lookup costs, its registers included. The configs: the untimed
 default for the row count (``fast_config``), with its split-K sum in the same launch where it splits K at one
 row (what the H200's tuner kept at one row on four of the five 7B shapes; the fused gate/up kept the second
-launch, by 1.2 µs), and from 5 rows also the whole group in one dot (its read-only rung is the plane tile's: the
-same kernel, so not timed twice). Timed as the tuner times: inside a CUDA graph, rotating among weight copies
+launch, by 1.2 µs). From 5 rows also two other lookups of the same tile: ``select``, its table compiled in as
+constants (an exact lookup with no shared memory; timed ``full`` only, its other rungs being the plane tile's
+kernels), and the whole group in one dot (its read-only rung is the plane tile's: not timed twice). Timed as the tuner times: inside a CUDA graph, rotating among weight copies
 that together exceed L2. Under ``TRITON_INTERPRET=1`` the rungs run on the CPU (tests/test_kernel_ladder.py
 checks what each computes); times need a GPU.
 """
@@ -67,7 +68,8 @@ def configs(m: int, n: int, k: int, sms: int, group: int = 128) -> list:
     first = rm.fast_config(m, n, -(-k // group), sms)
     if not first.dot:
         return [dataclasses.replace(first, serial=True) if first.split_k > 1 else first]
-    return [first, dataclasses.replace(first, plane_lookup=False, whole_group=True)]
+    return [first, dataclasses.replace(first, select_lookup=True),
+            dataclasses.replace(first, plane_lookup=False, whole_group=True)]
 
 
 def run_rung(x: torch.Tensor, w, cfg, rung: str) -> torch.Tensor:
@@ -94,8 +96,8 @@ def bench_shape(k: int, n: int, rows: tuple[int, ...], device: torch.device, ban
         expected = x.float() @ reference.T
         for cfg in configs(m, n, k, sms):
             for rung in RUNGS:
-                if rung == "read-only" and cfg.whole_group:
-                    continue        # loading only, the tile's lookup and dots gone: the plane tile's kernel
+                if (rung == "read-only" and cfg.whole_group) or (rung != "full" and cfg.select_lookup):
+                    continue        # the plane tile's kernel: loading only, or (select) with no lookup at all
                 try:
                     if rung == "full":      # the rungs below it time the same grid; this one must also be right
                         y = run_rung(x, w, cfg, rung).float()

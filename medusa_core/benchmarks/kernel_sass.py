@@ -104,12 +104,15 @@ def repacked_launch(k: int, n: int, m: int, cfg, dtype: torch.dtype = torch.bflo
     _, rm = _triton_tools()
     from ..quant.nf4_repack import ROW_TILES, ROWS as R, RepackedNF4, repacked_nbytes
 
+    from bitsandbytes.functional import get_4bit_type
+
     meta = torch.device("meta")
     n_pad, k_pad = -(-n // R) * R, -(-k // group) * group
+    nf4 = tuple(get_4bit_type("nf4", device="cpu").tolist())    # what the select lookup compiles in (as a GPU does)
     w = RepackedNF4(torch.empty(n_pad // R, k_pad // group, R, group // 8, dtype=torch.int32, device=meta),
                     torch.empty(n_pad // R, k_pad // group, R, group // 64, device=meta),
                     torch.empty(16, device=meta), n, k, 64, group,
-                    torch.empty(ROW_TILES * n_pad // R, dtype=torch.int32, device=meta))
+                    torch.empty(ROW_TILES * n_pad // R, dtype=torch.int32, device=meta), nf4)
     fn, grid, args, kw, _ = rm.kernel_call(torch.empty(m, k, dtype=dtype, device=meta), w, None,
                                            torch.empty(m, n, dtype=dtype, device=meta), cfg, interpret=False,
                                            ladder=ladder)

@@ -42,6 +42,7 @@ class RepackedNF4Linear(nn.Module):
         self.register_buffer("arrivals", weight.arrivals, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
         self.layout = (weight.n, weight.k, weight.blocksize, weight.group)
+        self.table = weight.table
         self.in_features, self.out_features = weight.k, weight.n
         self.compute_dtype = compute_dtype
         self.exact = exact
@@ -51,7 +52,7 @@ class RepackedNF4Linear(nn.Module):
 
     @property
     def packed(self) -> RepackedNF4:
-        return RepackedNF4(self.words, self.scales, self.code, *self.layout, self.arrivals)
+        return RepackedNF4(self.words, self.scales, self.code, *self.layout, self.arrivals, self.table)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from .nf4_repacked_matmul import repacked_matmul  # Triton only once a model uses this kernel

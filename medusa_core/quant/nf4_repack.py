@@ -43,6 +43,9 @@ class RepackedNF4:
     # int32 (ROW_TILES * N_pad/16,) zeros between calls: how many split-K programs of each output tile have
     # stored their partials, for the kernel's serial reduce (nf4_repacked_matmul); each call sets them back
     arrivals: torch.Tensor | None = None
+    # the 16 values of ``code`` on the host, read once at repack: the select lookup compiles them into the kernel
+    # (nf4_repacked_matmul.RepackedConfig.select_lookup), where reading them from the device would sync each call
+    table: tuple[float, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -109,7 +112,8 @@ def repack(codes: torch.Tensor, scales: torch.Tensor, code: torch.Tensor, blocks
     tiled[:n, : k // blocksize] = scales
     tiled = tiled.reshape(n_pad // ROWS, ROWS, k_pad // group, per_group).permute(0, 2, 1, 3).contiguous()
     arrivals = torch.zeros(ROW_TILES * n_pad // ROWS, dtype=torch.int32, device=codes.device)
-    return RepackedNF4(words.contiguous(), tiled, code.float().contiguous(), n, k, blocksize, group, arrivals)
+    code = code.float().contiguous()
+    return RepackedNF4(words.contiguous(), tiled, code, n, k, blocksize, group, arrivals, tuple(code.tolist()))
 
 
 def repack_bnb(weights: list[tuple[torch.Tensor, object]], group: int = 128) -> RepackedNF4:

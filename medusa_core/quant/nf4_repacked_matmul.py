@@ -21,7 +21,10 @@ per weight from a 64-byte table (conflict-free: 16 words in 16 banks). Compiled 
 GEMV loop is 5.6 instructions per weight with PREFETCH (6.1 without), against 17.9 with the tree of 15
 selects it replaced (``python -m medusa_core.benchmarks.kernel_sass``: a static count, not a timing).
 The GEMV's accumulator puts the rows first, so one thread holds every row of a weight and looks it up once.
-The tensor-core path can instead look each plane up just before its dot (PLANE_LOOKUP, a tuner choice).
+The tensor-core path can instead look each plane up just before its dot (PLANE_LOOKUP, a tuner choice), and
+there by that tree of selects again, over the table's values compiled in as constants (SELECT, a tuner choice):
+more instructions, but the plane is decoded in the registers its dot reads, with no shared memory in between
+(RepackedConfig.select_lookup).
 
 Exact mode: every row's result does not depend on M, because every M runs one kernel: on CUDA the
 tensor-core path with one 64-row tile, block_n and split for every M (exact_config), measured row-exact
@@ -58,7 +61,8 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, 
                      HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, DEQUANT_ONLY: tl.constexpr,
                      EVEN_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      PREFETCH: tl.constexpr = 0, PLANE_LOOKUP: tl.constexpr = False, SERIAL: tl.constexpr = False,
-                     WHOLE_GROUP: tl.constexpr = False, LADDER: tl.constexpr = 0):
+                     WHOLE_GROUP: tl.constexpr = False, LADDER: tl.constexpr = 0, SELECT: tl.constexpr = False,
+                     TABLE: tl.constexpr = None):
     # grid: (M tiles, N tiles, K splits): the M tiles of one weight tile are launched side by side, so
     # past the first they read it from L2. BLOCK_N is a multiple of the 16-row group.
     # LADDER (0 in every real call; benchmarks/kernel_ladder.py times the others): 1 = table-free, each code is
@@ -194,6 +198,16 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, 
                 if PLANE_LOOKUP:   # tensor cores: one plane at a time (see RepackedConfig.plane_lookup)
                     if LADDER == 1:
                         code = (((words >> (4 * i)) & 15) | 0x3F800000).to(tl.float32, bitcast=True)
+                    elif SELECT:   # the table as constants, a tree of 15 selects: see RepackedConfig.select_lookup
+                        nib = (words >> (4 * i)) & 15                                     # (BN, LANES) int32
+                        b0 = (nib & 1) != 0
+                        b1 = (nib & 2) != 0
+                        q0 = tl.where(b1, tl.where(b0, TABLE[3], TABLE[2]), tl.where(b0, TABLE[1], TABLE[0]))
+                        q1 = tl.where(b1, tl.where(b0, TABLE[7], TABLE[6]), tl.where(b0, TABLE[5], TABLE[4]))
+                        q2 = tl.where(b1, tl.where(b0, TABLE[11], TABLE[10]), tl.where(b0, TABLE[9], TABLE[8]))
+                        q3 = tl.where(b1, tl.where(b0, TABLE[15], TABLE[14]), tl.where(b0, TABLE[13], TABLE[12]))
+                        b2 = (nib & 4) != 0
+                        code = tl.where((nib & 8) != 0, tl.where(b2, q3, q2), tl.where(b2, q1, q0))   # fp32
                     else:
                         nib = tl.reshape((words >> (4 * i)) & 15, (BLOCK_N * LANES,))
                         code = tl.reshape(tl.gather(table, nib, 0), (BLOCK_N, LANES))  # (BN, LANES) fp32
@@ -291,6 +305,15 @@ class RepackedConfig:
     # instructions per weight against 7.8 and 158 registers against 56 (8 warps: 105 registers, 11.8). Which
     # is faster is the GPU's to measure. Fast mode's sums run in another order, within rounding; exact mode
     # times it only where tune_exact finds its rows exact on the GPU.
+    select_lookup: bool = False  # tensor cores, one plane at a time: the weight's 16-entry table compiled into the
+    # kernel as constants and looked up by a tree of 15 selects (``_select16``), not in shared memory. Why: compiled
+    # for sm_90 (Triton 3.6, kernel_sass, M = 16, 4 warps) the plane tile's loop has 33 barriers a group, 31 of them
+    # the table's refills before each plane's gather, and stores each dequantized plane to shared memory to reload
+    # it in the dot's layout. With only constants between the loaded word and the dot, Triton decodes the plane
+    # in the dot operand's registers instead: 2 barriers, no shared stores, 64 registers against 56, but 17.8
+    # instructions a weight against 7.8 (10 of them FSEL). The same codes in the same dots: the same bits. Which
+    # is faster is the GPU's to measure. Only with plane_lookup: the other tiles keep their barriers (9 and 2, but
+    # 144 and 96 registers) and add the selects.
     serial: bool = False     # split-K: the last split of each output tile to store its partials adds them all
     # (an atomic arrival count per tile), in place of the reduce kernel: one launch where there were two, and
     # the same sum in the same order, so the same bits. The configs an H100 tuned for one row (2026-11-27) split
@@ -302,17 +325,20 @@ class RepackedConfig:
                 or (self.dot and self.prefetch) or self.prefetch not in (0, 1, 2) \
                 or (self.plane_lookup and not self.dot) \
                 or (self.whole_group and (not self.dot or self.plane_lookup)) \
+                or (self.select_lookup and not self.plane_lookup) \
                 or (self.serial and self.split_k < 2):
             raise ValueError(f"bad repacked config {self}: block_n a multiple of {ROWS}, block_m a power of two "
                              "(>= 16 with dot), prefetch 0, 1 or 2 and for GEMV only, plane_lookup for dot only, "
-                             "whole_group for dot only and not with plane_lookup, serial with split_k >= 2")
+                             "whole_group for dot only and not with plane_lookup, select_lookup with plane_lookup only, "
+                             "serial with split_k >= 2")
         object.__setattr__(self, "prefetch", int(self.prefetch))   # a tuning remembered as true/false reads as 1/0
 
     def describe(self) -> str:
         return (f"{'dot' if self.dot else 'gemv'} m{self.block_m} n{self.block_n} split{self.split_k} "
                 f"w{self.num_warps} s{self.num_stages}{' prefetch' if self.prefetch else ''}"
                 f"{self.prefetch if self.prefetch > 1 else ''}"
-                f"{' plane' if self.plane_lookup else ''}{' group' if self.whole_group else ''}"
+                f"{' plane' if self.plane_lookup else ''}{' select' if self.select_lookup else ''}"
+                f"{' group' if self.whole_group else ''}"
                 f"{' serial' if self.serial else ''}")
 
 
@@ -361,6 +387,7 @@ def exact_candidates(n: int, groups: int, sms: int) -> list[RepackedConfig]:
     out = [first, dataclasses.replace(first, plane_lookup=True)]
     for waves, plane in ((2, False), (2, True), (4, True)):
         out.append(RepackedConfig(True, 16, 64, split_for(n, groups, 64, waves * sms), plane_lookup=plane))
+    out.append(dataclasses.replace(out[-2], select_lookup=True))     # the 2-wave plane tile, its table as constants
     out.append(RepackedConfig(True, 16, 64, split_for(n, groups, 64, 2 * sms), whole_group=True))
     return list(dict.fromkeys(out))
 
@@ -400,6 +427,7 @@ def candidates(m: int, n: int, groups: int, sms: int) -> list[RepackedConfig]:
             out.append(RepackedConfig(True, cls, block_n, split_for(n, groups, block_n, waves * sms), warps))
         # the per-plane lookup with more programs (its fewer registers fit more per SM)
         out.append(RepackedConfig(True, cls, 64, split_for(n, groups, 64, 4 * sms), plane_lookup=True))
+        out.append(dataclasses.replace(first, select_lookup=True))     # the table as constants, no shared memory
         # the whole group in one dot, with 4 warps and with 8 (fewer registers a thread, more programs an SM)
         out.append(dataclasses.replace(first, plane_lookup=False, whole_group=True))
         out.append(dataclasses.replace(first, plane_lookup=False, whole_group=True, num_warps=8))
@@ -589,6 +617,9 @@ def kernel_call(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: b
     if cfg.prefetch and w.group // w.blocksize > PREFETCH_MAX_SCALES:
         raise ValueError(f"prefetch takes at most {PREFETCH_MAX_SCALES} scale blocks per group, and group {w.group} "
                          f"holds {w.group // w.blocksize} of {w.blocksize}: repack with group 128 or use prefetch=False")
+    if cfg.select_lookup and len(w.table) != 16:
+        raise ValueError(f"select_lookup compiles the weight's 16-entry table into the kernel, and this weight has "
+                         f"{len(w.table)} values on the host: make it with nf4_repack.repack, which reads them")
     groups = -(-w.k // w.group)
     splits = max(1, min(cfg.split_k, groups))
     per_split = -(-groups // splits)
@@ -607,7 +638,8 @@ def kernel_call(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: b
     meta = dict(HAS_BIAS=has_bias, PARTIAL=part is not None, DEQUANT_ONLY=False,
                 PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", BLOCK_M=cfg.block_m,
                 BLOCK_N=cfg.block_n, PREFETCH=cfg.prefetch, PLANE_LOOKUP=cfg.plane_lookup, SERIAL=serial,
-                WHOLE_GROUP=cfg.whole_group, LADDER=ladder,
+                WHOLE_GROUP=cfg.whole_group, LADDER=ladder, SELECT=cfg.select_lookup,
+                TABLE=w.table if cfg.select_lookup else None,
                 **_constexprs(w, cfg.dot, interpret, cfg))
     return _repacked_kernel, grid, args, meta, part
 
