@@ -40,6 +40,13 @@ def error_line(err: BaseException) -> str:
     return str(err)
 
 
+def first_line(err: BaseException, width: int = 160) -> str:
+    """The first line of ``err``'s message, cut to ``width`` characters ("" where it has none): what a benchmark or
+    a tuner prints for a config or step it skips, whose traceback would bury the lines that ran."""
+    text = str(err).strip()
+    return text.splitlines()[0][:width] if text else ""
+
+
 def run_command(body: Callable[[], object]) -> int:
     """A command's body -> its exit status: 0, or 1 with the user's error on one line of stderr."""
     try:

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import check_writable
+from ..errors import check_writable, first_line
 from .kernel_sass import at_least
 from .nf4_kernel import copy_bandwidth, parse_shape
 
@@ -107,7 +107,7 @@ def bench_shape(k: int, n: int, rows: tuple[int, ...], device: torch.device, ban
                     us = graph_time_us([functools.partial(run_rung, x, c, cfg, rung) for c in copies], replays=5)
                     out.append(Rung(k, n, m, cfg.describe(), rung, round(us, 2), round(floor_us, 2)))
                 except Exception as err:  # fail soft per rung: one line, then the next
-                    line = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+                    line = first_line(err) or type(err).__name__
                     print(f"  {k}->{n} M={m} {cfg.describe()} {rung}: FAILED ({type(err).__name__}: {line})")
                     out.append(Rung(k, n, m, cfg.describe(), rung, None, round(floor_us, 2), line))
                 print(f"  {k}->{n} M={m} {cfg.describe():<44} {rung:<11} "

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..errors import first_line
 from ..quant.kernel_timing import graph_time_us, rotating_copies, rotation_count
 
 SHAPES = ((4096, 11008), (11008, 4096), (4096, 4096), (4096, 32000))   # (K in, N out)
@@ -94,8 +95,7 @@ def bench_shape(k: int, n: int, device: torch.device, l2: int) -> tuple[list[Row
     try:        # exact mode's one config for every M, as an exact load tunes it (rows checked on this GPU first)
         rm.tune_exact(n, k, torch.bfloat16, device)
     except Exception as err:  # fail soft: one line; the exact column below runs the untuned config
-        line = str(err).strip().splitlines()[0][:160] if str(err).strip() else ""
-        print(f"  {k}->{n} exact tuning: FAILED ({type(err).__name__}: {line})")
+        print(f"  {k}->{n} exact tuning: FAILED ({type(err).__name__}: {first_line(err)})")
     for m in ROWS:
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen)
         for name, kernel in (("triton", nm), ("repacked", rm)):
@@ -108,8 +108,7 @@ def bench_shape(k: int, n: int, device: torch.device, l2: int) -> tuple[list[Row
                 else:
                     rm.tune_shape(m, n, k, x.dtype, device)
             except Exception as err:  # fail soft: one line; the kernel's row below reports it again
-                line = str(err).strip().splitlines()[0][:160] if str(err).strip() else ""
-                print(f"  {k}->{n} M={m} {name} tuning: FAILED ({type(err).__name__}: {line})")
+                print(f"  {k}->{n} M={m} {name} tuning: FAILED ({type(err).__name__}: {first_line(err)})")
         calls = {
             "bf16": [functools.partial(F.linear, x, d) for d in dense],
             "bnb": [functools.partial(bnb.matmul_4bit, x, p.t(), quant_state=s) for p, s in copies],
@@ -139,7 +138,7 @@ def bench_shape(k: int, n: int, device: torch.device, l2: int) -> tuple[list[Row
                 variant = variants[method]().describe() if method in variants else ""
                 rows.append(Row(k, n, m, method, us, variant=variant))
             except Exception as err:  # fail soft per row: one line, then the next row
-                line = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+                line = first_line(err) or type(err).__name__
                 print(f"  {k}->{n} M={m} {method}: FAILED ({type(err).__name__}: {line})")
                 rows.append(Row(k, n, m, method, None, line))
     exact_rows = rows_identical(repacked[0], k, device, gen)

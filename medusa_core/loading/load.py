@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError
 
 from ..decoding.generate import stop_set
-from ..errors import LoadError
+from ..errors import LoadError, first_line
 from ..heads.files import (HEADS_FILES, PROPOSAL_FILE, HeadsFiles, HeadsLoadError, heads_config_from_keys,
                            load_heads_files, read_heads_dir)
 from ..heads.medusa_heads import MedusaHeads
@@ -120,7 +120,7 @@ def load_backbone(source: str, device: str, quant: str, dtype: torch.dtype | str
     # RuntimeError: weights whose shapes config.json does not describe, or no memory left for them;
     # SafetensorError: a weights file cut short (an interrupted copy or download)
     except (OSError, ValueError, ImportError, RuntimeError, SafetensorError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = first_line(err, width=10_000) or type(err).__name__
         hint = ("pass --trust-remote-code if you trust that code" if "trust_remote_code" in str(err) else
                 f"its tokenizer is a SentencePiece tokenizer.model: {SENTENCEPIECE_FIX}"
                 if "tiktoken" in str(err) and not sentencepiece_readable() else

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from ..errors import first_line
 from .kernel_timing import AUTO_ROWS, remembered
 
 ROTARY_CHOICES = ("auto", "torch", "triton")
@@ -84,8 +85,7 @@ def _attention_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def _said(err: Exception) -> str:
-    line = str(err).strip().splitlines()[0][:120] if str(err).strip() else ""
-    return f"{type(err).__name__}: {line}"
+    return f"{type(err).__name__}: {first_line(err, 120)}"
 
 
 def _steps() -> str:

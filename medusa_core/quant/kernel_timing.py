@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..decoding.graphs import captured
+from ..errors import first_line
 
 Config = TypeVar("Config")     # a kernel's config: any object with describe() -> str
 T = TypeVar("T")
@@ -164,8 +165,7 @@ def pick_fastest(configs: list[Config], run: Callable[[Config], torch.Tensor],
                 raise RuntimeError(f"wrong result: relative error {error:.1e} against the first config")
             us = time_us(cfg)
         except Exception as err:  # e.g. a tile Triton cannot compile for this GPU: skipped, loudly
-            line = str(err).strip().splitlines()[0][:120] if str(err).strip() else ""
-            print(f"kernel tuning: {cfg.describe()} skipped for {where} ({type(err).__name__}: {line})")
+            print(f"kernel tuning: {cfg.describe()} skipped for {where} ({type(err).__name__}: {first_line(err, 120)})")
             log.append((cfg.describe(), None))
             continue
         log.append((cfg.describe(), us))

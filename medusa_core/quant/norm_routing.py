@@ -25,6 +25,7 @@ import os
 import torch
 from torch import nn
 
+from ..errors import first_line
 from .kernel_timing import AUTO_ROWS, remembered
 from .model_parts import children, is_rms_norm
 
@@ -108,8 +109,8 @@ def use_norm_kernel(model: nn.Module, choice: str) -> str:
                                              lambda: _timed_sums(modules, dtype, device),
                                              lambda saved: (float(saved[0]), float(saved[1])))
         except Exception as err:  # e.g. a Triton that cannot compile the kernel for this GPU: said, never hidden
-            line = str(err).strip().splitlines()[0][:120] if str(err).strip() else ""
-            return f"norms: transformers' own (auto: timing the norms failed on this GPU: {type(err).__name__}: {line})"
+            return ("norms: transformers' own (auto: timing the norms failed on this GPU: "
+                    f"{type(err).__name__}: {first_line(err, 120)})")
         steps = " and a ".join(f"{m}-row" for m in AUTO_ROWS)
         if not triton_us < torch_us:
             return (f"norms: transformers' own (auto measured {torch_us:.0f} µs against {triton_us:.0f} µs for "
