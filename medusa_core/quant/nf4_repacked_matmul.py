@@ -306,11 +306,11 @@ class RepackedConfig:
     # is faster is the GPU's to measure. Fast mode's sums run in another order, within rounding; exact mode
     # times it only where tune_exact finds its rows exact on the GPU.
     select_lookup: bool = False  # tensor cores, one plane at a time: the weight's 16-entry table compiled into the
-    # kernel as constants and looked up by a tree of 15 selects (``_select16``), not in shared memory. Why: compiled
-    # for sm_90 (Triton 3.6, kernel_sass, M = 16, 4 warps) the plane tile's loop has 33 barriers a group, 31 of them
-    # the table's refills before each plane's gather, and stores each dequantized plane to shared memory to reload
-    # it in the dot's layout. With only constants between the loaded word and the dot, Triton decodes the plane
-    # in the dot operand's registers instead: 2 barriers, no shared stores, 64 registers against 56, but 17.8
+    # kernel as constants (RepackedNF4.table) and looked up by a tree of 15 selects, not in shared memory. Why:
+    # compiled for sm_90 (Triton 3.6, kernel_sass, M = 16, 4 warps) the plane tile's loop has 33 barriers a group,
+    # 31 of them the table's refills before each plane's gather, and stores each dequantized plane to shared memory
+    # to reload it in the dot's layout. With only constants between the loaded word and the dot, Triton decodes the
+    # plane in the dot operand's registers instead: 2 barriers, no shared stores, 56 registers as before, but 17.7
     # instructions a weight against 7.8 (10 of them FSEL). The same codes in the same dots: the same bits. Which
     # is faster is the GPU's to measure. Only with plane_lookup: the other tiles keep their barriers (9 and 2, but
     # 144 and 96 registers) and add the selects.
