@@ -195,8 +195,9 @@ def test_the_table_compiled_in_as_selects_gives_every_weight_bitsandbytes_bits_a
         x, bias = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
         got = rm.repacked_matmul(x, w, bias, config=dataclasses.replace(cfg, select_lookup=True))
         assert torch.equal(got, rm.repacked_matmul(x, w, bias, config=cfg)), cfg    # the same codes, the same dots
-    assert any(c.select_lookup for c in rm.candidates(16, 11008, 32, 132))        # the GPU tuner times it,
-    assert any(c.select_lookup for c in rm.exact_candidates(11008, 32, 132))       # exact mode's where rows are exact
+    # the GPU tuners time it at every row class, and exact mode's where its rows are exact
+    assert all(any(c.select_lookup for c in rm.candidates(m, 11008, 32, 132)) for m in (1, 2, 4, 16, 32, 64))
+    assert any(c.select_lookup for c in rm.exact_candidates(11008, 32, 132))
     with pytest.raises(ValueError, match="select_lookup with plane_lookup only"):
         rm.RepackedConfig(True, 16, 64, 1, select_lookup=True)
     with pytest.raises(ValueError, match="has 0 values on the host: make it with nf4_repack.repack"):
