@@ -4,6 +4,7 @@ goes to a log file that a failing test shows."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -41,7 +42,11 @@ def launched_process(args: list[str], log: Path, timeout: float = 240,
                                 stderr=subprocess.STDOUT,
                                 # a key in the developer's environment would put the page behind a login
                                 env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "MEDUSA_CHAT_API_KEY": "",
-                                     **(env or {})})
+                                     **(env or {})},
+                                # Ctrl+C as at a terminal: a test run started in the background by a script ignores
+                                # SIGINT (POSIX shells do so for `cmd &`), and a child inherits that, so the app's
+                                # Ctrl+C test failed there while the app did nothing wrong
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     url = f"http://127.0.0.1:{port}/"
     try:
         deadline = time.time() + timeout
