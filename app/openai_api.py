@@ -31,6 +31,7 @@ from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 
 from medusa_core.decoding.config import DEFAULTS, MODES, SettingError, is_greedy
+from medusa_core.errors import first_line
 from medusa_core.loading.chat_format import MESSAGE_SHAPE, json_kind, json_value, to_messages
 
 from .engine import BASELINE, MEDUSA, STOP_HINT, ChatEngine, EngineClosed, Update
@@ -144,7 +145,7 @@ def read_body(body: bytes) -> dict:
         raise ApiError(400, "the body nests JSON arrays or objects too deeply to read: send the request's fields "
                             "as the API documents them", code="invalid_json") from None
     except ValueError as err:   # JSONDecodeError, NaN/Infinity
-        raise ApiError(400, f"the body is not valid JSON ({str(err).splitlines()[0][:120]}): send one JSON object",
+        raise ApiError(400, f"the body is not valid JSON ({first_line(err, 120)}): send one JSON object",
                        code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the body is a JSON {type(data).__name__}: send one JSON object", code="invalid_json")

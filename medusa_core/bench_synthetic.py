@@ -40,7 +40,7 @@ from .benchmarks.step_timing import (copy_bandwidth, prefilled_cache, time_hf_ge
 from .benchmarks.synthetic import (DTYPE, SHAPES, build_heads, build_model, check_not_zero, choice_label, cpu_run_notes,
                                    kernel_flags_error, quantize_backbone_, route_attention, route_rotary,
                                    save_random_checkpoint, weight_bytes)
-from .errors import check_writable
+from .errors import check_writable, first_line
 from .decoding.tree import build_tree_buffers, expected_tokens_per_step, tree_of_size
 from .heads.accuracy import PUBLISHED_ACCURACIES, RANK_DECAY, TOP_K, rank_table
 from .quant.attention_routing import ATTENTION_CHOICES, ROTARY_CHOICES
@@ -212,7 +212,7 @@ def fold_command(args) -> int:
             print(f"error: --fold {name} cannot be read ({err.strerror or err}): {what}", file=sys.stderr)
             return 1
         except ValueError as err:
-            print(f"error: --fold {name} is not JSON ({str(err).splitlines()[0][:120]}): {what}", file=sys.stderr)
+            print(f"error: --fold {name} is not JSON ({first_line(err, 120)}): {what}", file=sys.stderr)
             return 1
     try:
         report = fold_reports(Path(args.fold[0]), [Path(f) for f in args.fold[1:]])

@@ -40,9 +40,9 @@ def error_line(err: BaseException) -> str:
     return str(err)
 
 
-def first_line(err: BaseException, width: int = 160) -> str:
-    """The first line of ``err``'s message, cut to ``width`` characters ("" where it has none): what a benchmark or
-    a tuner prints for a config or step it skips, whose traceback would bury the lines that ran."""
+def first_line(err: BaseException, width: int | None = 160) -> str:
+    """The first line of ``err``'s message, cut to ``width`` characters (None: whole), "" where it has none: what a
+    benchmark or a tuner prints for a config or step it skips, whose traceback would bury the lines that ran."""
     text = str(err).strip()
     return text.splitlines()[0][:width] if text else ""
 

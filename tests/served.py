@@ -45,7 +45,8 @@ def launched_process(args: list[str], log: Path, timeout: float = 240,
                                      **(env or {})},
                                 # Ctrl+C as at a terminal: a test run started in the background by a script ignores
                                 # SIGINT (POSIX shells do so for `cmd &`), and a child inherits that, so the app's
-                                # Ctrl+C test failed there while the app did nothing wrong
+                                # Ctrl+C test failed there while the app did nothing wrong. (preexec_fn is unsafe
+                                # with threads that hold locks across a fork; this one only sets a disposition)
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     url = f"http://127.0.0.1:{port}/"
     try:

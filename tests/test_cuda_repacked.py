@@ -74,6 +74,8 @@ def test_every_path_multiplies_within_bf16_rounding(m):
         assert y.shape == (m, n) and y.dtype == torch.bfloat16, name
         rel = float((y.float() - ref).norm() / ref.norm())
         assert rel < 1e-2, f"{name}: relative error {rel:.1e}"
+    # the same codes in the same dots, read from registers where the plane tile reads them from shared memory
+    assert torch.equal(rm.repacked_matmul(x, w, config=select), rm.repacked_matmul(x, w, config=plane)), m
 
 
 def test_exact_mode_gives_every_bf16_row_the_bits_it_gets_alone():

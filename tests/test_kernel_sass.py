@@ -56,9 +56,10 @@ def test_the_select_lookup_decodes_each_plane_in_the_registers_of_its_dot(tmp_pa
     table, select = (ks.report(ks.repacked_launch(k, n, 16, cfg), ks.H100, tmp_path)
                      for cfg in (plane, dataclasses.replace(plane, select_lookup=True)))
     assert select.local_bytes == 0 and ("HGMMA" in select.opcodes or "HMMA" in select.opcodes), select
-    assert select.opcodes.get("BAR", 0) <= 2 < 8 * 2 < table.opcodes["BAR"], (select.opcodes, table.opcodes)
+    assert select.opcodes.get("BAR", 0) <= 2, select.opcodes
+    assert table.opcodes["BAR"] > 16, table.opcodes                 # two a plane at least: its table refilled
     assert "STS" not in select.opcodes and table.opcodes.get("STS", 0) >= 8, (select.opcodes, table.opcodes)
-    assert select.shared_loads_per_weight < 0.5 <= 1 <= table.shared_loads_per_weight, (select, table)
+    assert select.shared_loads_per_weight < 0.5 and table.shared_loads_per_weight >= 1, (select, table)
     assert select.opcodes.get("FSEL", 0) >= 8 * select.weights_per_thread, select.opcodes   # the tree, per weight
 
 

@@ -34,6 +34,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..errors import first_line
+
 # the device tool stops a command at 600 s; 30 s are left for stopping a stage and writing the manifest
 DEFAULT_BUDGET_S = 570
 MIN_STAGE_S = 30      # a stage is not started with less left: it would be cut before measuring anything
@@ -190,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     try:        # the carried transformers checks the image's huggingface-hub and tokenizers at import
         import transformers  # noqa: F401
     except ImportError as err:
-        print(f"error: transformers does not import here ({str(err).splitlines()[0][:200]}): carry a transformers "
+        print(f"error: transformers does not import here ({first_line(err, 200)}): carry a transformers "
               "wheel (5.23 or later, requirements.txt) whose huggingface-hub and tokenizers the image has "
               "(docs/performance.md, \"Making the wheels, on this (networked) machine\")", file=sys.stderr)
         return 2

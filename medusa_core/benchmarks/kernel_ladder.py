@@ -23,8 +23,8 @@ default for the row count (``fast_config``), with its split-K sum in the same la
 row (what the H200's tuner kept at one row on four of the five 7B shapes; the fused gate/up kept the second
 launch, by 1.2 µs). From 5 rows also two other lookups of the same tile: ``select``, its table compiled in as
 constants (an exact lookup with no shared memory; timed ``full`` only, its other rungs being the plane tile's
-kernels), and the whole group in one dot (its read-only rung is the plane tile's: not timed twice). Timed as the tuner times: inside a CUDA graph, rotating among weight copies
-that together exceed L2. Under ``TRITON_INTERPRET=1`` the rungs run on the CPU (tests/test_kernel_ladder.py
+kernels), and the whole group in one dot (its read-only rung is the plane tile's: not timed twice). Timed as the
+tuner times: inside a CUDA graph, rotating among weight copies that together exceed L2. Under ``TRITON_INTERPRET=1`` the rungs run on the CPU (tests/test_kernel_ladder.py
 checks what each computes); times need a GPU.
 """
 

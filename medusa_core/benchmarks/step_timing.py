@@ -16,6 +16,7 @@ from ..decoding.graphs import captured
 from ..decoding.kv_cache import cache_keyword, prefill_mask, tree_step_mask
 from ..decoding.step_store import step_for
 from ..decoding.tree import TreeBuffers, build_tree_buffers
+from ..errors import first_line
 from .synthetic import DTYPE
 
 
@@ -142,7 +143,7 @@ def time_hf_generate(model, context: int, new_tokens: int, device: torch.device)
                 f"failed: the longer run measured no slower ({1e3 * per_token:.3f} ms a token): timing noise, "
                 "raise --iters")
         except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
-            out[cache] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
+            out[cache] = f"failed: {type(err).__name__}: {first_line(err)}"
     return out
 
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ..errors import LoadError
+from ..errors import LoadError, first_line
 
 # owner/name as the hub spells repo ids; anything else that does not exist locally is a bad path
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
@@ -78,7 +78,8 @@ def _hub_error(repo_id: str, err: Exception) -> LoadError:
             f"{constants.ENDPOINT}, or HF_HUB_OFFLINE=1): run `hf download {repo_id}` on a machine with network, "
             "or pass a local directory"
         )
-    return LoadError(f"{repo_id}: download failed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}): retry, or pass a local directory")
+    return LoadError(f"{repo_id}: download failed ({type(err).__name__}: {first_line(err, width=None)}): retry, or pass "
+                     "a local directory")
 
 
 def fetch_first(repo_id: str, filenames: Sequence[str], revision: str | None = None) -> Path | None:

@@ -120,7 +120,7 @@ def load_backbone(source: str, device: str, quant: str, dtype: torch.dtype | str
     # RuntimeError: weights whose shapes config.json does not describe, or no memory left for them;
     # SafetensorError: a weights file cut short (an interrupted copy or download)
     except (OSError, ValueError, ImportError, RuntimeError, SafetensorError) as err:
-        first = first_line(err, width=10_000) or type(err).__name__
+        first = first_line(err, width=None) or type(err).__name__
         hint = ("pass --trust-remote-code if you trust that code" if "trust_remote_code" in str(err) else
                 f"its tokenizer is a SentencePiece tokenizer.model: {SENTENCEPIECE_FIX}"
                 if "tiktoken" in str(err) and not sentencepiece_readable() else

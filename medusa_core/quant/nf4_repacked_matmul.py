@@ -311,7 +311,8 @@ class RepackedConfig:
     # 31 of them the table's refills before each plane's gather, and stores each dequantized plane to shared memory
     # to reload it in the dot's layout. With only constants between the loaded word and the dot, Triton decodes the
     # plane in the dot operand's registers instead: 2 barriers, no shared stores, 56 registers as before, but 17.7
-    # instructions a weight against 7.8 (10 of them FSEL). The same codes in the same dots: the same bits. Which
+    # instructions a weight against 7.8 (10 of them FSEL). The same codes in the same dots (the same bits under the
+    # interpreter; tests/test_cuda_repacked.py checks them on the GPU, where the dot reads them from elsewhere). Which
     # is faster is the GPU's to measure. Only with plane_lookup: the other tiles keep their barriers (9 and 2, but
     # 144 and 96 registers) and add the selects.
     serial: bool = False     # split-K: the last split of each output tile to store its partials adds them all
@@ -329,8 +330,8 @@ class RepackedConfig:
                 or (self.serial and self.split_k < 2):
             raise ValueError(f"bad repacked config {self}: block_n a multiple of {ROWS}, block_m a power of two "
                              "(>= 16 with dot), prefetch 0, 1 or 2 and for GEMV only, plane_lookup for dot only, "
-                             "whole_group for dot only and not with plane_lookup, select_lookup with plane_lookup only, "
-                             "serial with split_k >= 2")
+                             "whole_group for dot only and not with plane_lookup, select_lookup with plane_lookup "
+                             "only, serial with split_k >= 2")
         object.__setattr__(self, "prefetch", int(self.prefetch))   # a tuning remembered as true/false reads as 1/0
 
     def describe(self) -> str:
