@@ -45,13 +45,15 @@ def test_repacked_weights_dequantize_to_bitsandbytes_cuda_bits(n, k):
     assert torch.equal(rp.bitsandbytes_bytes(w), packed)
 
 
-def test_the_table_compiled_for_this_gpu_as_selects_gives_every_weight_bitsandbytes_bits():
-    # select_lookup puts the 16 values in the machine code as constants: identity rows make each output one
-    # weight times 1 plus zeros, so the dot hands back the weight it decoded, which must be bitsandbytes' bf16
+@pytest.mark.parametrize("decode", ["select", "prmt"])
+def test_the_table_compiled_for_this_gpu_as_constants_gives_every_weight_bitsandbytes_bits(decode):
+    # decode select and prmt put the 16 values in the machine code as constants (prmt through inline PTX, whose
+    # program the CPU tests run only in a Python model): identity rows make each output one weight times 1 plus
+    # zeros, so the dot hands back the weight it decoded, which must be bitsandbytes' bf16
     n, k = 1000, 4096
     packed, state = quantized(n, k)
     w = rp.repack_bnb([(packed, state)])
-    cfg = rm.RepackedConfig(True, 64, 64, 1, plane_lookup=True, select_lookup=True)
+    cfg = rm.RepackedConfig(True, 64, 64, 1, plane_lookup=True, decode=decode)
     eye = torch.eye(k, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(rm.repacked_matmul(eye, w, config=cfg).T, bnbf.dequantize_4bit(packed, state))
 
@@ -66,16 +68,17 @@ def test_every_path_multiplies_within_bf16_rounding(m):
     plane = rm.RepackedConfig(True, max(16, rm.row_class(m)), 64, 2, plane_lookup=True)
     gemv = rm.RepackedConfig(False, min(rm.row_class(m), 4), 16, 1)     # the GEMV at any M, as fast mode never runs it
     group = rm.RepackedConfig(True, max(16, rm.row_class(m)), 64, 2, whole_group=True)
-    select = dataclasses.replace(plane, select_lookup=True)
+    constant = {d: dataclasses.replace(plane, decode=d) for d in rm.CONSTANT_DECODES}
     for name, kw in (("fast", {}), ("exact", {"exact": True}), ("plane_lookup", {"config": plane}),
                      ("gemv", {"config": gemv}), ("whole_group", {"config": group}),
-                     ("select_lookup", {"config": select})):
+                     *((f"decode {d}", {"config": c}) for d, c in constant.items())):
         y = rm.repacked_matmul(x, w, **kw)
         assert y.shape == (m, n) and y.dtype == torch.bfloat16, name
         rel = float((y.float() - ref).norm() / ref.norm())
         assert rel < 1e-2, f"{name}: relative error {rel:.1e}"
     # the same codes in the same dots, read from registers where the plane tile reads them from shared memory
-    assert torch.equal(rm.repacked_matmul(x, w, config=select), rm.repacked_matmul(x, w, config=plane)), m
+    for d, cfg in constant.items():
+        assert torch.equal(rm.repacked_matmul(x, w, config=cfg), rm.repacked_matmul(x, w, config=plane)), (d, m)
 
 
 def test_exact_mode_gives_every_bf16_row_the_bits_it_gets_alone():

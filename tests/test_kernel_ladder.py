@@ -82,7 +82,7 @@ def _fp_fusion(monkeypatch):
 def test_compiled_for_sm90_the_rungs_keep_the_loads_and_drop_what_they_name(tmp_path, _fp_fusion, m):
     k, n = 4096, 11008
     for cfg in kl.configs(m, n, k, ks.H100.sms):
-        if cfg.select_lookup:     # timed full only (its other rungs are the plane tile's): no table in shared memory
+        if cfg.decode != "gather":    # timed full only (its other rungs are the plane tile's): no shared table
             r = ks.report(ks.repacked_launch(k, n, m, cfg), ks.H100, tmp_path)
             assert r.local_bytes == 0 and r.shared_loads_per_weight < 1, r
             continue
@@ -101,11 +101,12 @@ def test_compiled_for_sm90_the_rungs_keep_the_loads_and_drop_what_they_name(tmp_
             assert table_free.opcodes.get("FFMA") == full.opcodes.get("FFMA") > 0, (table_free, full)
 
 
-def test_a_row_takes_its_fast_config_apart_with_the_split_sum_in_the_launch_and_sixteen_two_other_lookups_too():
+def test_a_row_takes_its_fast_config_apart_with_the_split_sum_in_the_launch_and_sixteen_other_lookups_too():
     (one,) = kl.configs(1, 11008, 4096, 132)
     assert not one.dot and one.serial == (one.split_k > 1) and one.split_k > 1
     sixteen = kl.configs(16, 11008, 4096, 132)
-    assert [(c.select_lookup, c.whole_group) for c in sixteen] == [(False, False), (True, False), (False, True)]
+    assert [(c.decode, c.whole_group) for c in sixteen] == \
+        [("gather", False), ("select", False), ("prmt", False), ("gather", True)]
     assert all(c.dot for c in sixteen)
 
 
@@ -119,7 +120,7 @@ def test_a_shape_is_timed_at_every_rung_with_the_full_one_checked(monkeypatch):
     monkeypatch.setattr(kt, "graph_time_us", lambda calls, replays=5: ran.append(calls[0]()) or 2.5)
     rows = kl.bench_shape(192, 40, (1, 16), torch.device("cpu"), bandwidth=1e9, dtype=torch.float32)
     # the whole group's read-only rung, and the select tile's other rungs, are the plane tile's kernels: not
-    # timed twice
+    # timed twice; prmt (inline PTX) is left out where the interpreter runs the loop
     lookup = {(False, False): "table", (True, False): "select", (False, True): "group"}
     assert [(r.m, lookup[" select" in r.config, r.config.endswith(" group")], r.rung) for r in rows] == \
         [(1, "table", "full"), (1, "table", "table-free"), (1, "table", "read-only"), (16, "table", "full"),

@@ -46,21 +46,24 @@ def test_tensor_core_path_compiles_without_spills(tmp_path, plane_lookup, whole_
     assert "HGMMA" in r.opcodes or "HMMA" in r.opcodes, r.opcodes     # the weight tile meets the tensor cores
 
 
-def test_the_select_lookup_decodes_each_plane_in_the_registers_of_its_dot(tmp_path):
-    # select_lookup's reason to be timed: with the table as constants, Triton decodes the plane where the dot
-    # reads it, not through shared memory. The plane tile refills its table before each plane's gather and
-    # stores each decoded plane to shared memory; the select tile's loop has neither, for more instructions
+@pytest.mark.parametrize("decode", ["select", "prmt"])
+def test_the_table_as_constants_decodes_each_plane_in_the_registers_of_its_dot(tmp_path, decode):
+    # why the constant lookups are timed: with the table as constants, Triton decodes the plane where the dot
+    # reads it, not through shared memory. The gather tile refills its table before each plane's gather and
+    # stores each decoded plane to shared memory; the constant tiles' loops have neither, for more instructions
     k, n = 4096, 11008
     plane = rm.fast_config(16, n, k // 128, ks.H100.sms)
-    assert plane.plane_lookup
-    table, select = (ks.report(ks.repacked_launch(k, n, 16, cfg), ks.H100, tmp_path)
-                     for cfg in (plane, dataclasses.replace(plane, select_lookup=True)))
-    assert select.local_bytes == 0 and ("HGMMA" in select.opcodes or "HMMA" in select.opcodes), select
-    assert select.opcodes.get("BAR", 0) <= 2, select.opcodes
+    assert plane.plane_lookup and plane.decode == "gather"
+    table, constant = (ks.report(ks.repacked_launch(k, n, 16, cfg), ks.H100, tmp_path)
+                       for cfg in (plane, dataclasses.replace(plane, decode=decode)))
+    assert constant.local_bytes == 0 and ("HGMMA" in constant.opcodes or "HMMA" in constant.opcodes), constant
+    assert constant.opcodes.get("BAR", 0) <= 2, constant.opcodes
     assert table.opcodes["BAR"] > 16, table.opcodes                 # two a plane at least: its table refilled
-    assert "STS" not in select.opcodes and table.opcodes.get("STS", 0) >= 8, (select.opcodes, table.opcodes)
-    assert select.shared_loads_per_weight < 0.5 and table.shared_loads_per_weight >= 1, (select, table)
-    assert select.opcodes.get("FSEL", 0) >= 8 * select.weights_per_thread, select.opcodes   # the tree, per weight
+    assert "STS" not in constant.opcodes and table.opcodes.get("STS", 0) >= 8, (constant.opcodes, table.opcodes)
+    assert constant.shared_loads_per_weight < 0.5 and table.shared_loads_per_weight >= 1, (constant, table)
+    # the lookup itself, per weight: the tree's selects, or a word's permutes (34 for its 8 codes)
+    op, least = ("FSEL", 8) if decode == "select" else ("PRMT", 4)
+    assert constant.opcodes.get(op, 0) >= least * constant.weights_per_thread, constant.opcodes
 
 
 def _instructions(cubin) -> int:

@@ -180,28 +180,68 @@ def test_looking_up_one_plane_at_a_time_changes_no_bit(n, k, group):
 @pytest.mark.parametrize("n,k,group", SHAPES)
 def test_the_table_compiled_in_as_selects_gives_every_weight_bitsandbytes_bits_and_changes_no_product(nested, n, k,
                                                                                                       group):
-    # select_lookup, a tuner candidate: the plane tile with the 16 values as constants. Identity rows make each
+    # decode "select", a tuner candidate: the plane tile with the 16 values as constants. Identity rows make each
     # output one weight times 1 (plus zeros), so the dot hands back the dequantized weight itself, bit for bit
     packed, state = quantized(n, k, nested)
     w = rp.repack_bnb([(packed, state)], group)
     assert w.table == tuple(state.code.tolist())          # read once at repack, for the compiler
     plane = rm.RepackedConfig(True, 64, 64, 1, plane_lookup=True)
-    select = dataclasses.replace(plane, select_lookup=True)
+    select = dataclasses.replace(plane, decode="select")
     assert select.describe() == "dot m64 n64 split1 w4 s2 plane select"
     assert torch.equal(rm.repacked_matmul(torch.eye(k), w, config=select).T, bnbf.dequantize_4bit(packed, state))
     gen = torch.Generator().manual_seed(5)
     for m, cfg in ((5, plane), (16, dataclasses.replace(plane, block_m=16, block_n=32, split_k=2)),
                    (33, dataclasses.replace(plane, block_m=32, block_n=16, split_k=3, serial=True))):
         x, bias = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
-        got = rm.repacked_matmul(x, w, bias, config=dataclasses.replace(cfg, select_lookup=True))
+        got = rm.repacked_matmul(x, w, bias, config=dataclasses.replace(cfg, decode="select"))
         assert torch.equal(got, rm.repacked_matmul(x, w, bias, config=cfg)), cfg    # the same codes, the same dots
-    # the GPU tuners time it at every row class, and exact mode's where its rows are exact
-    assert all(any(c.select_lookup for c in rm.candidates(m, 11008, 32, 132)) for m in (1, 2, 4, 16, 32, 64))
-    assert any(c.select_lookup for c in rm.exact_candidates(11008, 32, 132))
-    with pytest.raises(ValueError, match="select_lookup with plane_lookup only"):
-        rm.RepackedConfig(True, 16, 64, 1, select_lookup=True)
     with pytest.raises(ValueError, match="has 0 values on the host: make it with nf4_repack.repack"):
-        rm.repacked_matmul(x, dataclasses.replace(w, table=()), config=dataclasses.replace(plane, select_lookup=True))
+        rm.repacked_matmul(x, dataclasses.replace(w, table=()), config=select)
+
+
+def test_the_byte_permute_lookup_gives_every_code_its_bits_in_every_position_and_is_what_the_kernel_runs():
+    # decode "prmt" is inline PTX, which the interpreter cannot run: its program is checked here through a Python
+    # model of PTX's prmt and lop3, on bitsandbytes' table, every code in each of a word's 8 positions beside
+    # varied neighbours; the kernel's assembly is that program's text. The CUDA tests check it on a GPU.
+    from medusa_core.quant import nf4_prmt as pm
+
+    table = tuple(bnbf.get_4bit_type("nf4", device="cpu").tolist())
+    bits = [pm.fp32_bits(v) for v in table]
+    gen = torch.Generator().manual_seed(0)
+    words = [sum(((code + step * pos) % 16) << (4 * pos) for pos in range(8))
+             for code in range(16) for step in range(16)]
+    words += torch.randint(0, 2**32, (1000,), generator=gen, dtype=torch.int64).tolist()
+    for half in (0, 1):
+        ops = pm.program(table, half)
+        for word in words:
+            assert pm.run(ops, word) == [bits[(word >> (4 * (4 * half + i))) & 15] for i in range(4)], (half, hex(word))
+        assert pm.halves(table)[half] == pm.ptx(ops)
+    asm = pm.halves(table)[0]
+    assert asm.count("prmt.b32") == 1 + 4 * 2 + 8 and asm.count("lop3.b32") == 4 and "$4" in asm and "$3," in asm
+    # the model's prmt is PTX's: bytes by index, and a selector's bit 3 copies the named byte's sign
+    assert pm.prmt_bytes(0x44332211, 0x88776655, 0x3210) == 0x44332211
+    assert pm.prmt_bytes(0x44332211, 0x88776655, 0x7654) == 0x88776655
+    assert pm.prmt_bytes(0x00008000, 0, 0x0099) == 0x0000FFFF
+    with pytest.raises(ValueError, match="16-entry table, got 4"):
+        pm.program(table[:4], 0)
+
+
+def test_the_tuners_time_the_table_compiled_in_and_a_config_says_which_lookup_it_runs():
+    # the GPU tuners time both constant lookups at every row class, and exact mode's where its rows are exact
+    for m in (1, 2, 4, 16, 32, 64):
+        assert {c.decode for c in rm.candidates(m, 11008, 32, 132)} == {"gather", *rm.CONSTANT_DECODES}, m
+    assert {c.decode for c in rm.exact_candidates(11008, 32, 132)} == {"gather", "select", "prmt"}
+    assert rm.RepackedConfig(True, 16, 64, 1, plane_lookup=True, decode="prmt").describe() == \
+        "dot m16 n64 split1 w4 s2 plane prmt"
+    for bad in (dict(decode="select"), dict(decode="table", plane_lookup=True)):
+        with pytest.raises(ValueError, match="decode one of .* and other than gather with plane_lookup only"):
+            rm.RepackedConfig(True, 16, 64, 1, **bad)
+    # under the interpreter, prmt says what runs instead (its values are select's)
+    packed, state = quantized(200, 192)
+    w = rp.repack_bnb([(packed, state)], 128)
+    with pytest.raises(ValueError, match="interpreter cannot run: use decode select"):
+        rm.repacked_matmul(torch.randn(16, 192), w, config=rm.RepackedConfig(True, 16, 64, 1, plane_lookup=True,
+                                                                             decode="prmt"))
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 16, 33, 64])

@@ -21,11 +21,12 @@ grid's loads cost (programs, bytes in flight); ``table-free`` over ``read-only``
 cost; ``full`` over ``table-free`` what the lookup costs, its registers included. The configs: the untimed
 default for the row count (``fast_config``), with its split-K sum in the same launch where it splits K at one
 row (what the H200's tuner kept at one row on four of the five 7B shapes; the fused gate/up kept the second
-launch, by 1.2 µs). From 5 rows also two other lookups of the same tile: ``select``, its table compiled in as
-constants (an exact lookup with no shared memory; timed ``full`` only, its other rungs being the plane tile's
-kernels), and the whole group in one dot (its read-only rung is the plane tile's: not timed twice). Timed as the
-tuner times: inside a CUDA graph, rotating among weight copies that together exceed L2. Under ``TRITON_INTERPRET=1`` the rungs run on the CPU (tests/test_kernel_ladder.py
-checks what each computes); times need a GPU.
+launch, by 1.2 µs). From 5 rows also other lookups of the same tile: ``select`` and ``prmt``, its table
+compiled in as constants (exact lookups with no shared memory, RepackedConfig.decode; timed ``full`` only, their
+other rungs being the plane tile's kernels), and the whole group in one dot (its read-only rung is the plane
+tile's: not timed twice). Timed as the tuner times: inside a CUDA graph, rotating among weight copies that
+together exceed L2. Under ``TRITON_INTERPRET=1`` the rungs run on the CPU (tests/test_kernel_ladder.py checks
+what each computes); times need a GPU.
 """
 
 from __future__ import annotations
@@ -61,15 +62,16 @@ class Rung:
     error: str = ""
 
 
-def configs(m: int, n: int, k: int, sms: int, group: int = 128) -> list:
-    """The configs a row count is taken apart at (see the module docstring)."""
+def configs(m: int, n: int, k: int, sms: int, group: int = 128, decodes: tuple[str, ...] | None = None) -> list:
+    """The configs a row count is taken apart at (see the module docstring); ``decodes``: the lookups with the
+    table as constants (default: the tuner's, rm.CONSTANT_DECODES)."""
     from ..quant import nf4_repacked_matmul as rm
 
     first = rm.fast_config(m, n, -(-k // group), sms)
     if not first.dot:
         return [dataclasses.replace(first, serial=True) if first.split_k > 1 else first]
-    return [first, dataclasses.replace(first, select_lookup=True),
-            dataclasses.replace(first, plane_lookup=False, whole_group=True)]
+    constant = [dataclasses.replace(first, decode=d) for d in (rm.CONSTANT_DECODES if decodes is None else decodes)]
+    return [first, *constant, dataclasses.replace(first, plane_lookup=False, whole_group=True)]
 
 
 def run_rung(x: torch.Tensor, w, cfg, rung: str) -> torch.Tensor:
@@ -94,10 +96,11 @@ def bench_shape(k: int, n: int, rows: tuple[int, ...], device: torch.device, ban
     for m in rows:
         x = torch.randn(m, k, device=device, dtype=dtype, generator=gen)
         expected = x.float() @ reference.T
-        for cfg in configs(m, n, k, sms):
+        # prmt is inline PTX, which the interpreter (the CPU test of this loop) cannot run
+        for cfg in configs(m, n, k, sms, decodes=None if device.type == "cuda" else ("select",)):
             for rung in RUNGS:
-                if (rung == "read-only" and cfg.whole_group) or (rung != "full" and cfg.select_lookup):
-                    continue        # the plane tile's kernel: loading only, or (select) with no lookup at all
+                if (rung == "read-only" and cfg.whole_group) or (rung != "full" and cfg.decode != "gather"):
+                    continue        # the plane tile's kernel: loading only, or (select, prmt) with no lookup at all
                 try:
                     if rung == "full":      # the rungs below it time the same grid; this one must also be right
                         y = run_rung(x, w, cfg, rung).float()

@@ -44,7 +44,7 @@ class RepackedNF4:
     # stored their partials, for the kernel's serial reduce (nf4_repacked_matmul); each call sets them back
     arrivals: torch.Tensor | None = None
     # the 16 values of ``code`` on the host, read once at repack: the select lookup compiles them into the kernel
-    # (nf4_repacked_matmul.RepackedConfig.select_lookup), where reading them from the device would sync each call
+    # (nf4_repacked_matmul.RepackedConfig.decode), where reading them from the device would sync each call
     table: tuple[float, ...] = ()
 
     @property

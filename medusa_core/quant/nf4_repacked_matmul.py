@@ -22,9 +22,9 @@ GEMV loop is 5.6 instructions per weight with PREFETCH (6.1 without), against 17
 selects it replaced (``python -m medusa_core.benchmarks.kernel_sass``: a static count, not a timing).
 The GEMV's accumulator puts the rows first, so one thread holds every row of a weight and looks it up once.
 The tensor-core path can instead look each plane up just before its dot (PLANE_LOOKUP, a tuner choice), and
-there by that tree of selects again, over the table's values compiled in as constants (SELECT, a tuner choice):
-more instructions, but the plane is decoded in the registers its dot reads, with no shared memory in between
-(RepackedConfig.select_lookup).
+there without shared memory (DECODE, a tuner choice): by that tree of selects again, or by byte permutes in
+inline PTX (nf4_prmt.py), over the table's values compiled in as constants; more instructions, but the plane
+is decoded in the registers its dot reads (RepackedConfig.decode).
 
 Exact mode: every row's result does not depend on M, because every M runs one kernel: on CUDA the
 tensor-core path with one 64-row tile, block_n and split for every M (exact_config), measured row-exact
@@ -49,6 +49,7 @@ except ImportError as err:  # one line, naming the fix; the rest of the project 
                       "pip install 'triton>=3.7'") from None
 
 from . import nf4_matmul as nm
+from . import nf4_prmt
 from .kernel_timing import (NoConfigCompiled, decode_tuning, graph_time_us, pick_fastest, remembered, remembering_now,
                             rotation_count)
 from .triton_runtime import bitwise_xor, check_runnable, launchable
@@ -61,8 +62,8 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, 
                      HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, DEQUANT_ONLY: tl.constexpr,
                      EVEN_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      PREFETCH: tl.constexpr = 0, PLANE_LOOKUP: tl.constexpr = False, SERIAL: tl.constexpr = False,
-                     WHOLE_GROUP: tl.constexpr = False, LADDER: tl.constexpr = 0, SELECT: tl.constexpr = False,
-                     TABLE: tl.constexpr = None):
+                     WHOLE_GROUP: tl.constexpr = False, LADDER: tl.constexpr = 0, DECODE: tl.constexpr = "gather",
+                     TABLE: tl.constexpr = None, PRMT: tl.constexpr = None):
     # grid: (M tiles, N tiles, K splits): the M tiles of one weight tile are launched side by side, so
     # past the first they read it from L2. BLOCK_N is a multiple of the 16-row group.
     # LADDER (0 in every real call; benchmarks/kernel_ladder.py times the others): 1 = table-free, each code is
@@ -198,7 +199,12 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, 
                 if PLANE_LOOKUP:   # tensor cores: one plane at a time (see RepackedConfig.plane_lookup)
                     if LADDER == 1:
                         code = (((words >> (4 * i)) & 15) | 0x3F800000).to(tl.float32, bitcast=True)
-                    elif SELECT:   # the table as constants, a tree of 15 selects: see RepackedConfig.select_lookup
+                    elif DECODE == "prmt":   # the table as constants, by byte permutes: see RepackedConfig.decode
+                        if i % 4 == 0:     # codes i..i+3 of each word at once (nf4_prmt.py), as fp32 bits
+                            quad = tl.inline_asm_elementwise(PRMT[i // 4], "=r,=r,=r,=r,r", [words],
+                                                             dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+                        code = quad[i % 4].to(tl.float32, bitcast=True)                  # (BN, LANES) fp32
+                    elif DECODE == "select":   # the table as constants, a tree of 15 selects: see RepackedConfig.decode
                         nib = (words >> (4 * i)) & 15                                     # (BN, LANES) int32
                         b0 = (nib & 1) != 0
                         b1 = (nib & 2) != 0
@@ -279,6 +285,9 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, 
                      mask=o_ok)
 
 
+DECODES = ("gather", "select", "prmt")  # RepackedConfig.decode
+CONSTANT_DECODES = ("select", "prmt")    # the tuners' candidates beside the gather tile
+
 @dataclass(frozen=True)
 class RepackedConfig:
     dot: bool           # False: GEMV lanes (block_m 1..16); True: tl.dot (block_m 16, 32 or 64)
@@ -305,16 +314,18 @@ class RepackedConfig:
     # instructions per weight against 7.8 and 158 registers against 56 (8 warps: 105 registers, 11.8). Which
     # is faster is the GPU's to measure. Fast mode's sums run in another order, within rounding; exact mode
     # times it only where tune_exact finds its rows exact on the GPU.
-    select_lookup: bool = False  # tensor cores, one plane at a time: the weight's 16-entry table compiled into the
-    # kernel as constants (RepackedNF4.table) and looked up by a tree of 15 selects, not in shared memory. Why:
-    # compiled for sm_90 (Triton 3.6, kernel_sass, M = 16, 4 warps) the plane tile's loop has 33 barriers a group,
-    # 31 of them the table's refills before each plane's gather, and stores each dequantized plane to shared memory
-    # to reload it in the dot's layout. With only constants between the loaded word and the dot, Triton decodes the
-    # plane in the dot operand's registers instead: 2 barriers, no shared stores, 56 registers as before, but 17.7
-    # instructions a weight against 7.8 (10 of them FSEL). The same codes in the same dots (the same bits under the
-    # interpreter; tests/test_cuda_repacked.py checks them on the GPU, where the dot reads them from elsewhere). Which
-    # is faster is the GPU's to measure. Only with plane_lookup: the other tiles keep their barriers (9 and 2, but
-    # 144 and 96 registers) and add the selects.
+    decode: str = "gather"   # tensor cores, one plane at a time: how a code becomes its table value. "gather":
+    # tl.gather from the table in shared memory. "select" and "prmt": the weight's 16 values compiled into the
+    # kernel as constants (RepackedNF4.table), picked by a tree of 15 selects or, in inline PTX, by byte permutes
+    # (nf4_prmt.py; NVIDIA GPUs only, not under the interpreter). Why: compiled for sm_90 (Triton 3.6, kernel_sass,
+    # M = 16, 4 warps) the gather tile's loop has 33 barriers a group, 31 of them the table's refills before each
+    # plane's gather, and stores each dequantized plane to shared memory to reload it in the dot's layout. With
+    # only constants between the loaded word and the dot, Triton decodes the plane in the dot operand's registers
+    # instead: 2 barriers and no shared stores for both, at 17.7 instructions a weight and 56 registers (select)
+    # or 11.5 and 101 (prmt), against the gather tile's 7.8 and 56. The same codes in the same dots (the same bits
+    # under the interpreter for select; tests/test_cuda_repacked.py checks both on the GPU). Which is faster is the
+    # GPU's to measure. Only with plane_lookup: the other tiles keep barriers (9 and 2, at 144 and 96 registers
+    # with the selects) and add instructions.
     serial: bool = False     # split-K: the last split of each output tile to store its partials adds them all
     # (an atomic arrival count per tile), in place of the reduce kernel: one launch where there were two, and
     # the same sum in the same order, so the same bits. The configs an H100 tuned for one row (2026-11-27) split
@@ -326,19 +337,19 @@ class RepackedConfig:
                 or (self.dot and self.prefetch) or self.prefetch not in (0, 1, 2) \
                 or (self.plane_lookup and not self.dot) \
                 or (self.whole_group and (not self.dot or self.plane_lookup)) \
-                or (self.select_lookup and not self.plane_lookup) \
+                or self.decode not in DECODES or (self.decode != "gather" and not self.plane_lookup) \
                 or (self.serial and self.split_k < 2):
             raise ValueError(f"bad repacked config {self}: block_n a multiple of {ROWS}, block_m a power of two "
                              "(>= 16 with dot), prefetch 0, 1 or 2 and for GEMV only, plane_lookup for dot only, "
-                             "whole_group for dot only and not with plane_lookup, select_lookup with plane_lookup "
-                             "only, serial with split_k >= 2")
+                             f"whole_group for dot only and not with plane_lookup, decode one of {DECODES} and other "
+                             "than gather with plane_lookup only, serial with split_k >= 2")
         object.__setattr__(self, "prefetch", int(self.prefetch))   # a tuning remembered as true/false reads as 1/0
 
     def describe(self) -> str:
         return (f"{'dot' if self.dot else 'gemv'} m{self.block_m} n{self.block_n} split{self.split_k} "
                 f"w{self.num_warps} s{self.num_stages}{' prefetch' if self.prefetch else ''}"
                 f"{self.prefetch if self.prefetch > 1 else ''}"
-                f"{' plane' if self.plane_lookup else ''}{' select' if self.select_lookup else ''}"
+                f"{' plane' if self.plane_lookup else ''}{'' if self.decode == 'gather' else ' ' + self.decode}"
                 f"{' group' if self.whole_group else ''}"
                 f"{' serial' if self.serial else ''}")
 
@@ -388,7 +399,8 @@ def exact_candidates(n: int, groups: int, sms: int) -> list[RepackedConfig]:
     out = [first, dataclasses.replace(first, plane_lookup=True)]
     for waves, plane in ((2, False), (2, True), (4, True)):
         out.append(RepackedConfig(True, 16, 64, split_for(n, groups, 64, waves * sms), plane_lookup=plane))
-    out.append(dataclasses.replace(out[-2], select_lookup=True))     # the 2-wave plane tile, its table as constants
+    plane = RepackedConfig(True, 16, 64, split_for(n, groups, 64, 2 * sms), plane_lookup=True)
+    out += [dataclasses.replace(plane, decode=d) for d in CONSTANT_DECODES]     # its table as constants
     out.append(RepackedConfig(True, 16, 64, split_for(n, groups, 64, 2 * sms), whole_group=True))
     return list(dict.fromkeys(out))
 
@@ -424,15 +436,15 @@ def candidates(m: int, n: int, groups: int, sms: int) -> list[RepackedConfig]:
         out.append(RepackedConfig(True, 16, 64, split_for(n, groups, 64, 2 * sms)))
         # and the select tile, whose decode needs no shared memory: on the H200 the GEMV took 24-36 µs at 2 and 4
         # rows where the 16-row table tile took 35-38, so a faster 16-row tile would serve them too
-        out.append(RepackedConfig(True, 16, 64, split_for(n, groups, 64, 2 * sms), plane_lookup=True,
-                                  select_lookup=True))
+        plane = RepackedConfig(True, 16, 64, split_for(n, groups, 64, 2 * sms), plane_lookup=True)
+        out += [dataclasses.replace(plane, decode=d) for d in CONSTANT_DECODES]
     else:
         out.append(dataclasses.replace(first, plane_lookup=False))   # all 8 planes looked up at once
         for block_n, warps, waves in ((64, 4, 1), (64, 4, 4), (128, 8, 2), (32, 4, 2)):
             out.append(RepackedConfig(True, cls, block_n, split_for(n, groups, block_n, waves * sms), warps))
         # the per-plane lookup with more programs (its fewer registers fit more per SM)
         out.append(RepackedConfig(True, cls, 64, split_for(n, groups, 64, 4 * sms), plane_lookup=True))
-        out.append(dataclasses.replace(first, select_lookup=True))     # the table as constants, no shared memory
+        out += [dataclasses.replace(first, decode=d) for d in CONSTANT_DECODES]   # the table as constants
         # the whole group in one dot, with 4 warps and with 8 (fewer registers a thread, more programs an SM)
         out.append(dataclasses.replace(first, plane_lookup=False, whole_group=True))
         out.append(dataclasses.replace(first, plane_lookup=False, whole_group=True, num_warps=8))
@@ -622,9 +634,12 @@ def kernel_call(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: b
     if cfg.prefetch and w.group // w.blocksize > PREFETCH_MAX_SCALES:
         raise ValueError(f"prefetch takes at most {PREFETCH_MAX_SCALES} scale blocks per group, and group {w.group} "
                          f"holds {w.group // w.blocksize} of {w.blocksize}: repack with group 128 or use prefetch=False")
-    if cfg.select_lookup and len(w.table) != 16:
-        raise ValueError(f"select_lookup compiles the weight's 16-entry table into the kernel, and this weight has "
-                         f"{len(w.table)} values on the host: make it with nf4_repack.repack, which reads them")
+    if cfg.decode != "gather" and len(w.table) != 16:
+        raise ValueError(f"decode {cfg.decode} compiles the weight's 16-entry table into the kernel, and this weight "
+                         f"has {len(w.table)} values on the host: make it with nf4_repack.repack, which reads them")
+    if cfg.decode == "prmt" and interpret:
+        raise ValueError("decode prmt is inline PTX, which Triton's interpreter cannot run: use decode select, "
+                         "whose values are the same, on the CPU")
     groups = -(-w.k // w.group)
     splits = max(1, min(cfg.split_k, groups))
     per_split = -(-groups // splits)
@@ -643,8 +658,9 @@ def kernel_call(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: b
     meta = dict(HAS_BIAS=has_bias, PARTIAL=part is not None, DEQUANT_ONLY=False,
                 PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", BLOCK_M=cfg.block_m,
                 BLOCK_N=cfg.block_n, PREFETCH=cfg.prefetch, PLANE_LOOKUP=cfg.plane_lookup, SERIAL=serial,
-                WHOLE_GROUP=cfg.whole_group, LADDER=ladder, SELECT=cfg.select_lookup,
-                TABLE=w.table if cfg.select_lookup else None,
+                WHOLE_GROUP=cfg.whole_group, LADDER=ladder, DECODE=cfg.decode,
+                TABLE=w.table if cfg.decode == "select" else None,
+                PRMT=nf4_prmt.halves(w.table) if cfg.decode == "prmt" else None,
                 **_constexprs(w, cfg.dot, interpret, cfg))
     return _repacked_kernel, grid, args, meta, part
 
