@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -222,8 +223,51 @@ def test_the_byte_permute_lookup_gives_every_code_its_bits_in_every_position_and
     assert pm.prmt_bytes(0x44332211, 0x88776655, 0x3210) == 0x44332211
     assert pm.prmt_bytes(0x44332211, 0x88776655, 0x7654) == 0x88776655
     assert pm.prmt_bytes(0x00008000, 0, 0x0099) == 0x0000FFFF
+    # and its lop3 is PTX's: the look-up table's operands are a = 0xF0, b = 0xCC, c = 0xAA
+    a, b, c = 0x12345678, 0x9ABCDEF0, 0x0F0F00FF
+    assert (pm.lop3(a, b, c, 0xF0), pm.lop3(a, b, c, 0xCC), pm.lop3(a, b, c, 0xAA)) == (a, b, c)
+    assert pm.lop3(a, b, c, pm.MERGE_LUT) == (a & c) | (b & ~c & 0xFFFFFFFF)
     with pytest.raises(ValueError, match="16-entry table, got 4"):
         pm.program(table[:4], 0)
+
+
+def test_the_kernel_wires_the_byte_permutes_to_its_planes_as_the_gather_tile_looks_them_up(monkeypatch):
+    # the prmt tile run whole under the interpreter, its two assembly statements run by the Python model (the one
+    # piece the interpreter lacks): which half feeds which plane, the order of a statement's four results, the
+    # word each reads. The same products as the gather tile, bit for bit (and an emulator that swaps the halves,
+    # as a kernel passing them in the wrong order would, is caught)
+    import numpy as np
+    from triton.runtime import interpreter
+
+    from medusa_core.quant import nf4_prmt as pm
+
+    packed, state = quantized(40, 256)
+    w = rp.repack_bnb([(packed, state)], 128)
+    programs = {pm.ptx(pm.program(w.table, half)): pm.program(w.table, half) for half in (0, 1)}
+
+    def emulated(swap):
+        def create_inline_asm(self, asm, constraints, values, types, is_pure, pack):
+            ops = programs[asm] if not swap else programs[pm.halves(w.table)[asm == pm.halves(w.table)[0]]]
+            words = values[0].data
+            out = np.array([pm.run(ops, int(word) & 0xFFFFFFFF) for word in words.ravel()], dtype=np.uint32)
+            handles = [interpreter.TensorHandle(out[:, i].reshape(words.shape).view(np.int32), types[i].scalar)
+                       for i in range(4)]
+            return SimpleNamespace(get_result=lambda i: handles[i])
+        return create_inline_asm
+
+    x = torch.randn(16, 256, generator=torch.Generator().manual_seed(2))
+    gather = rm.RepackedConfig(True, 16, 32, 2, plane_lookup=True)
+    want = rm.repacked_matmul(x, w, config=gather)
+
+    def prmt_tile() -> torch.Tensor:
+        out = torch.empty(16, 40)
+        rm._launch(x, w, None, out, dataclasses.replace(gather, decode="prmt"), True)
+        return out
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", emulated(swap=False), raising=True)
+    assert torch.equal(prmt_tile(), want)
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", emulated(swap=True), raising=True)
+    assert not torch.equal(prmt_tile(), want)
 
 
 def test_the_tuners_time_the_table_compiled_in_and_a_config_says_which_lookup_it_runs():
@@ -236,7 +280,7 @@ def test_the_tuners_time_the_table_compiled_in_and_a_config_says_which_lookup_it
     for bad in (dict(decode="select"), dict(decode="table", plane_lookup=True)):
         with pytest.raises(ValueError, match="decode one of .* and other than gather with plane_lookup only"):
             rm.RepackedConfig(True, 16, 64, 1, **bad)
-    # under the interpreter, prmt says what runs instead (its values are select's)
+    # under the interpreter, prmt says what to run instead (its values are select's)
     packed, state = quantized(200, 192)
     w = rp.repack_bnb([(packed, state)], 128)
     with pytest.raises(ValueError, match="interpreter cannot run: use decode select"):

@@ -18,6 +18,7 @@ bytes from the 8 bytes of (a, b) by a 3-bit index in c's 4 low nibbles, so one p
 
 Per half (4 weights): 3 or 4 instructions for the selector and the mask, 4 x 3 for the byte planes, 8 for the
 transpose: about 6 instructions a weight, against 14 for the selects (sm_90 counts in docs/performance.md).
+Triton's interpreter runs no assembly: tests/test_nf4_repack.py runs the kernel with ``run`` standing in for it.
 The table's 16 words are immediates: ptxas keeps or rematerializes them as registers allow.
 """
 

@@ -614,6 +614,9 @@ def repacked_matmul(x: torch.Tensor, w: RepackedNF4, bias: torch.Tensor | None =
     out = torch.empty(m, w.n, dtype=x.dtype, device=x.device)    # (M, N)
     if m:
         cfg = config or choose_config(m, w, x.dtype, x.device, exact)
+        if cfg.decode == "prmt" and x.device.type == "cpu":
+            raise ValueError("decode prmt is inline PTX, which Triton's interpreter cannot run: use decode select, "
+                             "whose values are the same, on the CPU")
         _launch(x2, w, bias, out, cfg, x.device.type == "cpu", ladder)
     return out.reshape(*x.shape[:-1], w.n)
 
@@ -637,9 +640,6 @@ def kernel_call(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: b
     if cfg.decode != "gather" and len(w.table) != 16:
         raise ValueError(f"decode {cfg.decode} compiles the weight's 16-entry table into the kernel, and this weight "
                          f"has {len(w.table)} values on the host: make it with nf4_repack.repack, which reads them")
-    if cfg.decode == "prmt" and interpret:
-        raise ValueError("decode prmt is inline PTX, which Triton's interpreter cannot run: use decode select, "
-                         "whose values are the same, on the CPU")
     groups = -(-w.k // w.group)
     splits = max(1, min(cfg.split_k, groups))
     per_split = -(-groups // splits)
