@@ -288,6 +288,7 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, 
 DECODES = ("gather", "select", "prmt")  # RepackedConfig.decode
 CONSTANT_DECODES = ("select", "prmt")    # the tuners' candidates beside the gather tile
 
+
 @dataclass(frozen=True)
 class RepackedConfig:
     dot: bool           # False: GEMV lanes (block_m 1..16); True: tl.dot (block_m 16, 32 or 64)
@@ -323,8 +324,8 @@ class RepackedConfig:
     # only constants between the loaded word and the dot, Triton decodes the plane in the dot operand's registers
     # instead: 2 barriers and no shared stores for both, at 17.7 instructions a weight and 56 registers (select)
     # or 11.5 and 101 (prmt), against the gather tile's 7.8 and 56. The same codes in the same dots (the same bits
-    # under the interpreter for select; tests/test_cuda_repacked.py checks both on the GPU). Which is faster is the
-    # GPU's to measure. Only with plane_lookup: the other tiles keep barriers (9 and 2, at 144 and 96 registers
+    # under the interpreter, prmt's assembly run by its Python model; tests/test_cuda_repacked.py checks both on
+    # the GPU). Which is faster is the GPU's to measure. Only with plane_lookup: the other tiles keep barriers (9 and 2, at 144 and 96 registers
     # with the selects) and add instructions.
     serial: bool = False     # split-K: the last split of each output tile to store its partials adds them all
     # (an atomic arrival count per tile), in place of the reduce kernel: one launch where there were two, and
@@ -434,8 +435,9 @@ def candidates(m: int, n: int, groups: int, sms: int) -> list[RepackedConfig]:
             out.append(RepackedConfig(False, cls, block_n, split_for(n, groups, block_n, waves * sms), warps,
                                       prefetch=1))
         out.append(RepackedConfig(True, 16, 64, split_for(n, groups, 64, 2 * sms)))
-        # and the select tile, whose decode needs no shared memory: on the H200 the GEMV took 24-36 µs at 2 and 4
-        # rows where the 16-row table tile took 35-38, so a faster 16-row tile would serve them too
+        # and the 16-row tiles with the table as constants, whose decode needs no shared memory: on the H200 the
+        # GEMV took 24-36 µs at 2 and 4 rows where the gather tile took 35-38 at 16, so a faster 16-row tile would
+        # serve them too
         plane = RepackedConfig(True, 16, 64, split_for(n, groups, 64, 2 * sms), plane_lookup=True)
         out += [dataclasses.replace(plane, decode=d) for d in CONSTANT_DECODES]
     else:
