@@ -279,3 +279,40 @@ def test_the_row_exact_head_gives_a_bf16_row_the_bits_it_gets_alone():
     for rows in (1, 2, 3, 4, 5, 16, 33, 64):                   # row tiles of 1, 2, 4 and 8
         assert torch.equal(rows_alone_linear(x[:rows], w), together[:rows]), rows
     assert torch.equal(torch.cat([rows_alone_linear(x[i:i + 1], w) for i in range(64)]), together)
+
+
+def test_the_tuner_compiles_its_candidates_side_by_side_and_its_timing_loop_compiles_none(monkeypatch, tmp_path):
+    # kernel_timing.compile_ahead on a real GPU, from an empty Triton cache as at a first start: the launches the
+    # tuner then times (the matmul kernel's; the split-K sum is another kernel) find every kernel compiled
+    import threading
+
+    from medusa_core.quant import kernel_timing as kt
+    from medusa_core.quant.triton_runtime import launchable
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kt, "compile_workers", lambda: 4)
+    monkeypatch.setattr(rm, "_TUNED", {})
+    monkeypatch.setattr(rm, "TUNING_LOG", {})
+    launchable.cache_clear()
+    fn = launchable(rm._repacked_kernel, False)
+    fn.device_caches[torch.cuda.current_device()]
+    inner, threads, in_timing = fn.compile, set(), []
+
+    def counted(*args, **kwargs):
+        threads.add(threading.get_ident())
+        in_timing.append(timing[0])
+        return inner(*args, **kwargs)
+    fn.compile = counted
+    timing = [False]
+    pick = rm.pick_fastest
+
+    def timed(*args, **kwargs):
+        timing[0] = True
+        return pick(*args, **kwargs)
+    monkeypatch.setattr(rm, "pick_fastest", timed)
+    try:
+        best = rm.tune_shape(16, 1024, 4096, torch.bfloat16, torch.device("cuda"))
+    finally:
+        launchable.cache_clear()
+    assert best is not None and in_timing and not any(in_timing), in_timing    # compiled ahead, none in the loop
+    assert len(threads) > 1 and threading.get_ident() not in threads

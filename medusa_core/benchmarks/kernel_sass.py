@@ -22,12 +22,14 @@ a timing (docs/performance.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import re
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -214,6 +216,39 @@ def bnb_storage_launch(k: int, n: int, m: int, cfg, dtype: torch.dtype = torch.b
     return Launch(k, n, m, fn, args, kw, cfg.describe(), grid[0] * grid[2], cfg.block_n, columns,
                   grid[1] if "SUB" in kw else 0, cfg.num_warps,
                   bnb_nbytes(n, k))
+
+
+class NoGpuDriver:
+    """The few questions Triton's JIT asks its driver before it compiles, answered for sm_<arch> on a machine
+    with no GPU, so that a JIT function's ``warmup`` (compile, no launch) runs here as on that GPU: how
+    kernel_timing.compile_ahead is tested and timed without one."""
+
+    def __init__(self, arch: int):
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int) -> int:
+        return 0
+
+
+@contextlib.contextmanager
+def jit_compiles_for(arch: int) -> Iterator[None]:
+    """Within: Triton's JIT compiles for sm_<arch> (NoGpuDriver); its kernels cannot be launched."""
+    from triton.runtime.driver import driver
+
+    before = driver._active             # None on a machine with no GPU: reset_active() would look for one
+    driver.set_active(NoGpuDriver(arch))
+    try:
+        yield
+    finally:
+        driver._active = before
 
 
 def compile_launch(launch: Launch, arch: int):

@@ -14,9 +14,11 @@ import contextlib
 import copy
 import dataclasses
 import json
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import torch
@@ -147,6 +149,38 @@ def decode_tuning(config_class: type[Config], saved: Any) -> tuple[Config, list[
     """A tuner's remembered (fastest config, [(config, µs or None)]) back from ``as_json``'s form."""
     best, log = saved
     return config_class(**best), [(str(name), None if us is None else float(us)) for name, us in log]
+
+
+Launch = tuple[Any, tuple, tuple, dict]     # (triton.jit function, grid, args, keyword args) of one kernel launch
+
+
+def compile_workers() -> int:
+    """Threads for compile_ahead: the CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def compile_ahead(launches: list[Callable[[], Launch]]) -> None:
+    """Compile the kernels of ``launches`` side by side before a tuner times any of them, so that its timing loop
+    compiles nothing. One by one, compiling was a third of a 7B's first start: the repacked tuner's candidates
+    for a 7B load are 86 kernels, 33 s on one core of a Zen 4 (docs/performance.md, "Compiled side by side").
+    Triton's own asynchronous mode puts each compile in the JIT function's cache under the key the tuner's
+    launch looks up, and its compiler releases the GIL, so threads run side by side.
+
+    Each item builds one launch, the same call the tuner then makes. A launch that cannot be built or does not
+    compile is left to the tuner's own run, which raises the same error there and reports it with its skipped
+    configs: nothing is decided here."""
+    import triton
+
+    workers = min(len(launches), compile_workers())
+    if workers < 2:
+        return                  # one compile or one CPU: the tuner's first run of each compiles as before
+    with ThreadPoolExecutor(workers) as pool, triton.AsyncCompileMode(pool, ignore_errors=True):
+        for build in launches:
+            try:
+                fn, grid, args, meta = build()
+                fn.warmup(*args, grid=grid, **meta)     # compiles on the pool; the JIT's cache gets it on exit
+            except Exception:  # raised again by the tuner's own run of this config, which reports it
+                continue
 
 
 def pick_fastest(configs: list[Config], run: Callable[[Config], torch.Tensor],

@@ -34,8 +34,8 @@ try:
 except ImportError as err:  # one line, naming the fix; the rest of the project never needs Triton
     raise ImportError(f"medusa_core.quant.nf4_matmul needs Triton ({err}): pip install 'triton>=3.7'") from None
 
-from .kernel_timing import (NoConfigCompiled, decode_tuning, graph_time_us, pick_fastest, remembered, remembering_now,
-                            rotating_copies)
+from .kernel_timing import (Launch, NoConfigCompiled, compile_ahead, decode_tuning, graph_time_us, pick_fastest,
+                            remembered, remembering_now, rotating_copies)
 from .triton_runtime import add, check_runnable, launchable
 
 
@@ -402,10 +402,17 @@ def kernel_call(x2, weight, state, bias, out, cfg: KernelConfig, interpret: bool
 
 def _launch(x2, weight, state, bias, out, cfg: KernelConfig, interpret: bool) -> None:
     fn, grid, args, meta, part = kernel_call(x2, weight, state, bias, out, cfg, interpret)
-    tile, stream, _ = _kernels(interpret)
-    (stream if fn is _nf4_stream_kernel else tile)[grid](*args, **meta)
+    launchable(fn, interpret)[grid](*args, **meta)
     if part is not None:
         reduce_partials(part, bias, out, interpret)
+
+
+def compiled_launch(x2, weight, state, cfg: KernelConfig) -> Launch:
+    """The matmul launch ``nf4_matmul(x2, weight, state, config=cfg)`` makes on CUDA (its split-K sum aside), for
+    kernel_timing.compile_ahead."""
+    out = torch.empty(x2.shape[0], state.shape[0], dtype=x2.dtype, device=x2.device)
+    fn, grid, args, meta, _ = kernel_call(x2, weight, state, None, out, cfg, interpret=False)
+    return launchable(fn, False), grid, args, meta
 
 
 def reduce_partials(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, interpret: bool) -> None:
@@ -526,8 +533,10 @@ def _time_candidates(m: int, n: int, k: int, dtype: torch.dtype, device: torch.d
     del w
     copies = rotating_copies(packed, state, props.L2_cache_size)
     x = torch.randn(row_class(m) if m > 1 else 1, k, device=device, dtype=dtype, generator=gen)
+    configs = candidates(row_class(m), n, k, props.multi_processor_count, blocksize, wide)
+    compile_ahead([functools.partial(compiled_launch, x, packed, state, cfg) for cfg in configs])
     best, log = pick_fastest(
-        candidates(row_class(m), n, k, props.multi_processor_count, blocksize, wide),
+        configs,
         run=lambda cfg: nf4_matmul(x, packed, state, config=cfg),
         time_us=lambda cfg: graph_time_us([functools.partial(nf4_matmul, x, p, s, config=cfg) for p, s in copies],
                                           replays=3),

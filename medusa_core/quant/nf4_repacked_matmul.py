@@ -50,8 +50,8 @@ except ImportError as err:  # one line, naming the fix; the rest of the project 
 
 from . import nf4_matmul as nm
 from . import nf4_prmt
-from .kernel_timing import (NoConfigCompiled, decode_tuning, graph_time_us, pick_fastest, remembered, remembering_now,
-                            rotation_count)
+from .kernel_timing import (Launch, NoConfigCompiled, compile_ahead, decode_tuning, graph_time_us, pick_fastest,
+                            remembered, remembering_now, rotation_count)
 from .triton_runtime import bitwise_xor, check_runnable, launchable
 from .nf4_repack import ROWS, RepackedNF4
 
@@ -499,8 +499,10 @@ def _time_candidates(m: int, n: int, k: int, dtype: torch.dtype, device: torch.d
     props = torch.cuda.get_device_properties(device)
     w, copies, gen = tuning_weight(n, k, dtype, device, group)
     x = torch.randn(row_class(m), k, device=device, dtype=dtype, generator=gen)
+    configs = candidates(m, n, -(-k // group), props.multi_processor_count)
+    compile_candidates(configs, w, [x])
     best, log = pick_fastest(
-        candidates(m, n, -(-k // group), props.multi_processor_count),
+        configs,
         run=lambda cfg: repacked_matmul(x, w, config=cfg),
         time_us=lambda cfg: graph_time_us([functools.partial(repacked_matmul, x, c, config=cfg) for c in copies],
                                              replays=3),
@@ -554,8 +556,11 @@ def _time_exact(n: int, k: int, dtype: torch.dtype, device: torch.device, group:
                 raise RuntimeError(f"not row-exact: a row of a {m}-row call differs from that row alone")
         return alone
 
+    configs = exact_candidates(n, -(-k // group), props.multi_processor_count)
+    # every row count the check and the timing call with: a row count is part of a compiled kernel's key
+    compile_candidates(configs, w, [x[:m] for m in sorted({1, *EXACT_CHECK_ROWS, *AUTO_ROWS})])
     best, log = pick_fastest(
-        exact_candidates(n, -(-k // group), props.multi_processor_count), run=checked,
+        configs, run=checked,
         time_us=lambda cfg: sum(graph_time_us([functools.partial(repacked_matmul, x[:m], c, config=cfg)
                                                for c in copies], replays=3) for m in AUTO_ROWS),
         where=f"repacked exact {n}x{k} on {key[0]}")
@@ -665,6 +670,19 @@ def kernel_call(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: b
                 PRMT=nf4_prmt.halves(w.table) if cfg.decode == "prmt" else None,
                 **_constexprs(w, cfg.dot, interpret, cfg))
     return _repacked_kernel, grid, args, meta, part
+
+
+def compiled_launch(x2, w: RepackedNF4, cfg: RepackedConfig) -> Launch:
+    """The matmul launch ``repacked_matmul(x2, w, config=cfg)`` makes on CUDA (its split-K sum aside)."""
+    out = torch.empty(x2.shape[0], w.n, dtype=x2.dtype, device=x2.device)
+    fn, grid, args, meta, _ = kernel_call(x2, w, None, out, cfg, interpret=False)
+    return launchable(fn, False), grid, args, meta
+
+
+def compile_candidates(configs: list[RepackedConfig], w: RepackedNF4, xs: list[torch.Tensor]) -> None:
+    """Each config's kernel for each input in ``xs``, compiled side by side before a tuner times them
+    (kernel_timing.compile_ahead)."""
+    compile_ahead([functools.partial(compiled_launch, x, w, cfg) for cfg in configs for x in xs])
 
 
 def _launch(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: bool, ladder: int = 0) -> None:

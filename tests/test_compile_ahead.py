@@ -1,0 +1,173 @@
+"""The NF4 tuners' candidates compiled side by side before any is timed (quant/kernel_timing.compile_ahead), so
+that a GPU's first start does not compile them one by one in its timing loop. Run here with Triton's JIT
+compiling for an H100 (sm_90) on this GPU-less machine (benchmarks/kernel_sass.NoGpuDriver): what the threads
+compile is what the tuner's own launches then find in the JIT's cache, so its runs compile nothing more; a
+launch that cannot be built or compiled is left to the tuner, which reports it; and both tuners hand their
+whole candidate list and their own inputs over before they time anything."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the NF4 kernels need Triton: pip install triton")
+from bitsandbytes.functional import quantize_4bit  # noqa: E402
+
+from medusa_core.benchmarks import compile_ahead as bench  # noqa: E402
+from medusa_core.benchmarks import kernel_sass as ks  # noqa: E402
+from medusa_core.quant import kernel_timing as kt  # noqa: E402
+from medusa_core.quant import nf4_matmul as nm  # noqa: E402
+from medusa_core.quant import nf4_repacked_matmul as rm  # noqa: E402
+from medusa_core.quant.nf4_repack import repack_bnb  # noqa: E402
+from medusa_core.quant.triton_runtime import launchable  # noqa: E402
+
+N, K = 256, 512
+
+
+@pytest.fixture
+def jit_for_h100(monkeypatch, tmp_path):
+    """Triton's JIT compiling for sm_90 into an empty cache, with JIT functions of its own (cleared after, so no
+    other test launches a kernel compiled for a GPU), and compile_ahead given 2 threads."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    monkeypatch.setattr(kt, "compile_workers", lambda: 2)
+    launchable.cache_clear()
+    with ks.jit_compiles_for(90):
+        yield
+    launchable.cache_clear()
+
+
+class Compiles:
+    """Every compile ``fn``'s JIT makes from now on, and the threads it ran in."""
+
+    def __init__(self, fn):
+        self.keys, self.threads = [], set()
+        fn.device_caches[0]                 # the JIT binds its compiler on first use: replace it after that
+        inner = fn.compile
+
+        def counted(src, *args, **kwargs):
+            self.keys.append((src.hash(), repr(sorted(kwargs["options"].items()))))   # source and options
+            self.threads.add(threading.get_ident())
+            return inner(src, *args, **kwargs)
+        fn.compile = counted
+
+
+def repacked_weight():
+    dense = torch.randn(N, K, generator=torch.Generator().manual_seed(0)) * 0.02
+    return repack_bnb([quantize_4bit(dense, blocksize=64, compress_statistics=True, quant_type="nf4")], 128)
+
+
+def warm(launch) -> None:
+    fn, grid, args, meta = launch
+    fn.warmup(*args, grid=grid, **meta)
+
+
+def test_a_tuners_candidates_compiled_ahead_leave_its_own_launches_nothing_to_compile(jit_for_h100):
+    w = repacked_weight()
+    x = torch.randn(16, K, dtype=torch.bfloat16)
+    configs = rm.candidates(16, N, K // 128, 132)
+    fn = launchable(rm._repacked_kernel, False)
+    ahead = Compiles(fn)
+    rm.compile_candidates(configs, w, [x])
+    assert len(ahead.keys) == len(set(ahead.keys)) >= len(configs) // 2, ahead.keys   # each kernel once
+    assert len(ahead.threads) == 2 and threading.get_ident() not in ahead.threads      # side by side, off this one
+    later = Compiles(fn)
+    for cfg in configs:             # the launch repacked_matmul(x, w, config=cfg) makes, as the tuner's run does
+        warm(rm.compiled_launch(x, w, cfg))
+    assert later.keys == []
+
+
+def test_exact_modes_candidates_are_compiled_for_every_row_count_its_check_calls_with(jit_for_h100):
+    w = repacked_weight()
+    x = torch.randn(64, K, dtype=torch.bfloat16)
+    configs = rm.exact_candidates(N, K // 128, 132)
+    fn = launchable(rm._repacked_kernel, False)
+    rm.compile_candidates(configs, w, [x[:m] for m in sorted({1, *rm.EXACT_CHECK_ROWS, 16})])
+    later = Compiles(fn)
+    for cfg in configs:
+        for m in (1, 2, 3, 16, 17, 64):     # 2: a row count of the check's kind that it did not list
+            warm(rm.compiled_launch(x[:m], w, cfg))
+    assert later.keys == []
+
+
+def test_the_kernel_on_bitsandbytes_storage_is_compiled_ahead_as_its_tuner_launches_it(jit_for_h100):
+    packed, state = quantize_4bit(torch.randn(N, K) * 0.02, blocksize=64, compress_statistics=True, quant_type="nf4")
+    x = torch.randn(16, K, dtype=torch.bfloat16)
+    configs = nm.candidates(16, N, K, 132, 64, wide=True)
+    kernels = [launchable(f, False) for f in (nm._nf4_kernel, nm._nf4_stream_kernel)]
+    assert {nm.compiled_launch(x, packed, state, cfg)[0] for cfg in configs} == set(kernels)   # tile and stream
+    kt.compile_ahead([lambda cfg=cfg: nm.compiled_launch(x, packed, state, cfg) for cfg in configs])
+    later = [Compiles(f) for f in kernels]
+    for cfg in configs:
+        warm(nm.compiled_launch(x, packed, state, cfg))
+    assert [c.keys for c in later] == [[], []]
+
+
+def test_a_launch_that_cannot_be_built_or_compiled_is_left_to_the_tuners_own_run(jit_for_h100):
+    w = repacked_weight()
+    x = torch.randn(16, K, dtype=torch.bfloat16)
+    good = rm.fast_config(16, N, K // 128, 132)
+    fn, grid, args, meta = rm.compiled_launch(x, w, good)
+    broken = {**meta, "BLOCK_N": 48}             # not a power of two: tl.arange refuses it when it compiles
+
+    def unbuildable():
+        raise ValueError("prefetch takes at most 4 scale blocks per group")
+
+    kt.compile_ahead([unbuildable, lambda: (fn, grid, args, broken), lambda: rm.compiled_launch(x, w, good)])
+    later = Compiles(fn)
+    warm(rm.compiled_launch(x, w, good))
+    assert later.keys == []                      # the good one was compiled beside the two that failed
+    with pytest.raises(Exception, match="power of 2|arange"):
+        fn.warmup(*args, grid=grid, **broken)    # the tuner's run meets the error itself, and pick_fastest says it
+
+
+def test_one_cpu_compiles_nothing_ahead(jit_for_h100, monkeypatch):
+    monkeypatch.setattr(kt, "compile_workers", lambda: 1)
+    w = repacked_weight()
+    x = torch.randn(16, K, dtype=torch.bfloat16)
+    ahead = Compiles(launchable(rm._repacked_kernel, False))
+    rm.compile_candidates(rm.candidates(16, N, K // 128, 132)[:3], w, [x])
+    assert ahead.keys == []                      # the tuner's first run of each compiles it, as without threads
+
+
+@pytest.mark.parametrize("tuner", ["repacked", "repacked exact", "bitsandbytes storage"])
+def test_each_tuner_hands_its_whole_candidate_list_and_its_inputs_over_before_it_times_any(monkeypatch, tuner):
+    # the tuners themselves need a GPU to time: here its properties and the timing are stood in, and what the
+    # tuner compiles ahead is set beside what it then times
+    events = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: type("P", (), {"multi_processor_count": 132, "L2_cache_size": 1 << 20}))
+    w = repacked_weight()
+    monkeypatch.setattr(rm, "tuning_weight", lambda n, k, dtype, device, group: (w, [w], torch.Generator()))
+    monkeypatch.setattr(rm, "compile_candidates", lambda configs, weight, xs: events.append(
+        ("ahead", list(configs), [x.shape[0] for x in xs])))
+    monkeypatch.setattr(nm, "compile_ahead", lambda launches: events.append(
+        ("ahead", [p.args[-1] for p in launches], sorted({p.args[0].shape[0] for p in launches}))))
+
+    def pick(configs, run, time_us, where):
+        events.append(("timed", list(configs)))
+        return configs[0], [(configs[0].describe(), 1.0)]
+    monkeypatch.setattr(rm, "pick_fastest", pick)
+    monkeypatch.setattr(nm, "pick_fastest", pick)
+    cpu = torch.device("cpu")
+    if tuner == "repacked exact":
+        rm._time_exact(N, K, torch.bfloat16, cpu, 128, ("gpu", "exact"))
+        rows = [1, 3, 16, 17, 64]
+    elif tuner == "repacked":
+        rm._time_candidates(16, N, K, torch.bfloat16, cpu, 128, ("gpu", 16))
+        rows = [16]
+    else:
+        nm._time_candidates(16, N, K, torch.bfloat16, cpu, 64, True, ("gpu", 16))
+        rows = [16]
+    (what, compiled, xs), (then, timed) = events
+    assert (what, then) == ("ahead", "timed") and compiled == timed and len(timed) > 1 and xs == rows
+
+
+def test_the_benchmark_replays_a_7b_loads_tuner_calls():
+    calls = bench.batches(90)
+    assert len(calls) == sum(len(rows) for _, rows in bench.LOAD_7B) + len(bench.STORAGE_7B)
+    assert all(len(c) > 1 for c in calls)
+
