@@ -37,19 +37,15 @@ def batches(arch: int) -> list[list]:
     """Each tuner call's launches, in a 7B load's order: what compile_ahead gets at a time."""
     from ..quant import nf4_matmul as nm
     from ..quant import nf4_repacked_matmul as rm
-    from ..quant.triton_runtime import launchable
     from .kernel_sass import bnb_storage_launch, repacked_launch
-
-    def built(launch):
-        return lambda: (launchable(launch.fn, False), (1, 1, 1), launch.args, launch.meta)
 
     out = []
     for (k, n), rows in LOAD_7B:
         for m in rows:
-            out.append([built(repacked_launch(k, n, rm.row_class(m), cfg))
+            out.append([repacked_launch(k, n, rm.row_class(m), cfg).jit_launch
                         for cfg in rm.candidates(m, n, -(-k // 128), SMS)])
     for k, n in STORAGE_7B:
-        out.append([built(bnb_storage_launch(k, n, 16, cfg)) for cfg in nm.candidates(16, n, k, SMS)])
+        out.append([bnb_storage_launch(k, n, 16, cfg).jit_launch for cfg in nm.candidates(16, n, k, SMS)])
     return out
 
 

@@ -98,6 +98,12 @@ class Launch:
     num_warps: int
     floor_bytes: int           # what the weight and its scales weigh
 
+    def jit_launch(self):
+        """(triton.jit function, grid, args, keyword args): this launch as the JIT makes it, for a warmup."""
+        from ..quant.triton_runtime import launchable
+
+        return launchable(self.fn, False), (1, 1, 1), self.args, self.meta
+
 
 def repacked_launch(k: int, n: int, m: int, cfg, dtype: torch.dtype = torch.bfloat16, group: int = 128,
                     ladder: int = 0) -> Launch:
@@ -263,8 +269,10 @@ def compile_launch(launch: Launch, arch: int):
     options = {key: meta.pop(key) for key in ("num_warps", "num_stages", "enable_fp_fusion")}
     names = list(inspect.signature(launch.fn).parameters)
     signature, constexprs, attrs = {}, {}, {}
+    unspecialized = set(getattr(launch.fn, "do_not_specialize", ()))      # triton_runtime.unspecialized
     for i, (name, value) in enumerate(zip(names, launch.args)):
-        kind, spec = native_specialize_impl(CUDABackend, value, False, True, True)   # what a launch does
+        # what a launch does
+        kind, spec = native_specialize_impl(CUDABackend, value, False, name not in unspecialized, True)
         if kind == "constexpr":        # an int equal to 1
             constexprs[(i,)] = spec
         elif spec:

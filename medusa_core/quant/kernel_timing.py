@@ -10,7 +10,9 @@ did without timing again. Outside ``remembering`` (the benchmarks) everything is
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import contextvars
 import copy
 import dataclasses
 import json
@@ -151,30 +153,71 @@ def decode_tuning(config_class: type[Config], saved: Any) -> tuple[Config, list[
     return config_class(**best), [(str(name), None if us is None else float(us)) for name, us in log]
 
 
-Launch = tuple[Any, tuple, tuple, dict]     # (triton.jit function, grid, args, keyword args) of one kernel launch
+JitLaunch = tuple[Any, tuple, tuple, dict]     # (triton.jit function, grid, args, keyword args) of one kernel launch
+
+
+MAX_COMPILE_WORKERS = 16     # each compile holds its own IR (tens of MB) and, at its end, a ptxas process
 
 
 def compile_workers() -> int:
-    """Threads for compile_ahead: the CPUs this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    """Threads for compile_ahead: the CPUs this process may run on, at most MAX_COMPILE_WORKERS."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(cpus, MAX_COMPILE_WORKERS)
 
 
-def compile_ahead(launches: list[Callable[[], Launch]]) -> None:
+def compile_ahead(launches: list[Callable[[], JitLaunch]]) -> None:
     """Compile the kernels of ``launches`` side by side before a tuner times any of them, so that its timing loop
-    compiles nothing. One by one, compiling was a third of a 7B's first start: the repacked tuner's candidates
-    for a 7B load are 86 kernels, 33 s on one core of a Zen 4 (docs/performance.md, "Compiled side by side").
-    Triton's own asynchronous mode puts each compile in the JIT function's cache under the key the tuner's
-    launch looks up, and its compiler releases the GIL, so threads run side by side.
+    finds its matmul kernels compiled. One by one, a 7B load's tuner compiles took 84 s on one core of a Zen 4
+    (docs/performance.md, "Compiled side by side"). Triton's own asynchronous mode puts each compile in the JIT
+    function's cache under the key the tuner's launch looks up; its compiler lets threads overlap.
 
     Each item builds one launch, the same call the tuner then makes. A launch that cannot be built or does not
     compile is left to the tuner's own run, which raises the same error there and reports it with its skipped
     configs: nothing is decided here."""
-    import triton
-
     workers = min(len(launches), compile_workers())
     if workers < 2:
         return                  # one compile or one CPU: the tuner's first run of each compiles as before
-    with ThreadPoolExecutor(workers) as pool, triton.AsyncCompileMode(pool, ignore_errors=True):
+    # in a context of its own: Triton 3.6 leaves its asynchronous mode switched on in the caller's context when an
+    # interrupt (Ctrl+C during a load) leaves the block before every compile is collected
+    contextvars.copy_context().run(_compile_side_by_side, launches, workers)
+
+
+_PARSE = ast.parse
+_PARSE_LOCK = threading.Lock()          # one ast.parse at a time while compiling side by side
+_PARSERS = threading.Lock()             # guards _parsers: the compile_ahead calls under way
+_parsers = 0
+
+
+def _one_parse_at_a_time(*args, **kwargs):
+    with _PARSE_LOCK:
+        return _PARSE(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _parsing_one_at_a_time() -> Iterator[None]:
+    """Within: ast.parse serialized. Triton parses the kernel's source in each compile (3.6), and CPython 3.11
+    counts ast.parse's recursion depth in state the threads share: two parses at once failed one of them with
+    "SystemError: AST constructor recursion depth mismatch" (python/cpython#106905; 3 of 8 runs of
+    tests/test_compile_ahead.py under Triton 3.6 on Python 3.11.7). A parse takes a millisecond of a compile's
+    half second."""
+    global _parsers
+    with _PARSERS:
+        _parsers += 1
+        ast.parse = _one_parse_at_a_time
+    try:
+        yield
+    finally:
+        with _PARSERS:
+            _parsers -= 1
+            if not _parsers:
+                ast.parse = _PARSE
+
+
+def _compile_side_by_side(launches: list[Callable[[], JitLaunch]], workers: int) -> None:
+    import triton
+
+    with (_parsing_one_at_a_time(), ThreadPoolExecutor(workers) as pool,
+          triton.AsyncCompileMode(pool, ignore_errors=True)):
         for build in launches:
             try:
                 fn, grid, args, meta = build()

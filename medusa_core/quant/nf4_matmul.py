@@ -34,7 +34,7 @@ try:
 except ImportError as err:  # one line, naming the fix; the rest of the project never needs Triton
     raise ImportError(f"medusa_core.quant.nf4_matmul needs Triton ({err}): pip install 'triton>=3.7'") from None
 
-from .kernel_timing import (Launch, NoConfigCompiled, compile_ahead, decode_tuning, graph_time_us, pick_fastest,
+from .kernel_timing import (JitLaunch, NoConfigCompiled, compile_ahead, decode_tuning, graph_time_us, pick_fastest,
                             remembered, remembering_now, rotating_copies)
 from .triton_runtime import add, check_runnable, launchable
 
@@ -407,7 +407,7 @@ def _launch(x2, weight, state, bias, out, cfg: KernelConfig, interpret: bool) ->
         reduce_partials(part, bias, out, interpret)
 
 
-def compiled_launch(x2, weight, state, cfg: KernelConfig) -> Launch:
+def compiled_launch(x2, weight, state, cfg: KernelConfig) -> JitLaunch:
     """The matmul launch ``nf4_matmul(x2, weight, state, config=cfg)`` makes on CUDA (its split-K sum aside), for
     kernel_timing.compile_ahead."""
     out = torch.empty(x2.shape[0], state.shape[0], dtype=x2.dtype, device=x2.device)

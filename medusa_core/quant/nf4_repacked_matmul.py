@@ -50,12 +50,17 @@ except ImportError as err:  # one line, naming the fix; the rest of the project 
 
 from . import nf4_matmul as nm
 from . import nf4_prmt
-from .kernel_timing import (Launch, NoConfigCompiled, compile_ahead, decode_tuning, graph_time_us, pick_fastest,
+from .kernel_timing import (JitLaunch, NoConfigCompiled, compile_ahead, decode_tuning, graph_time_us, pick_fastest,
                             remembered, remembering_now, rotation_count)
-from .triton_runtime import bitwise_xor, check_runnable, launchable
+from .triton_runtime import bitwise_xor, check_runnable, launchable, unspecialized
 from .nf4_repack import ROWS, RepackedNF4
 
 
+# the count of K groups and a split's share of them: one kernel for every shape and split. Specialized on
+# divisibility by 16 and on a share of 1, a 7B load's tuners compiled 196 kernels where 95 now serve
+# (benchmarks/compile_ahead.py); each of the 299 distinct launches compiles to the same registers, main loop and
+# local memory either way (sm_90, Triton 3.6)
+@unspecialized("KG", "groups_per_split")
 def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, arrivals_ptr,
                      M, N, K, KG, stride_xm, stride_om, stride_os, stride_sm, groups_per_split,
                      GROUP: tl.constexpr, BLOCKSIZE: tl.constexpr, LOG_LANES: tl.constexpr, DOT: tl.constexpr,
@@ -672,7 +677,7 @@ def kernel_call(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: b
     return _repacked_kernel, grid, args, meta, part
 
 
-def compiled_launch(x2, w: RepackedNF4, cfg: RepackedConfig) -> Launch:
+def compiled_launch(x2, w: RepackedNF4, cfg: RepackedConfig) -> JitLaunch:
     """The matmul launch ``repacked_matmul(x2, w, config=cfg)`` makes on CUDA (its split-K sum aside)."""
     out = torch.empty(x2.shape[0], w.n, dtype=x2.dtype, device=x2.device)
     fn, grid, args, meta, _ = kernel_call(x2, w, None, out, cfg, interpret=False)

@@ -46,6 +46,17 @@ def helper(fn):
     return JITFunction(fn)
 
 
+def unspecialized(*names: str):
+    """A kernel's integer arguments that Triton should compile one kernel for, whatever their value. Triton
+    otherwise compiles another kernel where an integer is 1 or divisible by 16, and a 7B load's tuners then
+    compile twice as many (docs/performance.md, "Compiled side by side"). For arguments whose value does not
+    change the kernel's main loop (checked in the SASS)."""
+    def mark(fn):
+        fn.do_not_specialize = names
+        return fn
+    return mark
+
+
 @functools.cache
 def launchable(fn, interpret: bool):
     """A kernel function compiled for CUDA (triton.jit) or run by Triton's interpreter for CPU tensors,
@@ -53,7 +64,7 @@ def launchable(fn, interpret: bool):
     if interpret:
         from triton.runtime.interpreter import InterpretedFunction
         return InterpretedFunction(fn)
-    return triton.jit(fn)
+    return triton.jit(fn, do_not_specialize=list(getattr(fn, "do_not_specialize", ())))
 
 
 # The combine functions of the kernels' tl.reduce calls. The kernels use core builtins (tl.full, tl.reduce), not
