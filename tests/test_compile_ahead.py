@@ -19,6 +19,7 @@ from triton.runtime.jit import JITFunction
 pytest.importorskip("triton", reason="the NF4 kernels need Triton: pip install triton")
 from bitsandbytes.functional import quantize_4bit  # noqa: E402
 
+from medusa_core.benchmarks import compile_ahead as bench  # noqa: E402
 from medusa_core.benchmarks import kernel_sass as ks  # noqa: E402
 from medusa_core.quant import kernel_timing as kt  # noqa: E402
 from medusa_core.quant import nf4_matmul as nm  # noqa: E402
@@ -241,3 +242,25 @@ def test_the_threads_parse_one_at_a_time_and_the_parser_is_given_back(jit_for_h1
     rm.compile_candidates(rm.candidates(16, N, K // 128, 132)[:3], w, [x])
     assert parsers and all(p is kt._one_parse_at_a_time for p in parsers)
     assert ast.parse is kt._PARSE
+
+
+def test_the_benchmark_counts_the_kernels_a_load_compiles_with_or_without_threads(jit_for_h100, monkeypatch):
+    # benchmarks/compile_ahead.py on a load of one shape at one row class: one by one and side by side compile the
+    # same kernels, and the count is the distinct kernels among the launches
+    monkeypatch.setattr(bench, "LOAD_7B", (((K, N), (16,)),))
+    monkeypatch.setattr(bench, "STORAGE_7B", ())
+    launches = len(rm.candidates(16, N, K // 128, bench.SMS))
+    counts = []
+    for threads in (1, 2):
+        launchable.cache_clear()
+        r = bench.measure(threads, 90)
+        assert (r["launches"], r["tuner_calls"], r["threads"]) == (launches, 1, threads)
+        counts.append(r["kernels"])
+    assert counts[0] == counts[1] and 1 < counts[0] <= launches
+
+
+def test_the_benchmark_refuses_a_thread_count_below_one_in_one_line(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--threads", "0"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "0 is below 1: give a thread count" in err, err

@@ -33,7 +33,7 @@ STORAGE_7B = ((4096, 4096), (4096, 11008), (11008, 4096))      # the kernel on b
 SMS = 132                                                       # an H100's or H200's: the candidates' splits
 
 
-def batches(arch: int) -> list[list]:
+def batches() -> list[list]:
     """Each tuner call's launches, in a 7B load's order: what compile_ahead gets at a time."""
     from ..quant import nf4_matmul as nm
     from ..quant import nf4_repacked_matmul as rm
@@ -54,8 +54,7 @@ def measure(threads: int, arch: int) -> dict:
     from ..quant import kernel_timing
     from .kernel_sass import jit_compiles_for
 
-    kernel_timing.compile_workers = lambda: threads
-    work = batches(arch)
+    work = batches()
     start = time.perf_counter()
     with jit_compiles_for(arch):
         for launches in work:
@@ -64,7 +63,7 @@ def measure(threads: int, arch: int) -> dict:
                     fn, grid, args, meta = build()
                     fn.warmup(*args, grid=grid, **meta)
             else:
-                kernel_timing.compile_ahead(launches)
+                kernel_timing.compile_ahead(launches, workers=threads)
         seconds = time.perf_counter() - start
         kernels = sum(len(fn.device_caches[0][0]) for fn in _kernels())     # each JIT function's compiled keys
     return dict(threads=threads, arch=arch, launches=sum(map(len, work)), tuner_calls=len(work),

@@ -165,16 +165,16 @@ def compile_workers() -> int:
     return min(cpus, MAX_COMPILE_WORKERS)
 
 
-def compile_ahead(launches: list[Callable[[], JitLaunch]]) -> None:
+def compile_ahead(launches: list[Callable[[], JitLaunch]], workers: int | None = None) -> None:
     """Compile the kernels of ``launches`` side by side before a tuner times any of them, so that its timing loop
-    finds its matmul kernels compiled. One by one, a 7B load's tuner compiles took 84 s on one core of a Zen 4
+    finds its matmul kernels compiled. One by one, a 7B load's tuner compiles took 84-96 s on a 2-core Zen 4
     (docs/performance.md, "Compiled side by side"). Triton's own asynchronous mode puts each compile in the JIT
     function's cache under the key the tuner's launch looks up; its compiler lets threads overlap.
 
     Each item builds one launch, the same call the tuner then makes. A launch that cannot be built or does not
     compile is left to the tuner's own run, which raises the same error there and reports it with its skipped
-    configs: nothing is decided here."""
-    workers = min(len(launches), compile_workers())
+    configs: nothing is decided here. ``workers``: threads (compile_workers() unless given)."""
+    workers = min(len(launches), workers or compile_workers())
     if workers < 2:
         return                  # one compile or one CPU: the tuner's first run of each compiles as before
     # in a context of its own: Triton 3.6 leaves its asynchronous mode switched on in the caller's context when an
