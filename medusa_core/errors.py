@@ -42,9 +42,14 @@ def error_line(err: BaseException) -> str:
 
 def first_line(err: BaseException, width: int | None = 160) -> str:
     """The first line of ``err``'s message, cut to ``width`` characters (None: whole), "" where it has none: what a
-    benchmark or a tuner prints for a config or step it skips, whose traceback would bury the lines that ran."""
-    text = str(err).strip()
-    return text.splitlines()[0][:width] if text else ""
+    benchmark or a tuner prints for a config or step it skips, whose traceback would bury the lines that ran.
+    A first line that only says where (ends in ":", as Triton's compile errors: "at 22:31:", then the kernel's
+    source, then the error) is followed by the message's last line, which says what."""
+    lines = [line.strip() for line in str(err).strip().splitlines()]
+    if not lines:
+        return ""
+    line = f"{lines[0]} {lines[-1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+    return line[:width]
 
 
 def run_command(body: Callable[[], object]) -> int:

@@ -254,9 +254,20 @@ def test_the_benchmark_counts_the_kernels_a_load_compiles_with_or_without_thread
     for threads in (1, 2):
         launchable.cache_clear()
         r = bench.measure(threads, 90)
-        assert (r["launches"], r["tuner_calls"], r["threads"]) == (launches, 1, threads)
+        assert (r["launches"], r["tuner_calls"], r["threads"], r["failed"]) == (launches, 1, threads, 0)
         counts.append(r["kernels"])
     assert counts[0] == counts[1] and 1 < counts[0] <= launches
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_benchmark_counts_launches_that_do_not_compile_for_the_gpu(jit_for_h100, monkeypatch, threads):
+    w = repacked_weight()
+    x = torch.randn(16, K, dtype=torch.bfloat16)
+    fn, grid, args, meta = rm.compiled_launch(x, w, rm.fast_config(16, N, K // 128, 132))
+    monkeypatch.setattr(bench, "batches", lambda: [[lambda: (fn, grid, args, meta),
+                                                     lambda: (fn, grid, args, {**meta, "BLOCK_N": 48})]])
+    r = bench.measure(threads, 90)
+    assert (r["launches"], r["kernels"], r["failed"]) == (2, 1, 1) and "arange" in r["first_failure"][0], r
 
 
 def test_the_benchmark_refuses_a_thread_count_below_one_in_one_line(capsys):
@@ -264,3 +275,21 @@ def test_the_benchmark_refuses_a_thread_count_below_one_in_one_line(capsys):
         bench.main(["--threads", "0"])
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "0 is below 1: give a thread count" in err, err
+
+
+def test_a_config_triton_refuses_is_skipped_with_a_line_that_says_why(jit_for_h100, capsys):
+    # Triton's compile errors open with where ("at 22:31:"), then the kernel's source; the tuner's one line ends
+    # with what
+    w = repacked_weight()
+    x = torch.randn(16, K, dtype=torch.bfloat16)
+    good = rm.fast_config(16, N, K // 128, 132)
+    fn, grid, args, meta = rm.compiled_launch(x, w, good)
+
+    def run(cfg):
+        fn.warmup(*args, grid=grid, **(meta if cfg == good else {**meta, "BLOCK_N": 48}))
+        return torch.ones(3)
+    bad = rm.RepackedConfig(True, 16, 32, 2)
+    best, _ = kt.pick_fastest([good, bad], run, time_us=lambda cfg: 1.0, where="256x512")
+    (line,) = capsys.readouterr().out.splitlines()
+    assert best == good and line.startswith(f"kernel tuning: {bad.describe()} skipped for 256x512 (CompilationError: at ")
+    assert line.endswith("arange's range must be a power of 2)"), line

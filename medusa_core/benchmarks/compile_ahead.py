@@ -9,7 +9,8 @@ in threads before it times any. This replays the compiles a 7B load asks for, in
 (shape, row class) the repacked tuner times, then the Triton kernel on bitsandbytes' storage at 16 rows), through
 that same function, with Triton's JIT compiling for sm_<arch> (kernel_sass.NoGpuDriver). Each thread count runs
 in a process of its own with an empty Triton cache, as a first start does. It launches nothing: the seconds are
-the compiles' alone, the part of a first start this machine's CPUs decide.
+the compiles' alone, the part of a first start this machine's CPUs decide. It also counts the launches that do
+not compile for that GPU (a tuner skips them, saying so): ``--arch 89`` and ``86`` are an RTX 4090's and 3090's.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import sys
 import tempfile
 import time
 
+from ..errors import first_line
 from .kernel_sass import at_least
 
 # (K in, N out) and row classes the repacked tuner times on a Llama-7B load (quant/bnb.py): q/k/v and gate/up
@@ -55,19 +57,24 @@ def measure(threads: int, arch: int) -> dict:
     from .kernel_sass import jit_compiles_for
 
     work = batches()
+    failed: list[str] = []
     start = time.perf_counter()
     with jit_compiles_for(arch):
         for launches in work:
-            if threads == 1:        # as before compile_ahead: each launch compiled when the tuner first runs it
-                for build in launches:
-                    fn, grid, args, meta = build()
-                    fn.warmup(*args, grid=grid, **meta)
-            else:
+            if threads > 1:
                 kernel_timing.compile_ahead(launches, workers=threads)
+            # one by one: as before compile_ahead, each launch compiled when the tuner first runs it. After it: what
+            # it left uncompiled, which a tuner's run would compile, or fail to, and skip
+            for build in launches:
+                fn, grid, args, meta = build()
+                try:
+                    fn.warmup(*args, grid=grid, **meta)
+                except Exception as err:  # a config this GPU's compiler refuses: counted, as the tuner skips it
+                    failed.append(first_line(err, 160))
         seconds = time.perf_counter() - start
         kernels = sum(len(fn.device_caches[0][0]) for fn in _kernels())     # each JIT function's compiled keys
     return dict(threads=threads, arch=arch, launches=sum(map(len, work)), tuner_calls=len(work),
-                kernels=kernels, seconds=round(seconds, 1))
+                kernels=kernels, seconds=round(seconds, 1), failed=len(failed), first_failure=failed[:1])
 
 
 def _kernels() -> list:
@@ -102,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         r = json.loads(done.stdout.strip().splitlines()[-1])
         print(f"{r['threads']:>3} thread(s): {r['kernels']} kernels from {r['launches']} launches in "
-              f"{r['tuner_calls']} tuner calls, {r['seconds']} s")
+              f"{r['tuner_calls']} tuner calls, {r['seconds']} s" +
+              (f"; {r['failed']} launches did not compile ({r['first_failure'][0]})" if r["failed"] else ""))
     return 0
 
 
