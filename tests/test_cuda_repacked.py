@@ -45,11 +45,12 @@ def test_repacked_weights_dequantize_to_bitsandbytes_cuda_bits(n, k):
     assert torch.equal(rp.bitsandbytes_bytes(w), packed)
 
 
-@pytest.mark.parametrize("decode", ["select", "prmt"])
+@pytest.mark.parametrize("decode", ["select", "prmt", "scaled"])
 def test_the_table_compiled_for_this_gpu_as_constants_gives_every_weight_bitsandbytes_bits(decode):
-    # decode select and prmt put the 16 values in the machine code as constants (prmt through inline PTX, whose
-    # program the CPU tests run only in a Python model): identity rows make each output one weight times 1 plus
-    # zeros, so the dot hands back the weight it decoded, which must be bitsandbytes' bf16
+    # decode select and prmt put the 16 values in the machine code as constants, and scaled builds each scale
+    # block's table of cast weights in registers from them (prmt and scaled through inline PTX, whose programs the
+    # CPU tests run only in a Python model): identity rows make each output one weight times 1 plus zeros, so
+    # the dot hands back the weight it decoded, which must be bitsandbytes' bf16
     n, k = 1000, 4096
     packed, state = quantized(n, k)
     w = rp.repack_bnb([(packed, state)])
@@ -68,16 +69,16 @@ def test_every_path_multiplies_within_bf16_rounding(m):
     plane = rm.RepackedConfig(True, max(16, rm.row_class(m)), 64, 2, plane_lookup=True)
     gemv = rm.RepackedConfig(False, min(rm.row_class(m), 4), 16, 1)     # the GEMV at any M, as fast mode never runs it
     group = rm.RepackedConfig(True, max(16, rm.row_class(m)), 64, 2, whole_group=True)
-    constant = {d: dataclasses.replace(plane, decode=d) for d in rm.CONSTANT_DECODES}
+    register = {d: dataclasses.replace(plane, decode=d) for d in rm.REGISTER_DECODES}
     for name, kw in (("fast", {}), ("exact", {"exact": True}), ("plane_lookup", {"config": plane}),
                      ("gemv", {"config": gemv}), ("whole_group", {"config": group}),
-                     *((f"decode {d}", {"config": c}) for d, c in constant.items())):
+                     *((f"decode {d}", {"config": c}) for d, c in register.items())):
         y = rm.repacked_matmul(x, w, **kw)
         assert y.shape == (m, n) and y.dtype == torch.bfloat16, name
         rel = float((y.float() - ref).norm() / ref.norm())
         assert rel < 1e-2, f"{name}: relative error {rel:.1e}"
     # the same codes in the same dots, read from registers where the plane tile reads them from shared memory
-    for d, cfg in constant.items():
+    for d, cfg in register.items():
         assert torch.equal(rm.repacked_matmul(x, w, config=cfg), rm.repacked_matmul(x, w, config=plane)), (d, m)
 
 

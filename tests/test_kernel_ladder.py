@@ -106,7 +106,7 @@ def test_a_row_takes_its_fast_config_apart_with_the_split_sum_in_the_launch_and_
     assert not one.dot and one.serial == (one.split_k > 1) and one.split_k > 1
     sixteen = kl.configs(16, 11008, 4096, 132)
     assert [(c.decode, c.whole_group) for c in sixteen] == \
-        [("gather", False), ("select", False), ("prmt", False), ("gather", True)]
+        [("gather", False), ("select", False), ("prmt", False), ("scaled", False), ("gather", True)]
     assert all(c.dot for c in sixteen)
 
 

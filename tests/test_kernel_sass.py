@@ -46,24 +46,38 @@ def test_tensor_core_path_compiles_without_spills(tmp_path, plane_lookup, whole_
     assert "HGMMA" in r.opcodes or "HMMA" in r.opcodes, r.opcodes     # the weight tile meets the tensor cores
 
 
-@pytest.mark.parametrize("decode", ["select", "prmt"])
-def test_the_table_as_constants_decodes_each_plane_in_the_registers_of_its_dot(tmp_path, decode):
-    # why the constant lookups are timed: with the table as constants, Triton decodes the plane where the dot
-    # reads it, not through shared memory. The gather tile refills its table before each plane's gather and
-    # stores each decoded plane to shared memory; the constant tiles' loops have neither, for more instructions
+@pytest.mark.parametrize("decode", ["select", "prmt", "scaled"])
+def test_a_lookup_without_shared_memory_decodes_each_plane_in_the_registers_of_its_dot(tmp_path, decode):
+    # why these lookups are timed: with only the word, constants and the row's scale between the load and the dot,
+    # Triton decodes the plane where the dot reads it, not through shared memory. The gather tile refills its table
+    # before each plane's gather and stores each decoded plane to shared memory; these tiles' loops have neither
     k, n = 4096, 11008
     plane = rm.fast_config(16, n, k // 128, ks.H100.sms)
     assert plane.plane_lookup and plane.decode == "gather"
-    table, constant = (ks.report(ks.repacked_launch(k, n, 16, cfg), ks.H100, tmp_path)
+    table, register = (ks.report(ks.repacked_launch(k, n, 16, cfg), ks.H100, tmp_path)
                        for cfg in (plane, dataclasses.replace(plane, decode=decode)))
-    assert constant.local_bytes == 0 and ("HGMMA" in constant.opcodes or "HMMA" in constant.opcodes), constant
-    assert constant.opcodes.get("BAR", 0) <= 2, constant.opcodes
+    assert register.local_bytes == 0 and ("HGMMA" in register.opcodes or "HMMA" in register.opcodes), register
+    assert register.opcodes.get("BAR", 0) <= 2, register.opcodes
     assert table.opcodes["BAR"] > 16, table.opcodes                 # two a plane at least: its table refilled
-    assert "STS" not in constant.opcodes and table.opcodes.get("STS", 0) >= 8, (constant.opcodes, table.opcodes)
-    assert constant.shared_loads_per_weight < 0.5 and table.shared_loads_per_weight >= 1, (constant, table)
-    # the lookup itself, per weight: the tree's selects, or a word's permutes (34 for its 8 codes)
-    op, least = ("FSEL", 8) if decode == "select" else ("PRMT", 4)
-    assert constant.opcodes.get(op, 0) >= least * constant.weights_per_thread, constant.opcodes
+    assert "STS" not in register.opcodes and table.opcodes.get("STS", 0) >= 8, (register.opcodes, table.opcodes)
+    assert register.shared_loads_per_weight < 0.5 and table.shared_loads_per_weight >= 1, (register, table)
+    # the lookup itself, per weight: the tree's selects, or a word's permutes (34 for its 8 codes; 14 and a share of
+    # the table's 8 in the scaled table of 2-byte entries)
+    op, least = {"select": ("FSEL", 8), "prmt": ("PRMT", 4), "scaled": ("PRMT", 2)}[decode]
+    assert register.opcodes.get(op, 0) >= least * register.weights_per_thread, register.opcodes
+
+
+def test_the_scaled_table_decodes_in_fewer_instructions_and_registers_than_the_fp32_table(tmp_path):
+    # what decode scaled is for: its lookups permute 2 bytes a weight where prmt's permute 4, and its table, built
+    # per row and scale block, hands the dot cast weights: no multiply or cast per weight, no rematerialized
+    # constants. Compiled for sm_90 at 16 and 64 rows, against prmt on the same tile
+    k, n = 4096, 11008
+    for m in (16, 64):
+        plane = rm.fast_config(m, n, k // 128, ks.H100.sms)
+        prmt, scaled = (ks.report(ks.repacked_launch(k, n, m, dataclasses.replace(plane, decode=d)), ks.H100, tmp_path)
+                        for d in ("prmt", "scaled"))
+        assert scaled.instructions_per_weight < 0.8 * prmt.instructions_per_weight, (m, scaled, prmt)
+        assert scaled.registers < prmt.registers and scaled.local_bytes == 0, (m, scaled, prmt)
 
 
 def _instructions(cubin) -> int:

@@ -231,30 +231,40 @@ def test_the_byte_permute_lookup_gives_every_code_its_bits_in_every_position_and
         pm.program(table[:4], 0)
 
 
+def asm_model(programs: dict):
+    """Triton's interpreter runs no assembly: a stand-in for its inline-asm builder that runs each statement's
+    program (``programs``: asm text -> nf4_prmt ops) in nf4_prmt's Python model of PTX, element by element."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    from medusa_core.quant import nf4_prmt as pm
+
+    def create_inline_asm(self, asm, constraints, values, types, is_pure, pack):
+        ins = [a.view(np.uint32) for a in np.broadcast_arrays(*[v.data for v in values])]   # 32-bit operands
+        outs = [np.empty(ins[0].size, dtype=np.uint32 if t.scalar.primitive_bitwidth == 32 else np.uint16)
+                for t in types]
+        for i in range(ins[0].size):
+            reg = pm.execute(programs[asm], {f"${len(types) + j}": int(a.flat[i]) for j, a in enumerate(ins)})
+            for o, out in enumerate(outs):
+                out[i] = reg[f"${o}"]
+        handles = [interpreter.TensorHandle(out.view(np.int32 if out.itemsize == 4 else np.int16).reshape(ins[0].shape),
+                                            t.scalar) for out, t in zip(outs, types)]
+        return SimpleNamespace(get_result=lambda i: handles[i])
+    return create_inline_asm
+
+
 def test_the_kernel_wires_the_byte_permutes_to_its_planes_as_the_gather_tile_looks_them_up(monkeypatch):
     # the prmt tile run whole under the interpreter, its two assembly statements run by the Python model (the one
     # piece the interpreter lacks): which half feeds which plane, the order of a statement's four results, the
-    # word each reads. The same products as the gather tile, bit for bit (and an emulator that swaps the halves,
+    # word each reads. The same products as the gather tile, bit for bit (and a model that swaps the halves,
     # as a kernel passing them in the wrong order would, is caught)
-    import numpy as np
     from triton.runtime import interpreter
 
     from medusa_core.quant import nf4_prmt as pm
 
     packed, state = quantized(40, 256)
     w = rp.repack_bnb([(packed, state)], 128)
-    programs = {pm.ptx(pm.program(w.table, half)): pm.program(w.table, half) for half in (0, 1)}
-
-    def emulated(swap):
-        def create_inline_asm(self, asm, constraints, values, types, is_pure, pack):
-            ops = programs[asm] if not swap else programs[pm.halves(w.table)[asm == pm.halves(w.table)[0]]]
-            words = values[0].data
-            out = np.array([pm.run(ops, int(word) & 0xFFFFFFFF) for word in words.ravel()], dtype=np.uint32)
-            handles = [interpreter.TensorHandle(out[:, i].reshape(words.shape).view(np.int32), types[i].scalar)
-                       for i in range(4)]
-            return SimpleNamespace(get_result=lambda i: handles[i])
-        return create_inline_asm
-
+    asm = pm.halves(w.table)
     x = torch.randn(16, 256, generator=torch.Generator().manual_seed(2))
     gather = rm.RepackedConfig(True, 16, 32, 2, plane_lookup=True)
     want = rm.repacked_matmul(x, w, config=gather)
@@ -264,17 +274,113 @@ def test_the_kernel_wires_the_byte_permutes_to_its_planes_as_the_gather_tile_loo
         rm._launch(x, w, None, out, dataclasses.replace(gather, decode="prmt"), True)
         return out
 
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", emulated(swap=False), raising=True)
-    assert torch.equal(prmt_tile(), want)
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", emulated(swap=True), raising=True)
-    assert not torch.equal(prmt_tile(), want)
+    for half, swapped in ((0, False), (1, True)):
+        programs = {asm[0]: pm.program(w.table, half), asm[1]: pm.program(w.table, 1 - half)}
+        monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", asm_model(programs), raising=True)
+        assert torch.equal(prmt_tile(), want) != swapped
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_scaled_table_gives_every_weight_bitsandbytes_bits_cast_in_every_position(dtype):
+    # decode "scaled" builds each row's table of a scale block's 16 weights, code * scale cast to 16 bits, and
+    # looks codes up in it by byte permutes (inline PTX, run here in nf4_prmt's Python model of PTX): every weight
+    # of a quantized matrix, with and without double quant, must come out as bitsandbytes' fp32 weight cast as
+    # bitsandbytes casts it; so must every code in each of a word's 8 positions, at scales from tiny to large
+    from medusa_core.quant import nf4_prmt as pm
+
+    table_ops = pm.scaled_table_program(tuple(bnbf.get_4bit_type("nf4", device="cpu").tolist()), pm.CASTS[dtype])
+    lookups = [pm.scaled_lookup_program(half) for half in (0, 1)]
+
+    def decoded(word: int, scale: float) -> list[int]:
+        tables = pm.execute(table_ops, {"$8": pm.fp32_bits(scale)})
+        operands = {"$4": word, **{f"${5 + j}": tables[f"${j}"] for j in range(8)}}
+        return [v for ops in lookups for v in (lambda reg: [reg[f"${i}"] for i in range(4)])(pm.execute(ops, operands))]
+
+    def bits(values: torch.Tensor) -> list[int]:
+        return [b & 0xFFFF for b in values.to(dtype).view(torch.int16).tolist()]
+
+    for nested in (False, True):
+        packed, state = quantized(48, 256, nested, seed=4)
+        w = rp.repack_bnb([(packed, state)], 128)
+        theirs = bnbf.dequantize_4bit(packed, state)                        # (N, K) fp32: code * scale
+        for rg, kg, r, j in ((rg, kg, r, j) for rg in range(3) for kg in range(2) for r in range(16) for j in range(16)):
+            word = int(w.words[rg, kg, r, j]) & 0xFFFFFFFF
+            scales = w.scales[rg, kg, r].tolist()                          # the group's two blocks, 4 planes each
+            got = decoded(word, scales[0])[:4] + decoded(word, scales[1])[4:]
+            assert got == bits(theirs[rg * 16 + r, kg * 128 + j::16][:8]), (nested, rg, kg, r, j)
+    code = torch.tensor(bnbf.get_4bit_type("nf4", device="cpu").tolist())
+    words = [sum(((c + step * pos) % 16) << (4 * pos) for pos in range(8)) for c in range(16) for step in range(16)]
+    for scale in (0.0, 1e-30, 3.1e-3, 0.07, 1.0, 5.5e4):
+        want = bits(code * torch.tensor(scale))
+        for word in words:
+            assert decoded(word, scale) == [want[(word >> (4 * pos)) & 15] for pos in range(8)], (scale, hex(word))
+    asm = pm.scaled(tuple(code.tolist()), dtype)
+    assert asm[0].count("mul.rn.f32") == 16 and asm[0].count("cvt.rn.") == 8 and asm[0].count("prmt.b32") == 8
+    assert all(a.count("prmt.b32") == 1 + 2 * 2 + 2 and a.count("lop3.b32") == 2 for a in asm[1:])
+
+
+def test_the_kernel_wires_the_scaled_table_to_its_planes_and_hands_the_dot_bitsandbytes_weights(monkeypatch):
+    # the scaled tile run whole under the interpreter in fp16 (numpy's, exact), its three assembly statements run
+    # by the Python model: each scale block's table from its own scale, each half's codes to its planes. Identity
+    # rows hand back bitsandbytes' fp16 weights; other rows the gather tile's products bit for bit, with split K
+    # summed in a second launch and in the same one; a model that swaps the halves is caught
+    from triton.runtime import interpreter
+
+    from medusa_core.quant import nf4_prmt as pm
+
+    packed, state = quantized(40, 256)
+    w = rp.repack_bnb([(packed, state)], 128)
+    asm = pm.scaled(w.table, torch.float16)
+    table = pm.scaled_table_program(w.table, pm.CASTS[torch.float16])
+    gather = rm.RepackedConfig(True, 16, 32, 2, plane_lookup=True)
+
+    def scaled_tile(x: torch.Tensor, cfg: rm.RepackedConfig) -> torch.Tensor:
+        out = torch.empty(x.shape[0], 40, dtype=x.dtype)
+        rm._launch(x, w, None, out, dataclasses.replace(cfg, decode="scaled"), True)
+        return out
+
+    for half, swapped in ((0, False), (1, True)):
+        programs = {asm[0]: table, asm[1]: pm.scaled_lookup_program(half), asm[2]: pm.scaled_lookup_program(1 - half)}
+        monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", asm_model(programs), raising=True)
+        eye = torch.eye(256, dtype=torch.float16)
+        assert torch.equal(scaled_tile(eye, dataclasses.replace(gather, block_m=64)).T,
+                           bnbf.dequantize_4bit(packed, state).to(torch.float16)) != swapped
+        if not swapped:
+            gen = torch.Generator().manual_seed(2)
+            for m, cfg in ((5, gather), (16, dataclasses.replace(gather, block_n=16, split_k=1)),
+                           (33, dataclasses.replace(gather, block_m=32, serial=True))):
+                x = torch.randn(m, 256, generator=gen).to(torch.float16)
+                assert torch.equal(scaled_tile(x, cfg), rm.repacked_matmul(x, w, config=cfg)), cfg
+
+
+def test_the_scaled_table_runs_where_its_lookups_fit_and_says_what_to_use_elsewhere():
+    # 16-bit weights, 4 planes to a scale block: the tuners time it for bf16 and fp16 at group 128 over blocks of
+    # 64 (what the loader makes), not for fp32 or group 256; a config asking for it elsewhere is one line naming
+    # the fix, and on the CPU the interpreter cannot run it
+    w128 = rp.repack_bnb([quantized(200, 256)], 128)
+    w256 = rp.repack_bnb([quantized(200, 256)], 256)
+    assert rm.scaled_fits(w128, torch.bfloat16) and rm.scaled_fits(w128, torch.float16)
+    assert not rm.scaled_fits(w128, torch.float32) and not rm.scaled_fits(w256, torch.bfloat16)
+    for m in (1, 16, 64):
+        assert "scaled" in {c.decode for c in rm.candidates(m, 11008, 32, 132)}
+        assert "scaled" not in {c.decode for c in rm.candidates(m, 11008, 32, 132, scaled=False)}
+    assert "scaled" in {c.decode for c in rm.exact_candidates(11008, 32, 132)}
+    assert "scaled" not in {c.decode for c in rm.exact_candidates(11008, 32, 132, scaled=False)}
+    cfg = rm.RepackedConfig(True, 16, 64, 1, plane_lookup=True, decode="scaled")
+    assert cfg.describe() == "dot m16 n64 split1 w4 s2 plane scaled"
+    for w, dtype, what in ((w128, torch.float32, "x is torch.float32"), (w256, torch.float16, "covers 2 planes")):
+        out = torch.empty(16, 200, dtype=dtype)
+        with pytest.raises(ValueError, match=f"decode scaled .*{what}.*use bf16 or fp16 x and group 128, or decode gather"):
+            rm.kernel_call(torch.randn(16, 256).to(dtype), w, None, out, cfg, interpret=True)
+    with pytest.raises(ValueError, match="decode scaled is inline PTX.*use decode select"):
+        rm.repacked_matmul(torch.randn(16, 256, dtype=torch.float16), w128, config=cfg)
 
 
 def test_the_tuners_time_the_table_compiled_in_and_a_config_says_which_lookup_it_runs():
     # the GPU tuners time both constant lookups at every row class, and exact mode's where its rows are exact
     for m in (1, 2, 4, 16, 32, 64):
-        assert {c.decode for c in rm.candidates(m, 11008, 32, 132)} == {"gather", *rm.CONSTANT_DECODES}, m
-    assert {c.decode for c in rm.exact_candidates(11008, 32, 132)} == {"gather", "select", "prmt"}
+        assert {c.decode for c in rm.candidates(m, 11008, 32, 132)} == {"gather", *rm.REGISTER_DECODES}, m
+    assert {c.decode for c in rm.exact_candidates(11008, 32, 132)} == {"gather", "select", "prmt", "scaled"}
     assert rm.RepackedConfig(True, 16, 64, 1, plane_lookup=True, decode="prmt").describe() == \
         "dot m16 n64 split1 w4 s2 plane prmt"
     for bad in (dict(decode="select"), dict(decode="table", plane_lookup=True)):

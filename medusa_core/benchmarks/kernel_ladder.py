@@ -22,8 +22,9 @@ cost; ``full`` over ``table-free`` what the lookup costs, its registers included
 default for the row count (``fast_config``), with its split-K sum in the same launch where it splits K at one
 row (what the H200's tuner kept at one row on four of the five 7B shapes; the fused gate/up kept the second
 launch, by 1.2 µs). From 5 rows also other lookups of the same tile: ``select`` and ``prmt``, its table
-compiled in as constants (exact lookups with no shared memory, RepackedConfig.decode; timed ``full`` only, their
-other rungs being the plane tile's kernels), and the whole group in one dot (its read-only rung is the plane
+compiled in as constants, and ``scaled``, a table of each scale block's weights built in registers (exact lookups
+with no shared memory, RepackedConfig.decode; timed ``full`` only, their other rungs being the plane tile's
+kernels), and the whole group in one dot (its read-only rung is the plane
 tile's: not timed twice). Timed as the tuner times: inside a CUDA graph, rotating among weight copies that
 together exceed L2. Under ``TRITON_INTERPRET=1`` the rungs run on the CPU (tests/test_kernel_ladder.py checks
 what each computes); times need a GPU.
@@ -63,15 +64,15 @@ class Rung:
 
 
 def configs(m: int, n: int, k: int, sms: int, group: int = 128, decodes: tuple[str, ...] | None = None) -> list:
-    """The configs a row count is taken apart at (see the module docstring); ``decodes``: the lookups with the
-    table as constants (default: the tuner's, rm.CONSTANT_DECODES)."""
+    """The configs a row count is taken apart at (see the module docstring); ``decodes``: the lookups with no
+    shared memory (default: the tuner's, rm.REGISTER_DECODES)."""
     from ..quant import nf4_repacked_matmul as rm
 
     first = rm.fast_config(m, n, -(-k // group), sms)
     if not first.dot:
         return [dataclasses.replace(first, serial=True) if first.split_k > 1 else first]
-    constant = [dataclasses.replace(first, decode=d) for d in (rm.CONSTANT_DECODES if decodes is None else decodes)]
-    return [first, *constant, dataclasses.replace(first, plane_lookup=False, whole_group=True)]
+    register = [dataclasses.replace(first, decode=d) for d in (rm.REGISTER_DECODES if decodes is None else decodes)]
+    return [first, *register, dataclasses.replace(first, plane_lookup=False, whole_group=True)]
 
 
 def run_rung(x: torch.Tensor, w, cfg, rung: str) -> torch.Tensor:

@@ -23,8 +23,9 @@ selects it replaced (``python -m medusa_core.benchmarks.kernel_sass``: a static 
 The GEMV's accumulator puts the rows first, so one thread holds every row of a weight and looks it up once.
 The tensor-core path can instead look each plane up just before its dot (PLANE_LOOKUP, a tuner choice), and
 there without shared memory (DECODE, a tuner choice): by that tree of selects again, or by byte permutes in
-inline PTX (nf4_prmt.py), over the table's values compiled in as constants; more instructions, but the plane
-is decoded in the registers its dot reads (RepackedConfig.decode).
+inline PTX (nf4_prmt.py), over the table's values compiled in as constants, or over a table of the scale
+block's weights already scaled and cast, built in registers; the plane is decoded in the registers its dot
+reads (RepackedConfig.decode).
 
 Exact mode: every row's result does not depend on M, because every M runs one kernel: on CUDA the
 tensor-core path with one 64-row tile, block_n and split for every M (exact_config), measured row-exact
@@ -68,7 +69,7 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, 
                      EVEN_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      PREFETCH: tl.constexpr = 0, PLANE_LOOKUP: tl.constexpr = False, SERIAL: tl.constexpr = False,
                      WHOLE_GROUP: tl.constexpr = False, LADDER: tl.constexpr = 0, DECODE: tl.constexpr = "gather",
-                     TABLE: tl.constexpr = None, PRMT: tl.constexpr = None):
+                     TABLE: tl.constexpr = None, PRMT: tl.constexpr = None, SCALED: tl.constexpr = None):
     # grid: (M tiles, N tiles, K splits): the M tiles of one weight tile are launched side by side, so
     # past the first they read it from L2. BLOCK_N is a multiple of the 16-row group.
     # LADDER (0 in every real call; benchmarks/kernel_ladder.py times the others): 1 = table-free, each code is
@@ -209,6 +210,17 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, 
                             quad = tl.inline_asm_elementwise(PRMT[i // 4], "=r,=r,=r,=r,r", [words],
                                                              dtype=(tl.int32,) * 4, is_pure=True, pack=1)
                         code = quad[i % 4].to(tl.float32, bitcast=True)                  # (BN, LANES) fp32
+                    elif DECODE == "scaled":   # the block's 16 weights scaled and cast, by byte permutes
+                        if i % PER_SCALE == 0:     # (BN,) x 8: the table of this scale block, per row (nf4_prmt.py)
+                            tab = tl.inline_asm_elementwise(SCALED[0], "=r,=r,=r,=r,=r,=r,=r,=r,r", [scale],
+                                                            dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+                        if i % 4 == 0:
+                            quad = tl.inline_asm_elementwise(
+                                SCALED[1 + i // 4], "=h,=h,=h,=h,r,r,r,r,r,r,r,r,r",
+                                [words, tab[0][:, None], tab[1][:, None], tab[2][:, None], tab[3][:, None],
+                                 tab[4][:, None], tab[5][:, None], tab[6][:, None], tab[7][:, None]],
+                                dtype=(tl.int16,) * 4, is_pure=True, pack=1)
+                        code = quad[i % 4].to(x_ptr.dtype.element_ty, bitcast=True)    # (BN, LANES): the weight
                     elif DECODE == "select":   # the table as constants, a tree of 15 selects: see RepackedConfig.decode
                         nib = (words >> (4 * i)) & 15                                     # (BN, LANES) int32
                         b0 = (nib & 1) != 0
@@ -230,7 +242,10 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, 
                     tl.store(out_ptr + row[:, None] * stride_om + col[None, :], code * scale[:, None],
                              mask=n_ok[:, None] & k_ok[None, :])
                 elif DOT:
-                    w_t = (code * scale[:, None]).to(x_ptr.dtype.element_ty)      # bitsandbytes' weight, cast
+                    if DECODE == "scaled" and LADDER != 1:
+                        w_t = code                                          # cast already: see nf4_prmt.py
+                    else:
+                        w_t = (code * scale[:, None]).to(x_ptr.dtype.element_ty)      # bitsandbytes' weight, cast
                     if EVEN_K:
                         x_ok = m_ok[None, :]
                     else:
@@ -290,8 +305,8 @@ def _repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, 
                      mask=o_ok)
 
 
-DECODES = ("gather", "select", "prmt")  # RepackedConfig.decode
-CONSTANT_DECODES = ("select", "prmt")    # the tuners' candidates beside the gather tile
+DECODES = ("gather", "select", "prmt", "scaled")    # RepackedConfig.decode
+REGISTER_DECODES = ("select", "prmt", "scaled")     # the tuners' candidates beside the gather tile: no shared memory
 
 
 @dataclass(frozen=True)
@@ -331,7 +346,12 @@ class RepackedConfig:
     # or 11.5 and 101 (prmt), against the gather tile's 7.8 and 56. The same codes in the same dots (the same bits
     # under the interpreter, prmt's assembly run by its Python model; tests/test_cuda_repacked.py checks both on
     # the GPU). Which is faster is the GPU's to measure. Only with plane_lookup: the other tiles keep barriers (9 and 2, at 144 and 96 registers
-    # with the selects) and add instructions.
+    # with the selects) and add instructions. "scaled": byte permutes over a table built in registers per row and
+    # scale block, its 16 entries already code * scale cast to x's 16-bit type (nf4_prmt.py): the dot gets its
+    # weights with no multiply or cast left, and the permutes look up 2 bytes a weight where prmt's look up 4.
+    # Compiled the same way: 2 barriers, no shared stores, 7.4 instructions a weight at 69 registers; the same
+    # bits (each entry rounded as the cast rounds). bf16 or fp16 x, and a scale block covering a word's 4 planes
+    # (scaled_fits).
     serial: bool = False     # split-K: the last split of each output tile to store its partials adds them all
     # (an atomic arrival count per tile), in place of the reduce kernel: one launch where there were two, and
     # the same sum in the same order, so the same bits. The configs an H100 tuned for one row (2026-11-27) split
@@ -394,21 +414,22 @@ def exact_config(n: int, groups: int, sms: int) -> RepackedConfig:
     return RepackedConfig(True, 64, 64, split_for(n, groups, 64, 2 * sms))
 
 
-def exact_candidates(n: int, groups: int, sms: int) -> list[RepackedConfig]:
+def exact_candidates(n: int, groups: int, sms: int, scaled: bool = True) -> list[RepackedConfig]:
     """Exact mode's configs worth timing on a GPU, each one tile, block_n and split for every M: the measured
     one-tile config first (the reference), then 16-row tiles. A 16-row tile dequantizes the weight once per 16
     rows, so a 1-row call reads and unpacks what fast mode's 16-row path does: on the H100 that path took 37 µs
     on 4096->11008 at 16 rows, where the 64-row tile took 46 at one row (2026-11-27, third run). Exact mode's trees
     are small (its default is the 16-node NF4 tree), and the tile is timed, not assumed: its rows are checked
-    equal to rows alone on the GPU before it is timed (``tune_exact``)."""
+    equal to rows alone on the GPU before it is timed (``tune_exact``). ``scaled``: whether the weight and dtype
+    can run decode scaled (scaled_fits)."""
     first = exact_config(n, groups, sms)
     out = [first, dataclasses.replace(first, plane_lookup=True)]
     for waves, plane in ((2, False), (2, True), (4, True)):
         out.append(RepackedConfig(True, 16, 64, split_for(n, groups, 64, waves * sms), plane_lookup=plane))
     plane = RepackedConfig(True, 16, 64, split_for(n, groups, 64, 2 * sms), plane_lookup=True)
-    out += [dataclasses.replace(plane, decode=d) for d in CONSTANT_DECODES]     # its table as constants
+    out += [dataclasses.replace(plane, decode=d) for d in REGISTER_DECODES]     # decoded where its dot reads
     out.append(RepackedConfig(True, 16, 64, split_for(n, groups, 64, 2 * sms), whole_group=True))
-    return list(dict.fromkeys(out))
+    return [c for c in dict.fromkeys(out) if scaled or c.decode != "scaled"]
 
 
 def fast_config(m: int, n: int, groups: int, sms: int) -> RepackedConfig:
@@ -424,9 +445,10 @@ def fast_config(m: int, n: int, groups: int, sms: int) -> RepackedConfig:
     return RepackedConfig(True, cls, 64, split_for(n, groups, 64, 2 * sms), plane_lookup=True)
 
 
-def candidates(m: int, n: int, groups: int, sms: int) -> list[RepackedConfig]:
+def candidates(m: int, n: int, groups: int, sms: int, scaled: bool = True) -> list[RepackedConfig]:
     """Configs worth timing for one row class on a GPU: the untimed default first (the reference the
-    others must match in pick_fastest), then other tiles, splits and the other path."""
+    others must match in pick_fastest), then other tiles, splits and the other path. ``scaled``: whether the
+    weight and dtype can run decode scaled (scaled_fits)."""
     cls = row_class(m)
     first = fast_config(m, n, groups, sms)
     out = [first]
@@ -440,18 +462,18 @@ def candidates(m: int, n: int, groups: int, sms: int) -> list[RepackedConfig]:
             out.append(RepackedConfig(False, cls, block_n, split_for(n, groups, block_n, waves * sms), warps,
                                       prefetch=1))
         out.append(RepackedConfig(True, 16, 64, split_for(n, groups, 64, 2 * sms)))
-        # and the 16-row tiles with the table as constants, whose decode needs no shared memory: on the H200 the
+        # and the 16-row tiles whose decode needs no shared memory: on the H200 the
         # GEMV took 24-36 µs at 2 and 4 rows where the gather tile took 35-38 at 16, so a faster 16-row tile would
         # serve them too
         plane = RepackedConfig(True, 16, 64, split_for(n, groups, 64, 2 * sms), plane_lookup=True)
-        out += [dataclasses.replace(plane, decode=d) for d in CONSTANT_DECODES]
+        out += [dataclasses.replace(plane, decode=d) for d in REGISTER_DECODES]
     else:
         out.append(dataclasses.replace(first, plane_lookup=False))   # all 8 planes looked up at once
         for block_n, warps, waves in ((64, 4, 1), (64, 4, 4), (128, 8, 2), (32, 4, 2)):
             out.append(RepackedConfig(True, cls, block_n, split_for(n, groups, block_n, waves * sms), warps))
         # the per-plane lookup with more programs (its fewer registers fit more per SM)
         out.append(RepackedConfig(True, cls, 64, split_for(n, groups, 64, 4 * sms), plane_lookup=True))
-        out += [dataclasses.replace(first, decode=d) for d in CONSTANT_DECODES]   # the table as constants
+        out += [dataclasses.replace(first, decode=d) for d in REGISTER_DECODES]   # decoded where the dot reads
         # the whole group in one dot, with 4 warps and with 8 (fewer registers a thread, more programs an SM)
         out.append(dataclasses.replace(first, plane_lookup=False, whole_group=True))
         out.append(dataclasses.replace(first, plane_lookup=False, whole_group=True, num_warps=8))
@@ -460,7 +482,14 @@ def candidates(m: int, n: int, groups: int, sms: int) -> list[RepackedConfig]:
         out.append(dataclasses.replace(first, serial=True))
         if not first.dot:
             out.append(dataclasses.replace(first, serial=True, prefetch=2))
-    return list(dict.fromkeys(out))     # two wave targets can give the same split
+    # two wave targets can give the same split
+    return [c for c in dict.fromkeys(out) if scaled or c.decode != "scaled"]
+
+
+def scaled_fits(w: RepackedNF4, dtype: torch.dtype) -> bool:
+    """Whether decode scaled runs for ``w`` and x of ``dtype``: its table holds 16-bit weights (bf16 or fp16 x),
+    and the 4 planes a lookup decodes share one scale block (group 128 over bitsandbytes' blocks of 64 do)."""
+    return dtype in nf4_prmt.CASTS and w.blocksize >= 4 * (w.group // 8)
 
 
 _TUNED: dict[tuple, RepackedConfig] = {}
@@ -504,7 +533,7 @@ def _time_candidates(m: int, n: int, k: int, dtype: torch.dtype, device: torch.d
     props = torch.cuda.get_device_properties(device)
     w, copies, gen = tuning_weight(n, k, dtype, device, group)
     x = torch.randn(row_class(m), k, device=device, dtype=dtype, generator=gen)
-    configs = candidates(m, n, -(-k // group), props.multi_processor_count)
+    configs = candidates(m, n, -(-k // group), props.multi_processor_count, scaled_fits(w, dtype))
     compile_candidates(configs, w, [x])
     best, log = pick_fastest(
         configs,
@@ -561,7 +590,7 @@ def _time_exact(n: int, k: int, dtype: torch.dtype, device: torch.device, group:
                 raise RuntimeError(f"not row-exact: a row of a {m}-row call differs from that row alone")
         return alone
 
-    configs = exact_candidates(n, -(-k // group), props.multi_processor_count)
+    configs = exact_candidates(n, -(-k // group), props.multi_processor_count, scaled_fits(w, dtype))
     # every row count the check and the timing call with: a row count is part of a compiled kernel's key
     compile_candidates(configs, w, [x[:m] for m in sorted({1, *EXACT_CHECK_ROWS, *AUTO_ROWS})])
     best, log = pick_fastest(
@@ -626,9 +655,9 @@ def repacked_matmul(x: torch.Tensor, w: RepackedNF4, bias: torch.Tensor | None =
     out = torch.empty(m, w.n, dtype=x.dtype, device=x.device)    # (M, N)
     if m:
         cfg = config or choose_config(m, w, x.dtype, x.device, exact)
-        if cfg.decode == "prmt" and x.device.type == "cpu":
-            raise ValueError("decode prmt is inline PTX, which Triton's interpreter cannot run: use decode select, "
-                             "whose values are the same, on the CPU")
+        if cfg.decode in ("prmt", "scaled") and x.device.type == "cpu":
+            raise ValueError(f"decode {cfg.decode} is inline PTX, which Triton's interpreter cannot run: use decode "
+                             "select, whose values are the same, on the CPU")
         _launch(x2, w, bias, out, cfg, x.device.type == "cpu", ladder)
     return out.reshape(*x.shape[:-1], w.n)
 
@@ -649,6 +678,10 @@ def kernel_call(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: b
     if cfg.prefetch and w.group // w.blocksize > PREFETCH_MAX_SCALES:
         raise ValueError(f"prefetch takes at most {PREFETCH_MAX_SCALES} scale blocks per group, and group {w.group} "
                          f"holds {w.group // w.blocksize} of {w.blocksize}: repack with group 128 or use prefetch=False")
+    if cfg.decode == "scaled" and not scaled_fits(w, x2.dtype):
+        raise ValueError(f"decode scaled looks up 16-bit weights 4 planes at a time: x is {x2.dtype} and a scale block "
+                         f"covers {w.blocksize // (w.group // 8)} planes of group {w.group}: use bf16 or fp16 x and "
+                         "group 128, or decode gather")
     if cfg.decode != "gather" and len(w.table) != 16:
         raise ValueError(f"decode {cfg.decode} compiles the weight's 16-entry table into the kernel, and this weight "
                          f"has {len(w.table)} values on the host: make it with nf4_repack.repack, which reads them")
@@ -673,6 +706,7 @@ def kernel_call(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: b
                 WHOLE_GROUP=cfg.whole_group, LADDER=ladder, DECODE=cfg.decode,
                 TABLE=w.table if cfg.decode == "select" else None,
                 PRMT=nf4_prmt.halves(w.table) if cfg.decode == "prmt" else None,
+                SCALED=nf4_prmt.scaled(w.table, x2.dtype) if cfg.decode == "scaled" else None,
                 **_constexprs(w, cfg.dot, interpret, cfg))
     return _repacked_kernel, grid, args, meta, part
 
