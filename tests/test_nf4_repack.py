@@ -364,6 +364,7 @@ def test_the_scaled_table_runs_where_its_lookups_fit_and_says_what_to_use_elsewh
     for m in (1, 16, 64):
         assert "scaled" in {c.decode for c in rm.candidates(m, 11008, 32, 132)}
         assert "scaled" not in {c.decode for c in rm.candidates(m, 11008, 32, 132, scaled=False)}
+    assert any(c.decode == "scaled" and c.serial for c in rm.candidates(16, 11008, 32, 132))   # split K summed in it
     assert "scaled" in {c.decode for c in rm.exact_candidates(11008, 32, 132)}
     assert "scaled" not in {c.decode for c in rm.exact_candidates(11008, 32, 132, scaled=False)}
     cfg = rm.RepackedConfig(True, 16, 64, 1, plane_lookup=True, decode="scaled")

@@ -482,6 +482,8 @@ def candidates(m: int, n: int, groups: int, sms: int, scaled: bool = True) -> li
         out.append(dataclasses.replace(first, serial=True))
         if not first.dot:
             out.append(dataclasses.replace(first, serial=True, prefetch=2))
+        else:               # and the scaled lookup's, the tile with the fewest instructions a weight (kernel_sass)
+            out.append(dataclasses.replace(first, serial=True, decode="scaled"))
     # two wave targets can give the same split
     return [c for c in dict.fromkeys(out) if scaled or c.decode != "scaled"]
 
