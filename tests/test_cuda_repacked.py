@@ -9,6 +9,7 @@ step decodes (fp32). Skipped without CUDA: run
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -45,18 +46,36 @@ def test_repacked_weights_dequantize_to_bitsandbytes_cuda_bits(n, k):
     assert torch.equal(rp.bitsandbytes_bytes(w), packed)
 
 
-@pytest.mark.parametrize("decode", ["select", "prmt", "scaled"])
-def test_the_table_compiled_for_this_gpu_as_constants_gives_every_weight_bitsandbytes_bits(decode):
+@pytest.mark.parametrize("decode,dtype", [("select", torch.bfloat16), ("prmt", torch.bfloat16),
+                                          ("scaled", torch.bfloat16), ("scaled", torch.float16)])
+def test_the_table_compiled_for_this_gpu_as_constants_gives_every_weight_bitsandbytes_bits(decode, dtype):
     # decode select and prmt put the 16 values in the machine code as constants, and scaled builds each scale
     # block's table of cast weights in registers from them (prmt and scaled through inline PTX, whose programs the
     # CPU tests run only in a Python model): identity rows make each output one weight times 1 plus zeros, so
-    # the dot hands back the weight it decoded, which must be bitsandbytes' bf16
+    # the dot hands back the weight it decoded, which must be bitsandbytes' fp32 weight cast to x's dtype
     n, k = 1000, 4096
     packed, state = quantized(n, k)
     w = rp.repack_bnb([(packed, state)])
     cfg = rm.RepackedConfig(True, 64, 64, 1, plane_lookup=True, decode=decode)
-    eye = torch.eye(k, device="cuda", dtype=torch.bfloat16)
-    assert torch.equal(rm.repacked_matmul(eye, w, config=cfg).T, bnbf.dequantize_4bit(packed, state))
+    eye = torch.eye(k, device="cuda", dtype=dtype)
+    fp32 = copy.copy(state)
+    fp32.dtype = torch.float32                    # bitsandbytes' dequantized weight before its cast: (N, K) fp32
+    assert torch.equal(rm.repacked_matmul(eye, w, config=cfg).T, bnbf.dequantize_4bit(packed, fp32).to(dtype))
+
+
+def test_a_weight_of_smaller_scale_blocks_gets_the_same_bits_where_the_tuner_kept_the_scaled_tile(monkeypatch):
+    # the tuners time bitsandbytes' blocks of 64, and a config is kept per shape; a checkpoint quantized in blocks
+    # of 32 gets that config, and where it is the scaled tile (whose lookups need a block per 4 planes), it looks
+    # its codes up in shared memory instead: the same weights into the same dots
+    n, k = 1000, 4096
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    w = rp.repack_bnb([bnbf.quantize_4bit(dense, blocksize=32, compress_statistics=True, quant_type="nf4")])
+    x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    scaled = rm.RepackedConfig(True, 16, 64, 2, plane_lookup=True, decode="scaled")
+    monkeypatch.setitem(rm._TUNED, rm._key(16, n, k, torch.bfloat16, torch.device("cuda"), 128), scaled)
+    assert torch.equal(rm.repacked_matmul(x, w), rm.repacked_matmul(x, w, config=dataclasses.replace(scaled,
+                                                                                                   decode="gather")))
 
 
 @pytest.mark.parametrize("m", ROWS)

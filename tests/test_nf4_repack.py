@@ -353,14 +353,19 @@ def test_the_kernel_wires_the_scaled_table_to_its_planes_and_hands_the_dot_bitsa
                 assert torch.equal(scaled_tile(x, cfg), rm.repacked_matmul(x, w, config=cfg)), cfg
 
 
-def test_the_scaled_table_runs_where_its_lookups_fit_and_says_what_to_use_elsewhere():
-    # 16-bit weights, 4 planes to a scale block: the tuners time it for bf16 and fp16 at group 128 over blocks of
-    # 64 (what the loader makes), not for fp32 or group 256; a config asking for it elsewhere is one line naming
-    # the fix, and on the CPU the interpreter cannot run it
+def test_the_scaled_table_runs_where_its_lookups_fit_and_says_what_to_use_elsewhere(monkeypatch):
+    # 16-bit weights, 4 planes to a scale block, sm_80 or later: the tuners time it for bf16 and fp16 at group 128
+    # over blocks of 64 (what the loader makes), not for fp32, group 256, blocks of 32 or a pre-Ampere GPU; a config
+    # asking for it elsewhere is one line naming the fix, and on the CPU the interpreter cannot run it
     w128 = rp.repack_bnb([quantized(200, 256)], 128)
     w256 = rp.repack_bnb([quantized(200, 256)], 256)
+    small = rp.repack_bnb([quantized(200, 256, blocksize=32)], 128)
     assert rm.scaled_fits(w128, torch.bfloat16) and rm.scaled_fits(w128, torch.float16)
     assert not rm.scaled_fits(w128, torch.float32) and not rm.scaled_fits(w256, torch.bfloat16)
+    assert not rm.scaled_fits(small, torch.bfloat16)
+    for capability, fits in (((7, 5), False), ((8, 6), True), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert rm.scaled_fits(w128, torch.float16, torch.device("cuda")) == fits, capability
     for m in (1, 16, 64):
         assert "scaled" in {c.decode for c in rm.candidates(m, 11008, 32, 132)}
         assert "scaled" not in {c.decode for c in rm.candidates(m, 11008, 32, 132, scaled=False)}
@@ -369,9 +374,12 @@ def test_the_scaled_table_runs_where_its_lookups_fit_and_says_what_to_use_elsewh
     assert "scaled" not in {c.decode for c in rm.exact_candidates(11008, 32, 132, scaled=False)}
     cfg = rm.RepackedConfig(True, 16, 64, 1, plane_lookup=True, decode="scaled")
     assert cfg.describe() == "dot m16 n64 split1 w4 s2 plane scaled"
-    for w, dtype, what in ((w128, torch.float32, "x is torch.float32"), (w256, torch.float16, "covers 2 planes")):
+    for w, dtype, what in ((w128, torch.float32, "x is torch.float32: use bf16 or fp16 x, or decode gather"),
+                           (w256, torch.float16, "at least 128 values at group 256, and this weight's hold 64: "
+                                                 "repack with group 128 over blocks of 64 or more, or use decode gather"),
+                           (small, torch.bfloat16, "at least 64 values at group 128, and this weight's hold 32")):
         out = torch.empty(16, 200, dtype=dtype)
-        with pytest.raises(ValueError, match=f"decode scaled .*{what}.*use bf16 or fp16 x and group 128, or decode gather"):
+        with pytest.raises(ValueError, match=f"^decode scaled .*{what}"):
             rm.kernel_call(torch.randn(16, 256).to(dtype), w, None, out, cfg, interpret=True)
     with pytest.raises(ValueError, match="decode scaled is inline PTX.*use decode select"):
         rm.repacked_matmul(torch.randn(16, 256, dtype=torch.float16), w128, config=cfg)

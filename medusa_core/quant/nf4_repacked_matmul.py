@@ -488,10 +488,13 @@ def candidates(m: int, n: int, groups: int, sms: int, scaled: bool = True) -> li
     return [c for c in dict.fromkeys(out) if scaled or c.decode != "scaled"]
 
 
-def scaled_fits(w: RepackedNF4, dtype: torch.dtype) -> bool:
-    """Whether decode scaled runs for ``w`` and x of ``dtype``: its table holds 16-bit weights (bf16 or fp16 x),
-    and the 4 planes a lookup decodes share one scale block (group 128 over bitsandbytes' blocks of 64 do)."""
-    return dtype in nf4_prmt.CASTS and w.blocksize >= 4 * (w.group // 8)
+def scaled_fits(w: RepackedNF4, dtype: torch.dtype, device: torch.device | None = None) -> bool:
+    """Whether decode scaled runs for ``w`` and x of ``dtype`` (on ``device``): its table holds 16-bit weights
+    (bf16 or fp16 x), the 4 planes a lookup decodes share one scale block (group 128 over bitsandbytes' blocks of
+    64 do), and a CUDA GPU is sm_80 or later (its paired casts, cvt.rn.bf16x2/f16x2, are not on sm_75, where the
+    loader computes in fp16)."""
+    return dtype in nf4_prmt.CASTS and w.blocksize >= 4 * (w.group // 8) and \
+        (device is None or device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0))
 
 
 _TUNED: dict[tuple, RepackedConfig] = {}
@@ -535,7 +538,7 @@ def _time_candidates(m: int, n: int, k: int, dtype: torch.dtype, device: torch.d
     props = torch.cuda.get_device_properties(device)
     w, copies, gen = tuning_weight(n, k, dtype, device, group)
     x = torch.randn(row_class(m), k, device=device, dtype=dtype, generator=gen)
-    configs = candidates(m, n, -(-k // group), props.multi_processor_count, scaled_fits(w, dtype))
+    configs = candidates(m, n, -(-k // group), props.multi_processor_count, scaled_fits(w, dtype, device))
     compile_candidates(configs, w, [x])
     best, log = pick_fastest(
         configs,
@@ -592,7 +595,7 @@ def _time_exact(n: int, k: int, dtype: torch.dtype, device: torch.device, group:
                 raise RuntimeError(f"not row-exact: a row of a {m}-row call differs from that row alone")
         return alone
 
-    configs = exact_candidates(n, -(-k // group), props.multi_processor_count, scaled_fits(w, dtype))
+    configs = exact_candidates(n, -(-k // group), props.multi_processor_count, scaled_fits(w, dtype, device))
     # every row count the check and the timing call with: a row count is part of a compiled kernel's key
     compile_candidates(configs, w, [x[:m] for m in sorted({1, *EXACT_CHECK_ROWS, *AUTO_ROWS})])
     best, log = pick_fastest(
@@ -628,6 +631,10 @@ def choose_config(m: int, w: RepackedNF4, dtype: torch.dtype, device: torch.devi
             fast_config(m, w.n, groups, torch.cuda.get_device_properties(device).multi_processor_count)
     if cfg.prefetch and w.group // w.blocksize > PREFETCH_MAX_SCALES:
         cfg = dataclasses.replace(cfg, prefetch=False)       # a weight of small blocks: the kernel cannot
+    if cfg.decode == "scaled" and not scaled_fits(w, dtype, device):
+        # tuned on bitsandbytes' blocks of 64, kept for the shape: a weight of smaller blocks looks its codes up in
+        # shared memory instead, into the same weights for the same dots, so the same bits
+        cfg = dataclasses.replace(cfg, decode="gather")
     if cfg.serial and not serial_fits(m, w, cfg):
         # a prefill's rows (class 64's config serves any M above 64) outnumber the arrival counts: the reduce
         # kernel adds the same partials in the same order, so the result has the same bits
@@ -680,10 +687,13 @@ def kernel_call(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: b
     if cfg.prefetch and w.group // w.blocksize > PREFETCH_MAX_SCALES:
         raise ValueError(f"prefetch takes at most {PREFETCH_MAX_SCALES} scale blocks per group, and group {w.group} "
                          f"holds {w.group // w.blocksize} of {w.blocksize}: repack with group 128 or use prefetch=False")
+    if cfg.decode == "scaled" and x2.dtype not in nf4_prmt.CASTS:
+        raise ValueError(f"decode scaled looks up 16-bit weights and x is {x2.dtype}: use bf16 or fp16 x, or decode "
+                         "gather")
     if cfg.decode == "scaled" and not scaled_fits(w, x2.dtype):
-        raise ValueError(f"decode scaled looks up 16-bit weights 4 planes at a time: x is {x2.dtype} and a scale block "
-                         f"covers {w.blocksize // (w.group // 8)} planes of group {w.group}: use bf16 or fp16 x and "
-                         "group 128, or decode gather")
+        raise ValueError(f"decode scaled needs scale blocks of at least {w.group // 2} values at group {w.group}, and "
+                         f"this weight's hold {w.blocksize}: repack with group 128 over blocks of 64 or more, or use "
+                         "decode gather")
     if cfg.decode != "gather" and len(w.table) != 16:
         raise ValueError(f"decode {cfg.decode} compiles the weight's 16-entry table into the kernel, and this weight "
                          f"has {len(w.table)} values on the host: make it with nf4_repack.repack, which reads them")
