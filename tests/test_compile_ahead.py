@@ -23,6 +23,8 @@ from medusa_core.benchmarks import compile_ahead as bench  # noqa: E402
 from medusa_core.benchmarks import kernel_sass as ks  # noqa: E402
 from medusa_core.quant import kernel_timing as kt  # noqa: E402
 from medusa_core.quant import nf4_matmul as nm  # noqa: E402
+from medusa_core.quant import nf4_repacked_configs as rc  # noqa: E402
+from medusa_core.quant import nf4_repacked_kernel as rk  # noqa: E402
 from medusa_core.quant import nf4_repacked_matmul as rm  # noqa: E402
 from medusa_core.quant.nf4_repack import repack_bnb  # noqa: E402
 from medusa_core.quant.triton_runtime import launchable  # noqa: E402
@@ -76,8 +78,8 @@ def warm(launch) -> None:
 def test_a_tuners_candidates_compiled_ahead_leave_its_own_launches_nothing_to_compile(jit_for_h100):
     w = repacked_weight()
     x = torch.randn(16, K, dtype=torch.bfloat16)
-    configs = rm.candidates(16, N, K // 128, 132)
-    fn = launchable(rm._repacked_kernel, False)
+    configs = rc.candidates(16, N, K // 128, 132)
+    fn = launchable(rk.repacked_kernel, False)
     ahead = Compiles(fn)
     rm.compile_candidates(configs, w, [x])
     assert len(ahead.keys) >= len(configs) // 2, ahead.keys
@@ -91,8 +93,8 @@ def test_a_tuners_candidates_compiled_ahead_leave_its_own_launches_nothing_to_co
 def test_exact_modes_candidates_are_compiled_for_every_row_count_its_check_calls_with(jit_for_h100):
     w = repacked_weight()
     x = torch.randn(64, K, dtype=torch.bfloat16)
-    configs = rm.exact_candidates(N, K // 128, 132)
-    fn = launchable(rm._repacked_kernel, False)
+    configs = rc.exact_candidates(N, K // 128, 132)
+    fn = launchable(rk.repacked_kernel, False)
     rm.compile_candidates(configs, w, [x[:m] for m in sorted({1, *rm.EXACT_CHECK_ROWS, 16})])
     later = Compiles(fn)
     for cfg in configs:             # _time_exact's calls: each row alone, then 3, 17 and 64 rows; timed at 1 and 16
@@ -117,7 +119,7 @@ def test_the_kernel_on_bitsandbytes_storage_is_compiled_ahead_as_its_tuner_launc
 def test_a_launch_that_cannot_be_built_or_compiled_is_left_to_the_tuners_own_run(jit_for_h100):
     w = repacked_weight()
     x = torch.randn(16, K, dtype=torch.bfloat16)
-    good = rm.fast_config(16, N, K // 128, 132)
+    good = rc.fast_config(16, N, K // 128, 132)
     fn, grid, args, meta = rm.compiled_launch(x, w, good)
     broken = {**meta, "BLOCK_N": 48}             # not a power of two: tl.arange refuses it when it compiles
 
@@ -139,8 +141,8 @@ def test_an_interrupt_while_compiling_ahead_leaves_the_next_load_able_to_compile
 
     w = repacked_weight()
     x = torch.randn(16, K, dtype=torch.bfloat16)
-    configs = rm.candidates(16, N, K // 128, 132)[:3]
-    fn = launchable(rm._repacked_kernel, False)
+    configs = rc.candidates(16, N, K // 128, 132)[:3]
+    fn = launchable(rk.repacked_kernel, False)
     fn.device_caches[0]
     compile = fn.compile
 
@@ -161,8 +163,8 @@ def test_one_cpu_compiles_nothing_ahead(jit_for_h100, monkeypatch):
     monkeypatch.setattr(kt, "compile_workers", lambda: 1)
     w = repacked_weight()
     x = torch.randn(16, K, dtype=torch.bfloat16)
-    ahead = Compiles(launchable(rm._repacked_kernel, False))
-    rm.compile_candidates(rm.candidates(16, N, K // 128, 132)[:3], w, [x])
+    ahead = Compiles(launchable(rk.repacked_kernel, False))
+    rm.compile_candidates(rc.candidates(16, N, K // 128, 132)[:3], w, [x])
     assert ahead.keys == []                      # the tuner's first run of each compiles it, as without threads
 
 
@@ -202,14 +204,14 @@ def test_each_tuner_hands_its_whole_candidate_list_and_its_inputs_over_before_it
 def test_one_kernel_serves_every_count_of_k_groups_and_every_split(jit_for_h100):
     # Triton would compile another kernel where the group count is divisible by 16 or a split's share is 1:
     # twice the compiles at a first start, for the same main loop (triton_runtime.unspecialized)
-    fn = launchable(rm._repacked_kernel, False)
+    fn = launchable(rk.repacked_kernel, False)
     compiles = Compiles(fn)
     for k in (2048, 1408):                                  # 16 and 11 groups of 128
         dense = torch.randn(N, k, generator=torch.Generator().manual_seed(0)) * 0.02
         w = repack_bnb([quantize_4bit(dense, blocksize=64, compress_statistics=True, quant_type="nf4")], 128)
         x = torch.randn(16, k, dtype=torch.bfloat16)
         for split in (2, 16):                               # shares of 8 and 1 groups (6 and 1 at 11 groups)
-            warm(rm.compiled_launch(x, w, rm.RepackedConfig(True, 16, 64, split, plane_lookup=True)))
+            warm(rm.compiled_launch(x, w, rc.RepackedConfig(True, 16, 64, split, plane_lookup=True)))
     assert len(compiles.keys) == 1, compiles.keys
 
 
@@ -217,8 +219,8 @@ def test_the_sass_tool_compiles_the_kernel_a_launch_compiles(jit_for_h100):
     # kernel_sass counts the machine code of the kernel a GPU's launch compiles: the same specialization
     # (unspecialized arguments included), constants and options, so the same cubin
     k, n, m = 1408, N, 16
-    cfg = rm.RepackedConfig(True, 16, 64, 2, plane_lookup=True)
-    fn = launchable(rm._repacked_kernel, False)
+    cfg = rc.RepackedConfig(True, 16, 64, 2, plane_lookup=True)
+    fn = launchable(rk.repacked_kernel, False)
     ahead = Compiles(fn)
     warm(ks.repacked_launch(k, n, m, cfg).jit_launch())
     (compiled,) = fn.device_caches[0][0].values()
@@ -231,7 +233,7 @@ def test_the_threads_parse_one_at_a_time_and_the_parser_is_given_back(jit_for_h1
     # once ("AST constructor recursion depth mismatch"), which would leave that kernel to the tuner's loop
     w = repacked_weight()
     x = torch.randn(16, K, dtype=torch.bfloat16)
-    fn = launchable(rm._repacked_kernel, False)
+    fn = launchable(rk.repacked_kernel, False)
     fn.device_caches[0]
     compile, parsers = fn.compile, []
 
@@ -239,7 +241,7 @@ def test_the_threads_parse_one_at_a_time_and_the_parser_is_given_back(jit_for_h1
         parsers.append(ast.parse)
         return compile(*args, **kwargs)
     fn.compile = seen
-    rm.compile_candidates(rm.candidates(16, N, K // 128, 132)[:3], w, [x])
+    rm.compile_candidates(rc.candidates(16, N, K // 128, 132)[:3], w, [x])
     assert parsers and all(p is kt._one_parse_at_a_time for p in parsers)
     assert ast.parse is kt._PARSE
 
@@ -249,7 +251,7 @@ def test_the_benchmark_counts_the_kernels_a_load_compiles_with_or_without_thread
     # same kernels, and the count is the distinct kernels among the launches
     monkeypatch.setattr(bench, "LOAD_7B", (((K, N), (16,)),))
     monkeypatch.setattr(bench, "STORAGE_7B", ())
-    launches = len(rm.candidates(16, N, K // 128, bench.SMS))
+    launches = len(rc.candidates(16, N, K // 128, bench.SMS))
     counts = []
     for threads in (1, 2):
         launchable.cache_clear()
@@ -263,7 +265,7 @@ def test_the_benchmark_counts_the_kernels_a_load_compiles_with_or_without_thread
 def test_the_benchmark_counts_launches_that_do_not_compile_for_the_gpu(jit_for_h100, monkeypatch, threads):
     w = repacked_weight()
     x = torch.randn(16, K, dtype=torch.bfloat16)
-    fn, grid, args, meta = rm.compiled_launch(x, w, rm.fast_config(16, N, K // 128, 132))
+    fn, grid, args, meta = rm.compiled_launch(x, w, rc.fast_config(16, N, K // 128, 132))
     monkeypatch.setattr(bench, "batches", lambda: [[lambda: (fn, grid, args, meta),
                                                      lambda: (fn, grid, args, {**meta, "BLOCK_N": 48})]])
     r = bench.measure(threads, 90)
@@ -282,13 +284,13 @@ def test_a_config_triton_refuses_is_skipped_with_a_line_that_says_why(jit_for_h1
     # with what
     w = repacked_weight()
     x = torch.randn(16, K, dtype=torch.bfloat16)
-    good = rm.fast_config(16, N, K // 128, 132)
+    good = rc.fast_config(16, N, K // 128, 132)
     fn, grid, args, meta = rm.compiled_launch(x, w, good)
 
     def run(cfg):
         fn.warmup(*args, grid=grid, **(meta if cfg == good else {**meta, "BLOCK_N": 48}))
         return torch.ones(3)
-    bad = rm.RepackedConfig(True, 16, 32, 2)
+    bad = rc.RepackedConfig(True, 16, 32, 2)
     best, _ = kt.pick_fastest([good, bad], run, time_us=lambda cfg: 1.0, where="256x512")
     (line,) = capsys.readouterr().out.splitlines()
     assert best == good and line.startswith(f"kernel tuning: {bad.describe()} skipped for 256x512 (CompilationError: at ")

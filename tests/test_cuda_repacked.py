@@ -25,6 +25,8 @@ from medusa_core.decoding.config import DecodeConfig  # noqa: E402
 from medusa_core.decoding.generate import generate  # noqa: E402
 from medusa_core.decoding.tree import build_tree_buffers, resolve_tree  # noqa: E402
 from medusa_core.quant import nf4_repack as rp  # noqa: E402
+from medusa_core.quant import nf4_repacked_configs as rc  # noqa: E402
+from medusa_core.quant import nf4_repacked_kernel as rk  # noqa: E402
 from medusa_core.quant import nf4_repacked_matmul as rm  # noqa: E402
 from medusa_core.quant.bnb import quantize_linear_nf4_, use_nf4_kernel  # noqa: E402
 
@@ -56,7 +58,7 @@ def test_the_table_compiled_for_this_gpu_as_constants_gives_every_weight_bitsand
     n, k = 1000, 4096
     packed, state = quantized(n, k)
     w = rp.repack_bnb([(packed, state)])
-    cfg = rm.RepackedConfig(True, 64, 64, 1, plane_lookup=True, decode=decode)
+    cfg = rc.RepackedConfig(True, 64, 64, 1, plane_lookup=True, decode=decode)
     eye = torch.eye(k, device="cuda", dtype=dtype)
     fp32 = copy.copy(state)
     fp32.dtype = torch.float32                    # bitsandbytes' dequantized weight before its cast: (N, K) fp32
@@ -72,7 +74,7 @@ def test_a_weight_of_smaller_scale_blocks_gets_the_same_bits_where_the_tuner_kep
     dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
     w = rp.repack_bnb([bnbf.quantize_4bit(dense, blocksize=32, compress_statistics=True, quant_type="nf4")])
     x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-    scaled = rm.RepackedConfig(True, 16, 64, 2, plane_lookup=True, decode="scaled")
+    scaled = rc.RepackedConfig(True, 16, 64, 2, plane_lookup=True, decode="scaled")
     monkeypatch.setitem(rm._TUNED, rm._key(16, n, k, torch.bfloat16, torch.device("cuda"), 128), scaled)
     assert torch.equal(rm.repacked_matmul(x, w), rm.repacked_matmul(x, w, config=dataclasses.replace(scaled,
                                                                                                    decode="gather")))
@@ -85,10 +87,10 @@ def test_every_path_multiplies_within_bf16_rounding(m):
     w = rp.repack_bnb([(packed, state)])
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=torch.Generator(device="cuda").manual_seed(m))
     ref = x.float() @ bnbf.dequantize_4bit(packed, state).float().T
-    plane = rm.RepackedConfig(True, max(16, rm.row_class(m)), 64, 2, plane_lookup=True)
-    gemv = rm.RepackedConfig(False, min(rm.row_class(m), 4), 16, 1)     # the GEMV at any M, as fast mode never runs it
-    group = rm.RepackedConfig(True, max(16, rm.row_class(m)), 64, 2, whole_group=True)
-    register = {d: dataclasses.replace(plane, decode=d) for d in rm.REGISTER_DECODES}
+    plane = rc.RepackedConfig(True, max(16, rc.row_class(m)), 64, 2, plane_lookup=True)
+    gemv = rc.RepackedConfig(False, min(rc.row_class(m), 4), 16, 1)     # the GEMV at any M, as fast mode never runs it
+    group = rc.RepackedConfig(True, max(16, rc.row_class(m)), 64, 2, whole_group=True)
+    register = {d: dataclasses.replace(plane, decode=d) for d in rc.REGISTER_DECODES}
     for name, kw in (("fast", {}), ("exact", {"exact": True}), ("plane_lookup", {"config": plane}),
                      ("gemv", {"config": gemv}), ("whole_group", {"config": group}),
                      *((f"decode {d}", {"config": c}) for d, c in register.items())):
@@ -117,7 +119,7 @@ def test_every_exact_candidate_is_checked_on_this_gpu_and_the_one_kept_gives_eve
     chosen = rm.tune_exact(n, k, torch.bfloat16, torch.device("cuda"))
     log = rm.TUNING_LOG[rm._exact_key(n, k, torch.bfloat16, torch.device("cuda"), 128)]
     print(chosen.describe(), log)               # the GPU session's record: which tile exact mode keeps here
-    assert chosen in rm.exact_candidates(n, k // 128, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert chosen in rc.exact_candidates(n, k // 128, torch.cuda.get_device_properties(0).multi_processor_count)
     w = rp.repack_bnb([quantized(n, k, seed=2)])
     x = torch.randn(65, k, device="cuda", dtype=torch.bfloat16, generator=torch.Generator(device="cuda").manual_seed(3))
     alone = torch.cat([rm.repacked_matmul(x[i:i + 1], w, exact=True) for i in range(65)])
@@ -136,7 +138,7 @@ def test_the_last_split_sums_the_partials_in_one_launch_to_the_reduce_kernels_bi
     gen = torch.Generator(device="cuda").manual_seed(m)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=gen)
-    cfg = rm.RepackedConfig(m > 4, rm.row_class(m) if m <= 4 else 16, 64, 8, prefetch=m <= 4)
+    cfg = rc.RepackedConfig(m > 4, rc.row_class(m) if m <= 4 else 16, 64, 8, prefetch=m <= 4)
     serial = dataclasses.replace(cfg, serial=True)
     want = rm.repacked_matmul(x, w, bias, config=cfg)
     for _ in range(20):
@@ -314,7 +316,7 @@ def test_the_tuner_compiles_its_candidates_side_by_side_and_its_timing_loop_comp
     monkeypatch.setattr(rm, "_TUNED", {})
     monkeypatch.setattr(rm, "TUNING_LOG", {})
     launchable.cache_clear()
-    fn = launchable(rm._repacked_kernel, False)
+    fn = launchable(rk.repacked_kernel, False)
     fn.device_caches[torch.cuda.current_device()]
     inner, threads, in_timing = fn.compile, set(), []
 

@@ -18,10 +18,10 @@ from medusa_core.benchmarks import kernel_ladder as kl  # noqa: E402
 from medusa_core.benchmarks import kernel_sass as ks  # noqa: E402
 from medusa_core.quant import kernel_timing as kt  # noqa: E402
 from medusa_core.quant import nf4_repack as rp  # noqa: E402
-from medusa_core.quant import nf4_repacked_matmul as rm  # noqa: E402
+from medusa_core.quant import nf4_repacked_configs as rc  # noqa: E402
 from medusa_core.quant.triton_runtime import INTERPRET_ENV  # noqa: E402
 
-C = rm.RepackedConfig
+C = rc.RepackedConfig
 # each path of the kernel: the GEMV with and without the prefetch and with the serial split-K sum, and the three
 # tensor-core paths; N no multiple of the tile, K no multiple of the 128-column group
 CONFIGS = [(1, C(False, 1, 32, 1, prefetch=1)), (1, C(False, 1, 32, 2, prefetch=1, serial=True)),

@@ -21,6 +21,7 @@ from medusa_core.loading.load import route_kernels  # noqa: E402
 from medusa_core.loading.spec import LoadSpec  # noqa: E402
 from medusa_core.quant import bnb as qb  # noqa: E402
 from medusa_core.quant import nf4_matmul as nm  # noqa: E402
+from medusa_core.quant import nf4_repacked_configs as rc  # noqa: E402
 from medusa_core.quant import nf4_repacked_matmul as rm  # noqa: E402
 from medusa_core.quant import norm_routing as nr  # noqa: E402
 from medusa_core.quant.kernel_timing import NoConfigCompiled  # noqa: E402
@@ -39,12 +40,13 @@ class StandInGpu:
         self.use(name)
         monkeypatch.setattr(torch.cuda, "get_device_properties",
                             lambda device=None: SimpleNamespace(multi_processor_count=132, L2_cache_size=50 << 20))
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
 
         def repacked(m, n, k, dtype, device, group, key):
             self.timed.append(f"repacked {n}x{k} m{m}")
             if "repacked" in self.failing:
                 raise NoConfigCompiled(f"no repacked NF4 config compiled for {n}x{k} on {key[0]}")
-            best = rm.RepackedConfig(m > 4, rm.row_class(m), 32 if n > k else 64, 2, serial=m == 1)
+            best = rc.RepackedConfig(m > 4, rc.row_class(m), 32 if n > k else 64, 2, serial=m == 1)
             return best, [(best.describe(), 20.0 + m), ("gemv m16 n16 split4 w8", None)]
 
         def triton(m, n, k, dtype, device, blocksize, wide, key):
@@ -280,7 +282,7 @@ def test_exact_modes_config_is_the_fastest_of_those_checked_row_exact_on_the_gpu
     weight = torch.randn(n, k)
     monkeypatch.setattr(rm, "tuning_weight", lambda n, k, dtype, device, group: (weight, [weight], None))
     monkeypatch.setattr(torch, "randn", lambda *shape, **kw: torch.ones(*shape[:2]) * torch.arange(1, shape[0] + 1)[:, None])
-    candidates = rm.exact_candidates(n, k // 128, 132)
+    candidates = rc.exact_candidates(n, k // 128, 132)
     first, drifting, fastest = candidates[0], candidates[2], candidates[3]
 
     def matmul(x, w, config):       # rows alone, as exact mode must; one candidate drifts with the row count

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from medusa_core.benchmarks import kernel_sass as ks
+from medusa_core.quant import nf4_repacked_configs as rc
+from medusa_core.quant import nf4_repacked_kernel as rk
 from medusa_core.quant import nf4_repacked_matmul as rm
 
 
@@ -25,7 +27,7 @@ def _fp_fusion(monkeypatch):
 @pytest.mark.parametrize("m", [1, 4])
 def test_gemv_loads_words_16_bytes_at_a_time_and_looks_each_weight_up_once(tmp_path, m):
     k, n = 4096, 11008
-    cfg = rm.fast_config(m, n, k // 128, ks.H100.sms)
+    cfg = rc.fast_config(m, n, k // 128, ks.H100.sms)
     assert not cfg.dot
     r = ks.report(ks.repacked_launch(k, n, m, cfg), ks.H100, tmp_path)
     assert r.registers > 0 and r.local_bytes == 0, r
@@ -38,7 +40,7 @@ def test_gemv_loads_words_16_bytes_at_a_time_and_looks_each_weight_up_once(tmp_p
 @pytest.mark.parametrize("plane_lookup,whole_group", [(False, False), (True, False), (False, True)])
 def test_tensor_core_path_compiles_without_spills(tmp_path, plane_lookup, whole_group):
     k, n = 4096, 4096
-    cfg = dataclasses.replace(rm.fast_config(16, n, k // 128, ks.H100.sms), plane_lookup=plane_lookup,
+    cfg = dataclasses.replace(rc.fast_config(16, n, k // 128, ks.H100.sms), plane_lookup=plane_lookup,
                               whole_group=whole_group)
     assert cfg.dot
     r = ks.report(ks.repacked_launch(k, n, 16, cfg), ks.H100, tmp_path)
@@ -52,7 +54,7 @@ def test_a_lookup_without_shared_memory_decodes_each_plane_in_the_registers_of_i
     # Triton decodes the plane where the dot reads it, not through shared memory. The gather tile refills its table
     # before each plane's gather and stores each decoded plane to shared memory; these tiles' loops have neither
     k, n = 4096, 11008
-    plane = rm.fast_config(16, n, k // 128, ks.H100.sms)
+    plane = rc.fast_config(16, n, k // 128, ks.H100.sms)
     assert plane.plane_lookup and plane.decode == "gather"
     table, register = (ks.report(ks.repacked_launch(k, n, 16, cfg), ks.H100, tmp_path)
                        for cfg in (plane, dataclasses.replace(plane, decode=decode)))
@@ -73,7 +75,7 @@ def test_the_scaled_table_decodes_in_fewer_instructions_and_registers_than_the_f
     # constants. Compiled for sm_90 at 16 and 64 rows, against prmt on the same tile
     k, n = 4096, 11008
     for m in (16, 64):
-        plane = rm.fast_config(m, n, k // 128, ks.H100.sms)
+        plane = rc.fast_config(m, n, k // 128, ks.H100.sms)
         prmt, scaled = (ks.report(ks.repacked_launch(k, n, m, dataclasses.replace(plane, decode=d)), ks.H100, tmp_path)
                         for d in ("prmt", "scaled"))
         assert scaled.instructions_per_weight < 0.8 * prmt.instructions_per_weight, (m, scaled, prmt)
@@ -170,8 +172,8 @@ def test_compiles_the_launch_repacked_matmul_makes():
                     torch.empty(16, device=meta), 32, 128, 64, 128)
     x = torch.empty(3, 128, dtype=torch.bfloat16, device=meta)
     fn, grid, args, kw, part = rm.kernel_call(x, w, None, torch.empty(3, 32, dtype=torch.bfloat16, device=meta),
-                                          rm.RepackedConfig(False, 4, 16, 1), interpret=False)
-    assert fn is rm._repacked_kernel and grid == (1, 2, 1) and part is None and kw["BLOCK_M"] == 4 and args[8:12] == (3, 32, 128, 1)
+                                          rc.RepackedConfig(False, 4, 16, 1), interpret=False)
+    assert fn is rk.repacked_kernel and grid == (1, 2, 1) and part is None and kw["BLOCK_M"] == 4 and args[8:12] == (3, 32, 128, 1)
 
 
 def test_calibration_sets_the_committed_kernel_estimate_beside_its_measured_time(tmp_path, capsys):

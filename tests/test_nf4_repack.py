@@ -25,6 +25,7 @@ from medusa_core.quant import kernel_timing as kt  # noqa: E402
 from medusa_core.quant import nf4_fused  # noqa: E402
 from medusa_core.quant.triton_runtime import INTERPRET_ENV  # noqa: E402
 from medusa_core.quant import nf4_repack as rp  # noqa: E402
+from medusa_core.quant import nf4_repacked_configs as rc  # noqa: E402
 from medusa_core.quant import nf4_repacked_matmul as rm  # noqa: E402
 from medusa_core.quant.bnb import quantize_linear_nf4_, use_nf4_kernel  # noqa: E402
 from medusa_core.quant.formats import weights_format  # noqa: E402
@@ -90,9 +91,9 @@ def test_matmul_within_rounding_of_dequantized_reference(m):
     assert rm.choose_config(m, w, x.dtype, x.device, exact=False).dot == (m >= 5)   # GEMV, then tensor cores
 
 
-@pytest.mark.parametrize("cfg", [rm.RepackedConfig(False, 4, 32, 2), rm.RepackedConfig(True, 16, 64, 3),
-                                 rm.RepackedConfig(False, 1, 16, 2), rm.RepackedConfig(True, 32, 16, 1),
-                                 rm.RepackedConfig(False, 2, 16, 3, prefetch=True)])
+@pytest.mark.parametrize("cfg", [rc.RepackedConfig(False, 4, 32, 2), rc.RepackedConfig(True, 16, 64, 3),
+                                 rc.RepackedConfig(False, 1, 16, 2), rc.RepackedConfig(True, 32, 16, 1),
+                                 rc.RepackedConfig(False, 2, 16, 3, prefetch=True)])
 def test_split_k_tiles_and_3d_input(cfg):
     n, k, group = SHAPES[1]
     packed, state = quantized(n, k)
@@ -114,24 +115,24 @@ def test_prefetching_groups_ahead_changes_no_bit(n, k, group, blocksize):
     w = rp.repack_bnb([(packed, state)], group)
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(2))
     for block_m, block_n, split in ((1, 16, 1), (4, 32, 2), (8, 16, 3)):
-        plain = rm.repacked_matmul(x, w, config=rm.RepackedConfig(False, block_m, block_n, split))
+        plain = rm.repacked_matmul(x, w, config=rc.RepackedConfig(False, block_m, block_n, split))
         for depth in (1, 2):
-            ahead = rm.repacked_matmul(x, w, config=rm.RepackedConfig(False, block_m, block_n, split, prefetch=depth))
+            ahead = rm.repacked_matmul(x, w, config=rc.RepackedConfig(False, block_m, block_n, split, prefetch=depth))
             assert torch.equal(plain, ahead), (block_m, block_n, split, depth)
     torch.testing.assert_close(ahead.double(), reference(x, packed, state), rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="prefetch 0, 1 or 2 and for GEMV only"):
-        rm.RepackedConfig(True, 16, 64, 1, prefetch=1)
+        rc.RepackedConfig(True, 16, 64, 1, prefetch=1)
     with pytest.raises(ValueError, match="prefetch 0, 1 or 2 and for GEMV only"):
-        rm.RepackedConfig(False, 1, 64, 1, prefetch=3)
+        rc.RepackedConfig(False, 1, 64, 1, prefetch=3)
 
 
 def test_a_tuning_remembered_before_prefetch_depths_reads_as_depth_one():
     # kernel_timing remembers configs as JSON across starts; one saved when prefetch was a bool says true
-    best, _ = kt.decode_tuning(rm.RepackedConfig, [{"dot": False, "block_m": 1, "block_n": 64, "split_k": 4,
+    best, _ = kt.decode_tuning(rc.RepackedConfig, [{"dot": False, "block_m": 1, "block_n": 64, "split_k": 4,
                                                      "num_warps": 4, "num_stages": 2, "prefetch": True}, []])
     assert best.prefetch == 1 and type(best.prefetch) is int
     assert best.describe() == "gemv m1 n64 split4 w4 s2 prefetch"
-    assert rm.RepackedConfig(False, 1, 64, 4, prefetch=2).describe() == "gemv m1 n64 split4 w4 s2 prefetch2"
+    assert rc.RepackedConfig(False, 1, 64, 4, prefetch=2).describe() == "gemv m1 n64 split4 w4 s2 prefetch2"
 
 
 @pytest.mark.parametrize("n,k,group,blocksize", [(*shape, 64) for shape in SHAPES] + [(40, 256, 128, 128),
@@ -142,9 +143,9 @@ def test_the_whole_group_in_one_dot_multiplies_within_rounding(n, k, group, bloc
     packed, state = quantized(n, k, blocksize=blocksize)
     w = rp.repack_bnb([(packed, state)], group)
     gen = torch.Generator().manual_seed(7)
-    for m, cfg in ((1, rm.RepackedConfig(True, 16, 64, 1, whole_group=True)),
-                   (20, rm.RepackedConfig(True, 16, 32, 2, whole_group=True)),
-                   (33, rm.RepackedConfig(True, 32, 16, 3, whole_group=True))):
+    for m, cfg in ((1, rc.RepackedConfig(True, 16, 64, 1, whole_group=True)),
+                   (20, rc.RepackedConfig(True, 16, 32, 2, whole_group=True)),
+                   (33, rc.RepackedConfig(True, 32, 16, 3, whole_group=True))):
         # x's rows inside wider ones holding NaN past K: a group cut short must not read past its row's end
         wide = torch.full((m, k + 64), float("nan"))
         wide[:, :k] = torch.randn(m, k, generator=gen)
@@ -152,12 +153,12 @@ def test_the_whole_group_in_one_dot_multiplies_within_rounding(n, k, group, bloc
         bias = torch.randn(n, generator=gen)
         y = rm.repacked_matmul(x, w, bias, config=cfg)
         torch.testing.assert_close(y.double(), reference(x, packed, state, bias), rtol=1e-5, atol=1e-4)
-    assert any(c.whole_group for c in rm.candidates(16, 11008, 32, 132))       # the GPU tuner times it,
-    assert any(c.whole_group for c in rm.exact_candidates(11008, 32, 132))      # exact mode's where rows are exact
-    assert rm.RepackedConfig(True, 16, 64, 2, whole_group=True).describe() == "dot m16 n64 split2 w4 s2 group"
+    assert any(c.whole_group for c in rc.candidates(16, 11008, 32, 132))       # the GPU tuner times it,
+    assert any(c.whole_group for c in rc.exact_candidates(11008, 32, 132))      # exact mode's where rows are exact
+    assert rc.RepackedConfig(True, 16, 64, 2, whole_group=True).describe() == "dot m16 n64 split2 w4 s2 group"
     for bad in (dict(dot=False, block_m=1), dict(dot=True, block_m=16, plane_lookup=True)):
         with pytest.raises(ValueError, match="whole_group for dot only and not with plane_lookup"):
-            rm.RepackedConfig(block_n=16, split_k=1, whole_group=True, **bad)
+            rc.RepackedConfig(block_n=16, split_k=1, whole_group=True, **bad)
 
 
 @pytest.mark.parametrize("n,k,group", SHAPES)
@@ -168,13 +169,13 @@ def test_looking_up_one_plane_at_a_time_changes_no_bit(n, k, group):
     w = rp.repack_bnb([(packed, state)], group)
     x = torch.randn(20, k, generator=torch.Generator().manual_seed(3))
     for block_m, block_n, split in ((16, 64, 1), (32, 16, 2)):
-        cfg = rm.RepackedConfig(True, block_m, block_n, split)
+        cfg = rc.RepackedConfig(True, block_m, block_n, split)
         plane = rm.repacked_matmul(x, w, config=dataclasses.replace(cfg, plane_lookup=True))
         assert torch.equal(rm.repacked_matmul(x, w, config=cfg), plane), cfg
     torch.testing.assert_close(plane.double(), reference(x, packed, state), rtol=1e-5, atol=1e-4)
-    assert any(c.plane_lookup for c in rm.candidates(16, 11008, 32, 132))     # the GPU tuner times it
+    assert any(c.plane_lookup for c in rc.candidates(16, 11008, 32, 132))     # the GPU tuner times it
     with pytest.raises(ValueError, match="plane_lookup for dot only"):
-        rm.RepackedConfig(False, 1, 16, 1, plane_lookup=True)
+        rc.RepackedConfig(False, 1, 16, 1, plane_lookup=True)
 
 
 @pytest.mark.parametrize("nested", [False, True])
@@ -186,7 +187,7 @@ def test_the_table_compiled_in_as_selects_gives_every_weight_bitsandbytes_bits_a
     packed, state = quantized(n, k, nested)
     w = rp.repack_bnb([(packed, state)], group)
     assert w.table == tuple(state.code.tolist())          # read once at repack, for the compiler
-    plane = rm.RepackedConfig(True, 64, 64, 1, plane_lookup=True)
+    plane = rc.RepackedConfig(True, 64, 64, 1, plane_lookup=True)
     select = dataclasses.replace(plane, decode="select")
     assert select.describe() == "dot m64 n64 split1 w4 s2 plane select"
     assert torch.equal(rm.repacked_matmul(torch.eye(k), w, config=select).T, bnbf.dequantize_4bit(packed, state))
@@ -266,7 +267,7 @@ def test_the_kernel_wires_the_byte_permutes_to_its_planes_as_the_gather_tile_loo
     w = rp.repack_bnb([(packed, state)], 128)
     asm = pm.halves(w.table)
     x = torch.randn(16, 256, generator=torch.Generator().manual_seed(2))
-    gather = rm.RepackedConfig(True, 16, 32, 2, plane_lookup=True)
+    gather = rc.RepackedConfig(True, 16, 32, 2, plane_lookup=True)
     want = rm.repacked_matmul(x, w, config=gather)
 
     def prmt_tile() -> torch.Tensor:
@@ -332,9 +333,9 @@ def test_the_kernel_wires_the_scaled_table_to_its_planes_and_hands_the_dot_bitsa
     w = rp.repack_bnb([(packed, state)], 128)
     asm = pm.scaled(w.table, torch.float16)
     table = pm.scaled_table_program(w.table, pm.CASTS[torch.float16])
-    gather = rm.RepackedConfig(True, 16, 32, 2, plane_lookup=True)
+    gather = rc.RepackedConfig(True, 16, 32, 2, plane_lookup=True)
 
-    def scaled_tile(x: torch.Tensor, cfg: rm.RepackedConfig) -> torch.Tensor:
+    def scaled_tile(x: torch.Tensor, cfg: rc.RepackedConfig) -> torch.Tensor:
         out = torch.empty(x.shape[0], 40, dtype=x.dtype)
         rm._launch(x, w, None, out, dataclasses.replace(cfg, decode="scaled"), True)
         return out
@@ -360,19 +361,19 @@ def test_the_scaled_table_runs_where_its_lookups_fit_and_says_what_to_use_elsewh
     w128 = rp.repack_bnb([quantized(200, 256)], 128)
     w256 = rp.repack_bnb([quantized(200, 256)], 256)
     small = rp.repack_bnb([quantized(200, 256, blocksize=32)], 128)
-    assert rm.scaled_fits(w128, torch.bfloat16) and rm.scaled_fits(w128, torch.float16)
-    assert not rm.scaled_fits(w128, torch.float32) and not rm.scaled_fits(w256, torch.bfloat16)
-    assert not rm.scaled_fits(small, torch.bfloat16)
+    assert rc.scaled_fits(64, 128, torch.bfloat16) and rc.scaled_fits(64, 128, torch.float16)
+    assert not rc.scaled_fits(64, 128, torch.float32) and not rc.scaled_fits(64, 256, torch.bfloat16)
+    assert not rc.scaled_fits(32, 128, torch.bfloat16)
     for capability, fits in (((7, 5), False), ((8, 6), True), ((9, 0), True)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
-        assert rm.scaled_fits(w128, torch.float16, torch.device("cuda")) == fits, capability
+        assert rc.scaled_fits(64, 128, torch.float16, torch.device("cuda")) == fits, capability
     for m in (1, 16, 64):
-        assert "scaled" in {c.decode for c in rm.candidates(m, 11008, 32, 132)}
-        assert "scaled" not in {c.decode for c in rm.candidates(m, 11008, 32, 132, scaled=False)}
-    assert any(c.decode == "scaled" and c.serial for c in rm.candidates(16, 11008, 32, 132))   # split K summed in it
-    assert "scaled" in {c.decode for c in rm.exact_candidates(11008, 32, 132)}
-    assert "scaled" not in {c.decode for c in rm.exact_candidates(11008, 32, 132, scaled=False)}
-    cfg = rm.RepackedConfig(True, 16, 64, 1, plane_lookup=True, decode="scaled")
+        assert "scaled" in {c.decode for c in rc.candidates(m, 11008, 32, 132)}
+        assert "scaled" not in {c.decode for c in rc.candidates(m, 11008, 32, 132, scaled=False)}
+    assert any(c.decode == "scaled" and c.serial for c in rc.candidates(16, 11008, 32, 132))   # split K summed in it
+    assert "scaled" in {c.decode for c in rc.exact_candidates(11008, 32, 132)}
+    assert "scaled" not in {c.decode for c in rc.exact_candidates(11008, 32, 132, scaled=False)}
+    cfg = rc.RepackedConfig(True, 16, 64, 1, plane_lookup=True, decode="scaled")
     assert cfg.describe() == "dot m16 n64 split1 w4 s2 plane scaled"
     for w, dtype, what in ((w128, torch.float32, "x is torch.float32: use bf16 or fp16 x, or decode gather"),
                            (w256, torch.float16, "at least 128 values at group 256, and this weight's hold 64: "
@@ -383,23 +384,32 @@ def test_the_scaled_table_runs_where_its_lookups_fit_and_says_what_to_use_elsewh
             rm.kernel_call(torch.randn(16, 256).to(dtype), w, None, out, cfg, interpret=True)
     with pytest.raises(ValueError, match="decode scaled is inline PTX.*use decode select"):
         rm.repacked_matmul(torch.randn(16, 256, dtype=torch.float16), w128, config=cfg)
+    # a GPU's tuner kept the scaled tile for a shape (timed on blocks of 64): a weight of that shape in blocks of 32,
+    # or the same on a pre-Ampere GPU, runs the gather tile, whose dots get the same weights
+    gpu = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Stand-in GPU")
+    monkeypatch.setitem(rm._TUNED, rm._key(16, 200, 256, torch.bfloat16, gpu, 128), cfg)
+    for blocksize, capability, decode in ((64, (9, 0), "scaled"), (32, (9, 0), "gather"), (64, (7, 5), "gather")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        weight = SimpleNamespace(n=200, k=256, group=128, blocksize=blocksize, arrivals=None)
+        assert rm.choose_config(16, weight, torch.bfloat16, gpu, exact=False) == dataclasses.replace(cfg, decode=decode)
 
 
 def test_the_tuners_time_the_table_compiled_in_and_a_config_says_which_lookup_it_runs():
     # the GPU tuners time both constant lookups at every row class, and exact mode's where its rows are exact
     for m in (1, 2, 4, 16, 32, 64):
-        assert {c.decode for c in rm.candidates(m, 11008, 32, 132)} == {"gather", *rm.REGISTER_DECODES}, m
-    assert {c.decode for c in rm.exact_candidates(11008, 32, 132)} == {"gather", "select", "prmt", "scaled"}
-    assert rm.RepackedConfig(True, 16, 64, 1, plane_lookup=True, decode="prmt").describe() == \
+        assert {c.decode for c in rc.candidates(m, 11008, 32, 132)} == {"gather", *rc.REGISTER_DECODES}, m
+    assert {c.decode for c in rc.exact_candidates(11008, 32, 132)} == {"gather", "select", "prmt", "scaled"}
+    assert rc.RepackedConfig(True, 16, 64, 1, plane_lookup=True, decode="prmt").describe() == \
         "dot m16 n64 split1 w4 s2 plane prmt"
     for bad in (dict(decode="select"), dict(decode="table", plane_lookup=True)):
         with pytest.raises(ValueError, match="decode one of .* and other than gather with plane_lookup only"):
-            rm.RepackedConfig(True, 16, 64, 1, **bad)
+            rc.RepackedConfig(True, 16, 64, 1, **bad)
     # under the interpreter, prmt says what to run instead (its values are select's)
     packed, state = quantized(200, 192)
     w = rp.repack_bnb([(packed, state)], 128)
     with pytest.raises(ValueError, match="interpreter cannot run: use decode select"):
-        rm.repacked_matmul(torch.randn(16, 192), w, config=rm.RepackedConfig(True, 16, 64, 1, plane_lookup=True,
+        rm.repacked_matmul(torch.randn(16, 192), w, config=rc.RepackedConfig(True, 16, 64, 1, plane_lookup=True,
                                                                              decode="prmt"))
 
 
@@ -412,8 +422,8 @@ def test_split_k_summed_by_the_last_split_in_the_same_launch_gives_the_reduce_ke
     w = rp.repack_bnb([(packed, state)], group)
     gen = torch.Generator().manual_seed(m)
     x, bias = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
-    block_m = rm.row_class(m) if m <= 4 else 16
-    for cfg in (rm.RepackedConfig(m >= 5, block_m, 16, 2, prefetch=m < 5), rm.RepackedConfig(m >= 5, block_m, 32, 3)):
+    block_m = rc.row_class(m) if m <= 4 else 16
+    for cfg in (rc.RepackedConfig(m >= 5, block_m, 16, 2, prefetch=m < 5), rc.RepackedConfig(m >= 5, block_m, 32, 3)):
         two_launches = rm.repacked_matmul(x, w, bias, config=cfg)
         serial = dataclasses.replace(cfg, serial=True)
         assert rm.serial_fits(m, w, serial), "the counts cover 64 rows in tiles of 16"
@@ -424,16 +434,16 @@ def test_split_k_summed_by_the_last_split_in_the_same_launch_gives_the_reduce_ke
 
 
 def test_the_serial_reduce_is_timed_beside_its_tile_and_left_where_its_counts_cannot_cover_the_rows(monkeypatch):
-    assert any(c.serial for c in rm.candidates(1, 11008, 32, 132))         # the GPU tuner times it
-    assert any(c.serial for c in rm.candidates(16, 11008, 32, 132))
-    assert not any(c.serial for c in rm.candidates(1, 32000, 1, 132)), "one group: no split to sum"
+    assert any(c.serial for c in rc.candidates(1, 11008, 32, 132))         # the GPU tuner times it
+    assert any(c.serial for c in rc.candidates(16, 11008, 32, 132))
+    assert not any(c.serial for c in rc.candidates(1, 32000, 1, 132)), "one group: no split to sum"
     with pytest.raises(ValueError, match="serial with split_k >= 2"):
-        rm.RepackedConfig(False, 1, 16, 1, serial=True)
+        rc.RepackedConfig(False, 1, 16, 1, serial=True)
     n, k, group = SHAPES[0]
     packed, state = quantized(n, k)
     w = rp.repack_bnb([(packed, state)], group)
     assert w.arrivals.shape == (rp.ROW_TILES * 208 // 16,) and w.arrivals.dtype == torch.int32
-    serial = rm.RepackedConfig(True, 16, 16, 2, serial=True)
+    serial = rc.RepackedConfig(True, 16, 16, 2, serial=True)
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(7))          # a prefill: 5 row tiles of 16
     with pytest.raises(ValueError, match="more tiles than this weight's counts"):
         rm.repacked_matmul(x, w, config=serial)
@@ -447,22 +457,22 @@ def test_a_weight_of_eight_scale_blocks_a_group_runs_without_the_prefetch():
     packed, state = quantized(40, 256, blocksize=32)
     w = rp.repack_bnb([(packed, state)], 256)                  # 8 blocks of 32 in a group of 256
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(4))
-    assert rm.fast_config(2, 40, 1, 0).prefetch and not rm.choose_config(2, w, x.dtype, x.device, False).prefetch
+    assert rc.fast_config(2, 40, 1, 0).prefetch and not rm.choose_config(2, w, x.dtype, x.device, False).prefetch
     torch.testing.assert_close(rm.repacked_matmul(x, w).double(), reference(x, packed, state), rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match=r"^prefetch takes at most 4 scale blocks per group, and group 256 holds 8"):
-        rm.repacked_matmul(x, w, config=rm.RepackedConfig(False, 2, 16, 1, prefetch=True))
+        rm.repacked_matmul(x, w, config=rc.RepackedConfig(False, 2, 16, 1, prefetch=True))
 
 
 @pytest.mark.parametrize("m", [1, 33, 70])
 def test_cuda_exact_modes_one_tensor_core_tile_computes_the_product_for_any_m(m):
     # exact mode's config on CUDA (its row exactness is the GPU's to show: tests/test_cuda_repacked.py)
-    cfg = rm.exact_config(11008, 32, 132)
+    cfg = rc.exact_config(11008, 32, 132)
     assert cfg.dot and cfg.block_m == 64          # no M argument: one tile for 1 row or 64
     n, k, group = SHAPES[1]
     packed, state = quantized(n, k)
     w = rp.repack_bnb([(packed, state)], group)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    y = rm.repacked_matmul(x, w, config=rm.exact_config(n, -(-k // group), 4))
+    y = rm.repacked_matmul(x, w, config=rc.exact_config(n, -(-k // group), 4))
     torch.testing.assert_close(y.double(), reference(x, packed, state), rtol=1e-5, atol=1e-4)
 
 
@@ -477,7 +487,7 @@ def test_exact_mode_gives_every_row_the_bits_it_gets_alone():
         assert torch.equal(rm.repacked_matmul(x[:m], w, bias, exact=True), alone[:m]), f"M={m}"
     # the GPU's tiles (block_n 16, block_m <= 8) and split-K: one split for every M is what makes it
     # hold, whatever the block sizes
-    split = [rm.RepackedConfig(False, bm, 16, 2) for bm in (1, 4, 8)]
+    split = [rc.RepackedConfig(False, bm, 16, 2) for bm in (1, 4, 8)]
     rows = [rm.repacked_matmul(x[:33], w, bias, config=cfg) for cfg in split]
     assert all(torch.equal(r, rows[0]) for r in rows[1:])
     assert torch.equal(rm.repacked_matmul(x[5:6], w, bias, config=split[0])[0], rows[0][5])

@@ -38,14 +38,14 @@ SMS = 132                                                       # an H100's or H
 def batches() -> list[list]:
     """Each tuner call's launches, in a 7B load's order: what compile_ahead gets at a time."""
     from ..quant import nf4_matmul as nm
-    from ..quant import nf4_repacked_matmul as rm
+    from ..quant import nf4_repacked_configs as rc
     from .kernel_sass import bnb_storage_launch, repacked_launch
 
     out = []
     for (k, n), rows in LOAD_7B:
         for m in rows:
-            out.append([repacked_launch(k, n, rm.row_class(m), cfg).jit_launch
-                        for cfg in rm.candidates(m, n, -(-k // 128), SMS)])
+            out.append([repacked_launch(k, n, rc.row_class(m), cfg).jit_launch
+                        for cfg in rc.candidates(m, n, -(-k // 128), SMS)])
     for k, n in STORAGE_7B:
         out.append([bnb_storage_launch(k, n, 16, cfg).jit_launch for cfg in nm.candidates(16, n, k, SMS)])
     return out
@@ -79,10 +79,10 @@ def measure(threads: int, arch: int) -> dict:
 
 def _kernels() -> list:
     from ..quant import nf4_matmul as nm
-    from ..quant import nf4_repacked_matmul as rm
+    from ..quant.nf4_repacked_kernel import repacked_kernel
     from ..quant.triton_runtime import launchable
 
-    return [launchable(fn, False) for fn in (rm._repacked_kernel, nm._nf4_kernel, nm._nf4_stream_kernel)]
+    return [launchable(fn, False) for fn in (repacked_kernel, nm._nf4_kernel, nm._nf4_stream_kernel)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,13 +65,13 @@ class Rung:
 
 def configs(m: int, n: int, k: int, sms: int, group: int = 128, decodes: tuple[str, ...] | None = None) -> list:
     """The configs a row count is taken apart at (see the module docstring); ``decodes``: the lookups with no
-    shared memory (default: the tuner's, rm.REGISTER_DECODES)."""
-    from ..quant import nf4_repacked_matmul as rm
+    shared memory (default: the tuner's, rc.REGISTER_DECODES)."""
+    from ..quant import nf4_repacked_configs as rc
 
-    first = rm.fast_config(m, n, -(-k // group), sms)
+    first = rc.fast_config(m, n, -(-k // group), sms)
     if not first.dot:
         return [dataclasses.replace(first, serial=True) if first.split_k > 1 else first]
-    register = [dataclasses.replace(first, decode=d) for d in (rm.REGISTER_DECODES if decodes is None else decodes)]
+    register = [dataclasses.replace(first, decode=d) for d in (rc.REGISTER_DECODES if decodes is None else decodes)]
     return [first, *register, dataclasses.replace(first, plane_lookup=False, whole_group=True)]
 
 

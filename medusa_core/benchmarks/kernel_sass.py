@@ -378,11 +378,12 @@ def report(launch: Launch, gpu: Gpu, workdir: Path) -> SassReport:
 def configs_for(m: int, n: int, k: int, gpu: Gpu, every: bool, group: int = 128) -> list[tuple[str, object]]:
     """(mode, config) pairs: the untimed fast choice, exact mode's, and with ``every`` each config the
     tuner would time."""
-    _, rm = _triton_tools()
+    from ..quant import nf4_repacked_configs as rc
+
     groups = -(-k // group)
-    out = [("fast", rm.fast_config(m, n, groups, gpu.sms)), ("exact", rm.exact_config(n, groups, gpu.sms))]
+    out = [("fast", rc.fast_config(m, n, groups, gpu.sms)), ("exact", rc.exact_config(n, groups, gpu.sms))]
     if every:
-        out += [("candidate", cfg) for cfg in rm.candidates(m, n, groups, gpu.sms)[1:]]
+        out += [("candidate", cfg) for cfg in rc.candidates(m, n, groups, gpu.sms)[1:]]
     return out
 
 

@@ -3,7 +3,7 @@
 The loaders ask ``bnb_config`` for their ``BitsAndBytesConfig``; the random benchmark model uses
 ``quantize_linear_nf4_``; ``use_nf4_kernel`` routes NF4 layers' multi-row inputs (Medusa's tree
 verification, 2..64 rows) to the Triton kernel in nf4_matmul.py, or (``repacked``, ``repacked-exact``)
-every NF4 layer to the kernel in nf4_repacked_matmul.py over weights repacked in memory, q/k/v and
+every NF4 layer to the kernel in nf4_repacked_kernel.py over weights repacked in memory, q/k/v and
 gate/up fused (nf4_fused.py). On CUDA, ``auto`` times both on the GPU at load and keeps the faster.
 bitsandbytes and Triton are imported only where used, so the rest of the project imports without them.
 """
@@ -274,7 +274,7 @@ def _use_triton(layers, choice: str, device: torch.device) -> str:
     return f"nf4 kernel: Triton for {routed} NF4 layers ({len(shapes)} shapes), {rows}{kept_text}"
 
 
-REPACKED_ROW_CLASSES = (1, 2, 4, 16, 32, 64)    # the repacked kernel's row classes (nf4_repacked_matmul.row_class)
+REPACKED_ROW_CLASSES = (1, 2, 4, 16, 32, 64)    # the repacked kernel's row classes (nf4_repacked_configs.row_class)
 
 
 def _fusions(layers, device: torch.device) -> tuple[tuple[tuple[str, ...], ...], list[str]]:

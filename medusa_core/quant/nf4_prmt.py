@@ -3,7 +3,7 @@ as PTX for the repacked kernel (``RepackedConfig.decode == "prmt"``) and as a Py
 
 Why: Triton decodes a plane in the registers its dot reads only when every operation between the loaded word
 and the dot is elementwise with constant operands (inline assembly included); a ``tl.gather`` goes through
-shared memory, refilled before each plane (nf4_repacked_matmul.py, RepackedConfig.decode). A tree of 15
+shared memory, refilled before each plane (nf4_repacked_kernel.py, RepackedConfig.decode). A tree of 15
 selects is elementwise but costs 14 instructions a weight. ``prmt.b32 d, a, b, c`` picks each of d's 4
 bytes from the 8 bytes of (a, b) by a 3-bit index in c's 4 low nibbles, so one permute looks up one byte of
 4 codes at once in 8 table entries:

@@ -1,4 +1,4 @@
-"""NF4 weights repacked once at load for the kernel in nf4_repacked_matmul.py, and back.
+"""NF4 weights repacked once at load for the kernel in nf4_repacked_kernel.py, and back.
 
 Why repack: bitsandbytes stores W[N, K] row-major with element 2j in the high nibble and 2j+1 in the
 low one, and (double quant) each 64-value block's scale as a uint8 index into a second table times a
@@ -41,10 +41,10 @@ class RepackedNF4:
     blocksize: int             # B
     group: int                 # G
     # int32 (ROW_TILES * N_pad/16,) zeros between calls: how many split-K programs of each output tile have
-    # stored their partials, for the kernel's serial reduce (nf4_repacked_matmul); each call sets them back
+    # stored their partials, for the kernel's serial reduce (nf4_repacked_kernel); each call sets them back
     arrivals: torch.Tensor | None = None
     # the 16 values of ``code`` on the host, read once at repack: the select lookup compiles them into the kernel
-    # (nf4_repacked_matmul.RepackedConfig.decode), where reading them from the device would sync each call
+    # (nf4_repacked_configs.RepackedConfig.decode), where reading them from the device would sync each call
     table: tuple[float, ...] = ()
 
     @property
