@@ -26,6 +26,7 @@ from medusa_core.quant import nf4_matmul as nm  # noqa: E402
 from medusa_core.quant import nf4_repacked_configs as rc  # noqa: E402
 from medusa_core.quant import nf4_repacked_kernel as rk  # noqa: E402
 from medusa_core.quant import nf4_repacked_matmul as rm  # noqa: E402
+from medusa_core.quant import nf4_storage_kernels as sk  # noqa: E402
 from medusa_core.quant.nf4_repack import repack_bnb  # noqa: E402
 from medusa_core.quant.triton_runtime import launchable  # noqa: E402
 
@@ -107,7 +108,7 @@ def test_the_kernel_on_bitsandbytes_storage_is_compiled_ahead_as_its_tuner_launc
     packed, state = quantize_4bit(torch.randn(N, K) * 0.02, blocksize=64, compress_statistics=True, quant_type="nf4")
     x = torch.randn(16, K, dtype=torch.bfloat16)
     configs = nm.candidates(16, N, K, 132, 64, wide=True)
-    kernels = [launchable(f, False) for f in (nm._nf4_kernel, nm._nf4_stream_kernel)]
+    kernels = [launchable(f, False) for f in (sk.tile_kernel, sk.stream_kernel)]
     assert {nm.compiled_launch(x, packed, state, cfg)[0] for cfg in configs} == set(kernels)   # tile and stream
     kt.compile_ahead([lambda cfg=cfg: nm.compiled_launch(x, packed, state, cfg) for cfg in configs])
     later = [Compiles(f) for f in kernels]

@@ -78,11 +78,11 @@ def measure(threads: int, arch: int) -> dict:
 
 
 def _kernels() -> list:
-    from ..quant import nf4_matmul as nm
     from ..quant.nf4_repacked_kernel import repacked_kernel
+    from ..quant.nf4_storage_kernels import stream_kernel, tile_kernel
     from ..quant.triton_runtime import launchable
 
-    return [launchable(fn, False) for fn in (repacked_kernel, nm._nf4_kernel, nm._nf4_stream_kernel)]
+    return [launchable(fn, False) for fn in (repacked_kernel, tile_kernel, stream_kernel)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,7 @@
 
 The loaders ask ``bnb_config`` for their ``BitsAndBytesConfig``; the random benchmark model uses
 ``quantize_linear_nf4_``; ``use_nf4_kernel`` routes NF4 layers' multi-row inputs (Medusa's tree
-verification, 2..64 rows) to the Triton kernel in nf4_matmul.py, or (``repacked``, ``repacked-exact``)
+verification, 2..64 rows) to the Triton kernels in nf4_storage_kernels.py, or (``repacked``, ``repacked-exact``)
 every NF4 layer to the kernel in nf4_repacked_kernel.py over weights repacked in memory, q/k/v and
 gate/up fused (nf4_fused.py). On CUDA, ``auto`` times both on the GPU at load and keeps the faster.
 bitsandbytes and Triton are imported only where used, so the rest of the project imports without them.
