@@ -292,10 +292,14 @@ def test_the_scaled_table_gives_every_weight_bitsandbytes_bits_cast_in_every_pos
     table_ops = pm.scaled_table_program(tuple(bnbf.get_4bit_type("nf4", device="cpu").tolist()), pm.CASTS[dtype])
     lookups = [pm.scaled_lookup_program(half) for half in (0, 1)]
 
-    def decoded(word: int, scale: float) -> list[int]:
+    def decoded(word: int, scale: float) -> list[int]:      # the word's 8 weights, as 16-bit patterns
         tables = pm.execute(table_ops, {"$8": pm.fp32_bits(scale)})
         operands = {"$4": word, **{f"${5 + j}": tables[f"${j}"] for j in range(8)}}
-        return [v for ops in lookups for v in (lambda reg: [reg[f"${i}"] for i in range(4)])(pm.execute(ops, operands))]
+        weights = []
+        for ops in lookups:
+            reg = pm.execute(ops, operands)
+            weights += [reg[f"${i}"] for i in range(4)]
+        return weights
 
     def bits(values: torch.Tensor) -> list[int]:
         return [b & 0xFFFF for b in values.to(dtype).view(torch.int16).tolist()]
