@@ -128,6 +128,23 @@ def test_main_loop_is_the_largest_backward_branch():
         ks.main_loop(["MOV R1, R2", "EXIT"])
 
 
+def test_a_loads_lead_is_counted_to_the_first_instruction_naming_what_it_loaded_around_the_loop():
+    words = ["@!P1 LDG.E.128 R12, desc[UR12][R2.64]",           # R12..R15
+             "FFMA R8, R6, R7, R8",
+             "LDGSTS.E.BYPASS.128 [R40], desc[UR14][R24.64]",   # an asynchronous copy: no register loaded
+             "IMAD.MOV.U32 R35, RZ, RZ, R15"]                   # R15, third on
+    assert ks.load_ahead(words) == 3
+    x = ["IADD3 R51, R51, 0x1, RZ",                             # R51 in the next pass: third on, around the loop
+         "LDG.E.U16 R50, desc[UR12][R64.64]",                   # R50: second on, the nearest
+         "LDG.E.U16 R51, desc[UR12][R66.64]",
+         "FADD R9, R50, R9",
+         "FFMA R8, R6, R7, R8"]
+    assert ks.load_ahead(x) == 2
+    assert ks.load_ahead(["FFMA R8, R6, R7, R8", "BRA `(.L_x_0)"]) is None
+    assert ks._named_registers("LDG.E R5, desc[UR4][R2.64+0x10]") == {5, 2, 3}
+    assert ks._named_registers("IADD3 R1, RZ, R10.reuse, -R11") == {1, 10, 11}
+
+
 def test_cli_reports_fast_and_exact_configs_as_json(tmp_path, capsys):
     out = tmp_path / "sass.json"
     assert ks.main(["--shape", "4096x4096", "--rows", "1", "--json", str(out)]) == 0

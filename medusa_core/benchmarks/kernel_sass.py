@@ -69,6 +69,9 @@ class SassReport:
     #                                 layout conversions Triton routes through shared memory
     global_loads: dict             # per pass: opcode (with its width) -> count
     opcodes: dict                  # per pass: base opcode -> count, most frequent first
+    load_ahead: int | None         # instructions between a global load into registers and the first that names
+    #                                 what it loaded, the fewest of the pass's loads (None: it has none): the
+    #                                 work the nearest load's latency can hide behind
     issue_us: float                # estimate: main-loop warp instructions at 4 per clock per SM
     shared_us: float               # estimate: shared-memory traffic (loads and stores) at 128 bytes per clock per SM
     floor_us: float                # packed words + scales at the copy bandwidth
@@ -351,6 +354,34 @@ def main_loop(lines: list[str]) -> list[str]:
     return best
 
 
+def _named_registers(ins: str) -> set[int]:
+    """The general registers an instruction names: R7 is 7, a 64-bit address R2.64 is 2 and 3 (RZ is none)."""
+    regs: set[int] = set()
+    for number, pair in re.findall(r"\bR(\d+)(\.64)?", ins):
+        regs.update((int(number), int(number) + 1) if pair else (int(number),))
+    return regs
+
+
+def load_ahead(loop: list[str]) -> int | None:
+    """The fewest instructions from a global load into registers (LDG) to the first instruction of the loop
+    that names a register it loads, counted around the loop, so a load read in the next pass counts the rest
+    of this one: the work that hides the nearest load's latency. Reading or writing that register waits for
+    the load alike. An asynchronous copy into shared memory (LDGSTS) loads no register. None: no such load."""
+    nearest = None
+    for i, ins in enumerate(loop):
+        op = opcode(ins)
+        if not op.startswith("LDG."):
+            continue
+        first = re.search(r"\bR(\d+)\b", ins[ins.index(op) + len(op):]).group(1)      # the destination
+        width = int(re.search(r"\.(64|128)\b", op).group(1)) // 32 if re.search(r"\.(64|128)\b", op) else 1
+        loaded = set(range(int(first), int(first) + width))
+        for step in range(1, len(loop) + 1):
+            if loaded & _named_registers(loop[(i + step) % len(loop)]):
+                nearest = step if nearest is None else min(nearest, step)
+                break
+    return nearest
+
+
 def report(launch: Launch, gpu: Gpu, workdir: Path) -> SassReport:
     """Compile ``launch`` for the GPU and count its main loop."""
     cubin = workdir / "kernel.cubin"
@@ -370,6 +401,7 @@ def report(launch: Launch, gpu: Gpu, workdir: Path) -> SassReport:
         instructions_per_weight=round(len(loop) / per_thread, 2), shared_loads_per_weight=round(lds / per_thread, 2),
         global_loads={op: c for op, c in sorted(ops.items()) if op.startswith("LDG")},
         opcodes=dict(Counter(opcode(ins).split(".")[0] for ins in loop).most_common()),
+        load_ahead=load_ahead(loop),
         issue_us=round(passes * len(loop) / (4 * per_us), 2),
         shared_us=round(passes * shared_clocks / per_us, 2),
         floor_us=round(launch.floor_bytes / (gpu.copy_tb_s * 1e6), 2))
@@ -474,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = []
     print(f"{'K->N':>12} {'M':>3} {'mode':>9} {'config':<40} {'reg':>4} {'spill':>5} {'instr/w':>7} "
-          f"{'lds/w':>5} {'issue':>6} {'smem':>6} {'floor':>6}  (µs: estimates for {H100.sms} SMs at "
+          f"{'lds/w':>5} {'ahead':>5} {'issue':>6} {'smem':>6} {'floor':>6}  (µs: estimates for {H100.sms} SMs at "
           f"{H100.boost_ghz} GHz, not timings)")
     with tempfile.TemporaryDirectory() as tmp:
         for k, n in args.shape:
@@ -487,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     rows.append(dict(mode=mode, **asdict(r)))
                     print(f"{f'{k}->{n}':>12} {m:>3} {mode:>9} {r.config:<40} {r.registers:>4} {r.local_bytes:>5} "
-                          f"{r.instructions_per_weight:>7} {r.shared_loads_per_weight:>5} {r.issue_us:>6} {r.shared_us:>6} "
+                          f"{r.instructions_per_weight:>7} {r.shared_loads_per_weight:>5} {r.load_ahead or '-':>5} "
+                          f"{r.issue_us:>6} {r.shared_us:>6} "
                           f"{r.floor_us:>6}")
     _write(args.json, gpu, rows)
     return 0
