@@ -37,6 +37,22 @@ def test_gemv_loads_words_16_bytes_at_a_time_and_looks_each_weight_up_once(tmp_p
     assert r.issue_us > 0 and r.shared_us > 0 and r.floor_us > 0
 
 
+@pytest.mark.parametrize("m", [1, 2])
+def test_two_groups_ahead_the_gemv_copies_its_words_to_shared_memory_asynchronously(tmp_path, m):
+    # why prefetch 2 is Triton's pipeliner: two groups held in registers are handed on at the loop's end by a copy
+    # that waits for the load issued at its top, so they were never two groups ahead. Pipelined, the words and
+    # scales come by asynchronous copies into shared memory, none into registers, with fewer barriers a group
+    k, n = 4096, 11008
+    one = rc.fast_config(m, n, k // 128, ks.H100.sms)
+    assert one.prefetch == 1 and not one.dot
+    ahead = ks.report(ks.repacked_launch(k, n, m, one), ks.H100, tmp_path)
+    deep = ks.report(ks.repacked_launch(k, n, m, dataclasses.replace(one, prefetch=2)), ks.H100, tmp_path)
+    assert deep.local_bytes == 0, deep
+    assert deep.global_loads.get("LDGSTS.E.BYPASS.128", 0) >= 1 and "LDG.E.128" not in deep.global_loads, deep
+    assert "LDGSTS" not in ahead.opcodes and ahead.global_loads.get("LDG.E.128", 0) >= 1, ahead
+    assert deep.opcodes["BAR"] < ahead.opcodes["BAR"], (deep.opcodes, ahead.opcodes)
+
+
 @pytest.mark.parametrize("plane_lookup,whole_group", [(False, False), (True, False), (False, True)])
 def test_tensor_core_path_compiles_without_spills(tmp_path, plane_lookup, whole_group):
     k, n = 4096, 4096
@@ -143,6 +159,19 @@ def test_a_loads_lead_is_counted_to_the_first_instruction_naming_what_it_loaded_
     assert ks.load_ahead(["FFMA R8, R6, R7, R8", "BRA `(.L_x_0)"]) is None
     assert ks._named_registers("LDG.E R5, desc[UR4][R2.64+0x10]") == {5, 2, 3}
     assert ks._named_registers("IADD3 R1, RZ, R10.reuse, -R11") == {1, 10, 11}
+
+
+def test_x_a_group_ahead_gives_every_load_of_the_one_row_gemv_most_of_a_pass_to_arrive(tmp_path):
+    # why x_ahead is timed at one row: each plane's x is otherwise loaded a few instructions before its products,
+    # a cache round trip 8 times a group; loaded with the group before, it is first needed a pass later
+    k, n = 4096, 11008
+    one = rc.fast_config(1, n, k // 128, ks.H100.sms)
+    plain = ks.report(ks.repacked_launch(k, n, 1, dataclasses.replace(one, prefetch=2)), ks.H100, tmp_path)
+    ahead = ks.report(ks.repacked_launch(k, n, 1, dataclasses.replace(one, prefetch=2, x_ahead=True)), ks.H100,
+                      tmp_path)
+    assert plain.load_ahead < 0.5 * plain.loop_instructions, plain
+    assert ahead.load_ahead > 0.75 * ahead.loop_instructions, ahead
+    assert ahead.local_bytes == 0, ahead
 
 
 def test_cli_reports_fast_and_exact_configs_as_json(tmp_path, capsys):

@@ -25,11 +25,21 @@ class RepackedConfig:
     split_k: int        # programs along K (in whole groups); > 1 adds the reduce kernel
     num_warps: int = 4
     num_stages: int = 2
-    prefetch: int = 0   # GEMV: groups whose words and scales are loaded before this one is computed (0, 1, 2;
+    prefetch: int = 0   # GEMV: groups whose words and scales are in flight while one is computed (0, 1, 2;
     # the tensor-core path gets the same from Triton's pipeliner, num_stages). On the H100 one group ahead took
     # the 1-row 4096->11008 call from 33 to 20 µs, and splitting K 2, 4 or 8 ways moved it by 1 µs: a program
-    # waits on its loads, not on the bytes. Two ahead: 137 registers a thread against 123 (sm_90, Triton 3.9; 128
-    # against 120 under 3.6), so 3 programs of 4 warps fit an SM where 4 did: 1.5x the bytes in flight, not 2x.
+    # waits on its loads, not on the bytes. 1: loaded into registers a group ahead by the kernel. 2: the loop
+    # pipelined by Triton (tl.range num_stages 3), its loads copied asynchronously into shared memory two groups
+    # ahead. Two groups ahead in registers, as 2 was until 2026-11-29, cannot be: the loop hands the loaded
+    # registers on at its end (words_next = words_after), and that copy waits for the load issued at the loop's
+    # top, one group's work before, as depth 1 does (the SASS's load-to-first-use distance, sm_90). It took
+    # 128 registers and measured slower than depth 1 on every shape on the H200. Pipelined, compiled for sm_90
+    # (Triton 3.6, 4096->11008, one row): 96 registers, 2 barriers a group against depth 1's 120 and 8.
+    x_ahead: bool = False   # GEMV with prefetch: x's next group loaded with the words, as 8 planes in registers.
+    # Without it each plane's x is loaded just before its products: compiled for sm_90, 16 to 59 instructions
+    # ahead of its first use, an L1 or L2 round trip 8 times a group. At one row, with prefetch 2: 80 registers
+    # (6 programs of 4 warps an SM, against depth 1's 4) at 5.9 instructions a weight against 5.6. At 2 and 4 rows
+    # it costs registers and instructions (96 against 64, 127 against 106), so the tuners try it at one row.
     plane_lookup: bool = False   # tensor cores: look each plane up just before its dot, not all 8 at once.
     # Compiled for sm_90 (kernel_sass, M = 16): 8.5 instructions per weight against 9.6, 64 registers
     # against 96, 8-byte shared stores of the dequantized tile against 2-byte ones, but 33 barriers a
@@ -72,17 +82,17 @@ class RepackedConfig:
                 or (self.plane_lookup and not self.dot) \
                 or (self.whole_group and (not self.dot or self.plane_lookup)) \
                 or self.decode not in DECODES or (self.decode != "gather" and not self.plane_lookup) \
-                or (self.serial and self.split_k < 2):
+                or (self.serial and self.split_k < 2) or (self.x_ahead and not self.prefetch):
             raise ValueError(f"bad repacked config {self}: block_n a multiple of {ROWS}, block_m a power of two "
                              "(>= 16 with dot), prefetch 0, 1 or 2 and for GEMV only, plane_lookup for dot only, "
                              f"whole_group for dot only and not with plane_lookup, decode one of {DECODES} and other "
-                             "than gather with plane_lookup only, serial with split_k >= 2")
+                             "than gather with plane_lookup only, serial with split_k >= 2, x_ahead with prefetch only")
         object.__setattr__(self, "prefetch", int(self.prefetch))   # a tuning remembered as true/false reads as 1/0
 
     def describe(self) -> str:
         return (f"{'dot' if self.dot else 'gemv'} m{self.block_m} n{self.block_n} split{self.split_k} "
                 f"w{self.num_warps} s{self.num_stages}{' prefetch' if self.prefetch else ''}"
-                f"{self.prefetch if self.prefetch > 1 else ''}"
+                f"{self.prefetch if self.prefetch > 1 else ''}{' x' if self.x_ahead else ''}"
                 f"{' plane' if self.plane_lookup else ''}{'' if self.decode == 'gather' else ' ' + self.decode}"
                 f"{' group' if self.whole_group else ''}"
                 f"{' serial' if self.serial else ''}")
@@ -162,9 +172,12 @@ def candidates(m: int, n: int, groups: int, sms: int, scaled: bool = True) -> li
     out = [first]
     if cls <= 4:
         out.append(dataclasses.replace(first, prefetch=0))     # what the prefetch's registers cost
-        out.append(dataclasses.replace(first, prefetch=2))     # two groups in flight, and with half the splits:
-        out.append(dataclasses.replace(first, prefetch=2,      # each program's loop twice as long to hide them in
-                                       split_k=split_for(n, groups, first.block_n, 2 * sms)))
+        # two groups in flight (at one row with x a group ahead: the fewest registers, sm_90), and with half the
+        # splits: each program's loop twice as long to hide them in
+        deep = dataclasses.replace(first, prefetch=2, x_ahead=cls == 1)
+        out += [deep, dataclasses.replace(deep, split_k=split_for(n, groups, first.block_n, 2 * sms))]
+        if cls == 1:
+            out.append(dataclasses.replace(first, x_ahead=True))
         for block_n, warps, waves in ((first.block_n, 4, 2), (first.block_n, 4, 8), (2 * first.block_n, 8, 4),
                                       (16, 4, 4)):
             out.append(RepackedConfig(False, cls, block_n, split_for(n, groups, block_n, waves * sms), warps,
@@ -189,7 +202,7 @@ def candidates(m: int, n: int, groups: int, sms: int, scaled: bool = True) -> li
     if first.split_k > 1:   # the default tile with its partials added in the same launch
         out.append(dataclasses.replace(first, serial=True))
         if not first.dot:
-            out.append(dataclasses.replace(first, serial=True, prefetch=2))
+            out.append(dataclasses.replace(deep, serial=True))
         else:               # and the scaled lookup's, the tile with the fewest instructions a weight (kernel_sass)
             out.append(dataclasses.replace(first, serial=True, decode="scaled"))
     # two wave targets can give the same split

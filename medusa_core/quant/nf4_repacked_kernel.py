@@ -8,9 +8,11 @@ One kernel, three constexpr paths over the same step (one group of G columns of 
   values, not per value); the lanes are summed once at the end by a fixed pairwise tree (reshape and
   split, not tl.reduce, whose order depends on the tensor's layout). Split-K over programs, with a
   deterministic reduce of fp32 partials: a second kernel, or (``serial``, a tuner candidate) the last
-  split of each output tile to arrive, in the same order, so in the same bits. With PREFETCH the next
-  one or two groups' words and scales are loaded before this group is computed, so their latency hides behind
-  a group's work (Triton pipelines the tensor-core path's loads itself, but not these, which go to registers).
+  split of each output tile to arrive, in the same order, so in the same bits. With PREFETCH 1 the next
+  group's words and scales are loaded into registers before this group is computed, so their latency hides
+  behind a group's work; with PREFETCH 2 Triton's pipeliner keeps the next two groups' in flight, copied
+  asynchronously into shared memory (it pipelines the tensor-core path's loads by itself, these only when the
+  loop asks). X_AHEAD loads x's next group with them (RepackedConfig.prefetch, x_ahead).
 - tensor cores (DOT True, M >= 5): each plane (BLOCK_N, G/8) is dequantized once, code * scale in
   fp32 cast to x's dtype as bitsandbytes casts its dequantized weight, and enters ``tl.dot`` as the
   tall operand against x.T (G/8, BLOCK_M): every weight tile is decoded once for all the rows. Or
@@ -38,7 +40,23 @@ except ImportError as err:  # one line, naming the fix; the rest of the project 
     raise ImportError(f"medusa_core.quant.nf4_repacked_kernel needs Triton ({err}): "
                       "pip install 'triton>=3.7'") from None
 
-from .triton_runtime import bitwise_xor, unspecialized
+from .triton_runtime import bitwise_xor, helper, unspecialized
+
+
+@helper
+def _x_planes(x_ptr, offs_m, stride_xm, kg, rows, K, GROUP: tl.constexpr, EVEN_K: tl.constexpr):
+    """The 8 planes of x's group ``kg`` (rows below ``rows``), each (BM, G/8) in x's dtype, as a tuple."""
+    LANES: tl.constexpr = GROUP // 8
+    lane = tl.arange(0, LANES)
+    planes = ()
+    for i in tl.static_range(8):
+        col = kg * GROUP + i * LANES + lane
+        if EVEN_K:
+            ok = (offs_m < rows)[:, None]
+        else:
+            ok = (offs_m < rows)[:, None] & (col < K)[None, :]
+        planes = planes + (tl.load(x_ptr + offs_m[:, None] * stride_xm + col[None, :], mask=ok, other=0),)
+    return planes
 
 
 # the count of K groups and a split's share of them: one kernel for every shape and split. Specialized on
@@ -53,7 +71,8 @@ def repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, a
                      EVEN_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      PREFETCH: tl.constexpr = 0, PLANE_LOOKUP: tl.constexpr = False, SERIAL: tl.constexpr = False,
                      WHOLE_GROUP: tl.constexpr = False, LADDER: tl.constexpr = 0, DECODE: tl.constexpr = "gather",
-                     TABLE: tl.constexpr = None, PRMT: tl.constexpr = None, SCALED: tl.constexpr = None):
+                     TABLE: tl.constexpr = None, PRMT: tl.constexpr = None, SCALED: tl.constexpr = None,
+                     X_AHEAD: tl.constexpr = False):
     # grid: (M tiles, N tiles, K splits): the M tiles of one weight tile are launched side by side, so
     # past the first they read it from L2. BLOCK_N is a multiple of the 16-row group.
     # LADDER (0 in every real call; benchmarks/kernel_ladder.py times the others): 1 = table-free, each code is
@@ -88,38 +107,32 @@ def repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, a
     # (BN, LANES) words: 16 rows x G/2 bytes contiguous per row group; row-only mask keeps 16-byte loads
     word = tl.max_contiguous(tl.multiple_of(lane, LANES), LANES)
     scale_col = tl.arange(0, SCALES)
-    # PREFETCH (GEMV): the words and scales of the next PREFETCH groups are in flight while a group is computed
-    # (see RepackedConfig.prefetch)
-    if PREFETCH >= 1:
+    # PREFETCH 1 (GEMV): the next group's words and scales are in flight while a group is computed; PREFETCH 2:
+    # Triton's pipeliner keeps the next two groups' in flight instead; X_AHEAD: x's next group too (see
+    # RepackedConfig.prefetch and x_ahead)
+    if PREFETCH == 1:
         first = (offs_n < tl.where(g_lo < g_hi, N, 0))[:, None]                          # (BN, 1)
         words_next = tl.load(w_ptr + ((slot + g_lo * 16) * LANES)[:, None] + word[None, :], mask=first, other=0)
         scales_next = tl.load(s_ptr + ((slot + g_lo * 16) * SCALES)[:, None] + scale_col[None, :], mask=first,
                               other=0)                                                    # (BN, SCALES)
-    if PREFETCH >= 2:
-        second = (offs_n < tl.where(g_lo + 1 < g_hi, N, 0))[:, None]
-        words_after = tl.load(w_ptr + ((slot + (g_lo + 1) * 16) * LANES)[:, None] + word[None, :], mask=second,
-                              other=0)
-        scales_after = tl.load(s_ptr + ((slot + (g_lo + 1) * 16) * SCALES)[:, None] + scale_col[None, :],
-                               mask=second, other=0)
-    for kg in range(g_lo, g_hi):
-        if PREFETCH >= 1:
+    if X_AHEAD:
+        x_next = _x_planes(x_ptr, offs_m, stride_xm, g_lo, tl.where(g_lo < g_hi, M, 0), K, GROUP, EVEN_K)
+    for kg in tl.range(g_lo, g_hi, num_stages=3 if PREFETCH == 2 else None):
+        if X_AHEAD:
+            xs = x_next
+            x_next = _x_planes(x_ptr, offs_m, stride_xm, kg + 1, tl.where(kg + 1 < g_hi, M, 0), K, GROUP, EVEN_K)
+        if PREFETCH == 1:
             words = words_next
             scales = scales_next
-            if PREFETCH >= 2:
-                words_next = words_after
-                scales_next = scales_after
-            ahead = (offs_n < tl.where(kg + PREFETCH < g_hi, N, 0))[:, None]         # (BN, 1): not past the split
-            nxt = slot + (kg + PREFETCH) * 16                                       # (BN,) that group's slots
-            loaded = tl.load(w_ptr + (nxt * LANES)[:, None] + word[None, :], mask=ahead, other=0)
-            loaded_scales = tl.load(s_ptr + (nxt * SCALES)[:, None] + scale_col[None, :], mask=ahead, other=0)
-            if PREFETCH >= 2:
-                words_after = loaded
-                scales_after = loaded_scales
-            else:
-                words_next = loaded
-                scales_next = loaded_scales
+            ahead = (offs_n < tl.where(kg + 1 < g_hi, N, 0))[:, None]                 # (BN, 1): not past the split
+            nxt = slot + (kg + 1) * 16                                              # (BN,) that group's slots
+            words_next = tl.load(w_ptr + (nxt * LANES)[:, None] + word[None, :], mask=ahead, other=0)
+            scales_next = tl.load(s_ptr + (nxt * SCALES)[:, None] + scale_col[None, :], mask=ahead, other=0)
         else:
             words = tl.load(w_ptr + ((slot + kg * 16) * LANES)[:, None] + word[None, :], mask=n_ok[:, None], other=0)
+            if PREFETCH == 2:
+                scales = tl.load(s_ptr + ((slot + kg * 16) * SCALES)[:, None] + scale_col[None, :], mask=n_ok[:, None],
+                                 other=0)                                                  # (BN, SCALES)
         if LADDER == 2:   # the loads alone: the prefetched scales, or this group's
             if PREFETCH == 0:
                 scales = tl.load(s_ptr + ((slot + kg * 16) * SCALES)[:, None] + scale_col[None, :], mask=n_ok[:, None],
@@ -241,7 +254,11 @@ def repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, a
                         x_ok = m_ok[:, None]
                     else:
                         x_ok = m_ok[:, None] & k_ok[None, :]
-                    xv = tl.load(x_ptr + offs_m[:, None] * stride_xm + col[None, :], mask=x_ok, other=0).to(tl.float32)
+                    if X_AHEAD:
+                        xv = xs[i].to(tl.float32)
+                    else:
+                        xv = tl.load(x_ptr + offs_m[:, None] * stride_xm + col[None, :], mask=x_ok,
+                                     other=0).to(tl.float32)
                     prod = xv[:, None, :] * code[None, :, :]                         # (BM, BN, LANES)
                     if i % PER_SCALE == 0:
                         block = prod

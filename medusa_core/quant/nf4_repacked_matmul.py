@@ -170,7 +170,7 @@ def choose_config(m: int, w: RepackedNF4, dtype: torch.dtype, device: torch.devi
         cfg = _TUNED.get(_key(m, w.n, w.k, dtype, device, w.group)) or \
             fast_config(m, w.n, groups, torch.cuda.get_device_properties(device).multi_processor_count)
     if cfg.prefetch and w.group // w.blocksize > PREFETCH_MAX_SCALES:
-        cfg = dataclasses.replace(cfg, prefetch=False)       # a weight of small blocks: the kernel cannot
+        cfg = dataclasses.replace(cfg, prefetch=0, x_ahead=False)   # a weight of small blocks: the kernel cannot
     if cfg.decode == "scaled" and not scaled_fits(w.blocksize, w.group, dtype, device):
         # tuned on bitsandbytes' blocks of 64, kept for the shape: a weight of smaller blocks looks its codes up in
         # shared memory instead, into the same weights for the same dots, so the same bits
@@ -254,8 +254,8 @@ def kernel_call(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: b
             out.stride(0), per_split)
     meta = dict(HAS_BIAS=has_bias, PARTIAL=part is not None, DEQUANT_ONLY=False,
                 PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", BLOCK_M=cfg.block_m,
-                BLOCK_N=cfg.block_n, PREFETCH=cfg.prefetch, PLANE_LOOKUP=cfg.plane_lookup, SERIAL=serial,
-                WHOLE_GROUP=cfg.whole_group, LADDER=ladder, DECODE=cfg.decode,
+                BLOCK_N=cfg.block_n, PREFETCH=cfg.prefetch, X_AHEAD=cfg.x_ahead, PLANE_LOOKUP=cfg.plane_lookup,
+                SERIAL=serial, WHOLE_GROUP=cfg.whole_group, LADDER=ladder, DECODE=cfg.decode,
                 TABLE=w.table if cfg.decode == "select" else None,
                 PRMT=nf4_prmt.halves(w.table) if cfg.decode == "prmt" else None,
                 SCALED=nf4_prmt.scaled(w.table, x2.dtype) if cfg.decode == "scaled" else None,

@@ -37,13 +37,18 @@ def check_runnable(device: torch.device) -> None:
 
 
 def helper(fn):
-    """A function the kernels call (a ``tl.reduce`` combine), in its compiled form always. ``triton.jit`` at import
-    under TRITON_INTERPRET=1 gives the interpreter's form, which a kernel compiled for a GPU cannot call: the
-    SASS checks of the norm failed once a test had imported it under the interpreter. The interpreter runs
-    this form as plain Python."""
+    """A function the kernels call (a ``tl.reduce`` combine, or a part of a kernel), in its compiled form always.
+    ``triton.jit`` at import under TRITON_INTERPRET=1 gives the interpreter's form, which a kernel compiled for a
+    GPU cannot call: the SASS checks of the norm failed once a test had imported it under the interpreter. The
+    interpreter runs this form as plain Python: it calls a combine's function itself, and a kernel's call of a
+    helper reaches ``__call__``, which a compiled kernel never calls (it inlines the helper's source)."""
     from triton.runtime.jit import JITFunction
 
-    return JITFunction(fn)
+    class Helper(JITFunction):
+        def __call__(self, *args, **kwargs):
+            return self.fn(*args, **kwargs)
+
+    return Helper(fn)
 
 
 def unspecialized(*names: str):
