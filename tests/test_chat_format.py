@@ -3,7 +3,6 @@ prompt otherwise; Gradio 6 part lists and plain strings; turn-ending stop ids.""
 
 from __future__ import annotations
 
-import re
 
 import pytest
 from tiny import char_tokenizer
