@@ -4,6 +4,7 @@ and a stage that outruns the device call's time is stopped, with what it wrote k
 import importlib
 import json
 import os
+import subprocess
 import sys
 import time
 import types
@@ -19,12 +20,31 @@ def test_every_stage_command_is_one_its_benchmark_accepts(tmp_path):
     # a renamed option or choice in a benchmark would otherwise surface only on a lent GPU, costing its time
     for stage in STAGES:
         args = command_of(stage, tmp_path)[3:]
-        if stage.module == "pytest":
-            files = [a for a in args if a.endswith(".py")]
+        if stage.module == "pytest":     # test files and node ids
+            files = [a.split("::")[0] for a in args if a.startswith("tests/")]
             assert files and all((ROOT / f).is_file() for f in files), stage
         else:
             parsed = importlib.import_module(stage.module).parser(True).parse_args(args)
             assert str(tmp_path) in str(parsed.json), stage
+
+
+def _collected(args: list[str]) -> set[str]:
+    picked = [a for a in args if a.startswith(("tests/", "--deselect="))]
+    run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *picked],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return {line for line in run.stdout.splitlines() if "::" in line}
+
+
+def test_the_cuda_tests_run_once_each_the_end_to_end_decodes_in_the_last_stage(tmp_path):
+    # the end-to-end decodes run after the measurements, by node id: a renamed test would otherwise be deselected
+    # from the first stage silently and fail to collect in the last on a lent GPU
+    stages = {s.name: command_of(s, tmp_path)[3:] for s in STAGES if s.module == "pytest"}
+    first, last = _collected(stages["cuda-tests"]), _collected(stages["cuda-e2e"])
+    assert last == set(gpu_runbook.END_TO_END_TESTS) and not first & last
+    files = [a for a in stages["cuda-tests"] if a.endswith(".py")]
+    assert first | last == _collected(files)
+    assert STAGES[-1].name == "cuda-e2e"
 
 
 def test_a_stage_past_the_deadline_is_stopped_with_its_output_kept_and_the_rest_not_started(tmp_path):

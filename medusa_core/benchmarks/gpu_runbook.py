@@ -11,7 +11,7 @@ back whole. Each benchmark rewrites its JSON after every result, so a stage cut 
 measured. ``runbook.json`` says per stage: the command, its exit status, its seconds, and whether the
 deadline cut it or left it unstarted. Each stage's output is in ``<stage>.log``.
 
-The device tool brings back at most 8 files from $OUT, and the stages write 14: the stages write in a
+The device tool brings back at most 8 files from $OUT, and the stages write 18: the stages write in a
 folder of their own, and --out gets ``runbook.tar.gz`` (all of it, rewritten after each stage) and a copy of
 ``runbook.json``. Back on the development machine, ``tar xzf runbook.tar.gz``, and the JSONs fold into one
 report (docs/performance.md):
@@ -59,14 +59,27 @@ class Stage:
 # group in one dot among the tuner's candidates, 64 rows, bitsandbytes) and the anchors (torch's int4 and bf16).
 # Then the NF4 step as the app routes it (auto kernel, norms, rotary and attention) and in exact mode, against
 # transformers' rotary and SDPA; the app's loading path started twice on a saved 7B (never yet measured); the
-# profile with its largest ops per category, and the greedy-equality count (exact mode first, 8 prompts). Each
-# JSON is rewritten after every result, so a stage cut short keeps its rows.
+# profile with its largest ops per category, and the greedy-equality count (exact mode first, 8 prompts). Last,
+# the CUDA tests that decode whole answers through a tuned or exact step: 113 of the CUDA tests' 223 s on the H200
+# of 2026-11-28 (67 s the first, which tunes every candidate), time the first call's step needs now that the
+# ladder, kernel table and anchors precede it. The kernels' own tests still come first, and a tuner checks each
+# candidate's result before timing it. Each JSON is rewritten after every result, so a stage cut short keeps its
+# rows.
+END_TO_END_TESTS = (
+    "tests/test_cuda_repacked.py::"
+    "test_auto_times_both_kernels_on_this_gpu_and_decodes_in_a_graph_what_it_decodes_eagerly",
+    "tests/test_cuda_repacked.py::"
+    "test_a_captured_step_through_fused_repacked_layers_decodes_what_the_eager_step_does[repacked-exact]",
+    "tests/test_cuda_repacked.py::"
+    "test_bf16_exact_mode_decodes_plain_decodings_tokens_where_this_gpu_keeps_the_rest_row_invariant",
+)
 STAGES = (
     Stage("cuda-tests", "the CUDA tests (the repacked kernel, the Triton norms, rotary and split attention, the "
-          "graphed step) and the kernels as this machine's Triton compiles them", "pytest",
+          "graphed step) and the kernels as this machine's Triton compiles them, but the end-to-end decodes",
+          "pytest",
           ("-q", "-p", "no:cacheprovider", "tests/test_kernel_sass.py", "tests/test_cuda_repacked.py",
            "tests/test_cuda_graphs.py", "tests/test_cuda_rotary.py", "tests/test_cuda_split_attention.py",
-           "--junitxml={out}/cuda_tests.xml")),
+           *(f"--deselect={t}" for t in END_TO_END_TESTS), "--junitxml={out}/cuda_tests.xml")),
     Stage("ladder", "the repacked kernel taken apart at 1 and 16 rows: whole, without its table lookup, loading only",
           "medusa_core.benchmarks.kernel_ladder", ("--json", "{out}/ladder.json")),
     Stage("kernels", "every NF4 kernel per projection and row count, the tuners' timings",
@@ -88,6 +101,8 @@ STAGES = (
     Stage("exactness", "how often greedy NF4 Medusa equals plain decoding, per kernel (random 7B)",
           "medusa_core.benchmarks.nf4_exactness",
           ("--kernels", "repacked-exact", "auto", "bnb", "--prompts", "8", "--json", "{out}/exactness.json")),
+    Stage("cuda-e2e", "the CUDA tests that decode through a tuned or exact step", "pytest",
+          ("-q", "-p", "no:cacheprovider", *END_TO_END_TESTS, "--junitxml={out}/cuda_e2e.xml")),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
 
