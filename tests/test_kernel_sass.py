@@ -98,6 +98,21 @@ def test_the_scaled_table_decodes_in_fewer_instructions_and_registers_than_the_f
         assert scaled.registers < prmt.registers and scaled.local_bytes == 0, (m, scaled, prmt)
 
 
+def test_the_scaled_tile_three_stages_deep_holds_a_second_group_in_shared_memory_not_registers(tmp_path):
+    # why the 16-row tuner times it: a third stage doubles the loads in flight at the registers of two, so as many
+    # programs fit an SM (shared memory allowing)
+    k, n = 4096, 11008
+    two = dataclasses.replace(rc.fast_config(16, n, k // 128, ks.H100.sms), decode="scaled")
+    three = dataclasses.replace(two, num_stages=3)
+    assert three in rc.candidates(16, n, k // 128, ks.H100.sms)
+    r2, r3 = (ks.report(ks.repacked_launch(k, n, 16, cfg), ks.H100, tmp_path) for cfg in (two, three))
+    allocated = [-(-r.registers // 8) * 8 for r in (r2, r3)]      # an SM hands registers out 8 a thread at a time
+    assert allocated[0] == allocated[1] and r3.local_bytes == 0 and r3.opcodes.get("BAR", 0) <= 2, (r2, r3)
+    shared2, shared3 = (ks.compile_launch(ks.repacked_launch(k, n, 16, cfg), 90).metadata.shared
+                        for cfg in (two, three))
+    assert shared2 < shared3 < 2 * shared2 and 7 * shared3 <= 227 * 1024, (shared2, shared3)
+
+
 def _instructions(cubin) -> int:
     return sum(not line.endswith(":") for line in ks.disassemble(cubin))
 

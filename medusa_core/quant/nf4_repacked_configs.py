@@ -195,6 +195,11 @@ def candidates(m: int, n: int, groups: int, sms: int, scaled: bool = True) -> li
         # the per-plane lookup with more programs (its fewer registers fit more per SM)
         out.append(RepackedConfig(True, cls, 64, split_for(n, groups, 64, 4 * sms), plane_lookup=True))
         out += [dataclasses.replace(first, decode=d) for d in REGISTER_DECODES]   # decoded where the dot reads
+        if cls == 16:   # the scaled tile with two groups in flight: compiled for sm_90 (Triton 3.6), three stages
+            # hold the same 69 registers as two, in 21.5 KB of shared memory against 12.8, so 7 programs an SM still
+            # fit (at 64 rows the 58 KB of three stages would let 3 fit where registers let 5); whether the tile's
+            # loads wait is the GPU's to say
+            out.append(dataclasses.replace(first, decode="scaled", num_stages=3))
         # the whole group in one dot, with 4 warps and with 8 (fewer registers a thread, more programs an SM)
         out.append(dataclasses.replace(first, plane_lookup=False, whole_group=True))
         out.append(dataclasses.replace(first, plane_lookup=False, whole_group=True, num_warps=8))
