@@ -372,9 +372,9 @@ def load_ahead(loop: list[str]) -> int | None:
         op = opcode(ins)
         if not op.startswith("LDG."):
             continue
-        first = re.search(r"\bR(\d+)\b", ins[ins.index(op) + len(op):]).group(1)      # the destination
-        width = int(re.search(r"\.(64|128)\b", op).group(1)) // 32 if re.search(r"\.(64|128)\b", op) else 1
-        loaded = set(range(int(first), int(first) + width))
+        first = int(re.search(r"\bR(\d+)\b", ins[ins.index(op) + len(op):]).group(1))    # the destination
+        wide = re.search(r"\.(64|128)\b", op)
+        loaded = set(range(first, first + (int(wide.group(1)) // 32 if wide else 1)))
         for step in range(1, len(loop) + 1):
             if loaded & _named_registers(loop[(i + step) % len(loop)]):
                 nearest = step if nearest is None else min(nearest, step)
