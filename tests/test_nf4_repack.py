@@ -463,7 +463,7 @@ def test_the_serial_reduce_is_timed_beside_its_tile_and_left_where_its_counts_ca
     torch.testing.assert_close(rm.repacked_matmul(x, w).double(), reference(x, packed, state), rtol=1e-5, atol=1e-4)
 
 
-def test_a_weight_of_eight_scale_blocks_a_group_runs_without_the_prefetch():
+def test_a_weight_of_eight_scale_blocks_a_group_runs_without_the_prefetch(monkeypatch):
     packed, state = quantized(40, 256, blocksize=32)
     w = rp.repack_bnb([(packed, state)], 256)                  # 8 blocks of 32 in a group of 256
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(4))
@@ -471,6 +471,12 @@ def test_a_weight_of_eight_scale_blocks_a_group_runs_without_the_prefetch():
     torch.testing.assert_close(rm.repacked_matmul(x, w).double(), reference(x, packed, state), rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match=r"^prefetch takes at most 4 scale blocks per group, and group 256 holds 8"):
         rm.repacked_matmul(x, w, config=rc.RepackedConfig(False, 2, 16, 1, prefetch=True))
+    # a GPU's tuner kept the pipelined GEMV with x ahead for the shape: such a weight runs it without either
+    gpu = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Stand-in GPU")
+    tuned = rc.RepackedConfig(False, 1, 16, 1, prefetch=2, x_ahead=True)
+    monkeypatch.setitem(rm._TUNED, rm._key(1, 40, 256, torch.bfloat16, gpu, 256), tuned)
+    assert rm.choose_config(1, w, torch.bfloat16, gpu, False) == dataclasses.replace(tuned, prefetch=0, x_ahead=False)
 
 
 @pytest.mark.parametrize("m", [1, 33, 70])
