@@ -1,7 +1,7 @@
 """The split attention (quant/split_attention.py) on CUDA, in bf16 and fp16 at Llama-7B and SmolLM2 shapes: within
-rounding of SDPA with the step's mask, blocks no row sees never read, the same bits eagerly and inside a CUDA graph,
-and a captured decoding step through it running the kernel. Skipped without CUDA: the runbook's cuda-tests stage
-runs it."""
+rounding of SDPA with the step's mask, blocks no row sees never read, merged by a kernel of its own or in the split
+kernel's launch, the same bits eagerly and inside a CUDA graph, and a captured decoding step through it running the
+kernel. Skipped without CUDA: the runbook's cuda-tests stage runs it."""
 
 from __future__ import annotations
 
@@ -41,12 +41,22 @@ def test_it_is_sdpa_within_rounding_reads_no_hidden_block_and_replays_its_bits(d
     k[:, :, unseen:], v[:, :, unseen:] = float("nan"), float("nan")           # read, they would make NaN
     got = sa.split_attention(q, k, v, mask)
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = sa.split_attention(q, k, v, mask)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(replayed, got)
+    # the merge in the split kernel's launch, as the step runs it (each head's last split merges)
+    arrivals = torch.zeros(heads, dtype=torch.int32, device="cuda")
+    merged_in_launch = sa.split_attention(q, k, v, mask, None, arrivals)
+    torch.testing.assert_close(merged_in_launch.float(), want, rtol=2e-2, atol=2e-2)
+    same = torch.equal(merged_in_launch, got)
+    print(f"merged in the launch: {'the merge kernel bit for bit' if same else 'other bits'}")
+    for eager in (got, merged_in_launch):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = sa.split_attention(q, k, v, mask, None, arrivals if eager is merged_in_launch else None)
+        for _ in range(20):              # the counts zero again after each replay, or a replay would not merge
+            replayed.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(replayed, eager)
+    assert not arrivals.any()
 
 
 def test_a_captured_bf16_step_runs_through_it():

@@ -296,12 +296,24 @@ def test_the_rotary_kernel_compiles_without_local_memory_or_a_fused_multiply_add
 def test_the_split_attention_compiles_to_tensor_cores_with_nothing_in_local_memory(tmp_path, heads, kv_heads, dim, rows):
     # quant/split_attention.py: the rows padded to 16 so that scores and values go through tl.dot; 64 rows at
     # 4 warps took 205 registers a thread (8 warps: 162); fp32 spilled at every size, and goes to SDPA on a GPU
-    for merge in (False, True):
-        cubin = tmp_path / f"split{merge}.cubin"
-        launch = ks.split_attention_launch(heads, kv_heads, dim, rows, merge=merge)
+    for merge, serial in ((False, False), (True, False), (False, True)):
+        cubin = tmp_path / f"split{merge}{serial}.cubin"
+        launch = ks.split_attention_launch(heads, kv_heads, dim, rows, merge=merge, serial=serial)
         cubin.write_bytes(ks.compile_launch(launch, ks.H100.arch).asm["cubin"])
         res = ks.resources(cubin)
         assert res["REG"] > 0 and res["LOCAL"] == 0 and res["STACK"] == 0, res
-        opcodes = {ks.opcode(line) for line in ks.disassemble(cubin) if not line.endswith(":")}
+        opcodes = [ks.opcode(line) for line in ks.disassemble(cubin) if not line.endswith(":")]
         # HMMA (mma.sync), or at 64 rows Hopper's HGMMA (wgmma)
-        assert merge or any(op.startswith(("HMMA", "HGMMA")) for op in opcodes), sorted(opcodes)
+        assert merge or any(op.startswith(("HMMA", "HGMMA")) for op in opcodes), sorted(set(opcodes))
+        if serial:
+            # the merge in the launch reads the other programs' partials only after they are published: every
+            # thread's stores, a barrier, a GPU-scope fence and atomic, the L1 invalidated, a barrier, then
+            # loads from L2 (what the interpreter, one program at a time, cannot show)
+            assert _in_order(opcodes, ("BAR.SYNC", "MEMBAR.ALL.GPU", "ATOMG.E.ADD.STRONG.GPU", "CCTL.IVALL",
+                                       "BAR.SYNC", "LDG.E.STRONG.GPU")), opcodes
+
+
+def _in_order(opcodes: list[str], wanted: tuple[str, ...]) -> bool:
+    """Whether ``wanted`` occur in ``opcodes`` in that order (each a prefix of an opcode, others between)."""
+    found = iter(opcodes)
+    return all(any(op.startswith(w) for op in found) for w in wanted)

@@ -59,18 +59,52 @@ def test_it_computes_sdpas_attention_and_never_reads_a_block_no_row_sees(sa, row
     assert sa.split_count(heads, width, q.device)[0] > 1
 
 
+@pytest.mark.parametrize("rows,width,heads,kv_heads,dim",
+                         [(1, 256, 4, 2, 64), (16, 200, 2, 1, 48), (33, 128, 2, 2, 32)])
+def test_the_last_split_of_a_head_merges_in_the_same_launch_to_the_merge_kernels_bits(sa, rows, width, heads,
+                                                                                          kv_heads, dim):
+    gen = torch.Generator().manual_seed(rows)
+    q = torch.randn(1, heads, rows, dim, generator=gen)
+    k, v = (torch.randn(1, kv_heads, width, dim, generator=gen) for _ in range(2))
+    mask = step_mask(rows, width, width // 2, rows)
+    two_launches = sa.split_attention(q, k, v, mask)
+    arrivals = torch.zeros(heads, dtype=torch.int32)
+    for _ in range(2):              # the counts are zero again after a call: the next call merges too
+        sa.split_attention(2 * q, k, v, mask)       # other partials in the memory the next call's may reuse
+        launches = []
+        real = sa.launchable
+        sa.launchable = lambda fn, interpret: launches.append(fn.__name__) or real(fn, interpret)
+        try:
+            one_launch = sa.split_attention(q, k, v, mask, None, arrivals)
+        finally:
+            sa.launchable = real
+        assert launches == ["_split_kernel"]
+        assert torch.equal(one_launch, two_launches)
+        assert not arrivals.any()
+
+
+def test_arrival_counts_of_the_wrong_kind_are_refused_in_one_line(sa):
+    q, k, mask = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 64, 16), step_mask(1, 64, 10, 0)
+    with pytest.raises(ValueError) as err:
+        sa.split_attention(q, k, k, mask, None, torch.zeros(4, dtype=torch.int64))
+    assert str(err.value) == ("split_attention's arrivals must be 4 int32 counts on cpu; got 4 torch.int64 on cpu: "
+                              "pass zeros of that shape, or None")
+
+
 def test_a_model_routed_through_it_decodes_the_tokens_sdpa_decodes_and_goes_back(sa):
     model, decode = tree_decoding()
     before = decode()
     assert sa.use_split_attention(model, "split") == "attention: split over the keys in Triton, hidden key blocks skipped"
     calls = []
     kernel = sa.split_attention
-    sa.split_attention = lambda *a: calls.append(a[0].shape[2]) or kernel(*a)
+    sa.split_attention = lambda *a: calls.append((a[0].shape[2], a[5] is not None and not a[5].any())) or \
+        kernel(*a)
     try:
         assert decode() == before
     finally:
         sa.split_attention = kernel
-    assert calls.count(15) >= 2, "the steps' rows (the 15-node tree's) went through the kernel"
+    assert calls.count((15, True)) >= 2, "the steps' rows (the 15-node tree's) went through the kernel, merged in it"
+    assert all(merged for _, merged in calls), "every call had its layer's arrival counts, zero"
     assert sa.use_split_attention(model, "sdpa") == "attention: transformers' SDPA"
     assert model.config._attn_implementation == "sdpa"
 

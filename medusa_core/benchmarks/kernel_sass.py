@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import inspect
 import json
+import math
 import re
 import subprocess
 import sys
@@ -148,21 +149,24 @@ def attention_launch(heads: int, kv_heads: int, dim: int, rows: int, width: int 
 
 
 def split_attention_launch(heads: int, kv_heads: int, dim: int, rows: int, width: int = 1024,
-                           dtype: torch.dtype = torch.bfloat16, merge: bool = False) -> Launch:
-    """``split_attention`` (fast attention over the keys in splits, off by default) of ``rows`` query rows over
-    ``width`` cache slots: its split kernel, or its merge kernel with ``merge``."""
+                           dtype: torch.dtype = torch.bfloat16, merge: bool = False, serial: bool = False) -> Launch:
+    """``split_attention`` (fast attention over the keys in splits) of ``rows`` query rows over ``width`` cache
+    slots: its split kernel (with ``serial``, the one that merges in its launch, as the step runs it), or its merge
+    kernel with ``merge``."""
     from ..quant import split_attention as sa
 
     meta = torch.device("meta")
     q = torch.empty(1, heads, rows, dim, dtype=dtype, device=meta)
     k = torch.empty(1, kv_heads, width, dim, dtype=dtype, device=meta)
     mask = torch.empty(1, 1, rows, width, dtype=dtype, device=meta)
+    arrivals = torch.empty(heads, dtype=torch.int32, device=meta) if serial else None
     calls = sa.kernel_calls(q, k, k, mask, torch.empty(1, rows, heads, dim, dtype=dtype, device=meta), dim ** -0.5,
-                            False)
+                            False, arrivals)
     fn, grid, args, kw = calls[1 if merge else 0]
     # for compile_launch and resources (no per-weight counts: it is no matmul); the floor: keys and values once
-    return Launch(width, heads * dim, rows, fn, args, kw, f"split w{sa.BLOCK_W}" + (" merge" if merge else ""),
-                  grid[0] * grid[1], 1, sa.BLOCK_W, 0, kw["num_warps"], 2 * kv_heads * width * dim * dtype.itemsize)
+    name = f"split w{sa.BLOCK_W}" + (" merge" if merge else " serial" if serial else "")
+    return Launch(width, heads * dim, rows, fn, args, kw, name, math.prod(grid), 1, sa.BLOCK_W, 0, kw["num_warps"],
+                  2 * kv_heads * width * dim * dtype.itemsize)
 
 
 def norm_launch(hidden: int, rows: int = 16, dtype: torch.dtype = torch.bfloat16) -> Launch:

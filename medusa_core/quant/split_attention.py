@@ -8,7 +8,9 @@ most of them empty, and at 7B shapes that is 16 MB a layer where a few MB are se
 SDPA one query row a head: 32 programs for 132 SMs (H100) walk the whole cache each. Here each (head, split)
 program walks a slice of the slots in blocks of BLOCK_W keys: a block whose mask hides it from every row is
 not read at all (the mask says so; nothing about the cache is assumed), the others are scored with
-``tl.dot`` (the rows padded to 16), and a second small kernel merges the splits' partial softmax sums.
+``tl.dot`` (the rows padded to 16), and each head's last split to finish merges the splits' partial softmax
+sums in the same launch (an arrival count per head, as the NF4 kernel's serial split-K sum): a merge kernel of
+its own cost 0.13 ms of the H200's 3.51 ms one-node step, 32 launches of 4 µs.
 
 Fast, not exact: a row's sums are split and merged in an order that depends on the bucket and the number of
 rows, as SDPA's do. Exact mode keeps its own attention (rows_alone_attention.py). What the kernel does not
@@ -35,7 +37,7 @@ try:
 except ImportError as err:  # one line, naming the fix; the rest of the project never needs Triton
     raise ImportError(f"medusa_core.quant.split_attention needs Triton ({err}): pip install 'triton>=3.7'") from None
 
-from .triton_runtime import add, check_runnable, interpret_enabled, launchable, maximum
+from .triton_runtime import add, check_runnable, helper, interpret_enabled, launchable, maximum
 
 NAME = "medusa_split"          # its name in transformers' AttentionInterface
 ATTENTION_KERNELS = ("sdpa", "split")
@@ -44,11 +46,11 @@ MAX_ROWS = 64                  # a tree's rows; a prefill's longer runs go to SD
 PROGRAMS_PER_SM = 2            # (head, split) programs aimed at per SM
 
 
-def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, rows, width, blocks_per_split, scale, hidden,
-                  stride_qh, stride_qt, stride_kh, stride_kw, stride_vh, stride_vw, stride_mt, stride_mw,
-                  GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-                  BLOCK_W: tl.constexpr, LOG_T: tl.constexpr, LOG_W: tl.constexpr, TREE: tl.constexpr,
-                  IEEE: tl.constexpr):
+def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, arrivals_ptr, rows, width,
+                  blocks_per_split, scale, hidden, stride_qh, stride_qt, stride_kh, stride_kw, stride_vh, stride_vw,
+                  stride_mt, stride_mw, stride_ot, stride_oh, SERIAL: tl.constexpr, GROUP: tl.constexpr,
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
+                  LOG_T: tl.constexpr, LOG_W: tl.constexpr, TREE: tl.constexpr, IEEE: tl.constexpr):
     # grid: (query heads, splits). Heads of one GQA group read the same keys (from L2 after the first).
     h = tl.program_id(0)
     split = tl.program_id(1)
@@ -120,32 +122,50 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, rows, wi
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m = m_new
-    # partials laid out (heads, splits, BT[, BD]): merged by _merge_kernel
+    # partials laid out (heads, splits, BT[, BD]): merged by _merge_kernel, or (SERIAL) here by whichever split
+    # of this head stores its partials last
     part = h * splits + split
     tl.store(m_ptr + part * BLOCK_T + t, m)
     tl.store(l_ptr + part * BLOCK_T + t, total)
     tl.store(acc_ptr + (part * BLOCK_T + t[:, None]) * BLOCK_D + d[None, :], acc)
+    if SERIAL:
+        # every thread's partials stored before the count says so: a barrier, then one thread's release at GPU
+        # scope (as the NF4 kernel's serial split-K sum, quant/nf4_repacked_kernel.py)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr + h, 1, sem="acq_rel", scope="gpu")
+        if arrived == splits - 1:
+            tl.debug_barrier()    # the acquire above precedes every thread's reads below
+            _merged(m_ptr, l_ptr, acc_ptr, out_ptr, h, rows, splits, stride_ot, stride_oh, D, BLOCK_D, BLOCK_T)
+            tl.store(arrivals_ptr + h, 0)     # zero again for the next call (and the next replay of a graph)
+
+
+@helper
+def _merged(m_ptr, l_ptr, acc_ptr, out_ptr, h, rows, splits, stride_ot, stride_oh,
+            D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
+    # one head's rows: its splits' partial softmax sums merged in split order, stored as (rows, D) of out.
+    # .cg: from L2, where the other programs' partials are, never a stale line of this SM's L1
+    t = tl.arange(0, BLOCK_T)
+    d = tl.arange(0, BLOCK_D)
+    top = tl.full((BLOCK_T,), float("-inf"), tl.float32)
+    for split in range(0, splits):
+        top = tl.maximum(top, tl.load(m_ptr + (h * splits + split) * BLOCK_T + t, cache_modifier=".cg"))
+    base = tl.where(top == float("-inf"), 0.0, top)           # a row no split saw: zeros, not 0/0
+    total = tl.full((BLOCK_T,), 0.0, tl.float32)
+    acc = tl.full((BLOCK_T, BLOCK_D), 0.0, tl.float32)
+    for split in range(0, splits):
+        part = (h * splits + split) * BLOCK_T + t                                         # (BT,)
+        weight = tl.exp(tl.load(m_ptr + part, cache_modifier=".cg") - base)   # 0 for a split that saw nothing
+        total += weight * tl.load(l_ptr + part, cache_modifier=".cg")
+        acc += weight[:, None] * tl.load(acc_ptr + part[:, None] * BLOCK_D + d[None, :], cache_modifier=".cg")
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_ptr + t[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(t[:, None] < rows) & (d[None, :] < D))
 
 
 def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, rows, splits, stride_ot, stride_oh,
                   D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
-    # grid: (query heads, rows); one program merges one row's splits, in split order
-    h = tl.program_id(0)
-    t = tl.program_id(1)
-    d = tl.arange(0, BLOCK_D)
-    top = tl.full((1,), float("-inf"), tl.float32)
-    for split in range(0, splits):
-        top = tl.maximum(top, tl.load(m_ptr + (h * splits + split) * BLOCK_T + t + tl.full((1,), 0, tl.int32)))
-    base = tl.where(top == float("-inf"), 0.0, top)           # a row no split saw: zeros, not 0/0
-    total = tl.full((1,), 0.0, tl.float32)
-    acc = tl.full((BLOCK_D,), 0.0, tl.float32)
-    for split in range(0, splits):
-        part = (h * splits + split) * BLOCK_T + t
-        weight = tl.exp(tl.load(m_ptr + part + tl.full((1,), 0, tl.int32)) - base)        # (1,): 0 for a skipped split
-        total += weight * tl.load(l_ptr + part + tl.full((1,), 0, tl.int32))
-        acc += weight * tl.load(acc_ptr + part * BLOCK_D + d)
-    out = acc / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+    # grid: (query heads,); one program merges one head's rows (a call without arrival counts)
+    _merged(m_ptr, l_ptr, acc_ptr, out_ptr, tl.program_id(0), rows, splits, stride_ot, stride_oh, D, BLOCK_D, BLOCK_T)
 
 
 @functools.cache
@@ -165,10 +185,14 @@ def split_count(heads: int, width: int, device: torch.device) -> tuple[int, int]
 
 
 def split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                    scale: float | None = None) -> torch.Tensor:
+                    scale: float | None = None, arrivals: torch.Tensor | None = None) -> torch.Tensor:
     """query (1, heads, T, D), key/value (1, kv_heads, W, D), mask (1, 1, T, W) additive float -> (1, T, heads, D)
     in query's dtype: SDPA's attention with that mask, up to rounding; key blocks the mask hides from every row
-    (entries at the mask dtype's lowest value, as the step writes them, or -inf) are never read."""
+    (entries at the mask dtype's lowest value, as the step writes them, or -inf) are never read.
+
+    arrivals: (heads,) int32 zeros on query's device, the split kernel's workspace (zero again after each call):
+    with it, each head's last split merges the partials in the same launch; without it, a second kernel does
+    (the same merge of the same partials)."""
     check_runnable(query.device)
     if not fits(query, key, value, mask):
         raise ValueError(f"split_attention takes batch 1, at most {MAX_ROWS} rows, query heads a multiple of kv heads "
@@ -176,17 +200,23 @@ def split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          f"mask {tuple(mask.shape)}")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
     _, heads, rows, dim = q.shape
+    if arrivals is not None and (arrivals.dtype != torch.int32 or arrivals.numel() < heads
+                                 or arrivals.device != q.device):
+        raise ValueError(f"split_attention's arrivals must be {heads} int32 counts on {q.device}; got "
+                         f"{arrivals.numel()} {arrivals.dtype} on {arrivals.device}: pass zeros of that shape, or None")
     out = torch.empty(1, rows, heads, dim, dtype=q.dtype, device=q.device)                 # (1, T, heads, D)
     interpret = q.device.type == "cpu"
-    calls = kernel_calls(q, k, v, mask, out, dim ** -0.5 if scale is None else scale, interpret)
+    calls = kernel_calls(q, k, v, mask, out, dim ** -0.5 if scale is None else scale, interpret, arrivals)
     for fn, grid, args, meta in calls:
         launchable(fn, interpret)[grid](*args, **meta)
     return out
 
 
-def kernel_calls(q, k, v, mask, out, scale: float, interpret: bool) -> list[tuple]:
-    """[(kernel function, grid, args, constexprs)] of the two launches, with the partials' buffers:
-    ``split_attention`` runs them, and benchmarks/kernel_sass.py compiles exactly these calls."""
+def kernel_calls(q, k, v, mask, out, scale: float, interpret: bool,
+                 arrivals: torch.Tensor | None = None) -> list[tuple]:
+    """[(kernel function, grid, args, constexprs)] of the launches (the split kernel, then the merge kernel unless
+    ``arrivals`` lets the split kernel merge), with the partials' buffers: ``split_attention`` runs them, and
+    benchmarks/kernel_sass.py compiles exactly these calls."""
     _, heads, rows, dim = q.shape
     width = k.shape[2]
     splits, per_split = split_count(heads, width, q.device)
@@ -199,16 +229,35 @@ def kernel_calls(q, k, v, mask, out, scale: float, interpret: bool) -> list[tupl
     # FP fusion named, not left to Triton's default (which 3.10 flips): every launch compiles alike
     warps = 8 if block_t * block_d >= 64 * 64 else 4       # 64 rows at 7B: 162 registers a thread, not 205
     opts = {} if interpret else {"num_warps": warps, "num_stages": 2, "enable_fp_fusion": True}
-    split_args = (q, k, v, mask, m, total, acc, rows, width, per_split, scale, hidden, q.stride(1), q.stride(2),
-                  k.stride(1), k.stride(2), v.stride(1), v.stride(2), mask.stride(2), mask.stride(3))
-    split_meta = dict(GROUP=heads // k.shape[1], D=dim, BLOCK_D=block_d, BLOCK_T=block_t, BLOCK_W=BLOCK_W,
-                      LOG_T=block_t.bit_length() - 1, LOG_W=BLOCK_W.bit_length() - 1, TREE=interpret,
+    serial = arrivals is not None
+    split_args = (q, k, v, mask, m, total, acc, out, arrivals if serial else m, rows, width, per_split, scale, hidden,
+                  q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), mask.stride(2),
+                  mask.stride(3), out.stride(1), out.stride(2))
+    split_meta = dict(SERIAL=serial, GROUP=heads // k.shape[1], D=dim, BLOCK_D=block_d, BLOCK_T=block_t,
+                      BLOCK_W=BLOCK_W, LOG_T=block_t.bit_length() - 1, LOG_W=BLOCK_W.bit_length() - 1, TREE=interpret,
                       IEEE=q.dtype == torch.float32, **opts)
-    merge_opts = {} if interpret else {"num_warps": 1, "num_stages": 1, "enable_fp_fusion": True}
-    merge_args = (m, total, acc, out, rows, splits, out.stride(1), out.stride(2))
-    merge_meta = dict(D=dim, BLOCK_D=block_d, BLOCK_T=block_t, **merge_opts)
-    return [(_split_kernel, (heads, splits), split_args, split_meta),
-            (_merge_kernel, (heads, rows), merge_args, merge_meta)]
+    calls = [(_split_kernel, (heads, splits), split_args, split_meta)]
+    if not serial:
+        merge_opts = {} if interpret else {"num_warps": 1 if block_t * block_d <= 16 * 128 else 4, "num_stages": 1,
+                                           "enable_fp_fusion": True}
+        merge_args = (m, total, acc, out, rows, splits, out.stride(1), out.stride(2))
+        calls.append((_merge_kernel, (heads,), merge_args, dict(D=dim, BLOCK_D=block_d, BLOCK_T=block_t, **merge_opts)))
+    return calls
+
+
+def _arrivals(module, heads: int, device: torch.device) -> torch.Tensor | None:
+    """``module``'s (an attention layer's) arrival counts for the merge in the split kernel's launch: kernel
+    workspace, zero between calls, as an NF4 weight's (quant/nf4_fused.py). One set per layer, not per process: a
+    load times the kernel on its own model's layers while the app may answer on another's. Made at the layer's
+    first call; None inside a capture that comes first (its allocation would be the graph's), where the merge
+    kernel sums instead. The step and the timings warm up before they capture, so they run the one launch."""
+    counts = getattr(module, "_split_arrivals", None)
+    if counts is not None and counts.numel() >= heads and counts.device == device:
+        return counts
+    if module is None or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return None
+    module._split_arrivals = torch.zeros(heads, dtype=torch.int32, device=device)   # a plain attribute: no
+    return module._split_arrivals                                                   # state_dict entry, no .to()
 
 
 def fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> bool:
@@ -239,7 +288,7 @@ def split_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     if special or not fits(query, key, value, mask):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    return split_attention(query, key, value, mask, scaling), None
+    return split_attention(query, key, value, mask, scaling, _arrivals(module, query.shape[1], query.device)), None
 
 
 AttentionInterface.register(NAME, split_attention_forward)
