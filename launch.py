@@ -71,9 +71,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the faster (transformers' off CUDA); torch or triton force one (triton off CUDA only "
                         "under TRITON_INTERPRET=1, for tests) (default: %(default)s)")
     m.add_argument("--rotary-kernel", default="auto", choices=ROTARY_CHOICES,
-                   help="rotary embedding: auto times transformers' and one Triton kernel for the queries and keys "
-                        "on your GPU and keeps the faster (bit for bit the same; transformers' off CUDA); torch or "
-                        "triton force one (default: %(default)s)")
+                   help="rotary embedding and cache write: auto times transformers' (and index_copy_) against one "
+                        "Triton kernel for the queries and keys and one for the cache write on your GPU and keeps the "
+                        "faster (bit for bit the same; transformers' off CUDA); torch or triton force one "
+                        "(default: %(default)s)")
     m.add_argument("--attention-kernel", default="auto", choices=ATTENTION_CHOICES,
                    help="attention over the cache: auto times transformers' SDPA and the split Triton kernel on your "
                         "GPU and keeps the faster (SDPA off CUDA, in fp32 and in exact mode); sdpa or split force "

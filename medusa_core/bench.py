@@ -56,8 +56,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--norm-kernel", choices=NORM_KERNELS, default="auto",
                    help="RMSNorm: auto times transformers' and the Triton norm on CUDA (transformers' elsewhere)")
     p.add_argument("--rotary-kernel", choices=ROTARY_CHOICES, default="auto",
-                   help="rotary embedding: auto times transformers' and the Triton rotary on CUDA (transformers' "
-                        "elsewhere)")
+                   help="rotary embedding and cache write: auto times transformers' and the Triton kernels on CUDA "
+                        "(transformers' elsewhere)")
     p.add_argument("--attention-kernel", choices=ATTENTION_CHOICES, default="auto",
                    help="attention: auto times SDPA and the split Triton kernel on CUDA (SDPA elsewhere)")
     p.add_argument("--retune", action="store_true",

@@ -177,8 +177,9 @@ def parser(cuda: bool) -> argparse.ArgumentParser:
     p.add_argument("--norm-kernel", nargs="+", choices=NORM_KERNELS, default=["auto"],
                    help="RMSNorm choices, each measured (auto: as the app, timed on CUDA; torch, triton forced)")
     p.add_argument("--rotary-kernel", nargs="+", choices=ROTARY_CHOICES, default=["auto"],
-                   help="rotary embedding choices, each measured: auto (as the app: timed on CUDA), torch "
-                        "(transformers') or triton (one kernel for q and k, bit for bit the same)")
+                   help="rotary embedding and cache write choices, each measured: auto (as the app: timed on CUDA), "
+                        "torch (transformers', index_copy_) or triton (one kernel for q and k, one for the cache "
+                        "write, bit for bit the same)")
     p.add_argument("--attention-kernel", nargs="+", choices=ATTENTION_CHOICES, default=["auto"],
                    help="attention choices, each measured: auto (as the app: timed on CUDA), sdpa (transformers') or "
                         "split (Triton, split over the keys, hidden key blocks unread; not in exact mode)")

@@ -65,16 +65,16 @@ def test_auto_off_cuda_keeps_transformers_rotary_and_sdpa_and_says_nothing():
 def test_auto_on_a_gpu_keeps_the_kernels_it_times_faster_and_says_both(monkeypatch):
     model = tiny_model()
     StandInGpu(monkeypatch, rotary=(60.0, 10.0), attention=(300.0, 200.0))
-    assert ar.use_rotary(model, "auto") == ("rotary: one Triton kernel for the queries and keys of each layer (auto "
-                                            "measured 10 µs against 60 µs for transformers' over a 1-row and a 16-row "
-                                            "step)")
+    assert ar.use_rotary(model, "auto") == ("rotary: one Triton kernel for the queries and keys of each layer, one "
+                                            "for its cache write (auto measured 10 µs against 60 µs for transformers' "
+                                            "and index_copy_ over a 1-row and a 16-row step)")
     assert ar.use_attention(model, "auto") == ("attention: split over the keys in Triton, hidden key blocks skipped "
                                                "(auto measured 200 µs against 300 µs for SDPA over a 1-row and a "
                                                "16-row step)")
     assert routes(model) == ("triton", "split")
     StandInGpu(monkeypatch, rotary=(10.0, 60.0), attention=(200.0, 300.0))     # a GPU where they lose: routed back
     assert ar.use_rotary(model, "auto") == ("rotary: transformers' own (auto measured 10 µs against 60 µs for the "
-                                            "Triton rotary over a 1-row and a 16-row step)")
+                                            "Triton rotary and cache write over a 1-row and a 16-row step)")
     assert ar.use_attention(model, "auto") == ("attention: transformers' SDPA (auto measured 200 µs against 300 µs "
                                                "for the split attention over a 1-row and a 16-row step)")
     assert routes(model) == ("torch", "sdpa") and modeling_llama.apply_rotary_pos_emb is ORIGINAL_ROTARY
@@ -180,7 +180,8 @@ def test_the_load_line_names_what_auto_kept_on_a_gpu(monkeypatch):
     StandInGpu(monkeypatch)
     monkeypatch.setattr(load_module.kernel_memory, "recall", lambda *args: None)     # nothing kept, nothing read
     text = load_module.route_kernels(tiny_model(), LoadSpec(device="cuda"), "none", "cuda")
-    assert "; rotary: one Triton kernel for the queries and keys of each layer (auto measured 10 µs" in text, text
+    assert ("; rotary: one Triton kernel for the queries and keys of each layer, one for its cache write (auto "
+            "measured 10 µs") in text, text
     assert "; attention: split over the keys in Triton, hidden key blocks skipped (auto measured 200 µs" in text, text
 
 

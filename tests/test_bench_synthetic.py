@@ -433,7 +433,7 @@ def test_each_norm_kernel_is_measured_and_named_apart_in_the_step_and_the_profil
 
 
 KERNEL_FLAGS = [("--rotary-kernel", "auto", "triton", "triton-rotary",
-                 "rotary: one Triton kernel for the queries and keys of each layer"),
+                 "rotary: one Triton kernel for the queries and keys of each layer, one for its cache write"),
                 ("--attention-kernel", "auto", "split", "split-attention",
                  "attention: split over the keys in Triton, hidden key blocks skipped")]
 

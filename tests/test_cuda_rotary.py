@@ -1,6 +1,7 @@
-"""The rotary kernel (quant/rotary_kernel.py) on CUDA: in bf16, where Triton's CPU interpreter rounds otherwise,
-its bits are transformers' own, eagerly and inside a CUDA graph, and a captured decoding step through it gives
-the tokens the step gives without it. Skipped without CUDA: the runbook's cuda-tests stage runs it."""
+"""The rotary kernel (quant/rotary_kernel.py) and the cache write routed with it (quant/cache_write_kernel.py) on
+CUDA: in bf16, where Triton's CPU interpreter rounds otherwise, the rotation's bits are transformers' own and the
+cache holds index_copy_'s, eagerly and inside a CUDA graph, and a captured decoding step through them gives the
+tokens the step gives without them. Skipped without CUDA: the runbook's cuda-tests stage runs it."""
 
 from __future__ import annotations
 
@@ -47,8 +48,36 @@ def test_the_kernel_gives_transformers_bits_on_this_gpu(dtype, tokens):
     assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
 
 
+@pytest.mark.parametrize("tokens", [1, 16, 64])
+def test_the_cache_write_holds_index_copys_bits_at_the_position_a_graph_replay_reads(tokens):
+    from medusa_core.quant import cache_write_kernel as cw
+
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    keys, values = (torch.randn(1, tokens, 32, 128, device="cuda", generator=gen).to(torch.bfloat16).transpose(1, 2)
+                    for _ in range(2))                                                  # (1, 32, T, 128), 7B's
+    layer = torch.randn(2, 1, 32, 1024, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    position = torch.tensor([530], device="cuda")
+    cw.write_cache(layer.clone(), keys, values, position)           # compiled before the capture
+    written = layer.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cw.write_cache(written, keys, values, position)
+    for start in (530, 7, 1024 - tokens):         # the position moves under the graph, as in the decoding step
+        want = written.clone()
+        slots = torch.arange(tokens, device="cuda") + start
+        want[0].index_copy_(2, slots, keys)
+        want[1].index_copy_(2, slots, values)
+        position.fill_(start)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(written, want), start
+
+
 def test_a_captured_bf16_step_through_it_decodes_the_tokens_it_decodes_without_it():
+    from medusa_core.decoding.generate import new_cache
+
     model, decode = tree_decoding("cuda", torch.bfloat16, max_new_tokens=40, graphs=True)
     plain = decode()
     assert rk.use_rotary_kernel(model, "triton").startswith("rotary: one Triton kernel")
+    assert new_cache(model).writer is not None, "the caches write through the kernel"
     assert decode() == plain

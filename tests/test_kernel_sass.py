@@ -291,6 +291,21 @@ def test_the_rotary_kernel_compiles_without_local_memory_or_a_fused_multiply_add
         assert not any(op.startswith("FFMA") for op in opcodes), sorted(set(opcodes))
 
 
+@pytest.mark.parametrize("kv_heads,dim", [(32, 128), (3, 64)])                  # Llama-2-7B; SmolLM2 (GQA)
+def test_the_cache_write_compiles_to_one_load_and_one_store_a_row_with_nothing_in_local_memory(tmp_path, kv_heads,
+                                                                                                 dim):
+    # quant/cache_write_kernel.py: one program a (token, head) row of keys or values, a vector load and store a
+    # thread; the position read once
+    cubin = tmp_path / "cache_write.cubin"
+    cubin.write_bytes(ks.compile_launch(ks.cache_write_launch(kv_heads, dim), ks.H100.arch).asm["cubin"])
+    res = ks.resources(cubin)
+    assert res["REG"] > 0 and res["LOCAL"] == 0 and res["STACK"] == 0, res
+    opcodes = [ks.opcode(line) for line in ks.disassemble(cubin) if not line.endswith(":")]
+    loads = [op for op in opcodes if op.startswith("LDG")]
+    stores = [op for op in opcodes if op.startswith("STG")]
+    assert len(loads) == 2 and len(stores) == 1, (loads, stores)      # the position, the row; the row
+
+
 @pytest.mark.parametrize("heads,kv_heads,dim", [(32, 32, 128), (9, 3, 64)])     # Llama-2-7B; SmolLM2 (GQA)
 @pytest.mark.parametrize("rows", [1, 16, 64])
 def test_the_split_attention_compiles_to_tensor_cores_with_nothing_in_local_memory(tmp_path, heads, kv_heads, dim, rows):

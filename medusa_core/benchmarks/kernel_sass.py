@@ -196,6 +196,21 @@ def rotary_launch(heads: int, kv_heads: int, dim: int, tokens: int = 16, dtype: 
                   kw["num_warps"], 2 * (heads + kv_heads) * tokens * dim * dtype.itemsize)
 
 
+def cache_write_launch(kv_heads: int, dim: int, tokens: int = 16, capacity: int = 1024,
+                       dtype: torch.dtype = torch.bfloat16) -> Launch:
+    """``write_cache`` (quant/cache_write_kernel.py) of ``tokens`` tokens' keys and values, laid out as the attention
+    module makes them, into one layer of a ``capacity``-slot cache."""
+    from ..quant import cache_write_kernel as cw
+
+    meta = torch.device("meta")
+    keys = torch.empty(1, tokens, kv_heads, dim, dtype=dtype, device=meta).transpose(1, 2)
+    layer = torch.empty(2, 1, kv_heads, capacity, dim, dtype=dtype, device=meta)
+    fn, grid, args, kw = cw.kernel_call(layer, keys, keys, torch.empty(1, dtype=torch.long, device=meta), False)
+    # for compile_launch and resources (no per-weight counts: it is no matmul); the floor: the rows read and written
+    return Launch(dim, 2 * kv_heads * dim, tokens, fn, args, kw, "cache write", grid[0] * grid[1], 1, dim, 0,
+                  kw["num_warps"], 4 * kv_heads * tokens * dim * dtype.itemsize)
+
+
 def head_launch(k: int, n: int, rows: int = 16, dtype: torch.dtype = torch.bfloat16) -> Launch:
     """``rows_alone_linear`` (exact mode's lm_head) of ``rows`` rows against a dense (n, k) weight."""
     from ..quant import rows_alone_linear as rl

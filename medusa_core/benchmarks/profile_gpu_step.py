@@ -213,7 +213,7 @@ def parser(cuda: bool) -> argparse.ArgumentParser:
     p.add_argument("--norm-kernel", nargs="+", default=["auto"], choices=NORM_KERNELS,
                    help="who computes the RMSNorms; each is profiled (torch, triton: rows LABEL-torch-norms_tT)")
     p.add_argument("--rotary-kernel", nargs="+", default=["auto"], choices=ROTARY_CHOICES,
-                   help="who rotates the queries and keys; each is profiled (auto: as the app; a forced choice: rows "
+                   help="who rotates the queries and keys and writes the cache; each is profiled (auto: as the app; a forced choice: rows "
                         "LABEL-triton-rotary_tT or LABEL-torch-rotary_tT)")
     p.add_argument("--attention-kernel", nargs="+", default=["auto"], choices=ATTENTION_CHOICES,
                    help="who attends; each is profiled (auto: as the app; a forced choice: rows LABEL-split-attention_tT "

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..heads.medusa_heads import MedusaHeads
 from .config import DecodeConfig
-from .kv_cache import ContextOverflowError, KVCache
+from .kv_cache import WRITER_NAME, WRITERS, ContextOverflowError, KVCache
 from .step import DecodeStep, compute_dtype
 from .step_store import step_for
 from .tree import TreeBuffers, build_tree_buffers
@@ -53,9 +53,14 @@ class StepResult:
 
 
 def new_cache(model: nn.Module, capacity: int = 0) -> KVCache:
-    """An empty cache for one conversation (buffers are allocated by its first forward)."""
+    """An empty cache for one conversation (buffers are allocated by its first forward), written by the
+    writer the model's routing names (kv_cache.WRITER_NAME), if any."""
     config = model.config.get_text_config()
-    return KVCache(config.num_hidden_layers, max_context(model), capacity)
+    name = getattr(model.config, WRITER_NAME, None)
+    if name is not None and name not in WRITERS:
+        raise ValueError(f"the model's config names the cache writer {name!r}, which no module registered (known: "
+                         f"{sorted(WRITERS)}): route the rotary again (quant/attention_routing.use_rotary)")
+    return KVCache(config.num_hidden_layers, max_context(model), capacity, WRITERS.get(name))
 
 
 def max_context(model: nn.Module) -> int:

@@ -22,7 +22,9 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -76,10 +78,13 @@ class _Layer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         owner = self.owner
-        slots = owner.slots(key_states.shape[-2])                          # (q,)
         keys, values = self.keys, self.values
-        keys.index_copy_(2, slots, key_states.to(keys.dtype))
-        values.index_copy_(2, slots, value_states.to(values.dtype))
+        if owner.writer is not None and owner.writer.fits(key_states, value_states):
+            owner.writer.write(owner.storage[self.index], key_states, value_states, owner.position)
+        else:
+            slots = owner.slots(key_states.shape[-2])                      # (q,)
+            keys.index_copy_(2, slots, key_states.to(keys.dtype))
+            values.index_copy_(2, slots, value_states.to(values.dtype))
         width = owner.width
         return keys[:, :, :width], values[:, :, :width]                    # (1, kv_heads, width, head_dim)
 
@@ -93,14 +98,33 @@ class _Layer(CacheLayerMixin):
         return self.owner.capacity
 
 
+@dataclass(frozen=True)
+class CacheWriter:
+    """Another way to write a forward's new keys and values than ``index_copy_``: ``fits(keys, values)`` says
+    whether it takes them; ``write(layer, keys, values, position)`` writes (1, kv_heads, T, D) keys and values into
+    one layer's (2, 1, kv_heads, capacity, D) buffer at slots ``position + [0, T)``, as ``index_copy_`` does."""
+
+    fits: Callable[[torch.Tensor, torch.Tensor], bool]
+    write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+# Cache writers by name. A kernel module registers its own (quant/cache_write_kernel.py, as transformers'
+# AttentionInterface takes attentions), a routing names it in the model's config under WRITER_NAME, and new_cache
+# looks it up: this module imports no kernel, and the step learns of one through the loaded model (step.py).
+WRITERS: dict[str, CacheWriter] = {}
+WRITER_NAME = "_medusa_cache_writer"
+
+
 class KVCache(Cache):
     """KV cache for one conversation, owned by its caller across turns (never by the model).
 
     ``steps`` holds the decoding steps (step.DecodeStep, maybe with a CUDA graph) bound to these
-    buffers, most recently used last; they are dropped with the buffers.
+    buffers, most recently used last; they are dropped with the buffers. ``writer``: writes each
+    forward's keys and values where it takes them (None: ``index_copy_`` always).
     """
 
-    def __init__(self, num_layers: int, max_context: int, capacity: int = 0):
+    def __init__(self, num_layers: int, max_context: int, capacity: int = 0, writer: CacheWriter | None = None):
+        self.writer = writer
         self.num_layers = num_layers
         self.max_context = max_context
         self.capacity = bucket(max(capacity, 1), max_context)

@@ -137,7 +137,8 @@ def use_rotary(model: nn.Module, choice: str) -> str:
     if getattr(model.config, "model_type", None) not in FAMILIES:
         return ""
     return _faster_kept("rotary", _rotary_key(model), lambda: _timed_rotary(model), "rotary: transformers' own",
-                        "transformers'", "the Triton rotary", lambda: use_rotary_kernel(model, "triton"))
+                        "transformers' and index_copy_", "the Triton rotary and cache write",
+                        lambda: use_rotary_kernel(model, "triton"))
 
 
 def use_attention(model: nn.Module, choice: str) -> str:
@@ -214,9 +215,11 @@ def _on_device(device: torch.device):
 
 
 def _timed_rotary(model: nn.Module) -> tuple[float, float]:
-    """(transformers' µs, the kernel's µs) for every layer's rotation once at each of AUTO_ROWS tokens, the
-    queries and keys laid out as the attention module makes them (a transposed view of the projection). A kernel
-    result that is not transformers' bit for bit raises."""
+    """(transformers' µs, the kernels' µs) for every layer's rotation and cache write once at each of AUTO_ROWS
+    tokens, the queries and keys laid out as the attention module makes them (a transposed view of the
+    projection), written at TIMED_PREFIX of a TIMED_BUCKET-slot cache (with ``index_copy_``, or the kernel). A
+    kernel result that is not transformers' or ``index_copy_``'s bit for bit raises."""
+    from .cache_write_kernel import NAME
     from .kernel_timing import graph_time_us
     from .rotary_kernel import _family_module, fused_rotary
 
@@ -229,15 +232,32 @@ def _timed_rotary(model: nn.Module) -> tuple[float, float]:
         for tokens in AUTO_ROWS:
             q = torch.randn(1, tokens, heads, dim, device=device, dtype=dtype).transpose(1, 2)       # (1, H, T, D)
             k = torch.randn(1, tokens, kv_heads, dim, device=device, dtype=dtype).transpose(1, 2)    # (1, Hkv, T, D)
+            v = torch.randn_like(k)
             angles = torch.rand(1, tokens, dim, device=device) * 6.3
             cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)                               # (1, T, D)
             reference, ours = original(q, k, cos, sin), fused_rotary(q, k, cos, sin)
             if not all(torch.equal(a, b) for a, b in zip(reference, ours)):
                 raise RuntimeError("wrong result: the Triton rotary is not transformers' bit for bit")
+            copied, written = _cache_at_prefix(None, k, v), _cache_at_prefix(NAME, k, v)
+            if not torch.equal(copied.storage, written.storage):
+                raise RuntimeError("wrong result: the Triton cache write is not index_copy_'s bit for bit")
             # 16 launches a capture: one rotation is a few µs, near the events' resolution
-            torch_us += layers * graph_time_us([functools.partial(original, q, k, cos, sin)] * 16)
-            triton_us += layers * graph_time_us([functools.partial(fused_rotary, q, k, cos, sin)] * 16)
+            torch_us += layers * graph_time_us([functools.partial(original, q, k, cos, sin),
+                                                functools.partial(copied.layers[0].update, k, v)] * 16)
+            triton_us += layers * graph_time_us([functools.partial(fused_rotary, q, k, cos, sin),
+                                                 functools.partial(written.layers[0].update, k, v)] * 16)
     return torch_us, triton_us
+
+
+def _cache_at_prefix(writer: str | None, keys: torch.Tensor, values: torch.Tensor):
+    """A one-layer decoding/kv_cache.KVCache of TIMED_BUCKET slots written by ``writer`` (None: index_copy_),
+    TIMED_PREFIX of them committed, after one forward's write of ``keys`` and ``values`` at the position."""
+    from ..decoding.kv_cache import WRITERS, KVCache
+
+    cache = KVCache(1, TIMED_BUCKET, TIMED_BUCKET, None if writer is None else WRITERS[writer])
+    cache.commit([0] * TIMED_PREFIX)
+    cache.layers[0].update(keys, values)       # allocates, position TIMED_PREFIX
+    return cache
 
 
 def _timed_attention(model: nn.Module) -> tuple[float, float]:

@@ -19,6 +19,10 @@ Measured on an H200 (2026-11-28): 0.60 ms off the graphed 7B NF4 step's 4.45. It
 puts it: on CUDA where attention_routing.py's ``auto`` times it faster at load, or where a flag forces it.
 transformers looks the function up in the model family's module at every call, so it is put there: it holds
 for every model of that family in the process, which, bit for bit the same, changes only their speed.
+
+With it, the caches made for the routed model write each layer's new keys and values in one launch too
+(quant/cache_write_kernel.py, the same bits as ``index_copy_``): the two are timed together, as the step runs
+them one after the other in every layer.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ try:
 except ImportError as err:  # one line, naming the fix; the rest of the project never needs Triton
     raise ImportError(f"medusa_core.quant.rotary_kernel needs Triton ({err}): pip install 'triton>=3.7'") from None
 
+from ..decoding.kv_cache import WRITER_NAME
+from . import cache_write_kernel
 from .triton_runtime import check_runnable, interpret_enabled, launchable
 
 ROTARY_KERNELS = ("torch", "triton")
@@ -134,11 +140,21 @@ def _dispatcher(original):
     return apply_rotary_pos_emb
 
 
+def _name_writer(model: nn.Module, name: str | None) -> None:
+    """Name the cache writer of the caches made for ``model`` from now on (None: ``index_copy_``)."""
+    if name is not None:
+        setattr(model.config, WRITER_NAME, name)
+    elif hasattr(model.config, WRITER_NAME):
+        delattr(model.config, WRITER_NAME)
+
+
 def use_rotary_kernel(model: nn.Module, choice: str) -> str:
-    """Route the model family's rotary embedding by ``choice`` (torch | triton); one line saying what runs."""
+    """Route the model family's rotary embedding by ``choice`` (torch | triton), and with the kernel the model's
+    cache writes (quant/cache_write_kernel.py); one line saying what runs."""
     if choice not in ROTARY_KERNELS:
         raise ValueError(f"rotary kernel {choice!r} is unknown: use one of {', '.join(ROTARY_KERNELS)}")
     module = _family_module(model)
+    _name_writer(model, None)
     if module is None:
         if choice == "triton":
             family = getattr(getattr(model, "config", None), "model_type", None)
@@ -154,7 +170,8 @@ def use_rotary_kernel(model: nn.Module, choice: str) -> str:
     if device is not None:
         check_runnable(device)          # a CPU without the interpreter: one line naming the fix
     module.apply_rotary_pos_emb = _dispatcher(original)
-    return "rotary: one Triton kernel for the queries and keys of each layer"
+    _name_writer(model, cache_write_kernel.NAME)
+    return "rotary: one Triton kernel for the queries and keys of each layer, one for its cache write"
 
 
 def routed(model: nn.Module) -> str:
