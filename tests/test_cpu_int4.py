@@ -4,6 +4,8 @@ loaded model whose greedy Medusa still equals its greedy plain decoding."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from tiny import char_tokenizer, copied_heads, tiny_model
@@ -99,6 +101,58 @@ def test_the_bf16_head_ranks_a_near_tie_as_fp32_does():
     torch.testing.assert_close(out[:, [3, 7, 9]], head(x)[:, [3, 7, 9]], rtol=0, atol=1e-5)
 
 
+def test_the_int4_head_ranks_a_near_tie_as_fp32_does_and_gives_a_row_its_bits_alone():
+    # its approximation is coarser than bf16's: the largest logits are recomputed in fp32 as the bf16 head's are
+    head = nn.Linear(64, 304, bias=False)
+    with torch.no_grad():
+        head.weight.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
+        head.weight[7] = 25.0 / 64
+        head.weight[9] = 25.03 / 64
+    x = torch.ones(2, 64)
+    int4 = cpu_int4.Int4Head(head)
+    out = int4(x)
+    assert out.argmax(-1).tolist() == [9, 9] and out.dtype == x.dtype and int4.weight is head.weight
+    torch.testing.assert_close(out[:, [7, 9]], head(x)[:, [7, 9]], rtol=0, atol=1e-5)
+    assert all(cpu_int4.row_invariant(int4, 64, rows=n) for n in cpu_int4.HEAD_PROBE_ROWS)
+
+
+@pytest.mark.parametrize("faster", ["int4", "bf16"])
+def test_the_head_is_approximated_by_whichever_is_faster_on_this_cpu_and_the_line_says_both(monkeypatch, faster):
+    times = {"head_bf16_ms": 3.0, "head_int4_ms": 1.0} if faster == "int4" else {"head_bf16_ms": 1.0, "head_int4_ms": 3.0}
+    monkeypatch.setattr(cpu_int4, "measure_heads", lambda bf16, int4: times)
+    # the bf16 GEMM's row invariance at this tiny head's shape is this CPU's to say (oneDNN picks by shape): not
+    # what this test is about
+    monkeypatch.setattr(cpu_int4, "exact_probe", lambda model: (None, cpu_int4.HEAD_ROWS_PER_CALL[0]))
+    model = tiny_model(hidden=64)
+    model.lm_head.weight = model.model.embed_tokens.weight           # tied, as SmolLM2's are
+    applied, line = cpu_int4.use_int4(model, measured=False)
+    other = "bf16" if faster == "int4" else "int4"
+    assert applied and (f"with bf16 matmuls, {faster} lm_head (1.00 ms against 3.00 for {other} at 1 and 4 rows) "
+                        "and row-exact attention: asked for") in line
+    head = model.get_output_embeddings()
+    assert head.kind == faster and head.weight is model.get_input_embeddings().weight and exact_mode(model)
+    # a tree tuned with one head does not fit the other: the int4 head keys its own (the bf16 one, as before)
+    from medusa_core.loading.policy import tuning_mode
+
+    mode = json.loads(tuning_mode(LoadSpec(), model, "cpu", "int4", torch.float32))
+    assert mode.get("lm_head") == ("int4" if faster == "int4" else None)
+
+
+def test_remembered_head_timings_decide_without_measuring_and_a_head_not_row_invariant_stays_bf16(monkeypatch):
+    head = nn.Linear(64, 64, bias=False)
+    monkeypatch.setattr(cpu_int4, "measure_heads", lambda bf16, int4: pytest.fail("measured again"))
+    kept = cpu_int4.Speed(10.0, 2.0, "read", head_bf16_ms=3.0, head_int4_ms=1.0)
+    chosen, said = cpu_int4.choose_head(head, 64, kept, trees=True)
+    assert chosen.kind == "int4" and said == "int4 lm_head (1.00 ms against 3.00 for bf16 at 1 and 4 rows)"
+    real = cpu_int4.row_invariant
+    monkeypatch.setattr(cpu_int4, "row_invariant", lambda layer, *a, **k: not isinstance(layer, cpu_int4.Int4Head)
+                        and real(layer, *a, **k))
+    chosen, said = cpu_int4.choose_head(head, 64, kept, trees=True)
+    assert chosen.kind == "bf16" and said == "bf16 lm_head (the int4 one is not row-invariant on this CPU)"
+    chosen, _ = cpu_int4.choose_head(head, 64, kept, trees=False)     # no tree runs: row invariance not needed
+    assert chosen.kind == "int4"
+
+
 def test_a_quantized_model_keeps_its_tied_lm_head_weight_and_drops_fp32_layers():
     model = tiny_model(hidden=64)
     model.lm_head.weight = model.model.embed_tokens.weight           # tied, as SmolLM2's are
@@ -150,6 +204,7 @@ def test_auto_times_every_layers_matmuls_as_a_step_reads_them():
     decoder = {name for name, m in model.model.layers.named_modules() if type(m) is nn.Linear}
     assert {f"model.layers.{name}" for name in decoder} | {"lm_head"} == set(called), sorted(called)
     assert len(decoder) == 3 * 7 and times["fp32_ms"] > 0 and times["int4_ms"] > 0
+    assert times["head_bf16_ms"] > 0 and times["head_int4_ms"] > 0        # the head's two approximations, apart
 
 
 def test_auto_measures_a_bf16_model_without_failing():
@@ -179,6 +234,8 @@ def int4_loaded(tmp_path_factory):
 
 
 def test_quant_int4_loads_and_says_so(int4_loaded):
+    # the character vocabulary is no multiple of 16, which the int4 kernel needs: the bf16 head, nothing timed
+    assert int4_loaded.model.get_output_embeddings().out_features % 16
     assert "int4 weights (group 32) with bf16 matmuls, bf16 lm_head and row-exact attention: asked for" in int4_loaded.description
     assert int4_loaded.model.config._attn_implementation == exact_attention.NAME
     assert "asked for" in int4_loaded.description
@@ -276,8 +333,10 @@ def test_the_bf16_head_calls_its_gemm_with_as_many_rows_as_this_cpu_keeps_row_in
         assert torch.equal(bf16(x), alone) == (rows == 32), rows       # 64 rows at once round otherwise there
         assert bf16(x.reshape(2, 32, 64)).shape == (2, 32, 500)
     model = tiny_model(hidden=64)
+    monkeypatch.setattr(cpu_int4, "measure_heads", lambda bf16, int4: {"head_bf16_ms": 1.0, "head_int4_ms": 2.0})
     applied, line = cpu_int4.use_int4(model, measured=False)
-    assert applied and "bf16 lm_head (32 rows per call: row-invariant up to there on this CPU)" in line
+    assert applied and ("bf16 lm_head (32 rows per call: row-invariant up to there on this CPU; 1.00 ms against "
+                        "2.00 for int4 at 1 and 4 rows)") in line
     assert model.get_output_embeddings().rows_per_call == 32 and "trees may differ" not in line
 
 
@@ -287,3 +346,19 @@ def test_a_head_row_invariant_at_no_row_count_keeps_auto_in_fp32_and_says_it_is_
     applied, line = cpu_int4.use_int4(tiny_model(hidden=64), measured=True)
     assert not applied and line == ("fp32 matmuls (the bf16 lm_head is not row-invariant on this CPU even 8 rows per "
                                     "call: trees would not equal plain decoding)")
+
+
+def test_the_head_benchmark_decodes_each_head_and_tree_and_gives_the_models_head_back(default_loaded):
+    # benchmarks/cpu_heads.py on the CPU default, shortened: its speed figures are the benchmark's to report
+    from medusa_core.benchmarks import cpu_heads
+
+    model = default_loaded.model
+    chosen = model.get_output_embeddings()
+    if not isinstance(chosen, cpu_int4.RefinedHead):
+        pytest.skip("this CPU runs the default in fp32 (the int4 mode measured slower or not row-invariant)")
+    result = cpu_heads.compare(model, default_loaded.tokenizer, default_loaded.heads,
+                               ["Name three colours."], max_new_tokens=6, rounds=1)
+    assert set(result.tokens_per_s) == {(h, t) for h in ("bf16", "int4") for t in cpu_heads.TREES}
+    assert all(rate > 0 for rate in result.tokens_per_s.values())
+    assert result.medusa_is_plain == 2 * result.cases == 8, "greedy Medusa left plain decoding under a head"
+    assert model.get_output_embeddings() is chosen

@@ -46,6 +46,15 @@ def test_the_first_start_measures_and_later_starts_keep_its_choice(timings, tmp_
                                     "measured earlier on this machine and kept until --retune)")
 
 
+def test_the_heads_two_timings_are_kept_with_the_gain_and_decide_at_a_later_start(timings, tmp_path):
+    model = tiny_model(hidden=64)
+    timings.append({"fp32_ms": 30.0, "int4_ms": 10.0, "head_bf16_ms": 3.0, "head_int4_ms": 1.0})
+    first = int4_speed.remembered_speed(model, tmp_path)
+    again = int4_speed.remembered_speed(tiny_model(hidden=64), tmp_path)
+    assert (again.head_bf16_ms, again.head_int4_ms) == (first.head_bf16_ms, first.head_int4_ms) == (3.0, 1.0)
+    assert again.source == int4_speed.READ and not timings
+
+
 def test_retune_measures_again_and_keeps_the_new_figures(timings, tmp_path):
     model = tiny_model(hidden=64)
     timings.extend(near_the_line(1.05, 1.2))

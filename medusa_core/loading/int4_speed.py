@@ -31,7 +31,8 @@ from .smollm2 import cache_write_failed
 from .this_machine import (BUSY_SHARE, cpu_share_now, entry_path, file_stamp, machine_identity, with_cpu_share,
                            write_atomic)
 
-SPEED_VERSION = 1        # part of the key: a change in how cpu_int4.measure times re-measures
+SPEED_VERSION = 2        # part of the key: a change in how cpu_int4.measure times re-measures (2: the head's two
+#                          approximations timed too, cpu_int4.choose_head)
 FOLDER, NAME = "int4-speed", "speed.json"
 # how the load line goes on after "1.28x fp32's matmul speed, "
 FRESH = "measured now and kept for this machine until --retune"
@@ -51,10 +52,15 @@ class Kept:
     fp32_ms: float
     int4_ms: float
     cpu_share: float
+    head_bf16_ms: float | None = None      # None: a model whose head the int4 kernel cannot take
+    head_int4_ms: float | None = None
 
     @property
     def quiet(self) -> bool:
         return self.cpu_share >= BUSY_SHARE
+
+    def speed(self, source: str) -> Speed:
+        return Speed(self.fp32_ms, self.int4_ms, source, self.head_bf16_ms, self.head_int4_ms)
 
 
 def speed_key(model) -> dict:
@@ -73,7 +79,8 @@ def read_kept(entry: Path, key: dict) -> Kept | None:
         saved = json.loads(entry.read_text())
         if not isinstance(saved, dict) or saved.get("key") != key:
             return None
-        kept = Kept(float(saved["fp32_ms"]), float(saved["int4_ms"]), float(saved["cpu_share"]))
+        heads = [None if saved.get(k) is None else float(saved[k]) for k in ("head_bf16_ms", "head_int4_ms")]
+        kept = Kept(float(saved["fp32_ms"]), float(saved["int4_ms"]), float(saved["cpu_share"]), *heads)
     except (OSError, ValueError, TypeError, KeyError):
         return None          # an interrupted write of an older version, or a file this user cannot read: measured again
     return kept if kept.fp32_ms > 0 and kept.int4_ms > 0 else None
@@ -87,21 +94,21 @@ def remembered_speed(model, cache_root: Path, retune: bool = False) -> Speed:
     entry = entry_path(key, cache_root, FOLDER, NAME)
     kept = read_kept(entry, key)
     if kept is not None and kept.quiet and not retune:
-        return Speed(kept.fp32_ms, kept.int4_ms, READ)
+        return kept.speed(READ)
     provisional = f"measured at an earlier load on a busy CPU and {PROVISIONAL}"
     if kept is not None and not retune:
         share, answering = with_work_beside(cpu_share_now)
         if share < BUSY_SHARE:
             busy = "with an answer still running here" if answering else f"this app getting {share:.0%} of the CPU"
-            return Speed(kept.fp32_ms, kept.int4_ms, f"{provisional}; this load found it busy too, {busy}")
+            return kept.speed(f"{provisional}; this load found it busy too, {busy}")
     (times, share), answering = with_work_beside(lambda: with_cpu_share(lambda: cpu_int4.measure(model)))
     busy = ANSWERING if answering else BUSY.format(share=share)
     gain = times["fp32_ms"] / times["int4_ms"]
     if share < BUSY_SHARE and kept is not None and (kept.quiet or not retune):
         if kept.quiet:        # --retune on a busy CPU
-            return Speed(kept.fp32_ms, kept.int4_ms, f"measured at an earlier load on a quiet CPU and kept: this "
-                                                     f"--retune measured {gain:.2f}x {busy}, and did not keep it")
-        return Speed(kept.fp32_ms, kept.int4_ms, f"{provisional}; this load measured {gain:.2f}x {busy}")
+            return kept.speed(f"measured at an earlier load on a quiet CPU and kept: this --retune measured "
+                              f"{gain:.2f}x {busy}, and did not keep it")
+        return kept.speed(f"{provisional}; this load measured {gain:.2f}x {busy}")
     source = FRESH if share >= BUSY_SHARE else f"measured {busy}: {PROVISIONAL}"
     try:
         write_atomic(entry, json.dumps({"key": key, **times, "cpu_share": round(share, 3)}, indent=1) + "\n")
@@ -109,4 +116,4 @@ def remembered_speed(model, cache_root: Path, retune: bool = False) -> Speed:
         # measured: this load decides by it, the next one measures again (QA: the load failed after measuring)
         measured = f"measured {busy}" if share < BUSY_SHARE else "measured now"
         source = f"{measured}, not kept: {cache_write_failed('the measured speed', err)}"
-    return Speed(times["fp32_ms"], times["int4_ms"], source)
+    return Speed(source=source, **times)

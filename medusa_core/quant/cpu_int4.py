@@ -1,7 +1,8 @@
 """Weight-only 4-bit matmuls on the CPU: the decoder's Linear layers as 4-bit codes in groups of 32
 (asymmetric, the layout of GGUF's Q4_1), multiplied by torch's int4 CPU kernel with bf16 activations;
-the lm_head as a bf16 copy whose top logits are recomputed in fp32. Everything between the matmuls
-(norms, rotary, attention, residuals) stays in the model's own dtype.
+the lm_head approximated in int4 or in bf16 (whichever this CPU runs faster), its top logits recomputed
+in fp32. Everything between the matmuls (norms, rotary, attention, residuals) stays in the model's own
+dtype.
 
 Why: a CPU decoding step reads every weight once, so it costs what the weights weigh. fp32 sgemm
 also repacks each weight per call once a few rows come in, which makes a tree of a few nodes cost
@@ -41,7 +42,8 @@ HEAD_PROBE_ROWS = (5, 17, 33, 64)   # the lm_head sees a tree's rows (a prefill'
 # Xeon with AMX 33 rows and more took another path that rounds otherwise (2026-11-27), so 64-node trees
 # left plain decoding there and auto kept the whole model in fp32. Each call reads the head's weights once.
 HEAD_ROWS_PER_CALL = (64, 32, 16, 8)
-REFINED = 16        # each row's top logits recomputed in fp32 by the bf16 head (Bf16Head)
+HEAD_TIMED_ROWS = (1, 4)    # the head's two approximations are timed at a plain step's row and a small tree's
+REFINED = 16        # each row's top logits recomputed in fp32 by the head (RefinedHead)
 MIN_GAIN = 1.1      # auto takes int4 only if at least this much faster: no flip-flop near parity
 # auto takes int4 only if faithful to fp32 on a reference text. SmolLM2 scores well inside both limits
 # on AVX2 and AVX-512 CPUs (docs/cpu_default.md, "Fidelity of the int4 mode on each CPU"): falling
@@ -79,6 +81,8 @@ class Speed:
     fp32_ms: float
     int4_ms: float
     source: str = "measured now"    # the load line's words after the gain: how the figures were had and kept
+    head_bf16_ms: float | None = None   # the lm_head alone, approximated in bf16 and in int4 (measure_heads);
+    head_int4_ms: float | None = None   # None: not measured with the rest (choose_head measures them then)
 
     @property
     def gain(self) -> float:
@@ -166,30 +170,31 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}, bf16 activations"
 
 
-class Bf16Head(nn.Module):
-    """The lm_head in bf16 (oneDNN's bf16 GEMM, row-invariant like the int4 kernel): half the bytes
-    of fp32 and no per-call repacking. ``weight`` stays the model's own (tied) parameter: the heads
-    read its rows for the root token and their proposal vocabulary.
+class RefinedHead(nn.Module):
+    """The lm_head as a fast approximation of every logit, with each row's REFINED largest logits recomputed
+    from the fp32 input and weights. ``weight`` stays the model's own (tied) parameter: the heads read its rows
+    for the root token and their proposal vocabulary.
 
-    The GEMM rounds its output to bf16, which at SmolLM2's top logits (20-35) is steps of 0.125-0.25:
-    coarser than many of its near-ties. "What is the capital of France?" came out as a tie of "L"
-    and "The" on an AVX2 CPU (fp32: 0.02 apart), and greedy answered "L'Étoile, la Marseillaise...".
-    So each row's REFINED largest logits are recomputed from the fp32 input and weights: where the
-    argmax and most of the probability lie. A dot product per (row, token), so a row keeps its bits
-    whatever else is in the call (0.1 ms per row on 2 cores, against 3 ms for the GEMM)."""
+    Why refine: the approximations are coarse (a bf16 GEMM rounds SmolLM2's top logits, 20-35, to steps of
+    0.125-0.25), coarser than many of its near-ties. "What is the capital of France?" came out as a tie of "L"
+    and "The" on an AVX2 CPU (fp32: 0.02 apart), and greedy answered "L'Étoile, la Marseillaise...". So the
+    largest logits, where the argmax and most of the probability lie, are recomputed: a dot product per (row,
+    token), so a row keeps its bits whatever else is in the call (0.1 ms per row on 2 cores)."""
 
-    def __init__(self, dense: nn.Linear, rows_per_call: int = HEAD_ROWS_PER_CALL[0]):
+    kind = ""                   # the approximation, for the load line
+
+    def __init__(self, dense: nn.Linear):
         super().__init__()
         self.out_features, self.in_features = dense.out_features, dense.in_features
         self.weight = dense.weight
         self.bias = dense.bias
-        self.rows_per_call = rows_per_call          # see HEAD_ROWS_PER_CALL
-        self.register_buffer("weight_bf16", dense.weight.detach().bfloat16(), persistent=False)
+
+    def approximate(self, rows: torch.Tensor) -> torch.Tensor:
+        """(R, H) -> (R, V): every logit, each row computed on its own."""
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:                         # (..., H) -> (..., V)
-        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)                                 # (R, H)
-        parts = [F.linear(part, self.weight_bf16) for part in rows.split(self.rows_per_call)]
-        y = (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(*x.shape[:-1], -1).to(x.dtype)  # (..., V)
+        y = self.approximate(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1).to(x.dtype)   # (..., V)
         if self.bias is not None:
             y = y + self.bias                      # before the top is picked: the largest logits as returned
         top = y.topk(min(REFINED, y.shape[-1]), dim=-1).indices                              # (..., R)
@@ -198,6 +203,39 @@ class Bf16Head(nn.Module):
         if self.bias is not None:
             exact = exact + self.bias.float()[top]
         return y.scatter_(-1, top, exact.to(y.dtype))
+
+
+class Bf16Head(RefinedHead):
+    """The lm_head approximated in bf16 (oneDNN's bf16 GEMM, row-invariant like the int4 kernel in calls of
+    at most ``rows_per_call`` rows): half the bytes of fp32 and no per-call repacking."""
+
+    kind = "bf16"
+
+    def __init__(self, dense: nn.Linear, rows_per_call: int = HEAD_ROWS_PER_CALL[0]):
+        super().__init__(dense)
+        self.rows_per_call = rows_per_call          # see HEAD_ROWS_PER_CALL
+        self.register_buffer("weight_bf16", dense.weight.detach().bfloat16(), persistent=False)
+
+    def approximate(self, rows: torch.Tensor) -> torch.Tensor:
+        rows = rows.to(torch.bfloat16)                                                      # (R, H)
+        parts = [F.linear(part, self.weight_bf16) for part in rows.split(self.rows_per_call)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)                            # (R, V)
+
+
+class Int4Head(RefinedHead):
+    """The lm_head approximated by the int4 kernel, in the decoder's format (group codes, bf16 activations): a
+    quarter of the bf16 copy's bytes, which is what a 1-row step waits for. The kernel computes each row on its
+    own, so it costs about as much again per row (2 cores: 0.8 ms at 1 row, 7.3 at 17, against bf16's 3.4 and
+    5.5): ``choose_head`` keeps it where it measures faster at a plain step's and a small tree's rows."""
+
+    kind = "int4"
+
+    def __init__(self, dense: nn.Linear):
+        super().__init__(dense)
+        self.int4 = Int4Linear(*quantize_groups(dense.weight.data), None)
+
+    def approximate(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.int4(rows)
 
 
 def quantizable(dense: nn.Linear) -> bool:
@@ -262,14 +300,30 @@ def exact_probe(model: nn.Module) -> tuple[str | None, int]:
 
 
 def exact_mode(model: nn.Module) -> bool:
-    """Whether a quantized ``model`` is all int4 layers, a bf16 head and row-exact attention: then a
+    """Whether a quantized ``model`` is all int4 layers, a refined head and row-exact attention: then a
     greedy tree must give plain decoding's tokens (the kernels' row invariance checked again)."""
     layers = [m for m in model.get_decoder().modules() if isinstance(m, (nn.Linear, Int4Linear))]
     head = model.get_output_embeddings()
-    if not layers or not all(isinstance(m, Int4Linear) for m in layers) or not isinstance(head, Bf16Head) \
+    if not layers or not all(isinstance(m, Int4Linear) for m in layers) or not isinstance(head, RefinedHead) \
             or getattr(model.config, "_attn_implementation", None) != EXACT_ATTENTION:
         return False
     return row_invariant(layers[0], layers[0].in_features, dtype=head.weight.dtype)
+
+
+def measure_heads(bf16: "Bf16Head", int4: "Int4Head", rows: tuple[int, ...] = HEAD_TIMED_ROWS,
+                  repeats: int = 15) -> dict[str, float]:
+    """ms of the lm_head approximated in bf16 and in int4 (each with its refinement), summed over ``rows``:
+    each call timed ``repeats`` times, the two interleaved, the fastest time kept (other load only adds)."""
+    best = {"head_bf16_ms": [float("inf")] * len(rows), "head_int4_ms": [float("inf")] * len(rows)}
+    with torch.no_grad():
+        for n, m in enumerate(rows):
+            x = torch.randn(m, bf16.in_features, dtype=bf16.weight.dtype)
+            for _ in range(repeats + 1):              # the first round warms up
+                for name, head in (("head_bf16_ms", bf16), ("head_int4_ms", int4)):
+                    start = time.perf_counter()
+                    head(x)
+                    best[name][n] = min(best[name][n], time.perf_counter() - start)
+    return {name: round(1e3 * sum(times), 3) for name, times in best.items()}
 
 
 def measure(model: nn.Module, rows: tuple[int, ...] = (1, 4), repeats: int = 15) -> dict[str, float]:
@@ -295,14 +349,44 @@ def measure(model: nn.Module, rows: tuple[int, ...] = (1, 4), repeats: int = 15)
                         fn(x)
                         took = time.perf_counter() - start
                         best[kind, m, n] = min(best.get((kind, m, n), float("inf")), took)
-    return {kind: round(1e3 * sum(t for (k, _, _), t in best.items() if k == kind), 3) for kind in ("fp32_ms", "int4_ms")}
+    times = {kind: round(1e3 * sum(t for (k, _, _), t in best.items() if k == kind), 3) for kind in ("fp32_ms", "int4_ms")}
+    if type(head) is nn.Linear and quantizable(head):     # the head's approximation, chosen apart (choose_head)
+        times.update(measure_heads(pairs[-1][1], Int4Head(head), repeats=repeats))
+    return times
+
+
+def choose_head(head: nn.Linear, rows_per_call: int, timed: Speed | None, trees: bool) -> tuple[RefinedHead, str]:
+    """The lm_head's approximation on this CPU, and the load line's words for it: int4 where the kernel takes the
+    head's sizes, gives its rows the bits they get alone (where trees run) and is faster than bf16 at
+    HEAD_TIMED_ROWS (``timed``'s figures, remembered with the int4 gain, or measured now); bf16 elsewhere, taking
+    ``rows_per_call`` rows per call."""
+    bf16 = Bf16Head(head, rows_per_call)
+    calls = [f"{rows_per_call} rows per call: row-invariant up to there on this CPU"] \
+        if rows_per_call < HEAD_ROWS_PER_CALL[0] else []
+    if not quantizable(head):
+        return bf16, _said("bf16", calls)
+    int4 = Int4Head(head)
+    if trees and not all(row_invariant(int4, head.in_features, n, head.weight.dtype) for n in HEAD_PROBE_ROWS):
+        return bf16, _said("bf16", [*calls, "the int4 one is not row-invariant on this CPU"])
+    if timed is not None and timed.head_bf16_ms is not None and timed.head_int4_ms is not None:
+        bf16_ms, int4_ms = timed.head_bf16_ms, timed.head_int4_ms
+    else:
+        times = measure_heads(bf16, int4)
+        bf16_ms, int4_ms = times["head_bf16_ms"], times["head_int4_ms"]
+    at = f"at {' and '.join(map(str, HEAD_TIMED_ROWS))} rows"
+    if int4_ms < bf16_ms:
+        return int4, _said("int4", [f"{int4_ms:.2f} ms against {bf16_ms:.2f} for bf16 {at}"])
+    return bf16, _said("bf16", [*calls, f"{bf16_ms:.2f} ms against {int4_ms:.2f} for int4 {at}"])
+
+
+def _said(kind: str, details: list[str]) -> str:
+    return f"{kind} lm_head" + (f" ({'; '.join(details)})" if details else "")
 
 
 @torch.no_grad()
-def quantize_model_int4_(model: nn.Module, replaced: list | None = None,
-                         head_rows: int = HEAD_ROWS_PER_CALL[0]) -> int:
-    """Every decoder Linear whose input size is a multiple of GROUP -> Int4Linear; the lm_head ->
-    Bf16Head taking ``head_rows`` rows per call. Returns how many Linear layers kept their dtype (sizes
+def quantize_model_int4_(model: nn.Module, replaced: list | None = None, head: RefinedHead | None = None) -> int:
+    """Every decoder Linear whose input size is a multiple of GROUP -> Int4Linear; the lm_head -> ``head``
+    (made by ``choose_head`` from it; None: a Bf16Head). Returns how many Linear layers kept their dtype (sizes
     the kernel cannot take). ``replaced`` collects (parent, name, original) so that ``restore_`` can undo it."""
     kept = 0
     for parent, name, dense in list(_decoder_linears(model)):
@@ -312,11 +396,11 @@ def quantize_model_int4_(model: nn.Module, replaced: list | None = None,
         setattr(parent, name, Int4Linear.from_linear(dense))
         if replaced is not None:
             replaced.append((parent, name, dense))
-    head = model.get_output_embeddings()
-    if type(head) is nn.Linear:
-        model.set_output_embeddings(Bf16Head(head, head_rows))
+    original = model.get_output_embeddings()
+    if type(original) is nn.Linear:
+        model.set_output_embeddings(head if head is not None else Bf16Head(original))
         if replaced is not None:
-            replaced.append((model, None, head))
+            replaced.append((model, None, original))
     # transformers maps the fp32 safetensors file and the weights left (embeddings, norms) are views
     # of that mapping: copied, they let it go, and with it the fp32 file's resident pages
     # (docs/cpu_default.md, "The 4-bit CPU mode")
@@ -356,6 +440,7 @@ def use_int4(model: nn.Module, measured: bool, reference: Reference = (), trees:
                          f"in multiples of {_N_MULTIPLE}: use --quant none")
     gap, head_rows = exact_probe(model) if trees else (None, HEAD_ROWS_PER_CALL[0])
     exact = gap is None
+    timed = None
     if measured:
         if not exact:
             return False, f"fp32 matmuls ({gap}: trees would not equal plain decoding)"
@@ -366,8 +451,11 @@ def use_int4(model: nn.Module, measured: bool, reference: Reference = (), trees:
     else:
         why = "asked for"
     fp32 = reference_logits(model, reference) if reference else []
+    original = model.get_output_embeddings()
+    head, head_text = choose_head(original, head_rows, timed, trees) if type(original) is nn.Linear else \
+        (None, "bf16 lm_head")
     replaced: list = []
-    kept = quantize_model_int4_(model, replaced, head_rows)
+    kept = quantize_model_int4_(model, replaced, head)
     if reference:
         faithful = fidelity(fp32, reference_logits(model, reference), reference)
         if measured and not faithful.faithful:
@@ -380,7 +468,5 @@ def use_int4(model: nn.Module, measured: bool, reference: Reference = (), trees:
         why += f"; {kept} layer(s) kept unquantized"
     if trees and (kept or not exact):
         why += (f"; {gap}" if not exact else "") + ", so trees may differ from plain decoding"
-    head_text = f" ({head_rows} rows per call: row-invariant up to there on this CPU)" \
-        if head_rows < HEAD_ROWS_PER_CALL[0] else ""
     # the reasons after a colon, not in brackets: read as the attention's detail there (QA)
-    return True, f"int4 weights (group {GROUP}) with bf16 matmuls, bf16 lm_head{head_text} and row-exact attention: {why}"
+    return True, f"int4 weights (group {GROUP}) with bf16 matmuls, {head_text} and row-exact attention: {why}"
