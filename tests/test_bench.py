@@ -208,3 +208,18 @@ def test_profile_cpu_step_refuses_counts_before_loading(capsys, monkeypatch):
         with pytest.raises(SystemExit) as stopped:
             profile.main(args)
         assert stopped.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_the_cpu_profile_counts_an_int4_heads_kernel_as_the_lm_head_not_a_projection():
+    from torch import nn
+    from tiny import tiny_model
+
+    from medusa_core.benchmarks import profile_cpu_step as profile
+    from medusa_core.quant import cpu_int4
+
+    model = tiny_model(hidden=64)
+    head = cpu_int4.Int4Head(model.lm_head)
+    model.set_output_embeddings(head)
+    assert profile.category(head, model) == "lm_head" and profile.category(head.int4, model) is None
+    assert isinstance(model.model.layers[0].mlp.down_proj, nn.Linear)
+    assert profile.category(model.model.layers[0].mlp.down_proj, model) == profile.ORDER[0]

@@ -48,8 +48,11 @@ class ProfileConfig:
 
 def category(module: nn.Module, model: nn.Module) -> str | None:
     name = type(module).__name__
-    if module is model.get_output_embeddings():
+    head = model.get_output_embeddings()
+    if module is head:
         return "lm_head"
+    if any(module is part for part in head.modules()):
+        return None     # the int4 head's kernel layer (cpu_int4.Int4Head): the head's time, not a projection's
     if name in ("Int4Linear", "Linear", "Linear4bit", "Linear8bitLt"):
         return ORDER[0]
     if name.endswith("Attention"):
