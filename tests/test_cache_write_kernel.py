@@ -72,7 +72,8 @@ def test_a_model_routed_to_the_triton_rotary_writes_its_caches_through_the_kerne
         WRITERS[cw.NAME] = kernel
     assert 5 in writes and 15 in writes, "the prefill's and the 15-node tree's rows went through the kernel"
     rotary_kernel.use_rotary_kernel(model, "torch")
-    assert new_cache(model).writer is None and not hasattr(model.config, WRITER_NAME)
+    assert new_cache(model).writer is None and not hasattr(model, WRITER_NAME)
+    assert WRITER_NAME not in model.config.to_json_string(), "a routing is the process's, not the checkpoint's"
 
 
 def test_what_it_cannot_write_is_refused_in_one_line_and_a_cache_writer_no_module_registered_too(cw):
@@ -83,12 +84,11 @@ def test_what_it_cannot_write_is_refused_in_one_line_and_a_cache_writer_no_modul
                               "kv_heads, capacity, D) layer; got keys (1, 2, 3, 16), layer (2, 1, 4, 32, 16)")
     assert not cw.fits(keys, keys.to(torch.float16)) and not cw.fits(keys, keys.mT.contiguous().mT)   # D not rows
     model = tiny_model("llama", hidden=64, vocab=64, seed=3)
-    setattr(model.config, WRITER_NAME, "cuda-graph-magic")
+    setattr(model, WRITER_NAME, "cuda-graph-magic")
     with pytest.raises(ValueError) as err:
         new_cache(model)
-    assert str(err.value) == ("the model's config names the cache writer 'cuda-graph-magic', which no module "
-                              "registered (known: ['triton']): route the rotary again "
-                              "(quant/attention_routing.use_rotary)")
+    assert str(err.value) == ("the model names the cache writer 'cuda-graph-magic', which no module registered "
+                              "(known: ['triton']): route the rotary again (quant/attention_routing.use_rotary)")
 
 
 def test_the_caches_the_routing_times_hold_the_same_rows_at_the_prefix(cw):

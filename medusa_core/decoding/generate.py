@@ -56,9 +56,9 @@ def new_cache(model: nn.Module, capacity: int = 0) -> KVCache:
     """An empty cache for one conversation (buffers are allocated by its first forward), written by the
     writer the model's routing names (kv_cache.WRITER_NAME), if any."""
     config = model.config.get_text_config()
-    name = getattr(model.config, WRITER_NAME, None)
+    name = getattr(model, WRITER_NAME, None)
     if name is not None and name not in WRITERS:
-        raise ValueError(f"the model's config names the cache writer {name!r}, which no module registered (known: "
+        raise ValueError(f"the model names the cache writer {name!r}, which no module registered (known: "
                          f"{sorted(WRITERS)}): route the rotary again (quant/attention_routing.use_rotary)")
     return KVCache(config.num_hidden_layers, max_context(model), capacity, WRITERS.get(name))
 

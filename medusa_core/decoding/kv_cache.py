@@ -109,8 +109,9 @@ class CacheWriter:
 
 
 # Cache writers by name. A kernel module registers its own (quant/cache_write_kernel.py, as transformers'
-# AttentionInterface takes attentions), a routing names it in the model's config under WRITER_NAME, and new_cache
-# looks it up: this module imports no kernel, and the step learns of one through the loaded model (step.py).
+# AttentionInterface takes attentions), a routing names it in an attribute of the model, WRITER_NAME, and new_cache
+# looks it up: this module imports no kernel, and the step learns of one through the loaded model (step.py). On the
+# model, not its config: a config is saved with the weights, and a routing is this process's.
 WRITERS: dict[str, CacheWriter] = {}
 WRITER_NAME = "_medusa_cache_writer"
 

@@ -8,7 +8,7 @@ One launch reads the position itself and copies both.
 
 A copy, so the cache holds the bits ``index_copy_`` puts there. It runs where the rotary kernel runs: both are
 exact, both handle the rows a forward adds at its position, and attention_routing.py times the two together
-against transformers' rotary and ``index_copy_``. The routing names it in the model's config; the caches made
+against transformers' rotary and ``index_copy_``. The routing names it on the model; the caches made
 for the model then write through it (decoding/kv_cache.py, ``WRITERS``). What it does not take (a gradient to
 keep, rows not laid out along their last dimension, no CUDA and no interpreter) the cache writes with
 ``index_copy_``.

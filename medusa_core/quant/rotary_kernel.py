@@ -143,9 +143,9 @@ def _dispatcher(original):
 def _name_writer(model: nn.Module, name: str | None) -> None:
     """Name the cache writer of the caches made for ``model`` from now on (None: ``index_copy_``)."""
     if name is not None:
-        setattr(model.config, WRITER_NAME, name)
-    elif hasattr(model.config, WRITER_NAME):
-        delattr(model.config, WRITER_NAME)
+        setattr(model, WRITER_NAME, name)
+    elif hasattr(model, WRITER_NAME):
+        delattr(model, WRITER_NAME)
 
 
 def use_rotary_kernel(model: nn.Module, choice: str) -> str:
