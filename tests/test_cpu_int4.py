@@ -153,6 +153,25 @@ def test_remembered_head_timings_decide_without_measuring_and_a_head_not_row_inv
     assert chosen.kind == "int4"
 
 
+def test_the_heads_proposals_in_int4_guess_what_fp32_guesses_and_stay_out_of_the_heads_weights():
+    from medusa_core.heads.medusa_heads import HeadsConfig, MedusaHeads
+
+    torch.manual_seed(0)
+    lm_head = nn.Linear(64, 500, bias=False)
+    heads = MedusaHeads(HeadsConfig(2, 1, 64, 500, own_projection=False)).eval()
+    heads.restrict_proposals(torch.arange(0, 500, 5), lm_head)          # 100 tokens: no multiple of 16 (padded)
+    hidden = torch.randn(3, 64)
+    dense = heads.guesses(hidden, lm_head, top_k=3)
+    keys = set(heads.state_dict())
+    assert cpu_int4.proposals_in_int4(heads) and isinstance(heads.proposals, cpu_int4.Int4Head)
+    assert heads.logits(hidden, lm_head).shape == (2, 3, 100)
+    assert torch.equal(heads.guesses(hidden, lm_head, top_k=3), dense)   # the largest are recomputed in fp32
+    assert set(heads.state_dict()) == keys, "the approximation is this process's, not part of the heads"
+    heads.restrict_proposals(torch.arange(0, 500, 7), lm_head)           # another vocabulary: dense again
+    assert heads.proposals is None
+    assert not cpu_int4.proposals_in_int4(MedusaHeads(HeadsConfig(2, 1, 64, 500, own_projection=False)))
+
+
 def test_a_quantized_model_keeps_its_tied_lm_head_weight_and_drops_fp32_layers():
     model = tiny_model(hidden=64)
     model.lm_head.weight = model.model.embed_tokens.weight           # tied, as SmolLM2's are
@@ -362,3 +381,7 @@ def test_the_head_benchmark_decodes_each_head_and_tree_and_gives_the_models_head
     assert all(rate > 0 for rate in result.tokens_per_s.values())
     assert result.medusa_is_plain == 2 * result.cases == 8, "greedy Medusa left plain decoding under a head"
     assert model.get_output_embeddings() is chosen
+    # the load put the proposals through the int4 kernel exactly where it kept the int4 head, and says so
+    int4 = chosen.kind == "int4"
+    assert (default_loaded.heads.proposals is not None) == int4
+    assert ("(their logits in int4, as the lm_head's)" in default_loaded.description) == int4

@@ -1,7 +1,8 @@
 """The CPU int4 mode's two lm_head approximations side by side (quant/cpu_int4.py: ``Bf16Head``, ``Int4Head``):
-one load of the CPU default, then each head swapped in turn, plain decoding and a few trees, greedy, over
-held-out prompts in interleaved rounds; tokens/s per (head, tree), the int4 head's ratio, and whether the
-tokens match (across heads, and Medusa against plain decoding).
+one load of the CPU default, then each head swapped in turn (with it the Medusa heads' proposal logits: dense
+fp32 beside the bf16 head, as before the int4 head; int4 beside the int4 head, ``proposals_in_int4``), plain
+decoding and a few trees, greedy, over held-out prompts in interleaved rounds; tokens/s per (head, tree), the
+int4 head's ratio, and whether the tokens match (across heads, and Medusa against plain decoding).
 
     python -m medusa_core.benchmarks.cpu_heads                  # 6 prompts x 64 tokens, 2 rounds
 """
@@ -44,7 +45,7 @@ def compare(model: nn.Module, tokenizer, heads, prompts: list[str], max_new_toke
             rounds: int) -> HeadComparison:
     """Each (prompt, head, tree) decoded greedily, ``rounds`` times over, interleaved; the model's own head put
     back after."""
-    chosen = model.get_output_embeddings()
+    chosen, proposals = model.get_output_embeddings(), heads.proposals
     dense = nn.Linear(chosen.in_features, chosen.out_features, bias=chosen.bias is not None)
     dense.weight, dense.bias = chosen.weight, chosen.bias                  # the model's own (tied) weight
     variants = {"bf16": cpu_int4.Bf16Head(dense), "int4": cpu_int4.Int4Head(dense)}
@@ -58,6 +59,8 @@ def compare(model: nn.Module, tokenizer, heads, prompts: list[str], max_new_toke
             for i, prompt in enumerate(ids):
                 for head_name, head in variants.items():
                     model.set_output_embeddings(head)
+                    if not (head_name == "int4" and cpu_int4.proposals_in_int4(heads)):
+                        heads.approximate_proposals(None)
                     for tree_name, tree in trees.items():
                         steps = list(generate(model, prompt, heads=heads if TREES[tree_name] else None, tree=tree,
                                               config=config))
@@ -67,6 +70,7 @@ def compare(model: nn.Module, tokenizer, heads, prompts: list[str], max_new_toke
                         tokens[i, head_name, tree_name] = [t for s in steps for t in s.tokens]
     finally:
         model.set_output_embeddings(chosen)
+        heads.approximate_proposals(proposals)
     cases = [(i, t) for i in range(len(ids)) for t in TREES]
     return HeadComparison({key: n / seconds for key, (seconds, n) in totals.items()},
                           sum(tokens[i, "int4", t] == tokens[i, "bf16", t] for i, t in cases),

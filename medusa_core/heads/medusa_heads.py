@@ -15,6 +15,7 @@ A head that knows x_{t+1} guesses x_{t+2} far better than one that must infer it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +72,7 @@ class MedusaHeads(nn.Module):
         # The proposal vocabulary (restrict_proposals): None until set; never saved with the weights.
         for name in ("proposal_ids", "proposal_weight", "proposal_bias", "proposal_columns"):
             self.register_buffer(name, None, persistent=False)
+        self.approximate_proposals(None)
 
     @torch.no_grad()
     def init_from_lm_head(self, lm_head: nn.Module) -> None:
@@ -146,6 +148,14 @@ class MedusaHeads(nn.Module):
         columns = torch.full((weight.shape[0],), -1, dtype=torch.long, device=weight.device)     # (V,) -1: none
         columns[ids] = torch.arange(ids.numel(), device=weight.device)
         self.proposal_columns = columns
+        self.approximate_proposals(None)              # an approximation of the former vocabulary's rows
+
+    def approximate_proposals(self, projection: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        """Compute the proposal vocabulary's logits with ``projection`` ((..., H) -> (..., S), e.g. the CPU
+        int4 mode's approximation with exact largest logits: quant/cpu_int4.py) instead of the dense product;
+        None: the dense product again. Kept outside the module's tree (no state_dict entry, no .to() move): a
+        way this process computes, not part of the heads."""
+        self.__dict__["proposals"] = projection
 
     @property
     def proposal_vocab_size(self) -> int | None:
@@ -159,6 +169,8 @@ class MedusaHeads(nn.Module):
         outs = self._blocks(hidden, lm_head, which, root)                   # (k, ..., H or V)
         if self.proposal_ids is None:
             return self._project(outs, lm_head)
+        if self.proposals is not None:
+            return self.proposals(outs.to(self.proposal_weight.dtype))          # (k, ..., S)
         return nn.functional.linear(outs.to(self.proposal_weight.dtype), self.proposal_weight,
                                     self.proposal_bias)                       # (k, ..., S)
 

@@ -223,6 +223,8 @@ def load(spec: LoadSpec, progress: Progress | None = None) -> Loaded:
         heads = load_heads_files(files, model, dtype) if files is not None else None
         if heads is not None and spec.heads_quant == "nf4":
             heads = quantize_projections(heads, dtype)
+        int4_proposals = heads is not None and isinstance(model.get_output_embeddings(), cpu_int4.Int4Head) \
+            and cpu_int4.proposals_in_int4(heads)
 
         bundled = heads is not None and is_bundled_heads(spec.heads)
         cpu_default = smollm2_backbone and bundled and not device.startswith("cuda")
@@ -236,6 +238,7 @@ def load(spec: LoadSpec, progress: Progress | None = None) -> Loaded:
         c = heads.config
         heads_from = CPU_DEFAULT_HEADS.relative_to(CPU_DEFAULT_DIR.parent.parent) if bundled else spec.heads
         guessing = f", guessing among {heads.proposal_vocab_size:,} tokens" if heads.proposal_vocab_size else ""
+        guessing += " (their logits in int4, as the lm_head's)" if int4_proposals else ""
         rooted = " reading the root token" if c.root_conditioned else ""
         heads_text = (f" + {c.num_heads} {files.layout} heads x {c.num_layers} block(s){rooted}"
                       f"{' (nf4 projections)' if spec.heads_quant == 'nf4' else ''}{guessing} from {heads_from}")
