@@ -136,6 +136,7 @@ def test_the_head_is_approximated_by_whichever_is_faster_on_this_cpu_and_the_lin
 
     mode = json.loads(tuning_mode(LoadSpec(), model, "cpu", "int4", torch.float32))
     assert mode.get("lm_head") == ("int4" if faster == "int4" else None)
+    assert mode["fused"] == "q/k/v,gate/up"          # and a tree tuned on projections apart does not fit fused ones
 
 
 def test_remembered_head_timings_decide_without_measuring_and_a_head_not_row_invariant_stays_bf16(monkeypatch):
@@ -181,6 +182,48 @@ def test_a_quantized_model_keeps_its_tied_lm_head_weight_and_drops_fp32_layers()
     assert isinstance(model.get_output_embeddings(), cpu_int4.Bf16Head)
     # still one tensor: the heads read the root token's and their proposals' rows from it
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])           # qwen2: q/k/v with biases
+def test_qkv_and_gate_up_are_one_int4_matmul_each_and_every_projection_keeps_its_own_weights(arch):
+    from medusa_core.quant.fused_projections import FusedSlice
+
+    model = tiny_model(arch, hidden=64)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    groups = [(attn, ("q_proj", "k_proj", "v_proj")), (mlp, ("gate_proj", "up_proj"))]
+    dense = {name: getattr(parent, name) for parent, names in groups for name in names}
+    apart = {name: cpu_int4.Int4Linear.from_linear(d) for name, d in dense.items()}
+    replaced = []
+    assert cpu_int4.quantize_model_int4_(model, replaced) == 0
+    x = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(1))
+    for parent, names in groups:
+        slices = [getattr(parent, name) for name in names]
+        fused = slices[0].fused
+        assert all(isinstance(s, FusedSlice) and s.fused is fused for s in slices)
+        assert fused.splits == tuple(dense[name].out_features for name in names)
+        # groups run along a row: the stacked weight quantizes to each projection's own codes and scales
+        assert torch.equal(fused.scales_zeros, torch.cat([apart[name].scales_zeros for name in names], 1))
+        for name in reversed(names):             # any call order gives each its own columns
+            want = apart[name](x)
+            torch.testing.assert_close(getattr(parent, name)(x), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+        assert fused._pending is None            # nothing kept once every slice is taken
+    if arch == "qwen2":
+        assert attn.q_proj.fused.bias is not None and mlp.gate_proj.fused.bias is None
+    assert "fused 64+32+32" in repr(attn)
+    cpu_int4.restore_(replaced)
+    assert all(getattr(parent, name) is dense[name] for parent, names in groups for name in names)
+
+
+def test_the_row_invariance_probe_checks_the_matmuls_as_fused(monkeypatch):
+    probed = set()
+
+    def record(layer, in_features, rows=5, dtype=torch.float32):
+        probed.add((layer.out_features, in_features))
+        return True
+    monkeypatch.setattr(cpu_int4, "row_invariant", record)
+    monkeypatch.setattr(cpu_int4, "head_rows_per_call", lambda head: 64)
+    assert cpu_int4.exact_probe(tiny_model(hidden=64)) == (None, 64)
+    assert probed == {(64 + 32 + 32, 64), (64, 64), (128 + 128, 64), (64, 128)}    # q/k/v, o, gate/up, down
 
 
 def test_sizes_the_kernel_cannot_take_stay_unquantized_and_are_named():
@@ -255,7 +298,8 @@ def int4_loaded(tmp_path_factory):
 def test_quant_int4_loads_and_says_so(int4_loaded):
     # the character vocabulary is no multiple of 16, which the int4 kernel needs: the bf16 head, nothing timed
     assert int4_loaded.model.get_output_embeddings().out_features % 16
-    assert "int4 weights (group 32) with bf16 matmuls, bf16 lm_head and row-exact attention: asked for" in int4_loaded.description
+    assert ("int4 weights (group 32, q/k/v and gate/up each one matmul) with bf16 matmuls, bf16 lm_head and row-exact "
+            "attention: asked for") in int4_loaded.description
     assert int4_loaded.model.config._attn_implementation == exact_attention.NAME
     assert "asked for" in int4_loaded.description
 
@@ -368,16 +412,17 @@ def test_a_head_row_invariant_at_no_row_count_keeps_auto_in_fp32_and_says_it_is_
 
 
 def test_the_head_benchmark_decodes_each_head_and_tree_and_gives_the_models_head_back(default_loaded):
-    # benchmarks/cpu_heads.py on the CPU default, shortened: its speed figures are the benchmark's to report
-    from medusa_core.benchmarks import cpu_heads
+    # benchmarks/cpu_variants.py on the CPU default, shortened: its speed figures are the benchmark's to report
+    from medusa_core.benchmarks import cpu_variants
 
     model = default_loaded.model
     chosen = model.get_output_embeddings()
     if not isinstance(chosen, cpu_int4.RefinedHead):
         pytest.skip("this CPU runs the default in fp32 (the int4 mode measured slower or not row-invariant)")
-    result = cpu_heads.compare(model, default_loaded.tokenizer, default_loaded.heads,
-                               ["Name three colours."], max_new_tokens=6, rounds=1)
-    assert set(result.tokens_per_s) == {(h, t) for h in ("bf16", "int4") for t in cpu_heads.TREES}
+    result = cpu_variants.compare(model, default_loaded.tokenizer, default_loaded.heads, ["Name three colours."],
+                                  max_new_tokens=6, rounds=1,
+                                  variants=cpu_variants.head_variants(model, default_loaded.heads))
+    assert set(result.tokens_per_s) == {(h, t) for h in ("bf16", "int4") for t in cpu_variants.TREES}
     assert all(rate > 0 for rate in result.tokens_per_s.values())
     assert result.medusa_is_plain == 2 * result.cases == 8, "greedy Medusa left plain decoding under a head"
     assert model.get_output_embeddings() is chosen
@@ -385,3 +430,28 @@ def test_the_head_benchmark_decodes_each_head_and_tree_and_gives_the_models_head
     int4 = chosen.kind == "int4"
     assert (default_loaded.heads.proposals is not None) == int4
     assert ("(their logits in int4, as the lm_head's)" in default_loaded.description) == int4
+
+
+def test_the_projection_benchmark_decodes_them_apart_and_gives_the_fused_ones_back(default_loaded):
+    # benchmarks/cpu_variants.py --compare projections, shortened: its speed figures are the benchmark's to report
+    from medusa_core.benchmarks import cpu_variants
+    from medusa_core.loading.load import load_backbone_dir
+    from medusa_core.quant.fused_projections import FusedSlice
+
+    model = default_loaded.model
+    if not isinstance(model.get_output_embeddings(), cpu_int4.RefinedHead):
+        pytest.skip("this CPU runs the default in fp32 (the int4 mode measured slower or not row-invariant)")
+    before = dict(model.named_modules())
+    assert sum(isinstance(m, FusedSlice) for m in before.values()) == 5 * model.config.num_hidden_layers
+    variants = cpu_variants.projection_variants(model, load_backbone_dir(model.name_or_path)[0])
+    seen = []
+    for name, swap in variants.items():         # what each variant decodes with
+        restore = swap()
+        seen.append((name, sum(isinstance(m, FusedSlice) for m in model.modules()),
+                     type(model.model.layers[3].mlp.up_proj).__name__))
+        restore()
+    assert seen == [("apart", 0, "Int4Linear"), ("fused", 5 * model.config.num_hidden_layers, "FusedSlice")]
+    result = cpu_variants.compare(model, default_loaded.tokenizer, default_loaded.heads, ["Name three colours."],
+                                  max_new_tokens=4, rounds=1, variants=variants)
+    assert set(result.tokens_per_s) == {(v, t) for v in ("apart", "fused") for t in cpu_variants.TREES}
+    assert dict(model.named_modules()) == before, "the benchmark left the model otherwise than loaded"

@@ -151,7 +151,8 @@ def int4_engine(default_loaded):
 
 def test_the_default_says_which_matmuls_it_runs(default_loaded, fp32_engine):
     # int4 where it measured faster and row-invariant on this CPU, else fp32 with the reason
-    assert "int4 weights (group 32) with bf16 matmuls" in default_loaded.description or \
+    assert "int4 weights (group 32, q/k/v and gate/up each one matmul) with bf16 matmuls" in \
+        default_loaded.description or \
         "fp32 matmuls (" in default_loaded.description
     assert "unquantized, float32" in fp32_engine.loaded.description
     assert "Paris" in clear_answer(fp32_engine, FRANCE).plain
@@ -227,8 +228,8 @@ def test_the_default_holds_on_an_avx2_cpu():
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["capability"] == "AVX2", "ATEN_CPU_CAPABILITY=avx2 did not take effect on this CPU"
     # int4 with its fidelity where it measured faster here, else fp32 with the reason
-    assert ("int4 weights (group 32)" in out["description"] and "reference text" in out["description"]
-            and out["weights"] == "int4") or ("fp32 matmuls (" in out["description"] and out["weights"] is None)
+    assert ("int4 weights (group 32, q/k/v and gate/up each one matmul)" in out["description"]
+            and "reference text" in out["description"] and out["weights"] == "int4") or ("fp32 matmuls (" in out["description"] and out["weights"] is None)
     assert out["margin"] >= MARGIN and "Paris" in out["france"]
     assert out["identical"] == [True] * 4
 

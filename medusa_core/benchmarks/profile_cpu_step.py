@@ -53,7 +53,7 @@ def category(module: nn.Module, model: nn.Module) -> str | None:
         return "lm_head"
     if any(module is part for part in head.modules()):
         return None     # the int4 head's kernel layer (cpu_int4.Int4Head): the head's time, not a projection's
-    if name in ("Int4Linear", "Linear", "Linear4bit", "Linear8bitLt"):
+    if name in ("Int4Linear", "FusedSlice", "Linear", "Linear4bit", "Linear8bitLt"):
         return ORDER[0]
     if name.endswith("Attention"):
         return "attention"

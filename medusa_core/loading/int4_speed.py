@@ -31,8 +31,8 @@ from .smollm2 import cache_write_failed
 from .this_machine import (BUSY_SHARE, cpu_share_now, entry_path, file_stamp, machine_identity, with_cpu_share,
                            write_atomic)
 
-SPEED_VERSION = 2        # part of the key: a change in how cpu_int4.measure times re-measures (2: the head's two
-#                          approximations timed too, cpu_int4.choose_head)
+SPEED_VERSION = 3        # part of the key: a change in how cpu_int4.measure times re-measures (2: the head's two
+#                          approximations timed too, cpu_int4.choose_head; 3: q/k/v and gate/up timed fused)
 FOLDER, NAME = "int4-speed", "speed.json"
 # how the load line goes on after "1.28x fp32's matmul speed, "
 FRESH = "measured now and kept for this machine until --retune"

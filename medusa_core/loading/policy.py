@@ -122,17 +122,21 @@ def choose_tree(heads_source: str | None, heads: MedusaHeads | None, device: str
 def tuning_mode(spec: LoadSpec, model, device: str, quant: str, dtype: torch.dtype) -> str:
     """What a tuned tree's cache entry is for, besides the machine, model and heads: the NF4 kernel and the
     norms, rotary and attention are the ones routed (``auto`` picks each by timing on the GPU, and trees tuned on
-    one step do not fit another), and the CPU int4 mode's lm_head. transformers' own and the bf16 head add no key,
-    so entries tuned before the Triton kernels and the int4 head still match."""
+    one step do not fit another), the CPU int4 mode's lm_head, and the projections fused (fused_projections.py).
+    transformers' own, the bf16 head and projections apart add no key, so entries tuned before the Triton
+    kernels, the int4 head and the fusion still match."""
     from ..quant.attention_routing import attention_routed, rotary_routed
     from ..quant.bnb import routed_kernel
+    from ..quant.fused_projections import fused_groups
     from ..quant.norm_routing import norms_routed
 
     norms, rotary, attention = norms_routed(model), rotary_routed(model), attention_routed(model)
     head = getattr(model.get_output_embeddings(), "kind", "")      # the CPU int4 mode's (cpu_int4.choose_head)
+    fused = ",".join(fused_groups(model))
     return json.dumps({"device": device, "quant": quant, "dtype": str(dtype), "heads_quant": spec.heads_quant,
                        "nf4_kernel": routed_kernel(model) or spec.nf4_kernel,
                        **({"lm_head": head} if head == "int4" else {}),
+                       **({"fused": fused} if fused else {}),
                        **({"norms": norms} if norms == "triton" else {}),
                        **({"rotary": rotary} if rotary == "triton" else {}),
                        **({"attention": attention} if attention == "split" else {})}, sort_keys=True)

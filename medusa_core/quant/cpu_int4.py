@@ -29,8 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import fused_projections
 from .exact_attention import NAME as EXACT_ATTENTION
 from .exact_attention import use_exact_rows
+from .fused_projections import SplitLinear, place
 
 GROUP = 32          # weights per (scale, zero) pair along the input dimension, as in Q4_1
 _LEVELS = 15        # codes 0..15
@@ -143,12 +145,14 @@ def dequantize(codes: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
     return (codes.float() - 8) * scale + zero
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(SplitLinear):
     """y = x W^T + b with W as 4-bit group codes; x is rounded to bf16 for the kernel, y (fp32
-    accumulated, rounded to bf16 by the kernel) returns in x's dtype."""
+    accumulated, rounded to bf16 by the kernel) returns in x's dtype. One projection, or several that read
+    the same input stacked by rows (``splits``: fused_projections.py)."""
 
-    def __init__(self, codes: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
+    def __init__(self, codes: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None,
+                 splits: tuple[int, ...] | None = None):
+        super().__init__(splits or (codes.shape[0],))
         self.out_features, self.in_features = codes.shape
         # innerKTiles is ignored by the CPU packing; 1 is its smallest legal value. Not persistent:
         # the packing is this CPU kernel's own layout, which no checkpoint should carry
@@ -160,6 +164,19 @@ class Int4Linear(nn.Module):
     def from_linear(cls, dense: nn.Linear) -> "Int4Linear":
         return cls(*quantize_groups(dense.weight.data), dense.bias)
 
+    @classmethod
+    def from_linears(cls, denses: Sequence[nn.Linear]) -> "Int4Linear":
+        """One matmul over ``denses`` (one input size and dtype) stacked by rows. Groups run along a row, so
+        each projection keeps the codes and scales it has alone."""
+        if len(denses) == 1:
+            return cls.from_linear(denses[0])
+        splits = tuple(d.out_features for d in denses)
+        bias = None
+        if any(d.bias is not None for d in denses):     # a missing bias adds zeros
+            bias = torch.cat([d.bias.data if d.bias is not None else d.weight.new_zeros(d.out_features)
+                              for d in denses])
+        return cls(*quantize_groups(torch.cat([d.weight.data for d in denses])), bias, splits)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)                  # (M, K)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_zeros)   # (M, N)
@@ -167,7 +184,9 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}, bf16 activations"
+        fused = f", fused {'+'.join(map(str, self.splits))}" if len(self.splits) > 1 else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}{fused}, group={GROUP}, "
+                "bf16 activations")
 
 
 class RefinedHead(nn.Module):
@@ -260,6 +279,17 @@ def _decoder_linears(model: nn.Module):
                     yield parent, name, child
 
 
+def _matmuls(model: nn.Module) -> list[list[tuple[nn.Module, str, nn.Linear]]]:
+    """The decoder's quantizable Linear layers as the int4 mode multiplies them: q/k/v and gate/up each one
+    matmul (fused_projections.FUSE, where whole under one parent with one input size and dtype), every other
+    layer alone. On 2 Zen 4 cores q/k/v fused took 32 µs at 1 row against 65 apart, gate/up 67 against 82:
+    the kernel's call costs as much as its bytes at SmolLM2's sizes (docs/cpu_default.md)."""
+    layers = [entry for entry in _decoder_linears(model) if quantizable(entry[2])]
+    groups = [group for _, group in fused_projections.fusable(layers, lambda d: (d.in_features, d.weight.dtype))]
+    grouped = {id(entry[2]) for group in groups for entry in group}
+    return groups + [[entry] for entry in layers if id(entry[2]) not in grouped]
+
+
 def row_invariant(layer: nn.Module, in_features: int, rows: int = 5, dtype: torch.dtype = torch.float32) -> bool:
     """Whether ``layer`` gives an input row the same bits alone as among ``rows`` rows: what keeps a
     tree verification identical to plain decoding. A property of the kernel on this CPU."""
@@ -287,13 +317,14 @@ def head_rows_per_call(head: nn.Linear) -> int | None:
 
 def exact_probe(model: nn.Module) -> tuple[str | None, int]:
     """(what keeps trees from plain decoding's tokens on this CPU, None if nothing; the rows per call the bf16
-    head is row-invariant with): every distinct decoder shape as Int4Linear at PROBE_ROWS rows, and the head
-    as Bf16Head (the fp32 ``model`` before quantization; cheap enough for every load)."""
-    shapes = {(d.out_features, d.in_features): d for _, _, d in _decoder_linears(model) if quantizable(d)}
+    head is row-invariant with): every distinct decoder matmul shape (fused as _matmuls fuses) at PROBE_ROWS
+    rows, and the head as Bf16Head (the fp32 ``model`` before quantization; cheap enough for every load)."""
+    shapes = {(sum(d.out_features for _, _, d in group), group[0][2].in_features): [d for _, _, d in group]
+              for group in _matmuls(model)}                                   # as the mode multiplies them
     head = model.get_output_embeddings()
     dtype = head.weight.dtype
-    if not shapes or not all(row_invariant(Int4Linear.from_linear(d), d.in_features, n, dtype)
-                             for d in shapes.values() for n in PROBE_ROWS):
+    if not shapes or not all(row_invariant(Int4Linear.from_linears(ds), ds[0].in_features, n, dtype)
+                             for ds in shapes.values() for n in PROBE_ROWS):
         return "the int4 kernel is not row-invariant on this CPU", HEAD_ROWS_PER_CALL[0]
     if type(head) is not nn.Linear:
         return None, HEAD_ROWS_PER_CALL[0]
@@ -332,24 +363,25 @@ def measure_heads(bf16: "Bf16Head", int4: "Int4Head", rows: tuple[int, ...] = HE
 
 
 def measure(model: nn.Module, rows: tuple[int, ...] = (1, 4), repeats: int = 15) -> dict[str, float]:
-    """ms for every decoder layer's Linear layers plus the lm_head, fp32 against int4 + bf16 head,
-    summed over ``rows`` (a plain step and a small tree): what ``auto`` chooses by. Each call is
+    """ms for every decoder layer's Linear layers plus the lm_head, fp32 against int4 (fused as _matmuls
+    fuses) + bf16 head, summed over ``rows`` (a plain step and a small tree): what ``auto`` chooses by. Each call is
     timed ``repeats`` times, interleaved, and its fastest time kept: other load only adds time.
     Every layer, in a step's order, not one: one layer timed again and again keeps its fp32 weights
     (14 MB in SmolLM2) in the CPU's cache, which a step streaming 30 layers does not. That hid int4's
     gain, which is memory read: on an AVX2 CPU one layer measured 0.80x while whole-model
     forwards ran 1.3-1.4x faster in int4, and auto chose fp32 (docs/cpu_default.md)."""
-    dense = [d for _, _, d in _decoder_linears(model) if quantizable(d)]
     head = model.get_output_embeddings()
-    pairs = [(d, Int4Linear.from_linear(d)) for d in dense] + [(head, Bf16Head(head))]
+    groups = [[d for _, _, d in group] for group in _matmuls(model)]
+    pairs = [(group, Int4Linear.from_linears(group)) for group in groups]
+    pairs.append(([head], Bf16Head(head)))
     best: dict[tuple, float] = {}
     with torch.no_grad():
         for m in rows:
-            inputs = {k: torch.randn(m, k, dtype=head.weight.dtype) for k in {fp32.in_features for fp32, _ in pairs}}
+            inputs = {k: torch.randn(m, k, dtype=head.weight.dtype) for k in {fast.in_features for _, fast in pairs}}
             for _ in range(repeats + 1):              # the first round warms up
                 for n, (fp32, fast) in enumerate(pairs):
-                    x = inputs[fp32.in_features]
-                    for kind, fn in (("fp32_ms", fp32), ("int4_ms", fast)):
+                    x = inputs[fast.in_features]
+                    for kind, fn in (("fp32_ms", lambda x: [d(x) for d in fp32]), ("int4_ms", fast)):
                         start = time.perf_counter()
                         fn(x)
                         took = time.perf_counter() - start
@@ -408,17 +440,15 @@ def proposals_in_int4(heads) -> bool:
 
 @torch.no_grad()
 def quantize_model_int4_(model: nn.Module, replaced: list | None = None, head: RefinedHead | None = None) -> int:
-    """Every decoder Linear whose input size is a multiple of GROUP -> Int4Linear; the lm_head -> ``head``
+    """Every decoder Linear whose input size is a multiple of GROUP -> Int4Linear (q/k/v and gate/up each one,
+    read through FusedSlices: _matmuls); the lm_head -> ``head``
     (made by ``choose_head`` from it; None: a Bf16Head). Returns how many Linear layers kept their dtype (sizes
     the kernel cannot take). ``replaced`` collects (parent, name, original) so that ``restore_`` can undo it."""
-    kept = 0
-    for parent, name, dense in list(_decoder_linears(model)):
-        if not quantizable(dense):
-            kept += 1
-            continue
-        setattr(parent, name, Int4Linear.from_linear(dense))
+    kept = sum(not quantizable(d) for _, _, d in _decoder_linears(model))
+    for group in _matmuls(model):
+        place(Int4Linear.from_linears([d for _, _, d in group]), group)
         if replaced is not None:
-            replaced.append((parent, name, dense))
+            replaced.extend(group)
     original = model.get_output_embeddings()
     if type(original) is nn.Linear:
         model.set_output_embeddings(head if head is not None else Bf16Head(original))
@@ -492,4 +522,6 @@ def use_int4(model: nn.Module, measured: bool, reference: Reference = (), trees:
     if trees and (kept or not exact):
         why += (f"; {gap}" if not exact else "") + ", so trees may differ from plain decoding"
     # the reasons after a colon, not in brackets: read as the attention's detail there (QA)
-    return True, f"int4 weights (group {GROUP}) with bf16 matmuls, {head_text} and row-exact attention: {why}"
+    fused = fused_projections.fused_groups(model)
+    layout = f"group {GROUP}" + (f", {' and '.join(fused)} each one matmul" if fused else "")
+    return True, f"int4 weights ({layout}) with bf16 matmuls, {head_text} and row-exact attention: {why}"

@@ -1,18 +1,6 @@
 """NF4 layers on the repacked kernel, with q/k/v and gate/up each fused into one matmul.
 
-Why fuse: projections reading the same input make one launch instead of two or three, one pass over x,
-and a wider N (more programs at 1-64 rows, where the step is launch- and bandwidth-bound).
-
-How the stock transformers forward stays unchanged: q_proj, k_proj and v_proj become FusedSlice
-modules sharing one RepackedNF4Linear over the weights stacked by rows (likewise gate_proj, up_proj).
-Whichever slice is called first computes the whole product for its input and keeps its siblings'
-columns; a sibling called with that same input tensor (the same object, and not modified since, where
-autograd's version counter can tell: inference tensors have none) takes its kept columns, and they
-are dropped once all are taken. With any other input a slice recomputes. So every slice returns
-fused(x)[its columns] whatever order the forward calls them in; the cost of an odd order is only a
-second matmul. A wrapper around the attention or MLP forward would need a fork of transformers' code
-per architecture; this needs none. The cache holds tensors only between siblings' calls (inside a CUDA
-graph capture it is Python-side bookkeeping, as the rest of the forward).
+Why and how the stock transformers forward stays unchanged: fused_projections.py.
 
 bitsandbytes' modules are kept, emptied of their packed bytes (so memory stays the repacked size), and
 ``restore_bitsandbytes`` puts them back with bytes rebuilt exactly from the repacked codes.
@@ -23,18 +11,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import fused_projections
+from .fused_projections import FUSE, FusedSlice, SplitLinear, place
 from .model_parts import children, is_rms_norm
 from .nf4_repack import RepackedNF4, bitsandbytes_bytes, check_bnb_nf4, repack_bnb
 
-FUSE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
-
-class RepackedNF4Linear(nn.Module):
+class RepackedNF4Linear(SplitLinear):
     """y = x @ W.T + b on a repacked NF4 weight: one projection, or several stacked by rows (``splits``)."""
 
     def __init__(self, weight: RepackedNF4, bias: torch.Tensor | None, compute_dtype: torch.dtype | None,
                  exact: bool, originals: tuple[nn.Module, ...], splits: tuple[int, ...]):
-        super().__init__()
+        super().__init__(splits)
         # buffers, not parameters: .to() moves them, state_dict (checkpoints: bitsandbytes') skips them
         self.register_buffer("words", weight.words, persistent=False)
         self.register_buffer("scales", weight.scales, persistent=False)
@@ -46,9 +34,7 @@ class RepackedNF4Linear(nn.Module):
         self.in_features, self.out_features = weight.k, weight.n
         self.compute_dtype = compute_dtype
         self.exact = exact
-        self.splits = splits
         self._originals = originals     # a tuple: not registered as submodules (no double state_dict)
-        self._pending = None            # (x, version, {slice index: columns}) between siblings' calls
 
     @property
     def packed(self) -> RepackedNF4:
@@ -60,30 +46,6 @@ class RepackedNF4Linear(nn.Module):
         compute = self.compute_dtype or x.dtype
         bias = self.bias.to(compute) if self.bias is not None else None
         return repacked_matmul(x.to(compute), self.packed, bias, exact=self.exact).to(x.dtype)
-
-    def take(self, x: torch.Tensor, index: int) -> torch.Tensor:
-        """Columns of projection ``index`` for input x: kept from a sibling's call on this x, or computed."""
-        version = None if x.is_inference() else x._version
-        pending = self._pending
-        if pending is None or pending[0] is not x or pending[1] != version or index not in pending[2]:
-            pending = self._pending = (x, version, dict(enumerate(self(x).split(self.splits, dim=-1))))
-        out = pending[2].pop(index)
-        if not pending[2]:
-            self._pending = None
-        return out
-
-
-class FusedSlice(nn.Module):
-    """Stands where q_proj (k_proj, ...) stood: its columns of the shared fused product."""
-
-    def __init__(self, fused: RepackedNF4Linear, index: int):
-        super().__init__()
-        self.fused = fused               # one module shared by the siblings (named_modules lists it once)
-        self.index = index
-        self.in_features, self.out_features = fused.in_features, fused.splits[index]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fused.take(x, self.index)
 
 
 def _replace(layers: list[tuple[nn.Module, str, nn.Module]], exact: bool, group: int) -> RepackedNF4Linear:
@@ -99,28 +61,13 @@ def _replace(layers: list[tuple[nn.Module, str, nn.Module]], exact: bool, group:
     fused = RepackedNF4Linear(weight, bias, mods[0].compute_dtype, exact, tuple(mods), splits)
     for m in mods:       # bitsandbytes' bytes are rebuilt from the repacked codes on restore
         m.weight.data = torch.empty(0, dtype=torch.uint8, device=m.weight.data.device)
-    if len(layers) == 1:
-        parent, name, _ = layers[0]
-        setattr(parent, name, fused)
-    else:
-        for index, (parent, name, _) in enumerate(layers):
-            setattr(parent, name, FusedSlice(fused, index))
+    place(fused, layers)
     return fused
 
 
 def fusable(layers: list[tuple[nn.Module, str, nn.Module]], fuse=FUSE) -> list[tuple[tuple[str, ...], list]]:
     """(names, its layers) for every ``fuse`` group found whole under one parent, with one K and dtype."""
-    by_parent: dict[int, dict[str, tuple]] = {}
-    for entry in layers:
-        by_parent.setdefault(id(entry[0]), {})[entry[1]] = entry
-    found = []
-    for named in by_parent.values():
-        for names in fuse:
-            group_layers = [named.get(n) for n in names]
-            if all(group_layers) and len({(int(e[2].weight.quant_state.shape[1]), e[2].compute_dtype)
-                                          for e in group_layers}) == 1:
-                found.append((names, group_layers))
-    return found
+    return fused_projections.fusable(layers, lambda m: (int(m.weight.quant_state.shape[1]), m.compute_dtype), fuse)
 
 
 def repack_layers(layers: list[tuple[nn.Module, str, nn.Module]], exact: bool = False,
