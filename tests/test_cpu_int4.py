@@ -403,12 +403,35 @@ def test_the_bf16_head_calls_its_gemm_with_as_many_rows_as_this_cpu_keeps_row_in
     assert model.get_output_embeddings().rows_per_call == 32 and "trees may differ" not in line
 
 
-def test_a_head_row_invariant_at_no_row_count_keeps_auto_in_fp32_and_says_it_is_the_head(monkeypatch):
+def int4_kernels_row_invariant(monkeypatch, head: bool) -> None:
+    """The int4 kernel's row invariance as a CPU would have it (the decoder's layers: yes; the head's: ``head``),
+    whatever this CPU's kernel does; the bf16 head's is measured (through the patched F)."""
+    real = cpu_int4.row_invariant
+    monkeypatch.setattr(cpu_int4, "row_invariant", lambda layer, *a, **k: head if isinstance(layer, cpu_int4.Int4Head)
+                        else isinstance(layer, cpu_int4.Int4Linear) or real(layer, *a, **k))
+
+
+def test_where_only_the_int4_head_is_row_invariant_auto_runs_the_int4_mode_with_it_even_if_slower(monkeypatch):
+    # a CPU whose bf16 GEMM rounds a row otherwise from 2 rows on: the int4 head keeps trees exact there, so auto
+    # no longer falls back to fp32 for the head's sake
     monkeypatch.setattr(cpu_int4, "F", GemmRoundingOtherwiseFrom(2))
+    int4_kernels_row_invariant(monkeypatch, head=True)
+    monkeypatch.setattr(cpu_int4, "measure", lambda model: {"fp32_ms": 10.0, "int4_ms": 2.0, "head_bf16_ms": 1.0,
+                                                            "head_int4_ms": 3.0})
     assert cpu_int4.head_rows_per_call(nn.Linear(64, 500, bias=False)) is None
+    model = tiny_model(hidden=64)
+    applied, line = cpu_int4.use_int4(model, measured=True)
+    assert applied and ("int4 lm_head (the bf16 one is not row-invariant on this CPU even 8 rows per call) and "
+                        "row-exact attention: 5.00x fp32's matmul speed") in line, line
+    assert model.get_output_embeddings().kind == "int4" and "trees may differ" not in line and exact_mode(model)
+
+
+def test_a_head_row_invariant_in_neither_format_keeps_auto_in_fp32_and_says_it_is_the_head(monkeypatch):
+    monkeypatch.setattr(cpu_int4, "F", GemmRoundingOtherwiseFrom(2))
+    int4_kernels_row_invariant(monkeypatch, head=False)
     applied, line = cpu_int4.use_int4(tiny_model(hidden=64), measured=True)
-    assert not applied and line == ("fp32 matmuls (the bf16 lm_head is not row-invariant on this CPU even 8 rows per "
-                                    "call: trees would not equal plain decoding)")
+    assert not applied and line == ("fp32 matmuls (the lm_head is not row-invariant on this CPU, in bf16 even 8 rows "
+                                    "per call nor in int4: trees would not equal plain decoding)")
 
 
 def test_the_head_benchmark_decodes_each_head_and_tree_and_gives_the_models_head_back(default_loaded):

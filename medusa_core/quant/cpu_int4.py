@@ -315,9 +315,9 @@ def head_rows_per_call(head: nn.Linear) -> int | None:
     return None
 
 
-def exact_probe(model: nn.Module) -> tuple[str | None, int]:
+def exact_probe(model: nn.Module) -> tuple[str | None, int | None]:
     """(what keeps trees from plain decoding's tokens on this CPU, None if nothing; the rows per call the bf16
-    head is row-invariant with): every distinct decoder matmul shape (fused as _matmuls fuses) at PROBE_ROWS
+    head is row-invariant with, None where only the int4 head is, so that it must be the head): every distinct decoder matmul shape (fused as _matmuls fuses) at PROBE_ROWS
     rows, and the head as Bf16Head (the fp32 ``model`` before quantization; cheap enough for every load)."""
     shapes = {(sum(d.out_features for _, _, d in group), group[0][2].in_features): [d for _, _, d in group]
               for group in _matmuls(model)}                                   # as the mode multiplies them
@@ -329,10 +329,13 @@ def exact_probe(model: nn.Module) -> tuple[str | None, int]:
     if type(head) is not nn.Linear:
         return None, HEAD_ROWS_PER_CALL[0]
     rows = head_rows_per_call(head)
-    if rows is None:
-        return (f"the bf16 lm_head is not row-invariant on this CPU even {HEAD_ROWS_PER_CALL[-1]} rows per call",
-                HEAD_ROWS_PER_CALL[-1])
-    return None, rows
+    if rows is not None:
+        return None, rows
+    # the int4 head computes each row on its own: where it keeps a row's bits, it can stand in for bf16's
+    if quantizable(head) and all(row_invariant(Int4Head(head), head.in_features, n, dtype) for n in HEAD_PROBE_ROWS):
+        return None, None
+    return (f"the lm_head is not row-invariant on this CPU, in bf16 even {HEAD_ROWS_PER_CALL[-1]} rows per call"
+            + (" nor in int4" if quantizable(head) else ""), HEAD_ROWS_PER_CALL[-1])
 
 
 def exact_mode(model: nn.Module) -> bool:
@@ -392,11 +395,16 @@ def measure(model: nn.Module, rows: tuple[int, ...] = (1, 4), repeats: int = 15)
     return times
 
 
-def choose_head(head: nn.Linear, rows_per_call: int, timed: Speed | None, trees: bool) -> tuple[RefinedHead, str]:
+def choose_head(head: nn.Linear, rows_per_call: int | None, timed: Speed | None,
+                trees: bool) -> tuple[RefinedHead, str]:
     """The lm_head's approximation on this CPU, and the load line's words for it: int4 where the kernel takes the
     head's sizes, gives its rows the bits they get alone (where trees run) and is faster than bf16 at
     HEAD_TIMED_ROWS (``timed``'s figures, remembered with the int4 gain, or measured now); bf16 elsewhere, taking
-    ``rows_per_call`` rows per call."""
+    ``rows_per_call`` rows per call. ``rows_per_call`` None (exact_probe: only the int4 head is row-invariant
+    here): int4 whatever the times."""
+    if rows_per_call is None:
+        return Int4Head(head), _said("int4", [f"the bf16 one is not row-invariant on this CPU even "
+                                              f"{HEAD_ROWS_PER_CALL[-1]} rows per call"])
     bf16 = Bf16Head(head, rows_per_call)
     calls = [f"{rows_per_call} rows per call: row-invariant up to there on this CPU"] \
         if rows_per_call < HEAD_ROWS_PER_CALL[0] else []
