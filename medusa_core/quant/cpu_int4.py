@@ -317,8 +317,9 @@ def head_rows_per_call(head: nn.Linear) -> int | None:
 
 def exact_probe(model: nn.Module) -> tuple[str | None, int | None]:
     """(what keeps trees from plain decoding's tokens on this CPU, None if nothing; the rows per call the bf16
-    head is row-invariant with, None where only the int4 head is, so that it must be the head): every distinct decoder matmul shape (fused as _matmuls fuses) at PROBE_ROWS
-    rows, and the head as Bf16Head (the fp32 ``model`` before quantization; cheap enough for every load)."""
+    head is row-invariant with, None where only the int4 head is, so that it must be the head): every distinct
+    decoder matmul shape (fused as _matmuls fuses) at PROBE_ROWS rows, and the head as Bf16Head (the fp32
+    ``model`` before quantization; cheap enough for every load)."""
     shapes = {(sum(d.out_features for _, _, d in group), group[0][2].in_features): [d for _, _, d in group]
               for group in _matmuls(model)}                                   # as the mode multiplies them
     head = model.get_output_embeddings()
@@ -367,8 +368,8 @@ def measure_heads(bf16: "Bf16Head", int4: "Int4Head", rows: tuple[int, ...] = HE
 
 def measure(model: nn.Module, rows: tuple[int, ...] = (1, 4), repeats: int = 15) -> dict[str, float]:
     """ms for every decoder layer's Linear layers plus the lm_head, fp32 against int4 (fused as _matmuls
-    fuses) + bf16 head, summed over ``rows`` (a plain step and a small tree): what ``auto`` chooses by. Each call is
-    timed ``repeats`` times, interleaved, and its fastest time kept: other load only adds time.
+    fuses) + bf16 head, summed over ``rows`` (a plain step and a small tree): what ``auto`` chooses by. Each
+    call is timed ``repeats`` times, interleaved, and its fastest time kept: other load only adds time.
     Every layer, in a step's order, not one: one layer timed again and again keeps its fp32 weights
     (14 MB in SmolLM2) in the CPU's cache, which a step streaming 30 layers does not. That hid int4's
     gain, which is memory read: on an AVX2 CPU one layer measured 0.80x while whole-model
@@ -449,8 +450,8 @@ def proposals_in_int4(heads) -> bool:
 @torch.no_grad()
 def quantize_model_int4_(model: nn.Module, replaced: list | None = None, head: RefinedHead | None = None) -> int:
     """Every decoder Linear whose input size is a multiple of GROUP -> Int4Linear (q/k/v and gate/up each one,
-    read through FusedSlices: _matmuls); the lm_head -> ``head``
-    (made by ``choose_head`` from it; None: a Bf16Head). Returns how many Linear layers kept their dtype (sizes
+    read through FusedSlices: _matmuls); the lm_head -> ``head`` (made by ``choose_head`` from it; None: a
+    Bf16Head). Returns how many Linear layers kept their dtype (sizes
     the kernel cannot take). ``replaced`` collects (parent, name, original) so that ``restore_`` can undo it."""
     kept = sum(not quantizable(d) for _, _, d in _decoder_linears(model))
     for group in _matmuls(model):
