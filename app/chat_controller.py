@@ -20,7 +20,7 @@ from .layout import READOUT_HINT, Page
 from .models import ModelSlot, SlotState
 from .readout import Stats, count, render_comparison, render_live
 from .render import note_html, reply_html, user_html
-from .session import Session, Turn
+from .session import Replaced, Session, Turn
 from .settings import Settings, flag, text
 from .export_files import discard_tab_exports, write_tab_exports
 from .transcript import from_saved, saved_compare, saved_system, to_saved
@@ -28,6 +28,9 @@ from .transcript import from_saved, saved_compare, saved_system, to_saved
 WAITING_FOR_LOAD = "waiting for the model to load: the answer starts once it is ready (Stop gives the message back)"
 # a Stop pressed while the request waited for the tab's previous answer to end (Session.start_request)
 STOPPED_BEFORE_START = "stopped before it started"
+STOPPED_BEFORE_FIRST = "stopped before the first token"
+BACK_IN_BOX = ": the message is back in the box"   # said of a sent message; a regenerate's stays in the chat
+KEPT = " (the answer stays as it was)"              # said of a regenerate that gave no new answer
 # the status line between Send and the first token (QA: a bare "Starting…" read as the app or model restarting)
 ANSWER_STARTING = "Starting the answer…"
 CANCELLED = "stopped: the request was cancelled"   # a script's job.cancel(): Gradio closed the handler
@@ -72,7 +75,7 @@ def empty_note(stats: Stats) -> str:
     if stats.finish_reason == "eos":
         return "the model ended its answer at once (end-of-turn token first): rephrase, or try sampling"
     if stats.finish_reason == "cancelled":   # Stop while a long prompt was being read
-        return "stopped before the first token: the message is back in the box"
+        return STOPPED_BEFORE_FIRST + BACK_IN_BOX
     return "the answer is empty"
 
 
@@ -158,7 +161,7 @@ class ChatController:
             yield f"⏳ Waiting for the model: {state.line.removeprefix('⏳ ')}"
             state = self.slot.wait(0.5)
         if state.phase == "loading":   # Stop while waiting (there may be no model yet to say "stopped")
-            yield "stopped while the model was loading: the message is back in the box"
+            yield "stopped while the model was loading" + BACK_IN_BOX
             return
         yield state if state.engine is not None else no_engine(state)
 
@@ -221,20 +224,35 @@ class ChatController:
         gr.Warning(reason)
         return (*[gr.update()] * 6, {"error": reason}, gr.update())
 
+    def unanswered(self, session: Session, message: str, error: str, replaces: Replaced | None,
+                   attempt: Turn | None = None) -> tuple:
+        """A request that gave no answer: a sent message fails (``failed``); a regenerate leaves the conversation
+        as it was before it (its ``attempt`` goes, the exchange it replaces comes back) and the box as it is,
+        and a toast says why."""
+        if replaces is None:
+            return self.failed(session, message, error)
+        session.put_back(replaces, attempt)
+        error = error.removesuffix(BACK_IN_BOX) + KEPT
+        gr.Warning(error)
+        return self.views(session, None, None, "", self.slot.state().model_line, blank=restored_readouts(session.turns),
+                          error=error)
+
     def _run(self, session: Session, message: str, system: str, compare, controls: dict, shown,
-             mark: tuple[int, int], started: bool = False, cut_before: str | None = None) -> Iterator[tuple]:
+             mark: tuple[int, int], replaces: Replaced | None = None) -> Iterator[tuple]:
         """``compare`` and ``controls`` as the page or a script sent them: checked here. ``mark``: what the request
-        came after (Session.mark); ``started``: regenerate has started it; ``cut_before``: the cut notice of the
-        answer it replaces, whose cut still holds (Session.first_turn) and so is not made, nor said, again."""
+        came after (Session.mark); ``replaces``: the exchange a regenerate (which has started the request) answers
+        again, whose prompt's cut still holds (Session.first_turn) and so is not made, nor said, again. A
+        regenerate leaves the message box as it is: it may hold the next message, being typed."""
         if not message:
             yield self.refused("The message is empty: type a question, then send")
             return
         resent = session.drop_resent()
         # its prompt's cut still holds: the answer to the message sent again says it (Turn.cut)
-        cut_before = cut_before or (resent.cut if resent is not None else None)
-        if not (started or session.start_request(mark)):
+        cut_before = replaces.turn.cut if replaces is not None else resent.cut if resent is not None else None
+        emptied = "" if replaces is None else gr.update()      # the box, as the answer starts
+        if not (replaces is not None or session.start_request(mark)):
             yield self.cleared(session) if session.cleared_since(mark) else \
-                self.failed(session, message, f"{STOPPED_BEFORE_START}: the message is back in the box")
+                self.failed(session, message, STOPPED_BEFORE_START + BACK_IN_BOX)
             return
         got, waited = None, False
         try:
@@ -243,7 +261,7 @@ class ChatController:
                     # in the chat while it waits, as a queued message is (it sat in the box, as if Enter did
                     # nothing), and in the browser's copy (Session.waiting)
                     waited, session.waiting = True, message
-                    yield self.views(session, None, None, "", got, "")
+                    yield self.views(session, None, None, "", got, emptied)
         finally:
             session.waiting = None
         if session.cleared_since(mark):       # Clear while it waited
@@ -260,18 +278,23 @@ class ChatController:
             engine.check(settings)
             prompt, cut = engine.fit_prompt(session, message, system, settings)
         except (ValueError, EngineClosed) as err:   # bad settings, no model, a message longer than the context
-            yield self.failed(session, message, said(err))
+            yield self.unanswered(session, message, said(err), replaces)
             return
         cut = cut or cut_before
         turn = Turn(user=message, note=cut, system=system, cut=cut)
         session.turns.append(turn)
         pending = (READOUT_PENDING, READOUT_PENDING if compare else "")
         try:
-            yield self.views(session, None, None, "", ANSWER_STARTING, "", blank=pending)
-        except GeneratorExit:    # cancelled before its first update: the message stays, saying so, as in _stream
-            turn.note = " · ".join(filter(None, [turn.note, CANCELLED]))
+            yield self.views(session, None, None, "", ANSWER_STARTING, emptied, blank=pending)
+            stats, base, comparison, error = yield from self._stream(session, turn, engine, prompt, settings, compare)
+        except GeneratorExit:   # cancelled (a script's job.cancel()): nothing more can be shown. The message stays,
+            # saying so (it stayed on screen and was silently left out of the prompt), but a regenerate with nothing
+            # new to show keeps the answer it would have replaced.
+            if replaces is not None and turn.unanswered:
+                session.put_back(replaces, turn)
+            else:
+                turn.note = " · ".join(filter(None, [turn.note, CANCELLED]))
             raise
-        stats, base, comparison, error = yield from self._stream(session, turn, engine, prompt, settings, compare)
         turn.answered = {"settings": {k: v for k, v in asdict(settings).items() if k != "colour_heads"},
                          "medusa": stats.as_dict() if stats else None, "baseline": base.as_dict() if base else None}
         if compare and turn.reply is None and not turn.note:
@@ -279,10 +302,13 @@ class ChatController:
         if not any(t is turn for t in session.turns):   # Clear during the answer: its readouts went with it
             yield self.views(session, None, None, "", self.slot.state().model_line, blank=(READOUT_HINT, ""))
             return
+        if replaces is not None and turn.unanswered:
+            yield self.unanswered(session, message, error or STOPPED_BEFORE_FIRST, replaces, turn)
+            return
         # A failed message goes back into the box so it can be edited and resent (and is replaced when it is:
         # unless plain decoding answered it in a comparison)
-        turn.in_box = turn.reply is None and not turn.baseline     # a plain pass stopped before its first token: ""
-        box = message if turn.reply is None else gr.update()
+        turn.in_box = turn.unanswered
+        box = message if turn.reply is None and replaces is None else gr.update()
         # a pass that failed before its first token has no figures: the hint comes back
         yield self.views(session, stats, base, comparison, self.slot.state().model_line, box, blank=(READOUT_HINT, ""),
                          error=error)
@@ -333,12 +359,10 @@ class ChatController:
                 loading = " (a model is loading: this answer stops once it has loaded)" \
                     if self.slot.loading else ""
                 yield self.views(session, stats, base, "", f"Generating: {label}…{loading}", partial=partial)
-        except GeneratorExit:   # the request was cancelled mid-answer (a script's job.cancel()): nothing more can be
-            # shown, and what was shown stays in the next prompt with a note, as after Stop (it stayed on screen
-            # and was silently left out of the prompt)
+        except GeneratorExit:   # the request was cancelled mid-answer: what was shown stays in the next prompt, as
+            # after Stop (_run notes the cancel)
             if turn.reply is None and partial:
                 turn.reply = partial
-            turn.note = " · ".join(filter(None, [turn.note, CANCELLED]))
             raise
         return stats, base, comparison, error
 
@@ -346,7 +370,7 @@ class ChatController:
         try:
             system = text("system", system)
         except ValueError as err:
-            yield self.refused(f"{err} (the answer stays as it was)")
+            yield self.refused(f"{err}{KEPT}")
             return
         # the tab's lock first: a second click while the first regenerates must not pop the turn it answers
         mark = self.take_turn(session, session.sent_mark())
@@ -365,15 +389,13 @@ class ChatController:
                     raise ValueError(no_engine(state))
                 state.engine.check(Settings.parse(**self.for_engine(controls, shown, state)))
             except (ValueError, EngineClosed) as err:
-                yield self.refused(f"{said(err)} (the answer stays as it was)")
+                yield self.refused(said(err) + KEPT)
                 return
             if not session.start_request(mark):
-                yield self.refused(f"{STOPPED_BEFORE_START} (the answer stays as it was)")
+                yield self.refused(STOPPED_BEFORE_START + KEPT)
                 return
-            replaced = session.turns.pop()
-            session.first_turn = min(session.first_turn, len(session.turns))
-            yield from self._run(session, replaced.user, system, compare, controls, shown, mark, started=True,
-                                 cut_before=replaced.cut)
+            replaces = session.take_last()
+            yield from self._run(session, replaces.turn.user, system, compare, controls, shown, mark, replaces)
         finally:
             session.busy.release()
 

@@ -27,6 +27,19 @@ class Turn:
     cut: str | None = None         # the notice that its prompt cut the oldest exchanges (also in ``note``): an
     #                                answer regenerated runs without them too, and says so again
 
+    @property
+    def unanswered(self) -> bool:
+        """Neither pane has an answer to it (a plain pass stopped before its first token has "")."""
+        return self.reply is None and not self.baseline
+
+
+@dataclass(frozen=True)
+class Replaced:
+    """The exchange a regenerate answers again, as it was: put back whole where no new answer comes."""
+
+    turn: Turn
+    first_turn: int                # Session.first_turn before: the new answer's prompt may cut more
+
 
 class Session:
     """Per-tab state, kept in a gr.State: the conversation, one KV cache per decoder (the
@@ -107,6 +120,18 @@ class Session:
             self.first_turn = min(self.first_turn, len(self.turns))
             return dropped
         return None
+
+    def take_last(self) -> Replaced:
+        """The last exchange, out of the conversation for a regenerate to answer again."""
+        replaced = Replaced(self.turns.pop(), self.first_turn)
+        self.first_turn = min(self.first_turn, len(self.turns))
+        return replaced
+
+    def put_back(self, replaced: Replaced, attempt: Turn | None = None) -> None:
+        """A regenerate that gave no answer: its turn (``attempt``, where it made one) goes, and the exchange
+        it would have replaced comes back as it was."""
+        self.turns = [t for t in self.turns if t is not attempt] + [replaced.turn]
+        self.first_turn = replaced.first_turn
 
     def exchanges(self) -> list[tuple[int, str, str]]:
         """(turn index, user, reply) of the turns the next prompt may hold."""

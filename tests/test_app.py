@@ -2026,6 +2026,54 @@ def test_a_cut_that_a_large_max_new_tokens_caused_says_so(engine):
                     "lower Max new tokens keeps more of the conversation")
 
 
+def test_a_regenerate_that_gives_no_new_answer_keeps_the_old_one_and_never_touches_the_box(model_dirs, monkeypatch):
+    """Review: a regenerate whose new answer failed before its first token (a system prompt past the context, a
+    bad compare value, Stop during the prompt's reading, a script's cancel) took the old answer with it, leaving
+    only the error; and every regenerate emptied the message box, where the next message may be being typed."""
+    from app.chat_controller import ChatController
+    from app.models import ModelSlot
+    from app.session import Session
+    from medusa_core.decoding import generate as loop
+    from medusa_core.loading.spec import LoadSpec
+
+    backbone, heads = model_dirs
+    slot = ModelSlot(log=lambda line: None)
+    slot.start(LoadSpec(model=str(backbone), heads=str(heads), device="cpu"))
+    assert slot.wait(120).phase == "ready"
+    chat, session, controls = ChatController(slot), Session(), dict(mode="greedy", max_new_tokens=6)
+    for question in ("first question", "second question"):
+        list(chat.run(session, question, "", False, controls))
+    before = copy.deepcopy([vars(t) for t in session.turns]), session.first_turn
+    assert before[0][-1]["reply"], before
+
+    def regenerate(system="", compare=False):
+        updates = list(chat.regenerate(session, system, compare, controls))
+        assert all(u[7] == {"__type__": "update"} for u in updates), [u[7] for u in updates]   # the box
+        return updates[-1][6].get("error")
+
+    for system, compare, why in (("Be brief. " * 2000, False, "shorten the system prompt"),
+                                 ("", "maybe", "compare 'maybe' is not true or false")):
+        error = regenerate(system, compare)
+        assert why in error and error.endswith(" (the answer stays as it was)"), error
+        assert ([vars(t) for t in session.turns], session.first_turn) == before
+    # Stop while the prompt is read, before the first token
+    monkeypatch.setattr(loop, "PREFILL_PIECE", 8)
+    session.drop_caches()           # the whole prompt is read again, in pieces
+    hook = slot.state().engine.model.get_decoder().register_forward_hook(lambda *_: session.cancel.set())
+    try:
+        assert regenerate() == "stopped before the first token (the answer stays as it was)"
+    finally:
+        hook.remove()
+    assert ([vars(t) for t in session.turns], session.first_turn) == before
+    # a script's cancel as the answer starts
+    updates = chat.regenerate(session, "", False, controls)
+    assert next(updates)[5] == "Starting the answer…"
+    updates.close()
+    assert ([vars(t) for t in session.turns], session.first_turn) == before
+    # and a regenerate that answers replaces the answer, the box still left as it is
+    assert regenerate() is None and len(session.turns) == 2 and session.turns[-1].reply is not None
+
+
 def test_a_regenerated_answer_whose_prompt_was_cut_says_so_again(model_dirs):
     """QA: Regenerate replaced the answer that carried "the oldest N exchanges left the model's prompt" with
     one that ran without them too but said nothing (the cut holds, so it was not made again)."""
