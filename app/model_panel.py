@@ -244,7 +244,7 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
         else:
             try:
                 current = int(float(max_new_value))
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):     # "abc", "nan", "inf": the page's value is unset
                 current = engine.max_new_tokens
             # why this tree (tuned, preset...) is on the status line: not repeated under the picker
             typed = session.typed_trees if session is not None else ()

@@ -1543,6 +1543,11 @@ def test_a_script_learns_whether_its_load_failed(model_dirs, tmp_path):
             said = client.predict(**{"choice": None, "model_id": "", "heads_id": "", "max_new_value": 48,
                                      field: value}, api_name="/load_model")
             assert said[0] == f"❌ {what} {value!r} is not text: give {fix} as a string", said
+        # a max new tokens past any integer is the page's unset value, as "nan" or "abc" are (review: a traceback's
+        # last line, "cannot convert float infinity to integer", after a valid choice had already started its load)
+        for value in ("inf", "-1e999", "nan"):
+            said = client.predict(choice=7, model_id="", heads_id="", max_new_value=value, api_name="/load_model")
+            assert said[0].startswith("❌ model choice 7 is not text"), said
         assert client.predict(api_name="/model_status")["phase"] == "ready"
     finally:
         demo.close()
