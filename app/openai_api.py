@@ -171,6 +171,25 @@ def number(data: dict, name: str, default, low: float, high: float, integer: boo
     return int(value) if integer else float(value)
 
 
+def unused(data: dict, medusa: dict, mode: str, passes: tuple[str, ...]) -> None:
+    """A setting given that the decoding the request asks for never reads is refused by name, as the page greys
+    it out: a client tuning it would see no change and not know why. Greedy decoding's top_p and top_k are
+    taken, as OpenAI takes them: clients send them by default beside temperature 0."""
+    what = "plain decoding (mode \"off\")" if passes == (BASELINE,) else f'mode "{mode}"'
+    if passes == (BASELINE,) and medusa.get("tree") is not None:
+        raise ApiError(400, f"medusa.tree {json_value(medusa['tree'])} with {what}: plain decoding runs no tree: "
+                            "remove the tree, or the mode", param="medusa.tree", code="invalid_value")
+    for key in ("epsilon", "delta"):
+        if medusa.get(key) is not None and mode != "typical":
+            raise ApiError(400, f"medusa.{key} sets typical acceptance, which {what} does not run: remove it, or give "
+                                '"mode": "typical"', param=f"medusa.{key}", code="invalid_value")
+    for field, off in (("top_p", 1), ("top_k", 0)):
+        if mode == "typical" and data.get(field) not in (None, off):
+            raise ApiError(400, f"{field} {json_value(data[field])} does nothing under medusa.mode \"typical\", which keeps "
+                                "tokens by epsilon and delta: remove it, or use mode \"sample\"", param=field,
+                           code="invalid_value")
+
+
 def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
     """The OpenAI request ``data`` as the engine's Settings; ApiError names what is wrong."""
     model = data.get("model")
@@ -191,6 +210,10 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
         if data.get(field) not in (None, False, [], {}, {"type": "text"}, "none"):
             raise ApiError(400, f"{what} is not supported by this local chat: remove {field!r}", param=field,
                            code="unsupported_parameter")
+    modalities = data.get("modalities")
+    if modalities not in (None, ["text"]):      # OpenAI's default; ["audio"] asks for what "audio" does
+        raise ApiError(400, f"modalities {json_value(modalities)}: this server answers in text only: remove it, or "
+                            'give ["text"]', param="modalities", code="unsupported_parameter")
     for field in ("presence_penalty", "frequency_penalty"):
         if number(data, field, 0.0, -2, 2):
             raise ApiError(400, f"{field} is not supported (the output would not be the model's own): remove it or "
@@ -296,6 +319,7 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
         # a number here; its range (0 excluded) is DecodeConfig's to say, as for the page
         epsilon = number(medusa, "epsilon", epsilon, -math.inf, math.inf, within="medusa")
         delta = number(medusa, "delta", delta, -math.inf, math.inf, within="medusa")
+        unused(data, medusa, mode, passes)
     else:
         raise ApiError(400, f"medusa {json_value(medusa)}: give an object such as "
                             "{\"tree\": ..., \"mode\": \"typical\"}, or false for plain decoding", param="medusa",

@@ -108,6 +108,10 @@ def test_stop_strings_cut_the_reply_and_plain_decoding_is_one_switch_away(client
     typical = client.chat.completions.create(**{**ask, "temperature": 0.7},
                                              extra_body={"medusa": {"mode": "typical", "epsilon": 0.1}})
     assert typical.choices[0].message.content.strip() and typical.model_extra["medusa"]["mode"] == "typical"
+    # what clients send by default is taken: top_p beside temperature 0, OpenAI's own top_p and modalities
+    defaults = client.chat.completions.create(**ask, top_p=0.95, modalities=["text"])
+    assert defaults.choices[0].message.content == full
+    client.chat.completions.create(**{**ask, "temperature": 0.7, "top_p": 1}, extra_body={"medusa": {"mode": "typical"}})
 
 
 def test_a_seed_repeats_a_sampled_answer(client):
@@ -196,8 +200,23 @@ HOSTILE = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0.7,
       "medusa": {"mode": "typical", "epsilon": 0}}, 400, "medusa.epsilon 0 is out of range: use a value in (0, 1] (at 0 "
                                                           "every guess the heads make is kept)"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"delta": 5}}, 400,
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"mode": "typical", "delta": 5}}, 400,
      "medusa.delta 5 is out of range: use a value in (0, 1]"),
+    # a setting the decoding asked for never reads is refused by name, as the page greys it out (review: accepted
+    # and unused, so a client tuning it saw nothing change)
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"epsilon": 0.5}}, 400,
+     'medusa.epsilon sets typical acceptance, which mode "sample" does not run: remove it, or give "mode": "typical"'),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"mode": "off", "delta": 0.5}}, 400,
+     'medusa.delta sets typical acceptance, which plain decoding (mode "off") does not run'),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"mode": "off", "tree": "chain-1"}},
+     400, 'medusa.tree "chain-1" with plain decoding (mode "off"): plain decoding runs no tree: remove the tree'),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0.7, "top_p": 0.1,
+      "medusa": {"mode": "typical"}}, 400, 'top_p 0.1 does nothing under medusa.mode "typical", which keeps tokens by '
+                                           'epsilon and delta: remove it, or use mode "sample"'),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_k": 40, "medusa": {"mode": "typical"}},
+     400, 'top_k 40 does nothing under medusa.mode "typical"'),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"]}, 400,
+     'modalities ["text", "audio"]: this server answers in text only: remove it, or give ["text"]'),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"treee": "small-8"}}, 400,
      "unknown field 'medusa.treee': remove it (\"medusa\" takes tree, mode, epsilon, delta)"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, 400,
