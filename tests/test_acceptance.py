@@ -89,6 +89,18 @@ def test_typical_thresholds_of_zero_are_refused():
     DecodeConfig(mode="typical", temperature=0.7, epsilon=0.01, delta=0.01)
 
 
+def test_settings_that_are_not_finite_numbers_are_refused():
+    """NaN passes every range check (review: a NaN temperature sampled token 0 for a whole benchmark run)."""
+    import pytest
+
+    from medusa_core.decoding.config import DecodeConfig, SettingError
+
+    for name, value in (("temperature", float("nan")), ("top_p", float("nan")), ("epsilon", float("nan")),
+                        ("delta", float("-inf")), ("max_new_tokens", float("inf"))):
+        with pytest.raises(SettingError, match=rf"^{name} -?(nan|inf) is not a finite number: "):
+            DecodeConfig(mode="typical", **{name: value})
+
+
 def test_sampling_probs_top_k_and_top_p():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
     p = logits.softmax(-1)[0]

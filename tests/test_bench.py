@@ -117,6 +117,10 @@ def test_what_the_flags_show_wrong_is_said_before_the_model_loads(checkpoint, tm
     assert capsys.readouterr().err.strip() == ("error: --temperature 0.7 with --mode greedy: greedy decoding draws "
                                                "nothing, so the temperature would do nothing: drop --temperature, or "
                                                "use --mode sample or typical")
+    # NaN passes every range check: it sampled token 0 for every token of the whole run (review)
+    assert bench.main([*base, "--mode", "sample", "--temperature", "nan"]) == 1
+    assert capsys.readouterr().err.strip() == ("error: --temperature nan is not a finite number: use a value from 0 "
+                                               "(greedy) to 2")
     assert bench.main([*base, "--warmup", "-1"]) == 1
     assert capsys.readouterr().err.strip() == "error: --warmup -1 must be at least 0"
     assert bench.main([*base, "--tree", "nope"]) == 1           # the help offers 'default': so does the error
