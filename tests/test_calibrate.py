@@ -134,11 +134,13 @@ def test_cli_errors_are_one_line(checkpoint, tmp_path, capsys):
     common = ["--model", str(backbone), "--heads", str(heads), "--prompts", str(prompts), "--raw-prompts",
               "--out", str(tmp_path / "t.json")]
     for extra, why in ((["--budget", "abc"], "budget 'abc' must be"), (["--budget", "3", "--top-k", "0"], "top_k 0"),
+                       # a tree using rank 10 or more is one no loader runs (review: written, then refused by all)
+                       (["--budget", "3", "--top-k", "11"], "top_k 11: measure from rank 1 to a tree's most, 10,"),
                        (["--budget", "3", "--max-budget", "0"], "max_budget 0"),
                        (["--budget", "3", "--device", "tpu"], "device 'tpu' is unknown"),
                        # QA 5c: a ZeroDivisionError after the measuring, and a traceback
                        (["--timing-count", "0"], "--timing-count 0 must be at least 1"),
-                       (["--threads", "-2"], "--threads -2 must be 0 (torch's choice) or a positive count"),
+                       (["--threads", "-2"], "--threads -2: give 0 (torch's choice) or a count up to this machine's"),
                        # a folder as --out was refused only after the load and the measuring
                        (["--budget", "3", "--out", str(tmp_path)], f"--out {tmp_path} cannot be written")):
         assert main([*common, *extra]) == 1

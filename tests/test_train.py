@@ -117,12 +117,17 @@ def test_cli_errors_are_one_line_before_any_work(backbone_dir, tmp_path, capsys)
     prompts = ["--out", str(tmp_path / "h"), "--prompts", str(backbone_dir / "prompts.jsonl")]
     cases += [([*prompts, "--eval-every", "0"], "--eval-every 0 must be at least 1"),
               ([*prompts, "--lr", "-0.5"], "--lr -0.5 must be a positive learning rate"),
-              ([*prompts, "--threads", "-1"], "--threads -1 must be 0 (torch's choice) or a positive count")]
+              ([*prompts, "--threads", "-1"], "--threads -1: give 0 (torch's choice) or a count up to this machine's"),
+              # review: a MemoryError from torch's thread pool; a ValueError naming neither flag nor fix
+              ([*prompts, "--threads", "100000"], "--threads 100000: give 0 (torch's choice) or a count up to"),
+              ([*prompts, "--seq-len", "0"], "--seq-len 0 must be at least 1")]
     # QA16 MINOR-2: distilled at -1 and trained on it; 3 is past what sampling accepts anywhere else
     cases += [([*prompts, "--distill-batch", "2", "--temperatures", "0", "-1"],
                "--temperatures -1 is out of range: use a value from 0 (greedy) to 2"),
               ([*prompts, "--distill-batch", "2", "--temperatures", "3"],
-               "--temperatures 3 is out of range: use a value from 0 (greedy) to 2")]
+               "--temperatures 3 is out of range: use a value from 0 (greedy) to 2"),
+              ([*prompts, "--distill-batch", "2", "--temperatures", "nan"],
+               "--temperatures nan is not a finite number: use a value from 0 (greedy) to 2")]
     # QA16 MINOR-1: these two came after the whole self-distillation
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -78,7 +79,7 @@ class TrainConfig:
             raise ValueError(f"positions {self.positions} must be at least 1")
         # each said here, before the load and the distillation (a ZeroDivisionError or torch's traceback came after)
         for flag, value in (("--eval-every", self.eval_every), ("--answer-tokens", self.answer_tokens),
-                            ("--distill-batch", self.distill_batch)):
+                            ("--distill-batch", self.distill_batch), ("--seq-len", self.seq_len)):
             if value < 1:
                 raise ValueError(f"{flag} {value} must be at least 1")
         for flag, value in (("--lr", self.lr), ("--root-lr", self.root_lr)):
@@ -94,8 +95,10 @@ class TrainConfig:
 
 
 def check_threads(threads: int) -> None:
-    if threads < 0:
-        raise ValueError(f"--threads {threads} must be 0 (torch's choice) or a positive count")
+    # past the cores, threads only wait for each other; far past them torch's pool fails to start (a MemoryError)
+    cores = os.cpu_count() or 1
+    if not 0 <= threads <= cores:
+        raise ValueError(f"--threads {threads}: give 0 (torch's choice) or a count up to this machine's {cores} cores")
 
 
 def lr_at(step: int, steps: int, lr: float) -> float:

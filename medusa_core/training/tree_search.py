@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ..quant.cpu_int4 import use_int4
-from ..decoding.tree import expected_tokens_per_step, grow_tree
+from ..decoding.tree import TOP_K, expected_tokens_per_step, grow_tree
 from ..loading.tree_tuning import monotone_fit
 from .loop import check_threads
 from ..errors import check_writable
@@ -57,8 +57,8 @@ class CalibrateConfig:
             raise ValueError("give exactly one calibration set: --prompts FILE.jsonl or --data answers.jsonl")
         if self.budget != "auto" and not (self.budget.isdecimal() and int(self.budget) >= 1):
             raise ValueError(f"budget {self.budget!r} must be a node count >= 1 or 'auto'")
-        if self.top_k < 1:
-            raise ValueError(f"top_k {self.top_k}: measure at least rank 1 of each head (--top-k)")
+        if not 1 <= self.top_k <= TOP_K:      # a tree using rank 10 or more is one no loader runs
+            raise ValueError(f"top_k {self.top_k}: measure from rank 1 to a tree's most, {TOP_K}, of each head (--top-k)")
         if self.max_budget < 1:
             raise ValueError(f"max_budget {self.max_budget}: allow at least 1 node besides the root (--max-budget)")
         if self.quant not in ("none", "int4"):
