@@ -1,3 +1,4 @@
+import itertools
 import json
 
 import pytest
@@ -58,6 +59,10 @@ def test_tree_file(tmp_path):
     (tmp_path / "trees.json").mkdir()          # QA: a folder was said not to exist
     with pytest.raises(TreeError, match=f"^tree file {tmp_path / 'trees.json'} is a folder: give the path of a JSON file"):
         resolve_tree(str(tmp_path / "trees.json"))
+    # as a generated tree's: 111,111 nodes asked for a 49 GB mask once a model had loaded (review)
+    f.write_text(json.dumps([list(p) for depth in (1, 2, 3) for p in itertools.product(range(10), repeat=depth)]))
+    with pytest.raises(TreeError, match=f"^tree file {f} has 1,111 nodes; at most 1024 are taken: use a smaller tree"):
+        resolve_tree(str(f))
     with pytest.raises(TreeError, match=r"small-16, chain-1.*, baseline \(plain decoding\), or a path"):
         resolve_tree("smal-16")               # baseline is a tree to name too (--help says so; the list left it out)
 

@@ -174,6 +174,9 @@ def load_tree_file(path: Path) -> Paths:
     ):
         raise TreeError(f"tree file {path} must hold a list of non-empty integer lists, e.g. [[0], [0, 0], [1]]")
     paths = [tuple(p) for p in data]
+    if len(paths) + 1 > MAX_GENERATED_NODES:   # as a generated tree: 100,000 paths asked for a 49 GB mask
+        raise TreeError(f"tree file {path} has {len(paths) + 1:,} nodes; at most {MAX_GENERATED_NODES} are taken: use "
+                        "a smaller tree (mc_sim_7b_63 has 64)")
     try:
         check_shape(paths)   # what the file alone shows is wrong, before any model loads
     except TreeError as err:
