@@ -142,12 +142,18 @@ def export(spec: ExportSpec) -> list[Path]:
         raise LoadError(f"dtype {spec.dtype!r} is unknown: use one of {', '.join(DTYPES)}")
     check_folder(spec.out)      # before the heads are read: a hub download can take minutes
     files, found = read_source(spec.heads)
+    folders = {kind: spec.out / kind if spec.format == "both" else spec.out for kind in ("tgi", "vllm")
+               if spec.format in (kind, "both")}
+    source = Path(files.source)
+    source = (source if source.is_dir() else source.parent).resolve()
+    if any(folder.resolve() == source for folder in folders.values()):   # it rewrote them, cast, without a word
+        raise LoadError(f"--out {spec.out} would overwrite the heads it exports ({source}): give another folder")
     dtype = DTYPES[spec.dtype]
     written = []
-    if spec.format in ("tgi", "both"):
-        written.append(write_tgi(files, found, spec.out / "tgi" if spec.format == "both" else spec.out, dtype))
-    if spec.format in ("vllm", "both"):
-        written.append(write_vllm(files, found, spec.out / "vllm" if spec.format == "both" else spec.out, dtype, spec.model))
+    if "tgi" in folders:
+        written.append(write_tgi(files, found, folders["tgi"], dtype))
+    if "vllm" in folders:
+        written.append(write_vllm(files, found, folders["vllm"], dtype, spec.model))
     return written
 
 

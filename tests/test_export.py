@@ -140,6 +140,13 @@ def test_export_errors_are_one_line(setup, tmp_path, capsys):
     assert err == f"error: --out {a_file} is a file: give a directory\n"     # QA16: named {a_file}/tgi, no fix
     assert main(["--heads", str(setup[0] / "heads"), "--out", str(a_file / "sub")]) == 1
     assert capsys.readouterr().err == f"error: --out {a_file / 'sub'} lies under {a_file}, a file: give a directory\n"
+    # into the heads' own folder: it rewrote them, cast, without a word (review)
+    heads_dir = setup[0] / "heads"
+    before = {p.name: p.read_bytes() for p in heads_dir.iterdir() if p.is_file()}
+    assert main(["--heads", str(heads_dir), "--out", str(heads_dir), "--format", "tgi", "--dtype", "float16"]) == 1
+    assert capsys.readouterr().err == (f"error: --out {heads_dir} would overwrite the heads it exports "
+                                       f"({heads_dir.resolve()}): give another folder\n")
+    assert {p.name: p.read_bytes() for p in heads_dir.iterdir() if p.is_file()} == before
     with pytest.raises(LoadError, match="pass --model"):
         from medusa_core.export import ExportSpec, export
 
