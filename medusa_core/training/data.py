@@ -103,14 +103,21 @@ def distilled_rows(model: nn.Module, tokenizer, prompts_path: str | Path, raw: b
         if text and not text.endswith("\n"):
             # a run killed while writing an answer: that answer is made again
             answers_path.write_text(text[:text.rfind("\n") + 1])
-        done = [item for _, item in read_jsonl(answers_path, "delete it, or choose another --work-dir")]
+        done = [item for _, item in read_jsonl(answers_path, "delete it to answer again")]
     jobs = [(t, i) for t in temperatures for i in range(len(items))]
     if [(d.get("temperature", 0.0), d["prompt"]) for d in done if "followup_of" not in d] != \
             [(t, items[i]["prompt"]) for t, i in jobs[:sum("followup_of" not in d for d in done)]]:
-        raise ValueError(f"{answers_path} holds answers to other prompts: delete it or choose another --work-dir")
+        raise ValueError(f"{answers_path} holds answers to other prompts: delete it to answer these")
+    # answers cut at another length are other targets (a calibration at 64 tokens reused 16-token answers and
+    # measured the same accuracies); files written before the length was kept are taken as they are
+    lengths = sorted({d["answer_tokens"] for d in done if "answer_tokens" in d} - {answer_tokens})
+    if lengths:
+        raise ValueError(f"{answers_path} holds answers of at most {lengths[0]} tokens, not {answer_tokens}: give "
+                         f"--answer-tokens {lengths[0]} to reuse them, or delete it to answer again")
     first_done = sum("followup_of" not in d for d in done)
     with open(answers_path, "a") as f:   # appended as we go, so an interrupted run resumes here
         def keep(item: dict) -> None:
+            item = {**item, "answer_tokens": answer_tokens}
             f.write(json.dumps(item) + "\n")
             f.flush()
             done.append(item)
