@@ -37,12 +37,12 @@ import shutil
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from .errors import run_command
+from .errors import check_folder, run_command
 from .loading.policy import resolve_device
 from .training import tree_search
 from .training import prompts as chat_prompts
@@ -54,9 +54,15 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets" / "smollm2"
 STAGES = ("prompts", "heads", "vocab", "root", "tree")
 
 
+def pool_size() -> int:
+    """How many distinct prompts the prompt set draws from (3,117): the most --prompt-count can give."""
+    return len(chat_prompts.pool())
+
+
 @dataclass(frozen=True)
 class BuildConfig:
-    prompt_count: int = 4000          # capped by the pool (~3,100 distinct prompts)
+    # every prompt of the pool, shuffled: the same set the former default of 4000 gave (the pool caps it)
+    prompt_count: int = field(default_factory=pool_size)
     temperatures: tuple[float, ...] = (0.0, 0.7)
     answer_tokens: int = 320
     distill_batch: int = 1024     # answers generated together on a GPU (transformers' batched generate)
@@ -217,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="converted SmolLM2 directory (default: converted from the installed package)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=BuildConfig.steps)
-    p.add_argument("--prompt-count", type=int, default=BuildConfig.prompt_count)
+    p.add_argument("--prompt-count", type=int, default=pool_size(),
+                   help="prompts drawn from the prompt set for the heads (default: all %(default)s)")
     p.add_argument("--answer-tokens", type=int, default=BuildConfig.answer_tokens)
     p.add_argument("--eval-every", type=int, default=BuildConfig.eval_every)
     p.add_argument("--root-steps", type=int, default=BuildConfig.root_steps)
@@ -226,6 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("steps", "prompt_count", "answer_tokens", "eval_every", "root_steps", "root_positions"):
         if getattr(a, flag) < 1:      # a negative --prompt-count dropped prompts from the end without a word
             p.error(f"--{flag.replace('_', '-')} {getattr(a, flag)} must be at least 1")
+    if a.prompt_count > (most := pool_size()):      # 999999 built the 3,117 there are, without a word
+        p.error(f"--prompt-count {a.prompt_count} is more than the {most} prompts the prompt set holds: give at most "
+                f"{most}")
+    for flag in ("work", "out"):    # mkdir's "File exists" named no flag and no fix
+        try:
+            check_folder(getattr(a, flag), f"--{flag}")
+        except ValueError as err:
+            p.error(str(err))
     config = BuildConfig(steps=a.steps, prompt_count=a.prompt_count, answer_tokens=a.answer_tokens,
                          eval_every=a.eval_every, root_steps=a.root_steps, root_positions=a.root_positions)
     # the device is checked before the first stage: a stage's output must not be written by a run that cannot finish

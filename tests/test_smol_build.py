@@ -94,3 +94,34 @@ def test_the_heads_stage_off_a_gpu_is_refused_before_any_stage(tmp_path, capsys)
                    "vocabulary-wide training): run it with --device cuda on a GPU machine, or --stages prompts vocab "
                    "tree on the CPU\n")
     assert not (tmp_path / "work").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_prompt_count_beyond_the_prompt_set_is_refused_naming_its_size(tmp_path, capsys):
+    # QA: --prompt-count 999999 built the 3,117 prompts there are without a word
+    from medusa_core.smol_build import main, pool_size
+    from medusa_core.training.prompts import prompt_set
+
+    most = pool_size()
+    assert len(prompt_set(most)) == most == BuildConfig().prompt_count      # the default: every prompt
+    with pytest.raises(SystemExit) as stopped:
+        main(["--stages", "prompts", "--prompt-count", str(most + 1), "--work", str(tmp_path / "work"),
+              "--out", str(tmp_path / "out")])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"error: --prompt-count {most + 1} is more than the {most} prompts the prompt set holds: give at most {most}")
+    assert not (tmp_path / "work").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_work_or_out_folder_that_is_a_file_is_refused_naming_the_flag(tmp_path, capsys):
+    # QA: "error: /path: File exists", naming neither the flag nor the fix
+    from medusa_core.smol_build import main
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for flag in ("--work", "--out"):
+        folders = {"--work": str(tmp_path / "work"), "--out": str(tmp_path / "out"), flag: str(afile)}
+        with pytest.raises(SystemExit) as stopped:
+            main(["--stages", "prompts", *(x for item in folders.items() for x in item)])
+        assert stopped.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: {flag} {afile} is a file: give a directory")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]

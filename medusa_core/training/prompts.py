@@ -168,7 +168,7 @@ FOLLOWUPS = [
 ]
 
 
-def _pool() -> list[str]:
+def pool() -> list[str]:
     """Every distinct prompt the phrasings and topics can form (3,117)."""
     out = [p.format(lang=lang, task=task) for p, lang, task in itertools.product(CODE_PHRASES, LANGUAGES, CODE_TASKS)]
     out += [f"What is {c} in programming?" for c in CODE_CONCEPTS]
@@ -194,11 +194,11 @@ def _pool() -> list[str]:
 def prompt_set(count: int, seed: int = 0, followup_share: float = 0.15) -> list[dict]:
     """``count`` prompts drawn without replacement from the pool (all of it, if count is larger),
     a ``followup_share`` of them with a second user turn."""
-    pool = _pool()
+    drawn = pool()
     rng = random.Random(seed)
-    rng.shuffle(pool)
+    rng.shuffle(drawn)
     items = []
-    for prompt in pool[:count]:
+    for prompt in drawn[:count]:
         item = {"prompt": prompt}
         if rng.random() < followup_share:
             item["followup"] = rng.choice(FOLLOWUPS)
