@@ -40,7 +40,7 @@ from .benchmarks.step_timing import (copy_bandwidth, prefilled_cache, time_hf_ge
 from .benchmarks.synthetic import (DTYPE, SHAPES, build_heads, build_model, check_not_zero, choice_label, cpu_run_notes,
                                    kernel_flags_error, quantize_backbone_, route_attention, route_rotary,
                                    save_random_checkpoint, weight_bytes)
-from .errors import check_writable, first_line
+from .errors import check_folder, check_writable, first_line
 from .decoding.tree import build_tree_buffers, expected_tokens_per_step, tree_of_size
 from .heads.accuracy import PUBLISHED_ACCURACIES, RANK_DECAY, TOP_K, rank_table
 from .quant.attention_routing import ATTENTION_CHOICES, ROTARY_CHOICES
@@ -260,6 +260,8 @@ def checked_device(args, cuda: bool) -> torch.device:
             check_shape(n, k, args.tinygemm_group, device)
     if args.json is not None:       # said now, not after the whole run, whose results it would lose
         check_writable(args.json)
+    if args.save_checkpoint is not None:     # said now, not by mkdir's traceback after the model is built
+        check_folder(args.save_checkpoint, "--save-checkpoint")
     if "nf4" in args.quant or args.heads_quant == "nf4":
         import bitsandbytes  # noqa: F401  (fails here, not after building the bf16 model)
     return device

@@ -215,6 +215,36 @@ def test_fold_names_the_file_it_cannot_read(tmp_path, capsys):
         assert err.startswith(says) and err.rstrip().endswith("the GPU runbook") and err.count("\n") == 1, err
 
 
+
+def test_fold_names_the_file_without_step_results_and_what_it_lacks(tmp_path, capsys):
+    # QA: a first file without "results" said only "error: 'results'", and {"results": 5} was a TypeError's traceback
+    for name, content, says in (
+            ("none.json", {"summary": {}}, 'has no "results" list of step results: pass a bench_synthetic JSON'),
+            ("five.json", {"results": 5}, 'has no "results" list of step results'),
+            ("list.json", [1, 2], 'has no "results" list of step results'),
+            ("entry.json", {"results": [5]}, 'holds a "results" entry that is not a bench_synthetic step result')):
+        path = tmp_path / name
+        path.write_text(json.dumps(content))
+        assert bench_synthetic.main(["--fold", str(path), "--json", str(tmp_path / "f.json")]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {path} {says}") and err.count("\n") == 1, err
+    empty = tmp_path / "empty.json"          # a step report with no results yet, then a later file that is no object
+    empty.write_text(json.dumps({"results": []}))
+    assert bench_synthetic.main(["--fold", str(empty), str(tmp_path / "list.json"), "--json", str(tmp_path / "f.json")]) == 1
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'list.json'} holds no JSON object: pass a ")
+    assert not (tmp_path / "f.json").exists()
+
+
+def test_a_save_checkpoint_folder_that_is_a_file_is_one_line_before_the_build(tmp_path, capsys, monkeypatch):
+    # QA: --save-checkpoint <a file> ended in mkdir's NotADirectoryError traceback after the model was built
+    monkeypatch.setattr(bench_synthetic, "save_random_checkpoint", lambda *a, **k: pytest.fail("the model was built"))
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for target, says in ((afile, "is a file"), (afile / "ckpt", f"lies under {afile}, a file")):
+        assert bench_synthetic.main(["--device", "cpu", "--shape", "tiny", "--quant", "none",
+                                     "--save-checkpoint", str(target)]) == 1
+        assert capsys.readouterr().err == f"error: --save-checkpoint {target} {says}: give a directory\n"
+
 def test_fold_merges_the_kernel_and_demo_figures_into_one_report(tmp_path):
     step = tmp_path / "gpu.json"
     assert bench_synthetic.main(["--device", "cpu", "--shape", "tiny", "--quant", "none", "--tree-sizes", "1",

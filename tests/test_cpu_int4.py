@@ -478,3 +478,20 @@ def test_the_projection_benchmark_decodes_them_apart_and_gives_the_fused_ones_ba
                                   max_new_tokens=4, rounds=1, variants=variants)
     assert set(result.tokens_per_s) == {(v, t) for v in ("apart", "fused") for t in cpu_variants.TREES}
     assert dict(model.named_modules()) == before, "the benchmark left the model otherwise than loaded"
+
+
+def test_the_variants_benchmark_refuses_counts_before_loading(capsys, monkeypatch):
+    # QA: --prompts 0, --rounds 0 and --max-new-tokens 0 failed with tracebacks after the load; -1 ran 23 prompts
+    from medusa_core.benchmarks import cpu_variants
+
+    monkeypatch.setattr(cpu_variants, "load", lambda *args, **kwargs: pytest.fail("the model loaded first"))
+    for args, says in ((["--prompts", "0"], "error: --prompts 0 must be from 1 to "),
+                       (["--prompts", "-1"], "error: --prompts -1 must be from 1 to "),
+                       (["--prompts", "999"], "error: --prompts 999 must be from 1 to "),
+                       (["--rounds", "0"], "error: --rounds 0 must be at least 1"),
+                       (["--rounds", "-1"], "error: --rounds -1 must be at least 1"),
+                       (["--max-new-tokens", "0"], "error: --max-new-tokens 0 must be at least 1")):
+        with pytest.raises(SystemExit) as stopped:
+            cpu_variants.main(args)
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and says in err and err.count("error:") == 1, err

@@ -5,6 +5,9 @@ Here on the CPU with the tiny shape: the plumbing, the report and its fold into 
 import json
 import tempfile
 
+import pytest
+import torch
+
 from medusa_core import bench_synthetic
 from medusa_core.benchmarks import first_start
 
@@ -46,3 +49,24 @@ def test_an_unwritable_json_is_one_line_before_anything_is_built(tmp_path, monke
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(blocker) in err, err
     assert not list(temp.iterdir()), "a checkpoint was saved before the error"
+
+
+def test_flags_bench_would_refuse_are_one_line_before_the_checkpoint_is_written(tmp_path, monkeypatch, capsys):
+    # QA: --device bogus and --device cuda without CUDA were tracebacks; --tree nope, --quant bogus and
+    # --max-new-tokens 0 failed only in the first start's bench, after a random checkpoint was written
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(first_start, "save_random_checkpoint", lambda *a, **k: pytest.fail("the checkpoint was written"))
+    cases = [(["--device", "bogus"], "error: --device 'bogus' is unknown: use auto, cpu, cuda or cuda:N"),
+             (["--tree", "nope"], "error: --tree nope: unknown tree 'nope': use default (the model's default tree), "),
+             (["--tree", "chain-9"], "error: --tree chain-9: tree depth 9 is more than the model's 5 Medusa heads"),
+             (["--quant", "bogus"], "error: --quant 'bogus' is unknown: use one of auto, nf4, int8, int4, none"),
+             (["--max-new-tokens", "0"], "error: --max-new-tokens 0 must be at least 1")]
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], "error: --device 'cuda' was asked for but torch sees no CUDA GPU: use "
+                                            "--device cpu"))
+    for args, says in cases:
+        with pytest.raises(SystemExit) as stopped:
+            first_start.main(["--device", "cpu", "--quant", "none", *args, "--json", str(tmp_path / "f.json")])
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and says in err and err.count("error:") == 1, err
+    assert not list(tmp_path.iterdir()), "something was written before the error"

@@ -10,6 +10,8 @@ import time
 import types
 from pathlib import Path
 
+import pytest
+
 from medusa_core.benchmarks import gpu_runbook
 from medusa_core.benchmarks.gpu_runbook import STAGES, command_of, run_stages
 
@@ -119,3 +121,28 @@ def test_out_gets_one_archive_of_every_stage_output_and_the_manifest(tmp_path, m
     assert names == {f"{s.name}.{ext}" for s in STAGES for ext in ("json", "log")} | {"runbook.json"}
     assert json.loads(stage_json) == {"measured": 1}
     assert [r["status"] for r in json.loads((out / "runbook.json").read_text())] == ["done"] * len(STAGES)
+
+
+def test_flags_that_cannot_run_are_one_line_before_anything_runs(tmp_path, capsys, monkeypatch):
+    # QA: --budget-s nan ran with no deadline, -5 marked every stage "not started" without an error, --from beside
+    # --stages was ignored, and --out <a file> ended in a FileExistsError traceback
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("the flags were not checked first"))
+    monkeypatch.setattr(gpu_runbook, "run_stages", lambda *a, **k: pytest.fail("a stage ran"))
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    least = gpu_runbook.MIN_STAGE_S + gpu_runbook.STOP_GRACE_S
+    for args, says in (
+            (["--budget-s", "nan"], "error: --budget-s nan is not a finite number of seconds: give one, e.g. 570"),
+            (["--budget-s", "inf"], "error: --budget-s inf is not a finite number of seconds"),
+            (["--budget-s", "-5"], f"error: --budget-s -5 leaves no stage time to run: give at least {least} seconds"),
+            (["--budget-s", str(least - 1)], f"error: --budget-s {least - 1} leaves no stage time to run"),
+            (["--stages", "ladder", "--from", "step"], "error: --from step with --stages: give --stages for those "
+                                                       "stages only, or --from for step and the ones after it, not both"),
+            (["--out", str(afile)], f"error: --out {afile} is a file: give a directory")):
+        with pytest.raises(SystemExit) as stopped:
+            gpu_runbook.main(["--out", str(tmp_path / "OUT"), *args])
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and says in err and err.count("error:") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]

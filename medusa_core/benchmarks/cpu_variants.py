@@ -132,6 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2, help="rounds over every (prompt, variant, tree), interleaved")
     args = p.parse_args(argv)
+    held_out = len(read_prompts(CPU_DEFAULT_PROMPTS))
+    # before the load (minutes): 0 failed after it with a traceback, -1 ran all the prompts but the last
+    if not 1 <= args.prompts <= held_out:
+        p.error(f"--prompts {args.prompts} must be from 1 to {held_out} (the held-out prompts)")
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--rounds", args.rounds)):
+        if value < 1:
+            p.error(f"{flag} {value} must be at least 1")
     try:
         loaded = load(LoadSpec(device="cpu", quant="int4"))
         # the checkpoint the load quantized, in fp32 again

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import subprocess
@@ -34,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..errors import first_line
+from ..errors import check_folder, first_line
 
 # the device tool stops a command at 600 s; 30 s are left for stopping a stage and writing the manifest
 DEFAULT_BUDGET_S = 570
@@ -191,8 +192,30 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_flags(args) -> str | None:
+    """What the flags show wrong, as one line, before anything is checked or run on the machine."""
+    # nan left no deadline (a stage then outruns the device call); under a stage's minimum nothing ran, without a word
+    least = MIN_STAGE_S + STOP_GRACE_S
+    if not math.isfinite(args.budget_s):
+        return f"--budget-s {args.budget_s:g} is not a finite number of seconds: give one, e.g. {DEFAULT_BUDGET_S}"
+    if args.budget_s < least:
+        return (f"--budget-s {args.budget_s:g} leaves no stage time to run: give at least {least} seconds "
+                f"({MIN_STAGE_S} s for a stage and {STOP_GRACE_S} s to stop it), e.g. {DEFAULT_BUDGET_S}")
+    if args.stages and args.start:      # --from was ignored beside --stages
+        return (f"--from {args.start} with --stages: give --stages for those stages only, or --from for "
+                f"{args.start} and the ones after it, not both")
+    try:
+        check_folder(args.out)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if error := check_flags(args):
+        p.error(error)
     import torch
 
     if not torch.cuda.is_available():

@@ -30,7 +30,7 @@ import torch
 
 from .runs import Run, bench_prompts, peak_memory, run_loop, write_json
 from ..loading.chat_format import render_chat
-from ..errors import LoadError
+from ..errors import LoadError, check_writable
 from ..decoding.config import DecodeConfig
 from ..decoding.generate import stop_set
 from ..decoding.step import compute_dtype
@@ -59,7 +59,9 @@ class LlamaCppBenchConfig:
         checks = [
             (self.count >= 1, f"--count {self.count} must be at least 1"),
             (self.max_new_tokens >= 1, f"--max-new-tokens {self.max_new_tokens} must be at least 1"),
-            (self.threads >= 1, f"--threads {self.threads} must be at least 1"),
+            # more threads than cores would time the engines against each other, not the hardware
+            (1 <= self.threads <= (os.cpu_count() or 1),
+             f"--threads {self.threads} must be from 1 to {os.cpu_count() or 1} (this machine's cores)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -142,6 +144,11 @@ def format_table(rows: list[Row]) -> str:
 def run(config: LlamaCppBenchConfig) -> tuple[list[Row], dict]:
     """Load both engines, warm up, time every prompt on each engine in turn: the table's rows and the
     report that --json writes."""
+    prompts = bench_prompts(config.prompts)     # before the loads: a missing file is said at once
+    if config.count > len(prompts):        # not fewer prompts than asked for without a word
+        raise SystemExit(f"error: --count {config.count} is more than the {len(prompts)} prompts in {config.prompts}: "
+                         f"give at most {len(prompts)}")
+    prompts = prompts[:config.count]
     # before load(): the int4 mode is chosen by a measurement at load, which must see these threads
     torch.set_num_threads(config.threads)
     try:
@@ -159,7 +166,6 @@ def run(config: LlamaCppBenchConfig) -> tuple[list[Row], dict]:
     except (LoadError, TreeError, ValueError) as err:
         raise SystemExit(f"error: {err}") from None
 
-    prompts = bench_prompts(config.prompts)[:config.count]
     encoded = [render_chat(loaded.tokenizer, text) for text in prompts]
     vocab = llm.n_vocab()
     longest = max(len(ids) for ids in encoded)
@@ -220,9 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = LlamaCppBenchConfig(prompts=a.prompts, count=a.count, max_new_tokens=a.max_new_tokens,
                                      threads=a.threads, json=a.json)
+        check_writable(config.json)        # now, not after the whole run, whose results it would lose
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+        p.error(str(err))
     rows, report = run(config)
     print(f"{len(report['prompts'])} prompts, {config.max_new_tokens} new tokens max, greedy, "
           f"{config.threads} threads, wall time with prefill")

@@ -129,6 +129,20 @@ def merge_kernel_runs(earlier: dict | None, later: dict) -> dict:
     return merged
 
 
+def step_results(path: Path, data) -> list[QuantResult]:
+    """``data``'s step results (the JSON bench_synthetic writes), or ValueError naming ``path`` and what it
+    lacks: a report without them failed as "error: 'results'" or with a TypeError's traceback (QA)."""
+    results = data.get("results") if isinstance(data, dict) else None
+    if not isinstance(results, list):
+        raise ValueError(f"{path} has no \"results\" list of step results: pass a bench_synthetic JSON (or a report "
+                         "folded from one) first, then the others")
+    try:
+        return [QuantResult(**{**r, "rows": tuple(TreeRow(**w) for w in r["rows"])}) for r in results]
+    except (TypeError, KeyError) as err:      # a result without its fields, or not an object
+        raise ValueError(f"{path} holds a \"results\" entry that is not a bench_synthetic step result ({err}): "
+                         "pass the JSON bench_synthetic wrote, unedited") from None
+
+
 def fold_reports(step_json: Path, others: Sequence[Path]) -> dict:
     """One report for docs/perf/<gpu>.json: a bench_gpu JSON, with added to its ``summary`` the
     headline figures of later bench_gpu runs (their results appended; a re-measured figure
@@ -137,11 +151,13 @@ def fold_reports(step_json: Path, others: Sequence[Path]) -> dict:
     greedy-equality counts of benchmarks.nf4_exactness (per model), and the two starts of
     benchmarks.first_start (their load seconds; the last start's bench run as the checkpoint's)."""
     report = json.loads(step_json.read_text())
+    step_results(step_json, report)
     extras: dict = {}
     for path in others:
         data = json.loads(path.read_text())
-        summary_ = data.get("summary")
+        summary_ = data.get("summary") if isinstance(data, dict) else None
         if isinstance(summary_, dict) and "results" in data:                     # a later bench_gpu run
+            step_results(path, data)
             report["results"] += data["results"]
         elif isinstance(summary_, dict) and any(k.startswith("nf4_kernel_") for k in summary_):   # benchmarks.nf4_kernel
             # runs split by --shapes (or one cut short, "partial") add up: a figure measured again replaces
@@ -149,6 +165,9 @@ def fold_reports(step_json: Path, others: Sequence[Path]) -> dict:
             report["nf4_matmul"] = merge_kernel_runs(report.get("nf4_matmul"), data)
         elif isinstance(summary_, list) and "model" in data:                    # bench
             report["demo" if "demo model" in data["model"] else "checkpoint"] = data
+        elif not isinstance(data, dict):
+            raise ValueError(f"{path} holds no JSON object: pass a bench_synthetic, nf4_kernel, profile_gpu_step, "
+                             "nf4_exactness, first_start or bench JSON, or leave it out")
         elif isinstance(data.get("step_profile"), dict):                     # benchmarks.profile_gpu_step
             # per row: a later run's rows replace the same rows, and keep the rows it did not profile
             report["step_profile"] = {**report.get("step_profile", {}), **data["step_profile"]}
@@ -163,7 +182,7 @@ def fold_reports(step_json: Path, others: Sequence[Path]) -> dict:
             raise ValueError(f"{path}: not a bench_synthetic, nf4_kernel, profile_gpu_step, nf4_exactness, "
                              "first_start or bench JSON: pass those, or leave it out")
     # every step result in the order measured: a later result of the same label replaces the earlier figures
-    results = [QuantResult(**{**r, "rows": tuple(TreeRow(**w) for w in r["rows"])}) for r in report["results"]]
+    results = step_results(step_json, report)
     # the kernel figures from the merged kernel report: also those an earlier fold brought in
     kernel = report.get("nf4_matmul", {}).get("summary", {})
     # the bench runs' headlines, also those of runs an earlier fold brought in
