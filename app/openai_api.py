@@ -99,18 +99,34 @@ class ChatRequest:
 
 # ---------------------------------------------------------------- reading a request
 
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not a number JSON allows")
+@dataclass(frozen=True)
+class Unreadable:
+    """A number no float holds (1e400: read as inf, it was named "Infinity", a value the client never sent) or a
+    constant JSON does not allow (NaN, Infinity), kept as written while the body is parsed, so that the error
+    can name the field holding it."""
+
+    text: str
+
+    def problem(self) -> str:
+        if self.text in ("NaN", "Infinity", "-Infinity"):
+            return f"{self.text}, which JSON does not allow: give a finite number"
+        return f"{self.text[:40]} is beyond a float's range: give a number the field's range allows"
 
 
-def _finite_float(text: str) -> float:
-    """A JSON number as a float; one past a float's range (1e400) is refused as written: read as inf, it was
-    named "Infinity", a value the client never sent."""
-    value = float(text)
-    if not math.isfinite(value):
-        raise ApiError(400, f"the number {text[:40]} is beyond a float's range: give one the field's range allows",
-                       code="invalid_value")
-    return value
+def first_unreadable(data) -> tuple[str, Unreadable] | None:
+    """(where, value) of the first Unreadable in ``data``, where as the API names a field ("medusa.epsilon",
+    "messages[0].content"); walked without recursion, since the body may nest as deep as the parser allows."""
+    stack = [("", data)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, Unreadable):
+            return where, value
+        if isinstance(value, dict):
+            inner = [(f"{where}.{key}" if where else key, item) for key, item in value.items()]
+        else:
+            inner = [(f"{where}[{i}]", item) for i, item in enumerate(value)] if isinstance(value, list) else []
+        stack.extend(reversed(inner))      # the first field is looked at first
+    return None
 
 
 def too_large(size: int, more: bool = False) -> ApiError:
@@ -136,8 +152,17 @@ async def capped_body(request: Request) -> bytes:
 def read_body(body: bytes) -> dict:
     if len(body) > MAX_BODY_BYTES:
         raise too_large(len(body))
+    unreadable: list[Unreadable] = []
+
+    def kept(text: str) -> float | Unreadable:
+        value = float(text)
+        if math.isfinite(value):
+            return value
+        unreadable.append(Unreadable(text))
+        return unreadable[-1]
+
     try:
-        data = json.loads(body.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float)
+        data = json.loads(body.decode("utf-8"), parse_constant=kept, parse_float=kept)
     except UnicodeDecodeError as err:
         raise ApiError(400, f"the body is not UTF-8 (byte {err.start}): send JSON text in UTF-8",
                        code="invalid_json") from None
@@ -149,6 +174,9 @@ def read_body(body: bytes) -> dict:
                        code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the body is a JSON {type(data).__name__}: send one JSON object", code="invalid_json")
+    if unreadable:
+        where, value = first_unreadable(data)
+        raise ApiError(400, f"{where} {value.problem()}", param=where, code="invalid_value")
     return data
 
 

@@ -235,13 +235,16 @@ HOSTILE = [
 RAW = [
     (b'{"model": "SmolLM2-135M-Instruct", "messages": [', 400, "not valid JSON"),
     (b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, "UTF-8"),
+    # each named by its field (review: "the number 1e400 ..." with param null, NaN as invalid JSON)
     (b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
-     400, "NaN"),
+     400, "temperature NaN, which JSON does not allow: give a finite number"),
     (b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": Infinity}',
-     400, "Infinity"),
+     400, "max_tokens Infinity, which JSON does not allow"),
     # past a float's range: it read as inf and was named "Infinity", which the client never wrote
     (b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1e400}',
-     400, "the number 1e400 is beyond a float's range"),
+     400, "max_tokens 1e400 is beyond a float's range: give a number the field's range allows"),
+    (b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}], "medusa": {"delta": -1e999}}',
+     400, "medusa.delta -1e999 is beyond a float's range"),
     (b'["a list"]', 400, "object"),
     # Python's parser gives up on deep nesting: a bare 500 and a traceback before
     (b'{"model": "SmolLM2-135M-Instruct", "metadata": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "too deeply"),
@@ -262,6 +265,9 @@ def test_hostile_input_gets_openai_shaped_errors_and_the_server_keeps_serving(ap
             assert_openai_error(http.post(url, json=body), status, says)
         for raw, status, says in RAW:
             assert_openai_error(http.post(url, content=raw, headers={"content-type": "application/json"}), status, says)
+        huge = http.post(url, content=b'{"model": "SmolLM2-135M-Instruct", "medusa": {"delta": -1e999}}',
+                         headers={"content-type": "application/json"})
+        assert huge.json()["error"]["param"] == "medusa.delta", huge.text
         # what is not served says what is, as an OpenAI error (a legacy client's /v1/completions, a GET)
         assert_openai_error(http.post(app[0] + "/v1/completions", json={"prompt": "hi"}), 404,
                             "POST /v1/completions is not served here: use POST /v1/chat/completions")
