@@ -366,6 +366,27 @@ def test_colouring_shows_spans_and_no_tag_text(page):
     assert "<span" not in shown and "from-heads" not in shown
 
 
+def test_a_replys_paragraphs_and_lists_are_laid_out_as_markdown_means_them(page):
+    """QA: under the message's pre-line, the newlines markdown-it writes between tags showed as blank lines between
+    paragraphs and between list items, and the numbers sat past the bubble's left edge. Measured on a known reply
+    put in the place of the model's own, in the page's styles."""
+    from app.render import reply_html
+
+    send(page, "Name two colours.")
+    laid = page.evaluate("""html => {
+        const bot = [...document.querySelectorAll('#chat .message.bot')].pop();
+        (bot.querySelector('.reply') || bot.firstElementChild).outerHTML = html;
+        const reply = bot.querySelector('.reply'), [p1, p2] = reply.querySelectorAll('p');
+        const [one, two] = reply.querySelectorAll('li'), box = el => el.getBoundingClientRect();
+        return {line: parseFloat(getComputedStyle(p1).lineHeight), paragraphs: box(p2).top - box(p1).bottom,
+                items: box(two).top - box(one).bottom, indent: box(one).left - box(reply).left}; }""",
+        reply_html([("First paragraph.\n\nSecond paragraph.\n\n1. one\n2. two", False)]))
+    shoot(page, "paragraphs_and_lists.png")
+    assert laid["paragraphs"] < laid["line"], laid       # a paragraph's margin, no blank line in it
+    assert laid["items"] < laid["line"] / 2, laid        # items one under the other
+    assert laid["indent"] >= 12, laid                    # the numbers' room inside the bubble
+
+
 def test_user_text_shows_as_typed(page):
     """Issue #13.2: HTML and Markdown typed by a user appear literally; no element is made of them."""
     typed = "<b>x</b> <script>alert(2)</script> <img src=x onerror=alert(1)> [link](javascript:alert(3))"
