@@ -387,6 +387,21 @@ def test_a_replys_paragraphs_and_lists_are_laid_out_as_markdown_means_them(page)
     assert laid["indent"] >= 12, laid                    # the numbers' room inside the bubble
 
 
+def test_the_chat_stays_in_place_as_an_answer_starts_and_ends(page):
+    """QA: the one-line "Generating…" status took the place of the two-paragraph Ready line, and the chat and the
+    panel beside it moved up as every answer started, and back down as it ended. Where the chat is, at every
+    change of the status line."""
+    page.evaluate("""() => { const status = document.querySelector('#status'), chat = document.querySelector('#chat');
+        window.places = [];
+        new MutationObserver(() => window.places.push([status.innerText.slice(0, 12),
+                                                       Math.round(chat.getBoundingClientRect().top + window.scrollY)]))
+            .observe(status, {subtree: true, childList: true, characterData: true}); }""")
+    send(page, "Tell me a story about a cat.")
+    places = page.evaluate("() => window.places")
+    assert any(text.startswith("Generating") for text, _ in places) and places[-1][0].startswith("Ready"), places
+    assert len({top for _, top in places}) == 1, places
+
+
 def test_user_text_shows_as_typed(page):
     """Issue #13.2: HTML and Markdown typed by a user appear literally; no element is made of them."""
     typed = "<b>x</b> <script>alert(2)</script> <img src=x onerror=alert(1)> [link](javascript:alert(3))"
