@@ -835,6 +835,10 @@ def test_the_readout_fits_a_phone(page):
     page.evaluate("() => window.scrollTo(0, 0)")
     chat_top = page.evaluate("() => document.querySelector('#chat').getBoundingClientRect().top")
     assert chat_top < 844 / 2, f"the chat starts {chat_top:.0f} px down a 844 px screen"
+    # the message box takes most of its row (QA: Send's default 160 px left it half, its placeholder cut off)
+    row = page.evaluate("() => [document.querySelector('#message').getBoundingClientRect().width,"
+                        " document.querySelector('#send').getBoundingClientRect().width]")
+    assert row[0] >= 2 * row[1], f"the box is {row[0]:.0f} px beside a {row[1]:.0f} px Send"
     pick_greedy(page)
     set_max_new(page, 120)                      # over 40 steps: the bar at its full length (it overflowed from ~32)
     send(page, "Write a story about a dragon who learns to cook.")
