@@ -99,7 +99,8 @@ class DecodeConfig:
             value = getattr(self, f.name)
             if limits.kind is str or value is None:
                 continue
-            if not math.isfinite(value):     # NaN passes every range check: a command line's float("nan") sampled 0s
+            # NaN passes every range check (a command line's float("nan") sampled token 0); a whole number is finite
+            if isinstance(value, float) and not math.isfinite(value):
                 raise SettingError(f.name, f"{value} is not a finite number: {limits.fix or 'give one'}")
             if limits.low is not None and (value < limits.low or (limits.open_low and value == limits.low)):
                 raise SettingError(f.name, _below(value, limits))
