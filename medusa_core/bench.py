@@ -20,7 +20,7 @@ from .benchmarks.runs import (ModuleTimer, Run, bench_prompts, format_table, pea
                               write_json)
 from .decoding.config import DEFAULTS, GREEDY_BELOW, MODES, DecodeConfig, SettingError, limits
 from .decoding.step import compute_dtype
-from .decoding.tree import TreeBuffers, TreeError, UnknownTreeError, build_tree_buffers, resolve_tree, tree_name
+from .decoding.tree import TreeBuffers, TreeError, build_tree_buffers, named_tree, resolve_tree, tree_name
 from .errors import LoadError, check_writable
 from .loading.chat_format import render_chat
 from .loading.load import load
@@ -94,12 +94,7 @@ def prepare(args) -> Setup:
     except SettingError as err:       # named as the flag, not the field
         raise ValueError(f"--{err.name.replace('_', '-')} {err.problem}") from None
     for spec in args.tree or []:
-        if spec != "default":
-            try:
-                resolve_tree(spec)
-            except UnknownTreeError as err:     # the choices the help names: default too (QA)
-                raise UnknownTreeError(str(err).replace(": use one of ", ": use default (the model's default tree), ",
-                                                        1)) from None
+        named_tree(spec)
     device = resolve_device(args.device)
     # the NF4 kernel's checks are launch.py's: a choice where the load makes no NF4 weights was ignored (QA16)
     flags_error = norm_flag_error(args.norm_kernel, args.nf4_kernel, device) or \

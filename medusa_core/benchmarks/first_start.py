@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from ..decoding.config import DecodeConfig, SettingError
-from ..decoding.tree import TreeError, build_tree_buffers, resolve_tree
+from ..decoding.tree import TreeError, build_tree_buffers, named_tree
 from ..errors import LoadError, check_writable
 from ..heads.accuracy import PUBLISHED_ACCURACIES
 from ..loading.policy import resolve_device, resolve_quant
@@ -87,12 +87,12 @@ def check_flags(args) -> str | None:
         DecodeConfig(max_new_tokens=args.max_new_tokens)
     except SettingError as err:
         return f"--{err.name.replace('_', '-')} {err.problem}"
-    if args.tree != "default":      # bench's word for the model's default tree
-        try:
-            # the checkpoint has as many heads as the published accuracies: a deeper tree cannot run on them
-            build_tree_buffers(resolve_tree(args.tree), len(PUBLISHED_ACCURACIES))
-        except TreeError as err:
-            return f"--tree {args.tree}: " + str(err).replace(": use one of ", ": use default (the model's default tree), ", 1)
+    try:
+        paths = named_tree(args.tree)
+        if paths is not None:   # the checkpoint has as many heads as the published accuracies: no deeper tree runs
+            build_tree_buffers(paths, len(PUBLISHED_ACCURACIES))
+    except TreeError as err:
+        return f"--tree {args.tree}: {err}"
     return None
 
 

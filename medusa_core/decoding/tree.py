@@ -155,6 +155,18 @@ def _check_generated(spec: str, nodes: int) -> None:
                         "(mc_sim_7b_63 has 64)")
 
 
+def named_tree(spec: str) -> Paths | None:
+    """A --tree value as the commands take it (bench, first_start): None for "default" (the model's default
+    tree), else its paths. An unknown name's error offers default too, as the help does (QA)."""
+    if spec == "default":
+        return None
+    try:
+        return resolve_tree(spec)
+    except UnknownTreeError as err:
+        raise UnknownTreeError(str(err).replace(": use one of ", ": use default (the model's default tree), ", 1)) \
+            from None
+
+
 def load_tree_file(path: Path) -> Paths:
     """A JSON file holding a list of paths, or an object with a "paths" list."""
     if path.is_dir():
