@@ -565,8 +565,8 @@ def wire_chat(page: Page, chat: ChatController) -> dict:
     # the chat panes' own bin icons do what Clear does
     for trigger, name in ((page.clear.click, "clear"), (page.chat.clear, False), (page.base_chat.clear, False)):
         trigger(chat.clear, [page.session], outputs[:-1], api_name=name, concurrency_limit=None).then(**save_after)
-    page.compare.change(lambda on: (gr.update(visible=on), gr.update() if on else ""), [page.compare],
-                        [page.base_column, page.comparison], api_name=False, concurrency_limit=None).then(
+    page.compare.change(lambda on: (gr.update(visible=on), gr.update(visible=on), gr.update() if on else ""),
+                        [page.compare], [*page.base_panes, page.comparison], api_name=False, concurrency_limit=None).then(
         None, None, None, js=SCROLL_TO_END, api_name=False)
     # kept with the conversation when the user toggles it (a restore that sets it saves on its own: a
     # second save at once could make a second export folder)

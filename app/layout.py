@@ -52,7 +52,7 @@ class Page:
     note: gr.Markdown
     status: gr.Markdown
     busy_hint: gr.Markdown       # shown while the model answers another tab or a script (model_panel.watch)
-    base_column: gr.Column
+    base_panes: tuple[gr.Column, gr.Column]   # the plain-decoding pane's chat and readout columns
     base_chat: gr.Chatbot
     base_readout: gr.Markdown
     chat: gr.Chatbot
@@ -138,14 +138,13 @@ def build_layout(slot: ModelSlot, system_prompt: str, start: Settings) -> Page:
                 with gr.Column(visible=False, elem_id="pane-baseline") as base_column:
                     base_chat = gr.Chatbot(label="Plain decoding", elem_id="chat-baseline", buttons=[],
                                            height=460, render_markdown=False, latex_delimiters=[])
-                    base_readout = gr.Markdown(elem_id="readout-baseline", elem_classes="readout")
                 with gr.Column(elem_id="pane-medusa"):
                     chat = gr.Chatbot(label="Medusa", elem_id="chat", buttons=[], height=460,
                                       render_markdown=False, latex_delimiters=[],
                                       placeholder="Ask something. Speed shows below as it streams.")
-                    readout = gr.Markdown(READOUT_HINT,
-                                          elem_id="readout", elem_classes="readout")
-            comparison = gr.Markdown(elem_id="comparison")
+            # the message box and its buttons right under the chat, the readouts under them: a readout grows as an
+            # answer runs (its table, bars, then the summary), and above the box it moved the box and Stop down by
+            # 140-220 px during every answer, and up again as the next one started (QA)
             with gr.Row():
                 box = gr.Textbox(placeholder="Message (Enter to send)", show_label=False, scale=6,
                                  elem_id="message", autofocus=True)
@@ -160,6 +159,13 @@ def build_layout(slot: ModelSlot, system_prompt: str, start: Settings) -> Page:
                 clear = gr.Button("Clear", elem_id="clear")
                 export_json = gr.DownloadButton("Export JSON", elem_id="export-json", interactive=False)
                 export_md = gr.DownloadButton("Export Markdown", elem_id="export-md", interactive=False)
+            # each pane's readout under its chat's half of the row: shown and hidden with the pane (``base_panes``)
+            with gr.Row(equal_height=True):
+                with gr.Column(visible=False, elem_id="readout-pane-baseline") as base_readout_column:
+                    base_readout = gr.Markdown(elem_id="readout-baseline", elem_classes="readout")
+                with gr.Column(elem_id="readout-pane-medusa"):
+                    readout = gr.Markdown(READOUT_HINT, elem_id="readout", elem_classes="readout")
+            comparison = gr.Markdown(elem_id="comparison")
             with gr.Accordion("Raw numbers", open=False):
                 raw = gr.JSON(label="Stats of the last answer", elem_id="raw")
         with gr.Column(scale=1, min_width=280):
@@ -181,6 +187,7 @@ def build_layout(slot: ModelSlot, system_prompt: str, start: Settings) -> Page:
                                  info="punctuation, spaces and line breaks the heads guessed count in the readout "
                                       "but are not coloured")
             controls = {**decoding_controls(slot.max_new_tokens, start), "colour_heads": colour}
-    return Page(session, saved, kept, shown_version, timer, watch, note, status, busy_hint, base_column, base_chat, base_readout, chat, readout,
+    return Page(session, saved, kept, shown_version, timer, watch, note, status, busy_hint,
+                (base_column, base_readout_column), base_chat, base_readout, chat, readout,
                 comparison, box, send, stop, regenerate, clear, export_json, export_md, raw, known, model_box,
                 heads_box, load, unload, model_status, system, compare, controls)

@@ -402,6 +402,24 @@ def test_the_chat_stays_in_place_as_an_answer_starts_and_ends(page):
     assert len({top for _, top in places}) == 1, places
 
 
+def test_the_message_box_and_stop_stay_in_place_while_the_readout_grows(page):
+    """QA: the readout sat between the chat and the message box. It grows as an answer runs (its table, then the
+    bars, then the summary) and shrinks to one line as the next starts, so the box and Stop moved down by 140 px
+    during every answer and back up at the next: a moving target for Stop, and for a follow-up being typed. Where
+    they are, at every change of the readout, over two answers."""
+    page.evaluate("""() => { const readout = document.querySelector('#readout'), top = id =>
+            Math.round(document.querySelector(id).getBoundingClientRect().top + window.scrollY);
+        window.places = [];
+        new MutationObserver(() => window.places.push([Math.round(readout.getBoundingClientRect().height),
+                                                       top('#message'), top('#stop')]))
+            .observe(readout, {subtree: true, childList: true, characterData: true}); }""")
+    send(page, "Tell me a story about a cat.")
+    send(page, "Now tell me one about a dog.")
+    places = page.evaluate("() => window.places")
+    assert max(h for h, _, _ in places) > 2 * min(h for h, _, _ in places), places   # the readout did grow
+    assert len({(box, stop) for _, box, stop in places}) == 1, places
+
+
 def test_user_text_shows_as_typed(page):
     """Issue #13.2: HTML and Markdown typed by a user appear literally; no element is made of them."""
     typed = "<b>x</b> <script>alert(2)</script> <img src=x onerror=alert(1)> [link](javascript:alert(3))"
