@@ -19,7 +19,7 @@ from .engine import BASELINE, COMPARISON, LABELS, MEDUSA, ChatEngine, EngineClos
 from .layout import READOUT_HINT, Page
 from .models import ModelSlot, SlotState
 from .readout import Stats, count, render_comparison, render_live
-from .render import note_html, reply_html, user_html
+from .render import ended_html, note_html, reply_html, user_html
 from .session import Replaced, Session, Turn
 from .settings import Settings, flag, text
 from .export_files import discard_tab_exports, write_tab_exports
@@ -56,10 +56,20 @@ def display(turns: list[Turn], pane: str = MEDUSA) -> list[dict]:
         if pane == BASELINE and turn.baseline is None and turn.shown:
             out.append(_msg("assistant", note_html(NOT_COMPARED)))
         elif shown := turn.baseline_shown if pane == BASELINE and turn.baseline is not None else turn.shown:
-            out.append(_msg("assistant", shown))
+            out.append(_msg("assistant", shown + ended(turn, pane)))
         if turn.note:
             out.append(_msg("assistant", note_html(turn.note)))
     return out
+
+
+def ended(turn: Turn, pane: str) -> str:
+    """The mark under ``pane``'s answer where it ended early (render.ENDED), from its figures: none while it
+    streams (they come as it ends), and the same after a reload (the browser's copy keeps them)."""
+    figures = (turn.answered or {}).get(pane)
+    if not isinstance(figures, dict):     # no answer in that pane, or a damaged copy from the browser
+        return ""
+    reason, tokens = figures.get("finish_reason"), figures.get("tokens")
+    return ended_html(reason, tokens) if isinstance(reason, str) and isinstance(tokens, int) else ""
 
 
 def said(err: Exception) -> str:

@@ -56,6 +56,21 @@ def note_html(text: str) -> str:
     return f'<div class="note-text">⚠️ {html.escape(text)}</div>'
 
 
+# Why an answer ended before its own end, under it in its bubble: an answer cut at Max new tokens ended mid-sentence
+# with only the readout, under the message box, saying why (QA). By StepResult's finish reason; "eos" needs none.
+ENDED = {
+    "length": "cut at Max new tokens ({tokens} tokens): raise it in the panel, then Regenerate, for the rest",
+    "context": "cut where the model's context window filled, after {tokens} tokens",
+    "cancelled": "stopped",
+}
+
+
+def ended_html(reason: str, tokens: int) -> str:
+    """The line under an answer that ``reason`` ended early; "" for an answer that ended itself (or unknown)."""
+    text = ENDED.get(reason)
+    return f'<div class="ended">⋯ {html.escape(text.format(tokens=tokens))}</div>' if text else ""
+
+
 def reply_html(segments: list[tuple[str, bool]], colour: bool = False) -> str:
     """A reply (pieces of text, each flagged when it came from the heads) as HTML."""
     source = "".join(_mark(text) if colour and from_heads else text for text, from_heads in segments)

@@ -115,8 +115,22 @@ def test_stop_cancels_and_keeps_partial(client):
     assert raw["medusa"]["finish_reason"] == "cancelled"
     assert raw["medusa"]["tokens"] < 300
     assert texts(chat)[-1][0] == "assistant" and texts(chat)[-1][1], "the partial answer stays in the chat"
+    assert texts(chat)[-1][1].endswith("⋯ stopped") and "⋯" not in raw["reply"], texts(chat)[-1]
     _, (chat, *_rest) = ask(client, "and now?")
     assert len(texts(chat)) == 4
+
+
+def test_an_answer_cut_at_max_new_tokens_says_so_under_it_in_both_panes(client):
+    """QA: an answer cut at Max new tokens ended mid-sentence, and only the readout, under the message box, said
+    why. The mark is the page's: the answer the next prompt holds (and a script reads) is the model's text."""
+    outputs, (chat, base_chat, _, _, _, _, raw, _) = ask(client, "tell me a long story", max_new=5, compare=True)
+    mark = "⋯ cut at Max new tokens (5 tokens): raise it in the panel, then Regenerate, for the rest"
+    assert raw["medusa"]["finish_reason"] == raw["baseline"]["finish_reason"] == "length", raw
+    for pane in (chat, base_chat):
+        assert texts(pane)[-1][0] == "assistant" and texts(pane)[-1][1].endswith(mark), texts(pane)[-1]
+    assert "Max new tokens" not in raw["reply"] + raw["baseline_reply"], raw
+    streaming = [texts(o[0])[-1][1] for o in outputs if o[5].startswith("Generating") and o[0]]
+    assert streaming and not any(mark in shown for shown in streaming), "marked before it ended"
 
 
 def test_a_new_answer_does_not_show_the_last_ones_figures_before_its_own(client):

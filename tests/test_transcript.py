@@ -230,6 +230,28 @@ def test_a_reloaded_conversations_readout_shows_its_last_answers_figures_or_the_
     assert restored_readouts(turns) == (READOUT_HINT, "")
 
 
+def test_a_reloaded_answer_cut_short_still_says_why_under_it():
+    """The mark under an answer that ended early (Max new tokens, the context, Stop) comes from its figures, which
+    the browser's copy keeps: a reload shows it again. An answer that ended itself has none, nor one whose
+    figures a damaged copy lost."""
+    from app.chat_controller import display
+    from app.transcript import from_saved, to_saved
+
+    def shown(reason, tokens=256) -> str:
+        figures = {"tokens": tokens, "finish_reason": reason}
+        answered = {"settings": {}, "medusa": figures, "baseline": figures}
+        turns, _ = from_saved(to_saved([Turn(user="Hi", reply="Hello", baseline="Hello", answered=answered)], 0))
+        panes = [html.unescape(display(turns, pane)[-1]["content"][0]["text"]) for pane in ("medusa", "baseline")]
+        assert panes[0] == panes[1], panes
+        return panes[0]
+
+    assert "⋯ cut at Max new tokens (256 tokens)" in shown("length")
+    assert "⋯ cut where the model's context window filled, after 8000 tokens" in shown("context", 8000)
+    assert "⋯ stopped" in shown("cancelled")
+    for ends_itself in (shown("eos"), shown(None), shown(["length"]), shown("length", "256")):
+        assert "⋯" not in ends_itself and "Hello" in ends_itself, ends_itself
+
+
 def test_a_system_prompt_typed_before_the_first_message_or_after_clear_comes_back_after_a_reload():
     """QA: a system prompt typed and not yet sent, or left in the box after Clear, was gone after a reload, where
     the decoding settings set the same way came back. An empty box with no conversation gives the prompt the app
