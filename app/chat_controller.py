@@ -151,6 +151,14 @@ class ChatController:
                 render_live(base) if base else base_keep,
                 comparison, status_line, raw, box)
 
+    def answering(self, line: str) -> str:
+        """A status line shown while an answer runs (starting, queued, reading the prompt, generating) over the Ready
+        line's later paragraphs (the tree and why, a note on max new tokens): the status keeps the Ready line's
+        height, so the chat under it stays in place as every answer starts and ends. (A 62 px min-height held a
+        two-line Ready line only: a tree line that wrapped, as one tuned on a busy CPU does, moved the chat.)"""
+        rest = self.slot.state().model_line.partition("\n\n")[2]
+        return f"{line}\n\n{rest}" if rest else line
+
     def failed(self, session: Session, message: str, error: str) -> tuple:
         """A message that could not be answered: kept in the chat with its one-line error (never sent to
         the model), and put back in the box to be edited and resent; the raw output says it for scripts."""
@@ -295,7 +303,7 @@ class ChatController:
         session.turns.append(turn)
         pending = (READOUT_PENDING, READOUT_PENDING if compare else "")
         try:
-            yield self.views(session, None, None, "", ANSWER_STARTING, emptied, blank=pending)
+            yield self.views(session, None, None, "", self.answering(ANSWER_STARTING), emptied, blank=pending)
             stats, base, comparison, error = yield from self._stream(session, turn, engine, prompt, settings, compare)
         except GeneratorExit:   # cancelled (a script's job.cancel()): nothing more can be shown. The message stays,
             # saying so (it stayed on screen and was silently left out of the prompt), but a regenerate with nothing
@@ -336,11 +344,12 @@ class ChatController:
         try:
             for update in engine.answer(session, prompt, settings, passes):
                 if update.queued:
-                    yield self.views(session, None, None, "", f"⏳ Queued: {count(update.queued, 'request')} ahead "
-                                     "of you; your answer starts when the model is free")
+                    yield self.views(session, None, None, "", self.answering(
+                        f"⏳ Queued: {count(update.queued, 'request')} ahead of you; your answer starts when the model "
+                        "is free"))
                     continue
                 if update.notice:
-                    yield self.views(session, None, None, "", f"⏳ {update.notice}")
+                    yield self.views(session, None, None, "", self.answering(f"⏳ {update.notice}"))
                     continue
                 if update.pass_name == COMPARISON:
                     comparison = render_comparison(update.comparison)
@@ -368,7 +377,7 @@ class ChatController:
                 # while it runs, so the cut is no surprise (QA: the status said "Generating" to the end)
                 loading = " (a model is loading: this answer stops once it has loaded)" \
                     if self.slot.loading else ""
-                yield self.views(session, stats, base, "", f"Generating: {label}…{loading}", partial=partial)
+                yield self.views(session, stats, base, "", self.answering(f"Generating: {label}…{loading}"), partial=partial)
         except GeneratorExit:   # the request was cancelled mid-answer: what was shown stays in the next prompt, as
             # after Stop (_run notes the cancel)
             if turn.reply is None and partial:

@@ -141,7 +141,7 @@ def test_a_new_answer_does_not_show_the_last_ones_figures_before_its_own(client)
     _, (_, _, first, *_rest) = ask(client, "first question")
     assert "tokens/s" in first
     outputs, (_, _, readout, base_readout, *_rest) = ask(client, "second question", compare=True)
-    starting = next(o for o in outputs if o[5] == "Starting the answer…")
+    starting = next(o for o in outputs if o[5].startswith("Starting the answer…"))
     assert starting[2] == READOUT_PENDING and starting[3] == READOUT_PENDING
     assert "tokens/s" in readout and "tokens/s" in base_readout and READOUT_PENDING not in readout
 
@@ -816,11 +816,38 @@ def test_an_answer_whose_request_is_cancelled_stays_in_the_next_prompt(model_dir
     # cancelled at its "Starting…", before its first update: the message stays with the same note (it was
     # a bare user turn, as if still being answered)
     answer = chat.run(session, "second", "", False, dict(mode="greedy", max_new_tokens=200, tree="baseline"))
-    assert next(o for o in answer if o[5] == "Starting the answer…")
+    assert next(o for o in answer if o[5].startswith("Starting the answer…"))
     answer.close()
     turn = session.turns[-1]
     assert (turn.user, turn.reply, turn.note) == ("second", None, "stopped: the request was cancelled")
     assert not session.busy.locked()
+
+
+def test_the_status_keeps_the_ready_lines_later_paragraphs_while_an_answer_runs(model_dirs, monkeypatch):
+    """The status line sits over the chat: each line shown while an answer runs ("Starting…", "Generating…") keeps
+    the Ready line's paragraphs after its first (the tree and why, a note on max new tokens), so the status keeps
+    its height and the chat its place. A tree line that wrapped to two lines (one tuned on a busy CPU says more)
+    moved the chat down 22 px at every answer's end."""
+    from dataclasses import replace
+
+    from app.chat_controller import ChatController
+    from app.models import ModelSlot
+    from app.session import Session
+    from medusa_core.loading.spec import LoadSpec
+
+    backbone, heads = model_dirs
+    slot = ModelSlot(log=lambda line: None)
+    slot.start(LoadSpec(model=str(backbone), heads=str(heads), device="cpu"))
+    assert slot.wait(120).phase == "ready"
+    later = "tree tuned for this machine: " + "a long reason, " * 12 + "\n\na note on max new tokens"
+    ready = f"Ready · the tiny model\n\n{later}"
+    state = slot.state
+    monkeypatch.setattr(slot, "state", lambda: replace(state(), ready_line=ready))
+    chat, session = ChatController(slot), Session()
+    statuses = [out[5] for out in chat.run(session, "hi", "", False, dict(mode="greedy", max_new_tokens=20))]
+    assert statuses[0].startswith("Starting the answer…") and statuses[-1] == ready, statuses
+    assert any(line.startswith("Generating") for line in statuses), statuses
+    assert all(line.partition("\n\n")[2] == later for line in statuses), statuses
 
 
 def test_a_stop_pressed_while_a_message_waits_for_the_last_answer_stops_it(model_dirs):
@@ -2086,7 +2113,7 @@ def test_a_regenerate_that_gives_no_new_answer_keeps_the_old_one_and_never_touch
     assert ([vars(t) for t in session.turns], session.first_turn) == before
     # a script's cancel as the answer starts
     updates = chat.regenerate(session, "", False, controls)
-    assert next(updates)[5] == "Starting the answer…"
+    assert next(updates)[5].startswith("Starting the answer…")
     updates.close()
     assert ([vars(t) for t in session.turns], session.first_turn) == before
     # and a regenerate that answers replaces the answer, the box still left as it is
