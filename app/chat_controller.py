@@ -345,8 +345,8 @@ class ChatController:
             for update in engine.answer(session, prompt, settings, passes):
                 if update.queued:
                     yield self.views(session, None, None, "", self.answering(
-                        f"⏳ Queued: {count(update.queued, 'request')} ahead of you; your answer starts when the model "
-                        "is free"))
+                        f"⏳ Queued: {count(update.queued, 'request')} ahead of you; your answer starts when the "
+                        "model is free"))
                     continue
                 if update.notice:
                     yield self.views(session, None, None, "", self.answering(f"⏳ {update.notice}"))
@@ -377,7 +377,8 @@ class ChatController:
                 # while it runs, so the cut is no surprise (QA: the status said "Generating" to the end)
                 loading = " (a model is loading: this answer stops once it has loaded)" \
                     if self.slot.loading else ""
-                yield self.views(session, stats, base, "", self.answering(f"Generating: {label}…{loading}"), partial=partial)
+                yield self.views(session, stats, base, "", self.answering(f"Generating: {label}…{loading}"),
+                                 partial=partial)
         except GeneratorExit:   # the request was cancelled mid-answer: what was shown stays in the next prompt, as
             # after Stop (_run notes the cancel)
             if turn.reply is None and partial:
@@ -585,8 +586,8 @@ def wire_chat(page: Page, chat: ChatController) -> dict:
     for trigger, name in ((page.clear.click, "clear"), (page.chat.clear, False), (page.base_chat.clear, False)):
         trigger(chat.clear, [page.session], outputs[:-1], api_name=name, concurrency_limit=None).then(**save_after)
     page.compare.change(lambda on: (gr.update(visible=on), gr.update(visible=on), gr.update() if on else ""),
-                        [page.compare], [*page.base_panes, page.comparison], api_name=False, concurrency_limit=None).then(
-        None, None, None, js=SCROLL_TO_END, api_name=False)
+                        [page.compare], [*page.base_panes, page.comparison], api_name=False,
+                        concurrency_limit=None).then(None, None, None, js=SCROLL_TO_END, api_name=False)
     # kept with the conversation when the user toggles it (a restore that sets it saves on its own: a
     # second save at once could make a second export folder)
     page.compare.input(**save_after)
