@@ -314,7 +314,10 @@ class ChatController:
                 turn.note = " · ".join(filter(None, [turn.note, CANCELLED]))
             raise
         turn.answered = {"settings": {k: v for k, v in asdict(settings).items() if k != "colour_heads"},
-                         "medusa": stats.as_dict() if stats else None, "baseline": base.as_dict() if base else None}
+                         "medusa": stats.as_dict() if stats else None, "baseline": base.as_dict() if base else None,
+                         # the comparison's line as the page showed it (its spread and verdict are not in the
+                         # figures): a reload shows it again, and the Markdown export has it
+                         **({"comparison": comparison} if comparison else {})}
         if compare and turn.reply is None and not turn.note:
             turn.note = "stopped before the Medusa pass"
         if not any(t is turn for t in session.turns):   # Clear during the answer: its readouts went with it
@@ -489,6 +492,13 @@ def restored_readouts(turns: list[Turn]) -> tuple[str, str]:
     answered = (turns[-1].answered or {}) if turns else {}
     medusa, base = Stats.from_saved(answered.get("medusa")), Stats.from_saved(answered.get("baseline"))
     return (render_live(medusa) if medusa else READOUT_HINT), (render_live(base) if base else "")
+
+
+def restored_comparison(turns: list[Turn]) -> str:
+    """The comparison line under the readouts after a reload: the last answer's, as it showed when it ended; none
+    where the last exchange was not compared (or was cut off by the reload)."""
+    line = (turns[-1].answered or {}).get("comparison") if turns else None
+    return line if isinstance(line, str) else ""
 
 
 def sent_copy(session: Session, turns: list[Turn], system: str, compare: bool) -> dict:

@@ -75,9 +75,10 @@ def _answered(saved) -> dict | None:
     older or damaged, and the page's load writes the exports from it (answered_line reads it)."""
     if not isinstance(saved, dict):
         return None
-    settings = saved.get("settings")
+    settings, comparison = saved.get("settings"), saved.get("comparison")
     return {"settings": settings if isinstance(settings, dict) else {},
-            **{name: saved.get(name) if isinstance(saved.get(name), dict) else None for name in ("medusa", "baseline")}}
+            **{name: saved.get(name) if isinstance(saved.get(name), dict) else None for name in ("medusa", "baseline")},
+            **({"comparison": comparison} if isinstance(comparison, str) and comparison else {})}
 
 
 def _number(value) -> bool:
@@ -176,6 +177,8 @@ def to_markdown(turns: list[Turn], system: str = "") -> str:
             lines += ["**Assistant (plain decoding):**", "", closed_fences(t.baseline), ""]
             figures = answered_line(answered.get("baseline"), answered.get("settings"))
             lines += [figures, ""] if figures else []
+        if isinstance(answered.get("comparison"), str):     # the page's line under the readouts, as it showed
+            lines += [f"Comparison: {answered['comparison']}", ""]
         if t.note:
             lines += [f"> ⚠️ {t.note}", ""]
     if system != current:

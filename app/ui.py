@@ -18,7 +18,7 @@ import gradio as gr
 from medusa_core.loading.spec import LoadSpec
 
 from . import browser_copy, pane_titles, range_notice, tree_enter
-from .chat_controller import ChatController, restored_readouts, wire_chat
+from .chat_controller import ChatController, restored_comparison, restored_readouts, wire_chat
 from .layout import build_layout
 from .model_panel import model_outputs, wire_model_panel
 from .models import ModelSlot, start_settings
@@ -41,19 +41,21 @@ def build_ui(slot: ModelSlot, *, system_prompt: str = "", base_spec: LoadSpec = 
         save_after = wire_chat(page, chat)
 
         def restore(session, stored, kept, max_new_value, system, request: gr.Request):
-            """Page load: the conversation, its system prompt and the compare toggle kept in the browser, the
-            model controls, and the decoding settings kept for the loaded model (the Medusa pane, last of
-            them, gets the conversation and its title in one update)."""
+            """Page load: the conversation, its system prompt and the compare toggle kept in the browser (with the
+            last answer's readouts and comparison line), the model controls, and the decoding settings kept for the
+            loaded model (the Medusa pane, last of them, gets the conversation and its title in one update)."""
             chat.tab_opened(session, request.session_hash)
             medusa, baseline, system, compare, box = chat.restored(session, chat.finished.newest(stored), system)
             *controls, pane = sync(None, max_new_value, kept, session)
-            return (baseline, system, compare, box, *restored_readouts(session.turns), *controls,
+            turns = session.turns
+            return (baseline, system, compare, box, *restored_readouts(turns), restored_comparison(turns), *controls,
                     {**pane, "value": medusa})
 
         # this tab's copies of the conversation and the settings from the browser first, then the page built from them
         demo.load(None, None, [page.saved, page.kept], js=browser_copy.READ_BOTH, api_name=False).then(
             restore, [page.session, page.saved, page.kept, page.controls["max_new_tokens"], page.system],
-            [page.base_chat, page.system, page.compare, page.box, page.readout, page.base_readout, *model_outputs(page)],
+            [page.base_chat, page.system, page.compare, page.box, page.readout, page.base_readout, page.comparison,
+             *model_outputs(page)],
             api_name=False).then(**save_after)
         page.saved.change(None, [page.saved], None, js=browser_copy.WRITE, api_name=False)
         page.kept.change(None, [page.kept], None, js=browser_copy.WRITE_SETTINGS, api_name=False)

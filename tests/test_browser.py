@@ -264,6 +264,12 @@ def test_chat_streams_answers_then_compares(page):
     assert "identical" in comparison and "step-interleaved" in comparison, comparison
     # the plain pane says which answers it did not give, instead of showing Medusa's as its own
     assert "compare was off" in assistant_texts(page, "chat-baseline")[0]
+    # a reload shows the line again, as it showed (QA: the readouts came back after a reload, the speedup did not)
+    page.reload()
+    page.wait_for_function(READY, timeout=60_000)
+    page.wait_for_function("() => document.querySelector('#comparison')?.innerText.includes('Speedup')",
+                           timeout=30_000)
+    assert page.locator("#comparison").inner_text() == comparison
     # compare off: the speedup line goes with the plain pane
     page.locator("#compare input[type=checkbox]").uncheck()
     page.wait_for_function("() => !document.querySelector('#comparison')?.innerText.trim()", timeout=10_000)

@@ -252,6 +252,28 @@ def test_a_reloaded_answer_cut_short_still_says_why_under_it():
         assert "⋯" not in ends_itself and "Hello" in ends_itself, ends_itself
 
 
+def test_a_comparisons_line_comes_back_after_a_reload_and_is_in_the_markdown_export(tmp_path):
+    """The line under the readouts (the speedup, its spread, whether greedy answers matched) is not in either
+    pass's figures: kept with the answer as the page showed it, a reload shows it again (the readouts came back,
+    it did not), and the Markdown export has it under the two answers."""
+    from app.chat_controller import restored_comparison
+    from app.transcript import from_saved, to_saved
+
+    line = "**Speedup: 1.32×** (whole answers: Medusa 52.1 vs plain 39.4 tokens/s) · greedy answers are **identical**"
+    answered = {"settings": {"mode": "greedy"}, "medusa": None, "baseline": None, "comparison": line}
+    compared = Turn(user="Hi", reply="Hello", baseline="Hello", answered=answered)
+    turns, _ = from_saved(to_saved([compared], 0))
+    assert restored_comparison(turns) == line
+    markdown, _ = export(tmp_path, [compared])
+    assert f"Comparison: {line}" in markdown, markdown
+    # the last exchange was not compared, or a damaged copy lost the line: none
+    later = Turn(user="More", reply="Sure", answered={"settings": {}, "medusa": None, "baseline": None})
+    for last in (later, Turn(user="Hi", reply="Hello", answered={**answered, "comparison": ["x"]})):
+        turns, _ = from_saved(to_saved([compared, last], 0))
+        assert restored_comparison(turns) == "", last
+    assert restored_comparison([]) == ""
+
+
 def test_a_system_prompt_typed_before_the_first_message_or_after_clear_comes_back_after_a_reload():
     """QA: a system prompt typed and not yet sent, or left in the box after Clear, was gone after a reload, where
     the decoding settings set the same way came back. An empty box with no conversation gives the prompt the app
