@@ -134,6 +134,8 @@ def build_layout(slot: ModelSlot, system_prompt: str, start: Settings) -> Page:
     busy_hint = gr.Markdown(BUSY_ELSEWHERE, elem_id="busy-hint", visible=False)
     with gr.Row():
         with gr.Column(scale=3):
+            # the panes' height=460 is the one a page without the stylesheet gets: assets/style.css sizes them to
+            # the window, so the message box under them is on the first screen
             with gr.Row(equal_height=True):
                 with gr.Column(visible=False, elem_id="pane-baseline") as base_column:
                     base_chat = gr.Chatbot(label="Plain decoding", elem_id="chat-baseline", buttons=[],

@@ -431,6 +431,36 @@ def test_the_message_box_and_stop_stay_in_place_while_the_readout_grows(page):
     assert len({(box, stop) for _, box, stop in places}) == 1, places
 
 
+def test_the_message_box_and_stop_are_on_a_laptops_first_screen(browser, default_app):
+    """QA: at a fixed 460 px the chat put the message box below the first screen of a 1366x768 laptop's browser (650
+    px of window) and of a 1280x720 one: the page opened on an empty chat with nowhere to type. The chat follows the
+    window's height, in both panes, and a tall window gives it the room."""
+    bottoms = {}
+    for width, height in ((1366, 650), (1280, 720), (1920, 1050)):
+        page = browser.new_page(viewport={"width": width, "height": height})
+        try:
+            page.goto(default_app)
+            page.wait_for_function(READY, timeout=300_000)
+            for compare in (False, True):
+                page.locator("#compare input[type=checkbox]").set_checked(compare)
+                # the plain pane is in the page only while compare is on
+                page.wait_for_function(f"() => (document.querySelector('#chat-baseline')?.offsetParent != null) === "
+                                       f"{str(compare).lower()}", timeout=10_000)
+                page.evaluate("() => window.scrollTo(0, 0)")
+                places = page.evaluate("""ids => Object.fromEntries(ids
+                    .map(id => [id, document.querySelector(id).getBoundingClientRect()])
+                    .map(([id, r]) => [id, [r.top + window.scrollY, r.bottom + window.scrollY]]))""",
+                                       ["#chat", "#message", "#stop", *(["#chat-baseline"] if compare else [])])
+                assert places["#message"][1] <= height and places["#stop"][1] <= height, (width, height, places)
+                if compare:
+                    assert places["#chat-baseline"] == places["#chat"], places
+                bottoms[height] = places["#chat"]
+        finally:
+            page.close()
+    heights = {height: bottom - top for height, (top, bottom) in bottoms.items()}
+    assert heights[1050] > heights[720] > heights[650], heights
+
+
 def test_user_text_shows_as_typed(page):
     """Issue #13.2: HTML and Markdown typed by a user appear literally; no element is made of them."""
     typed = "<b>x</b> <script>alert(2)</script> <img src=x onerror=alert(1)> [link](javascript:alert(3))"
