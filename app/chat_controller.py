@@ -19,7 +19,7 @@ from .engine import BASELINE, COMPARISON, LABELS, MEDUSA, ChatEngine, EngineClos
 from .layout import READOUT_HINT, Page
 from .models import ModelSlot, SlotState
 from .readout import Stats, count, render_comparison, render_live
-from .render import ended_html, note_html, reply_html, user_html
+from .render import answer_html, ended_html, note_html, reply_html, user_html
 from .session import Replaced, Session, Turn
 from .settings import Settings, flag, text
 from .export_files import discard_tab_exports, write_tab_exports
@@ -360,7 +360,10 @@ class ChatController:
                 # an error before the first token has no figures: the readout stays as it is (Stop during the
                 # reading has: "Answer: none: stopped before the first token")
                 measured = update.stats if update.stats.tokens or not update.error else None
-                shown = reply_html(list(update.segments), settings.colour_heads) if update.segments else ""
+                # the answer's Markdown for its Copy button once it has ended: each streamed update sends the bubble
+                # whole, and a copy of the partial text twice over would only double that
+                shown = (answer_html if update.done else reply_html)(list(update.segments), settings.colour_heads) \
+                    if update.segments else ""
                 if update.pass_name == BASELINE:
                     turn.baseline, turn.baseline_shown, base = update.plain, shown, measured or base
                 else:

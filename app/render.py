@@ -84,6 +84,13 @@ def reply_html(segments: list[tuple[str, bool]], colour: bool = False) -> str:
     return f'<div class="reply">{rendered.strip()}</div>'
 
 
+def answer_html(segments: list[tuple[str, bool]], colour: bool = False) -> str:
+    """An answer's bubble: the reply as ``reply_html`` shows it, then the answer as the model wrote it (its Markdown),
+    hidden, for the answer's Copy button (app/copy_buttons.py). Gradio's sanitizer drops data attributes: the text
+    rides in an element of its own, escaped like any other text."""
+    return reply_html(segments, colour) + f'<div class="reply-source">{html.escape(plain_text(segments))}</div>'
+
+
 def _mark(text: str) -> str:
     """Wrap the letter/digit runs of a piece in markers; leave Markdown syntax outside them."""
     def wrap(match: re.Match) -> str:

@@ -15,7 +15,7 @@ from medusa_core.decoding.config import is_greedy
 
 from .session import Turn
 from .readout import FINISH_TEXT, count
-from .render import reply_html
+from .render import answer_html
 
 FORMAT = "medusa-chat/1"
 # A line that opens or closes a fenced code block (CommonMark): up to 3 spaces, then 3 or more
@@ -60,8 +60,8 @@ def from_saved(saved) -> tuple[list[Turn], int]:
             baseline = t.get("baseline") if isinstance(t.get("baseline"), str) else None
             # no answer (or an empty one), nothing shown: an empty bubble read as an answer (the plain pane said
             # that compare was off for a message a reload had cut off mid-comparison)
-            turns.append(Turn(user=t["user"], reply=reply, shown=reply_html([(reply, False)]) if reply else "",
-                              baseline=baseline, baseline_shown=reply_html([(baseline, False)]) if baseline else "",
+            turns.append(Turn(user=t["user"], reply=reply, shown=answer_html([(reply, False)]) if reply else "",
+                              baseline=baseline, baseline_shown=answer_html([(baseline, False)]) if baseline else "",
                               note=t.get("note") if isinstance(t.get("note"), str) else None,
                               system=t.get("system") if isinstance(t.get("system"), str) else None,
                               answered=_answered(t.get("answered")), in_box=t.get("in_box") is True,

@@ -62,13 +62,23 @@ def send_args(message: str, *, compare=False, mode="greedy", temperature=0.7, to
     return (message, system, compare, mode, temperature, top_p, epsilon, delta, max_new, tree, seed, colour)
 
 
+# an ended answer's Markdown, hidden in its bubble for its Copy button (render.answer_html)
+SOURCE = re.compile(r'<div class="reply-source">(.*?)</div>', re.S)
+
+
 def texts(chat) -> list[tuple[str, str]]:
     """[(role, text)] of a Chatbot value as the client returns it: the page's HTML, as the text a user reads."""
     out = []
     for m in chat or []:
-        shown = "".join(p["text"] for p in m["content"] if p.get("type") == "text")
+        shown = SOURCE.sub("", "".join(p["text"] for p in m["content"] if p.get("type") == "text"))
         out.append((m["role"], html.unescape(re.sub(r"<[^>]+>", "", shown))))
     return out
+
+
+def sources(chat) -> list[str]:
+    """The Markdown the answers' Copy buttons copy, in a Chatbot value as the client returns it."""
+    return [html.unescape(source) for m in chat or [] if m["role"] == "assistant"
+            for p in m["content"] if p.get("type") == "text" for source in SOURCE.findall(p["text"])]
 
 
 def ask(client, message: str, **kw):
@@ -131,6 +141,19 @@ def test_an_answer_cut_at_max_new_tokens_says_so_under_it_in_both_panes(client):
     assert "Max new tokens" not in raw["reply"] + raw["baseline_reply"], raw
     streaming = [texts(o[0])[-1][1] for o in outputs if o[5].startswith("Generating") and o[0]]
     assert streaming and not any(mark in shown for shown in streaming), "marked before it ended"
+
+
+def test_an_ended_answer_carries_the_text_its_copy_button_copies_in_both_panes(client):
+    """The answer's Copy button (app/copy_buttons.py) copies the answer as the model wrote it, from a hidden copy in
+    its bubble: the reply a script reads, in each pane once its answer has ended. The streamed updates, which send
+    the bubble whole at every token, do not carry it."""
+    outputs, (chat, base_chat, _, _, _, _, raw, _) = ask(client, "tell me a long story", max_new=24, compare=True)
+    assert raw["reply"].strip() and raw["baseline_reply"].strip(), raw
+    assert sources(chat) == [raw["reply"]] and sources(base_chat) == [raw["baseline_reply"]]
+    for pane, final in ((0, raw["reply"]), (1, raw["baseline_reply"])):
+        streamed = [o[pane] for o in outputs if o[5].startswith("Generating") and texts(o[pane])[-1][0] == "assistant"]
+        assert sum(not sources(shown) for shown in streamed) >= 2, "the answer streamed with its copy"
+        assert all(sources(shown) in ([], [final]) for shown in streamed)
 
 
 def test_a_new_answer_does_not_show_the_last_ones_figures_before_its_own(client):

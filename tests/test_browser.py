@@ -398,6 +398,54 @@ def test_a_replys_paragraphs_and_lists_are_laid_out_as_markdown_means_them(page)
     assert laid["indent"] >= 12, laid                    # the numbers' room inside the bubble
 
 
+def test_an_answer_and_its_code_copy_as_the_model_wrote_them(browser, default_app):
+    """Each ended answer has a Copy button under it, which copies its Markdown as the model wrote it, and each code
+    block one in its corner, which copies the code: in both panes, for a conversation a reload brought back (a known
+    answer, put in the browser's copy of the conversation) and for one just answered. Gradio's own button would copy a
+    message's HTML; selecting the text lost the Markdown, the list numbers and the code fences. A code block's long
+    line wraps in it."""
+    from app.browser_copy import KEY
+    from app.session import Turn
+    from app.transcript import to_saved
+
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    context.grant_permissions(["clipboard-read", "clipboard-write"])
+    try:
+        page = context.new_page()
+        page.goto(default_app)
+        page.wait_for_function(READY, timeout=300_000)
+        code = "def add(a, b):\n    return a + b  # <b>not bold</b>, " + "and a line longer than the bubble " * 8
+        answer = f"Here it is:\n\n```python\n{code}\n```\n\n1. one\n2. **two**"
+        saved = to_saved([Turn(user="Show me code", reply=answer, baseline=answer)], 0, compare=True)
+        page.evaluate("([key, saved]) => localStorage.setItem(`${key}:${sessionStorage.getItem(`${key}:tab`)}`, "
+                      "JSON.stringify(saved))", [KEY, saved])
+        page.reload()
+        page.wait_for_function(READY, timeout=60_000)
+        for pane in ("#chat", "#chat-baseline"):
+            page.locator(f"{pane} .copy-answer").click()
+            assert page.evaluate("() => navigator.clipboard.readText()") == answer, pane
+            page.locator(f"{pane} .copy-code").click()
+            assert page.evaluate("() => navigator.clipboard.readText()") == code, pane
+            # the long line wraps in the block, and the block's button stays in its corner (it scrolled away)
+            widths = page.evaluate(f"() => (pre => [pre.scrollWidth, pre.clientWidth])"
+                                   f"(document.querySelector('{pane} .reply pre'))")
+            assert widths[0] <= widths[1], widths
+            shown = assistant_texts(page, pane.removeprefix("#"))[-1]
+            # the hidden Markdown is not part of what the bubble shows
+            assert "```" not in shown and "**" not in shown and "two" in shown, shown
+        shoot(page, "copy_buttons.png")
+        # a new answer: its button copies the reply the browser keeps (the page's own copy of the conversation)
+        page.locator("#clear").click()
+        page.wait_for_function("() => document.querySelectorAll('#chat .message').length === 0", timeout=10_000)
+        send(page, "Name a fruit.")
+        page.locator("#chat .copy-answer").click()
+        kept = page.wait_for_function("key => JSON.parse(localStorage.getItem(`${key}:${sessionStorage.getItem("
+                                      "`${key}:tab`)}`))?.turns?.at(-1)?.reply", arg=KEY, timeout=10_000).json_value()
+        assert kept.strip() and page.evaluate("() => navigator.clipboard.readText()") == kept
+    finally:
+        context.close()
+
+
 def test_the_chat_stays_in_place_as_an_answer_starts_and_ends(page):
     """QA: the one-line "Generating…" status took the place of the two-paragraph Ready line, and the chat and the
     panel beside it moved up as every answer started, and back down as it ended. Where the chat is, at every
