@@ -152,7 +152,8 @@ def test_an_ended_answer_carries_the_text_its_copy_button_copies_in_both_panes(c
     assert sources(chat) == [raw["reply"]] and sources(base_chat) == [raw["baseline_reply"]]
     for pane, final in ((0, raw["reply"]), (1, raw["baseline_reply"])):
         streamed = [o[pane] for o in outputs if o[5].startswith("Generating") and texts(o[pane])[-1][0] == "assistant"]
-        assert sum(not sources(shown) for shown in streamed) >= 2, "the answer streamed with its copy"
+        # at least the update after the prefill (updates are timed: a fast machine sends few before the end)
+        assert any(not sources(shown) for shown in streamed), "the answer streamed with its copy"
         assert all(sources(shown) in ([], [final]) for shown in streamed)
 
 
