@@ -36,14 +36,15 @@ IDLE_STATUS = ("(() => { const status = document.querySelector('#status [data-te
 READY = f"() => {{ const send = document.querySelector('#send'); return !!send && !send.disabled && {IDLE_STATUS}; }}"
 
 
+def text_of(page, elem_id: str) -> str:
+    """A Markdown component's own text. Its innerText also holds Gradio's progress tracker while an event that writes
+    to it runs: "processing | 0.0s" read as a line of the status, "processing | 0.0/0.0s" above the speedup line
+    after a reload, "0.0s" above the Model panel's line."""
+    return page.locator(f"#{elem_id} [data-testid=markdown]").inner_text()
+
+
 def status_of(page):
-    """The status line's text, without its progress tracker ("processing | 0.0s" read as a line of the status)."""
-    return page.locator("#status [data-testid=markdown]").inner_text()
-
-
-def comparison_of(page):
-    """The speedup line's text, without its progress tracker (after a reload it read "processing | 0.0/0.0s" first)."""
-    return page.locator("#comparison [data-testid=markdown]").inner_text()
+    return text_of(page, "status")
 
 
 @pytest.fixture
@@ -153,7 +154,7 @@ def test_the_page_says_what_it_runs_and_starts_with_its_settings(page):
     # of internals on every page view)
     assert status.count("\n") <= 3 and len(status) < 400, status
     page.locator("#model-panel").click()   # the accordion
-    details = page.locator("#model-status").inner_text()
+    details = text_of(page, "model-status")
     assert "Loaded: SmolLM2-135M-Instruct" in details and "process RSS" in details, details
     # the note, the status and the model panel agree on the weights (it said 4-bit where the model line said float32)
     assert ("on its own 4-bit weights" in note) == ("int4 on cpu" in status) == ("(int4," in details), (note, status)
@@ -264,7 +265,7 @@ def test_chat_streams_answers_then_compares(page):
     assert len(assistant_texts(page, "chat-baseline")) >= 3 and assistant_texts(page, "chat-baseline")[-1].strip()
     assert len(assistant_texts(page, "chat")) >= 3
     assert tokens_per_second(page, "readout-baseline") > 0 and tokens_per_second(page, "readout") > 0
-    comparison = comparison_of(page)
+    comparison = text_of(page, "comparison")
     # fp32 on the CPU: greedy Medusa is plain decoding, token for token
     assert "identical" in comparison and "step-interleaved" in comparison, comparison
     # the plain pane says which answers it did not give, instead of showing Medusa's as its own
@@ -274,7 +275,7 @@ def test_chat_streams_answers_then_compares(page):
     page.wait_for_function(READY, timeout=60_000)
     page.wait_for_function("() => document.querySelector('#comparison [data-testid=markdown]')?.innerText"
                            ".includes('Speedup')", timeout=30_000)
-    assert comparison_of(page) == comparison
+    assert text_of(page, "comparison") == comparison
     # compare off: the speedup line goes with the plain pane
     page.locator("#compare input[type=checkbox]").uncheck()
     page.wait_for_function("() => !document.querySelector('#comparison')?.innerText.trim()", timeout=10_000)
@@ -451,8 +452,9 @@ def test_the_chat_stays_in_place_as_an_answer_starts_and_ends(page):
     panel beside it moved up as every answer started, and back down as it ended. Where the chat is, at every
     change of the status line."""
     page.evaluate("""() => { const status = document.querySelector('#status'), chat = document.querySelector('#chat');
+        const line = () => status.querySelector('[data-testid=markdown]')?.innerText ?? '';   // not the tracker's
         window.places = [];
-        new MutationObserver(() => window.places.push([status.innerText.slice(0, 12),
+        new MutationObserver(() => window.places.push([line().slice(0, 12),
                                                        Math.round(chat.getBoundingClientRect().top + window.scrollY)]))
             .observe(status, {subtree: true, childList: true, characterData: true}); }""")
     send(page, "Tell me a story about a cat.")
@@ -827,9 +829,10 @@ def test_a_failed_load_keeps_the_decoding_settings(page, browser):
     # under the Load button too: on a phone the status line is far above it, out of view, and nothing showed.
     # Waited for, not read once: the two lines come in one update the page may render apart (a CI run under
     # load read the panel's "Loading…" a second after the status line had the error)
-    page.wait_for_function("() => document.querySelector('#model-status')?.innerText.trim().startsWith("
-                           "document.querySelector('#status [data-testid=markdown]')?.innerText.split('\\n')[0].trim())", timeout=30_000)
-    under = page.locator("#model-status").inner_text().strip()
+    page.wait_for_function("() => document.querySelector('#model-status [data-testid=markdown]')?.innerText.trim()"
+                           ".startsWith(document.querySelector('#status [data-testid=markdown]')?.innerText"
+                           ".split('\\n')[0].trim())", timeout=30_000)
+    under = text_of(page, "model-status").strip()
     # then the model that stays, in full
     assert under.startswith(status.split("\n")[0].strip()) and "\nLoaded: SmolLM2-135M-Instruct" in under, under
     assert page.locator("input[value=greedy]").is_checked()
@@ -855,7 +858,7 @@ def test_a_failed_load_keeps_the_decoding_settings(page, browser):
                            timeout=30_000)
     assert "does not exist" not in status_of(page)
     page.wait_for_timeout(5_000)      # two syncs: the refusal stays under the button (QA: the Ready line took it in 1-3 s)
-    assert "no model given" in page.locator("#model-status").inner_text(), page.locator("#model-status").inner_text()
+    assert "no model given" in text_of(page, "model-status"), text_of(page, "model-status")
 
 
 def test_the_model_controls_show_what_load_will_load(page):
