@@ -439,10 +439,10 @@ class ChatController:
     @classmethod
     def save_conversation(cls, session: Session, system: str, compare: bool):
         """After each change: the browser's copy of the conversation, the export files, and Regenerate on
-        while there is a message to answer again. An empty conversation is saved too: Clear must also
-        empty the browser's copy, or a reload brings it back."""
+        while there is a message to answer again and the tab is not answering (``regenerate_state``). An empty
+        conversation is saved too: Clear must also empty the browser's copy, or a reload brings it back."""
         saved = cls.browser_copy(session, system, compare)
-        regenerate = gr.update(interactive=any(turn.user for turn in session.turns))
+        regenerate = regenerate_state(session)
         if not session.turns:    # Clear: the cleared conversation's files go too (QA: kept until the app ended)
             discard_tab_exports(session)
             return (saved, gr.update(value=None, interactive=False), gr.update(value=None, interactive=False),
@@ -457,19 +457,21 @@ class ChatController:
         answer can be stopped from now on, also while it waits for a model."""
         session.send_started()
         message = str(message or "").strip()
-        if not message:          # refused at once: Stop stays as it is
-            return gr.update(), gr.update()
+        if not message:          # refused at once: Stop and Regenerate stay as they are
+            return gr.update(), gr.update(), gr.update()
         # a message back in the box is replaced by the one sent (Session.drop_resent): kept here, a reload
         # during the answer brought it back for good
         turns = session.turns[:-1] if session.turns and session.turns[-1].in_box else session.turns
-        return sent_copy(session, [*turns, Turn(user=message)], system, compare), gr.update(interactive=True)
+        return (sent_copy(session, [*turns, Turn(user=message)], system, compare), gr.update(interactive=True),
+                gr.update(interactive=False))
 
     @staticmethod
     def regenerate_pending(session: Session, system: str, compare: bool):
-        """Just before a regenerate: Stop on, and the browser's copy as it is, with the id its new answer is kept
-        under."""
+        """Just before a regenerate: Stop on, Regenerate off, and the browser's copy as it is, with the id its new
+        answer is kept under."""
         session.send_started()
-        return sent_copy(session, session.turns, system, compare), gr.update(interactive=True)
+        return sent_copy(session, session.turns, system, compare), gr.update(interactive=True), \
+            gr.update(interactive=False)
 
     @staticmethod
     def restored(session: Session, stored, system: str) -> tuple:
@@ -502,6 +504,11 @@ def restored_comparison(turns: list[Turn]) -> str:
     where the last exchange was not compared (or was cut off by the reload)."""
     line = (turns[-1].answered or {}).get("comparison") if turns else None
     return line if isinstance(line, str) else ""
+
+
+def regenerate_state(session: Session) -> dict:
+    """Regenerate on while the conversation has a message to answer again and the tab is not answering."""
+    return gr.update(interactive=any(turn.user for turn in session.turns) and not session.answering())
 
 
 def sent_copy(session: Session, turns: list[Turn], system: str, compare: bool) -> dict:
@@ -565,8 +572,9 @@ def wire_chat(page: Page, chat: ChatController) -> dict:
     def stop_state(session: Session):
         """After a send or a regenerate: Stop stays on while the tab still answers or has a send still to
         start (a send refused because the tab was busy must not turn it off under the running answer, nor
-        the end of a stopped answer under the message sent right after it), and goes grey when nothing runs."""
-        return gr.update(interactive=session.send_ended())
+        the end of a stopped answer under the message sent right after it), and goes grey when nothing runs;
+        Regenerate the other way round."""
+        return gr.update(interactive=session.send_ended()), regenerate_state(session)
 
     outputs = [page.chat, page.base_chat, page.readout, page.base_readout, page.comparison, page.status,
                page.raw, page.box]
@@ -582,14 +590,16 @@ def wire_chat(page: Page, chat: ChatController) -> dict:
     #                                                                        bar covered it for the whole answer)
     # Stop is on while the tab has an answer running or waiting: from the send (save_pending) or the regenerate
     # click to the end of that answer's events
-    stop_after = dict(fn=stop_state, inputs=[page.session], outputs=[page.stop], api_name=False, concurrency_limit=None,
-                      show_progress="hidden")
+    # Regenerate is off meanwhile: pressed, it only said "Still answering…" (QA)
+    stop_after = dict(fn=stop_state, inputs=[page.session], outputs=[page.stop, page.regenerate], api_name=False,
+                      concurrency_limit=None, show_progress="hidden")
     gr.on([page.box.submit, page.send.click], chat.save_pending, [page.session, page.box, page.system, page.compare],
-          [page.saved, page.stop], api_name=False, concurrency_limit=None, show_progress="hidden",
+          [page.saved, page.stop, page.regenerate], api_name=False, concurrency_limit=None, show_progress="hidden",
           trigger_mode="multiple").then(
         on_send, page.inputs(*_parameters(on_send)), api_name="send", **events).then(**save_after).then(**stop_after)
-    page.regenerate.click(chat.regenerate_pending, [page.session, page.system, page.compare], [page.saved, page.stop],
-                          api_name=False, concurrency_limit=None, show_progress="hidden", trigger_mode="multiple").then(
+    page.regenerate.click(chat.regenerate_pending, [page.session, page.system, page.compare],
+                          [page.saved, page.stop, page.regenerate], api_name=False, concurrency_limit=None,
+                          show_progress="hidden", trigger_mode="multiple").then(
         on_regenerate, page.inputs(*_parameters(on_regenerate)), api_name="regenerate", **events).then(
         **save_after).then(**stop_after)
     # Stop and Clear must not wait behind a running answer: no concurrency limit.

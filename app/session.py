@@ -110,6 +110,11 @@ class Session:
         """One of the page's sends has run its last event; whether the tab still answers or has one to come."""
         with self._sends_lock:
             self._sends = max(0, self._sends - 1)
+        return self.answering()
+
+    def answering(self) -> bool:
+        """Whether the tab has an answer running, or a send of the page's still to start or end."""
+        with self._sends_lock:
             return self._sends > 0 or self.busy.locked()
 
     def drop_resent(self) -> Turn | None:

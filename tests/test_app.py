@@ -1419,7 +1419,7 @@ def test_a_reload_before_the_browser_stores_the_finished_answer_still_brings_it_
     slot.start(LoadSpec(model=str(backbone), heads=str(heads), device="cpu"))
     assert slot.wait(120).phase == "ready"
     chat, session = ChatController(slot), Session()
-    at_send, _ = chat.save_pending(session, "Name a colour.", "Be brief.", True)   # what the browser holds
+    at_send, *_ = chat.save_pending(session, "Name a colour.", "Be brief.", True)   # what the browser holds
     assert at_send["turns"][-1]["reply"] is None
     last = list(chat.kept(chat.run(session, "Name a colour.", "Be brief.", True, {"max_new_tokens": 6}), session,
                           "Be brief.", True))[-1]
@@ -1434,7 +1434,7 @@ def test_a_reload_before_the_browser_stores_the_finished_answer_still_brings_it_
     # both readouts come back as the answer left them (QA: they showed their placeholders after a reload)
     assert restored_readouts(reloaded.turns) == (last[2], last[3]) and "tokens/s" in last[3], last[2:4]
     # a regenerated answer too: the copy written as it started carries the old answer, and an id
-    at_regenerate, _ = chat.regenerate_pending(session, "Be brief.", True)
+    at_regenerate, *_ = chat.regenerate_pending(session, "Be brief.", True)
     list(chat.kept(chat.regenerate(session, "Be brief.", True, {"max_new_tokens": 4}), session, "Be brief.", True))
     regenerated = chat.finished.newest(at_regenerate)["turns"]
     assert len(regenerated) == 1 and regenerated[0]["reply"] == session.turns[-1].reply
@@ -1445,7 +1445,7 @@ def test_a_reload_before_the_browser_stores_the_finished_answer_still_brings_it_
     assert chat.finished.newest(later) is later
     assert chat.finished.newest({**at_send, "pending": "another"})["turns"][-1]["reply"] is None
     # an answer the reload stopped is not kept: the page says the reload cut it off, and offers Regenerate
-    cut, _ = chat.save_pending(session, "Tell me more.", "Be brief.", True)
+    cut, *_ = chat.save_pending(session, "Tell me more.", "Be brief.", True)
     chat.tab_opened(session, "the tab")
     chat.tab_closed("the tab")
     list(chat.kept(chat.run(session, "Tell me more.", "Be brief.", True, {"max_new_tokens": 6}), session,

@@ -642,6 +642,22 @@ def test_the_decoding_settings_survive_a_reload(page):
     assert "cartesian-2x2" in page.locator("#readout").inner_text()
 
 
+def test_regenerate_is_off_while_an_answer_runs(page):
+    """QA: Regenerate stayed clickable during an answer, and pressed, it only said "Still answering…". It is off
+    from the send to the answer's end, as Stop is on, and on again after it, a stopped answer's too."""
+    send(page, "Hi")
+    page.wait_for_function("() => !document.querySelector('#regenerate')?.disabled", timeout=30_000)
+    set_max_new(page, 400)
+    page.locator("#message textarea").fill("Tell me a long story about a cat.")
+    page.locator("#send").click()
+    page.wait_for_function("() => document.querySelectorAll('#chat .message.bot').length >= 2", timeout=60_000)
+    assert page.locator("#regenerate").is_disabled() and page.locator("#stop").is_enabled()
+    page.locator("#stop").click()
+    page.wait_for_function(READY, timeout=60_000)
+    page.wait_for_function("() => !document.querySelector('#regenerate')?.disabled", timeout=30_000)
+    page.wait_for_function("() => document.querySelector('#stop')?.disabled", timeout=30_000)
+
+
 def test_clear_and_reload_keep_what_the_user_expects(page):
     """Clear empties the browser's copy too (a reload must not bring the conversation back); a
     reload keeps the system prompt, and a message whose answer it cut off. Regenerate is on only while
@@ -649,7 +665,8 @@ def test_clear_and_reload_keep_what_the_user_expects(page):
     page.wait_for_function("() => document.querySelector('#regenerate')?.disabled", timeout=30_000)
     send(page, "Remember the word banana.")
     page.wait_for_function("() => !document.querySelector('#export-md')?.disabled", timeout=30_000)
-    assert page.locator("#regenerate").is_enabled()
+    # on once the answer's last event has run (off while it answers)
+    page.wait_for_function("() => !document.querySelector('#regenerate')?.disabled", timeout=30_000)
     page.locator("#clear").click()
     page.wait_for_function("() => document.querySelectorAll('#chat .message').length === 0", timeout=10_000)
     # the copy is written by the event after Clear's own update, the one that also turns the exports off

@@ -200,7 +200,7 @@ def test_a_message_back_in_the_box_goes_back_there_after_a_reload():
     assert box == "Second message"
     # resent: the copy kept while it is answered holds it once (the refused turn came back for good after a
     # reload mid-answer)
-    pending, _ = ChatController.save_pending(session, "Second message, edited", "", False)
+    pending, *_ = ChatController.save_pending(session, "Second message, edited", "", False)
     assert [t["user"] for t in pending["turns"]] == ["Hi", "Second message, edited"]
     session.drop_resent()                    # what the send does first
     assert [(t.user, t.reply) for t in session.turns] == [("Hi", "Hello!")]
