@@ -292,7 +292,8 @@ def test_fold_adds_up_kernel_runs_split_by_shape_or_cut_short(tmp_path):
                                  "--context", "8", "--iters", "2", "--warmup", "0", "--json", str(step)]) == 0
 
     def run(name, shapes, summary, partial=False):
-        rows = [{"k": k, "n": n, "m": 1, "method": "triton", "us": us} for (k, n), us in shapes.items()]
+        rows = [{"k": k, "n": n, "m": 1, "method": method, "us": us}
+                for (k, n), us in shapes.items() for method, us in (("repacked", us), ("bnb", us - 7))]
         path = tmp_path / name
         path.write_text(json.dumps({"env": {}, "shapes": {f"{k}->{n}": {} for k, n in shapes}, "summary": summary,
                                     "rows": rows, "tuning": [{"kernel": "triton", "k": k, "n": n, "row_class": 1,
@@ -301,21 +302,44 @@ def test_fold_adds_up_kernel_runs_split_by_shape_or_cut_short(tmp_path):
 
     first = run("a.json", {(4096, 11008): 31.0, (11008, 4096): 29.0},
                 {"nf4_kernel_m1_us": 31.0, "bnb_m1_us": 24.0}, partial=True)
-    again = run("b.json", {(11008, 4096): 27.0}, {"nf4_kernel_m1_us": None, "bnb_m1_us": 23.5})
+    again = run("b.json", {(11008, 4096): 27.0}, {"nf4_kernel_m1_us": None, "bnb_m1_us": None})
     data = json.loads(again.read_text())
     del data["partial"]                       # as an older run wrote it: a finished run is not partial
     again.write_text(json.dumps(data))
     out = tmp_path / "report.json"
     assert bench_synthetic.main(["--fold", str(step), str(first), str(again), "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["summary"]["nf4_kernel_m1_us"] == 31.0 and report["summary"]["bnb_m1_us"] == 23.5
+    # the headline figures are 4096->11008's, which only the first run measured
+    assert report["summary"]["nf4_kernel_m1_us"] == 31.0 and report["summary"]["bnb_m1_us"] == 24.0
+    assert report["summary"]["storage_kernel_m1_us"] is None       # no row of the kernel on bnb's storage
     kernel = report["nf4_matmul"]
-    assert sorted((r["k"], r["n"], r["us"]) for r in kernel["rows"]) == [(4096, 11008, 31.0), (11008, 4096, 27.0)]
+    assert sorted((r["k"], r["n"], r["us"]) for r in kernel["rows"] if r["method"] == "repacked") == \
+        [(4096, 11008, 31.0), (11008, 4096, 27.0)]
     assert sorted((t["k"], t["n"]) for t in kernel["tuning"]) == [(4096, 11008), (11008, 4096)]
     assert set(kernel["shapes"]) == {"4096->11008", "11008->4096"} and kernel["partial"] is False
     # folded again into that report with nothing new: the kernel figures stay
     assert bench_synthetic.main(["--fold", str(out), "--json", str(out)]) == 0
     assert json.loads(out.read_text())["summary"]["nf4_kernel_m1_us"] == 31.0
+
+
+def test_fold_names_the_kernel_figures_from_the_rows_as_this_code_does(tmp_path):
+    """nf4_kernel_m*_us is the kernel the app runs (the repacked one); until 2026-11-29 a kernel run named the
+    kernel on bitsandbytes' storage so. A run written then, folded now, reads as a run written now."""
+    step = tmp_path / "gpu.json"
+    assert bench_synthetic.main(["--device", "cpu", "--shape", "tiny", "--quant", "none", "--tree-sizes", "1",
+                                 "--context", "8", "--iters", "2", "--warmup", "0", "--json", str(step)]) == 0
+    rows = [{"k": 4096, "n": 11008, "m": m, "method": method, "us": us, "error": "", "variant": ""}
+            for m, method, us in ((1, "triton", 30.7), (1, "repacked", 17.5), (16, "repacked", 28.2),
+                                  (16, "triton", 46.4), (1, "bnb", 24.1))]
+    old = tmp_path / "nf4.json"
+    old.write_text(json.dumps({"env": {}, "shapes": {"4096->11008": {"floor_us": 5.6}}, "rows": rows, "tuning": [],
+                               "summary": {"nf4_kernel_m1_us": 30.7, "nf4_kernel_m16_us": 46.4, "bnb_m1_us": 24.1}}))
+    out = tmp_path / "report.json"
+    assert bench_synthetic.main(["--fold", str(step), str(old), "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())["summary"]
+    assert (summary["nf4_kernel_m1_us"], summary["nf4_kernel_m16_us"]) == (17.5, 28.2)
+    assert (summary["storage_kernel_m1_us"], summary["storage_kernel_m16_us"]) == (30.7, 46.4)
+    assert summary["bnb_m1_us"] == 24.1 and summary["floor_us"] == 5.6 and summary["nf4_kernel_m64_us"] is None
 
 
 def test_a_saved_random_checkpoint_benchmarks_through_the_real_loader(tmp_path, capsys):

@@ -231,22 +231,31 @@ def dtype_check(device: torch.device, size: int = 4096, sms: int | None = None) 
 
 
 def headline(results: list[Row], shapes: dict) -> dict:
-    """The report's summary keys: 4096->11008 per method and M (None where not measured yet)."""
+    """The report's summary keys: 4096->11008 per method and M (None where not measured yet). ``nf4_kernel_*``
+    is the kernel the app runs in fast mode (the repacked one, its fastest config per M); ``storage_kernel_*``
+    the kernel on bitsandbytes' own storage, which these keys named until 2026-11-29 (an H200 report then read
+    30.7 µs at one row for a kernel the app ran at 17.5)."""
     table = {(r.k, r.n, r.m, r.method): r.us for r in results}
 
     def get(m: int, method: str) -> float | None:
         return table.get((4096, 11008, m, method))
 
     return {
-        "nf4_kernel_m1_us": get(1, "triton"), "nf4_kernel_m16_us": get(16, "triton"),
-        "nf4_kernel_m64_us": get(64, "triton"), "bnb_m1_us": get(1, "bnb"), "bnb_m64_us": get(64, "bnb"),
-        "bf16_m64_us": get(64, "bf16"), "nf4_kernel_m32_us": get(32, "triton"),
+        **{f"nf4_kernel_m{m}_us": get(m, "repacked") for m in (1, 16, 32, 64)},
+        **{f"storage_kernel_m{m}_us": get(m, "triton") for m in (1, 16, 32, 64)},
+        "bnb_m1_us": get(1, "bnb"), "bnb_m64_us": get(64, "bnb"), "bf16_m64_us": get(64, "bf16"),
         "floor_us": shapes.get("4096->11008", {}).get("floor_us"),
         "tinygemm_m1_us": get(1, "tinygemm_g128"), "tinygemm_m16_us": get(16, "tinygemm_g128"),
         "tinygemm_g64_m1_us": get(1, "tinygemm_g64"),
         **{f"repacked_m{m}_us": get(m, "repacked") for m in (1, 16, 64)},
         **{f"repacked_exact_m{m}_us": get(m, "repacked_exact") for m in (1, 16, 64)},
     }
+
+
+def headline_of(report: dict) -> dict:
+    """``headline`` of a kernel report as its JSON holds it (rows as objects): the keys as this code names
+    them, whatever the run that wrote the report called them."""
+    return headline([Row(**r) for r in report.get("rows", [])], report.get("shapes", {}))
 
 
 def tuning_log() -> list[dict]:

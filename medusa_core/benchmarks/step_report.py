@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from .nf4_kernel import headline_of
+
 
 @dataclass(frozen=True)
 class TreeRow:
@@ -119,13 +121,19 @@ def merge_kernel_runs(earlier: dict | None, later: dict) -> dict:
     """Two benchmarks.nf4_kernel reports as one: the later run's shapes, rows and tuner timings replace
     the earlier run's for the same shape; the earlier run's other shapes stay."""
     if earlier is None:
-        return later
-    shapes = {(r["k"], r["n"]) for r in later.get("rows", [])}
-    merged = {**earlier, **later, "shapes": {**earlier.get("shapes", {}), **later.get("shapes", {})}}
-    merged["rows"] = [r for r in earlier.get("rows", []) if (r["k"], r["n"]) not in shapes] + later.get("rows", [])
-    merged["tuning"] = [t for t in earlier.get("tuning", []) if (t["k"], t["n"]) not in shapes] + later.get("tuning", [])
-    merged["summary"] = {**earlier["summary"], **{k: v for k, v in later["summary"].items() if v is not None}}
-    merged["partial"] = later.get("partial", False)     # what the later run left unmeasured, if cut short
+        merged = dict(later)
+    else:
+        shapes = {(r["k"], r["n"]) for r in later.get("rows", [])}
+        merged = {**earlier, **later, "shapes": {**earlier.get("shapes", {}), **later.get("shapes", {})}}
+        merged["rows"] = [r for r in earlier.get("rows", []) if (r["k"], r["n"]) not in shapes] + later.get("rows", [])
+        merged["tuning"] = [t for t in earlier.get("tuning", []) if (t["k"], t["n"]) not in shapes] + \
+            later.get("tuning", [])
+        merged["summary"] = {**earlier["summary"], **{k: v for k, v in later["summary"].items() if v is not None}}
+        merged["partial"] = later.get("partial", False)     # what the later run left unmeasured, if cut short
+    if merged.get("rows"):
+        # the headline keys from the rows, as this code names them: a run written before a key changed meaning
+        # (nf4_kernel_* named the kernel on bitsandbytes' storage until 2026-11-29) reads as a new one would
+        merged["summary"] = {**merged["summary"], **headline_of(merged)}
     return merged
 
 
@@ -183,7 +191,9 @@ def fold_reports(step_json: Path, others: Sequence[Path]) -> dict:
                              "first_start or bench JSON: pass those, or leave it out")
     # every step result in the order measured: a later result of the same label replaces the earlier figures
     results = step_results(step_json, report)
-    # the kernel figures from the merged kernel report: also those an earlier fold brought in
+    # the kernel figures from the merged kernel report: also those an earlier fold brought in, named anew
+    if "nf4_matmul" in report:
+        report["nf4_matmul"] = merge_kernel_runs(None, report["nf4_matmul"])
     kernel = report.get("nf4_matmul", {}).get("summary", {})
     # the bench runs' headlines, also those of runs an earlier fold brought in
     for key, name in (("demo", "demo_cuda"), ("checkpoint", "checkpoint")):
