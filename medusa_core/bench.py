@@ -19,6 +19,7 @@ import torch
 from .benchmarks.runs import (ModuleTimer, Run, bench_prompts, format_table, peak_memory, run_hf, run_loop, summarize,
                               write_json)
 from .decoding.config import DEFAULTS, GREEDY_BELOW, MODES, DecodeConfig, SettingError, limits
+from .decoding.generate import new_cache
 from .decoding.step import compute_dtype
 from .decoding.tree import TreeBuffers, TreeError, build_tree_buffers, named_tree, resolve_tree, tree_name
 from .errors import LoadError, check_writable
@@ -64,7 +65,9 @@ def parser() -> argparse.ArgumentParser:
                    help="measure this machine afresh, as the app's --retune: the default tree, and on a GPU the kernel "
                         "timings (without it they are read from an earlier start's, as the app reads them)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=1, help="warm-up runs of each decoder before timing")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="warm-up runs of each decoder before timing; they also make (and on CUDA capture) each "
+                   "decoder's step, which with 0 the first prompt's runs include")
     p.add_argument("--no-references", action="store_true", help="skip transformers generate() and prompt lookup")
     p.add_argument("--json", help="write every run and the summary here")
     return p
@@ -133,18 +136,26 @@ def measure(args, setup: Setup, encoded: list[list[int]]) -> tuple[list[dict[str
     timed = [loaded.model.get_decoder(), loaded.model.get_output_embeddings(), *([loaded.heads] if loaded.heads else [])]
     timer = ModuleTimer(timed) if setup.device.type == "cpu" else None
     greedy_refs = not args.no_references and args.mode == "greedy"
+    # One cache per decoder for the whole run, as a chat tab keeps its own, sized for the longest prompt: every
+    # run then replays the step (and CUDA graph) its decoder's first run captured, the warm-up's if there is one.
+    capacity = max(map(len, encoded)) + args.max_new_tokens + max((t.size for t in trees.values()), default=1)
+    caches = {name: new_cache(loaded.model, capacity) for name in ("baseline", *trees)}
 
     def one_round(ids):
-        res = {"baseline": run_loop(loaded, ids, None, setup.config, timer)}
+        res = {"baseline": run_loop(loaded, ids, None, setup.config, timer, caches["baseline"])}
         for name, tree in trees.items():
-            res[name] = run_loop(loaded, ids, tree, setup.config, timer)
+            res[name] = run_loop(loaded, ids, tree, setup.config, timer, caches[name])
         if greedy_refs:
             res["hf_generate"] = run_hf(loaded, ids, args.max_new_tokens)
             res["prompt_lookup"] = run_hf(loaded, ids, args.max_new_tokens, prompt_lookup_num_tokens=10)
         return res
 
+    started = time.perf_counter()
     for _ in range(args.warmup):
         one_round(encoded[0][:64])
+    if args.warmup:
+        print(f"warm-up done, {time.perf_counter() - started:.0f} s (each decoder's step made and, on CUDA, captured "
+              "once, as a chat tab's first answer does)", file=sys.stderr, flush=True)
     if setup.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     results = []

@@ -36,6 +36,34 @@ def test_bench_runs_end_to_end_and_writes_json(checkpoint, tmp_path, capsys):
     assert rows["medusa small-8"]["identical"] == "yes"
 
 
+def test_each_decoder_runs_every_prompt_on_the_step_its_first_run_made(checkpoint, tmp_path, capsys, monkeypatch):
+    """A new cache per run made a new step per run, and on CUDA captured its graph again in every timed answer (an
+    H200's 7B baseline read 111 tokens/s where its step runs 295). A chat tab keeps its caches and their steps:
+    so does bench, one per decoder, the warm-up's steps reused by every prompt."""
+    from medusa_core.decoding import step_store
+
+    made = []
+
+    class Counted(step_store.DecodeStep):
+        def __init__(self, model, heads, tree, *args, **kwargs):
+            made.append(tree.size)
+            super().__init__(model, heads, tree, *args, **kwargs)
+
+    monkeypatch.setattr(step_store, "DecodeStep", Counted)
+    backbone, heads = checkpoint
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "import os\\nimport sys\\n"}\n'
+                       '{"prompt": "a longer prompt, so that the three are not all the same length"}\n')
+    out = tmp_path / "bench.json"
+    assert bench.main(["--model", str(backbone), "--heads", str(heads), "--prompts", str(prompts), "--raw",
+                       "--tree", "chain-2", "small-8", "--max-new-tokens", "12", "--warmup", "1", "--json", str(out)]) == 0
+    assert sorted(made) == [1, 3, 9]          # the baseline, chain-2 and small-8: once each, in the warm-up
+    assert "warm-up done" in capsys.readouterr().err
+    data = json.loads(out.read_text())
+    for p in data["prompts"]:     # a reused cache decodes each prompt from its start: transformers' tokens (fp32)
+        assert p["chain-2"]["tokens"] == p["small-8"]["tokens"] == p["baseline"]["tokens"] == p["hf_generate"]["tokens"]
+
+
 def test_a_run_beside_other_programs_says_its_speedups_are_skewed(checkpoint, tmp_path, capsys):
     """QA: bench printed speedups measured on a busy CPU as the machine's, without a word (the tree tuner in the same
     process said the CPU was busy). One busy loop per core here, as a build or a test run would be."""

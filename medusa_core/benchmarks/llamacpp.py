@@ -32,7 +32,7 @@ from .runs import Run, bench_prompts, peak_memory, run_loop, write_json
 from ..loading.chat_format import render_chat
 from ..errors import LoadError, check_writable
 from ..decoding.config import DecodeConfig
-from ..decoding.generate import stop_set
+from ..decoding.generate import new_cache, stop_set
 from ..decoding.step import compute_dtype
 from ..loading.assets import CPU_DEFAULT_PROMPTS
 from ..loading.load import load
@@ -178,9 +178,13 @@ def run(config: LlamaCppBenchConfig) -> tuple[list[Row], dict]:
     stops = stop_set(loaded.model, loaded.stop_ids)   # where generate() stops
     decode = DecodeConfig(mode="greedy", max_new_tokens=config.max_new_tokens)
 
+    # one cache per decoder, as bench keeps them (runs.run_loop): each run reuses its decoder's step
+    capacity = longest + config.max_new_tokens + tree.size
+    caches = {name: new_cache(loaded.model, capacity) for name in ("plain", "medusa")}
+
     def one_round(ids: list[int], cfg: DecodeConfig) -> dict[str, Run]:
-        return {"plain": run_loop(loaded, ids, None, cfg, None),
-                "medusa": run_loop(loaded, ids, tree, cfg, None),
+        return {"plain": run_loop(loaded, ids, None, cfg, None, caches["plain"]),
+                "medusa": run_loop(loaded, ids, tree, cfg, None, caches["medusa"]),
                 "llama.cpp": run_llama(llm, ids, cfg.max_new_tokens, stops)}
 
     print(loaded.description)
