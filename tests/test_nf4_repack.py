@@ -381,6 +381,11 @@ def test_the_scaled_table_runs_where_its_lookups_fit_and_says_what_to_use_elsewh
         assert "scaled" in {c.decode for c in rc.candidates(m, 11008, 32, 132)}
         assert "scaled" not in {c.decode for c in rc.candidates(m, 11008, 32, 132, scaled=False)}
     assert any(c.decode == "scaled" and c.serial for c in rc.candidates(16, 11008, 32, 132))   # split K summed in it
+    # the three-stage tile the H200 kept at 16 rows is timed at 2 and 4 rows too: with it at 16 only, 4 rows cost
+    # more than 8 there (31.6 against 27.6 µs a 4096->11008 call), so a 4-node tree's step would cost more than an
+    # 8-node one's
+    three = {c for c in rc.candidates(16, 11008, 32, 132) if c.decode == "scaled" and c.num_stages == 3}
+    assert three and all(three <= set(rc.candidates(m, 11008, 32, 132)) for m in (2, 4))
     assert "scaled" in {c.decode for c in rc.exact_candidates(11008, 32, 132)}
     assert "scaled" not in {c.decode for c in rc.exact_candidates(11008, 32, 132, scaled=False)}
     cfg = rc.RepackedConfig(True, 16, 64, 1, plane_lookup=True, decode="scaled")

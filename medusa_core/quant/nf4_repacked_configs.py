@@ -188,6 +188,9 @@ def candidates(m: int, n: int, groups: int, sms: int, scaled: bool = True) -> li
         # serve them too
         plane = RepackedConfig(True, 16, 64, split_for(n, groups, 64, 2 * sms), plane_lookup=True)
         out += [dataclasses.replace(plane, decode=d) for d in REGISTER_DECODES]
+        if cls > 1:     # and the 16-row class's pick on the H200 (11-29): with it only there, 4 rows took 31.6 µs on
+            # 4096->11008 and 8 rows 27.6: a 4-node tree's projections cost more than an 8-node tree's
+            out.append(dataclasses.replace(plane, decode="scaled", num_stages=3))
     else:
         out.append(dataclasses.replace(first, plane_lookup=False))   # all 8 planes looked up at once
         for block_n, warps, waves in ((64, 4, 1), (64, 4, 4), (128, 8, 2), (32, 4, 2)):
