@@ -178,6 +178,7 @@ def bench_fusion(device: torch.device, l2: int) -> list[dict]:
 
     gen = torch.Generator(device=device).manual_seed(2)
     out = []
+    tuned = set()       # (N, row class): the parts of q/k/v share a shape
     for name, (k, ns) in FUSED.items():
         parts = [bnbf.quantize_4bit(torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02,
                                     blocksize=64, compress_statistics=True, quant_type="nf4") for n in ns]
@@ -188,14 +189,24 @@ def bench_fusion(device: torch.device, l2: int) -> list[dict]:
         separate_copies += [[clone(w) for w in separate_copies[0]] for _ in range(count - 1)]
         for m in ROWS:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen)
-            for mode in ("fused", "separate"):
+            # each side in its tuned config, as a load tunes both before it chooses: untuned, the fused shape ran
+            # the default tile (the H200 of 11-29 timed gate/up at 74.1 µs at 16 rows where its tuner took 49.2)
+            for n in dict.fromkeys((fused.n, *ns)):
+                if (n, rm.row_class(m)) in tuned:
+                    continue
+                tuned.add((n, rm.row_class(m)))
                 try:
-                    if mode == "fused":
-                        calls = [functools.partial(rm.repacked_matmul, x, w) for w in fused_copies]
-                    else:
-                        calls = [functools.partial(rm.repacked_matmul, x, w) for ws in separate_copies for w in ws]
+                    rm.tune_shape(m, n, k, x.dtype, device)
+                except Exception as err:  # fail soft: one line; the timing below runs the untuned config
+                    print(f"  fusion {name} {k}->{n} M={m} tuning: FAILED ({type(err).__name__}: {first_line(err)})")
+            for mode in ("fused", "separate"):
+                weights = fused_copies if mode == "fused" else [w for ws in separate_copies for w in ws]
+                try:
+                    calls = [functools.partial(rm.repacked_matmul, x, w) for w in weights]
                     us = graph_time_us(calls) * len(calls) / count       # per group: q, k and v together
-                    out.append({"group": name, "m": m, "mode": mode, "us": us})
+                    configs = [rm.choose_config(m, w, x.dtype, device, False).describe() for w in weights[:len(ns)]]
+                    out.append({"group": name, "m": m, "mode": mode, "us": us,
+                                "configs": configs[:1] if mode == "fused" else configs})
                 except Exception as err:  # fail soft: one line, then the next
                     print(f"  fusion {name} M={m} {mode}: FAILED ({type(err).__name__}: {str(err).strip()[:120]})")
                     out.append({"group": name, "m": m, "mode": mode, "us": None})
