@@ -151,7 +151,7 @@ class ChatController:
                 render_live(base) if base else base_keep,
                 comparison, status_line, raw, box)
 
-    def answering(self, line: str) -> str:
+    def status_while_answering(self, line: str) -> str:
         """A status line shown while an answer runs (starting, queued, reading the prompt, generating) over the Ready
         line's later paragraphs (the tree and why, a note on max new tokens): the status keeps the Ready line's
         height, so the chat under it stays in place as every answer starts and ends. (A 62 px min-height held a
@@ -303,7 +303,8 @@ class ChatController:
         session.turns.append(turn)
         pending = (READOUT_PENDING, READOUT_PENDING if compare else "")
         try:
-            yield self.views(session, None, None, "", self.answering(ANSWER_STARTING), emptied, blank=pending)
+            yield self.views(session, None, None, "", self.status_while_answering(ANSWER_STARTING), emptied,
+                             blank=pending)
             stats, base, comparison, error = yield from self._stream(session, turn, engine, prompt, settings, compare)
         except GeneratorExit:   # cancelled (a script's job.cancel()): nothing more can be shown. The message stays,
             # saying so (it stayed on screen and was silently left out of the prompt), but a regenerate with nothing
@@ -347,12 +348,12 @@ class ChatController:
         try:
             for update in engine.answer(session, prompt, settings, passes):
                 if update.queued:
-                    yield self.views(session, None, None, "", self.answering(
+                    yield self.views(session, None, None, "", self.status_while_answering(
                         f"⏳ Queued: {count(update.queued, 'request')} ahead of you; your answer starts when the "
                         "model is free"))
                     continue
                 if update.notice:
-                    yield self.views(session, None, None, "", self.answering(f"⏳ {update.notice}"))
+                    yield self.views(session, None, None, "", self.status_while_answering(f"⏳ {update.notice}"))
                     continue
                 if update.pass_name == COMPARISON:
                     comparison = render_comparison(update.comparison)
@@ -383,8 +384,8 @@ class ChatController:
                 # while it runs, so the cut is no surprise (QA: the status said "Generating" to the end)
                 loading = " (a model is loading: this answer stops once it has loaded)" \
                     if self.slot.loading else ""
-                yield self.views(session, stats, base, "", self.answering(f"Generating: {label}…{loading}"),
-                                 partial=partial)
+                yield self.views(session, stats, base, "",
+                                 self.status_while_answering(f"Generating: {label}…{loading}"), partial=partial)
         except GeneratorExit:   # the request was cancelled mid-answer: what was shown stays in the next prompt, as
             # after Stop (_run notes the cancel)
             if turn.reply is None and partial:
