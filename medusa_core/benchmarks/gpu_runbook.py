@@ -56,7 +56,7 @@ class Stage:
 # the norm that 3.9 compiles well to 14,000 instructions a row). One pytest process: four side by side
 # (pytest-xdist) took 412 s against one's 242 s on the H100 of 2026-11-27, each test 5x slower beside the
 # others. Then where a call's time goes (the kernel ladder: the 1-row call runs at a third of the bandwidth and
-# no tuner knob moves it), and what no GPU has yet measured on the H200 of 2026-11-28: the kernel table (the whole
+# no tuner knob moves it) and what it waits on (ncu's counters: stalls, DRAM throughput, warps), and what no GPU has yet measured on the H200 of 2026-11-28: the kernel table (the whole
 # group in one dot among the tuner's candidates, 64 rows, bitsandbytes) and the anchors (torch's int4 and bf16).
 # Then the NF4 step as the app routes it (auto kernel, norms, rotary and attention) and in exact mode, against
 # transformers' rotary and SDPA; the app's loading path started twice on a saved 7B (never yet measured); the
@@ -83,6 +83,8 @@ STAGES = (
            *(f"--deselect={t}" for t in END_TO_END_TESTS), "--junitxml={out}/cuda_tests.xml")),
     Stage("ladder", "the repacked kernel taken apart at 1 and 16 rows: whole, without its table lookup, loading only",
           "medusa_core.benchmarks.kernel_ladder", ("--json", "{out}/ladder.json")),
+    Stage("counters", "the repacked kernel's hardware counters at 1 and 16 rows (ncu): DRAM throughput, warps, stalls",
+          "medusa_core.benchmarks.kernel_counters", ("--json", "{out}/counters.json")),
     Stage("kernels", "every NF4 kernel per projection and row count, the tuners' timings",
           "medusa_core.benchmarks.nf4_kernel", ("--json", "{out}/nf4.json")),
     Stage("anchors", "torch's int4 (gpt-fast's kernel) and bf16 in the same 7B step, norms as the app routes them",
