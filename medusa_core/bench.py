@@ -138,6 +138,7 @@ def measure(args, setup: Setup, encoded: list[list[int]]) -> tuple[list[dict[str
     greedy_refs = not args.no_references and args.mode == "greedy"
     # One cache per decoder for the whole run, as a chat tab keeps its own, sized for the longest prompt: every
     # run then replays the step (and CUDA graph) its decoder's first run captured, the warm-up's if there is one.
+    # A graph attends over its whole bucket: prompts of very different lengths all run in the longest one's.
     capacity = max(map(len, encoded)) + args.max_new_tokens + max((t.size for t in trees.values()), default=1)
     caches = {name: new_cache(loaded.model, capacity) for name in ("baseline", *trees)}
 
@@ -190,7 +191,8 @@ def report(args, setup: Setup, prompts: list[str], encoded: list[list[int]], res
         # were printed as the machine's, where the tree tuner in the same process said it was busy)
         print(f"warning: other programs used the CPU while this ran (the benchmark got {cpu_share:.0%} of it): the "
               "speedups above are skewed; run again with the machine otherwise idle")
-    print(peak_memory(str(device)))
+    # each decoder's cache (and on CUDA its graph) held for the whole run: more than one chat pane holds
+    print(f"{peak_memory(str(device))}, with the {1 + len(trees)} decoders' KV caches held at once")
     if args.json:
         out = {
             "args": vars(args), "model": setup.loaded.description, "load_seconds": round(load_seconds, 2),

@@ -4,6 +4,7 @@ import pytest
 from tiny import tiny_checkpoint
 
 from medusa_core import bench
+from medusa_core.decoding.kv_cache import KVCache
 
 
 @pytest.fixture(scope="module")
@@ -50,14 +51,19 @@ def test_each_decoder_runs_every_prompt_on_the_step_its_first_run_made(checkpoin
             super().__init__(model, heads, tree, *args, **kwargs)
 
     monkeypatch.setattr(step_store, "DecodeStep", Counted)
+    kept = []       # how much of each prompt a run found cached: none, each run a conversation of its own
+    reuse = KVCache.reuse_prefix
+    monkeypatch.setattr(KVCache, "reuse_prefix", lambda cache, ids: kept.append(reuse(cache, ids)) or kept[-1])
     backbone, heads = checkpoint
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "import os\\nimport sys\\n"}\n'
-                       '{"prompt": "a longer prompt, so that the three are not all the same length"}\n')
+    # the last prompt (312 characters: a char tokenizer) needs a bigger cache than the warm-up's first 64 tokens
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in
+                                  ("def add(a, b):", "import os\nimport sys\n", "def f(x):\n    return x\n" * 13)))
     out = tmp_path / "bench.json"
     assert bench.main(["--model", str(backbone), "--heads", str(heads), "--prompts", str(prompts), "--raw",
                        "--tree", "chain-2", "small-8", "--max-new-tokens", "12", "--warmup", "1", "--json", str(out)]) == 0
     assert sorted(made) == [1, 3, 9]          # the baseline, chain-2 and small-8: once each, in the warm-up
+    assert len(kept) == 3 * 4 and set(kept) == {0}      # 3 decoders, a warm-up and 3 prompts: each from its start
     assert "warm-up done" in capsys.readouterr().err
     data = json.loads(out.read_text())
     for p in data["prompts"]:     # a reused cache decodes each prompt from its start: transformers' tokens (fp32)

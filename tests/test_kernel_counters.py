@@ -37,8 +37,9 @@ def test_ncus_details_and_raw_pages_read_per_launch():
            '_active.ratio","l1tex__data_bank_conflicts_pipe_lsu.sum"\n'
            '"","","Mbyte","inst",""\n'
            '"0","repacked_kernel","25.4","3.2","0"\n')
-    assert kc.raw_by_launch(kc.read_csv(raw)) == {0: {
-        "dram__bytes_read.sum": "25.4", "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio": "3.2"}}
+    assert kc.raw_by_launch(kc.read_csv(raw)) == {0: {      # each value with its unit, which ncu scales per metric
+        "dram__bytes_read.sum (Mbyte)": "25.4",
+        "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio (inst)": "3.2"}}
     assert kc.read_csv("==PROF== No kernels were profiled.\n") == []
 
 

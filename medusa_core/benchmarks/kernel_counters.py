@@ -32,7 +32,9 @@ import csv
 import dataclasses
 import io
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -127,9 +129,12 @@ def details_by_launch(rows: list[dict[str, str]]) -> dict[int, dict[str, dict[st
 
 
 def raw_by_launch(rows: list[dict[str, str]], kept: tuple[str, ...] = RAW_KEPT) -> dict[int, dict[str, str]]:
-    """``--page raw --csv`` rows (one per launch, a column per metric) as {launch id: {metric: value}}, only the
-    metrics whose names hold one of ``kept``."""
-    return {int(r["ID"]): {name: value for name, value in r.items() if any(part in name for part in kept)}
+    """``--page raw --csv`` rows (one per launch, a column per metric) as {launch id: {metric (unit): value}}, only
+    the metrics whose names hold one of ``kept``. The units are the row under the header (the one with no ID):
+    ncu scales them per metric (Kbyte, Mbyte, usecond), so a value means nothing without its own."""
+    units = next((r for r in rows if not r.get("ID")), {})
+    return {int(r["ID"]): {name + (f" ({units[name]})" if units.get(name) else ""): value
+                           for name, value in r.items() if any(part in name for part in kept)}
             for r in rows if r.get("ID", "").isdigit()}
 
 
@@ -140,11 +145,19 @@ def run(ncu: str, k: int, n: int, report: Path, timeout_s: float) -> None:
                *sections, "--export", str(report), "--force-overwrite",
                sys.executable, "-m", "medusa_core.benchmarks.kernel_counters", "--launch", "--shape", f"{k}x{n}"]
     print(" ".join(command), flush=True)
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
-    print(done.stdout[-4000:] + done.stderr[-4000:], flush=True)
-    errors = [line for line in (done.stdout + done.stderr).splitlines() if "==ERROR==" in line or "Error" in line]
-    if done.returncode != 0 or not report.is_file():
-        reason = errors[0] if errors else f"exit {done.returncode}, no report"
+    # a group of its own: at the timeout the profiled Python goes with ncu, instead of holding the GPU
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise RuntimeError(f"ncu ran past --timeout-s {timeout_s:g} on {k}->{n}: give it more") from None
+    print(output[-8000:], flush=True)
+    errors = [line for line in output.splitlines() if "==ERROR==" in line or "Error" in line]
+    if proc.returncode != 0 or not report.is_file():
+        reason = errors[0] if errors else f"exit {proc.returncode}, no report"
         raise RuntimeError(f"ncu failed on {k}->{n}: {reason.strip()}")
 
 
@@ -198,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                 run(ncu, k, n, report, args.timeout_s)
                 details = details_by_launch(read_csv(page(ncu, report, "details")))
                 raw = raw_by_launch(read_csv(page(ncu, report, "raw")))
-            except (RuntimeError, OSError, subprocess.TimeoutExpired) as err:
+            except (RuntimeError, OSError, subprocess.TimeoutExpired) as err:     # the pages' reads time out too
                 print(f"error: {first_line(err) or type(err).__name__}", file=sys.stderr)
                 return 1
             # launches in the order launch() made them: one per call

@@ -23,7 +23,7 @@ import json
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -178,7 +178,6 @@ def bench_fusion(device: torch.device, l2: int) -> list[dict]:
 
     gen = torch.Generator(device=device).manual_seed(2)
     out = []
-    tuned = set()       # (N, row class): the parts of q/k/v share a shape
     for name, (k, ns) in FUSED.items():
         parts = [bnbf.quantize_4bit(torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02,
                                     blocksize=64, compress_statistics=True, quant_type="nf4") for n in ns]
@@ -192,9 +191,8 @@ def bench_fusion(device: torch.device, l2: int) -> list[dict]:
             # each side in its tuned config, as a load tunes both before it chooses: untuned, the fused shape ran
             # the default tile (the H200 of 11-29 timed gate/up at 74.1 µs at 16 rows where its tuner took 49.2)
             for n in dict.fromkeys((fused.n, *ns)):
-                if (n, rm.row_class(m)) in tuned:
-                    continue
-                tuned.add((n, rm.row_class(m)))
+                if rm.tuned_config(m, n, k, x.dtype, device) is not None:
+                    continue    # the projections' own shapes, tuned for the main table: the same config there
                 try:
                     rm.tune_shape(m, n, k, x.dtype, device)
                 except Exception as err:  # fail soft: one line; the timing below runs the untuned config
@@ -209,7 +207,7 @@ def bench_fusion(device: torch.device, l2: int) -> list[dict]:
                                 "configs": configs[:1] if mode == "fused" else configs})
                 except Exception as err:  # fail soft: one line, then the next
                     print(f"  fusion {name} M={m} {mode}: FAILED ({type(err).__name__}: {str(err).strip()[:120]})")
-                    out.append({"group": name, "m": m, "mode": mode, "us": None})
+                    out.append({"group": name, "m": m, "mode": mode, "us": None, "configs": []})
         del fused_copies, separate_copies
     return out
 
@@ -266,7 +264,9 @@ def headline(results: list[Row], shapes: dict) -> dict:
 def headline_of(report: dict) -> dict:
     """``headline`` of a kernel report as its JSON holds it (rows as objects): the keys as this code names
     them, whatever the run that wrote the report called them."""
-    return headline([Row(**r) for r in report.get("rows", [])], report.get("shapes", {}))
+    known = {f.name for f in fields(Row)}     # a key a later version adds is not this code's
+    return headline([Row(**{key: v for key, v in r.items() if key in known}) for r in report.get("rows", [])],
+                    report.get("shapes", {}))
 
 
 def tuning_log() -> list[dict]:
@@ -366,6 +366,10 @@ def main(argv: list[str] | None = None) -> int:
             cells = [table.get((k, n, m, meth)) for meth in METHODS]
             print(f"{f'{k}->{n}':>12} {m:>3} " + " ".join(f"{c:>11.1f}" if c else f"{'-':>11}" for c in cells)
                   + f"  {variants.get((k, n, m, 'triton'), '')} | {variants.get((k, n, m, 'repacked'), '')}")
+    fusion = bench_fusion(device, props.L2_cache_size)     # before the tuning log: it tunes the fused shapes
+    print("\nfused against separate repacked matmuls (us): " + "; ".join(
+        f"{f['group']} M={f['m']} {f['mode']} {f['us']:.1f}" if f["us"] is not None else
+        f"{f['group']} M={f['m']} {f['mode']} -" for f in fusion))
     tuning = tuning_log()
     print("\ntuner timings (us; '-' = skipped):")
     for t in tuning:
@@ -374,10 +378,6 @@ def main(argv: list[str] | None = None) -> int:
     checks = dtype_check(device)
     print("\nstream kernel, other activation dtypes (relative error, want < 1e-2): " + ", ".join(
         f"{key} {v:.1e}" if isinstance(v, float) else f"{key} {v}" for key, v in checks.items()))
-    fusion = bench_fusion(device, props.L2_cache_size)
-    print("\nfused against separate repacked matmuls (us): " + "; ".join(
-        f"{f['group']} M={f['m']} {f['mode']} {f['us']:.1f}" if f["us"] is not None else
-        f"{f['group']} M={f['m']} {f['mode']} -" for f in fusion))
     summary = headline(results, shapes)
     print("\nsummary (4096->11008): " + ", ".join(f"{key} {v:.1f}" if v else f"{key} -" for key, v in summary.items()))
     args.json.write_text(json.dumps({"env": env, "shapes": shapes, "summary": summary, "partial": False,

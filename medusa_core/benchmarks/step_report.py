@@ -168,8 +168,9 @@ def fold_reports(step_json: Path, others: Sequence[Path]) -> dict:
             step_results(path, data)
             report["results"] += data["results"]
         elif isinstance(summary_, dict) and any(k.startswith("nf4_kernel_") for k in summary_):   # benchmarks.nf4_kernel
-            # runs split by --shapes (or one cut short, "partial") add up: a figure measured again replaces
-            # the earlier one, one not measured in this run keeps it (headline keys taken after the loop)
+            # runs split by --shapes (or one cut short, "partial") add up per shape: a shape measured again
+            # replaces the earlier run's rows, a shape not measured in this run keeps them (headline keys from
+            # the rows, taken after the loop)
             report["nf4_matmul"] = merge_kernel_runs(report.get("nf4_matmul"), data)
         elif isinstance(summary_, list) and "model" in data:                    # bench
             report["demo" if "demo model" in data["model"] else "checkpoint"] = data

@@ -53,6 +53,12 @@ def tune_shape(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
     return best
 
 
+def tuned_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
+                 group: int = 128) -> RepackedConfig | None:
+    """What tune_shape kept for M's row class of this shape in this process, None if it has not run."""
+    return _TUNED.get(_key(m, n, k, dtype, device, group))
+
+
 def tuning_weight(n: int, k: int, dtype: torch.dtype, device: torch.device, group: int):
     """(a random repacked NF4 (n, k) weight, copies of it that together exceed L2, a generator for inputs)."""
     from bitsandbytes.functional import quantize_4bit
