@@ -179,7 +179,7 @@ def parser(cuda: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, default=Path("out/counters.json"),
                    help="where to write the counters (rewritten after each shape)")
     p.add_argument("--timeout-s", type=float, default=180,
-                   help="the most one shape's ncu run may take (expected: under a minute; the runbook's time is short)")
+                   help="the most one shape's ncu run may take (the runbook's device time is short)")
     p.add_argument("--launch", action="store_true", help=argparse.SUPPRESS)   # the run ncu profiles
     return p
 
