@@ -89,6 +89,24 @@ def test_a_failing_stage_does_not_stop_the_next(tmp_path):
     assert [(r.status, r.returncode) for r in results] == [("failed", 3), ("done", 0)]
 
 
+def test_a_stage_that_cannot_finish_in_the_time_left_is_left_for_the_next_call_and_a_shorter_one_runs(
+        tmp_path, capsys, monkeypatch):
+    """first-start writes nothing until it ends (125 s on the H200): started with 65 s left it would be cut, its
+    time lost. It is not started; the stages after it that fit still run, and the end says what the next call
+    takes."""
+    import torch
+
+    assert {s.name: s.least_s for s in STAGES if s.least_s} == {"first-start": 140, "cuda-e2e": 120}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", types.ModuleType("bitsandbytes"))
+    monkeypatch.setattr(gpu_runbook, "command_of", lambda stage, out: [sys.executable, "-c", "print('ran')"])
+    assert gpu_runbook.main(["--out", str(tmp_path / "OUT"), "--budget-s", "100"]) == 1
+    statuses = {r["name"]: r["status"] for r in json.loads((tmp_path / "OUT" / "runbook.json").read_text())}
+    assert statuses.pop("first-start") == statuses.pop("cuda-e2e") == "not started"
+    assert set(statuses.values()) == {"done"}       # profile and exactness after first-start ran
+    assert "not done: the next call takes --stages first-start cuda-e2e" in capsys.readouterr().out
+
+
 def test_without_a_gpu_it_says_where_to_run_it(tmp_path, capsys, monkeypatch):
     import torch
 
@@ -113,7 +131,7 @@ def test_out_gets_one_archive_of_every_stage_output_and_the_manifest(tmp_path, m
     monkeypatch.setattr(gpu_runbook, "command_of", lambda stage, out: [
         sys.executable, "-c", writes, str(out / f"{stage.name}.json")])
     out = tmp_path / "OUT"
-    assert gpu_runbook.main(["--out", str(out), "--budget-s", "120"]) == 0
+    assert gpu_runbook.main(["--out", str(out), "--budget-s", "300"]) == 0      # room for every stage's least_s
     assert sorted(p.name for p in out.iterdir()) == ["runbook.json", "runbook.tar.gz"]
     with tarfile.open(out / "runbook.tar.gz") as tar:
         names = set(tar.getnames())

@@ -2,6 +2,7 @@
 
     python3 -m medusa_core.benchmarks.gpu_runbook --out $OUT                    # every stage, 570 s in all
     python3 -m medusa_core.benchmarks.gpu_runbook --out $OUT --from exactness   # a later call: the rest
+    python3 -m medusa_core.benchmarks.gpu_runbook --out $OUT --stages first-start cuda-e2e   # as the first said
 
 A lent GPU comes with 15 minutes of device time for a whole session and 10 minutes per command, and a
 machine found cold costs a minute or more to start: few, full calls are worth more than many small
@@ -9,7 +10,9 @@ ones, and a call that runs past its limit is killed. Each stage runs as its own 
 that is left, and is stopped before the deadline, so the command returns on its own and $OUT comes
 back whole. Each benchmark rewrites its JSON after every result, so a stage cut short keeps what it
 measured. ``runbook.json`` says per stage: the command, its exit status, its seconds, and whether the
-deadline cut it or left it unstarted. Each stage's output is in ``<stage>.log``.
+deadline cut it or left it unstarted; a stage that writes nothing until it ends is not started with less
+time left than it needs (``Stage.least_s``), and the run's last line names the stages a next call takes. Each
+stage's output is in ``<stage>.log``.
 
 The device tool brings back at most 8 files from $OUT, and the stages write 18: the stages write in a
 folder of their own, and --out gets ``runbook.tar.gz`` (all of it, rewritten after each stage) and a copy of
@@ -49,6 +52,9 @@ class Stage:
     what: str
     module: str                 # run as `python -m module *args`
     args: tuple[str, ...]       # "{out}" stands for the output folder
+    # a stage that writes nothing until it ends is not started with less time left than this (0: the runbook's
+    # minimum): the H200 run of 2026-11-29 took 125 s for first-start, which a cut call would only have wasted
+    least_s: float = 0
 
 
 # In order of value (docs/performance.md, "Issue 22 on a GPU"). Correctness on CUDA first: the CUDA tests,
@@ -56,11 +62,11 @@ class Stage:
 # the norm that 3.9 compiles well to 14,000 instructions a row). One pytest process: four side by side
 # (pytest-xdist) took 412 s against one's 242 s on the H100 of 2026-11-27, each test 5x slower beside the
 # others. Then where a call's time goes (the kernel ladder: the 1-row call runs at a third of the bandwidth and
-# no tuner knob moves it) and what it waits on (ncu's counters: stalls, DRAM throughput, warps), and what no GPU has yet measured on the H200 of 2026-11-28: the kernel table (the whole
-# group in one dot among the tuner's candidates, 64 rows, bitsandbytes) and the anchors (torch's int4 and bf16).
+# no tuner knob moves it) and what it waits on (ncu's counters: stalls, DRAM throughput, warps); the kernel
+# table (every kernel, 64 rows, bitsandbytes, the fused shapes tuned) and the anchors (torch's int4 and bf16).
 # Then the NF4 step as the app routes it (auto kernel, norms, rotary and attention) and in exact mode, against
-# transformers' rotary and SDPA; the app's loading path started twice on a saved 7B (never yet measured); the
-# profile with its largest ops per category, and the greedy-equality count (exact mode first, 8 prompts). Last,
+# transformers' rotary and SDPA; the app's loading path started twice on a saved 7B (its bench no longer captures
+# per answer); the NF4 and bf16 profiles, and the greedy-equality count (exact mode first, 8 prompts). Last,
 # the CUDA tests that decode whole answers through a tuned or exact step: 113 of the CUDA tests' 223 s on the H200
 # of 2026-11-28 (67 s the first, which tunes every candidate), time the first call's step needs now that the
 # ladder, kernel table and anchors precede it. The kernels' own tests still come first, and a tuner checks each
@@ -96,7 +102,7 @@ STAGES = (
            "--attention-kernel", "auto", "sdpa", "--tree-sizes", "1", "16", "64", "--json", "{out}/step.json")),
     Stage("first-start", "a random 7B checkpoint through the app's loader twice: the first start's kernel timings, "
           "the second's reading them, and bench against transformers' generate()",
-          "medusa_core.benchmarks.first_start", ("--json", "{out}/first_start.json")),
+          "medusa_core.benchmarks.first_start", ("--json", "{out}/first_start.json"), least_s=140),
     # the NF4 and bf16 steps as the app routes them: transformers' rotary and SDPA beside them (two H200 runs) said
     # what the Triton kernels gain, which the step stage's rows keep saying; the bf16 step had no profile since
     Stage("profile", "the 7B NF4 and bf16 steps' device time by category as the app routes them, T = 1 and 16",
@@ -106,7 +112,7 @@ STAGES = (
           "medusa_core.benchmarks.nf4_exactness",
           ("--kernels", "repacked-exact", "auto", "bnb", "--prompts", "8", "--json", "{out}/exactness.json")),
     Stage("cuda-e2e", "the CUDA tests that decode through a tuned or exact step", "pytest",
-          ("-q", "-p", "no:cacheprovider", *END_TO_END_TESTS, "--junitxml={out}/cuda_e2e.xml")),
+          ("-q", "-p", "no:cacheprovider", *END_TO_END_TESTS, "--junitxml={out}/cuda_e2e.xml"), least_s=120),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
 
@@ -165,7 +171,7 @@ def run_stages(stages: list[Stage], out: Path, deadline: float, commands: dict[s
     for stage in stages:
         command = (commands or {}).get(stage.name) or command_of(stage, out)
         left = deadline - time.monotonic() - grace_s
-        if left < min_stage_s:
+        if left < max(min_stage_s, stage.least_s):     # a later, shorter stage may still fit
             results.append(StageResult(stage.name, command, "not started", None, 0.0, None))
         else:
             print(f"[{stage.name}] {stage.what}: {' '.join(command)} ({left:.0f} s left)", flush=True)
@@ -245,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                          archive=args.out / "runbook.tar.gz")
     print("\n" + "\n".join(f"{r.name:<12} {r.status:<12} {r.seconds:>6.0f} s" for r in results))
     print(f"every JSON and log: {args.out / 'runbook.tar.gz'}")
+    if rest := [r.name for r in results if r.status in ("cut", "not started")]:
+        print(f"not done: the next call takes --stages {' '.join(rest)}")
     return 0 if all(r.status == "done" for r in results) else 1
 
 
