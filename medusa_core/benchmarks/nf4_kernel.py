@@ -202,9 +202,10 @@ def bench_fusion(device: torch.device, l2: int) -> list[dict]:
                 try:
                     calls = [functools.partial(rm.repacked_matmul, x, w) for w in weights]
                     us = graph_time_us(calls) * len(calls) / count       # per group: q, k and v together
-                    configs = [rm.choose_config(m, w, x.dtype, device, False).describe() for w in weights[:len(ns)]]
+                    one_group = weights[:1] if mode == "fused" else weights[:len(ns)]     # one copy of each matmul
                     out.append({"group": name, "m": m, "mode": mode, "us": us,
-                                "configs": configs[:1] if mode == "fused" else configs})
+                                "configs": [rm.choose_config(m, w, x.dtype, device, False).describe()
+                                            for w in one_group]})
                 except Exception as err:  # fail soft: one line, then the next
                     print(f"  fusion {name} M={m} {mode}: FAILED ({type(err).__name__}: {str(err).strip()[:120]})")
                     out.append({"group": name, "m": m, "mode": mode, "us": None, "configs": []})
