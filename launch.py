@@ -60,7 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     m.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
                    help="compute dtype: auto, float16, bfloat16 or float32 (default: %(default)s)")
     m.add_argument("--heads-quant", default="none", choices=HEADS_QUANTS,
-                   help="Medusa heads' vocabulary projections: none or nf4 (default: %(default)s)")
+                   help="Medusa heads' vocabulary projections: none or nf4 (about a quarter of the memory; "
+                        "multiplied by the kernel --nf4-kernel picks for them) (default: %(default)s)")
     m.add_argument("--nf4-kernel", default="auto", choices=NF4_KERNELS,
                    help="4-bit matmul kernel: auto times the Triton kernel on bitsandbytes' storage and the "
                         "repacked kernel on your GPU and keeps the faster (bnb off CUDA); triton, repacked "
@@ -133,7 +134,8 @@ def check_flags(args: argparse.Namespace) -> None:
     from medusa_core.quant.attention_routing import flag_error as attention_error
     from medusa_core.quant.norm_routing import flag_error as norm_error
 
-    for error in (kernel_error(args.nf4_kernel, device, args.quant), norm_error(args.norm_kernel, args.nf4_kernel, device),
+    for error in (kernel_error(args.nf4_kernel, device, args.quant, args.heads_quant),
+                  norm_error(args.norm_kernel, args.nf4_kernel, device),
                   attention_error(args.rotary_kernel, args.attention_kernel, args.nf4_kernel, device)):
         if error:
             fail(error)

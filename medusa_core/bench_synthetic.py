@@ -58,35 +58,49 @@ def bench_quant(args, quant: str, device: torch.device) -> Iterator[QuantResult]
     model = build_model(shape, device, args.seed)
     heads = build_heads(shape, len(args.accuracies), device, args.seed + 1)
     check_not_zero([model, heads])
+    # NF4 heads' results are named apart: a fold keeps them beside, not over, the same backbone's with bf16 heads
+    heads_label = ""
     if args.heads_quant == "nf4":
         from .heads.quantize import quantize_projections
         quantize_projections(heads, DTYPE)
+        heads_label = "-nf4-heads"
     if quant == "nf4":
         from .quant.bnb import use_nf4_kernel
 
         quantize_backbone_(model)
         for kernel in args.nf4_kernel:
             known, started = len(tuning_log()), time.perf_counter()
-            routing = use_nf4_kernel(model, kernel)
+            routing = "; ".join(t for t in (use_nf4_kernel(model, kernel), heads_routing(args, heads, kernel)) if t)
             # the tuners' compiles and timings: most of a GPU stage's time before its first step is timed
             print(f"  [{quant}] {routing} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
             for line in tuned_lines(tuning_log()[known:]):     # what this routing's tuners kept (CUDA)
                 print(f"  [{quant}] tuned {line}", file=sys.stderr, flush=True)
-            yield from per_norm_kernel(args, model, heads, "nf4" if kernel == "auto" else f"nf4-{kernel}", routing,
-                                       device, exact=kernel == "repacked-exact")
+            label = ("nf4" if kernel == "auto" else f"nf4-{kernel}") + heads_label
+            yield from per_norm_kernel(args, model, heads, label, routing, device, exact=kernel == "repacked-exact")
     elif quant == "tinygemm":     # the anchor: torch's int4 kernel, as gpt-fast decodes with it
         from .quant.tinygemm import quantize_linear_tinygemm_
 
         replaced = quantize_linear_tinygemm_(model, args.tinygemm_group)
-        routing = f"tinygemm int4 (group {args.tinygemm_group}) for {replaced} layers"
+        routing = "; ".join(t for t in (f"tinygemm int4 (group {args.tinygemm_group}) for {replaced} layers",
+                                        heads_routing(args, heads, "auto")) if t)
         print(f"  [{quant}] {routing}", file=sys.stderr, flush=True)
-        yield from per_norm_kernel(args, model, heads, quant, routing, device)
+        yield from per_norm_kernel(args, model, heads, quant + heads_label, routing, device)
     else:
-        yield from per_norm_kernel(args, model, heads, quant, "", device)
+        yield from per_norm_kernel(args, model, heads, quant + heads_label, heads_routing(args, heads, "auto"), device)
     del model, heads
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def heads_routing(args, heads, kernel: str) -> str:
+    """NF4 heads (--heads-quant nf4) on the kernel ``kernel`` names, as the app's loader routes them (beside a
+    backbone that is not NF4: auto); "" for heads that are not NF4 (bitsandbytes is then never imported)."""
+    if args.heads_quant != "nf4":
+        return ""
+    from .quant.bnb import use_nf4_heads
+
+    return use_nf4_heads(heads, kernel)
 
 
 def per_norm_kernel(args, model, heads, label: str, routing: str, device: torch.device,

@@ -547,3 +547,18 @@ def test_a_cpu_run_says_first_that_it_is_a_smoke_check_and_which_nf4_flags_it_sk
         assert lines[1] == ("--nf4-kernel bnb auto skipped: it picks the kernel of NF4 weights, and --quant none builds "
                             "none (NF4 is a default only on CUDA): add --quant nf4 to run it here"), lines[:2]
         assert not any(line.startswith("nf4") or "[nf4" in line for line in lines)
+
+
+def test_nf4_heads_are_measured_on_the_kernel_each_nf4_kernel_choice_names(tmp_path, monkeypatch):
+    """--heads-quant nf4: each --nf4-kernel choice's step runs the heads where the app's loader puts them beside it
+    (quant/bnb.py use_nf4_heads), and its routing says so."""
+    pytest.importorskip("triton", reason="the repacked kernel needs Triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")           # the kernel on CPU tensors
+    out = tmp_path / "step.json"
+    assert bench_synthetic.main(["--device", "cpu", "--shape", "tiny", "--quant", "nf4", "--nf4-kernel", "bnb",
+                                 "repacked", "--heads-quant", "nf4", "--tree-sizes", "1", "4", "--context", "8",
+                                 "--iters", "1", "--warmup", "0", "--json", str(out)]) == 0
+    routing = {r["quant"]: r["routing"] for r in json.loads(out.read_text())["results"]}
+    heads = len(PUBLISHED_ACCURACIES)
+    assert f"heads: bitsandbytes for their {heads} NF4 projections" in routing["nf4-bnb-nf4-heads"], routing
+    assert f"heads: repacked Triton kernel for {heads} NF4 projections" in routing["nf4-repacked-nf4-heads"], routing

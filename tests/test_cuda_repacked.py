@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -28,7 +29,8 @@ from medusa_core.quant import nf4_repack as rp  # noqa: E402
 from medusa_core.quant import nf4_repacked_configs as rc  # noqa: E402
 from medusa_core.quant import nf4_repacked_kernel as rk  # noqa: E402
 from medusa_core.quant import nf4_repacked_matmul as rm  # noqa: E402
-from medusa_core.quant.bnb import quantize_linear_nf4_, use_nf4_kernel  # noqa: E402
+from medusa_core.heads.quantize import quantize_projections  # noqa: E402
+from medusa_core.quant.bnb import quantize_linear_nf4_, use_nf4_heads, use_nf4_kernel  # noqa: E402
 
 ROWS = (1, 2, 3, 4, 8, 16, 33, 64)
 
@@ -152,9 +154,9 @@ def test_the_last_split_sums_the_partials_in_one_launch_to_the_reduce_kernels_bi
     assert not w.arrivals.any()
 
 
-def graphed_and_eager(model, tree_spec: str, tokens: int) -> list[list[int]]:
-    """Greedy tokens of copied heads over ``tree_spec``, through a captured step and eagerly."""
-    heads = copied_heads(model, num_heads=3).cuda()
+def graphed_and_eager(model, tree_spec: str, tokens: int, heads=None) -> list[list[int]]:
+    """Greedy tokens of ``heads`` (default: copied heads) over ``tree_spec``, through a captured step and eagerly."""
+    heads = copied_heads(model, num_heads=3).cuda() if heads is None else heads
     tree = build_tree_buffers(resolve_tree(tree_spec), 3, device="cuda")
     return [[t for s in generate(model, [1, 5, 7, 9, 3], heads=heads, tree=tree,
                                  config=DecodeConfig(max_new_tokens=tokens), graphs=graphs) for t in s.tokens]
@@ -186,6 +188,27 @@ def test_a_captured_step_through_fused_repacked_layers_decodes_what_the_eager_st
         runs = graphed_and_eager(model, spec, 40)
         assert runs[0] == runs[1], spec
         assert len(runs[0]) == 40
+
+
+@pytest.mark.parametrize("choice", ["auto", "repacked"])
+def test_nf4_heads_on_this_gpu_go_where_it_times_them_faster_and_decode_in_a_graph_as_eagerly(choice):
+    # --heads-quant nf4 (quant/bnb.py use_nf4_heads): auto keeps the repacked kernel for the heads only where this
+    # GPU times it faster than bitsandbytes at one row, and says both; a captured step through them decodes what
+    # the eager step decodes (fp32, as above)
+    from medusa_core.quant.nf4_fused import RepackedNF4Linear
+
+    model = tiny_model("llama", hidden=64, vocab=64, seed=3).cuda()
+    quantize_linear_nf4_(model, torch.float32)
+    use_nf4_kernel(model, "repacked")
+    heads = quantize_projections(copied_heads(model, num_heads=3).cuda(), torch.float32)
+    described = use_nf4_heads(heads, choice)
+    print(described)                        # the GPU session's record of the two timings
+    repacked_us, bnb_us = (float(t) for t in
+                           re.search(r"\(([\d.]+) µs a head against ([\d.]+) on bitsandbytes", described).groups())
+    on_repacked = all(type(head[-1]) is RepackedNF4Linear for head in heads.heads)
+    assert on_repacked == (choice == "repacked" or repacked_us < bnb_us), described
+    runs = graphed_and_eager(model, "cartesian-2x2x2", 24, heads)
+    assert runs[0] == runs[1] and len(runs[0]) == 24
 
 
 def test_a_second_start_on_this_gpu_routes_as_the_first_from_the_remembered_timings(monkeypatch, tmp_path):

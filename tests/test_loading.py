@@ -207,6 +207,17 @@ def test_heads_quant_nf4(root):
 
 
 
+def test_heads_quant_nf4_runs_the_heads_on_the_kernel_nf4_kernel_names(root, monkeypatch):
+    pytest.importorskip("triton", reason="the repacked NF4 kernel needs Triton")
+    from medusa_core.quant.nf4_fused import RepackedNF4Linear
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")         # the kernel on CPU tensors
+    loaded = load(LoadSpec(heads=str(root / "own"), device="cpu", heads_quant="nf4", nf4_kernel="repacked"))
+    assert all(type(head[-1]) is RepackedNF4Linear for head in loaded.heads.heads)
+    assert "; heads: repacked Triton kernel for 5 NF4 projections" in loaded.description, loaded.description
+    assert_greedy_identical(loaded, n=12, chain=False)
+
+
 def test_heads_quant_nf4_on_heads_without_projections_is_refused_before_the_backbone_loads(root, monkeypatch):
     load_module = importlib.import_module("medusa_core.loading.load")
 

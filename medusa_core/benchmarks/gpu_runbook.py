@@ -14,13 +14,13 @@ deadline cut it or left it unstarted; a stage that writes nothing until it ends 
 time left than it needs (``Stage.least_s``), and the run's last line names the stages a next call takes. Each
 stage's output is in ``<stage>.log``.
 
-The device tool brings back at most 8 files from $OUT, and the stages write 18: the stages write in a
-folder of their own, and --out gets ``runbook.tar.gz`` (all of it, rewritten after each stage) and a copy of
-``runbook.json``. Back on the development machine, ``tar xzf runbook.tar.gz``, and the JSONs fold into one
-report (docs/performance.md):
+The device tool brings back at most 8 files from $OUT, and the stages write over 20 (a log and a result each):
+the stages write in a folder of their own, and --out gets ``runbook.tar.gz`` (all of it, rewritten after each
+stage) and a copy of ``runbook.json``. Back on the development machine, ``tar xzf runbook.tar.gz``, and the
+JSONs fold into one report (docs/performance.md):
 ``python -m medusa_core.bench_synthetic --fold docs/perf/h100.json step.json anchors.json nf4.json profile.json
-exactness.json first_start.json --json docs/perf/h100.json`` (``ladder.json`` is read as it is: its table is
-in ``ladder.log``).
+exactness.json first_start.json nf4_heads.json --json docs/perf/h100.json`` (``ladder.json`` is read as it is:
+its table is in ``ladder.log``).
 """
 
 from __future__ import annotations
@@ -111,6 +111,10 @@ STAGES = (
     Stage("exactness", "how often greedy NF4 Medusa equals plain decoding, per kernel (random 7B)",
           "medusa_core.benchmarks.nf4_exactness",
           ("--kernels", "repacked-exact", "auto", "bnb", "--prompts", "8", "--json", "{out}/exactness.json")),
+    Stage("nf4-heads", "the 7B NF4 step as the app routes it with the heads' projections in NF4 too (--heads-quant "
+          "nf4), on the kernel auto times faster for them", "medusa_core.bench_synthetic",
+          ("--quant", "nf4", "--heads-quant", "nf4", "--tree-sizes", "1", "16", "64",
+           "--json", "{out}/nf4_heads.json")),
     Stage("cuda-e2e", "the CUDA tests that decode through a tuned or exact step", "pytest",
           ("-q", "-p", "no:cacheprovider", *END_TO_END_TESTS, "--junitxml={out}/cuda_e2e.xml"), least_s=120),
 )

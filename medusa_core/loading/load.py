@@ -26,7 +26,7 @@ from ..heads.files import (HEADS_FILES, PROPOSAL_FILE, HeadsFiles, HeadsLoadErro
 from ..heads.medusa_heads import MedusaHeads
 from ..heads.quantize import quantize_projections
 from ..quant import cpu_int4
-from ..quant.bnb import NF4_KERNELS, bnb_config, use_nf4_kernel
+from ..quant.bnb import NF4_KERNELS, bnb_config, use_nf4_heads, use_nf4_kernel
 from ..quant.attention_routing import (ATTENTION_CHOICES, ROTARY_CHOICES, rotary_kept_on_failure, use_attention,
                                        use_rotary)
 from ..quant.attention_routing import flag_error as attention_flag_error
@@ -219,10 +219,11 @@ def load(spec: LoadSpec, progress: Progress | None = None) -> Loaded:
             raise LoadError(str(err)) from None
         quant, kernel_text = ("int4" if applied else "none"), "; " + text
     with rotary_kept_on_failure(model):     # the rotary routing is the family's: a failed load leaves it as it was
-        kernel_text += route_kernels(model, spec, quant, device, progress)
         heads = load_heads_files(files, model, dtype) if files is not None else None
         if heads is not None and spec.heads_quant == "nf4":
             heads = quantize_projections(heads, dtype)
+        # before the routing: NF4 heads go on the kernel --nf4-kernel names (use_nf4_heads)
+        kernel_text += route_kernels(model, spec, quant, device, progress, heads)
         int4_proposals = heads is not None and isinstance(model.get_output_embeddings(), cpu_int4.Int4Head) \
             and cpu_int4.proposals_in_int4(heads)
 
@@ -261,10 +262,12 @@ def _identity(source: str) -> str:
     return str(path.resolve()) if path is not None else source
 
 
-def route_kernels(model, spec: LoadSpec, quant: str, device: str, progress: Progress | None = None) -> str:
-    """The NF4 kernel (nf4 only), then the norms, the rotary and the attention, as ``spec`` asks; "; "-led parts of
-    the load line. On CUDA what they time is remembered for this GPU (kernel_memory.py): a later start reads it
-    instead of timing again. ``progress`` hears of a first start's timing, which takes a while."""
+def route_kernels(model, spec: LoadSpec, quant: str, device: str, progress: Progress | None = None,
+                  heads: MedusaHeads | None = None) -> str:
+    """The NF4 kernel (nf4 only) and the NF4 heads' (``heads``, --heads-quant nf4), then the norms, the rotary and
+    the attention, as ``spec`` asks; "; "-led parts of the load line. On CUDA what they time is remembered for this
+    GPU (kernel_memory.py): a later start reads it instead of timing again. ``progress`` hears of a first start's
+    timing, which takes a while."""
     timings = kernel_memory.recall(torch.device(device), smollm2.cache_root(), spec.retune) \
         if device.startswith("cuda") else None
     if timings is not None and not timings.memory.entries and progress is not None and \
@@ -274,6 +277,7 @@ def route_kernels(model, spec: LoadSpec, quant: str, device: str, progress: Prog
     try:
         with timings.routing() if timings else contextlib.nullcontext():
             nf4_text = use_nf4_kernel(model, spec.nf4_kernel) if quant == "nf4" else ""
+            heads_text = use_nf4_heads(heads, spec.nf4_kernel) if heads is not None else ""
             # after the NF4 kernel: exact mode brings its own norms, and leaving it takes any Triton norm out
             norm_text = use_norm_kernel(model, spec.norm_kernel)
             # after the NF4 kernel too: exact mode's attention is its own, and auto leaves it so
@@ -283,7 +287,7 @@ def route_kernels(model, spec: LoadSpec, quant: str, device: str, progress: Prog
         raise LoadError(str(err)) from None
     if timings:
         timings.save()
-    texts = (nf4_text, norm_text, rotary_text, attention_text, timings.note if timings else "")
+    texts = (nf4_text, heads_text, norm_text, rotary_text, attention_text, timings.note if timings else "")
     return "".join(f"; {text}" for text in texts if text)
 
 

@@ -22,12 +22,13 @@ from .kernel_timing import AUTO_ROWS
 NF4_KERNELS = ("auto", "triton", "bnb", "repacked", "repacked-exact")
 
 
-def flag_error(choice: str, device: str, quant: str | None = None) -> str | None:
+def flag_error(choice: str, device: str, quant: str | None = None, heads_quant: str = "none") -> str | None:
     """What the flags alone show wrong with --nf4-kernel ``choice`` on ``device`` (resolved, e.g. "cpu",
-    "cuda:0") beside --quant ``quant`` (None: the caller makes NF4 weights): said by the entry points before
-    any load; None if nothing."""
+    "cuda:0") beside --quant ``quant`` (None: the caller makes NF4 weights) and --heads-quant ``heads_quant``:
+    said by the entry points before any load; None if nothing."""
     # a kernel choice where the load makes no NF4 weights was ignored without a word (launch, then bench: QA16)
-    if quant is not None and choice != "auto" and not (quant == "nf4" or (quant == "auto" and device.startswith("cuda"))):
+    nf4_backbone = quant is None or quant == "nf4" or (quant == "auto" and device.startswith("cuda"))
+    if choice != "auto" and not nf4_backbone and heads_quant != "nf4":
         return (f"--nf4-kernel {choice} picks the kernel of NF4 weights, and --quant {quant} on {device} "
                 "makes none: add --quant nf4, or drop --nf4-kernel")
     if choice not in ("auto", "bnb") and not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
@@ -215,6 +216,58 @@ def use_nf4_kernel(model: nn.Module, choice: str) -> str:
             raise ValueError(f"--nf4-kernel {choice}: {err}") from None
         what = err.what
     return f"nf4 kernel: bitsandbytes for all {len(layers)} NF4 layers (auto: {what})"
+
+
+def use_nf4_heads(heads: nn.Module, choice: str) -> str:
+    """The Medusa heads' NF4 vocabulary projections (``--heads-quant nf4``) on the kernel ``choice`` (the
+    --nf4-kernel) names: the repacked one for repacked and repacked-exact; under auto, on a GPU, the repacked one
+    where it times faster than bitsandbytes at one row (the one row a step's heads read; all heads share one
+    shape), and bitsandbytes off CUDA; bitsandbytes for bnb and triton (on bitsandbytes' storage the Triton
+    kernel's one row is the slower). Returns the load line's part, "" for heads without NF4 layers. Why: on the
+    H200 (2026-11-29) a 4096->32000 head took 38.6 µs on the repacked kernel against 59.8 on bitsandbytes and 64.6
+    in bf16, five of them a tree step. Never fused (each head reads its own input) and never in exact mode: the
+    heads only propose, and the backbone's verification decides the output either way."""
+    from . import nf4_fused
+
+    if choice not in NF4_KERNELS:
+        raise ValueError(f"nf4 kernel {choice!r} is unknown: use one of {', '.join(NF4_KERNELS)}")
+    nf4_fused.restore_bitsandbytes(heads)       # a routing made for an earlier choice
+    layers = _plain(list(_nf4_layers(heads)))
+    if not layers:
+        return ""
+    device = layers[0][2].weight.device
+    plain = f"heads: bitsandbytes for their {len(layers)} NF4 projections"
+    if choice in ("bnb", "triton") or (choice == "auto" and device.type != "cuda"):
+        return plain
+    from .kernel_timing import NoConfigCompiled
+
+    what = f"--nf4-kernel {choice} for the heads' NF4 projections"
+    try:
+        from .triton_runtime import check_runnable
+
+        check_runnable(device)
+    except (ImportError, RuntimeError) as err:      # a forced choice off CUDA (auto stopped above)
+        raise ValueError(f"{what}: {err}") from None
+    note = ""
+    if device.type == "cuda":
+        from . import nf4_repacked_matmul as rm
+
+        head = layers[0][2]
+        dtype = head.compute_dtype or torch.float32
+        n, k = (int(s) for s in head.weight.quant_state.shape)
+        try:            # tuned now, not later inside someone's graph capture
+            repacked_us = rm.tuned_us(1, n, k, dtype, device)
+        except NoConfigCompiled as err:
+            if choice != "auto":
+                raise ValueError(f"{what}: {err}") from None
+            return f"{plain} (auto: {err.what})"
+        bnb_us = _timed_us(head, dtype, 1, "bnb")
+        note = f" ({repacked_us:.1f} µs a head against {bnb_us:.1f} on bitsandbytes at one row)"
+        if choice == "auto" and bnb_us <= repacked_us:
+            return plain + note
+    made, kept = nf4_fused.repack_layers(layers, fuse=())
+    kept_text = f"; {len(kept)} kept on bitsandbytes ({kept[0]})" if kept else ""
+    return f"heads: repacked Triton kernel for {len(made)} NF4 projections{note}{kept_text}"
 
 
 def routed_kernel(model: nn.Module) -> str | None:
