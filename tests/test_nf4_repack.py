@@ -387,6 +387,9 @@ def test_the_scaled_table_runs_where_its_lookups_fit_and_says_what_to_use_elsewh
     # 8-node one's
     three = {c for c in rc.candidates(16, 11008, 32, 132) if c.decode == "scaled" and c.num_stages == 3}
     assert three and all(three <= set(rc.candidates(m, 11008, 32, 132)) for m in (2, 4))
+    # and with its split's partials summed in its own launch: the H200's 16-node step launched the reduce kernel
+    # after 96 projections, where that tile split K
+    assert {c.serial for c in three} == {False, True}
     assert "scaled" in {c.decode for c in rc.exact_candidates(11008, 32, 132)}
     assert "scaled" not in {c.decode for c in rc.exact_candidates(11008, 32, 132, scaled=False)}
     cfg = rc.RepackedConfig(True, 16, 64, 1, plane_lookup=True, decode="scaled")

@@ -190,7 +190,8 @@ def candidates(m: int, n: int, groups: int, sms: int, scaled: bool = True) -> li
         out += [dataclasses.replace(plane, decode=d) for d in REGISTER_DECODES]
         if cls > 1:     # and the 16-row class's pick on the H200 (11-29): with it only there, 4 rows took 31.6 µs on
             # 4096->11008 and 8 rows 27.6: a 4-node tree's projections cost more than an 8-node tree's
-            out.append(dataclasses.replace(plane, decode="scaled", num_stages=3))
+            three = dataclasses.replace(plane, decode="scaled", num_stages=3)
+            out += [three, *([dataclasses.replace(three, serial=True)] if three.split_k > 1 else [])]
     else:
         out.append(dataclasses.replace(first, plane_lookup=False))   # all 8 planes looked up at once
         for block_n, warps, waves in ((64, 4, 1), (64, 4, 4), (128, 8, 2), (32, 4, 2)):
@@ -213,6 +214,10 @@ def candidates(m: int, n: int, groups: int, sms: int, scaled: bool = True) -> li
             out.append(dataclasses.replace(deep, serial=True))
         else:               # and the scaled lookup's, the tile with the fewest instructions a weight (kernel_sass)
             out.append(dataclasses.replace(first, serial=True, decode="scaled"))
+            if cls == 16:   # and three stages deep: the H200 (11-29) kept that tile on every 7B shape at 16 rows,
+                # with a split of 2 or 8 there, so its 16-node step launched the reduce kernel after 96 of its
+                # projections (0.113 ms of its 5.06, profile.log); the sum in the same launch is the same bits
+                out.append(dataclasses.replace(first, serial=True, decode="scaled", num_stages=3))
     # two wave targets can give the same split
     return [c for c in dict.fromkeys(out) if scaled or c.decode != "scaled"]
 
