@@ -95,6 +95,8 @@ def test_every_path_multiplies_within_bf16_rounding(m):
     register = {d: dataclasses.replace(plane, decode=d) for d in rc.REGISTER_DECODES}
     for name, kw in (("fast", {}), ("exact", {"exact": True}), ("plane_lookup", {"config": plane}),
                      ("gemv", {"config": gemv}), ("whole_group", {"config": group}),
+                     *((f"gemv prefetch{d} x", {"config": dataclasses.replace(gemv, prefetch=d, x_ahead=True)})
+                       for d in (1, 2, 3)),
                      *((f"decode {d}", {"config": c}) for d, c in register.items())):
         y = rm.repacked_matmul(x, w, **kw)
         assert y.shape == (m, n) and y.dtype == torch.bfloat16, name

@@ -53,6 +53,19 @@ def test_two_groups_ahead_the_gemv_copies_its_words_to_shared_memory_asynchronou
     assert deep.opcodes["BAR"] < ahead.opcodes["BAR"], (deep.opcodes, ahead.opcodes)
 
 
+def test_three_groups_ahead_the_one_row_gemv_holds_the_third_in_shared_memory_not_registers(tmp_path):
+    # why the one-row tuner times it: a third group in flight (a fourth pipeline stage) costs shared memory and a
+    # few registers, not spills, so about as many programs fit an SM with more bytes in flight each
+    k, n = 4096, 11008
+    two = dataclasses.replace(rc.fast_config(1, n, k // 128, ks.H100.sms), prefetch=2, x_ahead=True)
+    three = dataclasses.replace(two, prefetch=3)
+    r2, r3 = (ks.report(ks.repacked_launch(k, n, 1, cfg), ks.H100, tmp_path) for cfg in (two, three))
+    assert r3.local_bytes == 0 and r3.registers <= 128, r3
+    assert r3.global_loads.get("LDGSTS.E.BYPASS.128", 0) >= 1 and "LDG.E.128" not in r3.global_loads, r3
+    shared2, shared3 = (ks.compile_launch(ks.repacked_launch(k, n, 1, cfg), 90).metadata.shared for cfg in (two, three))
+    assert shared2 < shared3 <= 2 * shared2, (shared2, shared3)
+
+
 @pytest.mark.parametrize("plane_lookup,whole_group", [(False, False), (True, False), (False, True)])
 def test_tensor_core_path_compiles_without_spills(tmp_path, plane_lookup, whole_group):
     k, n = 4096, 4096

@@ -109,7 +109,7 @@ def test_split_k_tiles_and_3d_input(cfg):
 @pytest.mark.parametrize("n,k,group,blocksize", [(*shape, 64) for shape in SHAPES] + [(40, 256, 128, 128),
                                                                                       (24, 960, 128, 64)])
 def test_prefetching_groups_ahead_changes_no_bit(n, k, group, blocksize):
-    # the same products and sums, only loaded one or two groups earlier, x with them or not: a tuner may pick
+    # the same products and sums, only loaded one, two or three groups earlier, x with them or not: a tuner may pick
     # any. 1, 2 and 4 scale blocks per group; splits of one group (nothing to prefetch past it), of two, and of
     # three (8 groups, K cut short in the last), so the lookaheads reach past a split's end, masked; 5 rows, so
     # x's lookahead masks rows too
@@ -118,15 +118,20 @@ def test_prefetching_groups_ahead_changes_no_bit(n, k, group, blocksize):
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(2))
     for block_m, block_n, split in ((1, 16, 1), (4, 32, 2), (8, 16, 3)):
         plain = rm.repacked_matmul(x, w, config=rc.RepackedConfig(False, block_m, block_n, split))
-        for depth, x_ahead in ((1, False), (2, False), (1, True), (2, True)):
+        for depth, x_ahead in ((1, False), (2, False), (3, False), (1, True), (2, True), (3, True)):
             cfg = rc.RepackedConfig(False, block_m, block_n, split, prefetch=depth, x_ahead=x_ahead)
             ahead = rm.repacked_matmul(x, w, config=cfg)
             assert torch.equal(plain, ahead), cfg.describe()
     torch.testing.assert_close(ahead.double(), reference(x, packed, state), rtol=1e-5, atol=1e-4)
-    with pytest.raises(ValueError, match="prefetch 0, 1 or 2 and for GEMV only"):
+    with pytest.raises(ValueError, match="prefetch 0 to 3 and for GEMV only"):
         rc.RepackedConfig(True, 16, 64, 1, prefetch=1)
-    with pytest.raises(ValueError, match="prefetch 0, 1 or 2 and for GEMV only"):
-        rc.RepackedConfig(False, 1, 64, 1, prefetch=3)
+    with pytest.raises(ValueError, match="prefetch 0 to 3 and for GEMV only"):
+        rc.RepackedConfig(False, 1, 64, 1, prefetch=4)
+    # the GPU tuner times three groups ahead at one row (each group more took the H200's call down), summed in one
+    # launch too where K is split
+    deeper = [c for c in rc.candidates(1, 11008, 32, 132) if c.prefetch == 3]
+    assert {(c.x_ahead, c.serial) for c in deeper} == {(True, False), (True, True)}
+    assert deeper[0].describe() == "gemv m1 n64 split4 w4 s2 prefetch3 x"
     with pytest.raises(ValueError, match="x_ahead with prefetch only"):
         rc.RepackedConfig(False, 1, 64, 1, x_ahead=True)
 

@@ -25,7 +25,7 @@ class RepackedConfig:
     split_k: int        # programs along K (in whole groups); > 1 adds the reduce kernel
     num_warps: int = 4
     num_stages: int = 2
-    prefetch: int = 0   # GEMV: groups whose words and scales are in flight while one is computed (0, 1, 2;
+    prefetch: int = 0   # GEMV: groups whose words and scales are in flight while one is computed (0, 1, 2, 3;
     # the tensor-core path gets the same from Triton's pipeliner, num_stages). On the H100 one group ahead took
     # the 1-row 4096->11008 call from 33 to 20 µs, and splitting K 2, 4 or 8 ways moved it by 1 µs: a program
     # waits on its loads, not on the bytes. 1: loaded into registers a group ahead by the kernel. 2: the loop
@@ -35,6 +35,9 @@ class RepackedConfig:
     # top, one group's work before, as depth 1 does (the SASS's load-to-first-use distance, sm_90). It took
     # 128 registers and measured slower than depth 1 on every shape on the H200. Pipelined, compiled for sm_90
     # (Triton 3.6, 4096->11008, one row): 96 registers, 2 barriers a group against depth 1's 120 and 8.
+    # 3: the same, three groups ahead (tl.range num_stages 4). Why: on the H200 (11-29) each group more in flight
+    # took the 1-row 4096->11008 call down (none 33.2 µs, 1 20.3, 2 with x 18.6), and loading alone reached 60%
+    # of the copy bandwidth (kernel_ladder): a program's loads are still waited on.
     x_ahead: bool = False   # GEMV with prefetch: x's next group loaded with the words, as 8 planes in registers.
     # Without it each plane's x is loaded just before its products: compiled for sm_90, 16 to 59 instructions
     # ahead of its first use, an L1 or L2 round trip 8 times a group. At one row, with prefetch 2: 80 registers
@@ -78,13 +81,13 @@ class RepackedConfig:
 
     def __post_init__(self):
         if self.block_n % ROWS or self.block_m & (self.block_m - 1) or (self.dot and self.block_m < 16) \
-                or (self.dot and self.prefetch) or self.prefetch not in (0, 1, 2) \
+                or (self.dot and self.prefetch) or self.prefetch not in (0, 1, 2, 3) \
                 or (self.plane_lookup and not self.dot) \
                 or (self.whole_group and (not self.dot or self.plane_lookup)) \
                 or self.decode not in DECODES or (self.decode != "gather" and not self.plane_lookup) \
                 or (self.serial and self.split_k < 2) or (self.x_ahead and not self.prefetch):
             raise ValueError(f"bad repacked config {self}: block_n a multiple of {ROWS}, block_m a power of two "
-                             "(>= 16 with dot), prefetch 0, 1 or 2 and for GEMV only, plane_lookup for dot only, "
+                             "(>= 16 with dot), prefetch 0 to 3 and for GEMV only, plane_lookup for dot only, "
                              f"whole_group for dot only and not with plane_lookup, decode one of {DECODES} and other "
                              "than gather with plane_lookup only, serial with split_k >= 2, x_ahead with prefetch only")
         object.__setattr__(self, "prefetch", int(self.prefetch))   # a tuning remembered as true/false reads as 1/0
@@ -178,6 +181,10 @@ def candidates(m: int, n: int, groups: int, sms: int, scaled: bool = True) -> li
         out += [deep, dataclasses.replace(deep, split_k=split_for(n, groups, first.block_n, 2 * sms))]
         if cls == 1:
             out.append(dataclasses.replace(first, x_ahead=True))
+            # three groups in flight: each group more took the H200's 1-row call down (see prefetch), and its
+            # serial sum, the pick at two
+            deeper = dataclasses.replace(deep, prefetch=3)
+            out += [deeper, *([dataclasses.replace(deeper, serial=True)] if deeper.split_k > 1 else [])]
         for block_n, warps, waves in ((first.block_n, 4, 2), (first.block_n, 4, 8), (2 * first.block_n, 8, 4),
                                       (16, 4, 4)):
             out.append(RepackedConfig(False, cls, block_n, split_for(n, groups, block_n, waves * sms), warps,

@@ -10,9 +10,9 @@ One kernel, three constexpr paths over the same step (one group of G columns of 
   deterministic reduce of fp32 partials: a second kernel, or (``serial``, a tuner candidate) the last
   split of each output tile to arrive, in the same order, so in the same bits. With PREFETCH 1 the next
   group's words and scales are loaded into registers before this group is computed, so their latency hides
-  behind a group's work; with PREFETCH 2 Triton's pipeliner keeps the next two groups' in flight, copied
-  asynchronously into shared memory (it pipelines the tensor-core path's loads by itself, these only when the
-  loop asks). X_AHEAD loads x's next group with them (RepackedConfig.prefetch, x_ahead).
+  behind a group's work; with PREFETCH 2 (3) Triton's pipeliner keeps the next two (three) groups' in flight,
+  copied asynchronously into shared memory (it pipelines the tensor-core path's loads by itself, these only when
+  the loop asks). X_AHEAD loads x's next group with them (RepackedConfig.prefetch, x_ahead).
 - tensor cores (DOT True, M >= 5): each plane (BLOCK_N, G/8) is dequantized once, code * scale in
   fp32 cast to x's dtype as bitsandbytes casts its dequantized weight, and enters ``tl.dot`` as the
   tall operand against x.T (G/8, BLOCK_M): every weight tile is decoded once for all the rows. Or
@@ -107,8 +107,8 @@ def repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, a
     # (BN, LANES) words: 16 rows x G/2 bytes contiguous per row group; row-only mask keeps 16-byte loads
     word = tl.max_contiguous(tl.multiple_of(lane, LANES), LANES)
     scale_col = tl.arange(0, SCALES)
-    # PREFETCH 1 (GEMV): the next group's words and scales are in flight while a group is computed; PREFETCH 2:
-    # Triton's pipeliner keeps the next two groups' in flight instead; X_AHEAD: x's next group too (see
+    # PREFETCH 1 (GEMV): the next group's words and scales are in flight while a group is computed; PREFETCH 2 or 3:
+    # Triton's pipeliner keeps the next two or three groups' in flight instead; X_AHEAD: x's next group too (see
     # RepackedConfig.prefetch and x_ahead)
     if PREFETCH == 1:
         first = (offs_n < tl.where(g_lo < g_hi, N, 0))[:, None]                          # (BN, 1)
@@ -117,7 +117,7 @@ def repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, a
                               other=0)                                                    # (BN, SCALES)
     if X_AHEAD:
         x_next = _x_planes(x_ptr, offs_m, stride_xm, g_lo, tl.where(g_lo < g_hi, M, 0), K, GROUP, EVEN_K)
-    for kg in tl.range(g_lo, g_hi, num_stages=3 if PREFETCH == 2 else None):
+    for kg in tl.range(g_lo, g_hi, num_stages=PREFETCH + 1 if PREFETCH >= 2 else None):
         if X_AHEAD:
             xs = x_next
             x_next = _x_planes(x_ptr, offs_m, stride_xm, kg + 1, tl.where(kg + 1 < g_hi, M, 0), K, GROUP, EVEN_K)
@@ -130,7 +130,7 @@ def repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, a
             scales_next = tl.load(s_ptr + (nxt * SCALES)[:, None] + scale_col[None, :], mask=ahead, other=0)
         else:
             words = tl.load(w_ptr + ((slot + kg * 16) * LANES)[:, None] + word[None, :], mask=n_ok[:, None], other=0)
-            if PREFETCH == 2:
+            if PREFETCH >= 2:
                 scales = tl.load(s_ptr + ((slot + kg * 16) * SCALES)[:, None] + scale_col[None, :], mask=n_ok[:, None],
                                  other=0)                                                  # (BN, SCALES)
         if LADDER == 2:   # the loads alone: the prefetched scales, or this group's
