@@ -67,11 +67,21 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
     acc = tl.full((BLOCK_T, BLOCK_D), 0.0, tl.float32)
     first = split * blocks_per_split * BLOCK_W
     last = tl.minimum(first + blocks_per_split * BLOCK_W, width)
+    # a program's blocks wait on their loads one after another (the loop's loads are conditional, so Triton's
+    # pipeliner leaves them): the mask's next block is loaded a block ahead, and a seen block's values with its
+    # keys. Compiled for sm_90 (Triton 3.6) the values' loads then leave before the scores are computed, and their
+    # wait overlaps the scores and the softmax, where they left after the softmax: a block waited on the mask, then
+    # the keys, then the values
+    w = first + tl.arange(0, BLOCK_W)
+    bias_next = tl.load(mask_ptr + t[:, None] * stride_mt + w[None, :] * stride_mw,
+                        mask=t_ok[:, None] & (w < last)[None, :], other=float("-inf"))       # (BT, BW)
     for start in range(first, last, BLOCK_W):
         w = start + tl.arange(0, BLOCK_W)
         w_ok = w < width
-        bias = tl.load(mask_ptr + t[:, None] * stride_mt + w[None, :] * stride_mw,
-                       mask=t_ok[:, None] & w_ok[None, :], other=float("-inf")).to(tl.float32)   # (BT, BW)
+        bias = bias_next.to(tl.float32)
+        w_next = w + BLOCK_W
+        bias_next = tl.load(mask_ptr + t[:, None] * stride_mt + w_next[None, :] * stride_mw,
+                            mask=t_ok[:, None] & (w_next < last)[None, :], other=float("-inf"))
         # a block every row's mask hides is skipped: its keys and values are never read. TREE (the
         # interpreter): maxima and sums as written-out halvings (its tl.reduce takes seconds a block)
         if TREE:
@@ -89,6 +99,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
         if seen > hidden:
             kv_ok = w_ok[:, None] & d_ok[None, :]
             k = tl.load(k_ptr + kvh * stride_kh + w[:, None] * stride_kw + d[None, :], mask=kv_ok, other=0)   # (BW, BD)
+            v = tl.load(v_ptr + kvh * stride_vh + w[:, None] * stride_vw + d[None, :], mask=kv_ok, other=0)   # (BW, BD)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -115,7 +126,6 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
             else:
                 p_sum = tl.reduce(p, 1, add)
             total = total * alpha + p_sum
-            v = tl.load(v_ptr + kvh * stride_vh + w[:, None] * stride_vw + d[None, :], mask=kv_ok, other=0)   # (BW, BD)
             if IEEE:
                 pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
             else:
