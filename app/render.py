@@ -59,8 +59,8 @@ def note_html(text: str) -> str:
 # Why an answer ended before its own end, under it in its bubble: an answer cut at Max new tokens ended mid-sentence
 # with only the readout, under the message box, saying why (QA). By StepResult's finish reason; "eos" needs none.
 ENDED = {
-    "length": "cut at Max new tokens ({tokens} tokens): raise it in the panel, then Regenerate, for the rest",
-    "context": "cut where the model's context window filled, after {tokens} tokens",
+    "length": "cut at Max new tokens ({tokens}): raise it in the panel, then Regenerate, for the rest",
+    "context": "cut where the model's context window filled, after {tokens}",
     "cancelled": "stopped",
 }
 
@@ -68,7 +68,8 @@ ENDED = {
 def ended_html(reason: str, tokens: int) -> str:
     """The line under an answer that ``reason`` ended early; "" for an answer that ended itself (or unknown)."""
     text = ENDED.get(reason)
-    return f'<div class="ended">⋯ {html.escape(text.format(tokens=tokens))}</div>' if text else ""
+    count = f"{tokens} token{'' if tokens == 1 else 's'}"       # QA: "(1 tokens)" under a one-token answer
+    return f'<div class="ended">⋯ {html.escape(text.format(tokens=count))}</div>' if text else ""
 
 
 def reply_html(segments: list[tuple[str, bool]], colour: bool = False) -> str:

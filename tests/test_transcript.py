@@ -246,6 +246,7 @@ def test_a_reloaded_answer_cut_short_still_says_why_under_it():
         return panes[0]
 
     assert "⋯ cut at Max new tokens (256 tokens)" in shown("length")
+    assert "⋯ cut at Max new tokens (1 token):" in shown("length", 1)          # QA: "(1 tokens)"
     assert "⋯ cut where the model's context window filled, after 8000 tokens" in shown("context", 8000)
     assert "⋯ stopped" in shown("cancelled")
     for ends_itself in (shown("eos"), shown(None), shown(["length"]), shown("length", "256")):
