@@ -12,6 +12,7 @@ where another model can be picked.
 from __future__ import annotations
 
 import argparse
+import atexit
 import errno
 import hmac
 import ipaddress
@@ -267,21 +268,35 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         demo.close()
     if slot.state().phase == "loading":
-        end_while_loading()
-    return 0
+        end_now("stopped while the model was loading")
+    # an answer running: it ends at its next step, and the exit waits for that (the interpreter's exit with the
+    # model's thread inside torch aborted, as under a load); a step that outlasts the wait ends as a load does
+    if not slot.shut_down(EXIT_WAIT_S):
+        end_now(f"stopped while answering (the step in progress outlasted {EXIT_WAIT_S:.0f} s)")
+    # the exit's handlers (the tabs' exports, tree files, ...), then the end without the C++ runtime's teardown:
+    # after an answer streamed through the API had just been ended, that teardown still aborted in 1 run of 3
+    # ("terminate called without an active exception", exit -6), with every Python thread out of torch
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
-def end_while_loading() -> None:
-    """The end of a process stopped while a model loads. The load's thread is inside torch (converting, or timing
-    trees): the interpreter's exit under it aborted ("terminate called without an active exception", exit 134).
-    Nothing it holds needs saving (the conversion and the tuner's cache write each land in one rename), so the
-    process ends here, removing first what the exit handlers would have: the tabs' exports, its tree files."""
+EXIT_WAIT_S = 10.0      # how long the exit waits for an answer's step in progress: a step is well under a second
+
+
+def end_now(line: str) -> None:
+    """The end of a process stopped while a thread is inside torch (a load converting or timing trees, or a step
+    that outlasted the exit's wait): the interpreter's exit under it aborted ("terminate called without an active
+    exception", exit 134). Nothing it holds needs saving (the conversion and the tuner's cache write each land in
+    one rename), so the process ends here, removing first what the exit handlers would have: the tabs' exports,
+    its tree files."""
     from app.export_files import remove_all as remove_exports
     from medusa_core.loading.tree_tuning import remove_own_tree_files
 
     remove_exports()
     remove_own_tree_files()
-    print("stopped while the model was loading", flush=True)
+    print(line, flush=True)
     sys.stderr.flush()
     os._exit(0)
 

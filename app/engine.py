@@ -191,6 +191,18 @@ class ChatEngine:
         self._closed = reason
         self._model_thread.shutdown(wait=False)
 
+    def shut_down(self, timeout: float) -> bool:
+        """Close for the app's exit and wait up to ``timeout`` s for the model thread to end the step it is in
+        (a request on it ends at its next step, saying the app is shutting down): True once it has. Why: the
+        interpreter's exit with that thread inside torch aborted ("terminate called without an active
+        exception", exit -6), so a Ctrl+C or docker stop during an answer ended in a crash, skipping the exit's
+        clean-up."""
+        self.close("the app is shutting down")
+        waiter = threading.Thread(target=self._model_thread.shutdown, name="model-exit", daemon=True)
+        waiter.start()                    # shutdown(wait=True) has no timeout of its own
+        waiter.join(timeout)
+        return not waiter.is_alive()
+
     # ---- trees
     def _tree_choices(self, preferred: Sequence[str]) -> list[tuple[str, str]]:
         """(label with node count, name) for every tree the loaded heads can fill; the trees the

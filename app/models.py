@@ -277,6 +277,14 @@ class ModelSlot:
         self._log(line)
         return line
 
+    def shut_down(self, timeout: float) -> bool:
+        """The app is exiting: every answer ends at its next step, and this waits up to ``timeout`` s for the
+        model's thread to leave torch (ChatEngine.shut_down); True once nothing runs there (or no model is
+        loaded)."""
+        with self._lock:
+            engine = self.engine
+        return engine is None or engine.shut_down(timeout)
+
     def dismiss_failure(self) -> None:
         """A Load the page refused before starting (no model given) supersedes the last failed load: its
         error leaves the status line, which says again what is loaded (the refusal has its own line)."""

