@@ -260,13 +260,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"OpenAI-compatible API: http://{args.host}:{port}/v1  (POST /v1/chat/completions, GET /v1/models"
               f"{'; key required' if args.api_key else ''})", flush=True)
     slot.start(spec)
+
+    def stop(signum: int, frame) -> None:
+        # every answer ends at its next step first: the server's close waits (5 s) on a streaming answer
+        slot.stop_answers()
+        raise KeyboardInterrupt
+
     # SIGTERM (docker stop, systemctl stop, kill) ends the app as Ctrl+C does: it killed the process outright, and
     # what is removed at exit (a busy start's tree file) stayed
-    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     try:
         demo.block_thread()     # Ctrl+C: Gradio's own handler closes the server and returns
     except KeyboardInterrupt:
         demo.close()
+    # a second Ctrl+C or SIGTERM while the exit waits: at once (it raised in the wait or a handler, and the
+    # interpreter's exit under the model's thread aborted)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: end_now("stopped at once"))
     if slot.state().phase == "loading":
         end_now("stopped while the model was loading")
     # an answer running: it ends at its next step, and the exit waits for that (the interpreter's exit with the
@@ -282,7 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     os._exit(0)
 
 
-EXIT_WAIT_S = 10.0      # how long the exit waits for an answer's step in progress: a step is well under a second
+# how long the exit waits for an answer's step in progress: a decoding step takes milliseconds, a prefill's chunk
+# can take seconds on a CPU; with the server's own 5 s this stays under docker stop's 10 s before its SIGKILL
+EXIT_WAIT_S = 4.0
 
 
 def end_now(line: str) -> None:

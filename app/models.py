@@ -277,10 +277,17 @@ class ModelSlot:
         self._log(line)
         return line
 
+    def stop_answers(self) -> None:
+        """The app is exiting: every answer on the loaded model ends at its next step (no wait: a signal handler
+        calls this)."""
+        engine = self.engine
+        if engine is not None:
+            engine.close("the app is shutting down")
+
     def shut_down(self, timeout: float) -> bool:
         """The app is exiting: every answer ends at its next step, and this waits up to ``timeout`` s for the
-        model's thread to leave torch (ChatEngine.shut_down); True once nothing runs there (or no model is
-        loaded)."""
+        loaded model's thread to leave torch (ChatEngine.shut_down); True once it has (or no model is loaded).
+        Replaced models' engines were closed when replaced."""
         with self._lock:
             engine = self.engine
         return engine is None or engine.shut_down(timeout)

@@ -208,7 +208,8 @@ def test_nf4_heads_on_this_gpu_go_where_it_times_them_faster_and_decode_in_a_gra
     repacked_us, bnb_us = (float(t) for t in
                            re.search(r"\(([\d.]+) µs a head against ([\d.]+) on bitsandbytes", described).groups())
     on_repacked = all(type(head[-1]) is RepackedNF4Linear for head in heads.heads)
-    assert on_repacked == (choice == "repacked" or repacked_us < bnb_us), described
+    if choice == "repacked" or abs(repacked_us - bnb_us) >= 0.1:     # the line's figures are rounded to 0.1 µs
+        assert on_repacked == (choice == "repacked" or repacked_us < bnb_us), described
     runs = graphed_and_eager(model, "cartesian-2x2x2", 24, heads)
     assert runs[0] == runs[1] and len(runs[0]) == 24
 

@@ -334,11 +334,13 @@ def test_the_split_attention_compiles_to_tensor_cores_with_nothing_in_local_memo
         # HMMA (mma.sync), or at 64 rows Hopper's HGMMA (wgmma)
         assert merge or any(op.startswith(("HMMA", "HGMMA")) for op in opcodes), sorted(set(opcodes))
         if not merge:
-            # a block's values are loaded with its keys, not after its softmax: nothing is loaded between the first
-            # exponential and the tensor-core op after it (the values' product), so their wait overlaps the scores
+            # a block's values are loaded with its keys, not after its softmax: between the first exponential and
+            # the tensor-core op after it (the values' product) at most a mask block's load (a compiler may put the
+            # next block's there), where the values took 4 (dim 64) or 8 (dim 128) loads a thread
             first_exp = opcodes.index(next(op for op in opcodes if op.startswith("MUFU.EX2")))
             product = next(i for i in range(first_exp, len(opcodes)) if opcodes[i].startswith(("HMMA", "HGMMA")))
-            assert not [op for op in opcodes[first_exp:product] if op.startswith("LDG")], opcodes[first_exp:product]
+            loads = [op for op in opcodes[first_exp:product] if op.startswith("LDG")]
+            assert len(loads) <= 2, opcodes[first_exp:product]
         if serial:
             # the merge in the launch reads the other programs' partials only after they are published: every
             # thread's stores, a barrier, a GPU-scope fence and atomic, the L1 invalidated, a barrier, then

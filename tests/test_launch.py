@@ -79,7 +79,7 @@ def test_ctrl_c_while_an_answer_runs_ends_it_and_exits_cleanly(tmp_path, stop):
         assert proc.wait(timeout=60) == 0, log.read_text()
         client.join(30)
     console = log.read_text()
-    assert "terminate called" not in console, console
+    assert "terminate called" not in console and "stopped while answering" not in console, console   # not cut short
     assert not client.is_alive(), "the client's stream did not end"     # with "the app is shutting down", or cut
 
 

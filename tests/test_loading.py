@@ -215,7 +215,38 @@ def test_heads_quant_nf4_runs_the_heads_on_the_kernel_nf4_kernel_names(root, mon
     loaded = load(LoadSpec(heads=str(root / "own"), device="cpu", heads_quant="nf4", nf4_kernel="repacked"))
     assert all(type(head[-1]) is RepackedNF4Linear for head in loaded.heads.heads)
     assert "; heads: repacked Triton kernel for 5 NF4 projections" in loaded.description, loaded.description
-    assert_greedy_identical(loaded, n=12, chain=False)
+
+
+def test_a_load_without_nf4_anywhere_never_imports_bitsandbytes(root):
+    """Heads that are not NF4 are not routed (a review found every load with heads importing bitsandbytes: 2 s of a
+    CPU start, and a load that failed outright where bitsandbytes is broken)."""
+    import subprocess
+    import sys
+
+    script = ("import sys\n"
+              "from medusa_core.loading.load import load\n"
+              "from medusa_core.loading.spec import LoadSpec\n"
+              "load(LoadSpec(heads=sys.argv[1], device='cpu'))\n"
+              "print('bitsandbytes' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(root / "own")], cwd=Path(__file__).resolve().parent.parent,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "False", proc.stdout
+
+
+def test_a_tree_tuned_beside_nf4_heads_on_the_repacked_kernel_is_kept_apart(root, monkeypatch):
+    """The tuned-tree cache's key names the NF4 heads' kernel where it is not bitsandbytes (until 2026-11-30 their
+    only one): a tree tuned with the heads on bitsandbytes does not fit heads 26 µs faster each."""
+    pytest.importorskip("triton", reason="the repacked NF4 kernel needs Triton")
+    from medusa_core.loading.policy import tuning_mode
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    loaded = load(LoadSpec(heads=str(root / "own"), device="cpu", heads_quant="nf4", nf4_kernel="repacked"))
+    spec = LoadSpec(heads=str(root / "own"), device="cpu", heads_quant="nf4")
+    mode = json.loads(tuning_mode(spec, loaded.model, "cpu", "none", torch.float32, loaded.heads))
+    assert mode["heads_kernel"] == "repacked"
+    plain = load(LoadSpec(heads=str(root / "own"), device="cpu", heads_quant="nf4"))      # auto off CUDA: bnb
+    assert "heads_kernel" not in json.loads(tuning_mode(spec, plain.model, "cpu", "none", torch.float32, plain.heads))
 
 
 def test_heads_quant_nf4_on_heads_without_projections_is_refused_before_the_backbone_loads(root, monkeypatch):

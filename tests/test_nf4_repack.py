@@ -630,6 +630,9 @@ def test_an_nf4_kernel_beside_nf4_heads_alone_is_not_refused_as_applying_to_noth
 
     assert "makes none: add --quant nf4, or drop --nf4-kernel" in flag_error("bnb", "cuda:0", "none")
     assert flag_error("bnb", "cuda:0", "none", heads_quant="nf4") is None      # the heads' NF4 projections
+    # but exact mode is the backbone's: with NF4 heads alone it would make nothing exact
+    assert flag_error("repacked-exact", "cuda:0", "none", heads_quant="nf4").startswith(
+        "--nf4-kernel repacked-exact makes an NF4 backbone's steps row-exact, and --quant none on cuda:0 makes none")
 
 
 def test_exact_mode_takes_the_row_exact_attention_and_says_what_else_this_machine_keeps_row_invariant():

@@ -277,7 +277,9 @@ def route_kernels(model, spec: LoadSpec, quant: str, device: str, progress: Prog
     try:
         with timings.routing() if timings else contextlib.nullcontext():
             nf4_text = use_nf4_kernel(model, spec.nf4_kernel) if quant == "nf4" else ""
-            heads_text = use_nf4_heads(heads, spec.nf4_kernel) if heads is not None else ""
+            # NF4 heads only: anything else never imports bitsandbytes (2 s of a CPU start)
+            heads_text = use_nf4_heads(heads, spec.nf4_kernel) if heads is not None and spec.heads_quant == "nf4" \
+                else ""
             # after the NF4 kernel: exact mode brings its own norms, and leaving it takes any Triton norm out
             norm_text = use_norm_kernel(model, spec.norm_kernel)
             # after the NF4 kernel too: exact mode's attention is its own, and auto leaves it so

@@ -119,12 +119,12 @@ def choose_tree(heads_source: str | None, heads: MedusaHeads | None, device: str
     return "small-16" if n >= 5 else "small-8" if n == 4 else f"chain-{n}"
 
 
-def tuning_mode(spec: LoadSpec, model, device: str, quant: str, dtype: torch.dtype) -> str:
-    """What a tuned tree's cache entry is for, besides the machine, model and heads: the NF4 kernel and the
-    norms, rotary and attention are the ones routed (``auto`` picks each by timing on the GPU, and trees tuned on
-    one step do not fit another), the CPU int4 mode's lm_head, and the projections fused (fused_projections.py).
-    transformers' own, the bf16 head and projections apart add no key, so entries tuned before the Triton
-    kernels, the int4 head and the fusion still match."""
+def tuning_mode(spec: LoadSpec, model, device: str, quant: str, dtype: torch.dtype, heads=None) -> str:
+    """What a tuned tree's cache entry is for, besides the machine, model and heads: the NF4 kernel (and the NF4
+    heads' where it is not bitsandbytes) and the norms, rotary and attention are the ones routed (``auto`` picks
+    each by timing on the GPU, and trees tuned on one step do not fit another), the CPU int4 mode's lm_head, and
+    the projections fused (fused_projections.py). transformers' own, the bf16 head and projections apart add no
+    key, so entries tuned before the Triton kernels, the int4 head and the fusion still match."""
     from ..quant.attention_routing import attention_routed, rotary_routed
     from ..quant.bnb import routed_kernel
     from ..quant.fused_projections import fused_groups
@@ -133,8 +133,11 @@ def tuning_mode(spec: LoadSpec, model, device: str, quant: str, dtype: torch.dty
     norms, rotary, attention = norms_routed(model), rotary_routed(model), attention_routed(model)
     head = getattr(model.get_output_embeddings(), "kind", "")      # the CPU int4 mode's (cpu_int4.choose_head)
     fused = ",".join(fused_groups(model))
+    # NF4 heads' kernel (use_nf4_heads): bitsandbytes was the only one until 2026-11-30, so that adds no key
+    heads_kernel = routed_kernel(heads) if heads is not None and spec.heads_quant == "nf4" else None
     return json.dumps({"device": device, "quant": quant, "dtype": str(dtype), "heads_quant": spec.heads_quant,
                        "nf4_kernel": routed_kernel(model) or spec.nf4_kernel,
+                       **({"heads_kernel": heads_kernel} if heads_kernel not in (None, "bnb") else {}),
                        **({"lm_head": head} if head == "int4" else {}),
                        **({"fused": fused} if fused else {}),
                        **({"norms": norms} if norms == "triton" else {}),
@@ -173,7 +176,8 @@ def pick_tree(spec: LoadSpec, model, tokenizer, heads: MedusaHeads | None, heads
                       "(python -m medusa_core.calibrate --out HEADS_DIR/tree.json measures them)"), None
     try:
         tuned, tree_file = tuned_tree(model, heads, tokenizer, accuracy.table, accuracy.source, heads_dir=heads_dir,
-                                      mode=tuning_mode(spec, model, device, quant, dtype), cache_root=smollm2.cache_root(),
+                                      mode=tuning_mode(spec, model, device, quant, dtype, heads),
+                                      cache_root=smollm2.cache_root(),
                                       retune=spec.retune, progress=progress)
     except OSError as err:     # the tree file this start runs from, in the temporary folder (the cache's does not fail)
         raise LoadError(f"could not write the tuned tree's file into {err.filename or tempfile.gettempdir()} "

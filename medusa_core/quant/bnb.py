@@ -31,6 +31,9 @@ def flag_error(choice: str, device: str, quant: str | None = None, heads_quant: 
     if choice != "auto" and not nf4_backbone and heads_quant != "nf4":
         return (f"--nf4-kernel {choice} picks the kernel of NF4 weights, and --quant {quant} on {device} "
                 "makes none: add --quant nf4, or drop --nf4-kernel")
+    if choice == "repacked-exact" and not nf4_backbone:     # the heads only propose: no exact mode of theirs
+        return (f"--nf4-kernel repacked-exact makes an NF4 backbone's steps row-exact, and --quant {quant} on "
+                f"{device} makes none (the NF4 heads never run exact): use --nf4-kernel repacked, or add --quant nf4")
     if choice not in ("auto", "bnb") and not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
         return (f"--nf4-kernel {choice}: the Triton kernels need a CUDA device (on {device} they run only under "
                 "Triton's interpreter, TRITON_INTERPRET=1, slowly, for tests): use --nf4-kernel bnb or auto")
@@ -267,6 +270,8 @@ def use_nf4_heads(heads: nn.Module, choice: str) -> str:
         if choice == "auto" and bnb_us <= repacked_us:
             return plain + note
     made, kept = nf4_fused.repack_layers(layers, fuse=())
+    if not made:            # a layout the repacking does not take (say, bitsandbytes' own CPU repacking)
+        return f"{plain}{note} (the repacked kernel cannot read them: {kept[0]})"
     kept_text = f"; {len(kept)} kept on bitsandbytes ({kept[0]})" if kept else ""
     return f"heads: repacked Triton kernel for {len(made)} NF4 projections{note}{kept_text}"
 
