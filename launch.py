@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     def stop(signum: int, frame) -> None:
         # every answer ends at its next step first: the server's close waits (5 s) on a streaming answer
         slot.stop_answers()
-        raise KeyboardInterrupt
+        interrupt(signum, frame)
 
     # SIGTERM (docker stop, systemctl stop, kill) ends the app as Ctrl+C does: it killed the process outright, and
     # what is removed at exit (a busy start's tree file) stayed
