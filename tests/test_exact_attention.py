@@ -43,6 +43,34 @@ def test_a_tree_row_equals_the_plain_step_for_its_token(prefix):
     assert torch.equal(tree[:, 2:3], plain(2, upto + [prefix + 2]))
 
 
+def test_rows_off_the_first_chain_equal_their_plain_steps_in_every_layer_of_a_forward():
+    """A deeper tree, several layers of one forward: rows whose ancestors are not contiguous after the
+    prefix read the shared leading slots from buffers the forward keeps and refills per layer, then
+    their own; each row still gets what a plain step over its own keys gets, in every layer."""
+    prefix = 40
+    paths = [(0,), (1,), (0, 0), (1, 0), (1, 1), (1, 0, 0)]             # node i + 1 is paths[i]; 0 is the root
+    nodes = [()] + paths
+    width = prefix + len(nodes)
+    mask = torch.full((1, 1, len(nodes), width), NEG)
+    mask[..., :prefix + 1] = 0                                        # the prefix and the root
+    for row, path in enumerate(nodes):
+        for depth in range(1, len(path) + 1):
+            mask[..., row, prefix + nodes.index(path[:depth])] = 0    # its ancestors and itself
+    g = torch.Generator().manual_seed(5)
+    shared = {}
+    for _ in range(3):                                                # three layers, one scratch
+        key = torch.randn(1, KV_HEADS, width, DIM, generator=g)
+        value = torch.randn(1, KV_HEADS, width, DIM, generator=g)
+        query = torch.randn(1, HEADS, len(nodes), DIM, generator=g)
+        tree = attend(query, key, value, mask, shared)
+        for row in range(len(nodes)):
+            slots = (mask[0, 0, row] == 0).nonzero().squeeze(1)
+            alone = attend(query[:, :, row:row + 1], key[:, :, slots], value[:, :, slots],
+                           torch.zeros(1, 1, 1, len(slots)))
+            assert torch.equal(tree[:, row:row + 1], alone), (row, nodes[row])
+    assert "gathered" in shared                                       # the buffers were used, and kept
+
+
 def test_it_is_attention():
     g = torch.Generator().manual_seed(0)
     key, value = torch.randn(1, KV_HEADS, 9, DIM, generator=g), torch.randn(1, KV_HEADS, 9, DIM, generator=g)

@@ -7,8 +7,9 @@ is not such a function of the row alone: a row's output changes in the last fp32
 number of query rows and with masked-out key columns, enough for greedy Medusa to leave plain
 decoding's answers (docs/cpu_default.md, "Attention had to become row-exact"). Here every
 row is one SDPA call with no mask over a key tensor of exactly its visible slots, which is what
-a plain 1-row step over the same prefix calls too: the committed prefix is a view, and only a
-row whose tree ancestors are not contiguous after it copies its keys.
+a plain 1-row step over the same prefix calls too: the committed prefix is a view, and a row whose
+tree ancestors are not contiguous after it reads a buffer holding the prefix (copied once per layer)
+with its own few slots written after it.
 
 It is registered with transformers' ``AttentionInterface`` and used where cpu_int4 is (the CPU,
 batch 1) and under the repacked NF4 kernel's exact mode (quant/bnb.py). On CUDA the same contract is
@@ -57,21 +58,41 @@ def exact_rows_attention(module, query: torch.Tensor, key: torch.Tensor, value: 
         from .rows_alone_attention import attend_listed
 
         return attend_listed(query, key, value, *rows, scaling), None
-    prefix, counts, slots = rows
+    prefix, counts, tails, lead = rows
     _, heads, t, dim = query.shape
     kv_heads = key.shape[1]
     # a row's query heads as (kv_heads, heads per kv head): the group that shares a kv head becomes
     # the rows of one call, with no GQA expansion of the keys (1.3-1.4x faster from 1,000 keys on)
     grouped = query.transpose(1, 2).reshape(t, 1, kv_heads, heads // kv_heads, dim)   # (T, 1, kv, g, D)
+    gathered = None
     outs = []
     for i in range(t):
         n = counts[i]
         if prefix[i]:
             k, v = key[:, :, :n], value[:, :, :n]
         else:
-            k, v = key.index_select(2, slots[i]), value.index_select(2, slots[i])   # (1, kv_heads, n, D)
+            if gathered is None:
+                gathered = gather_buffers(shared, key, value, lead, max(c for c, p in zip(counts, prefix) if not p))
+            k, v = gathered
+            k[:, :, lead:n], v[:, :, lead:n] = key[:, :, tails[i]], value[:, :, tails[i]]   # its ancestors, itself
+            k, v = k[:, :, :n], v[:, :, :n]                                                  # (1, kv_heads, n, D)
         outs.append(F.scaled_dot_product_attention(grouped[i], k, v, scale=scaling))  # (1, kv_heads, g, D)
     return torch.stack(outs, 1).reshape(1, t, heads, dim), None                   # (1, T, heads, D)
+
+
+def gather_buffers(shared: dict, key: torch.Tensor, value: torch.Tensor, lead: int,
+                   width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two (1, kv_heads, width, D) buffers holding this layer's first ``lead`` keys and values: the slots
+    every row off the first chain reads first (the committed prefix and the tree's root). Each such row then
+    writes only its own last few slots after them, where a copy of all its keys per row used to cost a
+    17-node step on 2 CPU cores more than its SDPA calls. Allocated once per forward, kept in its scratch."""
+    shape = (1, key.shape[1], width, key.shape[3])
+    kept = shared.get("gathered")
+    if kept is None or kept[0].shape != shape or kept[0].dtype != key.dtype:
+        kept = shared["gathered"] = (key.new_empty(shape), value.new_empty(shape))
+    kept[0][:, :, :lead] = key[:, :, :lead]
+    kept[1][:, :, :lead] = value[:, :, :lead]
+    return kept
 
 
 def kernel_path(query: torch.Tensor) -> bool:
@@ -83,7 +104,8 @@ def row_keys(shared: dict, mask: torch.Tensor, width: int, on_device: bool) -> t
     """Which keys each row reads, from the forward's mask, worked out by the forward's first layer
     and kept in ``shared`` for the others (they get the same mask object; another mask is worked out
     again). On the device: visible_slots' (slots (T, W), counts (T,)). On the host: (prefix (T,) bool
-    list, counts (T,) int list, slots: per row its (n,) ascending slot tensor, None where prefix)."""
+    list, counts (T,) int list, tails, lead): the rows that are not a prefix all see slots 0..lead-1, and
+    tails has per row its visible slots after those, ascending ((n - lead,) tensor; None where prefix)."""
     kept = shared.get("rows")
     if kept is not None and kept[0] is mask and kept[1] == width:   # one forward runs on one device
         return kept[2]
@@ -100,8 +122,12 @@ def row_keys(shared: dict, mask: torch.Tensor, width: int, on_device: bool) -> t
         # a row that sees exactly the first n slots (every prefill row, a plain step, a tree's first
         # chain) reads a view; found for all rows at once, not with one nonzero per row
         prefix = (seen == (torch.arange(seen.shape[1]) < counts[:, None])).all(1).tolist()   # (T,)
-        slots = [None if p else seen[i].nonzero().squeeze(1) for i, p in enumerate(prefix)]
-        rows = (prefix, counts.tolist(), slots)
+        # the rest read a run of leading slots they share (the committed prefix, the root), then a few
+        # of their own: the run is copied once per layer, each row's own slots (its tail) after it
+        others = ~torch.tensor(prefix)
+        lead = int(seen[others].int().cumprod(1).sum(1).min()) if others.any() else 0
+        tails = [None if p else seen[i, lead:].nonzero().squeeze(1) + lead for i, p in enumerate(prefix)]
+        rows = (prefix, counts.tolist(), tails, lead)
     shared["rows"] = (mask, width, rows)
     return rows
 
