@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 
-from medusa_core.decoding.config import DEFAULTS, MODES, SettingError, is_greedy
+from medusa_core.decoding.config import DEFAULTS, MODES, SettingError, is_greedy, limits
 from medusa_core.errors import first_line
 from medusa_core.loading.chat_format import MESSAGE_SHAPE, json_kind, json_value, to_messages
 
@@ -61,6 +61,10 @@ NO_EFFECT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls",
              "verbosity", "prompt_cache_key", "safety_identifier", "prediction")
 STREAM_OPTIONS = ("include_usage", "include_obfuscation")   # the second changes nothing in a local answer
 MEDUSA_KEYS = ("tree", "mode", "epsilon", "delta")   # what "medusa" may hold: a misspelt key is refused too
+# A message's fields besides role and content that OpenAI's own responses carry, null or empty without tools: a
+# client that sends a reply back as it came (the openai client's message.model_dump()) sends them
+REPLY_FIELDS = ("refusal", "annotations", "audio", "function_call", "tool_calls")
+TEXT_PART = '{"type": "text", "text": "..."}'
 # The longest a stream stays silent. Reading a long prompt on the CPU sends no token for tens of seconds,
 # and a client or proxy with a short read timeout would give up; an SSE comment every 2 s keeps it
 # (and writing one is what reveals a client that has gone, so the read stops early).
@@ -180,22 +184,23 @@ def read_body(body: bytes) -> dict:
     return data
 
 
-def number(data: dict, name: str, default, low: float, high: float, integer: bool = False, within: str = ""):
+def number(data: dict, name: str, default, low: float, high: float, integer: bool = False, within: str = "",
+           fix: str = ""):
     """``data[name]`` checked to be a finite number (an integer if asked) in [low, high]; ``within``: the object
-    holding it, as errors name it ("medusa.epsilon")."""
+    holding it, as errors name it ("medusa.epsilon"); ``fix``: what to give instead, where [low, high] is not
+    the whole story (an open end)."""
     value = data.get(name)
     if value is None:
         return default
     name = f"{within}.{name}" if within else name
     kind = "an integer" if integer else "a number"
     span = f"{int(low):,} to {int(high):,}" if integer else f"{low:g} to {high:g}"
+    fix = fix or f"give {kind} from {span}"
     shown = json_value(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not float(value).is_integer()):
-        raise ApiError(400, f"{name} {shown} is not {kind}: give {kind} from {span}", param=name,
-                       code="invalid_value")
+        raise ApiError(400, f"{name} {shown} is not {kind}: {fix}", param=name, code="invalid_value")
     if not math.isfinite(value) or not low <= value <= high:
-        raise ApiError(400, f"{name} {shown} is out of range: give {kind} from {span}", param=name,
-                       code="invalid_value")
+        raise ApiError(400, f"{name} {shown} is out of range: {fix}", param=name, code="invalid_value")
     return int(value) if integer else float(value)
 
 
@@ -216,6 +221,34 @@ def unused(data: dict, medusa: dict, mode: str, passes: tuple[str, ...]) -> None
             raise ApiError(400, f"{field} {json_value(data[field])} does nothing under medusa.mode \"typical\", which keeps "
                                 "tokens by epsilon and delta: remove it, or use mode \"sample\"", param=field,
                            code="invalid_value")
+
+
+def check_message_fields(messages: list) -> None:
+    """A field a message or a text part does not take is refused by name, as the request's own fields are (a
+    misspelt or unsupported one was read past: "name" changes OpenAI's answer and changed nothing here). The
+    roles, contents and attachments are to_messages' to check."""
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            continue
+        for key, value in message.items():
+            if key in ("role", "content") or (key in REPLY_FIELDS and value in (None, [])):
+                continue
+            what = ("this chat has no participant names" if key == "name" else
+                    "this local chat has no tools" if key in ("tool_calls", "function_call") else
+                    "a message here takes role and content")
+            raise ApiError(400, f"message {i} has the field {key!r} ({json_value(value)}): {what}: remove it",
+                           param="messages", code="unknown_parameter")
+        content = message.get("content")
+        for part in [content] if isinstance(content, dict) else content if isinstance(content, list) else []:
+            if not isinstance(part, dict):
+                continue
+            if "type" not in part:
+                raise ApiError(400, f"message {i} has a part without \"type\" ({json_value(part)}): give "
+                                    f"{TEXT_PART}", param="messages", code="invalid_value")
+            extra = [key for key in part if key not in ("type", "text")] if part["type"] == "text" else []
+            if extra:
+                raise ApiError(400, f"message {i} has a text part with the field {extra[0]!r}: remove it (a text part "
+                                    f"is {TEXT_PART})", param="messages", code="unknown_parameter")
 
 
 def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
@@ -263,6 +296,7 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
     if len(messages) > MAX_MESSAGES:
         raise ApiError(400, f"messages has {len(messages):,} entries; at most {MAX_MESSAGES:,} are accepted: "
                             "send the recent part of the conversation", param="messages")
+    check_message_fields(messages)
     try:
         texts = to_messages(messages)
     except ValueError as err:   # a role or part the chat cannot take
@@ -344,9 +378,9 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
             raise ApiError(400, f"medusa.mode {json_value(mode)} is unknown: use one of {', '.join(MODES)} (or "
                                 '"medusa": false for plain decoding)',
                            param="medusa.mode", code="invalid_value")
-        # a number here; its range (0 excluded) is DecodeConfig's to say, as for the page
-        epsilon = number(medusa, "epsilon", epsilon, -math.inf, math.inf, within="medusa")
-        delta = number(medusa, "delta", delta, -math.inf, math.inf, within="medusa")
+        # a number here, named with DecodeConfig's range (0 excluded), which refuses 0 itself, as for the page
+        epsilon = number(medusa, "epsilon", epsilon, 0, 1, within="medusa", fix=limits("epsilon").fix)
+        delta = number(medusa, "delta", delta, 0, 1, within="medusa", fix=limits("delta").fix)
         unused(data, medusa, mode, passes)
     else:
         raise ApiError(400, f"medusa {json_value(medusa)}: give an object such as "

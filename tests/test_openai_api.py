@@ -164,6 +164,17 @@ HOSTILE = [
     ({"model": MODEL, "messages": [{"role": None, "content": "hi"}]}, 400, "message 0 has role null"),
     ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": None}]}]}, 400, "a part of type null"),
     ({"model": MODEL, "messages": [{"role": "user", "content": [["hi"]]}]}, 400, "message 0 has an array as a part"),
+    # a field a message or a part does not take is refused by name, as the request's own (QA: read past)
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi", "bogus": True}]}, 400,
+     "message 0 has the field 'bogus' (true): a message here takes role and content: remove it"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi", "name": "ann"}]}, 400,
+     "message 0 has the field 'name' (\"ann\"): this chat has no participant names: remove it"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [{"text": "hi"}]}]}, 400,
+     'message 0 has a part without "type" ({"text": "hi"}): give {"type": "text", "text": "..."}'),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "foo": 1}]}]}, 400,
+     "message 0 has a text part with the field 'foo': remove it"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"mode": "typical", "delta": "x"}},
+     400, 'medusa.delta "x" is not a number: use a value in (0, 1]'),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": True}, 400, "n true is not a number"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": "1"}, 400,
      'n "1" is not a number: give n=1'),
@@ -295,6 +306,14 @@ def test_hostile_input_gets_openai_shaped_errors_and_the_server_keeps_serving(ap
                                                      {"role": "user", "content": FRANCE}]}).json()["usage"]
                    for role in ("developer", "system")]
         assert briefed[0] == briefed[1] and briefed[0]["prompt_tokens"] != ok.json()["usage"]["prompt_tokens"]
+        # a reply sent back as the openai client dumps it: its null fields are taken, and change nothing
+        reply = {"role": "assistant", "content": "Paris."}
+        dumped = {**reply, "refusal": None, "annotations": None, "audio": None, "function_call": None,
+                  "tool_calls": None}
+        usages = [http.post(url, json={"model": MODEL, "temperature": 0, "max_tokens": 2, "messages": [
+            {"role": "user", "content": FRANCE}, said, {"role": "user", "content": "And Spain?"}]}).json()["usage"]
+            for said in (reply, dumped)]
+        assert usages[0] == usages[1], usages
 
 
 def test_a_body_over_the_limit_is_refused_before_it_is_read(app):
