@@ -4,9 +4,10 @@ Checks the flags, serves the chat page on 127.0.0.1 at once, and loads the model
 (4-bit Vicuna-7B v1.3 with Medusa heads on a CUDA machine; without CUDA
 SmolLM2-135M-Instruct, converted once into the user's cache, with the heads in
 assets/smollm2) in the background while the page shows its progress. Flag errors a
-user can fix (busy port, missing directory, unknown tree) print one line and exit 1
-before anything loads; a load failure is one line in the console and in the page,
-where another model can be picked.
+user can fix (busy port, missing directory or one with no model or heads in it, unknown
+tree or one deeper than local heads) print one line and exit 1 before anything loads
+(argparse's own, a bad number or choice, one line and exit 2); a load failure is one
+line in the console and in the page, where another model can be picked.
 """
 
 from __future__ import annotations
@@ -36,8 +37,25 @@ LOCAL_HOSTS = {"127.0.0.1", "localhost"}
 API_KEY_ENV = "MEDUSA_CHAT_API_KEY"     # the same name as app.openai_api's (kept here: --help imports no torch)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's refusals in one line, as launch.py's own: it printed the whole usage before them (QA)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (python launch.py --help lists the flags)\n")
+
+
+def whole_number(what: str, fix: str):
+    """An int flag's type, whose refusal names the value and the fix ("invalid int value: 'abc'" said neither)."""
+    def parse(text: str) -> int:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}: {fix}") from None
+    return parse
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="launch.py",
         description="Chat with an LLM that answers faster with Medusa decoding heads. "
                     "Without --model: on a CUDA machine 4-bit lmsys/vicuna-7b-v1.3 with "
@@ -89,13 +107,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d.add_argument("--retune", action="store_true",
                    help="measure this machine again to choose the tree (and, for the CPU default, whether int4 "
                         "pays; on a GPU, the kernels' timings), even if a choice is cached")
-    d.add_argument("--max-new-tokens", type=int, default=256,
+    d.add_argument("--max-new-tokens", type=whole_number("a whole number", "give a token count of at least 1"),
+                   default=256,
                    help="initial limit of tokens per answer (default: %(default)s)")
     d.add_argument("--system-prompt", default="", help="initial system prompt (empty: the model's default)")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to bind; anything but a local address exposes "
                                                        "the chat to your network (default: %(default)s)")
-    s.add_argument("--port", type=int, help=f"port to serve on; default {DEFAULT_PORT}, or a free one if it is busy")
+    s.add_argument("--port", type=whole_number("a port number", "use 1-65535"), help=f"port to serve on; default {DEFAULT_PORT}, or a free one if it is busy")
     s.add_argument("--share", action="store_true",
                    help="also open a public gradio.live link (off unless given; needs --api-key)")
     s.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
@@ -106,17 +125,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="serve the page only, without the OpenAI-compatible API (/v1/chat/completions, /v1/models)")
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
-        p.error(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
+        p.error(f"--max-new-tokens {args.max_new_tokens}: give a token count of at least 1")
     return args
 
 
 def check_flags(args: argparse.Namespace) -> None:
-    """Fail in one line, before the server starts or anything loads, on what the flags alone
-    show is wrong: an unknown tree, a device torch lacks, a model or heads path that does not
-    exist, a tree file that is malformed whatever heads run it. (Whether a tree fits the heads is
-    known only once they have loaded.)"""
+    """Fail in one line, before the server starts or anything loads, on what the flags (and the local
+    folders they name) show is wrong: an unknown tree, a device torch lacks, a model or heads path that
+    does not exist or holds no model or heads, a tree file that is malformed whatever heads run it, a
+    tree deeper than local heads declare. (Heads from the hub are known only once they have loaded.)"""
     from medusa_core.errors import LoadError
-    from medusa_core.loading.hub import local_dir
+    from medusa_core.loading.load import check_before_load
     from medusa_core.loading.policy import resolve_device
     from medusa_core.decoding.tree import TreeError, resolve_tree
 
@@ -124,9 +143,7 @@ def check_flags(args: argparse.Namespace) -> None:
         if args.tree is not None:   # --tree '' too: an empty name is no tree, not "the default"
             resolve_tree(args.tree)
         device = resolve_device(args.device)
-        for source in (args.model, args.heads):
-            if source:
-                local_dir(source)
+        check_before_load(load_spec(args))
     except (TreeError, LoadError) as err:
         fail(str(err))
     # an NF4 kernel choice where no NF4 weights are (it was ignored without a word), or a Triton one where
@@ -226,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.api_key and not args.api_key.isascii() and not args.no_api:   # the page's login takes it; no API client could
         fail("--api-key has characters outside ASCII, which HTTP clients (the openai one too) cannot send in a header: "
              "use letters, digits and punctuation only (with --no-api it is only the page's password, and may be any text)")
+    if args.api_key and args.api_key != args.api_key.strip() and not args.no_api:
+        # HTTP drops a header value's outer spaces, so no client could send this key (QA: a key of " " locked all out)
+        fail("--api-key starts or ends with a space (or is only spaces), which HTTP clients cannot send in a header: "
+             f"give the key without them (in ${API_KEY_ENV} too)")
     if exposed and not args.api_key:
         fail(f"{exposed}: pass --api-key KEY (or set {API_KEY_ENV}); the page then asks for it as its password")
     if not is_local(args.host):

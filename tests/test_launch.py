@@ -3,6 +3,7 @@ before the server starts or the model loads."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -167,6 +168,39 @@ def test_missing_model_is_one_line_and_exit_1(tmp_path):
     assert len(lines) == 1 and "no-such-model" in lines[0]
 
 
+def test_folders_that_hold_no_model_or_heads_and_a_tree_deeper_than_the_heads_are_refused_before_serving(
+        tmp_path, tiny_dirs):
+    """What the flags and the local folders show is wrong ends the start in one line, as a missing folder does:
+    each of these loaded for seconds, then failed or ran another tree, and left a server up (QA)."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    backbone, heads = tiny_dirs
+    declared = json.loads((heads / "config.json").read_text())["medusa_num_heads"]
+    for flags, says in (
+            (["--model", str(empty)], f"error: {empty} has no config.json: give a directory written by save_pretrained"),
+            (["--model", str(backbone), "--heads", str(empty)], f"error: {empty} has no medusa_lm_head.safetensors"),
+            (["--tree", "chain-9"], "error: --tree chain-9 cannot run with the heads in "),     # the bundled heads
+            (["--model", str(backbone), "--heads", str(heads), "--tree", f"chain-{declared + 1}"],
+             f"(tree depth {declared + 1} is more than the model's {declared} Medusa heads: use a tree of depth "
+             f"<= {declared})")):
+        proc = run(*flags, "--device", "cpu", "--port", str(free_port()))
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        lines = error_lines(proc)
+        assert len(lines) == 1 and says in lines[0], lines
+        assert "Serving" not in proc.stdout and "Loading" not in proc.stdout
+
+
+def test_a_bad_number_or_choice_is_one_line_that_names_it_and_the_fix():
+    for flags, says in ((["--port", "abc"], "error: argument --port: 'abc' is not a port number: use 1-65535"),
+                        (["--max-new-tokens", "ten"], "error: argument --max-new-tokens: 'ten' is not a whole number: "
+                                                      "give a token count of at least 1"),
+                        (["--max-new-tokens", "0"], "error: --max-new-tokens 0: give a token count of at least 1"),
+                        (["--quant", "bogus"], "error: argument --quant: invalid choice: 'bogus' (choose from")):
+        proc = run(*flags, timeout=60)
+        assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+        assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(says), proc.stderr   # no usage text
+
+
 def test_non_local_host_warns_and_needs_a_key_for_the_page_too(tmp_path):
     """The page is a scripting API itself (/send): on the network it needs the key as the OpenAI API
     does, --no-api or not."""
@@ -192,6 +226,10 @@ def test_a_key_no_http_client_can_send_is_refused(tmp_path):
             "error: --api-key has characters outside ASCII, which HTTP clients (the openai one too) cannot send in a "
             "header: use letters, digits and punctuation only (with --no-api it is only the page's password, and may be "
             "any text)"], proc.stderr
+    # HTTP drops a header value's outer spaces: a key of " " let nobody in (QA)
+    for key in (" ", " k", "k "):
+        proc = run("--model", str(tmp_path / "missing"), "--device", "cpu", "--api-key", key, "--host", "0.0.0.0")
+        assert proc.returncode == 1 and "--api-key starts or ends with a space" in error_lines(proc)[0], proc.stderr
     # the page's login alone takes it (it did before)
     proc = run("--model", str(tmp_path / "missing"), "--device", "cpu", "--api-key", "clé", "--no-api")
     assert proc.returncode == 1 and "missing" in error_lines(proc)[0] and "ASCII" not in proc.stderr
@@ -284,6 +322,8 @@ def test_unusable_tree_is_one_line_and_exit_1(tiny_dirs):
     ("[[0], [true]]", "must hold a list of non-empty integer lists"),
     ("[[0], [0]]", "tree path [0] appears twice"),
     ("[[-1]]", "tree path [-1] is invalid"),
+    # it ran plain decoding under the file's name (QA)
+    ("[]", "holds no paths, which is plain decoding: use the tree baseline for that"),
 ])
 def test_a_malformed_tree_file_is_refused_before_anything_loads(tmp_path, tree, why):
     path = tmp_path / "tree.json"

@@ -186,6 +186,9 @@ def load_tree_file(path: Path) -> Paths:
     ):
         raise TreeError(f"tree file {path} must hold a list of non-empty integer lists, e.g. [[0], [0, 0], [1]]")
     paths = [tuple(p) for p in data]
+    if not paths:   # it ran plain decoding under the file's name, which the server then listed as a tree (QA)
+        raise TreeError(f"tree file {path} holds no paths, which is plain decoding: use the tree baseline for that, "
+                        "or give at least one path, e.g. [[0]]")
     if len(paths) + 1 > MAX_GENERATED_NODES:   # as a generated tree: 100,000 paths asked for a 49 GB mask
         raise TreeError(f"tree file {path} has {len(paths) + 1:,} nodes; at most {MAX_GENERATED_NODES} are taken: use "
                         "a smaller tree (mc_sim_7b_63 has 64)")

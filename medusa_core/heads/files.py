@@ -161,10 +161,25 @@ def read_heads_dir(directory: str | Path) -> HeadsFiles:
                 "point --heads (the page's Medusa heads box) at Medusa heads (medusa_lm_head.*) or a Medusa-2 model"
             )
         return HeadsFiles(state, source, "medusa-2", str(directory), config)
-    raise HeadsLoadError(
+    raise _no_heads(directory)
+
+
+def _no_heads(directory: Path) -> HeadsLoadError:
+    return HeadsLoadError(
         f"{directory} has no medusa_lm_head.safetensors, medusa_lm_head.pt or model shards with medusa_head.* keys: "
         "point --heads (the page's Medusa heads box) at a Medusa heads directory"
     )
+
+
+def declared_heads(directory: Path) -> int | None:
+    """What a heads directory shows without reading its weights: HeadsLoadError where it holds neither a heads
+    file nor a model's config (an empty or wrong folder), else the head count its config.json declares (None
+    where it declares none, as a Medusa-2 model's does not). read_heads_dir checks the weights against it."""
+    config = _read_config(directory)
+    if not any((directory / name).is_file() for name in HEADS_FILES) and "model_type" not in config:
+        raise _no_heads(directory)
+    count = config.get("medusa_num_heads")
+    return count if type(count) is int and count > 0 else None
 
 
 def read_proposal_vocab(directory: Path) -> list[int] | None:

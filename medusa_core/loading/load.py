@@ -21,8 +21,9 @@ from safetensors import SafetensorError
 
 from ..decoding.generate import stop_set
 from ..errors import LoadError, first_line
-from ..heads.files import (HEADS_FILES, PROPOSAL_FILE, HeadsFiles, HeadsLoadError, heads_config_from_keys,
-                           load_heads_files, read_heads_dir)
+from ..decoding.tree import TreeError, build_tree_buffers, resolve_tree
+from ..heads.files import (HEADS_FILES, PROPOSAL_FILE, HeadsFiles, HeadsLoadError, declared_heads,
+                           heads_config_from_keys, load_heads_files, read_heads_dir)
 from ..heads.medusa_heads import MedusaHeads
 from ..heads.quantize import quantize_projections
 from ..quant import cpu_int4
@@ -76,6 +77,32 @@ def default_spec(device: str) -> LoadSpec:
     return LoadSpec(model=str(cpu_default_backbone()), heads=str(CPU_DEFAULT_HEADS), device=device)
 
 
+def check_before_load(spec: LoadSpec) -> None:
+    """What the flags and the local folders they name show is wrong, read in well under a second: launch.py
+    refuses it before it serves (a folder without config.json, or a tree deeper than the bundled heads, loaded
+    for seconds, failed or ran another tree, and left a server up: QA). What only the weights show (or a hub
+    download) is said once they load, in the console and the page, where another model can be picked."""
+    if spec.model and (path := local_dir(spec.model)) is not None:
+        check_model_dir(path)
+    heads = spec.heads
+    if spec.model is None and heads is None and not resolve_device(spec.device).startswith("cuda"):
+        heads = str(CPU_DEFAULT_HEADS)      # the default's heads, as load() picks them
+    directory = local_dir(heads) if heads else None
+    if directory is None:
+        return
+    count = declared_heads(directory)
+    if spec.tree and count is not None:
+        try:
+            build_tree_buffers(resolve_tree(spec.tree), count)
+        except TreeError as err:
+            raise TreeError(f"--tree {spec.tree} cannot run with the heads in {directory} ({err})") from None
+
+
+def check_model_dir(path: Path) -> None:
+    if not (path / "config.json").is_file():
+        raise LoadError(f"{path} has no config.json: give a directory written by save_pretrained, or a hub id")
+
+
 def heads_source_dir(source: str) -> Path:
     """A local directory holding the heads of ``source`` (downloading only the files needed)."""
     path = local_dir(source)
@@ -100,8 +127,8 @@ def load_backbone(source: str, device: str, quant: str, dtype: torch.dtype | str
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = local_dir(source)
-    if path is not None and not (path / "config.json").is_file():
-        raise LoadError(f"{path} has no config.json: give a directory written by save_pretrained, or a hub id")
+    if path is not None:
+        check_model_dir(path)
     if path is None and fetch_first(source, ["config.json"]) is None:
         raise LoadError(f"{source} has no config.json: it is not a transformers model repo")
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code, "device_map": {"": device}}
