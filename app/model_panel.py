@@ -102,7 +102,7 @@ def kept_typed(kept) -> list[str]:
 MAX_STATUS_WAIT_S = 600    # the longest /model_status waits for a load (a hub download can take longer: ask again)
 
 # what ``sync`` updates, in its order (the Medusa pane last: only its title)
-MODEL_OUTPUTS = ("model_status", "status", "note", "send", "tree", "max_new_tokens", "mode", *MODE_CONTROLS,
+MODEL_OUTPUTS = ("model_status", "status", "note", "send", "known", "tree", "max_new_tokens", "mode", *MODE_CONTROLS,
                  "colour_heads", "timer", "shown_version", "kept", "pane")
 
 
@@ -240,7 +240,7 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
         if shown is not None and shown[1] == state.engine_version:
             pass                       # the same model: the controls stay as the user set them
         elif engine is None:
-            updates.update(tree=gr.update(choices=[], value=None), pane=medusa_pane(None))
+            updates.update(tree=gr.update(choices=[], value=None), pane=medusa_pane(None), known=None)
         else:
             try:
                 current = int(float(max_new_value))
@@ -248,7 +248,9 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
                 current = engine.max_new_tokens
             # why this tree (tuned, preset...) is on the status line: not repeated under the picker
             typed = session.typed_trees if session is not None else ()
-            updates.update(tree=tree_picker(engine, None, typed) | {"value": engine.default_tree},
+            # the model list shows the model that arrived where it is one of its entries (QA: blank beside it)
+            updates.update(known=slot.known_label(),
+                           tree=tree_picker(engine, None, typed) | {"value": engine.default_tree},
                            max_new_tokens=gr.update(maximum=engine.context, value=min(current, engine.context)),
                            pane=medusa_pane(engine))
             defaults = default_settings(engine.loaded)
@@ -394,6 +396,7 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
 
 def model_outputs(page: Page) -> list:
     named = {"model_status": page.model_status, "status": page.status, "note": page.note, "send": page.send,
+             "known": page.known,
              "timer": page.timer, "shown_version": page.shown_version, "kept": page.kept, "pane": page.chat,
              **page.controls}
     return [named[name] for name in MODEL_OUTPUTS]

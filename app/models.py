@@ -95,6 +95,15 @@ def start_settings(spec: LoadSpec) -> Settings:
     return CPU_DEFAULTS if on_cpu and smollm2_backbone and bundled else Settings()
 
 
+def known_label(spec: LoadSpec, device_type: str) -> str | None:
+    """The label of the Known models entry that ``spec`` loads on a ``device_type`` machine (launch.py's
+    default spec names no model: the entry of the machine's default); None for any other model."""
+    model, heads = spec.model, spec.heads
+    if model is None and heads is None:
+        model, heads = (CUDA_MODEL, CUDA_HEADS) if device_type == "cuda" else (None, str(CPU_DEFAULT_HEADS))
+    return next((entry.label for entry in KNOWN_MODELS if (entry.model, entry.heads) == (model, heads)), None)
+
+
 EMPTY_LINE = "No model loaded: pick one under Model and press Load"
 
 
@@ -176,6 +185,7 @@ class ModelSlot:
         self._error: str | None = None
         self._kept = ""             # what a failed switch says of the loaded model: its name and tree line
         self._loading: LoadSpec | None = None
+        self._loaded_spec: LoadSpec | None = None     # what the loaded engine was loaded from
         self._started = 0.0
         self._retiring: list[ChatEngine] = []     # replaced engines, until _retire closes them
 
@@ -185,6 +195,13 @@ class ModelSlot:
         """Whether a load runs now (cheaper than state(), which looks at the download)."""
         with self._lock:
             return self._phase == "loading"
+
+    def known_label(self) -> str | None:
+        """The Known models entry the loaded model is, if it is one: a page opened shows it picked (QA: the list
+        was blank beside its own loaded entry)."""
+        with self._lock:
+            engine, spec = self.engine, self._loaded_spec
+        return None if engine is None or spec is None else known_label(spec, engine.device.type)
 
     def state(self) -> SlotState:
         with self._lock:
@@ -341,7 +358,7 @@ class ModelSlot:
                      f"context: its default is {engine.max_new_tokens}")
         self._kept = f"{loaded_name(loaded)} is still loaded" + (f"\n\n{loaded.tree_note}" if loaded.tree_note else "")
         with self._lock:
-            self._ready_line, self._details = line, details
+            self._ready_line, self._details, self._loaded_spec = line, details, spec
         self._set("ready", line, engine, replace_engine=not replacing)
         self._log(f"{line}\n\n{details}")
 

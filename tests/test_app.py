@@ -1542,6 +1542,19 @@ def test_a_closed_tab_starts_no_answer(model_dirs):
     assert raw["medusa"]["tokens"] > 0, "another tab's answers go on"
 
 
+def test_the_model_list_names_each_of_its_entries_as_loaded_and_no_other_model():
+    """The page's Known models shows the loaded model picked: each entry's load, and launch.py's default on its
+    machine, is that entry; a typed model is none of them."""
+    from app.models import KNOWN_MODELS, known_label, spec_for
+    from medusa_core.loading.spec import LoadSpec
+
+    for entry in KNOWN_MODELS:
+        assert known_label(spec_for(entry.label, "", "", LoadSpec()), entry.device) == entry.label
+    defaults = {device: next(e.label for e in KNOWN_MODELS if e.device == device) for device in ("cpu", "cuda")}
+    assert {device: known_label(LoadSpec(), device) for device in defaults} == defaults
+    assert known_label(LoadSpec(model="/my/model", heads=KNOWN_MODELS[0].heads), "cuda") is None
+
+
 def test_a_script_learns_whether_its_load_failed(model_dirs, tmp_path):
     """/load_model answers at once with "Loading…"; /model_status says how the load ended (a script could not
     tell a path that does not exist from a load still running), waiting for it if asked."""

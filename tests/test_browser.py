@@ -156,6 +156,8 @@ def test_the_page_says_what_it_runs_and_starts_with_its_settings(page):
     page.locator("#model-panel").click()   # the accordion
     details = text_of(page, "model-status")
     assert "Loaded: SmolLM2-135M-Instruct" in details and "process RSS" in details, details
+    # the list shows the loaded model picked, where it is one of its entries (QA: blank beside it)
+    assert page.locator("#known-model input").input_value() == "SmolLM2-135M-Instruct + Medusa heads (CPU)"
     # the note, the status and the model panel agree on the weights (it said 4-bit where the model line said float32)
     assert ("on its own 4-bit weights" in note) == ("int4 on cpu" in status) == ("(int4," in details), (note, status)
     assert ("running on the CPU in float32" in note) == ("float32 on cpu" in status) == \
