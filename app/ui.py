@@ -17,7 +17,7 @@ import gradio as gr
 
 from medusa_core.loading.spec import LoadSpec
 
-from . import browser_copy, copy_buttons, pane_titles, range_notice, tree_enter
+from . import browser_copy, copy_buttons, message_labels, pane_titles, range_notice, tree_enter
 from .chat_controller import ChatController, restored_comparison, restored_readouts, wire_chat
 from .layout import build_layout
 from .model_panel import model_outputs, wire_model_panel
@@ -63,6 +63,7 @@ def build_ui(slot: ModelSlot, *, system_prompt: str = "", base_spec: LoadSpec = 
         demo.load(None, None, None, js=tree_enter.SCRIPT, api_name=False)
         demo.load(None, None, None, js=pane_titles.SCRIPT, api_name=False)
         demo.load(None, None, None, js=copy_buttons.SCRIPT, api_name=False)
+        demo.load(None, None, None, js=message_labels.SCRIPT, api_name=False)
 
         def closed(request: gr.Request):
             chat.tab_closed(request.session_hash)

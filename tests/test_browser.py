@@ -521,6 +521,17 @@ def test_user_text_shows_as_typed(page):
     user = page.locator("#chat .message.user").last
     assert typed in user.inner_text()
     assert user.locator("b, script, img, a").count() == 0
+    # a screen reader names each bubble by its text, not by the HTML the page renders it with (QA: it read
+    # '<div class="user-text">...' and every colouring span)
+    labelled = """() => [...document.querySelectorAll(`#chat [aria-label*="'s message: "]`)]
+                         .map((node) => [node.getAttribute("aria-label"), node.innerText.trim()])"""
+    page.wait_for_function(f"() => ({labelled})().every(([label, text]) => label.endsWith(': ' + text))",
+                           timeout=10_000)
+    labels = page.evaluate(labelled)
+    assert len(labels) >= 2, labels
+    for label, text in labels:
+        assert label.split("'s message: ", 1)[1] == text and 'class="' not in label, (label, text)
+    assert any(typed in label for label, _ in labels), labels
 
 
 def test_conversation_survives_a_reload_and_exports(page):
