@@ -180,6 +180,8 @@ def test_folders_that_hold_no_model_or_heads_and_a_tree_deeper_than_the_heads_ar
             (["--model", str(empty)], f"error: {empty} has no config.json: give a directory written by save_pretrained"),
             (["--model", str(backbone), "--heads", str(empty)], f"error: {empty} has no medusa_lm_head.safetensors"),
             (["--tree", "chain-9"], "error: --tree chain-9 cannot run with the heads in "),     # the bundled heads
+            (["--heads-quant", "nf4"], "reuse the backbone's lm_head and have no projection to quantize: drop "
+                                       "--heads-quant"),                                   # the bundled heads too
             (["--model", str(backbone), "--heads", str(heads), "--tree", f"chain-{declared + 1}"],
              f"(tree depth {declared + 1} is more than the model's {declared} Medusa heads: use a tree of depth "
              f"<= {declared})")):

@@ -171,15 +171,19 @@ def _no_heads(directory: Path) -> HeadsLoadError:
     )
 
 
-def declared_heads(directory: Path) -> int | None:
+def declared_heads(directory: Path) -> dict:
     """What a heads directory shows without reading its weights: HeadsLoadError where it holds neither a heads
-    file nor a model's config (an empty or wrong folder), else the head count its config.json declares (None
-    where it declares none, as a Medusa-2 model's does not). read_heads_dir checks the weights against it."""
+    file nor a model's config (an empty or wrong folder), else its config.json ({} where it has none), whose
+    medusa_num_heads and own_projection read_heads_dir checks against the weights."""
     config = _read_config(directory)
     if not any((directory / name).is_file() for name in HEADS_FILES) and "model_type" not in config:
         raise _no_heads(directory)
-    count = config.get("medusa_num_heads")
-    return count if type(count) is int and count > 0 else None
+    return config
+
+
+def no_projection_to_quantize(source: str) -> HeadsLoadError:
+    return HeadsLoadError(f"--heads-quant nf4: the heads in {source} reuse the backbone's lm_head and have no "
+                          "projection to quantize: drop --heads-quant")
 
 
 def read_proposal_vocab(directory: Path) -> list[int] | None:

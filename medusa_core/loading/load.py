@@ -22,8 +22,8 @@ from safetensors import SafetensorError
 from ..decoding.generate import stop_set
 from ..errors import LoadError, first_line
 from ..decoding.tree import TreeError, build_tree_buffers, resolve_tree
-from ..heads.files import (HEADS_FILES, PROPOSAL_FILE, HeadsFiles, HeadsLoadError, declared_heads,
-                           heads_config_from_keys, load_heads_files, read_heads_dir)
+from ..heads.files import (HEADS_FILES, PROPOSAL_FILE, HeadsFiles, declared_heads,
+                           heads_config_from_keys, load_heads_files, no_projection_to_quantize, read_heads_dir)
 from ..heads.medusa_heads import MedusaHeads
 from ..heads.quantize import quantize_projections
 from ..quant import cpu_int4
@@ -90,8 +90,11 @@ def check_before_load(spec: LoadSpec) -> None:
     directory = local_dir(heads) if heads else None
     if directory is None:
         return
-    count = declared_heads(directory)
-    if spec.tree and count is not None:
+    config = declared_heads(directory)
+    if spec.heads_quant == "nf4" and config.get("own_projection") is False:
+        raise no_projection_to_quantize(str(directory))
+    count = config.get("medusa_num_heads")
+    if spec.tree and type(count) is int and count > 0:
         try:
             build_tree_buffers(resolve_tree(spec.tree), count)
         except TreeError as err:
@@ -221,8 +224,7 @@ def load(spec: LoadSpec, progress: Progress | None = None) -> Loaded:
         files = read_heads_dir(heads_dir)
         if spec.heads_quant == "nf4" and not heads_config_from_keys(files.state, files.source).own_projection:
             # said before the backbone loads (minutes for a 7B), not after
-            raise HeadsLoadError(f"--heads-quant nf4: the heads in {files.source} reuse the backbone's lm_head and have no "
-                                 "projection to quantize: drop --heads-quant")
+            raise no_projection_to_quantize(files.source)
     model_source = spec.model or (files.base_model if files else None)
     if spec.model is None and model_source == smollm2.HUB_ID and _smollm2_converted():
         # other heads made for SmolLM2 (a copy of the bundled ones): its local conversion is the same model (it was
