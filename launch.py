@@ -114,7 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to bind; anything but a local address exposes "
                                                        "the chat to your network (default: %(default)s)")
-    s.add_argument("--port", type=whole_number("a port number", "use 1-65535"), help=f"port to serve on; default {DEFAULT_PORT}, or a free one if it is busy")
+    s.add_argument("--port", type=whole_number("a port number", "use 1-65535"),
+                   help=f"port to serve on; default {DEFAULT_PORT}, or a free one if it is busy")
     s.add_argument("--share", action="store_true",
                    help="also open a public gradio.live link (off unless given; needs --api-key)")
     s.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
