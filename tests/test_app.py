@@ -781,7 +781,7 @@ def test_the_api_leaves_room_for_the_tree_only_where_medusa_runs(engine):
     """A conversation that fits with plain decoding ("medusa": false) is not refused for the Medusa tree's
     rows, which that request never verifies."""
     from app.engine import BASELINE, MEDUSA
-    from app.openai_api import ApiError, ChatRequest, prompt_for
+    from app.openai_request import ApiError, ChatRequest, prompt_for
     from app.settings import Settings
 
     messages = [{"role": "user", "content": "tell me about the sea " * 20}]
@@ -803,7 +803,7 @@ def test_the_apis_default_reply_length_is_cut_to_what_fits(engine):
     from dataclasses import replace
 
     from app.engine import MEDUSA
-    from app.openai_api import ApiError, ChatRequest, prompt_for
+    from app.openai_request import ApiError, ChatRequest, prompt_for
     from app.settings import Settings
 
     messages = [{"role": "user", "content": "hi"}]

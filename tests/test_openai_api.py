@@ -688,7 +688,7 @@ def test_a_request_naming_a_tree_to_build_never_holds_up_the_server(tiny_app):
         asking.join(90)
         hold.join(60)
     assert answers[0].status_code == 200, answers[0].text
-    from app.openai_api import ApiError, parse_chat
+    from app.openai_request import ApiError, parse_chat
 
     engine.close("another model was loaded: ask again to have it answer")
     with pytest.raises(ApiError) as refused:
