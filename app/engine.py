@@ -385,12 +385,19 @@ class ChatEngine:
                     note += (f": {answer:,} tokens are kept for the answer (Max new tokens "
                              f"{int(settings.max_new_tokens):,}), and a lower Max new tokens keeps more of the conversation")
                 return ids, note
+        system = system if system and system.strip() else None
         alone = len(self.prompt_ids([{"role": "user", "content": message}], None))
-        fix = "shorten the system prompt (the message fits without it)" if system and alone + reserve <= self.context \
-            else "shorten the message"
-        raise ValueError(f"the message needs {len(ids):,} tokens with the system prompt, and {reserve:,} are kept for "
-                         f"the answer ({answer:,} new tokens and {tree.size} for the tree's verification), but the "
-                         f"model's context is {self.context:,}: {fix}")
+        fixes = []
+        room = self.context - len(ids) - tree.size      # the longest answer that fits with the message
+        if room >= 1:       # QA: a paste that fitted with a lower Max new tokens was told only to shorten itself
+            fixes.append(f"lower Max new tokens to {room:,} or less")
+        fixes.append("shorten the system prompt (the message fits without it)"
+                     if system and alone + reserve <= self.context else "shorten the message")
+        # with no system prompt given, the extra tokens are the chat format's (and its default system prompt's)
+        what = "with the system prompt" if system else "in the model's chat format"
+        raise ValueError(f"the message needs {len(ids):,} tokens {what}, and {reserve:,} are kept for the answer "
+                         f"({answer:,} new tokens and {tree.size} for the tree's verification), but the model's "
+                         f"context is {self.context:,}: {', or '.join(fixes)}")
 
     # ---- answering
     def answer(self, session: Session, prompt_ids: list[int], settings: Settings,

@@ -1082,6 +1082,33 @@ def test_full_context_cuts_oldest_turns_and_keeps_answering(engine):
         engine.fit_prompt(Session(), "Hi", "You are a pirate. " * 500, settings)
 
 
+def test_a_message_that_fits_with_a_lower_max_new_tokens_is_told_the_value(engine):
+    """QA: a pasted text that would fit with a lower Max new tokens was told only "shorten the message", and
+    "with the system prompt" where the user gave none. The line names the largest Max new tokens that fits,
+    and that value is taken while one more is not."""
+    from app.session import Session
+    from app.settings import Settings
+
+    size = engine.tree("small-8").size
+    words = 0
+    while True:     # a message that leaves room for some answer, but not 200 tokens (the tiny model: 1,024)
+        words += 10
+        used = len(engine.prompt_ids([{"role": "user", "content": "word " * words}], None))
+        if used + 200 + size > engine.context:
+            break
+    message, room = "word " * words, engine.context - used - size
+    assert 1 <= room < 200
+    with pytest.raises(ValueError) as refused:
+        engine.fit_prompt(Session(), message, "", Settings(max_new_tokens=200, tree="small-8"))
+    said = str(refused.value)
+    assert said.endswith(f": lower Max new tokens to {room:,} or less, or shorten the message"), said
+    assert "system prompt" not in said and f"needs {used:,} tokens in the model's chat format" in said, said
+    ids, _ = engine.fit_prompt(Session(), message, "", Settings(max_new_tokens=room, tree="small-8"))
+    assert len(ids) == used
+    with pytest.raises(ValueError, match=f"lower Max new tokens to {room:,} or less"):
+        engine.fit_prompt(Session(), message, "", Settings(max_new_tokens=room + 1, tree="small-8"))
+
+
 def test_a_blank_system_prompt_is_the_models_default(engine):
     from app.session import Session
     from app.settings import Settings
