@@ -18,7 +18,6 @@ SRC is any layout ``load`` reads (hub id or directory). See docs/serving.md.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import dataclass, replace
@@ -26,12 +25,13 @@ from pathlib import Path
 
 import torch
 
-from .errors import LoadError, check_folder, run_command
+from .errors import LoadError, OneLineParser, check_folder, run_command
 from .heads.medusa_heads import HeadsConfig
 from .heads.files import (HEADS_FILE, HeadsFiles, check_declared, heads_config_from_keys, read_heads_dir,
                           save_safetensors)
 
 FORMATS = ("tgi", "vllm", "both")
+WRITES = {"tgi": (HEADS_FILE, "config.json"), "vllm": ("model.safetensors", "config.json")}   # each format's files
 DTYPES = {"keep": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -148,17 +148,22 @@ def export(spec: ExportSpec) -> list[Path]:
     source = (source if source.is_dir() else source.parent).resolve()
     if any(folder.resolve() == source for folder in folders.values()):   # it rewrote them, cast, without a word
         raise LoadError(f"--out {spec.out} would overwrite the heads it exports ({source}): give another folder")
+    # QA: other heads in --out were replaced without a word (their checkpoint and tree then described heads that
+    # were gone); an export is written into a new or emptied folder
+    for kind, folder in folders.items():
+        taken = [name for name in WRITES[kind] if (folder / name).exists()]
+        if taken:
+            raise LoadError(f"--out {spec.out}: {folder} already holds {', '.join(taken)}, which the export would "
+                            "overwrite: give a new folder, or delete those files")
     dtype = DTYPES[spec.dtype]
-    written = []
-    if "tgi" in folders:
-        written.append(write_tgi(files, found, folders["tgi"], dtype))
-    if "vllm" in folders:
-        written.append(write_vllm(files, found, folders["vllm"], dtype, spec.model))
-    return written
+    # vLLM's first: it may need the backbone (--model), and a failure there left the TGI half written
+    vllm = write_vllm(files, found, folders["vllm"], dtype, spec.model) if "vllm" in folders else None
+    tgi = write_tgi(files, found, folders["tgi"], dtype) if "tgi" in folders else None
+    return [path for path in (tgi, vllm) if path is not None]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m medusa_core.export", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="python -m medusa_core.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("--heads", required=True, help="heads: hub id or local directory (any published layout)")
     parser.add_argument("--out", required=True, type=Path, help="output directory")
     parser.add_argument("--format", default="both", choices=FORMATS, help="tgi (also TensorRT-LLM), vllm, or both (subdirectories)")

@@ -157,3 +157,27 @@ def test_export_errors_are_one_line(setup, tmp_path, capsys):
         (d / "medusa_lm_head.safetensors").write_bytes((root / "v2" / "medusa_lm_head.safetensors").read_bytes())
         (d / "config.json").write_text(json.dumps({**cfg, "base_model_name_or_path": None}))
         export(ExportSpec(str(d), tmp_path / "o2", "vllm"))
+
+
+def test_an_export_overwrites_no_other_heads_and_leaves_nothing_half_written(setup, tmp_path, capsys):
+    """QA: --out holding other heads had them replaced without a word, and a vLLM half that failed for want of
+    --model left the TGI half written."""
+    root = setup[0]
+    other = tmp_path / "other"
+    assert main(["--heads", str(root / "heads"), "--out", str(other), "--format", "tgi"]) == 0
+    capsys.readouterr()
+    before = {p.name: p.read_bytes() for p in other.iterdir()}
+    assert main(["--heads", str(root / "v2"), "--out", str(other), "--format", "tgi"]) == 1
+    assert capsys.readouterr().err == (f"error: --out {other}: {other} already holds medusa_lm_head.safetensors, "
+                                       "config.json, which the export would overwrite: give a new folder, or delete "
+                                       "those files\n")
+    assert {p.name: p.read_bytes() for p in other.iterdir()} == before
+    # heads that need the backbone's lm_head for vLLM, without a backbone to read it from
+    cfg = json.loads((root / "v2" / "config.json").read_text())
+    lone = tmp_path / "v2nobase"
+    lone.mkdir()
+    (lone / "medusa_lm_head.safetensors").write_bytes((root / "v2" / "medusa_lm_head.safetensors").read_bytes())
+    (lone / "config.json").write_text(json.dumps({**cfg, "base_model_name_or_path": None}))
+    assert main(["--heads", str(lone), "--out", str(tmp_path / "both")]) == 1
+    assert "pass --model" in capsys.readouterr().err
+    assert not (tmp_path / "both" / "tgi").exists()
