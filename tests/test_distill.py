@@ -80,6 +80,12 @@ def test_follow_up_turns_see_the_first_answer_and_a_rerun_reuses_the_file(setup,
     with pytest.raises(ValueError, match=f"^{re.escape(str(answers))} holds answers of at most 10 tokens, not 12: "
                                          "give --answer-tokens 10 to reuse them, or delete it to answer again$"):
         train_data.distilled_rows(model, tokenizer, prompts, False, 12, answers, batch_size=4, temperatures=(0.0, 0.8))
+    # nor are answers to the chat template's prompts reused by a --raw-prompts run (QA: it reused them, and its
+    # report said raw_prompts true)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(answers))} holds answers to prompts fed through the chat "
+                                         "template, and this run feeds them as raw text: drop --raw-prompts to reuse "
+                                         "them, or delete it to answer again$"):
+        train_data.distilled_rows(model, tokenizer, prompts, True, 10, answers, batch_size=4, temperatures=(0.0, 0.8))
 
 
 def test_sampling_or_follow_ups_without_a_batch_say_how_to_fix_it(setup, tmp_path):

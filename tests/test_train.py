@@ -1,6 +1,7 @@
 """Head training: a few steps lower the loss, the CLI's output reloads, checkpoints resume exactly."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -104,8 +105,11 @@ def test_cli_errors_are_one_line_before_any_work(backbone_dir, tmp_path, capsys)
     a_file = tmp_path / "a_file"
     a_file.write_text("")
     common = ["--model", str(backbone_dir / "backbone"), "--raw-prompts", "--steps", "2"]
-    cases = [(["--out", str(tmp_path / "h"), "--prompts", str(tmp_path / "missing.jsonl")],
-              f"{tmp_path / 'missing.jsonl'}: No such file or directory"),
+    cases = [(["--out", str(tmp_path / "h"), "--prompts", str(tmp_path / "missing.jsonl")],   # QA: no fix named
+              f"--prompts {tmp_path / 'missing.jsonl'} is not a file: give a JSONL file with one {{\"prompt\": ...}} "
+              "per line"),
+             (["--out", str(tmp_path / "h"), "--model", str(tmp_path / "nomodel"), "--prompts",
+               str(backbone_dir / "prompts.jsonl")], f"{tmp_path / 'nomodel'}"),
              # QA16 NIT-1: it named {a_file}/work, "Not a directory", with no fix
              (["--out", str(a_file), "--prompts", str(backbone_dir / "prompts.jsonl")],
               f"--out {a_file} is a file: give a directory"),
@@ -139,7 +143,7 @@ def test_cli_errors_are_one_line_before_any_work(backbone_dir, tmp_path, capsys)
         assert main([*common, *args]) == 1
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert err.startswith("error: ") and why in err, err
-    assert not (tmp_path / "h" / "work" / "distill_answers.jsonl").exists()
+    assert not (tmp_path / "h").exists(), "a run refused (a missing file, a bad --model) leaves no folder behind"
 
 
 class Crash(Exception):
@@ -168,6 +172,20 @@ def test_resume_continues_exactly(backbone_dir, monkeypatch):
     b = load_heads_dir(backbone_dir / "split", model).state_dict()
     assert a.keys() == b.keys()
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    # QA: a resume that trains nothing rewrote the heads, and one of another layout ended in load_state_dict's
+    # traceback; both are one line now, the first before the backbone loads, and the heads stay as they were
+    heads_file = backbone_dir / "split" / "medusa_lm_head.safetensors"
+    before = heads_file.read_bytes()
+    checkpoint = backbone_dir / "split" / "work" / "checkpoint.pt"
+    with pytest.raises(ValueError, match=f"^--resume: {re.escape(str(checkpoint))} is at step 10, so --steps 10 "
+                                         "trains nothing more: give --steps above 10$"):
+        main_with_config(TrainConfig(out=str(backbone_dir / "split"), resume=True, **base))
+    with pytest.raises(ValueError, match=f"^--resume: {re.escape(str(checkpoint))} holds 2 heads of 1 block\\(s\\), a "
+                                         "shared projection, and this run builds 3 heads of 1 block\\(s\\), a shared "
+                                         "projection: give the flags it was trained with"):
+        main_with_config(TrainConfig(out=str(backbone_dir / "split"), resume=True, **{**base, "steps": 12,
+                                                                                      "num_heads": 3}))
+    assert heads_file.read_bytes() == before
 
 
 def test_heads_trained_over_others_take_nothing_of_theirs(backbone_dir, capsys):
@@ -218,6 +236,11 @@ def test_corpus_rows_from_text_and_jsonl(tmp_path):
     assert rows[-1][0] == rows[-1][1]
     with pytest.raises(FileNotFoundError, match="--corpus"):
         corpus_rows(tokenizer, [str(tmp_path / "missing.txt")], seq_len=16)
+    short = tmp_path / "short.txt"
+    short.write_text("hi")      # QA: refused with no fix
+    with pytest.raises(ValueError, match=r"gave no training sequence \(a text file needs more than 8 tokens, a JSONL "
+                                         r"line more than 2 to learn from\): give longer texts$"):
+        corpus_rows(tokenizer, [str(short)], seq_len=16)
 
 
 def test_cli_trains_shared_projection_heads_on_a_bf16_backbone(backbone_dir, capsys):

@@ -114,10 +114,16 @@ def distilled_rows(model: nn.Module, tokenizer, prompts_path: str | Path, raw: b
     if lengths:
         raise ValueError(f"{answers_path} holds answers of at most {lengths[0]} tokens, not {answer_tokens}: give "
                          f"--answer-tokens {lengths[0]} to reuse them, or delete it to answer again")
+    # QA: answers to chat-template prompts were reused by a --raw-prompts run (and recorded as raw): the prompt
+    # text matched, the prompt the backbone answered did not. Files written before the setting was kept: as above
+    if any(d.get("raw_prompts", raw) != raw for d in done):
+        fed, now = ("through the chat template", "as raw text") if raw else ("as raw text", "through the chat template")
+        raise ValueError(f"{answers_path} holds answers to prompts fed {fed}, and this run feeds them {now}: "
+                         f"{'drop' if raw else 'give'} --raw-prompts to reuse them, or delete it to answer again")
     first_done = sum("followup_of" not in d for d in done)
     with open(answers_path, "a") as f:   # appended as we go, so an interrupted run resumes here
         def keep(item: dict) -> None:
-            item = {**item, "answer_tokens": answer_tokens}
+            item = {**item, "answer_tokens": answer_tokens, "raw_prompts": raw}
             f.write(json.dumps(item) + "\n")
             f.flush()
             done.append(item)
@@ -260,7 +266,8 @@ def corpus_rows(tokenizer, files: Sequence[str], seq_len: int) -> list[Row]:
             rows.extend((ids[i:i + seq_len], ids[i:i + seq_len]) for i in range(0, len(ids) - 8, seq_len))
     rows = [r for r in rows if sum(t != IGNORE for t in r[1]) > 2]
     if not rows:
-        raise ValueError(f"the corpus {list(files)} gave no sequence longer than 2 tokens")
+        raise ValueError(f"the corpus {list(files)} gave no training sequence (a text file needs more than 8 tokens, "
+                         "a JSONL line more than 2 to learn from): give longer texts")
     return rows
 
 

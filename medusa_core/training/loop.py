@@ -189,6 +189,12 @@ def resume(ckpt_path: Path, heads: MedusaHeads, opt: torch.optim.Optimizer, gen:
     """Heads, optimizer and sampling state from the checkpoint (check_resumable said it is there); (its step, its history)."""
     # weights_only: a checkpoint holds tensors and numbers only
     ckpt = torch.load(ckpt_path, map_location=device, weights_only=True)
+    ours = heads.state_dict()
+    if {k: v.shape for k, v in ckpt["heads"].items()} != {k: v.shape for k, v in ours.items()}:
+        # QA: load_state_dict's traceback, its missing and unexpected keys, after the load
+        raise ValueError(f"--resume: {ckpt_path} holds {layout(ckpt['heads'])}, and this run builds {layout(ours)}: "
+                         "give the flags it was trained with (--num-heads, --num-layers, --shared-projection, "
+                         "--root-conditioned), or drop --resume to start fresh")
     heads.load_state_dict(ckpt["heads"])
     opt.load_state_dict(ckpt["optimizer"])
     gen.set_state(ckpt["generator"].cpu())
@@ -196,10 +202,27 @@ def resume(ckpt_path: Path, heads: MedusaHeads, opt: torch.optim.Optimizer, gen:
     return ckpt["step"], json.loads(ckpt["history"])
 
 
-def check_resumable(work: Path) -> None:
-    """FileNotFoundError where --resume has no checkpoint to continue from."""
-    if not (work / CHECKPOINT_FILE).is_file():
-        raise FileNotFoundError(f"--resume given but {work / CHECKPOINT_FILE} does not exist: drop --resume to start fresh")
+def layout(state: dict) -> str:
+    """Heads' layout as a state dict holds it, for a message: "2 heads of 1 block, a shared projection"."""
+    blocks = {tuple(k.split(".")[1:3]) for k in state if k.startswith("heads.") and k.endswith(".linear.weight")}
+    count = len({k.split(".")[1] for k in state if k.startswith(("heads.", "root."))})
+    own = any(k.startswith("heads.") and k.count(".") == 3 and k.endswith(".weight") and ".linear." not in k
+              for k in state)
+    root = ", reading the root token" if any(k.startswith("root.") for k in state) else ""
+    return (f"{count} head{'s' if count != 1 else ''} of {len(blocks) // max(count, 1)} block(s), "
+            f"{'each its own' if own else 'a shared'} projection{root}")
+
+
+def check_resumable(work: Path, steps: int) -> None:
+    """FileNotFoundError where --resume has no checkpoint to continue from; ValueError where it would train
+    nothing. Said before the backbone loads: the checkpoint's step is read without its tensors."""
+    path = work / CHECKPOINT_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"--resume given but {path} does not exist: drop --resume to start fresh")
+    done = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"]
+    if done >= steps:   # QA: it trained nothing, and wrote the heads again as if it had
+        raise ValueError(f"--resume: {path} is at step {done}, so --steps {steps} trains nothing more: give --steps "
+                         f"above {done}")
 
 
 def warm_start(files: HeadsFiles, model: nn.Module, root_conditioned: bool) -> MedusaHeads:
@@ -239,12 +262,16 @@ def main_with_config(config: TrainConfig) -> dict:
     if config.work_dir:
         check_folder(config.work_dir, "--work-dir")
     if config.resume:
-        check_resumable(work)
+        check_resumable(work, config.steps)
+    for source in ([config.prompts] if config.prompts else config.corpus):
+        if not Path(source).is_file():      # QA: said after the backbone's load, with no fix
+            raise ValueError(f"{'--prompts' if config.prompts else '--corpus'} {source} is not a file: give "
+                             + ('a JSONL file with one {"prompt": ...} per line' if config.prompts else
+                                "text files, or JSONL with a \"text\" per line"))
     init_files = read_heads_dir(config.init_heads) if config.init_heads else None
     torch.manual_seed(config.seed)
     if config.threads:
         torch.set_num_threads(config.threads)
-    work.mkdir(parents=True, exist_ok=True)
     if config.load_in_4bit:
         if not config.device.startswith("cuda"):
             raise ValueError(f"--load-in-4bit needs a CUDA device, got --device {config.device}: "
@@ -252,6 +279,7 @@ def main_with_config(config: TrainConfig) -> dict:
         model, tokenizer = load_backbone(config.model, config.device, "nf4", torch.bfloat16)
     else:
         model, tokenizer = load_backbone_dir(config.model, device=config.device, dtype=getattr(torch, config.dtype))
+    work.mkdir(parents=True, exist_ok=True)     # once the backbone loads: a bad --model left an empty folder (QA)
     if config.prompts:
         rows = data.distilled_rows(model, tokenizer, config.prompts, config.raw_prompts,
                                          config.answer_tokens, Path(config.answers or work / "distill_answers.jsonl"),
