@@ -12,13 +12,14 @@ import sys
 
 import torch
 
-from .errors import run_command
+from .errors import OneLineParser, run_command
 from .loading.policy import resolve_device
 from .training.tree_search import CalibrateConfig, run
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m medusa_core.calibrate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog="python -m medusa_core.calibrate", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="backbone directory")
     p.add_argument("--heads", required=True, help="heads directory (medusa_lm_head.safetensors)")
     src = p.add_mutually_exclusive_group(required=True)
@@ -57,11 +58,16 @@ def calibrate(a: argparse.Namespace) -> None:
               f"(measured {t['measured_tokens_per_step']:.2f}) tokens/step, {t['expected_tokens_per_s']:.0f} tokens/s")
     if report.get("auto_size") == 1:
         print("auto: no tree pays on this device: every tree's step costs more than its expected extra tokens "
-              "bring, so the tree written is empty (plain decoding); train the heads further or time on a faster "
-              "matmul path (--dtype bfloat16)")
+              "bring; train the heads further or time on a faster matmul path (--dtype bfloat16)")
     elif "auto_size" in report:
         print(f"auto: tree size {report['auto_size']} (root included)")
-    print(f"wrote {a.out}: {report['nodes']} nodes (root included, as the app counts), expected {report['expected_tokens_per_step']:.2f} tokens/step")
+    if report["nodes"] > 1:
+        print(f"wrote {a.out}: {report['nodes']} nodes (root included, as the app counts), expected "
+              f"{report['expected_tokens_per_step']:.2f} tokens/step")
+    else:   # a tree file of no paths is refused by every loader: plain decoding is the tree "baseline"
+        removed = f" (removed the {a.out} an earlier run wrote)" if report.get("removed") else ""
+        print(f"no tree file written{removed}: plain decoding, --tree baseline, is the fastest with these heads; "
+              "their accuracies are in the calibration report beside it")
 
 
 if __name__ == "__main__":

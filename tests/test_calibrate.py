@@ -122,7 +122,10 @@ def test_auto_times_sizes_and_writes_the_chosen_one(checkpoint, tmp_path, capsys
     assert all(t["step_ms"] > 0 for t in report["timing"].values())
     best = max(report["timing"], key=lambda n: report["timing"][n]["expected_tokens_per_s"])
     assert report["auto_size"] == int(best)
-    assert len(load_tree_file(out)) <= int(best) - 1
+    if int(best) > 1:
+        assert len(load_tree_file(out)) <= int(best) - 1
+    else:       # plain decoding, where no tree pays on this machine: no tree file (one of no paths is refused)
+        assert not out.exists()
 
 
 def test_cli_errors_are_one_line(checkpoint, tmp_path, capsys):
@@ -142,7 +145,11 @@ def test_cli_errors_are_one_line(checkpoint, tmp_path, capsys):
                        (["--timing-count", "0"], "--timing-count 0 must be at least 1"),
                        (["--threads", "-2"], "--threads -2: give 0 (torch's choice) or a count up to this machine's"),
                        # a folder as --out was refused only after the load and the measuring
-                       (["--budget", "3", "--out", str(tmp_path)], f"--out {tmp_path} cannot be written")):
+                       (["--budget", "3", "--out", str(tmp_path)], f"--out {tmp_path} cannot be written"),
+                       # QA: the tree was written over the heads' config.json, and the heads no longer loaded
+                       (["--budget", "3", "--out", str(heads / "config.json")],
+                        f"--out {heads / 'config.json'} is one of the heads' own files: give a tree file, such as "
+                        f"{heads / 'tree.json'}")):
         assert main([*common, *extra]) == 1
         err = capsys.readouterr().err
         assert err.startswith("error: ") and why in err and err.count("\n") == 1, err
@@ -157,3 +164,21 @@ def test_cli_errors_are_one_line(checkpoint, tmp_path, capsys):
     assert main([*common, "--budget", "3", "--top-k", "4", "--answer-tokens", "8"]) == 0
     written = len(load_tree_file(tmp_path / "t.json"))
     assert f"wrote {tmp_path / 't.json'}: {written + 1} nodes (root included" in capsys.readouterr().out
+
+
+def test_where_no_tree_pays_no_tree_file_is_left(checkpoint, tmp_path, capsys, monkeypatch):
+    """A tree of no paths is refused by every loader (it ran plain decoding under a tree's name): calibrate wrote
+    one where no tree paid, and the file it had written before would have stood for a measurement it no longer
+    made. Neither is left; the line says so and names plain decoding."""
+    from medusa_core import calibrate
+    from medusa_core.training import tree_search
+
+    backbone, heads, prompts = checkpoint
+    out = tmp_path / "tree.json"
+    out.write_text("[[0]]\n")
+    monkeypatch.setattr(tree_search, "grow_tree", lambda table, budget: [])
+    assert calibrate.main(["--model", str(backbone), "--heads", str(heads), "--prompts", str(prompts), "--raw-prompts",
+                           "--out", str(out), "--budget", "3", "--top-k", "4", "--answer-tokens", "8"]) == 0
+    said = capsys.readouterr().out
+    assert not out.exists() and (tmp_path / "tree_calibration.json").is_file()
+    assert f"no tree file written (removed the {out} an earlier run wrote): plain decoding, --tree baseline" in said

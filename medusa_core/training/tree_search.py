@@ -26,7 +26,9 @@ from ..decoding.tree import TOP_K, expected_tokens_per_step, grow_tree
 from ..loading.tree_tuning import monotone_fit
 from .loop import check_threads
 from ..errors import check_writable
+from ..heads.files import HEADS_FILES, PROPOSAL_FILE
 
+OWN_FILES = ("config.json", *HEADS_FILES, PROPOSAL_FILE)   # a heads folder's files that no tree file replaces
 TIMED_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)   # tree sizes without the root
 
 
@@ -130,6 +132,14 @@ def run(config: CalibrateConfig) -> dict:
     if config.data:
         read_answers(Path(config.data))
     check_writable(config.out, "--out")
+    heads_dir, out = Path(config.heads), Path(config.out)
+    if not any((heads_dir / name).is_file() for name in HEADS_FILES):   # QA: said after the load and a minute's timing
+        raise ValueError(f"{heads_dir} holds no heads ({' or '.join(HEADS_FILES)}): give the folder that "
+                         "python -m medusa_core.train wrote")
+    if heads_dir.is_dir() and out.resolve().parent == heads_dir.resolve() and out.name in OWN_FILES:
+        # QA: --out heads/config.json wrote the tree over the heads' config, and the heads no longer loaded
+        raise ValueError(f"--out {config.out} is one of the heads' own files: give a tree file, such as "
+                         f"{heads_dir / 'tree.json'}")
     timing = config.timing_prompts or config.prompts
     if config.budget == "auto" and not (timing and Path(timing).is_file()):
         raise ValueError(f"--budget auto times decoding on prompts, and {timing} does not exist: give an existing file"
@@ -150,7 +160,9 @@ def run(config: CalibrateConfig) -> dict:
     batches = (padded(rows[i:i + 8], pad, config.device) for i in range(0, len(rows), 8))
     counts = rank_histogram(heads, model, batches, top_k=config.top_k)
     acc = accuracy_table(counts)
-    report: dict = {"config": asdict(config), "accuracy": [[round(v, 4) for v in row] for row in acc],
+    # --data's answers were cut by the run that made them: answer_tokens did not apply (QA: it recorded 128)
+    report: dict = {"config": {**asdict(config), **({"answer_tokens": None} if config.data else {})},
+                    "accuracy": [[round(v, 4) for v in row] for row in acc],
                     "top1": [round(row[0], 4) for row in acc]}
     if config.budget == "auto":
         timing_file = Path(config.timing_prompts or config.prompts or "")
@@ -172,6 +184,10 @@ def run(config: CalibrateConfig) -> dict:
     report["budget"] = budget
     report["nodes"] = len(paths) + 1        # root included, as the app counts; the heads may fill fewer than the budget
     report["expected_tokens_per_step"] = round(expected_tokens_per_step(paths, acc), 4)
-    out.write_text(json.dumps([list(p) for p in paths]) + "\n")
+    if paths:
+        out.write_text(json.dumps([list(p) for p in paths]) + "\n")
+    elif out.is_file():     # no tree pays: plain decoding, which a tree file cannot name ([] is refused as one)
+        out.unlink()        # one left from an earlier measuring would say otherwise
+        report["removed"] = str(out)
     out.with_name(out.stem + "_calibration.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
