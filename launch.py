@@ -22,6 +22,8 @@ import signal
 import socket
 import sys
 
+from medusa_core.errors import OneLineParser   # stdlib only: --help imports no torch
+
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is imported anywhere
 
 DEFAULT_PORT = 7860
@@ -37,13 +39,6 @@ LOCAL_HOSTS = {"127.0.0.1", "localhost"}
 API_KEY_ENV = "MEDUSA_CHAT_API_KEY"     # the same name as app.openai_api's (kept here: --help imports no torch)
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """argparse's refusals in one line, as launch.py's own: it printed the whole usage before them (QA)."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message} (python launch.py --help lists the flags)\n")
-
-
 def whole_number(what: str, fix: str):
     """An int flag's type, whose refusal names the value and the fix ("invalid int value: 'abc'" said neither)."""
     def parse(text: str) -> int:
@@ -56,7 +51,7 @@ def whole_number(what: str, fix: str):
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = OneLineParser(
-        prog="launch.py",
+        prog="python launch.py",
         description="Chat with an LLM that answers faster with Medusa decoding heads. "
                     "Without --model: on a CUDA machine 4-bit lmsys/vicuna-7b-v1.3 with "
                     "FasterDecoding/medusa-vicuna-7b-v1.3; without CUDA SmolLM2-135M-Instruct (from the "

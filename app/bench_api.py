@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from medusa_core.errors import OneLineParser
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ def through_api(http: httpx.Client, url: str, model: str, prompt: str, max_new_t
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m app.bench_api", description=__doc__,
+    p = OneLineParser(prog="python -m app.bench_api", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--count", type=int, default=12, help="held-out prompts (the first ones)")
     p.add_argument("--max-new-tokens", type=int, default=96)

@@ -22,7 +22,7 @@ from .decoding.config import DEFAULTS, GREEDY_BELOW, MODES, DecodeConfig, Settin
 from .decoding.generate import new_cache
 from .decoding.step import compute_dtype
 from .decoding.tree import TreeBuffers, TreeError, build_tree_buffers, named_tree, resolve_tree, tree_name
-from .errors import LoadError, check_writable
+from .errors import LoadError, OneLineParser, check_writable
 from .loading.chat_format import render_chat
 from .loading.load import load
 from .loading.policy import resolve_device
@@ -35,7 +35,7 @@ from .quant.norm_routing import NORM_KERNELS, flag_error as norm_flag_error
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m medusa_core.bench", description=__doc__,
+    p = OneLineParser(prog="python -m medusa_core.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="backbone hub id or local dir (default: Vicuna-7B on CUDA, SmolLM2-135M-Instruct "
                                    "otherwise)")
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     prompts = bench_prompts(args.prompts)      # before the load: a missing file is said at once
     try:
-        check_writable(args.json)              # not after the whole run
+        check_writable(args.json, reads={"--prompts": args.prompts})   # not after the whole run
         started = time.perf_counter()
         setup = prepare(args)
         load_seconds = time.perf_counter() - started

@@ -40,7 +40,7 @@ from .benchmarks.step_timing import (copy_bandwidth, prefilled_cache, time_hf_ge
 from .benchmarks.synthetic import (DTYPE, SHAPES, build_heads, build_model, check_not_zero, choice_label, cpu_run_notes,
                                    kernel_flags_error, quantize_backbone_, route_attention, route_rotary,
                                    save_random_checkpoint, weight_bytes)
-from .errors import check_folder, check_writable, first_line
+from .errors import OneLineParser, check_folder, check_writable, first_line
 from .decoding.tree import build_tree_buffers, expected_tokens_per_step, tree_of_size
 from .heads.accuracy import PUBLISHED_ACCURACIES, RANK_DECAY, TOP_K, rank_table
 from .quant.attention_routing import ATTENTION_CHOICES, ROTARY_CHOICES
@@ -176,7 +176,7 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def parser(cuda: bool) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m medusa_core.bench_synthetic", description=__doc__,
+    p = OneLineParser(prog="python -m medusa_core.bench_synthetic", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if cuda else "cpu")
     p.add_argument("--shape", choices=sorted(SHAPES), help="default: 7b on CUDA, tiny otherwise")
@@ -260,8 +260,17 @@ def checked_device(args, cuda: bool) -> torch.device:
         [norm_flag_error(norms, "auto", str(device)) for norms in args.norm_kernel]
     if error := next((e for e in errors if e), None):
         raise ValueError(error)
-    if min(args.iters, args.warmup + 1, args.context) < 1:
-        raise ValueError("--iters and --context must be at least 1 and --warmup at least 0")
+    for flag, value, least in (("--iters", args.iters, 1), ("--context", args.context, 1),
+                               ("--warmup", args.warmup, 0)):
+        if value < least:       # QA: one message for the three named none of them
+            raise ValueError(f"{flag} {value} must be at least {least}")
+    # QA: a bad value came back as a 5 x 10 table of rank accuracies that named neither flag
+    if not 0 < args.rank_decay <= 1:
+        raise ValueError(f"--rank-decay {args.rank_decay}: give a number in (0, 1], by which each rank's accuracy "
+                         "falls from the one before")
+    bad = [a for a in args.accuracies if not 0 <= a <= 1]       # NaN included
+    if bad:
+        raise ValueError(f"--accuracies {bad[0]}: give each head's top-1 accuracy as a number from 0 to 1")
     for n in args.tree_sizes:       # fail before building a 7B model
         tree_of_size(rank_table(args.accuracies, decay=args.rank_decay), n)
     if error := kernel_flags_error(args.rotary_kernel, args.attention_kernel, device):

@@ -6,12 +6,22 @@ fix it; the launcher and the commands print it instead of a stack trace.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An entry point's argument parser whose refusals are one line with the fix, as the commands' own checks
+    are: argparse printed its whole usage before them (QA), burying the line that names the value."""
+
+    def error(self, message: str):
+        command = self.prog if self.prog.startswith("python") else f"python {self.prog}"
+        self.exit(2, f"error: {message} ({command} --help lists the flags)\n")
 
 
 class LoadError(Exception):
@@ -74,13 +84,18 @@ def check_folder(path: str | Path, flag: str = "--out") -> None:
         raise ValueError(f"{flag} {path} {where}: give a directory")
 
 
-def check_writable(path: str | None, flag: str = "--json") -> None:
-    """ValueError, before any work, where ``path`` could not be written at the end of the run."""
+def check_writable(path: str | None, flag: str = "--json", reads: dict[str, str | Path | None] | None = None) -> None:
+    """ValueError, before any work, where ``path`` could not be written at the end of the run, or is a file the
+    run reads (``reads``: flag -> path; QA: bench --json wrote its report over its own --prompts file)."""
     if path is None:
         return
     if not str(path).strip():      # it ran the whole benchmark and wrote nothing (QA)
         raise ValueError(f"{flag} is empty: give a file path in a folder you can write")
     target = Path(path)
+    for name, read in (reads or {}).items():
+        if read is not None and target.resolve() == Path(read).resolve():
+            raise ValueError(f"{flag} {path} is the {name} file this run reads, and the report would replace it: "
+                             "give another file")
     folder = next((p for p in [target.parent, *target.parent.parents] if p.exists()), Path("."))
     if folder.exists() and not folder.is_dir():      # the reason named, not guessed (QA)
         raise ValueError(f"{flag} {path} cannot be written: {folder} is a file, not a folder: give a file path in a "

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import check_folder, run_command
+from .errors import OneLineParser, check_folder, run_command
 from .loading.policy import resolve_device
 from .training import tree_search
 from .training import prompts as chat_prompts
@@ -215,7 +215,7 @@ def _device_name(device: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m medusa_core.smol_build", description=__doc__,
+    p = OneLineParser(prog="python -m medusa_core.smol_build", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", nargs="+", choices=STAGES, default=["prompts", "heads"])
     p.add_argument("--work", default="out/smol_build", help="prompts, answers, checkpoints")

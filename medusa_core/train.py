@@ -18,13 +18,14 @@ import sys
 
 import torch
 
-from .errors import run_command
+from .errors import OneLineParser, run_command
 from .loading.policy import resolve_device
 from .training.loop import TrainConfig, main_with_config
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m medusa_core.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog="python -m medusa_core.train", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="backbone directory (save_pretrained layout with tokenizer)")
     p.add_argument("--out", required=True, help="directory for the trained heads")
     src = p.add_mutually_exclusive_group(required=True)

@@ -118,6 +118,14 @@ def test_bench_reports_bad_input_in_one_line(checkpoint, tmp_path, capsys):
         bench.main(["--model", str(backbone), "--heads", str(heads), "--prompts", str(tmp_path)])
     assert str(stopped.value) == (f"error: prompts file {tmp_path} is a directory: give a .jsonl file with one "
                                   '{"prompt": ...} per line')
+    # QA: --json the prompts file wrote the report over the prompts
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    assert bench.main(["--model", str(backbone), "--heads", str(heads), "--prompts", str(prompts),
+                       "--json", str(tmp_path / "." / "p.jsonl")]) == 1
+    assert capsys.readouterr().err == (f"error: --json {tmp_path / '.' / 'p.jsonl'} is the --prompts file this run "
+                                       "reads, and the report would replace it: give another file\n")
+    assert prompts.read_text() == '{"prompt": "hi"}\n'
 
 
 def test_what_the_flags_show_wrong_is_said_before_the_model_loads(checkpoint, tmp_path, capsys, monkeypatch):
@@ -251,6 +259,9 @@ def test_profile_cpu_step_refuses_counts_before_loading(capsys, monkeypatch):
         with pytest.raises(SystemExit) as stopped:
             profile.main(args)
         assert stopped.value.code == 2 and says in capsys.readouterr().err
+    assert profile.main(["--tree", "default", "bogus"]) == 1     # QA: after the load, "default" not among the names
+    err = capsys.readouterr().err
+    assert err.startswith("error: unknown tree 'bogus'") and err.endswith(" (or 'default', the model's own tree)\n")
 
 
 def test_the_cpu_profile_counts_an_int4_heads_kernel_as_the_lm_head_not_a_projection():

@@ -201,6 +201,15 @@ def test_flags_that_cannot_run_are_one_line_errors_before_the_run(tmp_path, monk
     assert bench_synthetic.main([*tiny, "--tree-sizes", "2000", "--context", "1", "--warmup", "0"]) == 1
     assert capsys.readouterr().err == ("error: --context 1 + the largest tree (2000 nodes) + 3 steps exceeds the "
                                        "1024-token context: lower --context or --tree-sizes\n")
+    # QA: one line for three flags named none of them, and a bad decay or accuracy came back as a table
+    for flags, says in ((["--context", "-1"], "--context -1 must be at least 1"),
+                        (["--warmup", "-2"], "--warmup -2 must be at least 0"),
+                        (["--rank-decay", "-1"], "--rank-decay -1.0: give a number in (0, 1]"),
+                        (["--accuracies", "0.5", "nan"], "--accuracies nan: give each head's top-1 accuracy as a "
+                                                         "number from 0 to 1")):
+        assert bench_synthetic.main([*tiny, *flags]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {says}") and err.count("\n") == 1, err
     out = tmp_path / "new" / "step.json"
     assert bench_synthetic.main([*tiny, "--json", str(out)]) == 0 and json.loads(out.read_text())["results"]
 

@@ -269,6 +269,9 @@ def test_calibration_sets_the_committed_kernel_estimate_beside_its_measured_time
     report.write_text(json.dumps({"rows": []}))
     assert ks.main(["--calibrate", str(report)]) == 1
     assert "no timed nf4_matmul rows" in capsys.readouterr().err
+    assert ks.main(["--calibrate", str(tmp_path / "none.json")]) == 1      # QA: "[Errno 2] ..." with no fix
+    assert capsys.readouterr().err == (f"error: --calibrate {tmp_path / 'none.json'} is not a file: give a GPU run's "
+                                       "report with the kernel's timings, such as docs/perf/h100.json\n")
 
 
 def test_kernels_imported_under_the_interpreter_still_compile_for_the_gpu(tmp_path):

@@ -12,6 +12,8 @@ from medusa_core.heads.medusa_heads import HeadsConfig, MedusaHeads
 from medusa_core.heads.files import read_heads_dir, save_heads, save_proposal_vocab
 from medusa_core.smol_build import BuildConfig, build_root_heads, most_used
 
+HELP = "python -m medusa_core.smol_build --help lists the flags"
+
 
 def test_most_used_ranks_by_count_then_id_and_reports_what_it_covers():
     answers = [[5, 5, 9, 2], [9, 5, 7, 2], [8]]
@@ -107,8 +109,8 @@ def test_a_prompt_count_beyond_the_prompt_set_is_refused_naming_its_size(tmp_pat
         main(["--stages", "prompts", "--prompt-count", str(most + 1), "--work", str(tmp_path / "work"),
               "--out", str(tmp_path / "out")])
     assert stopped.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1].endswith(
-        f"error: --prompt-count {most + 1} is more than the {most} prompts the prompt set holds: give at most {most}")
+    assert capsys.readouterr().err == (f"error: --prompt-count {most + 1} is more than the {most} prompts the prompt "
+                                       f"set holds: give at most {most} ({HELP})\n")      # one line, no usage
     assert not (tmp_path / "work").exists() and not (tmp_path / "out").exists()
 
 
@@ -123,5 +125,5 @@ def test_a_work_or_out_folder_that_is_a_file_is_refused_naming_the_flag(tmp_path
         with pytest.raises(SystemExit) as stopped:
             main(["--stages", "prompts", *(x for item in folders.items() for x in item)])
         assert stopped.value.code == 2
-        assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: {flag} {afile} is a file: give a directory")
+        assert capsys.readouterr().err == f"error: {flag} {afile} is a file: give a directory ({HELP})\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]

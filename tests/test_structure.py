@@ -64,3 +64,18 @@ def test_every_cuda_graph_capture_in_the_package_is_thread_local_and_free_of_gar
             if isinstance(node, ast.Call) and ast.unparse(node.func) in ("torch.cuda.graph", "torch.cuda.CUDAGraph"):
                 pytest.fail(f"{path.relative_to(ROOT)}:{node.lineno} captures with {ast.unparse(node.func)}: use "
                             "medusa_core.decoding.graphs.captured")
+
+
+def test_every_command_line_refuses_a_bad_flag_in_one_line():
+    """QA: the commands' own checks were one line, and argparse's refusals (a bad number, a missing value, their
+    own p.error) printed the whole usage first. Every entry point builds its parser as OneLineParser."""
+    import subprocess
+    import sys
+
+    plain = [path.relative_to(ROOT) for path in [ROOT / "launch.py", *modules(PACKAGE), *modules(ROOT / "app")]
+             if "argparse.ArgumentParser(" in path.read_text() and path.name != "errors.py"]
+    assert not plain, f"{plain} build a plain argparse.ArgumentParser: use medusa_core.errors.OneLineParser"
+    for command in (["-m", "medusa_core.smol_build", "--steps", "0"], ["-m", "medusa_core.bench", "--warmup", "x"]):
+        proc = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.startswith("error: ") and proc.stderr.endswith(" --help lists the flags)\n"), proc.stderr

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-from ..errors import first_line
+from ..errors import OneLineParser, first_line
 from .kernel_sass import at_least
 
 # (K in, N out) and row classes the repacked tuner times on a Llama-7B load (quant/bnb.py): q/k/v and gate/up
@@ -86,7 +86,7 @@ def _kernels() -> list:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m medusa_core.benchmarks.compile_ahead", description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=at_least(1, "a thread count"), nargs="+",
                         default=sorted({1, len(os.sched_getaffinity(0))}))
     parser.add_argument("--arch", type=at_least(75, "a compute capability Triton compiles for (sm_75 and later)"),

@@ -27,7 +27,7 @@ from torch import nn
 from ..decoding.config import DecodeConfig
 from ..decoding.generate import generate
 from ..decoding.tree import build_tree_buffers
-from ..errors import LoadError
+from ..errors import LoadError, OneLineParser
 from ..loading.assets import CPU_DEFAULT_PROMPTS
 from ..loading.chat_format import render_chat
 from ..loading.load import load, load_backbone_dir
@@ -125,7 +125,7 @@ def projection_variants(model: nn.Module, dense_model: nn.Module) -> dict[str, S
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m medusa_core.benchmarks.cpu_variants", description=__doc__,
+    p = OneLineParser(prog="python -m medusa_core.benchmarks.cpu_variants", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--compare", choices=("heads", "projections"), default="heads")
     p.add_argument("--prompts", type=int, default=6, help="held-out prompts (the first ones)")

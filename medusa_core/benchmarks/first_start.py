@@ -31,7 +31,7 @@ import torch
 
 from ..decoding.config import DecodeConfig, SettingError
 from ..decoding.tree import TreeError, build_tree_buffers, named_tree
-from ..errors import LoadError, check_writable
+from ..errors import LoadError, OneLineParser, check_writable
 from ..heads.accuracy import PUBLISHED_ACCURACIES
 from ..loading.policy import resolve_device, resolve_quant
 from .synthetic import SHAPES, save_random_checkpoint
@@ -41,7 +41,7 @@ STARTS = ("first", "second")
 
 
 def parser(cuda: bool = False) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m medusa_core.benchmarks.first_start", description=__doc__,
+    p = OneLineParser(prog="python -m medusa_core.benchmarks.first_start", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if cuda else "cpu")
     p.add_argument("--shape", choices=sorted(SHAPES), help="model shape (default: 7b on CUDA, tiny otherwise)")

@@ -38,7 +38,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..errors import check_folder, first_line
+from ..errors import OneLineParser, check_folder, first_line
 
 # the device tool stops a command at 600 s; 30 s are left for stopping a stage and writing the manifest
 DEFAULT_BUDGET_S = 570
@@ -195,7 +195,7 @@ def run_stages(stages: list[Stage], out: Path, deadline: float, commands: dict[s
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m medusa_core.benchmarks.gpu_runbook", description=__doc__,
+    p = OneLineParser(prog="python -m medusa_core.benchmarks.gpu_runbook", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="where runbook.tar.gz (every JSON and log) and runbook.json go ($OUT)")
     p.add_argument("--stages", nargs="+", choices=STAGE_NAMES, help="these stages only (default: all, in order)")

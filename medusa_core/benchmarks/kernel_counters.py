@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import check_writable, first_line
+from ..errors import OneLineParser, check_writable, first_line
 from .nf4_kernel import parse_shape
 
 KERNEL_NAME = "repacked_kernel"      # the Triton program's name (quant/nf4_repacked_kernel.py), as profilers list it
@@ -172,7 +172,7 @@ def page(ncu: str, report: Path, name: str) -> str:
 
 def parser(cuda: bool = True) -> argparse.ArgumentParser:
     """(``cuda``: the other benchmarks' signature; this one runs on CUDA only, so nothing defaults by it.)"""
-    p = argparse.ArgumentParser(prog="python -m medusa_core.benchmarks.kernel_counters",
+    p = OneLineParser(prog="python -m medusa_core.benchmarks.kernel_counters",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--shape", type=parse_shape, nargs="+", default=[(4096, 11008)], metavar="KxN",
                    help="projections, in features x out features (default: 4096x11008)")

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import check_writable, first_line
+from ..errors import OneLineParser, check_writable, first_line
 from .kernel_sass import at_least
 from .nf4_kernel import copy_bandwidth, parse_shape
 
@@ -140,7 +140,7 @@ def table(results: list[Rung]) -> list[str]:
 
 def parser(cuda: bool = True) -> argparse.ArgumentParser:
     """(``cuda``: the other benchmarks' signature; this one runs on CUDA only, so nothing defaults by it.)"""
-    p = argparse.ArgumentParser(prog="python -m medusa_core.benchmarks.kernel_ladder",
+    p = OneLineParser(prog="python -m medusa_core.benchmarks.kernel_ladder",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--json", type=Path, default=Path("out/ladder.json"),
                    help="where to write the results (rewritten after each shape, so a run cut short keeps them)")

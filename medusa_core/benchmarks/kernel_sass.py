@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import check_writable
+from ..errors import OneLineParser, check_writable
 from .nf4_kernel import SHAPES, parse_shape   # SHAPES (K in, N out): what the kernel benchmark times
 
 ROWS = (1, 2, 4, 16, 32, 64)
@@ -453,6 +453,9 @@ def calibrate(report_json: Path, gpu: Gpu, workdir: Path) -> list[dict]:
     """The committed kernel (nf4_matmul over bitsandbytes' storage) at the configs a GPU run chose and
     timed (a report with ``nf4_matmul.rows``, e.g. docs/perf/h100.json): its estimates beside its
     measured µs. How far the issue bound falls short of a measurement is what to expect of it elsewhere."""
+    if not report_json.is_file():       # QA: "[Errno 2] No such file or directory: ..." named no fix
+        raise ValueError(f"--calibrate {report_json} is not a file: give a GPU run's report with the kernel's timings, "
+                         "such as docs/perf/h100.json")
     data = json.loads(report_json.read_text())
     rows = data.get("nf4_matmul", data).get("rows", [])
     out = []
@@ -482,7 +485,7 @@ def at_least(low: int, what: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m medusa_core.benchmarks.kernel_sass", description=__doc__.splitlines()[0])
     parser.add_argument("--shape", type=parse_shape, nargs="+", default=list(SHAPES), help="KxN, e.g. 4096x11008")
     parser.add_argument("--rows", type=at_least(1, "a row count"), nargs="+", default=list(ROWS))
     parser.add_argument("--arch", type=at_least(75, "a compute capability Triton compiles for (sm_75 and later)"),

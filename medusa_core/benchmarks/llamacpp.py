@@ -30,7 +30,7 @@ import torch
 
 from .runs import Run, bench_prompts, peak_memory, run_loop, write_json
 from ..loading.chat_format import render_chat
-from ..errors import LoadError, check_writable
+from ..errors import LoadError, OneLineParser, check_writable
 from ..decoding.config import DecodeConfig
 from ..decoding.generate import new_cache, stop_set
 from ..decoding.step import compute_dtype
@@ -217,7 +217,7 @@ def run(config: LlamaCppBenchConfig) -> tuple[list[Row], dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m medusa_core.benchmarks.llamacpp", description=__doc__,
+    p = OneLineParser(prog="python -m medusa_core.benchmarks.llamacpp", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", default=str(CPU_DEFAULT_PROMPTS),
                    help="JSONL file, one {\"prompt\": ...} per line (default: the held-out chat prompts in "

@@ -27,6 +27,7 @@ import torch
 from ..decoding.config import DecodeConfig
 from ..decoding.generate import first_divergence, generate
 from ..decoding.tree import TreeBuffers, build_tree_buffers, resolve_tree
+from ..errors import OneLineParser
 
 KERNELS = ("bnb", "triton", "repacked", "repacked-exact", "auto")     # auto: as the app routes them
 
@@ -108,7 +109,7 @@ def smollm2_setup(device: str, prompts: int):
 
 
 def parser(cuda: bool) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m medusa_core.benchmarks.nf4_exactness", description=__doc__,
+    p = OneLineParser(prog="python -m medusa_core.benchmarks.nf4_exactness", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=("random", "smollm2"), default="random")
     p.add_argument("--device", default="cuda" if cuda else "cpu")

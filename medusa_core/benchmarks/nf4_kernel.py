@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..errors import first_line
+from ..errors import OneLineParser, first_line
 from ..quant.kernel_timing import graph_time_us, rotating_copies, rotation_count
 
 SHAPES = ((4096, 11008), (11008, 4096), (4096, 4096), (4096, 32000))   # (K in, N out)
@@ -314,7 +314,7 @@ def parse_shape(text: str) -> tuple[int, int]:
 
 def parser(cuda: bool = True) -> argparse.ArgumentParser:
     """(``cuda``: the other benchmarks' signature; this one runs on CUDA only, so nothing defaults by it.)"""
-    p = argparse.ArgumentParser(prog="python -m medusa_core.benchmarks.nf4_kernel", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="python -m medusa_core.benchmarks.nf4_kernel", description=__doc__.splitlines()[0])
     p.add_argument("--json", type=Path, default=Path("out/nf4.json"),
                    help="where to write the results (rewritten after each shape, so a run cut short keeps them)")
     p.add_argument("--shapes", type=parse_shape, nargs="+", default=list(SHAPES), metavar="KxN",

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..loading.chat_format import render_chat
-from ..errors import LoadError
+from ..errors import LoadError, OneLineParser
 from ..decoding.config import DecodeConfig
 from ..decoding.generate import generate
 from ..loading.assets import CPU_DEFAULT_PROMPTS
@@ -146,7 +146,7 @@ def profile(loaded, tree_name: str, prompt_ids: list[list[int]], steps: int) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m medusa_core.benchmarks.profile_cpu_step", description=__doc__,
+    p = OneLineParser(prog="python -m medusa_core.benchmarks.profile_cpu_step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tree", nargs="+", default=[], help="trees to profile beside the baseline; 'default' (or none given): the "
                                                                  "model's default tree, tuned for this machine")
@@ -161,6 +161,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--prompts {config.prompts} must be from 1 to {held_out} (the held-out prompts)")
     if config.steps < 1:
         p.error(f"--steps {config.steps} must be at least 1")
+    try:
+        for name in config.trees:   # before the load (QA: after it, and the list named every tree but "default")
+            if name != "default":
+                resolve_tree(name)
+    except TreeError as err:
+        print(f"error: {err} (or 'default', the model's own tree)", file=sys.stderr)
+        return 1
     try:
         loaded = load(LoadSpec(device="cpu", quant=config.quant))
         asked = [loaded.default_tree if t == "default" else t for t in config.trees or ("default",)]

@@ -31,6 +31,7 @@ from ..decoding.config import DecodeConfig
 from ..decoding.step_store import step_for
 from ..decoding.tree import build_tree_buffers, tree_of_size
 from ..heads.accuracy import PUBLISHED_ACCURACIES, TOP_K, rank_table
+from ..errors import OneLineParser
 from ..quant.attention_routing import ATTENTION_CHOICES, ROTARY_CHOICES
 from ..quant.bnb import NF4_KERNELS, use_nf4_kernel
 from ..quant.norm_routing import NORM_KERNELS, use_norm_kernel
@@ -203,7 +204,7 @@ def format_profile(label: str, row: dict) -> str:
 
 
 def parser(cuda: bool) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m medusa_core.benchmarks.profile_gpu_step", description=__doc__,
+    p = OneLineParser(prog="python -m medusa_core.benchmarks.profile_gpu_step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if cuda else "cpu")
     p.add_argument("--shape", choices=sorted(SHAPES), help="default: 7b on CUDA, tiny otherwise")
