@@ -83,7 +83,7 @@ def through_api(http: httpx.Client, url: str, model: str, prompt: str, max_new_t
 
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="python -m app.bench_api", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--count", type=int, default=12, help="held-out prompts (the first ones)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--soak", type=int, default=0, help="then this many short requests, memory sampled")

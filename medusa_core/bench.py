@@ -36,7 +36,7 @@ from .quant.norm_routing import NORM_KERNELS, flag_error as norm_flag_error
 
 def parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m medusa_core.bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="backbone hub id or local dir (default: Vicuna-7B on CUDA, SmolLM2-135M-Instruct "
                                    "otherwise)")
     p.add_argument("--heads", help="Medusa heads hub id or local dir")

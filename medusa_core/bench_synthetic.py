@@ -177,7 +177,7 @@ def _ms(seconds: float | None) -> float | None:
 
 def parser(cuda: bool) -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m medusa_core.bench_synthetic", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if cuda else "cpu")
     p.add_argument("--shape", choices=sorted(SHAPES), help="default: 7b on CUDA, tiny otherwise")
     p.add_argument("--quant", nargs="+", choices=("none", "nf4", "tinygemm"),

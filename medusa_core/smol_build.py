@@ -216,7 +216,7 @@ def _device_name(device: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="python -m medusa_core.smol_build", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", nargs="+", choices=STAGES, default=["prompts", "heads"])
     p.add_argument("--work", default="out/smol_build", help="prompts, answers, checkpoints")
     p.add_argument("--out", default=str(ASSETS), help="heads/, tree.json and build_log.json go here")

@@ -126,7 +126,7 @@ def projection_variants(model: nn.Module, dense_model: nn.Module) -> dict[str, S
 
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="python -m medusa_core.benchmarks.cpu_variants", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--compare", choices=("heads", "projections"), default="heads")
     p.add_argument("--prompts", type=int, default=6, help="held-out prompts (the first ones)")
     p.add_argument("--max-new-tokens", type=int, default=64)

@@ -42,7 +42,7 @@ STARTS = ("first", "second")
 
 def parser(cuda: bool = False) -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m medusa_core.benchmarks.first_start", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if cuda else "cpu")
     p.add_argument("--shape", choices=sorted(SHAPES), help="model shape (default: 7b on CUDA, tiny otherwise)")
     p.add_argument("--quant", default="nf4", help="bench's --quant (default nf4, the product's format)")

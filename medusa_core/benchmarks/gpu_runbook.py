@@ -196,7 +196,7 @@ def run_stages(stages: list[Stage], out: Path, deadline: float, commands: dict[s
 
 def parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m medusa_core.benchmarks.gpu_runbook", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="where runbook.tar.gz (every JSON and log) and runbook.json go ($OUT)")
     p.add_argument("--stages", nargs="+", choices=STAGE_NAMES, help="these stages only (default: all, in order)")
     p.add_argument("--from", dest="start", choices=STAGE_NAMES, help="this stage and the ones after it")

@@ -173,7 +173,7 @@ def page(ncu: str, report: Path, name: str) -> str:
 def parser(cuda: bool = True) -> argparse.ArgumentParser:
     """(``cuda``: the other benchmarks' signature; this one runs on CUDA only, so nothing defaults by it.)"""
     p = OneLineParser(prog="python -m medusa_core.benchmarks.kernel_counters",
-                                description=__doc__.splitlines()[0])
+                      description=__doc__.splitlines()[0])
     p.add_argument("--shape", type=parse_shape, nargs="+", default=[(4096, 11008)], metavar="KxN",
                    help="projections, in features x out features (default: 4096x11008)")
     p.add_argument("--json", type=Path, default=Path("out/counters.json"),

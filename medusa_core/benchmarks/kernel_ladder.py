@@ -141,7 +141,7 @@ def table(results: list[Rung]) -> list[str]:
 def parser(cuda: bool = True) -> argparse.ArgumentParser:
     """(``cuda``: the other benchmarks' signature; this one runs on CUDA only, so nothing defaults by it.)"""
     p = OneLineParser(prog="python -m medusa_core.benchmarks.kernel_ladder",
-                                description=__doc__.splitlines()[0])
+                      description=__doc__.splitlines()[0])
     p.add_argument("--json", type=Path, default=Path("out/ladder.json"),
                    help="where to write the results (rewritten after each shape, so a run cut short keeps them)")
     p.add_argument("--shapes", type=parse_shape, nargs="+", default=list(SHAPES), metavar="KxN",

@@ -218,7 +218,7 @@ def run(config: LlamaCppBenchConfig) -> tuple[list[Row], dict]:
 
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="python -m medusa_core.benchmarks.llamacpp", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", default=str(CPU_DEFAULT_PROMPTS),
                    help="JSONL file, one {\"prompt\": ...} per line (default: the held-out chat prompts in "
                         "assets/smollm2/prompts.jsonl)")

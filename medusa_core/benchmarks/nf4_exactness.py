@@ -110,7 +110,7 @@ def smollm2_setup(device: str, prompts: int):
 
 def parser(cuda: bool) -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m medusa_core.benchmarks.nf4_exactness", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=("random", "smollm2"), default="random")
     p.add_argument("--device", default="cuda" if cuda else "cpu")
     p.add_argument("--shape", default="7b", help="random model's shape (benchmarks/synthetic.py SHAPES)")

@@ -147,7 +147,7 @@ def profile(loaded, tree_name: str, prompt_ids: list[list[int]], steps: int) -> 
 
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="python -m medusa_core.benchmarks.profile_cpu_step", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tree", nargs="+", default=[], help="trees to profile beside the baseline; 'default' (or none given): the "
                                                                  "model's default tree, tuned for this machine")
     p.add_argument("--quant", default="auto", choices=("auto", "int4", "none"))

@@ -205,7 +205,7 @@ def format_profile(label: str, row: dict) -> str:
 
 def parser(cuda: bool) -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m medusa_core.benchmarks.profile_gpu_step", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if cuda else "cpu")
     p.add_argument("--shape", choices=sorted(SHAPES), help="default: 7b on CUDA, tiny otherwise")
     p.add_argument("--quant", nargs="+", choices=("none", "nf4"), help="default: none nf4 on CUDA, none otherwise")

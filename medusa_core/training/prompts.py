@@ -17,6 +17,7 @@ import itertools
 import json
 import random
 from pathlib import Path
+
 from ..errors import OneLineParser
 
 LANGUAGES = ["Python", "JavaScript", "C", "Rust", "Go", "Java", "SQL", "Bash", "TypeScript", "C++"]
@@ -209,7 +210,7 @@ def prompt_set(count: int, seed: int = 0, followup_share: float = 0.15) -> list[
 
 def main(argv: list[str] | None = None) -> None:
     p = OneLineParser(prog="python -m medusa_core.training.prompts", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--count", type=int, default=4000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="JSONL file to write")

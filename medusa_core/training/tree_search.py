@@ -136,7 +136,7 @@ def run(config: CalibrateConfig) -> dict:
     if not any((heads_dir / name).is_file() for name in HEADS_FILES):   # QA: said after the load and a minute's timing
         raise ValueError(f"{heads_dir} holds no heads ({' or '.join(HEADS_FILES)}): give the folder that "
                          "python -m medusa_core.train wrote")
-    if heads_dir.is_dir() and out.resolve().parent == heads_dir.resolve() and out.name in OWN_FILES:
+    if out.resolve().parent == heads_dir.resolve() and out.name in OWN_FILES:
         # QA: --out heads/config.json wrote the tree over the heads' config, and the heads no longer loaded
         raise ValueError(f"--out {config.out} is one of the heads' own files: give a tree file, such as "
                          f"{heads_dir / 'tree.json'}")
