@@ -222,8 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     print(setup.loaded.description)
     # what a user waits for at the app's start: on a GPU's first start the kernel timings, here and later read
     print(f"loaded in {load_seconds:.1f} s")
-    if setup.loaded.tree_note:
-        print(setup.loaded.tree_note)
+    note = setup.loaded.tree_note
+    if args.tree and "default" not in args.tree and setup.trees:
+        # the load's line names the default it was given, the first --tree: the run times all of them (QA)
+        note = f"tree{'s' * (len(setup.trees) > 1)} {', '.join(setup.trees)} (set by --tree), beside plain decoding"
+    if note:
+        print(note)
     print(setup.loaded.memory)
     report(args, setup, prompts, encoded, *measure(args, setup, encoded), load_seconds)
     return 0

@@ -21,6 +21,7 @@ def test_bench_runs_end_to_end_and_writes_json(checkpoint, tmp_path, capsys):
                        "--tree", "chain-2", "small-8", "--max-new-tokens", "12", "--warmup", "1", "--json", str(out)])
     assert code == 0
     table = capsys.readouterr().out
+    assert "trees chain-2, small-8 (set by --tree), beside plain decoding" in table   # QA: it named chain-2 alone
     for name in ("baseline (1-node tree)", "medusa chain-2", "medusa small-8", "transformers generate()", "prompt lookup"):
         assert name in table
     data = json.loads(out.read_text())
