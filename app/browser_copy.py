@@ -62,22 +62,40 @@ class FinishedCopies:
     """The conversation as each sent message's answer ended, by the id its copy written at the send carries.
     The browser stores the copy after an answer in a follow-up event; a reload in the moment between the
     answer's end and that copy read the copy written at the send, and called the finished answer cut off by
-    the reload (QA, on a busy machine). The page load asks here first. Only the newest are kept: a copy is
-    looked for within moments of its answer's end."""
+    the reload (QA, on a busy machine). The page load asks here first, and waits a moment for an answer still
+    running under that id: a reload stops it at once, and what it had written comes back with the page.
+    Only the newest are kept: a copy is looked for within moments of its answer's end."""
 
-    def __init__(self, kept: int = 64) -> None:
+    def __init__(self, kept: int = 64, wait_s: float = 3.0) -> None:
         self._copies: OrderedDict[str, dict] = OrderedDict()
-        self._kept, self._lock = kept, threading.Lock()
+        self._running: set[str] = set()
+        # an answer the reload stopped ends within one step (a CPU's tens of ms); one still reading a long
+        # prompt's piece has written nothing, and its page comes back after this wait with the send's copy
+        self._kept, self._wait_s = kept, wait_s
+        self._changed = threading.Condition()
 
-    def keep(self, copy_id: str, copy: dict) -> None:
-        with self._lock:
-            self._copies[copy_id] = copy
-            self._copies.move_to_end(copy_id)
-            while len(self._copies) > self._kept:
-                self._copies.popitem(last=False)
+    def started(self, copy_id: str) -> None:
+        """An answer runs under ``copy_id``: a page load asking for it waits for its end (``ended``)."""
+        with self._changed:
+            self._running.add(copy_id)
+
+    def ended(self, copy_id: str, copy: dict | None) -> None:
+        """The answer under ``copy_id`` ended: ``copy``, the conversation as it ended, is kept; None keeps none
+        (the copy written at the send stands)."""
+        with self._changed:
+            self._running.discard(copy_id)
+            if copy is not None:
+                self._copies[copy_id] = copy
+                self._copies.move_to_end(copy_id)
+                while len(self._copies) > self._kept:
+                    self._copies.popitem(last=False)
+            self._changed.notify_all()
 
     def newest(self, stored):
         """``stored``, the browser's copy, or the one its answer ended with where that is kept here."""
         copy_id = stored.get(PENDING) if isinstance(stored, dict) else None
-        with self._lock:
-            return self._copies.get(copy_id, stored) if isinstance(copy_id, str) else stored
+        if not isinstance(copy_id, str):
+            return stored
+        with self._changed:
+            self._changed.wait_for(lambda: copy_id not in self._running, timeout=self._wait_s)
+            return self._copies.get(copy_id, stored)

@@ -35,6 +35,7 @@ KEPT = " (the answer stays as it was)"              # said of a regenerate that 
 ANSWER_STARTING = "Starting the answer…"
 CANCELLED = "stopped: the request was cancelled"   # a script's job.cancel(): Gradio closed the handler
 INTERRUPTED = "the page was reloaded before this answer finished: press Regenerate to answer it"
+RELOADED = "the page was reloaded while this answer ran, which stopped it here: press Regenerate for a whole one"
 NOT_COMPARED = "plain decoding did not answer this message (compare was off): Medusa's answer is in its pane"
 BUSY = "Still answering your previous message: wait, or press Stop"
 STOPPING_WAIT_S = 30.0   # a stopped answer ends within one step, or one prompt piece while a long prompt is read
@@ -228,11 +229,28 @@ class ChatController:
         """The page's send or regenerate (``updates``), then the conversation as its answer ended, kept under the
         id of the browser's copy written as it was sent, where a page load finds it (FinishedCopies): the page
         shows the answer done before the follow-up event stores that copy in the browser."""
-        yield from updates
-        # none for a script (no copy was written at its send); an answer the reload itself stopped is said to be
-        # cut off by it, with Regenerate
-        if session.sent_copy and not session.closed:
-            self.finished.keep(session.sent_copy, self.browser_copy(session, system, compare))
+        copy_id = session.sent_copy     # none for a script: no copy was written at its send
+        if copy_id:
+            self.finished.started(copy_id)
+        try:
+            yield from updates
+        finally:     # also where Gradio closes the handler: a reload cancels the page's running event
+            if copy_id:
+                self.finished.ended(copy_id, self.ended_copy(session, system, compare))
+
+    def ended_copy(self, session: Session, system, compare) -> dict | None:
+        """The browser's copy as the tab's answer ended. An answer its tab's reload stopped is kept as far as it got,
+        saying so (the page had shown it; QA: only a note to press Regenerate came back); one stopped before its
+        first token is not: the copy written at the send comes back, with that note (INTERRUPTED)."""
+        if not session.closed:
+            return self.browser_copy(session, system, compare)
+        last = session.turns[-1] if session.turns else None
+        if last is None or last.reply is None:
+            return None
+        if ((last.answered or {}).get(MEDUSA) or {}).get("finish_reason") in (None, "cancelled"):  # cut, not ended
+            notes = [part for part in (last.note or "").split(" · ") if part and part != CANCELLED]
+            last.note = " · ".join([*notes, RELOADED])
+        return self.browser_copy(session, system, compare)
 
     @staticmethod
     def refused(reason: str) -> tuple:

@@ -1471,7 +1471,7 @@ def test_a_reload_before_the_browser_stores_the_finished_answer_still_brings_it_
     later = chat.save_conversation(session, "Be brief.", True)[0]
     assert chat.finished.newest(later) is later
     assert chat.finished.newest({**at_send, "pending": "another"})["turns"][-1]["reply"] is None
-    # an answer the reload stopped is not kept: the page says the reload cut it off, and offers Regenerate
+    # a message the reload stopped before it started is not kept: the page says the reload cut it off (Regenerate)
     cut, *_ = chat.save_pending(session, "Tell me more.", "Be brief.", True)
     chat.tab_opened(session, "the tab")
     chat.tab_closed("the tab")
@@ -1479,6 +1479,76 @@ def test_a_reload_before_the_browser_stores_the_finished_answer_still_brings_it_
                    "Be brief.", True))
     assert chat.finished.newest(cut) is cut
     slot.unload()
+
+
+def test_a_reload_mid_answer_brings_back_what_the_answer_had_written(model_dirs):
+    """QA: reloading the page while an answer streamed brought the message back without the text the page had
+    shown, only a note to press Regenerate. The reload stops the answer at its next step; the page load waits for
+    that end and gets the answer as far as it got, saying the reload stopped it."""
+    import threading
+
+    from app.chat_controller import INTERRUPTED, RELOADED, ChatController
+    from app.models import ModelSlot
+    from app.session import Session
+    from medusa_core.loading.spec import LoadSpec
+
+    backbone, heads = model_dirs
+    slot = ModelSlot(log=lambda line: None)
+    slot.start(LoadSpec(model=str(backbone), heads=str(heads), device="cpu"))
+    assert slot.wait(120).phase == "ready"
+    chat, session = ChatController(slot), Session()
+    at_send, *_ = chat.save_pending(session, "Tell me a story.", "", False)
+    chat.tab_opened(session, "the tab")
+    updates = chat.kept(chat.run(session, "Tell me a story.", "", False, {"max_new_tokens": 400}), session, "", False)
+    shown = None
+    for update in updates:   # up to the first streamed text
+        if update[6].get("reply"):
+            shown = update[6]["reply"]
+            break
+    assert shown, "no text streamed"
+    rest = threading.Thread(target=lambda: list(updates))   # the old page's answer goes on in Gradio's worker
+    chat.tab_closed("the tab")       # the reload
+    rest.start()
+    restored = chat.finished.newest(at_send)     # the new page's load, as the old answer stops
+    rest.join(60)
+    turns = restored["turns"]
+    assert len(turns) == 1 and turns[0]["reply"].startswith(shown) and turns[0]["answered"]["medusa"]["tokens"] < 400
+    reloaded = Session()
+    medusa, *_ = chat.restored(reloaded, restored, "")
+    texts = " ".join(part["text"] for message in medusa for part in message["content"])
+    assert RELOADED in texts and INTERRUPTED not in texts, texts
+    assert reloaded.turns[-1].reply == turns[0]["reply"] and not reloaded.turns[-1].in_box
+    # Gradio closes the page's running handler on a reload (the browser path): kept the same way
+    at_send, *_ = chat.save_pending(session, "Tell me another.", "", False)
+    chat.tab_opened(session, "the tab")
+    updates = chat.kept(chat.run(session, "Tell me another.", "", False, {"max_new_tokens": 400}), session, "", False)
+    shown = next(update[6]["reply"] for update in updates if update[6].get("reply"))
+    chat.tab_closed("the tab")
+    updates.close()
+    last = chat.finished.newest(at_send)["turns"][-1]
+    assert last["reply"].startswith(shown) and last["note"] == RELOADED, last
+    slot.unload()
+
+
+def test_a_page_load_waits_a_moment_for_the_answer_it_asks_for():
+    """The page load asks for an answer still running under its copy's id: it gets the copy that answer ends with,
+    and after the wait (an answer still reading a long prompt has written nothing) the browser's own."""
+    import threading
+    import time
+
+    from app.browser_copy import PENDING, FinishedCopies
+
+    copies, stored = FinishedCopies(wait_s=30.0), {PENDING: "a", "turns": []}
+    copies.started("a")
+    threading.Timer(0.2, copies.ended, ("a", {"turns": ["ended"]})).start()
+    assert copies.newest(stored) == {"turns": ["ended"]}
+    copies.started("b")
+    threading.Timer(0.2, copies.ended, ("b", None)).start()      # ended with no copy: the browser's stands
+    assert copies.newest({PENDING: "b"}) == {PENDING: "b"}
+    brief = FinishedCopies(wait_s=0.1)
+    brief.started("c")
+    start = time.monotonic()
+    assert brief.newest({PENDING: "c"}) == {PENDING: "c"} and time.monotonic() - start < 10
 
 
 def test_unload_frees_the_tabs_caches_too(model_dirs):

@@ -699,6 +699,9 @@ def test_clear_and_reload_keep_what_the_user_expects(page):
     page.wait_for_function("() => document.querySelectorAll('#chat .message.user').length === 1", timeout=60_000)
     shoot(page, "reloaded_mid_answer.png")
     assert "long story about a cat" in page.locator("#chat .message.user").inner_text()
+    # what the answer had written comes back, saying the reload stopped it (QA: only the note came back)
+    page.wait_for_function("() => document.querySelectorAll('#chat .copy-answer').length === 1", timeout=10_000)
+    assert "reloaded while this answer ran" in page.locator("#chat").inner_text()
     assert "press Regenerate" in page.locator("#chat").inner_text()
     page.wait_for_function("() => !document.querySelector('#regenerate')?.disabled", timeout=30_000)
     assert page.locator("#system textarea").input_value() == "You are a pirate."
