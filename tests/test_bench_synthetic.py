@@ -293,6 +293,25 @@ def test_fold_merges_the_kernel_and_demo_figures_into_one_report(tmp_path):
     assert bench_synthetic.main(["--fold", str(step), str(tmp_path / "other.json"), "--json", str(out)]) == 1
 
 
+def test_fold_refuses_a_bench_run_on_the_cpu(tmp_path, capsys):
+    """QA: a CPU ``bench`` JSON (SmolLM2's) was filed as the GPU report's "checkpoint" row, its tokens/s headline."""
+    step = tmp_path / "gpu.json"
+    assert bench_synthetic.main(["--device", "cpu", "--shape", "tiny", "--quant", "none", "--tree-sizes", "1",
+                                 "--context", "8", "--iters", "2", "--warmup", "0", "--json", str(step)]) == 0
+    capsys.readouterr()
+    bench = tmp_path / "smol.json"
+    bench.write_text(json.dumps({"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "device": "cpu", "summary": [
+        {"name": "baseline (1-node tree)", "tokens_per_s": 40.0}]}))
+    out = tmp_path / "report.json"
+    assert bench_synthetic.main(["--fold", str(step), str(bench), "--json", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"error: {bench} is a bench run on cpu, and this report is a GPU's: fold a bench run with --device "
+                   "cuda, or leave it out\n") and not out.exists()
+    bench.write_text(bench.read_text().replace('"cpu"', '"cuda:0"'))
+    assert bench_synthetic.main(["--fold", str(step), str(bench), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["summary"]["checkpoint_tokens_per_s"] == 40.0
+
+
 def test_fold_adds_up_kernel_runs_split_by_shape_or_cut_short(tmp_path):
     """A GPU call has a time limit: nf4_kernel --shapes runs one shape at a time, a run cut short leaves
     its finished shapes (partial); folded, each shape's rows come from the run that measured it last."""

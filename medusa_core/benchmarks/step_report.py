@@ -173,6 +173,10 @@ def fold_reports(step_json: Path, others: Sequence[Path]) -> dict:
             # the rows, taken after the loop)
             report["nf4_matmul"] = merge_kernel_runs(report.get("nf4_matmul"), data)
         elif isinstance(summary_, list) and "model" in data:                    # bench
+            # the report is a GPU's: a CPU run (SmolLM2's, say) filed as its "checkpoint" row read as the GPU's
+            if not str(data.get("device", "cuda")).startswith("cuda"):
+                raise ValueError(f"{path} is a bench run on {data['device']}, and this report is a GPU's: fold a "
+                                 "bench run with --device cuda, or leave it out")
             report["demo" if "demo model" in data["model"] else "checkpoint"] = data
         elif not isinstance(data, dict):
             raise ValueError(f"{path} holds no JSON object: pass a bench_synthetic, nf4_kernel, profile_gpu_step, "
