@@ -377,8 +377,9 @@ class ChatEngine:
                 session.first_turn = exchanges[drop - 1][0] + 1
                 # all that are out by now, those an earlier message cut included (it counted only this cut's)
                 out = sum(1 for t in session.turns[:session.first_turn] if t.user and t.reply is not None)
-                note = (f"the oldest {out} exchange{'s' if out > 1 else ''} left the model's prompt to fit its "
-                        f"{self.context}-token context (still shown here)")
+                exchanges_out = f"{out} exchanges" if out > 1 else "exchange"     # QA NIT: "the oldest 1 exchange"
+                note = (f"the oldest {exchanges_out} left the model's prompt to fit its {self.context}-token context "
+                        "(still shown here)")
                 if whole + tree.size < self.context:
                     # the conversation fitted; a large Max new tokens took its room (QA: a pasted document went
                     # for an answer that used 42 of the 2,048 tokens held for it, and the note blamed the context)

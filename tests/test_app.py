@@ -1060,7 +1060,7 @@ def test_full_context_cuts_oldest_turns_and_keeps_answering(engine):
         notices += [notice] if notice else []
         if notice:      # every exchange out of the prompt by now (a later cut counted only its own)
             out = session.first_turn
-            assert notice.startswith(f"the oldest {out} exchange{'s' if out > 1 else ''} left"), (i, notice)
+            assert notice.startswith(f"the oldest {f'{out} exchanges' if out > 1 else 'exchange'} left"), (i, notice)
         session.turns.append(Turn(user=message))
         last = list(engine.answer(session, ids, settings))[-1]
         assert last.error is None and last.stats.tokens > 0
@@ -2201,7 +2201,7 @@ def test_a_cut_that_a_large_max_new_tokens_caused_says_so(engine):
     assert note is None and ids == whole
     ids, note = engine.fit_prompt(session, message, None, big)
     reserve = engine.context // 4
-    assert note == (f"the oldest 1 exchange left the model's prompt to fit its {engine.context}-token context (still "
+    assert note == (f"the oldest exchange left the model's prompt to fit its {engine.context}-token context (still "
                     f"shown here): {reserve:,} tokens are kept for the answer (Max new tokens {engine.context:,}), and a "
                     "lower Max new tokens keeps more of the conversation")
 
