@@ -10,6 +10,7 @@ conversation as each sent message's answer ended until the browser has stored it
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 
 KEY = "medusa-chat-conversation"
 SETTINGS_KEY = "medusa-chat-settings"
@@ -62,28 +63,30 @@ class FinishedCopies:
     """The conversation as each sent message's answer ended, by the id its copy written at the send carries.
     The browser stores the copy after an answer in a follow-up event; a reload in the moment between the
     answer's end and that copy read the copy written at the send, and called the finished answer cut off by
-    the reload (QA, on a busy machine). The page load asks here first, and waits a moment for an answer still
-    running under that id: a reload stops it at once, and what it had written comes back with the page.
+    the reload (QA, on a busy machine). The page load asks here first, and where the answer under that id still
+    runs for a tab that has gone (a reload stops it at its next step) waits a moment for its end: what it had
+    written comes back with the page. (A new tab opened beside one still answering does not wait.)
     Only the newest are kept: a copy is looked for within moments of its answer's end."""
 
     def __init__(self, kept: int = 64, wait_s: float = 3.0) -> None:
         self._copies: OrderedDict[str, dict] = OrderedDict()
-        self._running: set[str] = set()
+        self._running: dict[str, Callable[[], bool]] = {}    # an answer's id: whether its tab has gone
         # an answer the reload stopped ends within one step (a CPU's tens of ms); one still reading a long
         # prompt's piece has written nothing, and its page comes back after this wait with the send's copy
         self._kept, self._wait_s = kept, wait_s
         self._changed = threading.Condition()
 
-    def started(self, copy_id: str) -> None:
-        """An answer runs under ``copy_id``: a page load asking for it waits for its end (``ended``)."""
+    def started(self, copy_id: str, gone: Callable[[], bool]) -> None:
+        """An answer runs under ``copy_id``: a page load asking for it once its tab has ``gone`` waits for its end
+        (``ended``)."""
         with self._changed:
-            self._running.add(copy_id)
+            self._running[copy_id] = gone
 
     def ended(self, copy_id: str, copy: dict | None) -> None:
         """The answer under ``copy_id`` ended: ``copy``, the conversation as it ended, is kept; None keeps none
         (the copy written at the send stands)."""
         with self._changed:
-            self._running.discard(copy_id)
+            self._running.pop(copy_id, None)
             if copy is not None:
                 self._copies[copy_id] = copy
                 self._copies.move_to_end(copy_id)
@@ -97,5 +100,7 @@ class FinishedCopies:
         if not isinstance(copy_id, str):
             return stored
         with self._changed:
-            self._changed.wait_for(lambda: copy_id not in self._running, timeout=self._wait_s)
+            gone = self._running.get(copy_id)
+            if gone is not None and gone():
+                self._changed.wait_for(lambda: copy_id not in self._running, timeout=self._wait_s)
             return self._copies.get(copy_id, stored)

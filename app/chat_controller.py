@@ -231,7 +231,7 @@ class ChatController:
         shows the answer done before the follow-up event stores that copy in the browser."""
         copy_id = session.sent_copy     # none for a script: no copy was written at its send
         if copy_id:
-            self.finished.started(copy_id)
+            self.finished.started(copy_id, lambda: session.closed)
         try:
             yield from updates
         finally:     # also where Gradio closes the handler: a reload cancels the page's running event

@@ -1530,23 +1530,27 @@ def test_a_reload_mid_answer_brings_back_what_the_answer_had_written(model_dirs)
     slot.unload()
 
 
-def test_a_page_load_waits_a_moment_for_the_answer_it_asks_for():
-    """The page load asks for an answer still running under its copy's id: it gets the copy that answer ends with,
-    and after the wait (an answer still reading a long prompt has written nothing) the browser's own."""
+def test_a_page_load_waits_a_moment_for_the_answer_its_reload_stopped():
+    """The page load asks for an answer still running under its copy's id, for a tab that has gone: it gets the copy
+    that answer ends with, and after the wait (an answer still reading a long prompt has written nothing) the
+    browser's own. A new tab opened beside the tab still answering gets the browser's copy at once."""
     import threading
     import time
 
     from app.browser_copy import PENDING, FinishedCopies
 
     copies, stored = FinishedCopies(wait_s=30.0), {PENDING: "a", "turns": []}
-    copies.started("a")
+    copies.started("a", lambda: True)
     threading.Timer(0.2, copies.ended, ("a", {"turns": ["ended"]})).start()
     assert copies.newest(stored) == {"turns": ["ended"]}
-    copies.started("b")
+    copies.started("b", lambda: True)
     threading.Timer(0.2, copies.ended, ("b", None)).start()      # ended with no copy: the browser's stands
     assert copies.newest({PENDING: "b"}) == {PENDING: "b"}
+    copies.started("open", lambda: False)      # its tab still answers: no wait
+    start = time.monotonic()
+    assert copies.newest({PENDING: "open"}) == {PENDING: "open"} and time.monotonic() - start < 10
     brief = FinishedCopies(wait_s=0.1)
-    brief.started("c")
+    brief.started("c", lambda: True)
     start = time.monotonic()
     assert brief.newest({PENDING: "c"}) == {PENDING: "c"} and time.monotonic() - start < 10
 
