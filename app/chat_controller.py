@@ -73,6 +73,15 @@ def ended(turn: Turn, pane: str) -> str:
     return ended_html(reason, tokens) if isinstance(reason, str) and isinstance(tokens, int) else ""
 
 
+def how_answered(settings: Settings, stats: Stats | None, base: Stats | None, comparison: str) -> dict:
+    """How an answer was made, kept with its turn: the settings it ran with (the seed it drew), each pane's figures,
+    and the comparison's line as the page showed it (its spread and verdict are not in the figures): a reload
+    shows them again, and the exports have them."""
+    return {"settings": {k: v for k, v in asdict(settings).items() if k != "colour_heads"},
+            "medusa": stats.as_dict() if stats else None, "baseline": base.as_dict() if base else None,
+            **({"comparison": comparison} if comparison else {})}
+
+
 def said(err: Exception) -> str:
     """An error as the page words it: a setting by the label the page shows ("Max new tokens"), not by
     its field name ("max_new_tokens", the API's word)."""
@@ -332,11 +341,7 @@ class ChatController:
             else:
                 turn.note = " · ".join(filter(None, [turn.note, CANCELLED]))
             raise
-        turn.answered = {"settings": {k: v for k, v in asdict(settings).items() if k != "colour_heads"},
-                         "medusa": stats.as_dict() if stats else None, "baseline": base.as_dict() if base else None,
-                         # the comparison's line as the page showed it (its spread and verdict are not in the
-                         # figures): a reload shows it again, and the Markdown export has it
-                         **({"comparison": comparison} if comparison else {})}
+        turn.answered = how_answered(settings, stats, base, comparison)
         if compare and turn.reply is None and not turn.note:
             turn.note = "stopped before the Medusa pass"
         if not any(t is turn for t in session.turns):   # Clear during the answer: its readouts went with it
@@ -405,9 +410,12 @@ class ChatController:
                 yield self.views(session, stats, base, "",
                                  self.status_while_answering(f"Generating: {label}…{loading}"), partial=partial)
         except GeneratorExit:   # the request was cancelled mid-answer: what was shown stays in the next prompt, as
-            # after Stop (_run notes the cancel)
+            # after Stop (_run notes the cancel), with how it was made for the exports (QA: a reload's cut answer had
+            # no settings, and a sampled one's seed was lost)
             if turn.reply is None and partial:
                 turn.reply = partial
+            if turn.reply is not None or turn.baseline is not None:
+                turn.answered = how_answered(settings, stats, base, comparison)
             raise
         return stats, base, comparison, error
 

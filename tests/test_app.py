@@ -1527,6 +1527,8 @@ def test_a_reload_mid_answer_brings_back_what_the_answer_had_written(model_dirs)
     updates.close()
     last = chat.finished.newest(at_send)["turns"][-1]
     assert last["reply"].startswith(shown) and last["note"] == RELOADED, last
+    # how it was made, for the exports (QA: none, and a sampled answer's seed was lost)
+    assert last["answered"]["settings"]["max_new_tokens"] == 400 and last["answered"]["medusa"]["tokens"] >= 1, last
     slot.unload()
 
 
