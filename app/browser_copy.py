@@ -104,3 +104,11 @@ class FinishedCopies:
             if gone is not None and gone():
                 self._changed.wait_for(lambda: copy_id not in self._running, timeout=self._wait_s)
             return self._copies.get(copy_id, stored)
+
+    def still_answering(self, stored) -> bool:
+        """Whether the answer ``stored``'s copy waits for still runs for a tab that is open: the page loading it is
+        a new tab opened beside that one."""
+        copy_id = stored.get(PENDING) if isinstance(stored, dict) else None
+        with self._changed:
+            gone = self._running.get(copy_id) if isinstance(copy_id, str) else None
+            return gone is not None and not gone()

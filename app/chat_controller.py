@@ -35,6 +35,8 @@ KEPT = " (the answer stays as it was)"              # said of a regenerate that 
 ANSWER_STARTING = "Starting the answer…"
 CANCELLED = "stopped: the request was cancelled"   # a script's job.cancel(): Gradio closed the handler
 INTERRUPTED = "the page was reloaded before this answer finished: press Regenerate to answer it"
+ELSEWHERE = ("another tab was still answering this message when this one opened: the answer is there, or press "
+             "Regenerate to answer it here")
 RELOADED = "the page was reloaded while this answer ran, which stopped it here: press Regenerate for a whole one"
 NOT_COMPARED = "plain decoding did not answer this message (compare was off): Medusa's answer is in its pane"
 BUSY = "Still answering your previous message: wait, or press Stop"
@@ -500,22 +502,23 @@ class ChatController:
         return sent_copy(session, session.turns, system, compare), gr.update(interactive=True), \
             gr.update(interactive=False)
 
-    @staticmethod
-    def restored(session: Session, stored, system: str) -> tuple:
+    def restored(self, session: Session, stored, system: str) -> tuple:
         """Page load: (chat, baseline chat, system prompt, compare, message box) from the conversation kept in
-        the browser. A message whose answer a reload cut off comes back with a note saying so; one that had
-        gone back to the box (refused, or stopped before its first token) goes back there again, still to be
-        replaced when it is resent (it stayed in the conversation for good, under a note saying it was in
-        the box, which was empty)."""
+        the browser, or the one its answer ended with (FinishedCopies). A message whose answer a reload cut off
+        before its first token comes back with a note saying so (a new tab opened while another tab still
+        answers it says that instead: QA, it claimed a reload); one that had gone back to the box (refused, or
+        stopped before its first token) goes back there again, still to be replaced when it is resent (it
+        stayed in the conversation for good, under a note saying it was in the box, which was empty)."""
+        copy = self.finished.newest(stored)
         if not session.turns:
-            session.turns, session.first_turn = from_saved(stored)
+            session.turns, session.first_turn = from_saved(copy)
             last = session.turns[-1] if session.turns else None
             if last is not None and last.user and last.reply is None and not last.note:
-                last.note = INTERRUPTED
+                last.note = ELSEWHERE if self.finished.still_answering(copy) else INTERRUPTED
         last = session.turns[-1] if session.turns else None
-        kept = saved_system(stored)
+        kept = saved_system(copy)
         return (display(session.turns), display(session.turns, BASELINE), system if kept is None else kept,
-                saved_compare(stored), last.user if last is not None and last.in_box else gr.update())
+                saved_compare(copy), last.user if last is not None and last.in_box else gr.update())
 
 
 def restored_readouts(turns: list[Turn]) -> tuple[str, str]:

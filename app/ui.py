@@ -45,7 +45,7 @@ def build_ui(slot: ModelSlot, *, system_prompt: str = "", base_spec: LoadSpec = 
             last answer's readouts and comparison line), the model controls, and the decoding settings kept for the
             loaded model (the Medusa pane, last of them, gets the conversation and its title in one update)."""
             chat.tab_opened(session, request.session_hash)
-            medusa, baseline, system, compare, box = chat.restored(session, chat.finished.newest(stored), system)
+            medusa, baseline, system, compare, box = chat.restored(session, stored, system)
             *controls, pane = sync(None, max_new_value, kept, session)
             turns = session.turns
             return (baseline, system, compare, box, *restored_readouts(turns), restored_comparison(turns), *controls,

@@ -1453,7 +1453,7 @@ def test_a_reload_before_the_browser_stores_the_finished_answer_still_brings_it_
     reply = last[6]["reply"]
     assert reply, last[6]
     reloaded = Session()
-    medusa, baseline, system, compare, _ = chat.restored(reloaded, chat.finished.newest(at_send), "")
+    medusa, baseline, system, compare, _ = chat.restored(reloaded, at_send, "")
     shown = [part["text"] for message in medusa for part in message["content"]]
     assert not any(INTERRUPTED in text for text in shown), shown
     assert [(t.user, t.reply) for t in reloaded.turns] == [("Name a colour.", reply)]

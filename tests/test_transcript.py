@@ -175,15 +175,23 @@ def test_a_message_a_reload_cut_off_mid_comparison_shows_no_answer_in_either_pan
     saved = to_saved([answered, Turn(user="Tell me a long story.")], 0, compare=True)
     # an empty answer (the model ended at once) shows its note and no empty bubble, as the live page does
     empty = Turn(user="Say nothing.", reply="", note="the model ended its answer at once")
-    medusa, baseline, _, _, _ = ChatController.restored(Session(), to_saved([empty], 0), "")
+    medusa, baseline, _, _, _ = ChatController(None).restored(Session(), to_saved([empty], 0), "")
     assert [part["text"] for message in medusa for part in message["content"]][1:] == [note_html(empty.note)]
     assert not any(NOT_COMPARED in part["text"] for message in baseline for part in message["content"])
-    medusa, baseline, _, compare, box = ChatController.restored(Session(), saved, "")
+    medusa, baseline, _, compare, box = ChatController(None).restored(Session(), saved, "")
     for pane in (medusa, baseline):
         texts = [part["text"] for message in pane for part in message["content"]]
         assert len(texts) == 4 and "Hello!" in texts[1] and "Tell me a long story." in texts[2], texts
         assert INTERRUPTED in texts[3] and not any(NOT_COMPARED in text for text in texts), texts
     assert compare is True and box == {"__type__": "update"}, "the box is left as it is"
+    # a new tab opened while another tab still answers that message: said so, not a reload (QA)
+    from app.browser_copy import PENDING
+    from app.chat_controller import ELSEWHERE
+
+    chat = ChatController(None)
+    chat.finished.started("answering", lambda: False)
+    medusa, *_ = chat.restored(Session(), {**saved, PENDING: "answering"}, "")
+    assert note_html(ELSEWHERE) in medusa[-1]["content"][0]["text"], medusa[-1]
 
 
 def test_a_message_back_in_the_box_goes_back_there_after_a_reload():
@@ -196,7 +204,7 @@ def test_a_message_back_in_the_box_goes_back_there_after_a_reload():
 
     refused = Turn(user="Second message", note="tree 'banana' is unknown: pick one from the list", in_box=True)
     session = Session()
-    *_, box = ChatController.restored(session, to_saved([Turn(user="Hi", reply="Hello!"), refused], 0), "")
+    *_, box = ChatController(None).restored(session, to_saved([Turn(user="Hi", reply="Hello!"), refused], 0), "")
     assert box == "Second message"
     # resent: the copy kept while it is answered holds it once (the refused turn came back for good after a
     # reload mid-answer)
