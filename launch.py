@@ -245,11 +245,11 @@ def main(argv: list[str] | None = None) -> int:
              f"give the key without them (in ${API_KEY_ENV} too)")
     if exposed and not args.api_key:
         fail(f"{exposed}: pass --api-key KEY (or set {API_KEY_ENV}); the page then asks for it as its password")
-    if not is_local(args.host):
+    port = pick_port(args.host, args.port)
+    if not is_local(args.host):     # once it is known to bind (QA: said first, then that the host cannot be bound)
         print(f"warning: binding {args.host}: the chat is reachable from your network, behind the key "
               "(the default, 127.0.0.1, keeps it local)", file=sys.stderr)
     check_flags(args)
-    port = pick_port(args.host, args.port)
 
     from app.models import ModelSlot
     from app.openai_api import api_routes
@@ -257,7 +257,11 @@ def main(argv: list[str] | None = None) -> int:
 
     spec = load_spec(args)
     def log(line: str) -> None:
-        print(line, file=sys.stderr if line.startswith("error:") else sys.stdout, flush=True)
+        failed = line.startswith("error:")
+        print(line, file=sys.stderr if failed else sys.stdout, flush=True)
+        if failed and slot.engine is None:   # the app goes on without a model (QA: "error:", then silence)
+            print(f"No model is loaded; the page at http://{args.host}:{port} stays up: load one under Model there, "
+                  "or press Ctrl+C to quit", flush=True)
 
     slot = ModelSlot(max_new_tokens=args.max_new_tokens, log=log)
     demo = build_ui(slot, system_prompt=args.system_prompt, base_spec=spec)

@@ -108,6 +108,7 @@ def test_a_host_that_cannot_be_served_is_one_line_that_says_so():
         assert proc.returncode == 1 and "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-500:]
         lines = error_lines(proc)
         assert len(lines) == 1 and lines[0].startswith(says), lines
+        assert "warning: binding" not in proc.stderr, proc.stderr    # QA: "reachable from your network", then not
         assert "busy" not in lines[0]
 
 
@@ -145,6 +146,7 @@ def test_an_nf4_kernel_where_it_cannot_apply_is_refused_before_anything_loads():
         assert proc.returncode == 1 and "Traceback" not in proc.stderr
         lines = error_lines(proc)
         assert len(lines) == 1 and lines[0].startswith(says), lines
+        assert "warning: binding" not in proc.stderr, proc.stderr    # QA: "reachable from your network", then not
         assert "Loading" not in proc.stdout and "Serving" not in proc.stdout, "the flags are checked before any load"
 
 
@@ -157,6 +159,7 @@ def test_a_norm_kernel_that_cannot_apply_is_refused_before_anything_loads():
         assert proc.returncode == 1 and "Traceback" not in proc.stderr
         lines = error_lines(proc)
         assert len(lines) == 1 and lines[0].startswith(says), lines
+        assert "warning: binding" not in proc.stderr, proc.stderr    # QA: "reachable from your network", then not
         assert "Loading" not in proc.stdout and "Serving" not in proc.stdout, "the flags are checked before any load"
 
 
@@ -179,6 +182,7 @@ def test_folders_that_hold_no_model_or_heads_and_a_tree_deeper_than_the_heads_ar
     for flags, says in (
             (["--model", str(empty)], f"error: {empty} has no config.json: give a directory written by save_pretrained"),
             (["--model", str(backbone), "--heads", str(empty)], f"error: {empty} has no medusa_lm_head.safetensors"),
+            (["--model", str(heads)], f"error: {heads} holds Medusa heads, not a backbone: give it as --heads"),
             (["--tree", "chain-9"], "error: --tree chain-9 cannot run with the heads in "),     # the bundled heads
             (["--heads-quant", "nf4"], "reuse the backbone's lm_head and have no projection to quantize: drop "
                                        "--heads-quant"),                                   # the bundled heads too
@@ -275,6 +279,25 @@ def test_no_api_serves_the_page_alone_with_the_system_prompt_given(tiny_dirs, tm
         assert httpx.get(url + "v1/models").status_code == 404
         assert httpx.post(url + "v1/chat/completions", json={"messages": []}).status_code in (404, 405)
         assert "Answer like a pirate." in httpx.get(url + "config").text     # the page's system prompt box
+
+
+def test_a_model_that_fails_to_load_says_the_page_stays_up(tiny_dirs, tmp_path):
+    """A load that fails once the app serves (heads of another model: their sizes show only as they load) keeps the
+    page up to load another: the console says so (QA: "error:", then nothing, and the process went on)."""
+    import time
+
+    from served import launched
+
+    backbone, _ = tiny_dirs
+    log = tmp_path / "app.log"
+    with launched(["--model", str(backbone), "--heads", str(REPO / "assets/smollm2/heads"), "--device", "cpu"],
+                  log) as url:
+        deadline = time.time() + 120
+        while "No model is loaded" not in log.read_text() and time.time() < deadline:
+            time.sleep(0.5)
+        text = log.read_text()
+        assert "error: " in text and "hidden size" in text, text
+        assert f"No model is loaded; the page at {url.rstrip('/')} stays up: load one under Model there" in text, text
 
 
 def test_a_busy_default_port_moves_to_a_free_one():

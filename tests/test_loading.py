@@ -346,6 +346,28 @@ def test_nonexistent_paths(root, tmp_path):
         load(LoadSpec(heads=str(d), device="cpu"))
 
 
+def test_a_heads_folder_given_as_the_backbone_is_said_so(tmp_path):
+    """QA: ``--model HEADS_DIR`` (an easy slip) ended in transformers' tokenizer error asking for sentencepiece."""
+    d = _heads_dir(tmp_path, noisy_heads(tiny_model("llama", vocab=VOCAB, hidden=HIDDEN)).published_state_dict(),
+                   "owner/base")
+    with pytest.raises(LoadError) as err:
+        load(LoadSpec(model=str(d), device="cpu"))
+    assert _one_line(err) == (f"{d} holds Medusa heads, not a backbone: give it as --heads (the page's Medusa heads "
+                              "box), where alone it loads its base model, owner/base")
+
+
+def test_a_file_given_for_a_folder_is_told_what_the_folder_holds(tmp_path):
+    """QA: a heads file given as --heads was told to give the folder of a backbone (config.json and weights)."""
+    d = _heads_dir(tmp_path, noisy_heads(tiny_model("llama", vocab=VOCAB, hidden=HIDDEN)).published_state_dict(),
+                   "owner/base")
+    weights = d / "medusa_lm_head.safetensors"
+    for spec, holds in ((LoadSpec(heads=str(weights), device="cpu"), "config.json and medusa_lm_head.safetensors"),
+                        (LoadSpec(model=str(weights), device="cpu"), "config.json and weights")):
+        with pytest.raises(LoadError) as err:
+            load(spec)
+        assert _one_line(err) == f"{weights} is a file: give the directory that holds it ({holds})"
+
+
 def test_a_directory_that_is_not_a_model_gets_local_advice(root, tmp_path):
     """A local directory whose config names no model: the hint is about the directory, not the hub."""
     (tmp_path / "config.json").write_text("{}")

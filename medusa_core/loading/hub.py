@@ -21,13 +21,14 @@ from ..errors import LoadError, first_line
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 
-def local_dir(source: str) -> Path | None:
-    """The directory ``source`` names, None when it is a hub repo id; LoadError when it is neither."""
+def local_dir(source: str, holds: str = "config.json and weights") -> Path | None:
+    """The directory ``source`` names, None when it is a hub repo id; LoadError when it is neither. ``holds``: what
+    such a directory holds, said where ``source`` is a file."""
     path = Path(source).expanduser()
     if path.is_dir():
         return path
     if path.exists():
-        raise LoadError(f"{source} is a file: give the directory that holds it (config.json and weights)")
+        raise LoadError(f"{source} is a file: give the directory that holds it ({holds})")
     if not _REPO_ID.match(source) or source.startswith((".", "/", "~")):
         raise LoadError(f"{source} does not exist: give an existing local directory or a hub id like owner/name")
     return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from safetensors import SafetensorError
 from ..decoding.generate import stop_set
 from ..errors import LoadError, first_line
 from ..decoding.tree import TreeError, build_tree_buffers, resolve_tree
-from ..heads.files import (HEADS_FILES, PROPOSAL_FILE, HeadsFiles, declared_heads,
+from ..heads.files import (HEADS_FILE, HEADS_FILES, PROPOSAL_FILE, HeadsFiles, declared_heads,
                            heads_config_from_keys, load_heads_files, no_projection_to_quantize, read_heads_dir)
 from ..heads.medusa_heads import MedusaHeads
 from ..heads.quantize import quantize_projections
@@ -84,10 +85,11 @@ def check_before_load(spec: LoadSpec) -> None:
     download) is said once they load, in the console and the page, where another model can be picked."""
     if spec.model and (path := local_dir(spec.model)) is not None:
         check_model_dir(path)
+        check_not_heads(spec.model, path / "config.json")
     heads = spec.heads
     if spec.model is None and heads is None and not resolve_device(spec.device).startswith("cuda"):
         heads = str(CPU_DEFAULT_HEADS)      # the default's heads, as load() picks them
-    directory = local_dir(heads) if heads else None
+    directory = local_dir(heads, HEADS_HOLD) if heads else None
     if directory is None:
         return
     config = declared_heads(directory)
@@ -106,9 +108,26 @@ def check_model_dir(path: Path) -> None:
         raise LoadError(f"{path} has no config.json: give a directory written by save_pretrained, or a hub id")
 
 
+HEADS_HOLD = f"config.json and {HEADS_FILE}"     # a heads directory, as a file given for one is told
+
+
+def check_not_heads(source: str, config_file: Path) -> None:
+    """A Medusa heads folder given as the backbone is said so (QA: transformers' tokenizer error asked for
+    sentencepiece): its config names the heads (medusa_num_heads) and no model type."""
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return      # transformers says what is wrong with it
+    if isinstance(config, dict) and "medusa_num_heads" in config and "model_type" not in config:
+        base = config.get("base_model_name_or_path")
+        alone = f", where alone it loads its base model, {base}" if isinstance(base, str) and base else ""
+        raise LoadError(f"{source} holds Medusa heads, not a backbone: give it as --heads (the page's Medusa heads "
+                        f"box){alone}")
+
+
 def heads_source_dir(source: str) -> Path:
     """A local directory holding the heads of ``source`` (downloading only the files needed)."""
-    path = local_dir(source)
+    path = local_dir(source, HEADS_HOLD)
     if path is not None:
         return path
     config = fetch_first(source, ["config.json"])
@@ -132,8 +151,10 @@ def load_backbone(source: str, device: str, quant: str, dtype: torch.dtype | str
     path = local_dir(source)
     if path is not None:
         check_model_dir(path)
-    if path is None and fetch_first(source, ["config.json"]) is None:
+    config_file = path / "config.json" if path is not None else fetch_first(source, ["config.json"])
+    if config_file is None:
         raise LoadError(f"{source} has no config.json: it is not a transformers model repo")
+    check_not_heads(source, config_file)
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code, "device_map": {"": device}}
     if quant != "none":
         kwargs["quantization_config"] = bnb_config(quant, dtype)
