@@ -234,9 +234,12 @@ class ModelSlot:
         self._version += 1
         self._ready.notify_all()
 
-    def _swap(self, engine: ChatEngine) -> None:
-        """``engine`` answers from now on (the line still says the load runs); the one it replaces is retired."""
+    def _swap(self, engine: ChatEngine, spec: LoadSpec) -> None:
+        """``engine``, loaded from ``spec``, answers from now on (the line still says the load runs); the one it
+        replaces is retired. The spec goes with it: a page synced in between showed the new model beside the old
+        one's Known models entry (QA)."""
         with self._lock:
+            self._loaded_spec = spec
             self._commit(self._phase, self._line, engine, True, self._error)
         self._retire(engine)
 
@@ -347,7 +350,7 @@ class ModelSlot:
         if replacing:
             # the new engine answers from here on and the old model is freed before the memory is told: measured
             # during the load, it counted both models (QA: a second load of SmolLM2 said 1.88 GiB for 1.18)
-            self._swap(engine)
+            self._swap(engine, spec)
             memory = memory_report(loaded.model, loaded.heads, str(engine.device))
         line = f"Ready · {loaded_name(loaded)} · {runs_as(engine)} · loaded in {seconds:.1f} s"
         details = f"{loaded.description} · {memory}"

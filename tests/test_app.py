@@ -1557,6 +1557,30 @@ def test_a_page_load_waits_a_moment_for_the_answer_its_reload_stopped():
     assert brief.newest({PENDING: "c"}) == {PENDING: "c"} and time.monotonic() - start < 10
 
 
+def test_the_known_models_entry_follows_the_model_that_answers(model_dirs, monkeypatch):
+    """QA: after a model typed into the boxes replaced a Known models entry, the list showed the old entry again: the
+    page synced when the new engine took over, and the slot still named the old model's spec until the load ended."""
+    from app import models
+    from app.models import KnownModel, ModelSlot
+    from medusa_core.loading.spec import LoadSpec
+
+    backbone, heads = model_dirs
+    entry = KnownModel("tiny + heads", str(backbone), str(heads), "vicuna", "</s>", "cpu")
+    monkeypatch.setattr(models, "KNOWN_MODELS", (*models.KNOWN_MODELS, entry))
+    slot = ModelSlot(log=lambda line: None)
+    slot.start(LoadSpec(model=str(backbone), heads=str(heads), device="cpu"))
+    assert slot.wait(120).phase == "ready" and slot.known_label() == "tiny + heads"
+    seen = []           # the entry as a page syncing at each change of engine would name it
+    retire = slot._retire
+    monkeypatch.setattr(slot, "_retire", lambda new: (seen.append((new, slot.known_label())), retire(new)))
+    slot.start(LoadSpec(model=str(backbone), device="cpu"))      # not an entry: plain decoding of the same backbone
+    state = slot.wait(120)
+    while state.phase == "loading":
+        state = slot.wait(1)
+    assert state.phase == "ready" and seen and all(label is None for _, label in seen), seen
+    slot.unload()
+
+
 def test_unload_frees_the_tabs_caches_too(model_dirs):
     """A tab's KV caches belong to the engine they were made with: Unload frees them with the model
     (they stayed until the tab's next message: 250 MiB of SmolLM2's 764 MiB resident after Unload)."""
