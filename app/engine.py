@@ -324,6 +324,10 @@ class ChatEngine:
         if name.endswith(".json"):
             raise ValueError(f"tree {name!r}: tree files are read at start only: run launch.py --tree {name}, "
                              "or type a preset (chain-N, cartesian-AxB...) or pick one from the list")
+        if name.lstrip().startswith("["):     # a tree's paths typed in (QA: told only that the name was unknown)
+            raise ValueError("a tree's paths are read from a JSON file at start only: save them in a file and run "
+                             "launch.py --tree FILE.json, or type a preset (chain-N, cartesian-AxB...) or pick one "
+                             "from the list")
         try:
             # checked here first: a name that is no tree is refused at once, not after the model thread's current
             # work (QA: an API request's typo waited 21 s behind a page's long prompt)

@@ -499,6 +499,8 @@ def test_bad_api_values_give_one_line_notes_not_tracebacks(client, app):
                       (dict(tree="cartesian-0x2"), "tree 'cartesian-0x2' has a width of 0"),
                       (dict(tree="chain-0"), "unknown tree 'chain-0': use one of"),
                       (dict(tree="chain-0"), "chain-N with N from 1 to 5"),
+                      (dict(tree="[[0], [1], [0, 0]]"), "a tree's paths are read from a JSON file at start only: "
+                                                        "save them in a file and run launch.py --tree FILE.json"),
                       (dict(temperature="hot", mode="sample"), "Temperature 'hot' is not a number"),
                       (dict(compare="false, please"), "compare 'false, please' is not true or false")]:
         _, (chat, *_, raw, box) = ask(client, "x", **kw)
