@@ -283,8 +283,12 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
                 session.refused_at = slot.state().version
             return (f"❌ {err}", *page_only(sync(shown, max_new_value, session=session))[1:])
         refused = slot.start(spec)
-        if refused:     # a toast: a line under the panel would still say "still loading" once it has loaded
-            gr.Warning(refused)
+        if refused:
+            # under the button, as a refused choice is, and the first thing a script's /load_model gets (QA: it got
+            # the other load's "Loading" line and read it as its own); the sync writes that load's end over it
+            if isinstance(session, Session):
+                session.refused_at = slot.state().version
+            return (f"⚠ {refused}", *page_only(sync(shown, max_new_value, session=session))[1:])
         # a load that failed at once (a missing folder) has ended by now: its line has the tree paragraph too
         state = slot.state()
         return (panel_status(first_paragraph(state.line), state), *page_only(sync(shown, max_new_value))[1:])

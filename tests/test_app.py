@@ -1723,6 +1723,10 @@ def test_a_script_learns_whether_its_load_failed(model_dirs, tmp_path):
                               api_name="/load_model")
         assert said[1].startswith("⏳ Loading"), said                     # all /load_model can say at once
         assert client.predict(api_name="/model_status")["phase"] == "loading"
+        # a second load while that one runs is refused by name: its "Loading" line was the other load's (QA)
+        again = client.predict(choice=None, model_id=str(backbone), heads_id="", max_new_value=48,
+                               api_name="/load_model")
+        assert again[0] == f"⚠ a model is still loading ({missing}): wait for it to finish", again
         gate.set()
         failed = client.predict(60, api_name="/model_status")
         assert failed["error"].startswith(f"{missing} does not exist: give an existing"), failed
