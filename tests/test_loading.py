@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,12 +21,12 @@ from medusa_core.heads.medusa_heads import HeadsConfig, MedusaHeads
 from medusa_core.heads.files import save_proposal_vocab
 from medusa_core.heads.files import HeadsLoadError, load_heads_dir, save_heads
 from medusa_core.loading.assets import CPU_DEFAULT_HEADS, CPU_DEFAULT_TREE, cpu_default_backbone
-from medusa_core.loading.load import LoadError, default_spec, load
+from medusa_core.loading.load import LoadError, check_before_load, default_spec, load
 from medusa_core.loading.spec import LoadSpec
 from medusa_core.loading.policy import choose_tree, resolve_dtype
 from medusa_core.decoding.step import DecodeStep
 from medusa_core.training.evaluation import rank_histogram
-from medusa_core.decoding.tree import build_tree_buffers, resolve_tree
+from medusa_core.decoding.tree import TreeError, build_tree_buffers, resolve_tree
 
 VOCAB = len(char_tokenizer())
 HIDDEN = 64   # a multiple of bitsandbytes' 64-value block (see test_nf4_backbone)
@@ -130,6 +131,18 @@ def test_medusa1_pt_bf16_counts_heads_from_weights(root):
     assert_greedy_identical(loaded)
     assert "\n" not in loaded.description and "5 medusa-1 heads" in loaded.description
     assert "RSS" in loaded.memory and loaded.stop_ids == (2,)
+
+
+def test_a_tree_deeper_than_a_published_config_says_runs_on_the_heads_the_file_holds(root):
+    """FasterDecoding's Vicuna heads say medusa_num_heads 2 and hold 5: a local copy of them with --tree of depth 4
+    was refused before the load (review), where a hub id's ran; the check before the load trusts only this
+    project's own config, which the load checks against the weights."""
+    spec = LoadSpec(model=str(root / "backbone"), heads=str(root / "medusa1_pt"), tree="chain-4", device="cpu")
+    check_before_load(spec)
+    assert load(spec).default_tree == "chain-4"
+    own = replace(spec, heads=str(root / "own"), tree="chain-6")       # the own layout holds 5 heads and says so
+    with pytest.raises(TreeError, match="tree depth 6 is more than the model's 5 Medusa heads"):
+        check_before_load(own)
 
 
 def test_safetensors_preferred_and_pickle_never_run(root):

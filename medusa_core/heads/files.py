@@ -173,8 +173,8 @@ def _no_heads(directory: Path) -> HeadsLoadError:
 
 def declared_heads(directory: Path) -> dict:
     """What a heads directory shows without reading its weights: HeadsLoadError where it holds neither a heads
-    file nor a model's config (an empty or wrong folder), else its config.json ({} where it has none), whose
-    medusa_num_heads and own_projection read_heads_dir checks against the weights."""
+    file nor a model's config (an empty or wrong folder), else its config.json ({} where it has none). Its
+    medusa_num_heads is checked against the weights only in this project's layout (check_declared)."""
     config = _read_config(directory)
     if not any((directory / name).is_file() for name in HEADS_FILES) and "model_type" not in config:
         raise _no_heads(directory)

@@ -23,7 +23,7 @@ from safetensors import SafetensorError
 from ..decoding.generate import stop_set
 from ..errors import LoadError, first_line
 from ..decoding.tree import TreeError, build_tree_buffers, resolve_tree
-from ..heads.files import (HEADS_FILE, HEADS_FILES, PROPOSAL_FILE, HeadsFiles, declared_heads,
+from ..heads.files import (HEADS_FILE, HEADS_FILES, OWN_FORMAT, PROPOSAL_FILE, HeadsFiles, declared_heads,
                            heads_config_from_keys, load_heads_files, no_projection_to_quantize, read_heads_dir)
 from ..heads.medusa_heads import MedusaHeads
 from ..heads.quantize import quantize_projections
@@ -95,7 +95,9 @@ def check_before_load(spec: LoadSpec) -> None:
     config = declared_heads(directory)
     if spec.heads_quant == "nf4" and config.get("own_projection") is False:
         raise no_projection_to_quantize(str(directory))
-    count = config.get("medusa_num_heads")
+    # only this project's config is checked against its weights (files.check_declared): a published one can
+    # be wrong (FasterDecoding's Vicuna heads say 2 and hold 5), and the load counts heads from the keys
+    count = config.get("medusa_num_heads") if config.get("format") == OWN_FORMAT else None
     if spec.tree and type(count) is int and count > 0:
         try:
             build_tree_buffers(resolve_tree(spec.tree), count)
