@@ -3,7 +3,7 @@ import torch
 from tiny import copied_heads, random_heads, tiny_model, trained_heads
 
 from medusa_core.decoding.config import DecodeConfig
-from medusa_core.decoding.generate import generate
+from medusa_core.decoding.generate import generate, max_context
 from medusa_core.decoding.kv_cache import ContextOverflowError
 from medusa_core.decoding.tree import build_tree_buffers, resolve_tree
 
@@ -117,6 +117,25 @@ def test_context_limits_are_clear():
     steps = list(generate(model, [3] * 500, config=DecodeConfig(max_new_tokens=100)))
     # positions 0..511 are fed; the token predicted at 511 is still emitted: 1 + 12 tokens
     assert steps[-1].finish_reason == "context" and len(tokens_of(steps)) == 13
+
+
+def test_a_sliding_window_is_the_context_as_the_cache_attends_over_every_slot():
+    """A Mistral with a sliding window attends only to the window's keys, where this cache's masks attend to
+    every slot: its context stops at the window, inside which the two agree (review: greedy left transformers'
+    at the third token of a 37-token prompt over an 8-token window). A window the config turns off is none."""
+    model = tiny_model("mistral", context=64)
+    model.config.sliding_window = 12
+    with pytest.raises(ContextOverflowError, match="the prompt has 37 tokens but the model's context is 12"):
+        next(generate(model, list(range(3, 40))))
+    heads = trained_heads(model)
+    tree = build_tree_buffers(resolve_tree("chain-3"), heads.config.num_heads)
+    for prompt in PROMPTS:
+        steps = list(generate(model, prompt, heads=heads, tree=tree, config=DecodeConfig(max_new_tokens=20)))
+        assert steps[-1].finish_reason == "context" and len(tokens_of(steps)) == 12 - len(prompt) + 1
+        assert tokens_of(steps) == hf_greedy(model, prompt, 12 - len(prompt) + 1)
+    qwen = tiny_model("qwen2", context=64)
+    qwen.config.sliding_window, qwen.config.use_sliding_window = 8, False      # Qwen2's configs carry one, unused
+    assert max_context(qwen) == 64
 
 
 @pytest.mark.parametrize("spec", ["mc_sim_7b_63", "chain-3"])

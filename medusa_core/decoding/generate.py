@@ -64,7 +64,16 @@ def new_cache(model: nn.Module, capacity: int = 0) -> KVCache:
 
 
 def max_context(model: nn.Module) -> int:
-    return int(getattr(model.config.get_text_config(), "max_position_embeddings", 4096))
+    """The longest sequence the step runs as the model was made to: its positions, or its sliding window (as
+    Mistral-7B-v0.1's 4096 of 32768) where its layers use one, since this cache's masks attend over every slot;
+    inside the window the two are the same attention."""
+    config = model.config.get_text_config()
+    context = int(getattr(config, "max_position_embeddings", 4096))
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)      # where given, which layers slide (Qwen2: none by default)
+    if isinstance(window, int) and window > 0 and (layer_types is None or "sliding_attention" in layer_types):
+        context = min(context, window)
+    return context
 
 
 @torch.inference_mode()
