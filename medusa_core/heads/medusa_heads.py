@@ -131,8 +131,9 @@ class MedusaHeads(nn.Module):
     @torch.no_grad()
     def restrict_proposals(self, token_ids: torch.Tensor, lm_head: nn.Module) -> None:
         """Let the heads guess only among ``token_ids`` (S,): their projection becomes those S rows of
-        the lm_head (a copy: S x H). Guesses are only proposals, which the backbone verifies, so this
-        never changes the output, only what the heads can get right. It pays where the vocabulary
+        the lm_head (a copy: S x H). Guesses are only proposals, which the backbone verifies, so greedy
+        text and the exact sampler's distribution stay as they were and only what the heads get right moves
+        (typical acceptance keeps what is plausible among the proposals: there the text can change). It pays where the vocabulary
         projection is a large part of a step, as for a small model on a CPU: restricted to the tokens
         SmolLM2 uses in its own answers, the projection costs a fraction of the whole vocabulary's,
         with no loss of head accuracy (docs/cpu_default.md, "The proposal vocabulary")."""

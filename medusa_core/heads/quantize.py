@@ -1,8 +1,9 @@
 """Optional NF4 quantization of the Medusa heads' vocabulary projections (``--heads-quant nf4``).
 
 Each projection is V x H, nearly all of the heads' bytes; 4-bit storage cuts them ~4x.
-The heads only propose candidates and the backbone verifies them, so decoding output is
-unchanged; only acceptance can move.
+The heads only propose candidates and the backbone verifies them: greedy text and the exact sampler's
+distribution are unchanged, and acceptance can move. Typical acceptance keeps what the backbone finds
+plausible among what is proposed, so there other proposals can give another text.
 """
 
 from __future__ import annotations
