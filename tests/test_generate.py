@@ -110,6 +110,14 @@ def test_max_new_tokens_is_exact_and_cancel_stops_at_once(llama_trained):
     assert steps[-1].finish_reason == "cancelled" and len(tokens_of(steps)) == 5
 
 
+def test_a_tree_deeper_than_the_heads_is_refused_by_name():
+    model = tiny_model("llama")
+    heads = copied_heads(model, num_heads=2)
+    tree = build_tree_buffers(resolve_tree("chain-4"), 5)              # built for 5 heads, given 2
+    with pytest.raises(ValueError, match="a tree of depth 4 is more than these 2 Medusa heads"):
+        next(generate(model, PROMPTS[0], heads=heads, tree=tree))
+
+
 def test_context_limits_are_clear():
     model = tiny_model("llama")
     with pytest.raises(ContextOverflowError, match="the prompt has 600 tokens but the model's context is 512"):

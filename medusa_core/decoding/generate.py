@@ -101,6 +101,9 @@ def generate(
         tree = plain_tree(model)
     if tree.num_heads and heads is None:
         raise ValueError(f"a tree of depth {tree.num_heads} needs Medusa heads: pass heads, or use the baseline tree")
+    if heads is not None and tree.num_heads > heads.config.num_heads:    # else an IndexError deep in the step
+        raise ValueError(f"a tree of depth {tree.num_heads} is more than these {heads.config.num_heads} Medusa heads: "
+                         f"build it for them (build_tree_buffers(paths, {heads.config.num_heads}))")
     prompt_ids = checked_prompt(model, prompt_ids)
     if cache is None:
         cache = new_cache(model)
