@@ -150,8 +150,10 @@ def read_body(body: bytes) -> dict:
                        code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the body is a JSON {type(data).__name__}: send one JSON object", code="invalid_json")
-    if unreadable:
-        where, value = first_unreadable(data)
+    # a number the body holds; one a repeated key replaced is gone, as JSON's last value wins (review: a bare 500)
+    found = first_unreadable(data) if unreadable else None
+    if found is not None:
+        where, value = found
         raise ApiError(400, f"{where} {value.problem()}", param=where, code="invalid_value")
     return data
 

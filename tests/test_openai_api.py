@@ -16,6 +16,7 @@ import pytest
 from served import free_port, launched_process
 
 from app.engine import MEDUSA, ChatEngine
+from app.openai_request import ApiError
 from app.session import Session
 from app.settings import Settings
 
@@ -260,6 +261,16 @@ RAW = [
     # Python's parser gives up on deep nesting: a bare 500 and a traceback before
     (b'{"model": "SmolLM2-135M-Instruct", "metadata": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "too deeply"),
 ]
+
+
+def test_a_repeated_key_takes_its_last_value_even_after_a_number_past_a_float():
+    """JSON's last value wins, as everywhere else in the body: the first one, unreadable, made a bare 500 (review)."""
+    from app.openai_request import read_body
+
+    assert read_body(b'{"temperature": 1e400, "temperature": 1}') == {"temperature": 1.0}
+    assert read_body(b'{"medusa": {"delta": NaN, "delta": 0.2}}') == {"medusa": {"delta": 0.2}}
+    with pytest.raises(ApiError, match="temperature 1e400 is beyond a float's range"):
+        read_body(b'{"temperature": 1, "temperature": 1e400}')
 
 
 def assert_openai_error(response: httpx.Response, status: int, says: str) -> None:
