@@ -309,6 +309,13 @@ class ChatController:
                     # nothing), and in the browser's copy (Session.waiting)
                     waited, session.waiting = True, message
                     yield self.views(session, None, None, "", got, emptied)
+        except GeneratorExit:   # cancelled while it waited (review: the exchange or the message was lost): as below,
+            # a regenerate keeps the answer it would have replaced, a message stays, saying so
+            if replaces is not None:
+                session.put_back(replaces)
+            elif not session.cleared_since(mark):
+                session.turns.append(Turn(user=message, note=CANCELLED, system=system))
+            raise
         finally:
             session.waiting = None
         if session.cleared_since(mark):       # Clear while it waited

@@ -1834,6 +1834,49 @@ def test_a_message_sent_while_another_model_loads_waits_for_it(model_dirs):
             assert session.caches_for(slot.engine), "it was not answered by the new model"
 
 
+def test_a_request_cancelled_while_it_waits_for_a_load_keeps_the_conversation(model_dirs):
+    """A script's job.cancel() (Gradio closing the handler) while its request waits for a model to load: a
+    regenerate keeps the answer it would have replaced, a message stays in the conversation, saying so, as a
+    request cancelled while it answers does (review: the exchange, or the message, was gone from the next
+    prompt and the browser's copy)."""
+    import threading
+
+    from app.chat_controller import CANCELLED, ChatController
+    from app.models import ModelSlot
+    from app.session import Session
+    from medusa_core.loading.load import load
+    from medusa_core.loading.spec import LoadSpec
+
+    backbone, heads = model_dirs
+    spec = LoadSpec(model=str(backbone), heads=str(heads), device="cpu")
+    gate = threading.Event()
+    slot = ModelSlot(loader=lambda s, progress: (gate.wait(120), load(s, progress))[1], log=lambda line: None)
+    gate.set()
+    slot.start(spec)
+    assert slot.wait(120).phase == "ready"
+    chat, session = ChatController(slot), Session()
+    controls = dict(max_new_tokens=4, tree="baseline")
+    *_, last = chat.run(session, "hi", "", False, controls)
+    assert last[6]["medusa"]["tokens"] > 0
+    answered = [(t.user, t.reply) for t in session.turns]
+    gate.clear()
+    slot.start(spec)
+    try:
+        for request in (chat.regenerate(session, "", False, controls), chat.run(session, "hello", "", False, controls)):
+            update = next(request)
+            while "Waiting for the model" not in (update[5] or ""):
+                update = next(request)
+            request.close()      # what Gradio does to a cancelled job's handler
+            assert not session.busy.locked() and session.waiting is None
+        assert [(t.user, t.reply) for t in session.turns] == [*answered, ("hello", None)]
+        assert session.turns[-1].note == CANCELLED
+        assert [user for _, user, _ in session.exchanges()] == ["hi"]       # the next prompt holds the answer kept
+    finally:
+        gate.set()
+        slot.wait(120)
+        slot.unload()
+
+
 def test_a_tab_that_still_shows_the_old_model_runs_the_new_ones_default_tree(model_dirs):
     """A Send or Regenerate from a tab whose controls still show the model loaded before (in the 2 s before its
     watch catches up with a switch made in another tab) runs the new model's default tree, as a message that
