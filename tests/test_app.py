@@ -1765,15 +1765,12 @@ def test_a_script_learns_whether_its_load_failed(model_dirs, tmp_path):
         slot.unload()
 
 
-def test_a_message_sent_while_another_model_loads_waits_for_it(model_dirs):
-    """README: while another model loads, the current one stays, and a message sent meanwhile waits
-    for the new one, saying so, in the chat (it sat in the box as if Enter had done nothing), and is answered
-    by it; Stop while it waits gives the message back; Clear while it waits clears it too (it came back)."""
+def gated_slot(model_dirs):
+    """(slot, spec, gate): a slot with the tiny model loaded, whose next loads wait until ``gate`` is set (cleared
+    by the test, as a download's wait)."""
     import threading
 
-    from app.chat_controller import WAITING_FOR_LOAD, ChatController
     from app.models import ModelSlot
-    from app.session import Session
     from medusa_core.loading.load import load
     from medusa_core.loading.spec import LoadSpec
 
@@ -1784,6 +1781,19 @@ def test_a_message_sent_while_another_model_loads_waits_for_it(model_dirs):
     gate.set()
     slot.start(spec)
     assert slot.wait(120).phase == "ready"
+    return slot, spec, gate
+
+
+def test_a_message_sent_while_another_model_loads_waits_for_it(model_dirs):
+    """README: while another model loads, the current one stays, and a message sent meanwhile waits
+    for the new one, saying so, in the chat (it sat in the box as if Enter had done nothing), and is answered
+    by it; Stop while it waits gives the message back; Clear while it waits clears it too (it came back)."""
+    import threading
+
+    from app.chat_controller import WAITING_FOR_LOAD, ChatController
+    from app.session import Session
+
+    slot, spec, gate = gated_slot(model_dirs)
     chat, first = ChatController(slot), slot.engine
     for then in ("answer", "stop", "clear"):
         stop = then == "stop"
@@ -1839,21 +1849,11 @@ def test_a_request_cancelled_while_it_waits_for_a_load_keeps_the_conversation(mo
     regenerate keeps the answer it would have replaced, a message stays in the conversation, saying so, as a
     request cancelled while it answers does (review: the exchange, or the message, was gone from the next
     prompt and the browser's copy)."""
-    import threading
 
     from app.chat_controller import CANCELLED, ChatController
-    from app.models import ModelSlot
     from app.session import Session
-    from medusa_core.loading.load import load
-    from medusa_core.loading.spec import LoadSpec
 
-    backbone, heads = model_dirs
-    spec = LoadSpec(model=str(backbone), heads=str(heads), device="cpu")
-    gate = threading.Event()
-    slot = ModelSlot(loader=lambda s, progress: (gate.wait(120), load(s, progress))[1], log=lambda line: None)
-    gate.set()
-    slot.start(spec)
-    assert slot.wait(120).phase == "ready"
+    slot, spec, gate = gated_slot(model_dirs)
     chat, session = ChatController(slot), Session()
     controls = dict(max_new_tokens=4, tree="baseline")
     *_, last = chat.run(session, "hi", "", False, controls)
