@@ -19,6 +19,7 @@ import hmac
 import json
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -92,6 +93,7 @@ def generate_updates(engine: ChatEngine, session: Session, prompt: list[int], re
         for update in engine.answer(session, prompt, request.settings, request.passes):
             emit(update)
     except Exception as err:     # a thread boundary: the client must hear of it, not wait forever
+        traceback.print_exc()    # and the console keeps the whole of it for a report, as the page's answers do
         emit(Update(error=f"generation failed: {type(err).__name__}: {str(err)[:200]}", done=True))
     finally:
         emit(None)
@@ -283,13 +285,13 @@ def api_routes(slot: ModelSlot, api_key: str | None = None) -> list[APIRoute]:
                            code="invalid_api_key")
 
     def engine_now() -> ChatEngine:
-        state = slot.state()
+        state = slot.state()     # one snapshot: an Unload between two reads of slot.engine gave None (review)
         if state.phase == "loading":
             raise loading(state)
-        if slot.engine is None:
+        if state.engine is None:
             why = state.line.removeprefix("❌ ") if state.phase == "failed" else "no model is loaded: load one in the page"
             raise ApiError(503, why, kind="server_error", code="no_model")
-        return slot.engine
+        return state.engine
 
     async def models(request: Request):
         try:
@@ -306,9 +308,10 @@ def api_routes(slot: ModelSlot, api_key: str | None = None) -> list[APIRoute]:
             return await models(request)
         try:
             authorize(request)
-            engine = slot.engine
-            if engine is None and slot.state().phase == "loading":   # not "no such model": a tool checking its id
-                raise loading(slot.state())                            # at start would give up on it
+            state = slot.state()
+            engine = state.engine
+            if engine is None and state.phase == "loading":   # not "no such model": a tool checking its id at start
+                raise loading(state)                           # would give up on it
             if engine is None or wanted != model_id(engine):
                 served = f"use {json_value(model_id(engine))}" if engine is not None else "no model is loaded"
                 raise ApiError(404, f"model {json_value(wanted)} is not served here: {served} (GET /v1/models)",

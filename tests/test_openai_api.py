@@ -273,6 +273,24 @@ def test_a_repeated_key_takes_its_last_value_even_after_a_number_past_a_float():
         read_body(b'{"temperature": 1, "temperature": 1e400}')
 
 
+def test_a_fault_outside_the_answer_reaches_the_client_and_the_console(capsys):
+    """The API's worker thread: a fault before the answer's own handling (a cache's error) ends the request with
+    one line for the client, and the console keeps the traceback, as the page's answers do (review: none)."""
+    from types import SimpleNamespace
+
+    from app.openai_api import generate_updates
+
+    class Faulty:
+        def answer(self, *args):
+            raise RuntimeError("no room for the cache")
+            yield
+
+    emitted = []
+    generate_updates(Faulty(), Session(), [1, 2], SimpleNamespace(settings=None, passes=(MEDUSA,)), emitted.append)
+    assert emitted[-1] is None and emitted[0].error == "generation failed: RuntimeError: no room for the cache"
+    assert "Traceback" in capsys.readouterr().err
+
+
 def assert_openai_error(response: httpx.Response, status: int, says: str) -> None:
     assert response.status_code == status, response.text[:300]
     error = response.json()["error"]
