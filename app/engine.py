@@ -344,6 +344,8 @@ class ChatEngine:
             line = str(err)           # a line that names a path, not the tree: say which tree
             raise ValueError(line if line.startswith(f"tree {name!r}") else f"tree {name!r}: {line}") from None
         with self._trees_lock:
+            if name in self._typed:       # two requests typed it at once (review: kept twice, evicted once)
+                return
             self._specs.setdefault(name, name)
             self._typed.append(name)
             while len(self._typed) > TYPED_TREES:

@@ -78,7 +78,8 @@ class Session:
 
     def mark(self) -> tuple[int, int]:
         """(Stops, Clears) so far: what a request sent now comes after."""
-        return self.stops, self.clears
+        with self._stop_lock:     # as stop() counts them: never a Clear's count without its Stop's
+            return self.stops, self.clears
 
     def sent_mark(self) -> tuple[int, int] | None:
         """The mark of the oldest click whose request has not started (requests start in the order clicked; one

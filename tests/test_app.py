@@ -691,6 +691,11 @@ def test_typed_trees_are_kept_only_a_few_at_a_time(engine):
     assert engine.check(Settings(tree="cartesian-1x1"))[2].size == 3      # the evicted first one comes back
     for spelling in (" CARTESIAN-02x2 ", "cartesian-2x002"):
         assert engine.check(Settings.parse(tree=spelling))[1] == "cartesian-2x2"
+    # two requests typing one new tree at once (the page and the API) both offer it: it is kept once, so that
+    # evicting it leaves no second entry holding a slot (review)
+    for _ in range(2):
+        engine._offer("cartesian-2x1x1")
+    assert engine._typed.count("cartesian-2x1x1") == 1
 
 
 def test_trees_named_at_start_are_listed_once_under_their_spelling(engine):
