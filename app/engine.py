@@ -147,7 +147,7 @@ class DecoderRun:
 class ChatEngine:
     """The loaded model, its tree buffers (built once per tree choice) and the request queue for it."""
 
-    def __init__(self, loaded, *, extra_trees: Sequence[str] = (), max_new_tokens: int = 256) -> None:
+    def __init__(self, loaded, *, max_new_tokens: int = 256) -> None:
         self.loaded = loaded
         self.model, self.tokenizer, self.heads = loaded.model, loaded.tokenizer, loaded.heads
         self.dtype = compute_dtype(self.model)   # the tree mask's dtype (4-bit weights are uint8)
@@ -170,7 +170,7 @@ class ChatEngine:
         self.queue = RequestQueue()
         self._specs: dict[str, str] = {}          # shown name (tree.tree_name) -> tree spec
         self._typed: list[str] = []               # trees typed in, not listed: the oldest go first
-        self.tree_choices = self._tree_choices([*extra_trees, loaded.default_tree])  # the user's --tree first
+        self.tree_choices = self._tree_choices(loaded.default_tree)  # the user's --tree (or the tuned one) first
         self.default_tree = self.tree_choices[0][1]
 
     def on_model_thread(self, fn: Callable, *args):
@@ -204,13 +204,13 @@ class ChatEngine:
         return not waiter.is_alive()
 
     # ---- trees
-    def _tree_choices(self, preferred: Sequence[str]) -> list[tuple[str, str]]:
-        """(label with node count, name) for every tree the loaded heads can fill; the trees the
-        user named come first. A named tree that does not fit raises TreeError at startup."""
-        for spec in [*dict.fromkeys(tree_choice(s) for s in preferred if s and s.strip())]:   # CHAIN-03 is chain-3
-            if self.num_heads or spec == "baseline":
-                self._specs.setdefault(tree_name(spec), spec)
-                self.tree(spec)
+    def _tree_choices(self, preferred: str) -> list[tuple[str, str]]:
+        """(label with node count, name) for every tree the loaded heads can fill; ``preferred``, the load's
+        default, comes first. A named tree that does not fit raises TreeError at startup."""
+        spec = tree_choice(preferred)         # CHAIN-03 is chain-3
+        if self.num_heads or spec == "baseline":
+            self._specs.setdefault(tree_name(spec), spec)
+            self.tree(spec)
         for spec in [*PRESETS, *(f"chain-{d}" for d in range(1, self.num_heads + 1))]:
             try:
                 self.tree(spec)

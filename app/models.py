@@ -268,7 +268,7 @@ class ModelSlot:
         return self.state()
 
     # ---- actions
-    def start(self, spec: LoadSpec, *, extra_trees: tuple[str, ...] = ()) -> str | None:
+    def start(self, spec: LoadSpec) -> str | None:
         """Load ``spec`` in the background; a one-line refusal if a load is already running."""
         with self._lock:
             if self._phase == "loading":
@@ -277,7 +277,7 @@ class ModelSlot:
             self._error = None
             self._line = f"⏳ Loading {self._describe(spec)}…"
             self._version += 1
-        threading.Thread(target=self._load, args=(spec, extra_trees), name="model-load", daemon=True).start()
+        threading.Thread(target=self._load, args=(spec,), name="model-load", daemon=True).start()
         return None
 
     def unload(self) -> str:
@@ -322,7 +322,7 @@ class ModelSlot:
             self._error = None
             self._version += 1
 
-    def _load(self, spec: LoadSpec, extra_trees: tuple[str, ...]) -> None:
+    def _load(self, spec: LoadSpec) -> None:
         what = self._describe(spec)
         self._log(f"Loading {what}…")
         try:
@@ -332,7 +332,7 @@ class ModelSlot:
             replacing, old = old is not None, None    # this frame's reference kept the old model from being freed
             with self._lock:
                 self._line = "⏳ Building the decoding trees…"
-            engine = ChatEngine(loaded, extra_trees=extra_trees, max_new_tokens=self.max_new_tokens)
+            engine = ChatEngine(loaded, max_new_tokens=self.max_new_tokens)
         except (LoadError, TreeError) as err:
             self._fail(f"{err}")
             return
