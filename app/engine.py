@@ -27,6 +27,7 @@ from medusa_core.decoding.tree import (PRESETS, TOP_K, Paths, TreeBuffers, TreeE
                                       build_tree_buffers, resolve_tree, tree_name, validate_paths)
 
 from .detok import Detokenizer
+from .render import plain_text
 from .readout import Comparison, Meter, Stats, explain_divergence, interleaved_ratios
 from .session import RequestQueue, Session
 from .settings import Settings, tree_choice
@@ -66,7 +67,7 @@ class Update:
 
     @property
     def plain(self) -> str:
-        return "".join(text for text, _ in self.segments)
+        return plain_text(self.segments)
 
 
 def oom_message() -> str:

@@ -289,7 +289,8 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
             if isinstance(session, Session):
                 session.refused_at = slot.state().version
             return (f"⚠ {refused}", *page_only(sync(shown, max_new_value, session=session))[1:])
-        # a load that failed at once (a missing folder) has ended by now: its line has the tree paragraph too
+        # a load that failed at once (a missing folder) may have ended by now: then its line has the tree paragraph
+        # too (else the sync timer shows how it ended)
         state = slot.state()
         return (panel_status(first_paragraph(state.line), state), *page_only(sync(shown, max_new_value))[1:])
 

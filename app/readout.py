@@ -177,7 +177,7 @@ def count(n: int, what: str) -> str:
 def summary(stats: Stats) -> str:
     if not stats.tokens:   # Stop while a long prompt was read: nothing was timed, nothing to count
         return f"Answer: none: {FINISH_TEXT.get(stats.finish_reason or '', stats.finish_reason)} before the first token"
-    share = f" ({100 * stats.from_heads / stats.tokens:.0f}%)" if stats.tokens else ""
+    share = f" ({100 * stats.from_heads / stats.tokens:.0f}%)"
     # the speed leaves the first token out: it comes from the prompt's pass, timed as time to first token
     speed = (f"{stats.tokens_per_second:.1f} tokens/s after the first · {stats.tokens_per_step:.2f} tokens/step "
              f"over {count(stats.steps, 'step')}" if stats.steps else "no decoding step after the first token")

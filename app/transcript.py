@@ -27,7 +27,8 @@ VIEWER = MarkdownIt("commonmark").enable(["table", "strikethrough"])
 
 def to_saved(turns: list[Turn], first_turn: int, system: str = "", compare: bool = False) -> dict:
     """JSON-ready form of a conversation, its system prompt and whether it is compared with plain decoding
-    (the text only: caches and colouring are rebuilt)."""
+    (the text only: the caches are rebuilt by the next answer; which words the heads guessed is not kept, so a
+    restored answer is shown uncoloured)."""
     return {"format": FORMAT, "first_turn": first_turn, "system": system, "compare": compare,
             "turns": [{"user": t.user, "reply": t.reply, "baseline": t.baseline, "note": t.note, "system": t.system,
                        "answered": t.answered, "in_box": t.in_box, "cut": t.cut} for t in turns]}
