@@ -41,8 +41,8 @@ from .benchmarks.synthetic import (DTYPE, SHAPES, build_heads, build_model, chec
                                    kernel_flags_error, quantize_backbone_, route_attention, route_rotary,
                                    save_random_checkpoint, weight_bytes)
 from .errors import OneLineParser, check_folder, check_writable, first_line
-from .decoding.tree import build_tree_buffers, expected_tokens_per_step, tree_of_size
-from .heads.accuracy import PUBLISHED_ACCURACIES, RANK_DECAY, TOP_K, rank_table
+from .decoding.tree import TOP_K, build_tree_buffers, expected_tokens_per_step, tree_of_size
+from .heads.accuracy import PUBLISHED_ACCURACIES, RANK_DECAY, rank_table
 from .quant.attention_routing import ATTENTION_CHOICES, ROTARY_CHOICES
 from .quant.bnb import NF4_KERNELS
 from .quant.bnb import flag_error as kernel_flag_error

@@ -72,8 +72,8 @@ def count_identical(model, heads, tree: TreeBuffers, prompts: list[list[int]], m
 def random_setup(device: torch.device, shape_name: str, prompts: int, length: int, seed: int):
     """A random Llama of real shapes in NF4, random heads, random prompts (greedy answers still differ
     or not by rounding alone: acceptance does not matter to the count)."""
-    from ..heads.accuracy import PUBLISHED_ACCURACIES, TOP_K, rank_table
-    from ..decoding.tree import tree_of_size
+    from ..heads.accuracy import PUBLISHED_ACCURACIES, rank_table
+    from ..decoding.tree import TOP_K, tree_of_size
     from .synthetic import DTYPE, SHAPES, build_heads, build_model, quantize_backbone_
 
     shape = SHAPES[shape_name]

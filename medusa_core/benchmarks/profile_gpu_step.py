@@ -29,8 +29,8 @@ from torch import nn
 
 from ..decoding.config import DecodeConfig
 from ..decoding.step_store import step_for
-from ..decoding.tree import build_tree_buffers, tree_of_size
-from ..heads.accuracy import PUBLISHED_ACCURACIES, TOP_K, rank_table
+from ..decoding.tree import TOP_K, build_tree_buffers, tree_of_size
+from ..heads.accuracy import PUBLISHED_ACCURACIES, rank_table
 from ..errors import OneLineParser
 from ..quant.attention_routing import ATTENTION_CHOICES, ROTARY_CHOICES
 from ..quant.bnb import NF4_KERNELS, use_nf4_kernel

@@ -8,8 +8,8 @@ one scatter for all layers together. The first ``length`` slots are committed;
 ``position`` (1,) on the device mirrors ``length``. A forward writes its q new
 entries at ``[position, position + q)`` and returns the whole buffer: the
 attention mask (as wide as the buffer) hides the slots that are not committed.
-An eager forward (every prefill; every step off CUDA) narrows that to the used
-slots, since it knows the length on the host (``narrowed``).
+An eager forward (every prefill; every step not replayed from a CUDA graph) narrows that to
+the used slots, since it knows the length on the host (``narrowed``).
 
 Capacity comes in buckets (256, 512, 1024, ... up to the model's context) so a
 short chat does not attend over a 4k-slot buffer; moving to a bigger bucket

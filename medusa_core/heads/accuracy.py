@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..decoding.tree import TOP_K
 from ..errors import LoadError
 
 CALIBRATION_FILE = "tree_calibration.json"   # calibrate's report for a tree file named tree.json
@@ -28,7 +29,6 @@ PUBLISHED_HEADS = ("FasterDecoding/medusa-vicuna-7b-v1.3", "FasterDecoding/medus
 # 0.35 keeps each head's ranks (exclusive events) summing below 1 and makes the 64-node tree
 # expect 2.42 tokens per step, inside the published 2.3-2.6 for Vicuna-7B heads.
 RANK_DECAY = 0.35
-TOP_K = 10          # ranks a tree may use, as in the reference's trees
 
 
 @dataclass(frozen=True)
