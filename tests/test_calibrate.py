@@ -8,7 +8,7 @@ import torch
 from tiny import random_heads, tiny_checkpoint, tiny_model
 
 from medusa_core.training.tree_search import CalibrateConfig, accuracy_table, run
-from medusa_core.loading.tree_tuning import monotone_fit
+from medusa_core.loading.tree_tuning import choose, monotone_fit
 from medusa_core.training.data import IGNORE
 from medusa_core.training.evaluation import rank_histogram
 from medusa_core.training.loss import backbone_hidden
@@ -60,6 +60,33 @@ def test_step_times_become_non_decreasing_keeping_real_jumps():
     assert [fitted[n] for n in (2, 3, 4, 6, 8)] == [53.4, 54.8, 70.8, 84.9, 99.0]   # untouched, jump kept
     assert fitted[12] == fitted[16] == pytest.approx((102.8 + 98.8) / 2)            # the dip pooled
     assert monotone_fit({1: 3.0, 2: 2.0, 3: 1.0}) == {1: 2.0, 2: 2.0, 3: 2.0}
+
+
+def test_auto_chooses_as_the_app_does_a_tree_timed_under_the_plain_step_is_not_taken(monkeypatch):
+    """Load noise that slows the plain step must not write a tree: calibrate chooses with the app's tuner
+    (tree_tuning.choose: no tree below the plain step's time, and MIN_SPEEDUP to gain), where it took the most
+    expected tokens a second, and a head right 2% of the time won at 1.10x (review). Each size times its own
+    cache, made once: a new cache per reply captured a CUDA graph inside the timed steps."""
+    from types import SimpleNamespace
+
+    import medusa_core.decoding.generate as generate_module
+    from medusa_core.training.tree_search import time_sizes
+
+    made = []
+    monkeypatch.setattr(generate_module, "new_cache", lambda model, capacity: made.append(capacity) or object())
+
+    def timed(model, ids, *, heads, tree, config, cache):      # 10 ms a plain step, 9.3 ms a tree's (noise)
+        assert cache is not None
+        for _ in range(config.max_new_tokens):
+            yield SimpleNamespace(prefill=False, tokens=[1], seconds=0.010 if tree.size == 1 else 0.0093)
+
+    monkeypatch.setattr(generate_module, "generate", timed)
+    model = SimpleNamespace(get_output_embeddings=lambda: torch.nn.Linear(2, 2))
+    heads = SimpleNamespace(config=SimpleNamespace(num_heads=2))
+    timing = time_sizes(model, heads, [[0.02, 0.0], [0.0, 0.0]], [[1, 2, 3], [4, 5]], [1, 2], tokens=4, repeats=2)
+    assert timing[1]["chosen"] and not timing[2]["chosen"], timing
+    assert timing[2]["fitted_step_ms"] == timing[1]["step_ms"] == 10.0       # the floor: no tree below plain
+    assert made == [3 + 4 + 2] * 2, "one cache per size, with room for the longest prompt, reply and tree"
 
 
 def test_accuracy_table_from_rank_counts():
@@ -120,8 +147,10 @@ def test_auto_times_sizes_and_writes_the_chosen_one(checkpoint, tmp_path, capsys
     assert f"timing tree sizes on 2 of the {total} prompts" in capsys.readouterr().out   # never silently a subset
     assert set(report["timing"]) == {"1", "2", "3", "4"}
     assert all(t["step_ms"] > 0 for t in report["timing"].values())
-    best = max(report["timing"], key=lambda n: report["timing"][n]["expected_tokens_per_s"])
+    best = next(n for n, t in report["timing"].items() if t["chosen"])
     assert report["auto_size"] == int(best)
+    chosen, *_ = choose(report["accuracy"], {int(n): t["step_ms"] for n, t in report["timing"].items()})
+    assert chosen == int(best), "calibrate chooses as the app's tuner does"
     if int(best) > 1:
         assert len(load_tree_file(out)) <= int(best) - 1
     else:       # plain decoding, where no tree pays on this machine: no tree file (one of no paths is refused)

@@ -1,8 +1,10 @@
 """Tree calibration (paper §2.3.3): measure a[k][i], the accuracy of head k's
 rank-i guess, on a calibration set; grow the tree that maximizes the expected
 accepted length for a node budget; time verification per tree size on this
-device and pick the size with the most expected tokens per second ("auto"),
-with step times made non-decreasing in the tree size (load noise pooled, real jumps kept).
+device and pick the size with the most expected tokens per second ("auto") as the app's
+tuner picks it (loading/tree_tuning.choose: step times made non-decreasing in the tree size, load
+noise pooled and real jumps kept, none below the plain step's, and plain decoding unless a tree is
+expected MIN_SPEEDUP faster).
 
 The command line is ``python -m medusa_core.calibrate``.
 
@@ -23,7 +25,7 @@ import torch
 
 from ..quant.cpu_int4 import use_int4
 from ..decoding.tree import TOP_K, expected_tokens_per_step, grow_tree
-from ..loading.tree_tuning import monotone_fit
+from ..loading.tree_tuning import choose
 from .loop import check_threads
 from ..errors import check_writable
 from ..heads.files import HEADS_FILES, PROPOSAL_FILE
@@ -83,37 +85,43 @@ def accuracy_table(counts: torch.Tensor) -> list[list[float]]:
 
 def time_sizes(model, heads, acc, prompt_ids: list[list[int]], sizes: Sequence[int], tokens: int,
                repeats: int) -> dict[int, dict]:
-    """Mean seconds per decoding step and measured tokens per step for each tree size.
-    Sizes are interleaved within each repeat so that load changes hit all alike; the
-    fastest repeat is kept. Size 1 counts the root only: the plain baseline."""
+    """Mean seconds per decoding step and measured tokens per step for each tree size, with the size the app's
+    tuner would choose from them (tree_tuning.choose: step times made non-decreasing, none below the plain step's,
+    and a tree only where it is expected MIN_SPEEDUP faster). Sizes are interleaved within each repeat so that load
+    changes hit all alike; the fastest repeat is kept. Size 1 counts the root only: the plain baseline."""
     from tqdm import tqdm
 
     from ..decoding.config import DecodeConfig
-    from ..decoding.generate import generate
+    from ..decoding.generate import generate, new_cache
     from ..decoding.tree import build_tree_buffers
 
     device = model.get_output_embeddings().weight.device
     trees = {n: build_tree_buffers(grow_tree(acc, n - 1), heads.config.num_heads, top_k=len(acc[0]), device=device)
              for n in sizes}
+    # one cache per size for every prompt and repeat, with room for the longest: on CUDA each size's step is
+    # captured once, in the warm-up round, where a new cache per reply captured it inside the timed steps
+    # (as bench's did: runs.run_loop), and the smaller trees' fewer steps hid less of it
+    capacity = max(map(len, prompt_ids)) + tokens + max(tree.size for tree in trees.values())
+    caches = {n: new_cache(model, capacity) for n in sizes}
     samples: dict[int, list[tuple[float, float]]] = {n: [] for n in sizes}
     config = DecodeConfig(max_new_tokens=tokens)
     for _ in tqdm(range(repeats + 1), desc="timing trees"):   # the first round warms up and is dropped
         for n in sizes:
             seconds, steps, emitted = 0.0, 0, 0
             for ids in prompt_ids:
-                for step in generate(model, ids, heads=heads, tree=trees[n], config=config):
+                for step in generate(model, ids, heads=heads, tree=trees[n], config=config, cache=caches[n]):
                     if not step.prefill and step.tokens:
                         seconds, steps, emitted = seconds + step.seconds, steps + 1, emitted + len(step.tokens)
             samples[n].append((seconds / max(1, steps), emitted / max(1, steps)))
     # The fastest repeat: other load on the machine only ever adds time.
     fastest = {n: min(s for s, _ in samples[n][1:]) for n in sizes}
-    # The baseline (size 1) skips the heads and the tree bookkeeping: it keeps its own measurement.
-    fitted = {**fastest, **monotone_fit({n: s for n, s in fastest.items() if n > 1})}
+    chosen, _, _, _, fitted = choose(acc, fastest)
     out = {}
     for n in sizes:
         out[n] = {"step_ms": round(1e3 * fastest[n], 3), "fitted_step_ms": round(1e3 * fitted[n], 3),
                   "measured_tokens_per_step": round(samples[n][-1][1], 3),
-                  "expected_tokens_per_step": round(expected_tokens_per_step(grow_tree(acc, n - 1), acc), 3)}
+                  "expected_tokens_per_step": round(expected_tokens_per_step(grow_tree(acc, n - 1), acc), 3),
+                  "chosen": n == chosen}
         out[n]["expected_tokens_per_s"] = round(out[n]["expected_tokens_per_step"] / fitted[n], 1)
     return out
 
@@ -174,7 +182,7 @@ def run(config: CalibrateConfig) -> dict:
               "(--timing-count sets how many)", flush=True)
         sizes = [n for n in TIMED_SIZES if n <= config.max_budget + 1]
         timing = time_sizes(model, heads, acc, prompt_ids, sizes, config.timing_tokens, config.repeats)
-        best = max(timing, key=lambda n: timing[n]["expected_tokens_per_s"])
+        best = next(n for n, t in timing.items() if t["chosen"])
         report["timing"] = {str(n): t for n, t in timing.items()}
         report["auto_size"] = best
         budget = best - 1
