@@ -46,7 +46,7 @@ from .errors import OneLineParser, check_folder, run_command
 from .loading.policy import resolve_device
 from .training import tree_search
 from .training import prompts as chat_prompts
-from .training.loop import TrainConfig, main_with_config
+from .training.loop import TrainConfig, main_with_config, remove_stale
 from .loading import smollm2
 from .heads.files import save_proposal_vocab
 
@@ -128,6 +128,10 @@ def run(stages: list[str], work: Path, out: Path, device: str, config: BuildConf
             detail = {k: result[k] for k in result if k != "config"}
         else:
             raise ValueError(f"stage {stage!r} is unknown: use {', '.join(STAGES)}")
+        if stage in ("heads", "vocab", "root"):
+            # the tree and accuracies beside heads/ are the old heads' (training cleans only heads/ itself): the
+            # loader would tune the new heads' trees by them (review); the tree stage measures them again
+            remove_stale(out, keep_proposals=True)
         seconds = time.perf_counter() - start
         log[stage] = {"seconds": round(seconds, 1), "device": _device_name(device), **detail}
         log_path.write_text(json.dumps(log, indent=2) + "\n")

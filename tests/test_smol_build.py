@@ -10,7 +10,7 @@ from tiny import char_tokenizer, tiny_model
 
 from medusa_core.heads.medusa_heads import HeadsConfig, MedusaHeads
 from medusa_core.heads.files import read_heads_dir, save_heads, save_proposal_vocab
-from medusa_core.smol_build import BuildConfig, build_root_heads, most_used
+from medusa_core.smol_build import BuildConfig, build_root_heads, most_used, run
 
 HELP = "python -m medusa_core.smol_build --help lists the flags"
 
@@ -59,6 +59,15 @@ def test_root_stage_starts_from_the_latest_unconditioned_heads(tmp_path):
     build_root_heads(prompts, work, heads_dir, "cpu", config, backbone)
     fresh = read_heads_dir(work / "unconditioned_heads").state
     assert not torch.equal(fresh["0.0.linear.weight"], base.state["0.0.linear.weight"])
+
+    # run as a stage: the tree and accuracies beside heads/ described the heads it replaced, and go (review: the
+    # loader tuned the new heads' trees by the old accuracies until the tree stage ran)
+    out = heads_dir.parent
+    for name in ("tree.json", "tree_calibration.json"):
+        (out / name).write_text("[[0]]\n")
+    run(["root"], work, out, "cpu", config, backbone)
+    assert not (out / "tree.json").exists() and not (out / "tree_calibration.json").exists()
+    assert (heads_dir / "proposal_vocab.json").is_file(), "the heads keep the vocabulary they were trained against"
 
     shutil.rmtree(work / "unconditioned_heads")
     with pytest.raises(ValueError, match="already holds root-conditioned heads"):
