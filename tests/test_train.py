@@ -2,6 +2,7 @@
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -156,16 +157,22 @@ def test_resume_continues_exactly(backbone_dir, monkeypatch):
     main_with_config(TrainConfig(out=str(backbone_dir / "straight"), **base))
 
     real_save = torch.save
+    saves = []
 
-    def save_then_crash(obj, path, *args, **kwargs):   # the run dies right after its first checkpoint
+    def killed_in_second_save(obj, path, *args, **kwargs):   # the run dies writing its second checkpoint
+        if "checkpoint" in Path(path).name:
+            saves.append(path)
+            if len(saves) == 2:
+                Path(path).write_bytes(b"PK\x03\x04 half a zip")
+                raise Crash
         real_save(obj, path, *args, **kwargs)
-        raise Crash
 
-    monkeypatch.setattr(torch, "save", save_then_crash)
+    monkeypatch.setattr(torch, "save", killed_in_second_save)
     with pytest.raises(Crash):
         main_with_config(TrainConfig(out=str(backbone_dir / "split"), **base))
     monkeypatch.setattr(torch, "save", real_save)
     assert not (backbone_dir / "split" / "medusa_lm_head.safetensors").exists()
+    # the first checkpoint is whole (review: it was overwritten in place, and a kill mid-save left none to resume)
     main_with_config(TrainConfig(out=str(backbone_dir / "split"), resume=True, **base))
     model, _ = load_backbone_dir(backbone_dir / "backbone")
     a = load_heads_dir(backbone_dir / "straight", model).state_dict()

@@ -166,8 +166,11 @@ def train_heads(model: nn.Module, heads: MedusaHeads, rows: list[tuple[list[int]
             result = {"step": done, "loss": round(loss.total.item(), 4), **evaluate()}
             history.append(result)
             tqdm.write(f"step {done}: held-out top-1 {result['top1']} top-5 {result['top5']}")
+            # written beside it, then renamed over it: a run killed mid-save (GBs at 7B) keeps the last whole one
+            partial = ckpt_path.with_name(f".{ckpt_path.name}.partial")
             torch.save({"heads": heads.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
-                        "step": done, "history": json.dumps(history)}, ckpt_path)
+                        "step": done, "history": json.dumps(history)}, partial)
+            os.replace(partial, ckpt_path)
     heads.eval()
     sizes = {"train_positions": len(train_cache), "held_out_positions": len(held_cache)} if config.cache_hidden else {}
     return {**sizes, "history": history, "final": history[-1] if history else None}
