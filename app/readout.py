@@ -237,7 +237,7 @@ def explain_divergence(baseline: list[int], medusa: list[int], *, decode, device
                        weights: str | None) -> str | None:
     """Where two greedy answers first differ, and why: rounding where the model computes in
     reduced precision, a real bug where it is exact (fp32, the CPU's row-exact int4 mode, NF4's exact mode).
-    ``weights``: "NF4", "NF4-exact" (the repacked kernel's exact mode, row-exact), "int4" (cpu_int4.py,
+    ``weights``: "NF4", "NF4-exact" (the repacked kernel's exact mode, row-exact), "int8", "int4" (cpu_int4.py,
     row-exact), "int4/bf16" (not) or None for the compute dtype's own weights."""
     at = first_divergence(baseline, medusa)
     if at is None:
@@ -248,7 +248,7 @@ def explain_divergence(baseline: list[int], medusa: list[int], *, decode, device
 
     where = f"first differ at token {at}: plain decoding {token(baseline)} vs Medusa {token(medusa)}"
     exact = {"int4": "int4 mode (row-exact)", "NF4-exact": "NF4 exact mode (row-exact)"}
-    precision = None if weights in exact else weights if weights in ("NF4", "int4/bf16") else \
+    precision = None if weights in exact else weights if weights in ("NF4", "int8", "int4/bf16") else \
         {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
     if precision:
         on = "CUDA" if device == "cuda" else device

@@ -1283,6 +1283,16 @@ def test_divergence_names_the_token_and_the_reason():
     assert "NF4 exact mode (row-exact) on cuda" in nf4_exact and "bug" in nf4_exact and "rounding" not in nf4_exact
     forced = explain_divergence([1, 2], [1, 3], decode=decode, device="cpu", dtype=torch.float32, weights="int4/bf16")
     assert "rounding (int4/bf16 on cpu)" in forced and "bug" not in forced
+    # --quant int8: bitsandbytes' 8-bit weights were named NF4 (review), here and in the status line
+    from medusa_core.quant.formats import weights_format
+
+    stored = torch.nn.Module()
+    stored.codes = torch.nn.Parameter(torch.zeros(4, dtype=torch.int8), requires_grad=False)
+    assert weights_format(stored) == "int8"
+    stored.codes = torch.nn.Parameter(torch.zeros(4, dtype=torch.uint8), requires_grad=False)
+    assert weights_format(stored) == "NF4"
+    int8 = explain_divergence([1, 2], [1, 3], decode=decode, device="cuda", dtype=torch.float16, weights="int8")
+    assert "rounding (int8 on CUDA)" in int8 and "bug" not in int8
 
 
 # ---- the model slot: the page opens before the model has loaded
