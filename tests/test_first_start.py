@@ -57,6 +57,9 @@ def test_flags_bench_would_refuse_are_one_line_before_the_checkpoint_is_written(
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(first_start, "save_random_checkpoint", lambda *a, **k: pytest.fail("the checkpoint was written"))
     cases = [(["--device", "bogus"], "error: --device 'bogus' is unknown: use auto, cpu, cuda or cuda:N"),
+             # torch's other device types: meta loaded a model of no weights, xpu ended in an AssertionError
+             (["--device", "meta"], "error: --device 'meta' is not one this app runs on: use auto, cpu, cuda or "
+                                    "cuda:N"),
              (["--tree", "nope"], "error: --tree nope: unknown tree 'nope': use default (the model's default tree), "),
              (["--tree", "chain-9"], "error: --tree chain-9: tree depth 9 is more than the model's 5 Medusa heads"),
              (["--quant", "bogus"], "error: --quant 'bogus' is unknown: use one of auto, nf4, int8, int4, none"),

@@ -166,6 +166,17 @@ def test_medusa2_backbone_and_heads_from_one_repo(root):
     assert_greedy_identical(loaded)
 
 
+def test_a_heads_config_that_is_not_utf8_is_one_line_before_the_load(root, tmp_path):
+    """An editor's UTF-16 config.json ended launch's flag check in a traceback (review)."""
+    heads = tmp_path / "utf16"
+    heads.mkdir()
+    (heads / "medusa_lm_head.safetensors").write_bytes((root / "own" / "medusa_lm_head.safetensors").read_bytes())
+    (heads / "config.json").write_text(json.dumps({"medusa_num_heads": 5}), encoding="utf-16")
+    with pytest.raises(HeadsLoadError, match=f"^{heads / 'config.json'} is not UTF-8 text \\(byte 0\\): save it as "
+                                             "UTF-8 JSON"):
+        check_before_load(LoadSpec(model=str(root / "backbone"), heads=str(heads), tree="chain-2", device="cpu"))
+
+
 def test_own_layout_and_its_config_is_checked(root, tmp_path):
     loaded = load(LoadSpec(heads=str(root / "own"), device="cpu"))
     assert_greedy_identical(loaded)

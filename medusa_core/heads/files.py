@@ -94,9 +94,14 @@ def _read_config(directory: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:   # an editor's UTF-16: launch ended in a traceback (review)
+        raise HeadsLoadError(f"{path} is not UTF-8 text (byte {err.start}): save it as UTF-8 JSON, or re-download "
+                             "it") from None
     except json.JSONDecodeError as err:
         raise HeadsLoadError(f"{path} is not valid JSON ({err}): fix or re-download it") from err
+    except OSError as err:
+        raise HeadsLoadError(f"{path} cannot be read ({err.strerror}): check its permissions") from None
     if not isinstance(config, dict):
         raise HeadsLoadError(f"{path} holds a {type(config).__name__}, not a JSON object: fix or re-download it")
     return config

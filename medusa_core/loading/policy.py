@@ -55,6 +55,8 @@ def resolve_device(device: str) -> str:
         kind = torch.device(device).type
     except RuntimeError as err:
         raise LoadError(f"device {device!r} is unknown: use auto, cpu, cuda or cuda:N") from err
+    if kind not in ("cpu", "cuda"):   # meta "loaded" a model of no weights; xpu failed in an AssertionError (review)
+        raise LoadError(f"device {device!r} is not one this app runs on: use auto, cpu, cuda or cuda:N")
     if kind == "cuda" and not torch.cuda.is_available():
         raise LoadError(f"device {device!r} was asked for but torch sees no CUDA GPU: use --device cpu, or install a CUDA build of torch")
     index = torch.device(device).index
