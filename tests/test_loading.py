@@ -475,6 +475,22 @@ def test_damaged_weights_are_one_line_that_says_so(root, tmp_path):
             "damaged or does not match its config.json: copy or download it again" in line, line
 
 
+def test_a_fault_that_is_no_damaged_file_is_not_called_one(root, monkeypatch, capsys):
+    """A CUDA or driver fault while loading (bitsandbytes on a GPU it has no kernels for) was told to download
+    the weights again (review): the console has the traceback, the line says so."""
+    from transformers import AutoModelForCausalLM
+
+    def faulty(*args, **kwargs):
+        raise RuntimeError("CUDA error: no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", faulty)
+    with pytest.raises(LoadError) as err:
+        load(LoadSpec(model=str(root / "backbone"), device="cpu"))
+    line = _one_line(err)
+    assert line.endswith("no kernel image is available for execution on the device): the console has the details")
+    assert "download it again" not in line and "Traceback" in capsys.readouterr().err
+
+
 def test_out_of_memory_while_loading_is_not_called_a_damaged_file(root, monkeypatch):
     """torch.OutOfMemoryError is a RuntimeError: it reaches the app as itself (which says how to fit the
     model), not as a damaged weights file to download again."""

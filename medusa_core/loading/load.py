@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -174,11 +175,16 @@ def load_backbone(source: str, device: str, quant: str, dtype: torch.dtype | str
     # SafetensorError: a weights file cut short (an interrupted copy or download)
     except (OSError, ValueError, ImportError, RuntimeError, SafetensorError) as err:
         first = first_line(err, width=None) or type(err).__name__
+        fault = isinstance(err, RuntimeError) and not damaged_weights(err)
+        if fault:
+            traceback.print_exc()      # for a report: the line below has only the error's first line
         hint = ("pass --trust-remote-code if you trust that code" if "trust_remote_code" in str(err) else
                 f"its tokenizer is a SentencePiece tokenizer.model: {SENTENCEPIECE_FIX}"
                 if "tiktoken" in str(err) and not sentencepiece_readable() else
                 "not enough memory for this model: unload the current one first, or pick a smaller model"
                 if "can't allocate memory" in str(err) else
+                # another fault (a CUDA or driver error, a kernel this GPU lacks) is no reason to download GBs again
+                "the console has the details" if fault else
                 "its weights file is damaged or does not match its config.json: copy or download it again"
                 if isinstance(err, (RuntimeError, SafetensorError)) else
                 "check that the directory holds a transformers model (config.json, weights, tokenizer)"
@@ -189,6 +195,13 @@ def load_backbone(source: str, device: str, quant: str, dtype: torch.dtype | str
 
 
 SENTENCEPIECE_FIX = "pip install sentencepiece protobuf (requirements.txt lists both) to read it"
+# what torch and transformers say of weights that do not fit their config or a pickle cut short
+DAMAGED_SIGNS = ("ignore_mismatched_sizes", "size mismatch", "PytorchStreamReader", "unexpected EOF",
+                 "Error(s) in loading state_dict")
+
+
+def damaged_weights(err: Exception) -> bool:
+    return isinstance(err, RuntimeError) and any(sign in str(err) for sign in DAMAGED_SIGNS)
 
 
 def sentencepiece_readable() -> bool:
