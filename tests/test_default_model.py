@@ -265,6 +265,37 @@ def test_a_conversion_abandoned_by_a_stopped_start_is_removed_and_a_running_ones
     assert not abandoned.exists() and running.exists() and recent.exists()
 
 
+def test_a_conversion_is_used_only_whole_and_a_later_start_removes_what_a_stopped_one_left(tmp_path, monkeypatch):
+    """A stamp cut short, or a conversion folder missing its weights, is converted again (review: a raw
+    JSONDecodeError, and a folder used for good that no load could read); a start that finds the conversion made
+    removes a copy a stopped start left within the hour, which no conversion would ever run to remove (review)."""
+    import subprocess
+    import sys
+
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"gguf")
+    out = tmp_path / smollm2.NAME
+    out.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (out / name).write_text("{}")
+    stamp = out / "converted_from.json"
+    stamp.write_text(json.dumps(smollm2._stamp(source)))
+    assert smollm2.is_converted(source, tmp_path)
+    stamp.write_text('{"source": ')
+    assert not smollm2.is_converted(source, tmp_path)
+    stamp.write_text(json.dumps(smollm2._stamp(source)))
+    (out / "model.safetensors").unlink()
+    assert not smollm2.is_converted(source, tmp_path)
+    (out / "model.safetensors").write_text("{}")
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left = out.with_name(f"{out.name}.tmp{ended.stdout.strip()}")
+    left.mkdir()
+    hour_ago = time.time() - smollm2.ABANDONED_AFTER_S - 60
+    os.utime(left, (hour_ago, hour_ago))
+    monkeypatch.setattr(smollm2, "convert", lambda *a: pytest.fail("converted again"))
+    assert smollm2.converted_dir(source, tmp_path) == out and not left.exists()
+
+
 def test_a_cache_folder_named_from_home_is_expanded(monkeypatch, tmp_path):
     """QA: MEDUSA_CHAT_CACHE="~/mc" (quoted in a .env file or a service unit) made a folder named "~"."""
     monkeypatch.setenv("HOME", str(tmp_path))

@@ -76,10 +76,16 @@ def _stamp(source: Path) -> dict:
 
 
 def is_converted(source: Path | None = None, root: Path | None = None) -> bool:
-    """Whether the cache holds the conversion of ``source`` (default: the installed GGUF file)."""
+    """Whether the cache holds the conversion of ``source`` (default: the installed GGUF file): its stamp, and
+    the files it was written with (a folder emptied by hand, or a stamp cut short, is converted again: review)."""
     source = source or gguf_path()
-    stamp_file = (root or cache_root()) / NAME / "converted_from.json"
-    return stamp_file.is_file() and json.loads(stamp_file.read_text()) == _stamp(source)
+    out = (root or cache_root()) / NAME
+    if not all((out / name).is_file() for name in ("config.json", "model.safetensors", "converted_from.json")):
+        return False
+    try:
+        return json.loads((out / "converted_from.json").read_text()) == _stamp(source)
+    except (ValueError, OSError):      # JSONDecodeError, UnicodeDecodeError, unreadable
+        return False
 
 
 def converted_dir(source: Path | None = None, root: Path | None = None) -> Path:
@@ -88,6 +94,8 @@ def converted_dir(source: Path | None = None, root: Path | None = None) -> Path:
     out = (root or cache_root()) / NAME
     if not is_converted(source, root):
         convert(source, out)
+    else:       # a start stopped mid-conversion within the hour left its copy to this later start (review)
+        remove_abandoned(out)
     return out
 
 
