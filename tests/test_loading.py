@@ -563,6 +563,33 @@ def test_hub_ids_from_the_cache_offline(root, offline_cache):
     assert_greedy_identical(loaded)
 
 
+def test_hub_heads_cut_short_offline_and_a_backbone_given_as_heads_are_said_before_any_shard(root, offline_cache,
+                                                                                              monkeypatch, tmp_path):
+    """Offline, a heads repo whose download stopped after its config.json was told it has no heads (review); a
+    backbone's hub id given as the heads downloaded every shard (13.5 GB for lmsys/vicuna-7b-v1.3) before it was
+    refused, where its shard index shows no medusa_head.* weights (review)."""
+    import medusa_core.loading.load as load_module
+
+    cut = tmp_path / "cut_heads"
+    cut.mkdir()
+    (cut / "config.json").write_text(json.dumps({"medusa_num_heads": 5, "base_model_name_or_path": "tiny/backbone"}))
+    _cache_repo(offline_cache, "tiny/cut-heads", cut)
+    with pytest.raises(LoadError, match="^tiny/cut-heads: its heads' weights are not in the local cache and the hub "
+                                        "cannot be reached: download them"):
+        load(LoadSpec(heads="tiny/cut-heads", device="cpu"))
+    plain = tmp_path / "plain_index"
+    plain.mkdir()
+    for name in ("config.json", "model.safetensors.index.json"):
+        (plain / name).write_bytes((root / "medusa2" / name).read_bytes())
+    index = json.loads((plain / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if not k.startswith("medusa_head.")}
+    (plain / "model.safetensors.index.json").write_text(json.dumps(index))
+    _cache_repo(offline_cache, "tiny/plain-sharded", plain)
+    monkeypatch.setattr(load_module, "fetch_snapshot", lambda *a: pytest.fail("the shards were fetched"))
+    with pytest.raises(LoadError, match="^tiny/plain-sharded holds a full model without medusa_head"):
+        load(LoadSpec(model="tiny/backbone", heads="tiny/plain-sharded", device="cpu"))
+
+
 def test_hub_medusa2_from_the_cache_offline(root, offline_cache):
     _cache_repo(offline_cache, "tiny/medusa2", root / "medusa2")
     loaded = load(LoadSpec(heads="tiny/medusa2", device="cpu"))

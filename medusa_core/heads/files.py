@@ -161,15 +161,17 @@ def read_heads_dir(directory: str | Path) -> HeadsFiles:
     if "model_type" in config:
         state, source = _medusa2_state(directory)
         if not state:
-            raise HeadsLoadError(
-                f"{directory} holds a full model without medusa_head.* weights: "
-                "point --heads (the page's Medusa heads box) at Medusa heads (medusa_lm_head.*) or a Medusa-2 model"
-            )
+            raise no_medusa2_heads(str(directory))
         return HeadsFiles(state, source, "medusa-2", str(directory), config)
-    raise _no_heads(directory)
+    raise no_heads(directory)
 
 
-def _no_heads(directory: Path) -> HeadsLoadError:
+def no_medusa2_heads(source: str) -> HeadsLoadError:
+    return HeadsLoadError(f"{source} holds a full model without medusa_head.* weights: point --heads (the page's "
+                          "Medusa heads box) at Medusa heads (medusa_lm_head.*) or a Medusa-2 model")
+
+
+def no_heads(directory: Path | str) -> HeadsLoadError:
     return HeadsLoadError(
         f"{directory} has no medusa_lm_head.safetensors, medusa_lm_head.pt or model shards with medusa_head.* keys: "
         "point --heads (the page's Medusa heads box) at a Medusa heads directory"
@@ -182,7 +184,7 @@ def declared_heads(directory: Path) -> dict:
     medusa_num_heads is checked against the weights only in this project's layout (check_declared)."""
     config = _read_config(directory)
     if not any((directory / name).is_file() for name in HEADS_FILES) and "model_type" not in config:
-        raise _no_heads(directory)
+        raise no_heads(directory)
     return config
 
 

@@ -25,7 +25,8 @@ from ..decoding.generate import stop_set
 from ..errors import LoadError, first_line
 from ..decoding.tree import TreeError, build_tree_buffers, resolve_tree
 from ..heads.files import (HEADS_FILE, HEADS_FILES, OWN_FORMAT, PROPOSAL_FILE, HeadsFiles, declared_heads,
-                           heads_config_from_keys, load_heads_files, no_projection_to_quantize, read_heads_dir)
+                           heads_config_from_keys, load_heads_files, no_heads, no_medusa2_heads,
+                           no_projection_to_quantize, read_heads_dir)
 from ..heads.medusa_heads import MedusaHeads
 from ..heads.quantize import quantize_projections
 from ..quant import cpu_int4
@@ -117,15 +118,21 @@ HEADS_HOLD = f"config.json and {HEADS_FILE}"     # a heads directory, as a file 
 def check_not_heads(source: str, config_file: Path) -> None:
     """A Medusa heads folder given as the backbone is said so (QA: transformers' tokenizer error asked for
     sentencepiece): its config names the heads (medusa_num_heads) and no model type."""
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, ValueError):
-        return      # transformers says what is wrong with it
-    if isinstance(config, dict) and "medusa_num_heads" in config and "model_type" not in config:
+    config = json_object(config_file)      # {} where unreadable: transformers says what is wrong with it
+    if "medusa_num_heads" in config and "model_type" not in config:
         base = config.get("base_model_name_or_path")
         alone = f", where alone it loads its base model, {base}" if isinstance(base, str) and base else ""
         raise LoadError(f"{source} holds Medusa heads, not a backbone: give it as --heads (the page's Medusa heads "
                         f"box){alone}")
+
+
+def json_object(path: Path) -> dict:
+    """The JSON object in ``path``; {} where it holds none or cannot be read (the step that needs it says so)."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def heads_source_dir(source: str) -> Path:
@@ -140,7 +147,19 @@ def heads_source_dir(source: str) -> Path:
         return heads_file.parent
     if config is None:
         raise LoadError(f"{source} has no config.json or medusa_lm_head file: point --heads (the page's Medusa heads box) at a Medusa heads repo")
-    # a full model: Medusa-2 shards also hold the heads; safetensors preferred over pickles
+    if "model_type" not in json_object(config):   # heads (a full model's config names its type) whose file is not here
+        if not hub_reachable():   # offline, with a download cut short: not "the repo has no heads" (review)
+            raise LoadError(f"{source}: its heads' weights are not in the local cache and the hub cannot be reached: "
+                            f"download them where there is a network (hf download {source}), or pass a local "
+                            "directory")
+        raise no_heads(source)
+    # a full model: Medusa-2 shards also hold the heads. Where the shard index shows none, a backbone given as the
+    # heads is said before its shards are downloaded (review: 13.5 GB for lmsys/vicuna-7b-v1.3, then this line)
+    index = fetch_first(source, ["model.safetensors.index.json", "pytorch_model.bin.index.json"])
+    shards = json_object(index).get("weight_map", ()) if index is not None else None
+    if shards is not None and not any(key.startswith("medusa_head.") for key in shards):
+        raise no_medusa2_heads(source)
+    # safetensors preferred over pickles
     snapshot = fetch_snapshot(source, _MODEL_FILES + ["*.safetensors"])
     if not any(snapshot.glob("*.safetensors")):
         snapshot = fetch_snapshot(source, _MODEL_FILES + ["*.bin"])
