@@ -163,6 +163,8 @@ def out_of_memory_fix(spec: LoadSpec) -> str:
     fixes = [] if spec.quant in ("auto", "nf4") else ["--quant nf4"]     # auto is NF4 on CUDA
     if spec.heads_quant == "none" and (spec.heads is not None or spec.model is None):    # None: the default's heads
         fixes.append("--heads-quant nf4 (the heads' vocabulary projections: about 1 GB at 7B)")
+    if spec.model is None and spec.heads is None:      # the default: the CPU's is the model that fits anywhere
+        fixes.append("--device cpu (SmolLM2-135M-Instruct)")
     return f"try {', '.join(fixes + ['a smaller model, or unload the current one first'])}"
 
 

@@ -2254,7 +2254,8 @@ def test_stop_while_a_long_prompt_is_read_ends_the_answer_before_its_first_token
 
 
 def test_a_load_out_of_gpu_memory_suggests_only_what_the_model_does_not_use_already():
-    """Review: the CUDA default, already NF4, was told "use quant nf4"; the heads' 4-bit option went unnamed."""
+    """Review: the CUDA default, already NF4, was told "use quant nf4"; the heads' 4-bit option went unnamed, and
+    so did the CPU's default model."""
     import torch
 
     from app.models import ModelSlot
@@ -2271,8 +2272,8 @@ def test_a_load_out_of_gpu_memory_suggests_only_what_the_model_does_not_use_alre
         state = slot.wait(30)
         assert state.phase != "loading"
         errors.append(state.error.split(": ", 1)[1])
-    assert errors == ["try --heads-quant nf4 (the heads' vocabulary projections: about 1 GB at 7B), a smaller model, "
-                      "or unload the current one first",
+    assert errors == ["try --heads-quant nf4 (the heads' vocabulary projections: about 1 GB at 7B), --device cpu "
+                      "(SmolLM2-135M-Instruct), a smaller model, or unload the current one first",
                       "try --quant nf4, a smaller model, or unload the current one first",
                       "try --quant nf4, a smaller model, or unload the current one first"]
 

@@ -475,6 +475,32 @@ def test_damaged_weights_are_one_line_that_says_so(root, tmp_path):
             "damaged or does not match its config.json: copy or download it again" in line, line
 
 
+def test_a_gpu_smaller_than_the_cuda_defaults_weights_is_told_before_the_download(monkeypatch):
+    """A 4 GB laptop GPU downloaded Vicuna-7B (15 GB), then ran out of memory, and the fix never named the CPU
+    (review): a GPU with less memory in all than the default's weights is told so first, by launch.py and by the
+    load itself (the page's Load of the default)."""
+    from types import SimpleNamespace
+
+    import medusa_core.loading.load as load_module
+
+    monkeypatch.setattr(load_module, "resolve_device", lambda device: "cuda:0")
+    memory = {}
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: SimpleNamespace(total_memory=memory["gb"] * 1e9))
+    memory["gb"] = 4.0
+    for check in (check_before_load, load):
+        with pytest.raises(LoadError, match="^this GPU has 4.0 GB, and the CUDA default, lmsys/vicuna-7b-v1.3 in 4 bits "
+                                            "with its Medusa heads, needs 5.3 GB for its weights alone: run --device "
+                                            "cpu for SmolLM2-135M-Instruct, or give a smaller --model$"):
+            check(LoadSpec(device="cuda"))
+    memory["gb"] = 5.0
+    with pytest.raises(LoadError, match="SmolLM2-135M-Instruct \\(or --heads-quant nf4, whose weights need 4.3 GB\\)"):
+        check_before_load(LoadSpec(device="cuda"))
+    check_before_load(LoadSpec(device="cuda", heads_quant="nf4"))
+    memory["gb"] = 8.0
+    check_before_load(LoadSpec(device="cuda"))
+
+
 def test_a_fault_that_is_no_damaged_file_is_not_called_one(root, monkeypatch, capsys):
     """A CUDA or driver fault while loading (bitsandbytes on a GPU it has no kernels for) was told to download
     the weights again (review): the console has the traceback, the line says so."""

@@ -45,7 +45,8 @@ from . import kernel_memory
 from .int4_speed import remembered_speed
 from .memory import memory_report
 from .spec import LoadSpec
-from .policy import CUDA_HEADS, CUDA_MODEL, HEADS_QUANTS, pick_tree, resolve_device, resolve_dtype, resolve_quant
+from .policy import (CUDA_HEADS, CUDA_MODEL, HEADS_QUANTS, check_default_fits, pick_tree, resolve_device, resolve_dtype,
+                     resolve_quant)
 from .tree_tuning import Progress, TunedTree
 
 # Files a full model needs (Medusa-2 repos are read from one local snapshot).
@@ -89,8 +90,12 @@ def check_before_load(spec: LoadSpec) -> None:
         check_model_dir(path)
         check_not_heads(spec.model, path / "config.json")
     heads = spec.heads
-    if spec.model is None and heads is None and not resolve_device(spec.device).startswith("cuda"):
-        heads = str(CPU_DEFAULT_HEADS)      # the default's heads, as load() picks them
+    if spec.model is None and heads is None:
+        device = resolve_device(spec.device)
+        if device.startswith("cuda"):
+            check_default_fits(device, spec.heads_quant)     # before a 15 GB download
+        else:
+            heads = str(CPU_DEFAULT_HEADS)      # the default's heads, as load() picks them
     directory = local_dir(heads, HEADS_HOLD) if heads else None
     if directory is None:
         return
@@ -265,6 +270,8 @@ def load(spec: LoadSpec, progress: Progress | None = None) -> Loaded:
         if not device.startswith("cuda") and not CPU_DEFAULT_HEADS.is_dir():
             raise LoadError(f"the bundled heads {CPU_DEFAULT_HEADS} are missing: restore assets/smollm2 from git, "
                             "or pass --model and --heads")
+        if device.startswith("cuda"):
+            check_default_fits(device, spec.heads_quant)    # the page's Load of the default, as launch.py checks it
         defaults = default_spec(device)
         spec = replace(spec, model=defaults.model, heads=defaults.heads)
     elif spec.model is None and is_bundled_heads(spec.heads):

@@ -22,6 +22,10 @@ from .tree_tuning import Progress, TunedTree, tuned_tree
 
 CUDA_MODEL = "lmsys/vicuna-7b-v1.3"
 CUDA_HEADS = "FasterDecoding/medusa-vicuna-7b-v1.3"
+# The CUDA default's weights alone, by --heads-quant: Vicuna-7B in NF4 (3.8 GB a step reads, docs/performance.md)
+# and its 5 heads (1.48 GB in bf16; with --heads-quant nf4 their 32000 x 4096 projections take half a byte a
+# weight, 0.33 GB, beside 0.17 GB of bf16 blocks). A GPU with less memory in all cannot hold it, whatever else.
+CUDA_DEFAULT_WEIGHT_BYTES = {"none": 3.8e9 + 1.48e9, "nf4": 3.8e9 + 0.5e9}
 QUANTS = ("auto", "nf4", "int8", "int4", "none")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HEADS_QUANTS = ("none", "nf4")
@@ -63,6 +67,19 @@ def resolve_device(device: str) -> str:
     if kind == "cuda" and index is not None and index >= (count := torch.cuda.device_count()):
         raise LoadError(f"device {device!r} is not here: torch sees {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}")
     return device
+
+
+def check_default_fits(device: str, heads_quant: str) -> None:
+    """LoadError where this GPU has less memory in all than the CUDA default's weights (a 4 GB laptop GPU
+    downloaded 15 GB, then ran out of memory, and the fix offered never named the CPU: review)."""
+    total = torch.cuda.get_device_properties(torch.device(device).index or 0).total_memory
+    needed = CUDA_DEFAULT_WEIGHT_BYTES.get(heads_quant, CUDA_DEFAULT_WEIGHT_BYTES["none"])
+    if total < needed:
+        smaller = " (or --heads-quant nf4, whose weights need 4.3 GB)" if total >= CUDA_DEFAULT_WEIGHT_BYTES["nf4"] \
+            and heads_quant != "nf4" else ""
+        raise LoadError(f"this GPU has {total / 1e9:.1f} GB, and the CUDA default, {CUDA_MODEL} in 4 bits with its "
+                        f"Medusa heads, needs {needed / 1e9:.1f} GB for its weights alone: run --device cpu for "
+                        f"SmolLM2-135M-Instruct{smaller}, or give a smaller --model")
 
 
 def resolve_quant(quant: str, device: str, cpu_default: bool = False, dtype: torch.dtype = torch.float32) -> str:
