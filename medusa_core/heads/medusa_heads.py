@@ -133,10 +133,10 @@ class MedusaHeads(nn.Module):
         """Let the heads guess only among ``token_ids`` (S,): their projection becomes those S rows of
         the lm_head (a copy: S x H). Guesses are only proposals, which the backbone verifies, so greedy
         text and the exact sampler's distribution stay as they were and only what the heads get right moves
-        (typical acceptance keeps what is plausible among the proposals: there the text can change). It pays where the vocabulary
-        projection is a large part of a step, as for a small model on a CPU: restricted to the tokens
-        SmolLM2 uses in its own answers, the projection costs a fraction of the whole vocabulary's,
-        with no loss of head accuracy (docs/cpu_default.md, "The proposal vocabulary")."""
+        (typical acceptance keeps what is plausible among the proposals: there the text can change). It pays
+        where the vocabulary projection is a large part of a step, as for a small model on a CPU: restricted
+        to the tokens SmolLM2 uses in its own answers, the projection costs a fraction of the whole
+        vocabulary's, with no loss of head accuracy (docs/cpu_default.md, "The proposal vocabulary")."""
         if self.config.own_projection:
             raise ValueError("a proposal vocabulary needs heads that share the backbone's lm_head (version 2 heads)")
         weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
