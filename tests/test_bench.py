@@ -238,6 +238,28 @@ def test_module_time_counts_a_nested_module_once():
     assert 0.12 <= timer.total <= wall      # 0.07 + 0.05, not 0.07 + 0.05 + the nested 0.05
 
 
+def test_the_module_timer_counts_the_heads_guesses():
+    """The step asks the heads for their guesses, never calls their forward: a hook on it counted nothing, and
+    the heads' work was reported as time outside the model (review)."""
+    from tiny import copied_heads, tiny_model
+
+    from medusa_core.decoding.config import DecodeConfig
+    from medusa_core.decoding.generate import generate
+    from medusa_core.decoding.tree import build_tree_buffers, resolve_tree
+
+    model = tiny_model()
+    heads = copied_heads(model, num_heads=2)
+    timer = bench.ModuleTimer([heads])
+    list(generate(model, [1, 5, 7], heads=heads, tree=build_tree_buffers(resolve_tree("chain-2"), 2),
+                  config=DecodeConfig(max_new_tokens=6)))
+    counted, timer.total = timer.total, 0.0
+    timer.remove()
+    assert counted > 0 and "guesses" not in vars(heads), "the heads' guesses were not timed, or stayed wrapped"
+    list(generate(model, [1, 5, 7], heads=heads, tree=build_tree_buffers(resolve_tree("chain-2"), 2),
+                  config=DecodeConfig(max_new_tokens=6)))
+    assert timer.total == 0.0
+
+
 def test_bench_defaults_to_the_held_out_chat_prompts(checkpoint, tmp_path):
     from medusa_core.loading.assets import CPU_DEFAULT_PROMPTS
     from medusa_core.training.data import read_prompts
