@@ -161,7 +161,8 @@ def format_table(rows: list[Row]) -> str:
 
 
 def bench_prompts(path: str | None) -> list[str]:
-    """The --prompts file, else the held-out chat prompts in assets/smollm2 (no head was trained on them)."""
+    """The --prompts file, else the held-out chat prompts in assets/smollm2 (the heads were trained on one of
+    them: training/prompts.py)."""
     path = path or str(CPU_DEFAULT_PROMPTS)
     if Path(path).is_dir():      # "does not exist" was said of a folder that does (QA16)
         raise SystemExit(f"error: prompts file {path} is a directory: give a .jsonl file with one {{\"prompt\": ...}} per line")

@@ -7,7 +7,8 @@ turns. The set is built from topic lists and phrasings (seeded shuffle, no netwo
 Items are ``{"prompt": ...}`` or, for two-turn conversations, ``{"prompt": ..., "followup": ...}``.
 
 The held-out prompts that benchmarks and calibration time with are written by hand elsewhere
-(assets/smollm2/prompts.jsonl) and share no phrasing with these.
+(assets/smollm2/prompts.jsonl). One of their 24 is also drawn here, "What is the capital of France?"
+(a review found it; the bundled heads were trained with it, so it stays); the others share no phrasing.
 """
 
 from __future__ import annotations

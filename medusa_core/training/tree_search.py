@@ -173,9 +173,7 @@ def run(config: CalibrateConfig) -> dict:
                     "accuracy": [[round(v, 4) for v in row] for row in acc],
                     "top1": [round(row[0], 4) for row in acc]}
     if config.budget == "auto":
-        timing_file = Path(config.timing_prompts or config.prompts or "")
-        if not timing_file.is_file():
-            raise ValueError("--budget auto times decoding: give --timing-prompts FILE.jsonl (or calibrate with --prompts)")
+        timing_file = Path(config.timing_prompts or config.prompts)     # checked before the load
         timing_prompts = read_prompts(timing_file)
         prompt_ids = [encode_prompt(tokenizer, p, config.raw_prompts) for p in timing_prompts[:config.timing_count]]
         print(f"timing tree sizes on {len(prompt_ids)} of the {len(timing_prompts)} prompts in {timing_file} "
