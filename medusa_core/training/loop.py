@@ -128,9 +128,12 @@ def train_heads(model: nn.Module, heads: MedusaHeads, rows: list[tuple[list[int]
         train_cache = cached_positions(model, rows, pad, num_heads, desc="hidden states (train)")
         held_cache = cached_positions(model, held, pad, num_heads, desc="hidden states (held-out)")
         print(f"cached {len(train_cache):,} training and {len(held_cache):,} held-out positions", flush=True)
+    tf32_before = torch.backends.cuda.matmul.allow_tf32
     if device.type == "cuda":
-        # TF32 matmuls from here on: the heads' vocabulary projections per step dominate, and their
-        # gradients do not need fp32's last bits (answers and cached hidden states are made by now)
+        # TF32 matmuls while training: the heads' vocabulary projections per step dominate, and their
+        # gradients do not need fp32's last bits (the answers are made by now; without --cache-hidden each
+        # batch's hidden states and the held-out evaluation run in TF32 too). Put back at the end: smol_build's
+        # later stages in the same process distill and calibrate in true fp32 (review)
         torch.backends.cuda.matmul.allow_tf32 = True
 
     def next_batch() -> Positions:
@@ -173,6 +176,7 @@ def train_heads(model: nn.Module, heads: MedusaHeads, rows: list[tuple[list[int]
             os.replace(partial, ckpt_path)
     heads.eval()
     sizes = {"train_positions": len(train_cache), "held_out_positions": len(held_cache)} if config.cache_hidden else {}
+    torch.backends.cuda.matmul.allow_tf32 = tf32_before
     return {**sizes, "history": history, "final": history[-1] if history else None}
 
 
