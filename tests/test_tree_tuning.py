@@ -266,6 +266,26 @@ def test_a_changed_key_or_retune_measures_again(checkpoint, measured, monkeypatc
     monkeypatch.undo()
 
 
+def test_on_cuda_a_kernel_change_is_another_key(monkeypatch):
+    """On a GPU a step's cost moves with the kernels: an upgrade of Triton or bitsandbytes, or a change in the
+    kernels' source, timed the kernels again (kernel_memory) and kept the tree tuned on the old ones (review)."""
+    from tiny import tiny_model
+
+    model = tiny_model()
+    monkeypatch.setattr(tree_tuning, "machine_identity", lambda device: {"gpu": "a GPU"})
+    kernels = {"version": 1, "machine": {"gpu": "a GPU"}, "triton": "3.6.0", "bitsandbytes": "0.50.2", "kernels": "a"}
+    monkeypatch.setattr(tree_tuning, "memory_key", lambda device: dict(kernels))
+
+    def key():
+        return tree_tuning.tuning_key(model, None, "nf4", ACCURACY, (1, 2), torch.device("cuda"))
+
+    before = key()
+    for field, value in (("triton", "3.7.0"), ("bitsandbytes", "0.51.0"), ("kernels", "b")):
+        kernels[field] = value
+        assert key() != before, field
+    assert "triton" not in tree_tuning.tuning_key(model, None, "fp32", ACCURACY, (1, 2), torch.device("cpu"))
+
+
 def test_changed_accuracies_measure_again(checkpoint, measured):
     load(spec(checkpoint))
     calibration = checkpoint[1] / CALIBRATION_FILE

@@ -31,6 +31,7 @@ from ..decoding.step import compute_dtype
 from ..errors import LoadError
 from ..decoding.tree import build_tree_buffers, expected_tokens_per_step, grow_tree
 from ..quant.kernel_timing import with_work_beside
+from .kernel_memory import memory_key
 from .smollm2 import cache_write_failed
 from .this_machine import (BUSY_SHARE, cpu_share_now, entry_path, file_stamp, machine_identity, machine_line,
                            with_cpu_share, write_atomic)
@@ -159,13 +160,16 @@ class TunedTree:
 
 def tuning_key(model, heads_dir: Path | None, mode: str, accuracy: Sequence[Sequence[float]],
                sizes: Sequence[int], device: torch.device) -> dict:
-    """Everything the choice depends on: machine, torch, model and heads files, mode, accuracies."""
+    """Everything the choice depends on: machine, torch, model and heads files, mode, accuracies; on CUDA also
+    what the kernel timings depend on (Triton, bitsandbytes, the kernels' source), since a step's cost moves with
+    the kernels they choose (review: an upgrade timed the kernels again and kept the tree of the old ones)."""
     source = str(getattr(model, "name_or_path", "") or "")
     model_files = file_stamp(Path(source)) if source and Path(source).exists() else []
+    kernels = {k: v for k, v in memory_key(device).items() if k != "machine"} if device.type == "cuda" else {}
     return {"tuner": TUNER_VERSION, "machine": machine_identity(device), "model": source,
             "model_config": model.config.to_json_string(use_diff=True), "model_files": model_files,
             "heads_files": file_stamp(heads_dir) if heads_dir is not None else [], "mode": mode,
-            "accuracy": [[round(p, 6) for p in row] for row in accuracy], "sizes": list(sizes)}
+            "accuracy": [[round(p, 6) for p in row] for row in accuracy], "sizes": list(sizes), **kernels}
 
 
 def cache_file(key: dict, root: Path) -> Path:
