@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -499,6 +500,18 @@ def test_a_gpu_smaller_than_the_cuda_defaults_weights_is_told_before_the_downloa
     check_before_load(LoadSpec(device="cuda", heads_quant="nf4"))
     memory["gb"] = 8.0
     check_before_load(LoadSpec(device="cuda"))
+
+
+def test_a_folder_that_shadows_a_hub_id_is_named_as_the_cause(tmp_path, monkeypatch):
+    """A folder in the working directory named as a hub id is read instead of the hub: one without config.json
+    was told to give "a hub id", which the user had given (review)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "lmsys" / "vicuna-7b-v1.3").mkdir(parents=True)
+    with pytest.raises(LoadError, match=f"^lmsys/vicuna-7b-v1.3 is a hub id, and a folder of that name here, "
+                                        f"{re.escape(str(tmp_path))}/lmsys/vicuna-7b-v1.3, holds no config.json"):
+        check_before_load(LoadSpec(model="lmsys/vicuna-7b-v1.3", device="cpu"))
+    with pytest.raises(LoadError, match="has no config.json: give a directory written by save_pretrained"):
+        check_before_load(LoadSpec(model="./lmsys/vicuna-7b-v1.3", device="cpu"))
 
 
 def test_a_fault_that_is_no_damaged_file_is_not_called_one(root, monkeypatch, capsys):

@@ -21,6 +21,10 @@ from ..errors import LoadError, first_line
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 
+def looks_like_hub_id(source: str) -> bool:
+    return bool(_REPO_ID.match(source))         # owner/name: never a path from ".", "/" or "~"
+
+
 def local_dir(source: str, holds: str = "config.json and weights") -> Path | None:
     """The directory ``source`` names, None when it is a hub repo id; LoadError when it is neither. ``holds``: what
     such a directory holds, said where ``source`` is a file."""
@@ -29,7 +33,7 @@ def local_dir(source: str, holds: str = "config.json and weights") -> Path | Non
         return path
     if path.exists():
         raise LoadError(f"{source} is a file: give the directory that holds it ({holds})")
-    if not _REPO_ID.match(source) or source.startswith((".", "/", "~")):
+    if not looks_like_hub_id(source):
         raise LoadError(f"{source} does not exist: give an existing local directory or a hub id like owner/name")
     return None
 

@@ -40,7 +40,7 @@ from . import smollm2
 from .assets import (CPU_DEFAULT_DIR, CPU_DEFAULT_HEADS, cpu_default_backbone, fidelity_reference,
                      is_bundled_heads, is_cpu_default_backbone)
 from .chat_format import stop_token_ids
-from .hub import fetch_first, fetch_snapshot, hub_reachable, local_dir
+from .hub import fetch_first, fetch_snapshot, hub_reachable, local_dir, looks_like_hub_id
 from . import kernel_memory
 from .int4_speed import remembered_speed
 from .memory import memory_report
@@ -87,7 +87,7 @@ def check_before_load(spec: LoadSpec) -> None:
     for seconds, failed or ran another tree, and left a server up: QA). What only the weights show (or a hub
     download) is said once they load, in the console and the page, where another model can be picked."""
     if spec.model and (path := local_dir(spec.model)) is not None:
-        check_model_dir(path)
+        check_model_dir(path, spec.model)
         check_not_heads(spec.model, path / "config.json")
     heads = spec.heads
     if spec.model is None and heads is None:
@@ -112,8 +112,11 @@ def check_before_load(spec: LoadSpec) -> None:
             raise TreeError(f"--tree {spec.tree} cannot run with the heads in {directory} ({err})") from None
 
 
-def check_model_dir(path: Path) -> None:
+def check_model_dir(path: Path, source: str = "") -> None:
     if not (path / "config.json").is_file():
+        if looks_like_hub_id(source):     # review: told to give a hub id, which it was
+            raise LoadError(f"{source} is a hub id, and a folder of that name here, {path.resolve()}, holds no "
+                            f"config.json and is read instead: move the folder away, or run from another directory")
         raise LoadError(f"{path} has no config.json: give a directory written by save_pretrained, or a hub id")
 
 
@@ -177,7 +180,7 @@ def load_backbone(source: str, device: str, quant: str, dtype: torch.dtype | str
 
     path = local_dir(source)
     if path is not None:
-        check_model_dir(path)
+        check_model_dir(path, source)
     config_file = path / "config.json" if path is not None else fetch_first(source, ["config.json"])
     if config_file is None:
         raise LoadError(f"{source} has no config.json: it is not a transformers model repo")
