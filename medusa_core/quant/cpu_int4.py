@@ -139,7 +139,7 @@ def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize(codes: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
-    """The weight the kernel multiplies by: (N, K) float32 (a reference for tests and fidelity checks)."""
+    """The weight the kernel multiplies by: (N, K) float32 (a reference for the tests)."""
     scale = scales_zeros[..., 0].float().repeat_interleave(GROUP, 0).T        # (N, K)
     zero = scales_zeros[..., 1].float().repeat_interleave(GROUP, 0).T
     return (codes.float() - 8) * scale + zero
