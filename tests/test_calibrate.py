@@ -192,7 +192,12 @@ def test_cli_errors_are_one_line(checkpoint, tmp_path, capsys):
     assert err.startswith(f"error: {foreign}:1 holds token id 10000000, not one of this model's"), err
     assert main([*common, "--budget", "3", "--top-k", "4", "--answer-tokens", "8"]) == 0
     written = len(load_tree_file(tmp_path / "t.json"))
-    assert f"wrote {tmp_path / 't.json'}: {written + 1} nodes (root included" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"wrote {tmp_path / 't.json'}: {written + 1} nodes (root included" in said
+    # the accuracies written away from the heads are never read by the app: said (review: nothing said it)
+    assert f"the heads' accuracies are in {tmp_path / 't_calibration.json'}; the app reads them from " \
+           f"{heads / 'tree_calibration.json'} to tune their tree on each machine: give --out {heads / 'tree.json'}" \
+           in said, said
 
 
 def test_where_no_tree_pays_no_tree_file_is_left(checkpoint, tmp_path, capsys, monkeypatch):
