@@ -88,6 +88,33 @@ def test_follow_up_turns_see_the_first_answer_and_a_rerun_reuses_the_file(setup,
         train_data.distilled_rows(model, tokenizer, prompts, True, 10, answers, batch_size=4, temperatures=(0.0, 0.8))
 
 
+def test_a_run_killed_mid_batch_resumes_to_the_answers_one_run_makes(setup, tmp_path, monkeypatch):
+    """A run killed between a batch's first turns and their follow-ups resumed past the first turns and never
+    made the follow-ups, and a resumed run's sampled answers took other seeds (review): a batch is written
+    whole, seeded by its place among all the prompts."""
+    model, tokenizer = setup
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(item) + "\n" for item in (
+        {"prompt": "hi", "followup": "why?"}, {"prompt": "ok", "followup": "and?"}, {"prompt": "yo"})))
+    whole, cut = tmp_path / "whole.jsonl", tmp_path / "cut.jsonl"
+    run = dict(batch_size=2, temperatures=(0.0, 0.8))
+    train_data.distilled_rows(model, tokenizer, prompts, False, 8, whole, **run)
+    real, calls = train_data._generate_batch, []
+
+    def killed_at_the_second_batch_follow_ups(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:          # batch 1's first turns and follow-ups, batch 2's first turns, then this
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_data, "_generate_batch", killed_at_the_second_batch_follow_ups)
+    with pytest.raises(KeyboardInterrupt):
+        train_data.distilled_rows(model, tokenizer, prompts, False, 8, cut, **run)
+    monkeypatch.setattr(train_data, "_generate_batch", real)
+    train_data.distilled_rows(model, tokenizer, prompts, False, 8, cut, **run)
+    assert cut.read_text() == whole.read_text()
+
+
 def test_sampling_or_follow_ups_without_a_batch_say_how_to_fix_it(setup, tmp_path):
     model, tokenizer = setup
     prompts = tmp_path / "p.jsonl"

@@ -122,11 +122,13 @@ def distilled_rows(model: nn.Module, tokenizer, prompts_path: str | Path, raw: b
                          f"{'drop' if raw else 'give'} --raw-prompts to reuse them, or delete it to answer again")
     first_done = sum("followup_of" not in d for d in done)
     with open(answers_path, "a") as f:   # appended as we go, so an interrupted run resumes here
-        def keep(item: dict) -> None:
-            item = {**item, "answer_tokens": answer_tokens, "raw_prompts": raw}
-            f.write(json.dumps(item) + "\n")
+        def keep(*made: dict) -> None:
+            """Answers that go together (a batch's first turns and their follow-ups) in one write: a run killed
+            between them resumed past the first turns and never made their follow-ups (review)."""
+            made = tuple({**item, "answer_tokens": answer_tokens, "raw_prompts": raw} for item in made)
+            f.write("".join(json.dumps(item) + "\n" for item in made))
             f.flush()
-            done.append(item)
+            done.extend(made)
         if batch_size <= 1:
             if any(t > 0 for t in temperatures) or any("followup" in i for i in items):
                 raise ValueError("sampled answers (--temperatures above 0) and follow-up turns need batched distillation: "
@@ -134,7 +136,7 @@ def distilled_rows(model: nn.Module, tokenizer, prompts_path: str | Path, raw: b
             _answer_one_by_one(model, tokenizer, [items[i]["prompt"] for _, i in jobs[first_done:]], raw,
                                answer_tokens, keep, first_done, len(jobs))
         else:
-            _answer_batched(model, tokenizer, items, jobs[first_done:], raw, answer_tokens, batch_size, seed, keep)
+            _answer_batched(model, tokenizer, items, jobs, first_done, raw, answer_tokens, batch_size, seed, keep)
     return [answer_row(d["prompt_ids"], d["answer_ids"]) for d in done]
 
 
@@ -152,14 +154,15 @@ def _answer_one_by_one(model, tokenizer, prompts: list[str], raw: bool, answer_t
         keep({"prompt": prompt, "prompt_ids": ids, "answer_ids": answer, "answer": tokenizer.decode(answer)})
 
 
-def _answer_batched(model, tokenizer, items: list[dict], jobs: list[tuple[float, int]], raw: bool,
+def _answer_batched(model, tokenizer, items: list[dict], jobs: list[tuple[float, int]], first: int, raw: bool,
                     answer_tokens: int, batch_size: int, seed: int, keep) -> None:
-    """First turns in batches of ``batch_size``; then, per batch, the follow-up turns of its prompts
-    (the conversation so far, the first answer included, is their prompt)."""
+    """First turns in batches of ``batch_size`` from job ``first`` (the ones before are answered); then, per
+    batch, the follow-up turns of its prompts (the conversation so far, the first answer included, is their
+    prompt). Each batch's seed is its place among all the jobs: a resumed run samples what one run would have."""
     from tqdm import tqdm
 
-    bar = tqdm(total=len(jobs), desc="self-distillation (batched)", mininterval=5)
-    for start in range(0, len(jobs), batch_size):
+    bar = tqdm(total=len(jobs), initial=first, desc="self-distillation (batched)", mininterval=5)
+    for start in range(first, len(jobs), batch_size):
         chunk = jobs[start:start + batch_size]
         firsts = []
         for temperature, i in chunk:
@@ -167,10 +170,10 @@ def _answer_batched(model, tokenizer, items: list[dict], jobs: list[tuple[float,
             firsts.append((temperature, i, ids))
         answers = _generate_batch(model, tokenizer, [ids for _, _, ids in firsts], [t for t, _, _ in firsts],
                                   answer_tokens, seed + start)
-        follow = []
+        follow, made = [], []
         for (temperature, i, ids), answer in zip(firsts, answers):
-            keep({"prompt": items[i]["prompt"], "temperature": temperature, "prompt_ids": ids,
-                  "answer_ids": answer, "answer": tokenizer.decode(answer)})
+            made.append({"prompt": items[i]["prompt"], "temperature": temperature, "prompt_ids": ids,
+                         "answer_ids": answer, "answer": tokenizer.decode(answer)})
             if "followup" in items[i] and not raw:
                 text = tokenizer.decode(answer, skip_special_tokens=True)
                 turns = [("user", items[i]["prompt"]), ("assistant", text), ("user", items[i]["followup"])]
@@ -179,8 +182,10 @@ def _answer_batched(model, tokenizer, items: list[dict], jobs: list[tuple[float,
             for (temperature, i, ids), answer in zip(follow, _generate_batch(
                     model, tokenizer, [ids for _, _, ids in follow], [t for t, _, _ in follow], answer_tokens,
                     seed + start + 1)):
-                keep({"prompt": items[i]["followup"], "followup_of": items[i]["prompt"], "temperature": temperature,
-                      "prompt_ids": ids, "answer_ids": answer, "answer": tokenizer.decode(answer)})
+                made.append({"prompt": items[i]["followup"], "followup_of": items[i]["prompt"],
+                             "temperature": temperature, "prompt_ids": ids, "answer_ids": answer,
+                             "answer": tokenizer.decode(answer)})
+        keep(*made)
         bar.update(len(chunk))
     bar.close()
 
