@@ -46,7 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--eval-every", type=int, default=200, help="held-out top-1/top-5 and a checkpoint every N steps")
-    p.add_argument("--resume", action="store_true", help="continue from WORK_DIR/checkpoint.pt")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from WORK_DIR/checkpoint.pt (a cut run: the same --steps resumes exactly; a "
+                        "larger --steps stretches the learning-rate schedule over the new total, so the rate "
+                        "rises again from where it was)")
     p.add_argument("--load-in-4bit", action="store_true", help="CUDA: load the backbone in NF4 (bitsandbytes)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
