@@ -56,15 +56,7 @@ def read_prompts(path: Path) -> list[str]:
 
 def encode_prompt(tokenizer, prompt: str, raw: bool) -> list[int]:
     """Raw text, or the user turn through the tokenizer's chat template with the answer cue."""
-    if raw:
-        return tokenizer.encode(prompt, add_special_tokens=False)
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            "the tokenizer has no chat template: pass --raw-prompts and write each prompt in the model's "
-            "own prompt format (e.g. vicuna's 'USER: ... ASSISTANT:')"
-        )
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return encode_turns(tokenizer, [("user", prompt)], raw)
 
 
 def read_prompt_items(path: Path) -> list[dict]:
@@ -80,7 +72,10 @@ def encode_turns(tokenizer, turns: Sequence[tuple[str, str]], raw: bool) -> list
     if raw:
         return tokenizer.encode("".join(text for _, text in turns), add_special_tokens=False)
     if not getattr(tokenizer, "chat_template", None):
-        return encode_prompt(tokenizer, turns[-1][1], raw)   # raises the one-line error
+        raise ValueError(
+            "the tokenizer has no chat template: pass --raw-prompts and write each prompt in the model's "
+            "own prompt format (e.g. vicuna's 'USER: ... ASSISTANT:')"
+        )
     text = tokenizer.apply_chat_template([{"role": r, "content": t} for r, t in turns], tokenize=False,
                                          add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)
