@@ -240,7 +240,7 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
         if shown is not None and shown[1] == state.engine_version:
             pass                       # the same model: the controls stay as the user set them
         elif engine is None:
-            updates.update(tree=gr.update(choices=[], value=None), pane=medusa_pane(None), known=None)
+            updates.update(tree=gr.update(choices=[], value=None), pane=medusa_pane(None), known=slot.known_label())
         else:
             try:
                 current = int(float(max_new_value))

@@ -187,7 +187,9 @@ class ModelSlot:
         self._error: str | None = None
         self._kept = ""             # what a failed switch says of the loaded model: its name and tree line
         self._loading: LoadSpec | None = None
-        self._loaded_spec: LoadSpec | None = None     # what the loaded engine was loaded from
+        # the Known models entry of the model loaded last, kept after an Unload: Load then loads it again (QA:
+        # the list went blank, and Load said no model was given)
+        self._known: str | None = None
         self._started = 0.0
         self._retiring: list[ChatEngine] = []     # replaced engines, until _retire closes them
 
@@ -199,11 +201,10 @@ class ModelSlot:
             return self._phase == "loading"
 
     def known_label(self) -> str | None:
-        """The Known models entry the loaded model is, if it is one: a page opened shows it picked (QA: the list
-        was blank beside its own loaded entry)."""
+        """The Known models entry the loaded model is, if it is one, or after an Unload the one it was: a page
+        opened shows it picked (QA: the list was blank beside its own loaded entry)."""
         with self._lock:
-            engine, spec = self.engine, self._loaded_spec
-        return None if engine is None or spec is None else known_label(spec, engine.device.type)
+            return self._known
 
     def state(self) -> SlotState:
         with self._lock:
@@ -238,10 +239,10 @@ class ModelSlot:
 
     def _swap(self, engine: ChatEngine, spec: LoadSpec) -> None:
         """``engine``, loaded from ``spec``, answers from now on (the line still says the load runs); the one it
-        replaces is retired. The spec goes with it: a page synced in between showed the new model beside the old
-        one's Known models entry (QA)."""
+        replaces is retired. Its Known models entry goes with it: a page synced in between showed the new model
+        beside the old one's entry (QA)."""
         with self._lock:
-            self._loaded_spec = spec
+            self._known = known_label(spec, engine.device.type)
             self._commit(self._phase, self._line, engine, True, self._error)
         self._retire(engine)
 
@@ -363,7 +364,8 @@ class ModelSlot:
                      f"context: its default is {engine.max_new_tokens}")
         self._kept = f"{loaded_name(loaded)} is still loaded" + (f"\n\n{loaded.tree_note}" if loaded.tree_note else "")
         with self._lock:
-            self._ready_line, self._details, self._loaded_spec = line, details, spec
+            self._ready_line, self._details = line, details
+            self._known = known_label(spec, engine.device.type)
         self._set("ready", line, engine, replace_engine=not replacing)
         self._log(f"{line}\n\n{details}")
 

@@ -1597,7 +1597,12 @@ def test_the_known_models_entry_follows_the_model_that_answers(model_dirs, monke
     while state.phase == "loading":
         state = slot.wait(1)
     assert state.phase == "ready" and seen and all(label is None for _, label in seen), seen
+    # after an Unload the list keeps the entry of the model unloaded, so that Load loads it again (QA: blank, and
+    # Load said "no model given")
+    slot.start(LoadSpec(model=str(backbone), heads=str(heads), device="cpu"))
+    assert slot.wait(120).phase == "ready"
     slot.unload()
+    assert slot.state().engine is None and slot.known_label() == "tiny + heads"
 
 
 def test_unload_frees_the_tabs_caches_too(model_dirs):
