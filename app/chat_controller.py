@@ -8,7 +8,7 @@ import inspect
 import uuid
 import weakref
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import gradio as gr
 
@@ -424,6 +424,10 @@ class ChatController:
             if turn.reply is None and partial:
                 turn.reply = partial
             if turn.reply is not None or turn.baseline is not None:
+                # a pass still running here was stopped here: said under each pane (QA: after a reload mid-comparison
+                # one pane said "stopped", the other nothing)
+                stats, base = (replace(s, finish_reason="cancelled") if s is not None and s.finish_reason is None
+                               else s for s in (stats, base))
                 turn.answered = how_answered(settings, stats, base, comparison)
             raise
         return stats, base, comparison, error

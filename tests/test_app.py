@@ -1548,6 +1548,20 @@ def test_a_reload_mid_answer_brings_back_what_the_answer_had_written(model_dirs)
     assert last["reply"].startswith(shown) and last["note"] == RELOADED, last
     # how it was made, for the exports (QA: none, and a sampled answer's seed was lost)
     assert last["answered"]["settings"]["max_new_tokens"] == 400 and last["answered"]["medusa"]["tokens"] >= 1, last
+    # a comparison: each pane's pass still running is marked stopped (QA: one pane said so, the other nothing)
+    at_send, *_ = chat.save_pending(session, "And a third.", "", True)
+    chat.tab_opened(session, "the tab")
+    updates = chat.kept(chat.run(session, "And a third.", "", True, {"max_new_tokens": 400}), session, "", True)
+    next(update for update in updates if update[6].get("reply"))
+    chat.tab_closed("the tab")
+    updates.close()
+    restored = chat.finished.newest(at_send)
+    figures = [restored["turns"][-1]["answered"][name] for name in ("medusa", "baseline")]
+    assert all(f is None or f["finish_reason"] for f in figures) and figures[0]["finish_reason"] == "cancelled", figures
+    panes = chat.restored(Session(), restored, "")[:2]
+    for pane, f in zip(panes, figures):
+        if f is not None and f["finish_reason"] == "cancelled":
+            assert "⋯ stopped" in pane[-2]["content"][0]["text"] + pane[-1]["content"][0]["text"], pane[-2:]
     slot.unload()
 
 
