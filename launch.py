@@ -324,8 +324,8 @@ def end_now(line: str) -> None:
     """The end of a process stopped while a thread is inside torch (a load converting or timing trees, or a step
     that outlasted the exit's wait): the interpreter's exit under it aborted ("terminate called without an active
     exception", exit 134). Nothing it holds needs saving (the conversion lands in one rename, and the tuner's
-    cache write in two that a later read checks against each other), so the process ends here, removing first what the exit handlers would have: the tabs' exports,
-    its tree files."""
+    cache write in two that a later read checks against each other), so the process ends here, removing first
+    what the exit handlers would have: the tabs' exports, its tree files."""
     from app.export_files import remove_all as remove_exports
     from medusa_core.loading.tree_tuning import remove_own_tree_files
 

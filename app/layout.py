@@ -114,7 +114,8 @@ def decoding_controls(max_new_tokens: int, start: Settings) -> dict:
                                     value=max_new_tokens, step=1,
                                     label=limits("max_new_tokens").label, elem_id="max-new"),
         # "" = the model's default tree (the choices arrive with the model)
-        "tree": gr.Dropdown([], value="", label="Tree (node count, the root included)", elem_id="tree", allow_custom_value=True),
+        "tree": gr.Dropdown([], value="", label="Tree (node count, the root included)", elem_id="tree",
+                            allow_custom_value=True),
         "seed": gr.Number(-1, precision=0, label=limits("seed").label, elem_id="seed", interactive=enabled["seed"]),
     }
 
