@@ -152,7 +152,8 @@ def build_layout(slot: ModelSlot, system_prompt: str, start: Settings) -> Page:
                 box = gr.Textbox(placeholder="Message (Enter to send)", show_label=False, scale=6,
                                  elem_id="message", autofocus=True)
                 # a narrow min_width: at the default 160 px, a phone's row gave the box only half its width (QA)
-                send = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="send")
+                send = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="send",
+                                 interactive=slot.engine is not None or slot.loading)
             with gr.Row():
                 # on while the tab has an answer running or waiting (app/chat_controller.py, wire_chat)
                 stop = gr.Button("Stop", variant="stop", elem_id="stop", interactive=False)

@@ -233,9 +233,9 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
         status = gr.update() if answering else state.model_line if shown is None else state.line
         updates = {"status": status, "model_status": under,
                    "note": gr.update(visible=cpu_default, **({"value": note} if note else {})),
-                   # always on, as Enter always sends: while a model loads a message waits for it, and with none
-                   # loaded the chat says to load one (QA: a grey Send beside an Enter that sent, loading and not)
-                   "send": gr.update(interactive=True),
+                   # on while a model is loading too: a message sent then waits for it, as Enter's always did (QA: a
+                   # grey Send beside an Enter that sent read as "you cannot send now")
+                   "send": gr.update(interactive=engine is not None or loading),
                    "timer": gr.Timer(active=loading), "shown_version": now}
         if shown is not None and shown[1] == state.engine_version:
             pass                       # the same model: the controls stay as the user set them
