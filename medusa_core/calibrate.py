@@ -17,7 +17,7 @@ from .errors import OneLineParser, run_command
 from .heads.accuracy import CALIBRATION_FILE
 from .loading.tree_tuning import MIN_SPEEDUP
 from .loading.policy import resolve_device
-from .training.tree_search import CalibrateConfig, run
+from .training.tree_search import CalibrateConfig, report_path, run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,7 +72,7 @@ def calibrate(a: argparse.Namespace) -> None:
         print(f"no tree file written{removed}: plain decoding, --tree baseline, is the fastest with these heads; "
               "their accuracies are in the calibration report beside it")
     out, heads = Path(a.out), Path(a.heads)
-    written = out.with_name(out.stem + "_calibration.json")
+    written = report_path(out)
     if written.resolve() != (heads / CALIBRATION_FILE).resolve():   # review: the app never read them, and nothing said
         print(f"the heads' accuracies are in {written}; the app reads them from {heads / CALIBRATION_FILE} to tune "
               f"their tree on each machine: give --out {heads / 'tree.json'} for that")

@@ -75,8 +75,9 @@ def check_default_fits(device: str, heads_quant: str) -> None:
     total = torch.cuda.get_device_properties(torch.device(device).index or 0).total_memory
     needed = CUDA_DEFAULT_WEIGHT_BYTES.get(heads_quant, CUDA_DEFAULT_WEIGHT_BYTES["none"])
     if total < needed:
-        smaller = " (or --heads-quant nf4, whose weights need 4.3 GB)" if total >= CUDA_DEFAULT_WEIGHT_BYTES["nf4"] \
-            and heads_quant != "nf4" else ""
+        nf4 = CUDA_DEFAULT_WEIGHT_BYTES["nf4"]
+        smaller = f" (or --heads-quant nf4, whose weights need {nf4 / 1e9:.1f} GB)" \
+            if total >= nf4 and heads_quant != "nf4" else ""
         raise LoadError(f"this GPU has {total / 1e9:.1f} GB, and the CUDA default, {CUDA_MODEL} in 4 bits with its "
                         f"Medusa heads, needs {needed / 1e9:.1f} GB for its weights alone: run --device cpu for "
                         f"SmolLM2-135M-Instruct{smaller}, or give a smaller --model")

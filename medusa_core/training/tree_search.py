@@ -77,6 +77,11 @@ class CalibrateConfig:
         check_threads(self.threads)
 
 
+def report_path(out: Path) -> Path:
+    """Where calibrate writes its report beside the tree file ``out`` (tree.json -> tree_calibration.json)."""
+    return out.with_name(out.stem + "_calibration.json")
+
+
 def accuracy_table(counts: torch.Tensor) -> list[list[float]]:
     """(K, top_k + 1) rank counts (last column: miss) -> a[k][i] = P(target is head k's rank-i guess)."""
     total = counts.sum(1, keepdim=True).clamp(min=1)
@@ -195,5 +200,5 @@ def run(config: CalibrateConfig) -> dict:
     elif out.is_file():     # no tree pays: plain decoding, which a tree file cannot name ([] is refused as one)
         out.unlink()        # one left from an earlier measuring would say otherwise
         report["removed"] = str(out)
-    out.with_name(out.stem + "_calibration.json").write_text(json.dumps(report, indent=2) + "\n")
+    report_path(out).write_text(json.dumps(report, indent=2) + "\n")
     return report
