@@ -237,12 +237,13 @@ class ModelSlot:
         self._version += 1
         self._ready.notify_all()
 
-    def _swap(self, engine: ChatEngine, spec: LoadSpec) -> None:
+    def _swap(self, engine: ChatEngine, spec: LoadSpec, ready_line: str, details: str) -> None:
         """``engine``, loaded from ``spec``, answers from now on (the line still says the load runs); the one it
-        replaces is retired. Its Known models entry goes with it: a page synced in between showed the new model
-        beside the old one's entry (QA)."""
+        replaces is retired. Its Known models entry, Ready line and details go with it, in the same hold of the
+        lock: a page synced in between showed the new model beside the old one's entry (QA), or its details."""
         with self._lock:
             self._known = known_label(spec, engine.device.type)
+            self._ready_line, self._details = ready_line, details
             self._commit(self._phase, self._line, engine, True, self._error)
         self._retire(engine)
 
@@ -349,23 +350,24 @@ class ModelSlot:
                        "check the model's files, or load another)")
             return
         seconds = time.perf_counter() - self._started
-        memory = loaded.memory
-        if replacing:
-            # the new engine answers from here on and the old model is freed before the memory is told: measured
-            # during the load, it counted both models (QA: a second load of SmolLM2 said 1.88 GiB for 1.18)
-            self._swap(engine, spec)
-            memory = memory_report(loaded.model, loaded.heads, str(engine.device))
         line = f"Ready · {loaded_name(loaded)} · {runs_as(engine)} · loaded in {seconds:.1f} s"
-        details = f"{loaded.description} · {memory}"
         if loaded.tree_note:   # on a line of its own: which tree runs, and why, is what a user looks for
             line += f"\n\n{loaded.tree_note}"
         if self.max_new_tokens > engine.context:   # said, as the page says a value typed past the slider (QA)
             line += (f"\n\n--max-new-tokens {self.max_new_tokens} is more than this model's {engine.context}-token "
                      f"context: its default is {engine.max_new_tokens}")
-        self._kept = f"{loaded_name(loaded)} is still loaded" + (f"\n\n{loaded.tree_note}" if loaded.tree_note else "")
+        memory = loaded.memory
+        if replacing:
+            # the new engine answers from here on and the old model is freed before the memory is told: measured
+            # during the load, it counted both models (QA: a second load of SmolLM2 said 1.88 GiB for 1.18)
+            self._swap(engine, spec, line, f"{loaded.description} · memory: measuring, now the old model is freed")
+            memory = memory_report(loaded.model, loaded.heads, str(engine.device))
+        details = f"{loaded.description} · {memory}"
         with self._lock:
             self._ready_line, self._details = line, details
             self._known = known_label(spec, engine.device.type)
+            self._kept = f"{loaded_name(loaded)} is still loaded" + (f"\n\n{loaded.tree_note}" if loaded.tree_note
+                                                                      else "")
         self._set("ready", line, engine, replace_engine=not replacing)
         self._log(f"{line}\n\n{details}")
 

@@ -1682,6 +1682,38 @@ def test_a_load_or_unload_frees_the_model_it_replaces_before_it_tells_the_memory
     assert slot.state().line == f"{models.EMPTY_LINE} · unloaded: [False, False]"
 
 
+def test_a_page_synced_while_a_replacing_load_measures_memory_sees_the_new_models_details(model_dirs, monkeypatch):
+    """Review: once the new engine answered, and until the old model was freed and the memory told, the slot
+    paired it with the old model's Ready line and details."""
+    import dataclasses
+
+    import app.models as models
+    from medusa_core.loading.load import load
+    from medusa_core.loading.spec import LoadSpec
+
+    backbone, heads = model_dirs
+    count, seen = [], []
+
+    def loader(spec, progress):
+        count.append(1)
+        return dataclasses.replace(load(spec, progress=progress), description=f"load number {len(count)}")
+
+    def report(model, heads, device):
+        seen.append(slot.state())
+        return "memory as told"
+
+    monkeypatch.setattr(models, "memory_report", report, raising=False)
+    slot = models.ModelSlot(loader=loader, log=lambda line: None)
+    spec = LoadSpec(model=str(backbone), heads=str(heads), device="cpu")
+    for _ in range(2):
+        slot.start(spec)
+        assert slot.wait(120).phase == "ready"
+    [mid] = seen
+    assert mid.engine is slot.state().engine and mid.details.startswith("load number 2 · "), mid.details
+    assert mid.ready_line == slot.state().ready_line
+    assert slot.state().details == "load number 2 · memory as told"
+
+
 def test_a_closed_tab_starts_no_answer(model_dirs):
     """Once its tab is closed or reloaded, a request from it (a Send that waited for a stopped answer)
     ends at once instead of reading its prompt for nobody: its Stop stays set."""
