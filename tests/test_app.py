@@ -1648,7 +1648,9 @@ def test_unload_frees_the_tabs_caches_too(model_dirs):
 def test_a_load_or_unload_frees_the_model_it_replaces_before_it_tells_the_memory(model_dirs, monkeypatch):
     """QA: loading SmolLM2 again from the panel said "process RSS 1.88 GiB" where the first load said 1.18: the
     figure was taken while the old model was still held (by the load's own thread, too). The Ready line of a
-    model that replaces another now tells the memory once the old model is gone."""
+    model that replaces another now tells the memory once the old model is gone. Meanwhile the new engine answers,
+    beside its own details (review: the slot paired it with the old model's)."""
+    import dataclasses
     import weakref
 
     import app.models as models
@@ -1656,15 +1658,17 @@ def test_a_load_or_unload_frees_the_model_it_replaces_before_it_tells_the_memory
     from medusa_core.loading.spec import LoadSpec
 
     backbone, heads = model_dirs
-    loaded_models, alive_when_told = [], []
+    loaded_models, alive_when_told, state_when_told = [], [], []
 
     def loader(spec, progress):
         loaded = load(spec, progress=progress)
         loaded_models.append(weakref.ref(loaded.model))
-        return loaded
+        return dataclasses.replace(loaded, description=f"load number {len(loaded_models)}")
 
     def report(model, heads, device):
         alive_when_told.append([ref() is not None for ref in loaded_models[:-1]])
+        now = slot.state()    # not kept whole: its engine would keep the model alive past the Unload below
+        state_when_told.append((now.engine.loaded.description, now.details, now.ready_line))
         return "memory as told"
 
     monkeypatch.setattr(models, "memory_report", report, raising=False)
@@ -1674,44 +1678,15 @@ def test_a_load_or_unload_frees_the_model_it_replaces_before_it_tells_the_memory
         slot.start(spec)
         assert slot.wait(120).phase == "ready"
     assert alive_when_told == [[False]], "the old model was still held when the memory was told"
-    assert "loaded in" in slot.state().line and slot.state().details.endswith(" · memory as told")
+    assert "loaded in" in slot.state().line and slot.state().details == "load number 2 · memory as told"
+    [(answering, details, ready_line)] = state_when_told
+    assert answering == "load number 2" and details.startswith("load number 2 · "), details
+    assert ready_line == slot.state().ready_line
     # Unload too (QA: it said 921 MiB resident where the process was at 724 MiB a moment later)
     monkeypatch.setattr(models, "memory_now", lambda: str([ref() is not None for ref in loaded_models]))
     assert slot.unload() == "Model unloaded · [False, False]"
     # and the status line keeps saying it (the page's next sync replaced it with "No model loaded" within a second)
     assert slot.state().line == f"{models.EMPTY_LINE} · unloaded: [False, False]"
-
-
-def test_a_page_synced_while_a_replacing_load_measures_memory_sees_the_new_models_details(model_dirs, monkeypatch):
-    """Review: once the new engine answered, and until the old model was freed and the memory told, the slot
-    paired it with the old model's Ready line and details."""
-    import dataclasses
-
-    import app.models as models
-    from medusa_core.loading.load import load
-    from medusa_core.loading.spec import LoadSpec
-
-    backbone, heads = model_dirs
-    count, seen = [], []
-
-    def loader(spec, progress):
-        count.append(1)
-        return dataclasses.replace(load(spec, progress=progress), description=f"load number {len(count)}")
-
-    def report(model, heads, device):
-        seen.append(slot.state())
-        return "memory as told"
-
-    monkeypatch.setattr(models, "memory_report", report, raising=False)
-    slot = models.ModelSlot(loader=loader, log=lambda line: None)
-    spec = LoadSpec(model=str(backbone), heads=str(heads), device="cpu")
-    for _ in range(2):
-        slot.start(spec)
-        assert slot.wait(120).phase == "ready"
-    [mid] = seen
-    assert mid.engine is slot.state().engine and mid.details.startswith("load number 2 · "), mid.details
-    assert mid.ready_line == slot.state().ready_line
-    assert slot.state().details == "load number 2 · memory as told"
 
 
 def test_a_closed_tab_starts_no_answer(model_dirs):
