@@ -150,5 +150,19 @@ def convert(source: Path, out: Path) -> None:
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "converted_from.json").write_text(json.dumps(_stamp(source)) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    publish(tmp, out, source)
+
+
+def publish(tmp: Path, out: Path, source: Path) -> None:
+    """Move the finished conversion ``tmp`` of ``source`` to ``out``. A start converting beside this one may have
+    finished first and be loading its copy now: that copy is kept and this one dropped (review: the later start
+    removed the folder the earlier one was reading, or its rename failed on it)."""
+    if not is_converted(source, out.parent):
+        shutil.rmtree(out, ignore_errors=True)      # a conversion of another file, or one cut short
+        try:
+            tmp.rename(out)
+            return
+        except OSError:      # the other start's copy landed between the two lines above
+            if not is_converted(source, out.parent):
+                raise
+    shutil.rmtree(tmp, ignore_errors=True)
