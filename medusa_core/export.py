@@ -155,6 +155,10 @@ def export(spec: ExportSpec) -> list[Path]:
         if taken:
             raise LoadError(f"--out {spec.out}: {folder} already holds {', '.join(taken)}, which the export would "
                             "overwrite: give a new folder, or delete those files")
+    if "tgi" in folders and not found.own_projection and found.num_layers != 1:
+        # TGI's loader for heads without a projection (MedusaHeadV2) asserts one block: said here, not in TGI's log
+        raise LoadError(f"{files.source}: TGI runs heads without their own projection only with one residual block "
+                        f"each, and these have {found.num_layers}: export them with --format vllm")
     dtype = DTYPES[spec.dtype]
     # vLLM's first: it may need the backbone (--model), and a failure there left the TGI half written
     vllm = write_vllm(files, found, folders["vllm"], dtype, spec.model) if "vllm" in folders else None

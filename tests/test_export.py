@@ -129,6 +129,23 @@ def test_vllm_version2_heads_carry_the_backbone_lm_head(setup, tmp_path):
     assert tgi["version"] == "2" and tgi["medusa_num_layers"] == 1   # TGI's MedusaHeadV2 needs one block
 
 
+def test_heads_tgi_cannot_run_are_refused_before_anything_is_written(setup, tmp_path, capsys):
+    """Review: TGI's loader for heads without a projection (MedusaHeadV2) asserts one residual block per head;
+    export wrote two-block ones, which TGI then failed on at startup."""
+    root = setup[0]
+    torch.manual_seed(0)
+    deep = MedusaHeads(HeadsConfig(3, 2, 32, setup[1].config.vocab_size, own_projection=False)).eval()
+    save_heads(deep, tmp_path / "deep", base_model=str(root / "backbone"))
+    for format in ("tgi", "both"):
+        out = tmp_path / f"out-{format}"
+        assert main(["--heads", str(tmp_path / "deep"), "--out", str(out), "--format", format]) == 1
+        assert capsys.readouterr().err == (f"error: {tmp_path / 'deep' / 'medusa_lm_head.safetensors'}: TGI runs "
+                                           "heads without their own projection only with one residual block each, "
+                                           "and these have 2: export them with --format vllm\n")
+        assert not out.exists()
+    assert main(["--heads", str(tmp_path / "deep"), "--out", str(tmp_path / "vllm"), "--format", "vllm"]) == 0
+
+
 def test_export_errors_are_one_line(setup, tmp_path, capsys):
     assert main(["--heads", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 1
     err = capsys.readouterr().err
