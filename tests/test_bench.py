@@ -277,7 +277,7 @@ def test_profile_cpu_step_refuses_counts_before_loading(capsys, monkeypatch):
     from medusa_core.benchmarks import profile_cpu_step as profile
 
     monkeypatch.setattr(profile, "load", lambda *args, **kwargs: pytest.fail("the model loaded first"))
-    for args, says in ((["--prompts", "0"], "--prompts 0 must be from 1 to "), (["--prompts", "-1"], "--prompts -1"),
+    for args, says in ((["--count", "0"], "--count 0 must be from 1 to "), (["--count", "-1"], "--count -1"),
                        (["--steps", "0"], "--steps 0 must be at least 1")):
         with pytest.raises(SystemExit) as stopped:
             profile.main(args)

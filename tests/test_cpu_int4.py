@@ -485,9 +485,9 @@ def test_the_variants_benchmark_refuses_counts_before_loading(capsys, monkeypatc
     from medusa_core.benchmarks import cpu_variants
 
     monkeypatch.setattr(cpu_variants, "load", lambda *args, **kwargs: pytest.fail("the model loaded first"))
-    for args, says in ((["--prompts", "0"], "error: --prompts 0 must be from 1 to "),
-                       (["--prompts", "-1"], "error: --prompts -1 must be from 1 to "),
-                       (["--prompts", "999"], "error: --prompts 999 must be from 1 to "),
+    for args, says in ((["--count", "0"], "error: --count 0 must be from 1 to "),
+                       (["--count", "-1"], "error: --count -1 must be from 1 to "),
+                       (["--count", "999"], "error: --count 999 must be from 1 to "),
                        (["--rounds", "0"], "error: --rounds 0 must be at least 1"),
                        (["--rounds", "-1"], "error: --rounds -1 must be at least 1"),
                        (["--max-new-tokens", "0"], "error: --max-new-tokens 0 must be at least 1")):

@@ -128,14 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="python -m medusa_core.benchmarks.cpu_variants", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--compare", choices=("heads", "projections"), default="heads")
-    p.add_argument("--prompts", type=int, default=6, help="held-out prompts (the first ones)")
+    p.add_argument("--count", dest="prompts", type=int, default=6, help="how many held-out prompts (the first ones)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2, help="rounds over every (prompt, variant, tree), interleaved")
     args = p.parse_args(argv)
     held_out = len(read_prompts(CPU_DEFAULT_PROMPTS))
     # before the load (minutes): 0 failed after it with a traceback, -1 ran all the prompts but the last
     if not 1 <= args.prompts <= held_out:
-        p.error(f"--prompts {args.prompts} must be from 1 to {held_out} (the held-out prompts)")
+        p.error(f"--count {args.prompts} must be from 1 to {held_out} (the held-out prompts)")
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--rounds", args.rounds)):
         if value < 1:
             p.error(f"{flag} {value} must be at least 1")

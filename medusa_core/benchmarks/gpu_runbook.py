@@ -110,7 +110,7 @@ STAGES = (
           ("--quant", "nf4", "none", "--nf4-kernel", "auto", "--json", "{out}/profile.json")),
     Stage("exactness", "how often greedy NF4 Medusa equals plain decoding, per kernel (random 7B)",
           "medusa_core.benchmarks.nf4_exactness",
-          ("--kernels", "repacked-exact", "auto", "bnb", "--prompts", "8", "--json", "{out}/exactness.json")),
+          ("--kernels", "repacked-exact", "auto", "bnb", "--count", "8", "--json", "{out}/exactness.json")),
     Stage("nf4-heads", "the 7B NF4 step as the app routes it with the heads' projections in NF4 too (--heads-quant "
           "nf4), on the kernel auto times faster for them", "medusa_core.bench_synthetic",
           ("--quant", "nf4", "--heads-quant", "nf4", "--tree-sizes", "1", "16", "64",

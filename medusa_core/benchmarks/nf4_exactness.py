@@ -115,7 +115,7 @@ def parser(cuda: bool) -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda" if cuda else "cpu")
     p.add_argument("--shape", default="7b", help="random model's shape (benchmarks/synthetic.py SHAPES)")
     p.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
-    p.add_argument("--prompts", type=int, default=24)
+    p.add_argument("--count", dest="prompts", type=int, default=24, help="how many prompts")
     p.add_argument("--prompt-tokens", type=int, default=64, help="random prompts' length")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--seed", type=int, default=0)

@@ -151,14 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tree", nargs="+", default=[], help="trees to profile beside the baseline; 'default' (or none given): the "
                                                                  "model's default tree, tuned for this machine")
     p.add_argument("--quant", default="auto", choices=("auto", "int4", "none"))
-    p.add_argument("--prompts", type=int, default=4, help="how many held-out prompts (the first ones)")
+    p.add_argument("--count", dest="prompts", type=int, default=4, help="how many held-out prompts (the first ones)")
     p.add_argument("--steps", type=int, default=32, help="decoding steps per prompt")
     a = p.parse_args(argv)
     config = ProfileConfig(trees=tuple(a.tree), quant=a.quant, prompts=a.prompts, steps=a.steps)
     held_out = len(read_prompts(CPU_DEFAULT_PROMPTS))
-    # before the load and the tuning (minutes): --prompts 0 failed after them, -1 profiled 23 prompts
+    # before the load and the tuning (minutes): a count of 0 failed after them, -1 profiled 23 prompts
     if not 1 <= config.prompts <= held_out:
-        p.error(f"--prompts {config.prompts} must be from 1 to {held_out} (the held-out prompts)")
+        p.error(f"--count {config.prompts} must be from 1 to {held_out} (the held-out prompts)")
     if config.steps < 1:
         p.error(f"--steps {config.steps} must be at least 1")
     try:
