@@ -629,6 +629,34 @@ def test_hub_heads_cut_short_offline_and_a_backbone_given_as_heads_are_said_befo
         load(LoadSpec(model="tiny/backbone", heads="tiny/plain-sharded", device="cpu"))
 
 
+def test_a_backbone_larger_than_this_machines_memory_is_refused_before_its_shards(offline_cache, tmp_path, monkeypatch):
+    """The Vicuna-7B entry picked on a CPU machine would load 27 GB of fp32 weights: where that is more than the
+    machine has, the OS killed the app mid-load (every open chat with it). Said from the shard index first."""
+    import transformers
+
+    import medusa_core.loading.policy as policy
+
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": "float16"}))
+    (big / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 13_476_839_424},
+                                                                  "weight_map": {}}))
+    _cache_repo(offline_cache, "tiny/big", big)
+    monkeypatch.setattr(policy, "machine_memory", lambda: 16e9)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **kw: pytest.fail("the weights were loaded"))
+    for name in ("tiny/big", str(big)):
+        with pytest.raises(LoadError, match=f"^{re.escape(name)}: its weights take 27.0 GB in float32 on the CPU, "
+                                            "more than this machine's 16.0 GB of memory: load it on a CUDA GPU "
+                                            r"\(in 4 bits\), or pick a smaller model \(SmolLM2-135M-Instruct runs "
+                                            r"here\)$"):
+            load(LoadSpec(model=name, device="cpu"))
+    # in bfloat16 it fits: the load goes on (to the weights, here none)
+    with pytest.raises(LoadError) as err:
+        load(LoadSpec(model="tiny/big", device="cpu", dtype="bfloat16"))
+    assert "memory" not in str(err.value), err.value
+
+
 def test_hub_medusa2_from_the_cache_offline(root, offline_cache):
     _cache_repo(offline_cache, "tiny/medusa2", root / "medusa2")
     loaded = load(LoadSpec(heads="tiny/medusa2", device="cpu"))

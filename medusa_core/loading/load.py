@@ -45,12 +45,13 @@ from . import kernel_memory
 from .int4_speed import remembered_speed
 from .memory import memory_report
 from .spec import LoadSpec
-from .policy import (CUDA_HEADS, CUDA_MODEL, HEADS_QUANTS, check_default_fits, pick_tree, resolve_device, resolve_dtype,
-                     resolve_quant)
+from .policy import (CUDA_HEADS, CUDA_MODEL, HEADS_QUANTS, check_default_fits, check_fits_in_memory, pick_tree,
+                     resolve_device, resolve_dtype, resolve_quant)
 from .tree_tuning import Progress, TunedTree
 
 # Files a full model needs (Medusa-2 repos are read from one local snapshot).
 _MODEL_FILES = ["*.json", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
+SHARD_INDEXES = ["model.safetensors.index.json", "pytorch_model.bin.index.json"]    # safetensors first
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,7 @@ def heads_source_dir(source: str) -> Path:
         raise no_heads(source)
     # a full model: Medusa-2 shards also hold the heads. Where the shard index shows none, a backbone given as the
     # heads is said before its shards are downloaded (review: 13.5 GB for lmsys/vicuna-7b-v1.3, then this line)
-    index = fetch_first(source, ["model.safetensors.index.json", "pytorch_model.bin.index.json"])
+    index = fetch_first(source, SHARD_INDEXES)
     shards = json_object(index).get("weight_map", ()) if index is not None else None
     if shards is not None and not any(key.startswith("medusa_head.") for key in shards):
         raise no_medusa2_heads(source)
@@ -185,6 +186,11 @@ def load_backbone(source: str, device: str, quant: str, dtype: torch.dtype | str
     if config_file is None:
         raise LoadError(f"{source} has no config.json: it is not a transformers model repo")
     check_not_heads(source, config_file)
+    if torch.device(device).type == "cpu" and quant == "none":     # before the shards download
+        index = next((p for p in (path / n for n in SHARD_INDEXES) if p.is_file()), None) if path is not None \
+            else fetch_first(source, SHARD_INDEXES)
+        if index is not None:
+            check_fits_in_memory(source, json_object(config_file), json_object(index), dtype)
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code, "device_map": {"": device}}
     if quant != "none":
         kwargs["quantization_config"] = bnb_config(quant, dtype)

@@ -5,6 +5,7 @@ the heads carry accuracies, a preset where they do not)."""
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -81,6 +82,43 @@ def check_default_fits(device: str, heads_quant: str) -> None:
         raise LoadError(f"this GPU has {total / 1e9:.1f} GB, and the CUDA default, {CUDA_MODEL} in 4 bits with its "
                         f"Medusa heads, needs {needed / 1e9:.1f} GB for its weights alone: run --device cpu for "
                         f"SmolLM2-135M-Instruct{smaller}, or give a smaller --model")
+
+
+def machine_memory() -> int | None:
+    """This machine's memory in bytes, or its container's limit where that is lower (cgroup v2); None where the
+    OS does not say (Windows has no sysconf)."""
+    if not hasattr(os, "sysconf"):
+        return None
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()     # "max" where none is set
+    except OSError:
+        return total
+    return min(total, int(limit)) if limit.isdigit() else total
+
+
+STORED_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def check_fits_in_memory(name: str, config: dict, index: dict, dtype: torch.dtype | str) -> None:
+    """LoadError where a backbone's weights, unquantized in ``dtype`` on the CPU, take more than this machine's
+    memory in all: the OS would kill the app mid-load, and every open chat with it (review: the Vicuna-7B entry
+    picked on a CPU machine is 27 GB in fp32). Counted from the shard index (``metadata.total_size``, read before
+    any shard downloads) and the dtype the config says it is stored in; where that dtype is not said, 4 bytes a
+    weight, the fewest weights the size can hold: a model that fits is never refused. ``dtype`` "auto" keeps the
+    stored one."""
+    metadata = index.get("metadata")
+    size = metadata.get("total_size") if isinstance(metadata, dict) else None
+    total = machine_memory()
+    if not isinstance(size, (int, float)) or total is None:
+        return
+    stored = STORED_BYTES.get(str(config.get("torch_dtype") or config.get("dtype")), 4)
+    needed = size / stored * dtype.itemsize if isinstance(dtype, torch.dtype) else size
+    if needed > total:
+        as_what = f"in {str(dtype).removeprefix('torch.')}" if isinstance(dtype, torch.dtype) else "as stored"
+        raise LoadError(f"{name}: its weights take {needed / 1e9:.1f} GB {as_what} on "
+                        f"the CPU, more than this machine's {total / 1e9:.1f} GB of memory: load it on a CUDA GPU "
+                        f"(in 4 bits), or pick a smaller model ({smollm2.NAME} runs here)")
 
 
 def resolve_quant(quant: str, device: str, cpu_default: bool = False, dtype: torch.dtype = torch.float32) -> str:
