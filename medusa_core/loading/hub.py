@@ -87,7 +87,7 @@ def _hub_error(repo_id: str, err: Exception) -> LoadError:
                      "a local directory")
 
 
-def fetch_first(repo_id: str, filenames: Sequence[str], revision: str | None = None) -> Path | None:
+def fetch_first(repo_id: str, filenames: Sequence[str]) -> Path | None:
     """Download the first of ``filenames`` the repo has (order = preference); None if it has none.
 
     A file that is absent from the repo, or (offline) absent from the cache, moves on to
@@ -99,7 +99,7 @@ def fetch_first(repo_id: str, filenames: Sequence[str], revision: str | None = N
     offline_misses, cache_only = 0, not hub_reachable()
     for name in filenames:
         try:
-            return Path(hf_hub_download(repo_id, name, revision=revision, local_files_only=cache_only))
+            return Path(hf_hub_download(repo_id, name, local_files_only=cache_only))
         except LocalEntryNotFoundError:   # subclass of EntryNotFoundError: check it first
             offline_misses += 1
         except EntryNotFoundError:
@@ -111,13 +111,13 @@ def fetch_first(repo_id: str, filenames: Sequence[str], revision: str | None = N
     return None
 
 
-def fetch_snapshot(repo_id: str, patterns: Sequence[str], revision: str | None = None) -> Path:
+def fetch_snapshot(repo_id: str, patterns: Sequence[str]) -> Path:
     """The repo's files matching ``patterns`` in the hub cache (downloaded when missing)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError
 
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(patterns),
+        return Path(snapshot_download(repo_id, allow_patterns=list(patterns),
                                       local_files_only=not hub_reachable()))
     except (HfHubHTTPError, OSError, ValueError) as err:
         raise _hub_error(repo_id, err) from err
