@@ -27,7 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", required=True, help="heads directory (medusa_lm_head.safetensors)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", help="calibration prompts JSONL; the backbone's greedy answers are the targets")
-    src.add_argument("--data", help="answers JSONL written by medusa_core.train (distill_answers.jsonl)")
+    src.add_argument("--data", help="answers JSONL written by medusa_core.train (distill_answers.jsonl): the heads "
+                                    "were trained on these, so their accuracies read high and the tree may come "
+                                    "out larger than pays; --prompts with prompts the heads never saw measures them")
     p.add_argument("--out", required=True, help="tree file to write (JSON list of paths)")
     p.add_argument("--budget", default="auto", help="nodes without the root, or 'auto' (time sizes on this device)")
     p.add_argument("--max-budget", type=int, default=64)
