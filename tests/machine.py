@@ -7,3 +7,12 @@ import torch
 # them: elsewhere torch warns and keeps its own, and a test of "an AVX2 CPU" would test this one
 needs_avx2 = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
                                 reason="this CPU cannot run torch's AVX2 kernels (not x86, or no AVX2)")
+
+# The environment that makes this CPU compute as an AVX2-only one (an AMD Zen 3): torch's own kernels, oneDNN's,
+# and MKL's, which torch's fp32 matmuls go through (audit: without the last, every fp32 matmul kept AVX-512's
+# rounding while the tests said they ran an AVX2 CPU's)
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+# run first in a process under AVX2_ENV: MKL then names the instructions it uses on stdout
+MKL_SAYS_ITS_ISA = ("import torch\nwith torch.backends.mkl.verbose(torch.backends.mkl.VERBOSE_ON):\n"
+                    "    torch.mm(torch.ones(8, 8), torch.ones(8, 8))\n")
+MKL_AVX2 = "Intel(R) Advanced Vector Extensions 2 (Intel(R) AVX2) enabled processors"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from machine import needs_avx2
+from machine import AVX2_ENV, MKL_AVX2, MKL_SAYS_ITS_ISA, needs_avx2
 
 from app.engine import BASELINE, MEDUSA, ChatEngine
 from app.session import Session
@@ -213,7 +213,7 @@ print(json.dumps(out))
 
 @needs_avx2
 def test_the_default_holds_on_an_avx2_cpu():
-    """torch's AVX2 kernels and oneDNN without AVX-512 (what an AMD Zen 3 runs), forced on this CPU:
+    """torch's, oneDNN's and MKL's AVX2 kernels (what an AMD Zen 3 runs), forced on this CPU:
     the default load still picks a mode by measurement and fidelity and says so, the clear-margin
     answer is the same, and greedy Medusa still gives plain decoding's tokens."""
     import os
@@ -221,12 +221,12 @@ def test_the_default_holds_on_an_avx2_cpu():
     import sys
 
     prompts = [json.loads(line)["prompt"] for line in CPU_DEFAULT_PROMPTS.read_text().splitlines() if line.strip()]
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-    proc = subprocess.run([sys.executable, "-c", AVX2_RUN, *prompts[1:3]], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", MKL_SAYS_ITS_ISA + AVX2_RUN, *prompts[1:3]], cwd=REPO,
+                          env={**os.environ, **AVX2_ENV}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["capability"] == "AVX2", "ATEN_CPU_CAPABILITY=avx2 did not take effect on this CPU"
+    assert MKL_AVX2 in proc.stdout, "MKL_ENABLE_INSTRUCTIONS=AVX2 did not take effect: " + proc.stdout[:300]
     # int4 with its fidelity where it measured faster here, else fp32 with the reason
     assert ("int4 weights (group 32, q/k/v and gate/up each one matmul)" in out["description"]
             and "reference text" in out["description"] and out["weights"] == "int4") or ("fp32 matmuls (" in out["description"] and out["weights"] is None)

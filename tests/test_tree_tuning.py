@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from machine import needs_avx2
+from machine import AVX2_ENV, needs_avx2
 from tiny import tiny_checkpoint
 
 from app.engine import MEDUSA, NO_SPEEDUP, ChatEngine
@@ -544,8 +544,8 @@ def test_the_key_names_the_kernels_this_cpu_runs():
     a tree measured under it is another machine's, and the key says so."""
     code = "import json; from medusa_core.loading.this_machine import machine_identity; import torch; " \
            "print(json.dumps(machine_identity(torch.device('cpu'))))"
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, **AVX2_ENV}, capture_output=True,
+                         text=True, check=True)
     machine = json.loads(out.stdout.strip().splitlines()[-1])
     assert machine["aten_capability"] == "AVX2" and machine["onednn_bf16"] is False
     assert machine["threads"] >= 1 and machine["torch"] == torch.__version__
