@@ -16,3 +16,18 @@ AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_EN
 MKL_SAYS_ITS_ISA = ("import torch\nwith torch.backends.mkl.verbose(torch.backends.mkl.VERBOSE_ON):\n"
                     "    torch.mm(torch.ones(8, 8), torch.ones(8, 8))\n")
 MKL_AVX2 = "Intel(R) Advanced Vector Extensions 2 (Intel(R) AVX2) enabled processors"
+
+
+
+def skip_unless_row_exact(loaded) -> None:
+    """Greedy trees give plain decoding's tokens in the CPU's int4 mode only where its kernels are row-invariant
+    on this CPU (exact_probe): there is no equality to test where they are not. A load with heads must then say
+    so; one without runs plain decoding only, and says nothing of trees."""
+    from medusa_core.quant.cpu_int4 import exact_mode
+
+    said = "so trees may differ from plain decoding" in loaded.description
+    if exact_mode(loaded.model):
+        assert not said, loaded.description
+        return
+    assert said or loaded.heads is None, loaded.description
+    pytest.skip(f"int4 is not row-exact on this CPU: {loaded.description}")
