@@ -25,20 +25,41 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# launch.py with every decoder forward made ``argv[1]`` seconds longer: an answer of N steps then lasts N times
+# that at least on any machine, so a test can act while it runs (test audit: the tiny model's 300 tokens took half
+# a second here, and a Stop or a second tab's message raced them)
+SLOW_STEPS = """
+import runpy, sys, time
+import torch
+
+delay = float(sys.argv.pop(1))
+
+def slower(module, args, output):
+    if hasattr(module, "layers") and hasattr(module, "embed_tokens"):      # the decoder, once a forward
+        time.sleep(delay)
+
+torch.nn.modules.module.register_module_forward_hook(slower)
+sys.argv[0] = "launch.py"
+runpy.run_path("launch.py", run_name="__main__")
+"""
+
+
 @contextmanager
-def launched(args: list[str], log: Path, timeout: float = 240) -> Iterator[str]:
+def launched(args: list[str], log: Path, timeout: float = 240, step_delay_s: float = 0.0) -> Iterator[str]:
     """The app's URL once it answers; the process is stopped on exit."""
-    with launched_process(args, log, timeout) as (url, _):
+    with launched_process(args, log, timeout, step_delay_s=step_delay_s) as (url, _):
         yield url
 
 
 @contextmanager
-def launched_process(args: list[str], log: Path, timeout: float = 240,
-                     env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
-    """(URL, process) of the app once it answers; the process is stopped on exit."""
+def launched_process(args: list[str], log: Path, timeout: float = 240, env: dict[str, str] | None = None,
+                     step_delay_s: float = 0.0) -> Iterator[tuple[str, subprocess.Popen]]:
+    """(URL, process) of the app once it answers; the process is stopped on exit. ``step_delay_s``: each decoder
+    forward takes that much longer (SLOW_STEPS)."""
     port = free_port()
+    start = ["-c", SLOW_STEPS, str(step_delay_s)] if step_delay_s else ["launch.py"]
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "launch.py", *args, "--port", str(port)], cwd=REPO, stdout=out,
+        proc = subprocess.Popen([sys.executable, *start, *args, "--port", str(port)], cwd=REPO, stdout=out,
                                 stderr=subprocess.STDOUT,
                                 # a key in the developer's environment would put the page behind a login
                                 env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "MEDUSA_CHAT_API_KEY": "",

@@ -50,6 +50,27 @@ def app_url(app):
     return app[0]
 
 
+@pytest.fixture(scope="module")
+def slow_app_url(model_dirs, tmp_path_factory):
+    """The app as ``app`` launches it, each decoder forward 20 ms longer: a 300-token answer lasts seconds on any
+    machine, for the tests that act while an answer runs."""
+    from gradio_client import Client
+
+    backbone, heads = model_dirs
+    args = ["--model", str(backbone), "--heads", str(heads), "--device", "cpu",
+            "--tree", str(backbone.parent / "tree.json"), "--max-new-tokens", "48"]
+    with launched(args, tmp_path_factory.mktemp("slow-app") / "app.log", step_delay_s=0.02) as url:
+        assert Client(url, verbose=False).predict(120, api_name="/model_status")["phase"] == "ready"
+        yield url
+
+
+@pytest.fixture
+def slow_client(slow_app_url):
+    from gradio_client import Client
+
+    return Client(slow_app_url, verbose=False)
+
+
 @pytest.fixture
 def client(app_url):
     from gradio_client import Client
@@ -88,8 +109,8 @@ def ask(client, message: str, **kw):
     return job.outputs(), result
 
 
-def test_streams_answer_with_stats(client):
-    outputs, (chat, _, readout, _, _, status, raw, box) = ask(client, "hello there", max_new=300)
+def test_streams_answer_with_stats(slow_client):
+    outputs, (chat, _, readout, _, _, status, raw, box) = ask(slow_client, "hello there", max_new=300)
     replies = {texts(o[0])[-1][1] for o in outputs if o[0] and texts(o[0])[-1][0] == "assistant"}
     assert len(replies) >= 3, "the answer should arrive in several updates"
     # a script reading the raw output sees the answer grow too (it was null until the end)
@@ -112,7 +133,8 @@ def test_multi_turn_keeps_history(client):
     assert texts(chat)[2][1] == "second question"
 
 
-def test_stop_cancels_and_keeps_partial(client):
+def test_stop_cancels_and_keeps_partial(slow_client):
+    client = slow_client
     job = client.submit(*send_args("tell me a long story", max_new=300), api_name="/send")
     deadline = time.time() + 60
     while time.time() < deadline:
@@ -225,7 +247,8 @@ def test_regenerate_and_clear(client):
     assert texts(after)[:len(texts(before))] == texts(before), "the refused regenerate changed the conversation"
 
 
-def test_clear_during_an_answer_clears_its_readout(client):
+def test_clear_during_an_answer_clears_its_readout(slow_client):
+    client = slow_client
     job = client.submit(*send_args("tell me a long story", max_new=300), api_name="/send")
     deadline = time.time() + 60
     while time.time() < deadline and not any(o[6] and o[6]["medusa"] for o in job.outputs()):
@@ -325,12 +348,12 @@ def test_the_plain_pane_shows_no_answer_plain_decoding_did_not_give():
     assert "MEDUSA-ONLY" not in " ".join(shown) and "compare was off" in shown[1] and shown[3] == "PLAIN"
 
 
-def test_tabs_are_independent_and_queued(app_url):
+def test_tabs_are_independent_and_queued(slow_client):
     from gradio_client import Client
 
-    first, second = Client(app_url, verbose=False), Client(app_url, verbose=False)
-    # comparison mode: two passes of ~300 tokens keep the model busy for seconds
-    long_job = first.submit(*send_args("mine", max_new=320, compare=True), api_name="/send")
+    first, second = slow_client, Client(slow_client.src, verbose=False)     # two tabs
+    # comparison mode: two passes of 150 tokens, 20 ms a step, keep the model busy for seconds
+    long_job = first.submit(*send_args("mine", max_new=150, compare=True), api_name="/send")
     deadline = time.time() + 60
     while time.time() < deadline and not any(o[6] and o[6]["baseline"] for o in long_job.outputs()):
         time.sleep(0.02)
