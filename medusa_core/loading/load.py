@@ -187,8 +187,10 @@ def load_backbone(source: str, device: str, quant: str, dtype: torch.dtype | str
         raise LoadError(f"{source} has no config.json: it is not a transformers model repo")
     check_not_heads(source, config_file)
     if torch.device(device).type == "cpu" and quant == "none":     # before the shards download
-        index = next((p for p in (path / n for n in SHARD_INDEXES) if p.is_file()), None) if path is not None \
-            else fetch_first(source, SHARD_INDEXES)
+        if path is not None:
+            index = next((path / name for name in SHARD_INDEXES if (path / name).is_file()), None)
+        else:
+            index = fetch_first(source, SHARD_INDEXES)
         if index is not None:
             check_fits_in_memory(source, json_object(config_file), json_object(index), dtype)
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code, "device_map": {"": device}}

@@ -116,9 +116,9 @@ def check_fits_in_memory(name: str, config: dict, index: dict, dtype: torch.dtyp
     needed = size / stored * dtype.itemsize if isinstance(dtype, torch.dtype) else size
     if needed > total:
         as_what = f"in {str(dtype).removeprefix('torch.')}" if isinstance(dtype, torch.dtype) else "as stored"
-        raise LoadError(f"{name}: its weights take {needed / 1e9:.1f} GB {as_what} on "
-                        f"the CPU, more than this machine's {total / 1e9:.1f} GB of memory: load it on a CUDA GPU "
-                        f"(in 4 bits), or pick a smaller model ({smollm2.NAME} runs here)")
+        raise LoadError(f"{name}: its weights take {needed / 1e9:.1f} GB {as_what} on the CPU, more than this "
+                        f"machine's {total / 1e9:.1f} GB of memory: load it on a CUDA GPU (in 4 bits), or pick a "
+                        f"smaller model ({smollm2.NAME} runs here)")
 
 
 def resolve_quant(quant: str, device: str, cpu_default: bool = False, dtype: torch.dtype = torch.float32) -> str:
