@@ -266,6 +266,33 @@ def test_a_conversion_abandoned_by_a_stopped_start_is_removed_and_a_running_ones
     assert not abandoned.exists() and running.exists() and recent.exists()
 
 
+def test_a_conversion_finished_second_keeps_the_one_another_start_finished_first(tmp_path):
+    """Review: two starts converting at once (two terminals, or the app beside a test run sharing the cache): the
+    one that finished second removed the first one's folder, which that start may be loading, or failed to rename
+    onto it."""
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"gguf")
+    out = tmp_path / smollm2.NAME
+
+    def conversion(folder: Path, of: Path, weights: str) -> Path:
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+        (folder / "model.safetensors").write_text(weights)
+        (folder / "converted_from.json").write_text(json.dumps(smollm2._stamp(of)))
+        return folder
+
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"another file")
+    conversion(out, other, "of another file")       # replaced: it is not this file's conversion
+    smollm2.publish(conversion(out.with_name(f"{out.name}.tmp1"), source, "first"), out, source)
+    assert (out / "model.safetensors").read_text() == "first"
+    first = (out / "model.safetensors").stat().st_ino
+    second = conversion(out.with_name(f"{out.name}.tmp2"), source, "second")
+    smollm2.publish(second, out, source)
+    assert (out / "model.safetensors").stat().st_ino == first and not second.exists()
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted([source.name, other.name, out.name])
+
+
 def test_a_conversion_is_used_only_whole_and_a_later_start_removes_what_a_stopped_one_left(tmp_path, monkeypatch):
     """A stamp cut short, or a conversion folder missing its weights, is converted again (review: a raw
     JSONDecodeError, and a folder used for good that no load could read); a start that finds the conversion made
