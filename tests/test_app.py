@@ -934,9 +934,13 @@ def test_a_stop_pressed_while_a_message_waits_for_the_last_answer_stops_it(model
     while not any((u[6].get("medusa") or {}).get("tokens") for u in first) and time.monotonic() < deadline:
         time.sleep(0.05)
     session.stop()
+    # "second" has taken its mark and waits for the tab's turn ("first" ends at its step's end): waited for, not
+    # slept on (test audit: a Stop before the mark would count as before the message)
+    marked, mark = threading.Event(), session.mark
+    session.mark = lambda: (marked.set(), mark())[1]
     waiting = ask("second", second)
     waiting.start()
-    time.sleep(0.3)               # "second" waits for the tab's turn: "first" ends at its step's end
+    assert marked.wait(30)
     assert session.busy.locked() and waiting.is_alive()
     session.stop()
     answering.join(30)
