@@ -52,55 +52,61 @@ from .quant.norm_routing import flag_error as norm_flag_error
 
 def bench_quant(args, quant: str, device: torch.device) -> Iterator[QuantResult]:
     """One backbone precision: for NF4, one result per ``--nf4-kernel`` choice on the same weights, and for
-    each, one per ``--norm-kernel`` choice; each yielded as soon as it is measured (a device call cut short
-    keeps what it finished)."""
+    each, one per ``--heads-quant`` and ``--norm-kernel`` choice; each yielded as soon as it is measured (a device
+    call cut short keeps what it finished)."""
     shape = SHAPES[args.shape]
     model = build_model(shape, device, args.seed)
-    heads = build_heads(shape, len(args.accuracies), device, args.seed + 1)
-    check_not_zero([model, heads])
-    # NF4 heads' results are named apart: a fold keeps them beside, not over, the same backbone's with bf16 heads
-    heads_label = ""
-    if args.heads_quant == "nf4":
-        from .heads.quantize import quantize_projections
-        quantize_projections(heads, DTYPE)
-        heads_label = "-nf4-heads"
+    check_not_zero([model])
     if quant == "nf4":
         from .quant.bnb import use_nf4_kernel
 
         quantize_backbone_(model)
         for kernel in args.nf4_kernel:
             known, started = len(tuning_log()), time.perf_counter()
-            routing = "; ".join(t for t in (use_nf4_kernel(model, kernel), heads_routing(args, heads, kernel)) if t)
+            routing = use_nf4_kernel(model, kernel)
             # the tuners' compiles and timings: most of a GPU stage's time before its first step is timed
             print(f"  [{quant}] {routing} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
             for line in tuned_lines(tuning_log()[known:]):     # what this routing's tuners kept (CUDA)
                 print(f"  [{quant}] tuned {line}", file=sys.stderr, flush=True)
-            label = ("nf4" if kernel == "auto" else f"nf4-{kernel}") + heads_label
-            yield from per_norm_kernel(args, model, heads, label, routing, device, exact=kernel == "repacked-exact")
+            label = "nf4" if kernel == "auto" else f"nf4-{kernel}"
+            yield from per_heads(args, model, label, routing, kernel, device, exact=kernel == "repacked-exact")
     elif quant == "tinygemm":     # the anchor: torch's int4 kernel, as gpt-fast decodes with it
         from .quant.tinygemm import quantize_linear_tinygemm_
 
         replaced = quantize_linear_tinygemm_(model, args.tinygemm_group)
-        routing = "; ".join(t for t in (f"tinygemm int4 (group {args.tinygemm_group}) for {replaced} layers",
-                                        heads_routing(args, heads, "auto")) if t)
+        routing = f"tinygemm int4 (group {args.tinygemm_group}) for {replaced} layers"
         print(f"  [{quant}] {routing}", file=sys.stderr, flush=True)
-        yield from per_norm_kernel(args, model, heads, quant + heads_label, routing, device)
+        yield from per_heads(args, model, quant, routing, "auto", device)
     else:
-        yield from per_norm_kernel(args, model, heads, quant + heads_label, heads_routing(args, heads, "auto"), device)
-    del model, heads
+        yield from per_heads(args, model, quant, "", "auto", device)
+    del model
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
-def heads_routing(args, heads, kernel: str) -> str:
-    """NF4 heads (--heads-quant nf4) on the kernel ``kernel`` names, as the app's loader routes them (beside a
-    backbone that is not NF4: auto); "" for heads that are not NF4 (bitsandbytes is then never imported)."""
-    if args.heads_quant != "nf4":
-        return ""
-    from .quant.bnb import use_nf4_heads
+def per_heads(args, model, label: str, routing: str, kernel: str, device: torch.device,
+              exact: bool = False) -> Iterator[QuantResult]:
+    """The step with each ``--heads-quant`` choice's heads beside the same routed backbone: measured in one
+    process, a routing timed afresh in another cannot pass for the heads' effect (review). NF4 heads' results
+    are named apart ("-nf4-heads"), and bf16 heads' where both are measured ("-bf16-heads"), so that a fold keeps
+    them beside, not over, the results of a run with bf16 heads alone."""
+    shape = SHAPES[args.shape]
+    both = len(args.heads_quant) > 1
+    for heads_quant in args.heads_quant:
+        heads = build_heads(shape, len(args.accuracies), device, args.seed + 1)
+        check_not_zero([heads])
+        line = ""
+        if heads_quant == "nf4":
+            from .heads.quantize import quantize_projections
+            from .quant.bnb import use_nf4_heads
 
-    return use_nf4_heads(heads, kernel)
+            quantize_projections(heads, DTYPE)
+            line = use_nf4_heads(heads, kernel)     # where the app's loader puts them beside this backbone
+        suffix = "-nf4-heads" if heads_quant == "nf4" else "-bf16-heads" if both else ""
+        yield from per_norm_kernel(args, model, heads, label + suffix,
+                                   "; ".join(t for t in (routing, line) if t), device, exact)
+        del heads
 
 
 def per_norm_kernel(args, model, heads, label: str, routing: str, device: torch.device,
@@ -184,7 +190,8 @@ def parser(cuda: bool) -> argparse.ArgumentParser:
                    help="backbone precisions (default: none nf4 on CUDA, none otherwise); tinygemm: torch's int4 "
                         "kernel, the anchor gpt-fast decodes with (asymmetric int4, not NF4)")
     p.add_argument("--tinygemm-group", type=int, default=128, help="input columns per int4 scale and zero (32-256)")
-    p.add_argument("--heads-quant", choices=("none", "nf4"), default="none", help="NF4 heads' vocab projections")
+    p.add_argument("--heads-quant", nargs="+", choices=("none", "nf4"), default=["none"],
+                   help="the heads' vocab projections, each measured beside the same backbone: none (bf16), nf4")
     p.add_argument("--nf4-kernel", nargs="+", choices=NF4_KERNELS, default=["auto"],
                    help="who multiplies NF4 layers, one result each: auto (by measurement on CUDA, bnb elsewhere), "
                         "triton (the kernel), bnb (bitsandbytes)")
@@ -285,7 +292,7 @@ def checked_device(args, cuda: bool) -> torch.device:
         check_writable(args.json)
     if args.save_checkpoint is not None:     # said now, not by mkdir's traceback after the model is built
         check_folder(args.save_checkpoint, "--save-checkpoint")
-    if "nf4" in args.quant or args.heads_quant == "nf4":
+    if "nf4" in args.quant or "nf4" in args.heads_quant:
         import bitsandbytes  # noqa: F401  (fails here, not after building the bf16 model)
     return device
 

@@ -581,14 +581,21 @@ def test_a_cpu_run_says_first_that_it_is_a_smoke_check_and_which_nf4_flags_it_sk
 
 def test_nf4_heads_are_measured_on_the_kernel_each_nf4_kernel_choice_names(tmp_path, monkeypatch):
     """--heads-quant nf4: each --nf4-kernel choice's step runs the heads where the app's loader puts them beside it
-    (quant/bnb.py use_nf4_heads), and its routing says so."""
+    (quant/bnb.py use_nf4_heads), and its routing says so; with none too, bf16 heads beside the same routing of the
+    backbone, in the same process (review: the runbook read them against another process's routing)."""
     pytest.importorskip("triton", reason="the repacked kernel needs Triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")           # the kernel on CPU tensors
     out = tmp_path / "step.json"
     assert bench_synthetic.main(["--device", "cpu", "--shape", "tiny", "--quant", "nf4", "--nf4-kernel", "bnb",
-                                 "repacked", "--heads-quant", "nf4", "--tree-sizes", "1", "4", "--context", "8",
+                                 "repacked", "--heads-quant", "none", "nf4", "--tree-sizes", "1", "4", "--context", "8",
                                  "--iters", "1", "--warmup", "0", "--json", str(out)]) == 0
     routing = {r["quant"]: r["routing"] for r in json.loads(out.read_text())["results"]}
     heads = len(PUBLISHED_ACCURACIES)
     assert f"heads: bitsandbytes for their {heads} NF4 projections" in routing["nf4-bnb-nf4-heads"], routing
     assert f"heads: repacked Triton kernel for {heads} NF4 projections" in routing["nf4-repacked-nf4-heads"], routing
+    # named apart from a run with bf16 heads alone: a fold keeps both
+    assert list(routing) == ["nf4-bnb-bf16-heads", "nf4-bnb-nf4-heads", "nf4-repacked-bf16-heads",
+                             "nf4-repacked-nf4-heads"], routing
+    for kernel in ("bnb", "repacked"):
+        bf16 = routing[f"nf4-{kernel}-bf16-heads"]
+        assert "heads:" not in bf16 and routing[f"nf4-{kernel}-nf4-heads"].startswith(bf16.split("; ")[0]), routing
