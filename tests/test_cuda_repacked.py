@@ -97,6 +97,12 @@ def test_every_path_multiplies_within_bf16_rounding(m):
                      ("gemv", {"config": gemv}), ("whole_group", {"config": group}),
                      *((f"gemv prefetch{d} x", {"config": dataclasses.replace(gemv, prefetch=d, x_ahead=True)})
                        for d in (1, 2, 3)),
+                     # K split 11 ways: the last split has 2 of the 32 groups, fewer than prefetch 3 keeps in flight,
+                     # which only the compiled pipeliner's prologue handles (review: the interpreter ignores the
+                     # depth), with the reduce kernel and with the sum in the same launch
+                     *((f"gemv prefetch3 x split11{' serial' * serial}",
+                        {"config": dataclasses.replace(gemv, prefetch=3, x_ahead=True, split_k=11, serial=serial)})
+                       for serial in (False, True)),
                      *((f"decode {d}", {"config": c}) for d, c in register.items())):
         y = rm.repacked_matmul(x, w, **kw)
         assert y.shape == (m, n) and y.dtype == torch.bfloat16, name
@@ -142,18 +148,23 @@ def test_the_last_split_sums_the_partials_in_one_launch_to_the_reduce_kernels_bi
     gen = torch.Generator(device="cuda").manual_seed(m)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=gen)
-    cfg = rc.RepackedConfig(m > 4, rc.row_class(m) if m <= 4 else 16, 64, 8, prefetch=m <= 4)
-    serial = dataclasses.replace(cfg, serial=True)
-    want = rm.repacked_matmul(x, w, bias, config=cfg)
-    for _ in range(20):
-        assert torch.equal(rm.repacked_matmul(x, w, bias, config=serial), want)
-    out = torch.empty_like(want)
-    graph, _ = captured(lambda: out.copy_(rm.repacked_matmul(x, w, bias, config=serial)), torch.device("cuda"))
-    for _ in range(50):
-        out.zero_()
-        graph.replay()
-        assert torch.equal(out, want)
-    assert not w.arrivals.any()
+    configs = [rc.RepackedConfig(m > 4, rc.row_class(m) if m <= 4 else 16, 64, 8, prefetch=m <= 4)]
+    if m == 1:      # three groups in flight with x ahead, a one-row candidate since 11-30 (review)
+        configs.append(dataclasses.replace(configs[0], prefetch=3, x_ahead=True))
+    if 1 < m <= 16:     # the three-stage scaled tile the H200 kept at 16 rows, a candidate at 2 and 4 too (review)
+        configs.append(rc.RepackedConfig(True, 16, 64, 8, num_stages=3, plane_lookup=True, decode="scaled"))
+    for cfg in configs:
+        serial = dataclasses.replace(cfg, serial=True)
+        want = rm.repacked_matmul(x, w, bias, config=cfg)
+        for _ in range(20):
+            assert torch.equal(rm.repacked_matmul(x, w, bias, config=serial), want), cfg.describe()
+        out = torch.empty_like(want)
+        graph, _ = captured(lambda: out.copy_(rm.repacked_matmul(x, w, bias, config=serial)), torch.device("cuda"))
+        for _ in range(50):
+            out.zero_()
+            graph.replay()
+            assert torch.equal(out, want), cfg.describe()
+        assert not w.arrivals.any()
 
 
 def graphed_and_eager(model, tree_spec: str, tokens: int, heads=None) -> list[list[int]]:
