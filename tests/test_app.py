@@ -7,6 +7,7 @@ and, through the page, in test_browser.py."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import html
 import os
@@ -28,20 +29,27 @@ def model_dirs(tiny_dirs):
     return tiny_dirs
 
 
-@pytest.fixture(scope="module")   # stopped after this file: an idle app still holds its model
-def app(model_dirs, tmp_path_factory):
-    """(url, console log path) of the app launched as `python launch.py` would be, with the
-    checkpoint's tree.json as its default tree."""
+@contextlib.contextmanager
+def launched_ready(model_dirs, log, step_delay_s: float = 0.0):
+    """The URL of the app launched as `python launch.py` would be, with the checkpoint's tree.json as its default
+    tree, once its model is in; ``step_delay_s``: each decoder forward that much longer (served.SLOW_STEPS)."""
+    from gradio_client import Client
+
     backbone, heads = model_dirs
-    log = tmp_path_factory.mktemp("app") / "app.log"
     args = ["--model", str(backbone), "--heads", str(heads), "--device", "cpu",
             "--tree", str(backbone.parent / "tree.json"), "--max-new-tokens", "48"]
-    with launched(args, log) as url:
-        from gradio_client import Client
-
+    with launched(args, log, step_delay_s=step_delay_s) as url:
         # loaded before the first test: a message sent during the load runs the default tree (as after any
         # load), and a test run alone saw that instead of the tree it named
         assert Client(url, verbose=False).predict(120, api_name="/model_status")["phase"] == "ready"
+        yield url
+
+
+@pytest.fixture(scope="module")   # stopped after this file: an idle app still holds its model
+def app(model_dirs, tmp_path_factory):
+    """(url, console log path) of the app."""
+    log = tmp_path_factory.mktemp("app") / "app.log"
+    with launched_ready(model_dirs, log) as url:
         yield url, log
 
 
@@ -52,15 +60,9 @@ def app_url(app):
 
 @pytest.fixture(scope="module")
 def slow_app_url(model_dirs, tmp_path_factory):
-    """The app as ``app`` launches it, each decoder forward 20 ms longer: a 300-token answer lasts seconds on any
-    machine, for the tests that act while an answer runs."""
-    from gradio_client import Client
-
-    backbone, heads = model_dirs
-    args = ["--model", str(backbone), "--heads", str(heads), "--device", "cpu",
-            "--tree", str(backbone.parent / "tree.json"), "--max-new-tokens", "48"]
-    with launched(args, tmp_path_factory.mktemp("slow-app") / "app.log", step_delay_s=0.02) as url:
-        assert Client(url, verbose=False).predict(120, api_name="/model_status")["phase"] == "ready"
+    """The app, each decoder forward 20 ms longer: a 300-token answer lasts seconds on any machine, for the tests
+    that act while an answer runs."""
+    with launched_ready(model_dirs, tmp_path_factory.mktemp("slow-app") / "app.log", step_delay_s=0.02) as url:
         yield url
 
 
