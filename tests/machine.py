@@ -18,7 +18,6 @@ MKL_SAYS_ITS_ISA = ("import torch\nwith torch.backends.mkl.verbose(torch.backend
 MKL_AVX2 = "Intel(R) Advanced Vector Extensions 2 (Intel(R) AVX2) enabled processors"
 
 
-
 def skip_unless_row_exact(loaded) -> None:
     """Greedy trees give plain decoding's tokens in the CPU's int4 mode only where its kernels are row-invariant
     on this CPU (exact_probe): there is no equality to test where they are not. A load with heads must then say
