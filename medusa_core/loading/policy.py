@@ -81,7 +81,7 @@ def check_default_fits(device: str, heads_quant: str) -> None:
             if total >= nf4 and heads_quant != "nf4" else ""
         raise LoadError(f"this GPU has {total / 1e9:.1f} GB, and the CUDA default, {CUDA_MODEL} in 4 bits with its "
                         f"Medusa heads, needs {needed / 1e9:.1f} GB for its weights alone: run --device cpu for "
-                        f"SmolLM2-135M-Instruct{smaller}, or give a smaller --model")
+                        f"{smollm2.NAME}{smaller}, or give a smaller --model")
 
 
 def machine_memory() -> int | None:
