@@ -151,7 +151,7 @@ class ChatEngine:
     def __init__(self, loaded, *, max_new_tokens: int = 256) -> None:
         self.loaded = loaded
         self.model, self.tokenizer, self.heads = loaded.model, loaded.tokenizer, loaded.heads
-        self.dtype = compute_dtype(self.model)   # the tree mask's dtype (4-bit weights are uint8)
+        self.dtype = compute_dtype(self.model)   # the activations' dtype (4-bit weights are uint8)
         self.device = self.model.get_output_embeddings().weight.device
         self.weights = loaded.weights   # what a greedy divergence is explained by
         self.context = max_context(self.model)
@@ -244,7 +244,7 @@ class ChatEngine:
         with self._trees_lock:
             if spec not in self._trees:
                 self._trees[spec] = build_tree_buffers(
-                    resolve_tree(spec), self.num_heads, dtype=self.dtype, device=self.device)
+                    resolve_tree(spec), self.num_heads, device=self.device)
             return self._trees[spec]
 
     def medusa_label(self, tree_name: str | None) -> str:

@@ -20,7 +20,6 @@ from .benchmarks.runs import (ModuleTimer, Run, bench_prompts, format_table, pea
                               write_json)
 from .decoding.config import DEFAULTS, GREEDY_BELOW, MODES, DecodeConfig, SettingError, limits
 from .decoding.generate import new_cache
-from .decoding.step import compute_dtype
 from .decoding.tree import TreeBuffers, TreeError, build_tree_buffers, named_tree, resolve_tree, tree_name
 from .errors import LoadError, OneLineParser, check_writable
 from .loading.chat_format import render_chat
@@ -123,8 +122,7 @@ def prepare(args) -> Setup:
             raise ValueError(f"trees {names[name]} and {spec} would both be named {name!r} in the table: "
                              "rename one of the files")
     device = loaded.model.get_output_embeddings().weight.device
-    mask_dtype = compute_dtype(loaded.model)
-    trees = {tree_name(spec): build_tree_buffers(resolve_tree(spec), loaded.heads.config.num_heads, dtype=mask_dtype,
+    trees = {tree_name(spec): build_tree_buffers(resolve_tree(spec), loaded.heads.config.num_heads,
                                                  device=device) for spec in tree_names}
     return Setup(loaded, config, trees, device)
 

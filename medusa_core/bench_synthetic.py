@@ -135,7 +135,7 @@ def measure(args, model, heads, label: str, routing: str, device: torch.device) 
     shape = SHAPES[args.shape]
     table = rank_table(args.accuracies, decay=args.rank_decay)
     sizes = sorted({1, *args.tree_sizes})
-    trees = {n: build_tree_buffers(tree_of_size(table, n), len(args.accuracies), TOP_K, DTYPE, device) for n in sizes}
+    trees = {n: build_tree_buffers(tree_of_size(table, n), len(args.accuracies), TOP_K, device) for n in sizes}
     on_cuda = device.type == "cuda"
 
     # the loop reserves room for its whole reply, so every tree gets the same bucket

@@ -300,7 +300,7 @@ def test_bf16_exact_mode_decodes_plain_decodings_tokens_where_this_gpu_keeps_the
         pytest.skip(f"not row-invariant on this GPU: {checks} ({described})")
     assert weights_format(model) == "NF4-exact"
     heads = copied_heads(model, num_heads=3).cuda().to(torch.bfloat16)
-    tree = build_tree_buffers(resolve_tree("cartesian-2x2x2"), 3, dtype=torch.bfloat16, device="cuda")
+    tree = build_tree_buffers(resolve_tree("cartesian-2x2x2"), 3, device="cuda")
     config = DecodeConfig(max_new_tokens=48)
     for prompt in ([1, 5, 7, 9, 3], [2, 4, 6], [11, 13, 17, 19, 23, 29]):
         plain = [t for s in generate(model, prompt, config=config, graphs=True) for t in s.tokens]

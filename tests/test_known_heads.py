@@ -229,7 +229,7 @@ def offline(hub, tmp_path, monkeypatch) -> list[int]:
 def greedy(loaded, tree: str) -> list[int]:
     buffers = None
     if tree != "baseline":
-        buffers = build_tree_buffers(resolve_tree(tree), loaded.heads.config.num_heads, dtype=torch.float32)
+        buffers = build_tree_buffers(resolve_tree(tree), loaded.heads.config.num_heads)
     steps = generate(loaded.model, PROMPT, heads=loaded.heads if buffers else None, tree=buffers,
                      config=DecodeConfig(max_new_tokens=NEW_TOKENS))
     return [t for step in steps for t in step.tokens]

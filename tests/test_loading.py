@@ -47,7 +47,7 @@ def decode(model, heads, tree: str, n: int = 24) -> list[int]:
     buffers = None
     if tree != "baseline":
         paths = resolve_tree(tree)
-        buffers = build_tree_buffers(paths, heads.config.num_heads, dtype=torch.float32)
+        buffers = build_tree_buffers(paths, heads.config.num_heads)
     prompt = [1, 40, 41, 42, 43, 44]
     return [t for s in generate(model, prompt, heads=heads, tree=buffers, config=DecodeConfig(max_new_tokens=n)) for t in s.tokens]
 

@@ -20,12 +20,13 @@ def tokens_of(steps):
 def test_step_mask_sees_the_prefix_and_its_ancestors_only():
     tree = build_tree_buffers(resolve_tree("mc_sim_7b_63"), 5)
     T, position, capacity = tree.size, 37, 256
-    mask = tree_step_mask(tree.attn_mask == 0, torch.tensor([position]), torch.arange(capacity), torch.float32)[0, 0]
+    mask = tree_step_mask(tree.allowed, torch.tensor([position]), torch.arange(capacity), torch.float32)[0, 0]
     assert mask.shape == (T, capacity)
     seen = mask == 0
+    assert mask[~seen].eq(torch.finfo(torch.float32).min).all()   # additive: transformers 5 reads a bool mask wrong
     assert seen[:, :position].all()                       # every committed slot
     assert not seen[:, position + T:].any()               # nothing past the tree
-    assert torch.equal(seen[:, position:position + T], tree.attn_mask == 0)   # the tree's own ancestor mask
+    assert torch.equal(seen[:, position:position + T], tree.allowed)   # the tree's own ancestor mask
     for node in range(1, T):                              # by hand: a node sees exactly its ancestors and itself
         path = set(tree.paths[node - 1][:d] for d in range(len(tree.paths[node - 1]) + 1))
         ancestors = {0} | {tree.paths.index(p) + 1 for p in path if p}

@@ -16,12 +16,12 @@ def ancestors_and_self(paths, node_path):
 def test_mask_rows_allow_exactly_ancestors_and_self(spec):
     tb = build_tree_buffers(resolve_tree(spec), num_heads=5)
     node_paths = [()] + tb.paths                           # node id -> path (root = ())
-    allowed = tb.attn_mask == 0                            # (T, T)
+    allowed = tb.allowed                                   # (T, T) bool
+    assert allowed.dtype == torch.bool
     for i, p in enumerate(node_paths):
         expect = {j for j, q in enumerate(node_paths) if q in ancestors_and_self(tb.paths, p)}
         assert set(torch.nonzero(allowed[i]).flatten().tolist()) == expect
     assert tb.depths.tolist() == [len(p) for p in node_paths]
-    assert tb.attn_mask[~allowed].eq(torch.finfo(tb.attn_mask.dtype).min).all()
 
 
 def test_leaf_paths_and_candidates_follow_the_paths():

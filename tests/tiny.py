@@ -64,7 +64,7 @@ def tree_decoding(device: str = "cpu", dtype: torch.dtype = torch.float32, max_n
 
     model = tiny_model("llama", hidden=64, vocab=64, seed=3).to(device, dtype)
     heads = copied_heads(model, num_heads=3).to(device, dtype)
-    tree = build_tree_buffers(resolve_tree("cartesian-2x2x2"), 3, dtype=dtype, device=device)
+    tree = build_tree_buffers(resolve_tree("cartesian-2x2x2"), 3, device=device)
 
     def decode() -> list[int]:
         return [t for s in generate(model, [1, 5, 7, 9, 3], heads=heads, tree=tree,

@@ -33,7 +33,6 @@ from ..loading.chat_format import render_chat
 from ..errors import LoadError, OneLineParser, check_writable
 from ..decoding.config import DecodeConfig
 from ..decoding.generate import new_cache, stop_set
-from ..decoding.step import compute_dtype
 from ..loading.assets import CPU_DEFAULT_PROMPTS
 from ..loading.load import load
 from ..loading.spec import LoadSpec
@@ -162,7 +161,7 @@ def run(config: LlamaCppBenchConfig) -> tuple[list[Row], dict]:
             raise LoadError("the CPU default loaded without its Medusa heads: restore the repository's "
                             "assets/smollm2/heads (git checkout assets/smollm2)")
         tree = build_tree_buffers(resolve_tree(loaded.default_tree), loaded.heads.config.num_heads,
-                                  dtype=compute_dtype(loaded.model), device=torch.device("cpu"))
+                                  device=torch.device("cpu"))
     except (LoadError, TreeError, ValueError) as err:
         raise SystemExit(f"error: {err}") from None
 

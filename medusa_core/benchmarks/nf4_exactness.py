@@ -74,14 +74,14 @@ def random_setup(device: torch.device, shape_name: str, prompts: int, length: in
     or not by rounding alone: acceptance does not matter to the count)."""
     from ..heads.accuracy import PUBLISHED_ACCURACIES, rank_table
     from ..decoding.tree import TOP_K, tree_of_size
-    from .synthetic import DTYPE, SHAPES, build_heads, build_model, quantize_backbone_
+    from .synthetic import SHAPES, build_heads, build_model, quantize_backbone_
 
     shape = SHAPES[shape_name]
     model = build_model(shape, device, seed)
     quantize_backbone_(model)
     heads = build_heads(shape, len(PUBLISHED_ACCURACIES), device, seed + 1)
     tree = build_tree_buffers(tree_of_size(rank_table(PUBLISHED_ACCURACIES), 16), len(PUBLISHED_ACCURACIES), TOP_K,
-                              DTYPE, device)
+                              device)
     gen = torch.Generator().manual_seed(seed)
     ids = [torch.randint(3, shape.vocab, (length,), generator=gen).tolist() for _ in range(prompts)]
     return model, heads, tree, ids
@@ -90,7 +90,6 @@ def random_setup(device: torch.device, shape_name: str, prompts: int, length: in
 def smollm2_setup(device: str, prompts: int):
     """SmolLM2-135M-Instruct in NF4 with its shipped heads (their projections NF4 too) and its tree,
     on the held-out chat prompts."""
-    from ..decoding.step import compute_dtype
     from ..loading.assets import CPU_DEFAULT_HEADS, CPU_DEFAULT_PROMPTS, CPU_DEFAULT_TREE, cpu_default_backbone
     from ..loading.chat_format import render_chat
     from ..loading.load import load
@@ -103,7 +102,7 @@ def smollm2_setup(device: str, prompts: int):
                            heads_quant="nf4", nf4_kernel="bnb", tree=str(CPU_DEFAULT_TREE)))
     model = loaded.model
     tree = build_tree_buffers(resolve_tree(str(CPU_DEFAULT_TREE)), loaded.heads.config.num_heads,
-                              dtype=compute_dtype(model), device=model.get_output_embeddings().weight.device)
+                              device=model.get_output_embeddings().weight.device)
     texts = read_prompts(CPU_DEFAULT_PROMPTS)[:prompts]
     return model, loaded.heads, tree, [render_chat(loaded.tokenizer, text) for text in texts]
 

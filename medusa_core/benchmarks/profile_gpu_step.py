@@ -36,7 +36,7 @@ from ..quant.attention_routing import ATTENTION_CHOICES, ROTARY_CHOICES
 from ..quant.bnb import NF4_KERNELS, use_nf4_kernel
 from ..quant.norm_routing import NORM_KERNELS, use_norm_kernel
 from .step_timing import prefilled_cache
-from .synthetic import (DTYPE, SHAPES, build_heads, build_model, choice_label, cpu_run_notes, kernel_flags_error,
+from .synthetic import (SHAPES, build_heads, build_model, choice_label, cpu_run_notes, kernel_flags_error,
                         quantize_backbone_, route_attention, route_rotary)
 
 PREFIX = "medusa:"
@@ -161,7 +161,7 @@ def profile_step(model, heads, size: int, context: int, steps: int, seed: int) -
     """One tree size: ms per step by category, over ``steps`` eager steps after the same prefix."""
     device = model.get_output_embeddings().weight.device
     table = rank_table(PUBLISHED_ACCURACIES)
-    tree = build_tree_buffers(tree_of_size(table, size), len(PUBLISHED_ACCURACIES), TOP_K, DTYPE, device)
+    tree = build_tree_buffers(tree_of_size(table, size), len(PUBLISHED_ACCURACIES), TOP_K, device)
     cache, _ = prefilled_cache(model, context, context + size + 2, seed)
     step = step_for(model, heads if tree.num_heads else None, tree, DecodeConfig(), cache, graphs=False)
     step.tokens.copy_(torch.randint(3, model.config.vocab_size, step.tokens.shape, device=device))

@@ -102,7 +102,7 @@ def time_stock_forward(model, tree: TreeBuffers, context: int, capacity: int, it
           position_ids=torch.arange(context, device=device)[None], use_cache=True, **{keyword: cache})
     tokens = torch.randint(3, model.config.vocab_size, (1, tree.size), device=device)
     position = torch.full((1,), context, device=device)
-    mask = tree_step_mask(tree.attn_mask == 0, position, torch.arange(capacity, device=device), DTYPE)
+    mask = tree_step_mask(tree.allowed, position, torch.arange(capacity, device=device), DTYPE)
     positions = (tree.depths + context)[None]
 
     def forward():

@@ -22,7 +22,7 @@ from torch import nn
 from ..heads.medusa_heads import MedusaHeads
 from .config import DecodeConfig
 from .kv_cache import WRITER_NAME, WRITERS, ContextOverflowError, KVCache
-from .step import DecodeStep, compute_dtype
+from .step import DecodeStep
 from .step_store import step_for
 from .tree import TreeBuffers, build_tree_buffers
 
@@ -177,9 +177,9 @@ def generate(
 
 
 def plain_tree(model: nn.Module) -> TreeBuffers:
-    """The one-node tree: plain decoding, on the model's device and in its compute dtype."""
+    """The one-node tree: plain decoding, on the model's device."""
     device = model.get_output_embeddings().weight.device
-    return build_tree_buffers([], num_heads=0, dtype=compute_dtype(model), device=device)
+    return build_tree_buffers([], num_heads=0, device=device)
 
 
 def plain_tail(model: nn.Module, step: DecodeStep, config: DecodeConfig, cache: KVCache,

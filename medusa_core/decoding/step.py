@@ -60,15 +60,19 @@ class AcceptRule:
     captured per rule); temperature, top-p, epsilon and delta are device values instead."""
 
     mode: str            # greedy | sample | typical
-    argmax: bool         # targets are the argmax (greedy, or typical acceptance)
     top_k: int
     nucleus: bool        # top-p < 1 applies
+
+    @property
+    def argmax(self) -> bool:
+        """Targets are the argmax: greedy, or typical acceptance (which samples nothing)."""
+        return self.mode != "sample"
 
     @staticmethod
     def of(config: DecodeConfig) -> "AcceptRule":
         mode = "greedy" if config.greedy else config.mode
         sampling = mode == "sample"
-        return AcceptRule(mode, mode != "sample", config.top_k if sampling else 0, sampling and config.top_p < 1.0)
+        return AcceptRule(mode, config.top_k if sampling else 0, sampling and config.top_p < 1.0)
 
 
 class DecodeStep:
@@ -86,9 +90,7 @@ class DecodeStep:
         device = self.lm_head.weight.device
         self.dtype = compute_dtype(model)
         self.rows_alone = uses_exact_rows(model)    # row-exact attention (CPU int4, NF4 exact mode), prefill too
-        self.depth = tree.leaf_paths.shape[1] - 1                          # D
-        self.allowed = tree.attn_mask == 0                                  # (T, T) bool
-        self.slots = torch.arange(self.depth + 1, device=device)           # (D+1,)
+        self.slots = torch.arange(tree.num_heads + 1, device=device)       # (D+1,)
         self.tokens = torch.zeros(tree.size, dtype=torch.long, device=device)     # (T,) next step's tree
         self.uniforms = torch.zeros(tree.size, dtype=torch.float32, device=device)  # (T,) sampling draws
         self.params = torch.tensor(DEFAULTS.sampling_params(), device=device)   # temperature, top-p, epsilon, delta
@@ -162,7 +164,7 @@ class DecodeStep:
         with cache.narrowed(width):
             hidden = self.decoder(
                 input_ids=self.tokens[None],
-                attention_mask=tree_step_mask(self.allowed, pos, cache.slot_ids[:cache.width], self.dtype),
+                attention_mask=tree_step_mask(tree.allowed, pos, cache.slot_ids[:cache.width], self.dtype),
                 position_ids=(tree.depths + pos)[None],
                 **{self.cache_keyword: cache},
                 use_cache=True,
@@ -180,7 +182,7 @@ class DecodeStep:
         last = path.gather(0, length - 1)                                                # (1,) last accepted node
         bonus = targets.index_select(0, last)                                            # (1,) next root
         path_tokens = self.tokens.index_select(0, path)                                  # (D+1,)
-        if self.depth:
+        if tree.num_heads:    # a tree deeper than its root
             # Node i was written at pos + i: move the path's entries to pos + [0, D], all layers at once.
             kv = cache.storage                                    # (L, 2, 1, kv_heads, capacity, head_dim)
             kv.index_copy_(4, self.slots + pos, kv.index_select(4, path + pos))

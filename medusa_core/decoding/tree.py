@@ -207,7 +207,7 @@ class TreeBuffers:
     """
 
     paths: Paths                 # sorted, root excluded
-    attn_mask: torch.Tensor      # (T, T) additive: 0 where a node sees an ancestor or itself, dtype-min elsewhere
+    allowed: torch.Tensor        # (T, T) bool: a node sees its ancestors and itself (the step makes the additive mask)
     depths: torch.Tensor         # (T,) long: 0 for the root; rotary position = prefix length + depth
     candidate_index: torch.Tensor  # (T,) long: index into [root, head0 top-k, head1 top-k, ...]
     leaf_paths: torch.Tensor     # (P, D + 1) long: node ids from the root to each leaf, padded with -1
@@ -249,7 +249,7 @@ def validate_paths(paths: Paths, num_heads: int, top_k: int) -> None:
 
 
 def build_tree_buffers(
-    paths: Paths, num_heads: int, top_k: int = TOP_K, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    paths: Paths, num_heads: int, top_k: int = TOP_K, device: torch.device | str = "cpu"
 ) -> TreeBuffers:
     """Pure function from paths to the tensors of one verification step."""
     paths = sorted((tuple(p) for p in paths), key=lambda p: (len(p), p))
@@ -260,8 +260,7 @@ def build_tree_buffers(
     used_top_k = max((max(p) + 1 for p in paths), default=1)
 
     allowed = torch.zeros(T, T, dtype=torch.bool)  # (T, T): row attends to column
-    allowed[:, 0] = True
-    allowed[0, 0] = True
+    allowed[:, 0] = True                           # every node sees the root
     parents = [0] * T
     cand = [0] * T
     for p, i in index.items():
@@ -271,9 +270,6 @@ def build_tree_buffers(
         parents[i] = index[p[:-1]] if len(p) > 1 else 0
         # head (len(p) - 1) proposes this node with its rank-p[-1] guess
         cand[i] = 1 + (len(p) - 1) * used_top_k + p[-1]
-
-    mask = torch.zeros(T, T, dtype=dtype)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
     is_parent = set(parents[1:])
     leaves = [i for i in range(T) if i not in is_parent]  # (with no paths, the root is the only leaf)
@@ -287,7 +283,7 @@ def build_tree_buffers(
 
     return TreeBuffers(
         paths=paths,
-        attn_mask=mask.to(device),
+        allowed=allowed.to(device),
         depths=torch.tensor([0] + [len(p) for p in paths], dtype=torch.long, device=device),
         candidate_index=torch.tensor(cand, dtype=torch.long, device=device),
         leaf_paths=leaf_paths.to(device),

@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 
-from ..decoding.step import compute_dtype
 from ..errors import LoadError
 from ..decoding.tree import build_tree_buffers, expected_tokens_per_step, grow_tree
 from ..quant.kernel_timing import with_work_beside
@@ -339,8 +338,7 @@ def tune(model, heads, tokenizer, acc: Sequence[Sequence[float]], accuracy_sourc
     depth = min(heads.config.num_heads, len(acc))
     grown = {n: grow_tree(acc[:depth], n - 1) for n in sizes}
     grown = {n: paths for n, paths in grown.items() if len(paths) == n - 1}   # sizes the accuracies can fill
-    trees = {n: build_tree_buffers(paths, depth if n > 1 else 0, top_k=len(acc[0]), device=device,
-                                   dtype=compute_dtype(model))
+    trees = {n: build_tree_buffers(paths, depth if n > 1 else 0, top_k=len(acc[0]), device=device)
              for n, paths in grown.items()}
     prompt_ids = render_chat(tokenizer, PROMPT)
     lengths = {n: expected_tokens_per_step(paths, acc) for n, paths in grown.items()}
