@@ -49,6 +49,20 @@ def test_typical_matches_the_formula_on_hand_made_distributions():
     assert length.item() == 1
 
 
+def test_typical_keeps_the_likelier_of_two_accepted_siblings():
+    # root -> [0], [1]; [0] -> [0, 0]. Both root children pass the threshold, [0, 0] does not, so the
+    # paths through node 1 and node 2 both accept one child. The leaf row through node 2 comes first.
+    tb = build_tree_buffers([(0,), (1,), (0, 0)], num_heads=2)    # nodes: 0 root, 1 [0], 2 [1], 3 [0,0]
+    assert tb.leaf_paths[0].tolist()[:2] == [0, 2]
+    tokens = torch.tensor([0, 1, 2, 3])
+    for likelier, other in ((1, 2), (2, 1)):
+        logits = torch.full((4, 8), -10.0)
+        logits[0, likelier], logits[0, other] = 5.0, 4.0             # p 0.73 and 0.27: both above 0.09
+        logits[1:, 5] = 10.0                                          # no node predicts token 3
+        best, length = accept_typical(tokens, logits, tb.leaf_paths, temperature=1.0, epsilon=0.09, delta=0.3)
+        assert length.item() == 2 and tb.leaf_paths[best][0].tolist()[1] == likelier
+
+
 def test_typical_at_temperature_zero_is_greedy():
     torch.manual_seed(0)
     tb = build_tree_buffers([(0,), (1,), (0, 0), (1, 0)], num_heads=2)

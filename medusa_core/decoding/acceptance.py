@@ -52,10 +52,16 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return (cdf <= u).sum(-1).clamp(max=probs.shape[-1] - 1)  # first index whose CDF passes u
 
 
-def _walk(ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """ok (P, D): child d of path p accepted given its parent -> (best, length)."""
-    run = ok.long().cumprod(dim=1).sum(dim=1)   # (P,) accepted children before the first miss
-    best = run.argmax().view(1)                  # (1,) first longest path
+def _walk(ok: torch.Tensor, log_p: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """ok (P, D): child d of path p accepted given its parent -> (best, length). Among the longest
+    paths, the one whose accepted children are likeliest under ``log_p`` (P, D), else the first."""
+    kept = ok.long().cumprod(dim=1)              # (P, D) 1 up to the first miss
+    run = kept.sum(dim=1)                        # (P,) accepted children
+    if log_p is None:
+        best = run.argmax().view(1)              # (1,) first longest path
+    else:
+        likelihood = (log_p * kept).sum(dim=1)                                   # (P,) of the accepted part
+        best = torch.where(run == run.max(), likelihood, float("-inf")).argmax().view(1)
     # gather, not run[best]: indexing with a 0-dim tensor would read it back to the host
     return best, run.gather(0, best) + 1
 
@@ -91,11 +97,13 @@ def accept_typical(
     epsilon: Number = DEFAULTS.epsilon,
     delta: Number = DEFAULTS.delta,
 ):
-    """Typical acceptance: child x accepted when p_parent(x) > min(epsilon, delta * exp(-H(p_parent)))."""
+    """Typical acceptance: child x accepted when p_parent(x) > min(epsilon, delta * exp(-H(p_parent))).
+    Siblings can both pass, so paths tie in length; the likeliest wins (the paper's reference does
+    the same), not the first in node order, which is often a lower-ranked guess."""
     probs = typical_probs(logits, temperature)              # (T, V)
     threshold = typical_threshold(probs, epsilon, delta)     # (T,)
     nodes = leaf_paths.clamp(min=0)                          # (P, D+1)
     parent, child = nodes[:, :-1], tree_tokens[nodes[:, 1:]]  # (P, D) each
     p_child = probs[parent, child]                           # (P, D)
     ok = (p_child > threshold[parent]) & (leaf_paths[:, 1:] >= 0)
-    return _walk(ok)
+    return _walk(ok, p_child.clamp_min(1e-30).log())
