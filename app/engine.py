@@ -430,7 +430,10 @@ class ChatEngine:
                     break
                 yield Update(queued=ahead)
             caches = session.caches_for(self)
-            pane_caches = [caches.setdefault(name, new_cache(self.model)) for name in passes]
+            for name in passes:
+                if name not in caches:     # (setdefault would build a cache each request, to throw it away)
+                    caches[name] = new_cache(self.model)
+            pane_caches = [caches[name] for name in passes]
             # Both panes prefill the same tokens: a pane whose cache fell behind (compare was off for some
             # turns) would otherwise prefill the whole conversation and show a slower first token.
             held = max(cache.length for cache in pane_caches)
@@ -500,7 +503,8 @@ class ChatEngine:
 
     def _compare(self, runs: list[DecoderRun], events: list, settings: Settings) -> Comparison:
         base, medusa = runs
-        finished = all(r.meter.snapshot().finish_reason in ("eos", "length") for r in runs)
+        # both reached their natural end (the context's too: Medusa finishes it with the one-node step)
+        finished = all(r.meter.snapshot().finish_reason in ("eos", "length", "context") for r in runs)
         identical = divergence = None
         if settings.greedy and finished:
             identical = base.tokens == medusa.tokens

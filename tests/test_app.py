@@ -1175,6 +1175,21 @@ def test_a_sampled_comparison_of_one_text_is_not_called_unlike_work(engine):
     assert comparison.medusa.tree_depth == 2 and comparison.baseline.tree_depth == 0
 
 
+def test_a_greedy_comparison_cut_by_the_context_window_still_says_whether_the_texts_match(engine, monkeypatch):
+    """Both panes ending where the context window filled is a natural end, as the length limit is: the
+    verdict "identical" was left out there."""
+    from app.engine import BASELINE, COMPARISON, MEDUSA
+    from app.session import Session
+    from app.settings import Settings
+
+    prompt = engine.prompt_ids([{"role": "user", "content": "How do I sort a list?"}], None)
+    monkeypatch.setattr(engine.model.config, "max_position_embeddings", len(prompt) + 20)
+    updates = list(engine.answer(Session(), prompt, Settings(max_new_tokens=64, tree="small-16"), (BASELINE, MEDUSA)))
+    comparison = next(u.comparison for u in updates if u.pass_name == COMPARISON)
+    assert comparison.baseline.finish_reason == comparison.medusa.finish_reason == "context"
+    assert comparison.identical is True
+
+
 def test_comparison_runs_step_interleaved(engine, monkeypatch):
     """Issue #13.5: plain decoding and Medusa alternate step by step on one prompt (so
     background load hits both), greedy answers match, and the speedup comes with its spread."""
