@@ -75,15 +75,7 @@ def read_heads_file(path: Path) -> dict[str, torch.Tensor]:
             return load_file(str(path))
         except SafetensorError as err:
             raise HeadsLoadError(f"{path} is not a valid safetensors file ({err}): download it again") from err
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        raise HeadsLoadError(
-            f"{path} needs more than tensors to unpickle (it could run code) and was refused: "
-            "use a medusa_lm_head.safetensors file or re-save it as a plain state dict"
-        ) from err
-    except (RuntimeError, EOFError) as err:   # truncated zip or a non-torch file
-        raise HeadsLoadError(f"{path} is not a readable torch file ({type(err).__name__}): download it again") from err
+    state = read_torch_file(path, "use a medusa_lm_head.safetensors file or re-save it as a plain state dict")
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise HeadsLoadError(f"{path} holds a {type(state).__name__}, not a state dict of head tensors: re-save the heads' state_dict()")
     return dict(state)
@@ -122,18 +114,20 @@ def _medusa2_state(directory: Path) -> tuple[dict[str, torch.Tensor], str]:
     else:
         for shard in sorted(directory.glob("*.bin")):
             # mmap: only the medusa_head tensors are read into memory, not a 7B shard
-            for key, value in read_heads_file_mmap(shard).items():
+            for key, value in read_torch_file(shard, "use safetensors shards", mmap=True).items():
                 if key.startswith(MEDUSA2_PREFIX):
                     state[key[len(MEDUSA2_PREFIX):]] = value.clone()
     return state, str(directory)
 
 
-def read_heads_file_mmap(path: Path) -> dict[str, torch.Tensor]:
+def read_torch_file(path: Path, safer: str, mmap: bool = False):
+    """A torch pickle, loaded with weights_only=True; ``safer`` is the fix a refused pickle's message names."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
-        raise HeadsLoadError(f"{path} needs more than tensors to unpickle (it could run code) and was refused: use safetensors shards") from err
-    except (RuntimeError, EOFError) as err:
+        raise HeadsLoadError(f"{path} needs more than tensors to unpickle (it could run code) and was refused: "
+                             f"{safer}") from err
+    except (RuntimeError, EOFError) as err:   # truncated zip or a non-torch file
         raise HeadsLoadError(f"{path} is not a readable torch file ({type(err).__name__}): download it again") from err
 
 
