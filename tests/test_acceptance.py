@@ -86,7 +86,7 @@ def test_a_temperature_or_top_p_near_zero_gives_a_distribution_not_nan():
     for top_p in (1e-300, torch.tensor(1e-300, dtype=torch.float32)):     # 0 in float32, as the device holds it
         probs = sampling_probs(logits, 1.0, top_p=top_p, nucleus=True)
         assert torch.equal(probs, torch.eye(4)[[0, 1]]), "the most likely token alone stays"
-    sharp = sampling_probs(logits, 1e-4)
+    sharp = sampling_probs(logits, 1e-4, nucleus=False)
     assert not sharp.isnan().any() and torch.equal(sharp.argmax(-1), logits.argmax(-1))
 
 
@@ -118,10 +118,10 @@ def test_settings_that_are_not_finite_numbers_are_refused():
 def test_sampling_probs_top_k_and_top_p():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
     p = logits.softmax(-1)[0]
-    assert torch.allclose(sampling_probs(logits, 1.0)[0], p)
-    top2 = sampling_probs(logits, 1.0, top_k=2)[0]
+    assert torch.allclose(sampling_probs(logits, 1.0, nucleus=False)[0], p)
+    top2 = sampling_probs(logits, 1.0, top_k=2, nucleus=False)[0]
     assert torch.allclose(top2, torch.cat([p[:2] / p[:2].sum(), torch.zeros(2)]))
     # top-p keeps the smallest prefix whose mass reaches p: p[0] ~ 0.64 < 0.7 <= p[0] + p[1]
-    nucleus = sampling_probs(logits, 1.0, top_p=0.7)[0]
+    nucleus = sampling_probs(logits, 1.0, top_p=0.7, nucleus=True)[0]
     assert (nucleus > 0).tolist() == [True, True, False, False]
-    assert torch.allclose(sampling_probs(logits, 0.5)[0], (logits * 2).softmax(-1)[0])
+    assert torch.allclose(sampling_probs(logits, 0.5, nucleus=False)[0], (logits * 2).softmax(-1)[0])

@@ -22,21 +22,21 @@ from .config import DEFAULTS, GREEDY_BELOW
 Number = float | torch.Tensor   # a Python float, or a 0-dim device tensor a captured step reads
 
 
-def sampling_probs(logits: torch.Tensor, temperature: Number, top_p: Number = 1.0, top_k: int = 0,
-                   nucleus: bool | None = None) -> torch.Tensor:
+def sampling_probs(logits: torch.Tensor, temperature: Number, top_p: Number = 1.0, top_k: int = 0, *,
+                   nucleus: bool) -> torch.Tensor:
     """(T, V) logits -> (T, V) probabilities of the plain sampler (temperature, top-k, top-p).
-    ``nucleus`` says whether top-p applies (default: top_p < 1); a step that keeps top_p on the
-    device decides it once, so the check never reads the tensor back."""
+    ``nucleus`` says whether top-p applies: a step that keeps top_p on the device decides it once
+    (AcceptRule), so the check never reads the tensor back."""
     logits = logits.float() / temperature
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if nucleus if nucleus is not None else top_p < 1.0:
+    if nucleus:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
+        p = sorted_logits.softmax(-1)                                          # (T, V) in descending order
         # drop a token when the tokens before it already reach top_p; the first always stays (a top_p that
         # rounds to 0 in float32 on the device, 1e-300, dropped it too: every probability NaN)
-        drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p
+        drop_sorted = (p.cumsum(-1) - p) >= top_p
         drop_sorted[..., 0] = False
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
