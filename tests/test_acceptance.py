@@ -63,19 +63,6 @@ def test_typical_keeps_the_likelier_of_two_accepted_siblings():
         assert length.item() == 2 and tb.leaf_paths[best][0].tolist()[1] == likelier
 
 
-def test_typical_at_temperature_zero_is_greedy():
-    torch.manual_seed(0)
-    tb = build_tree_buffers([(0,), (1,), (0, 0), (1, 0)], num_heads=2)
-    for _ in range(50):
-        logits = torch.randn(tb.size, 6)
-        tokens = torch.randint(0, 6, (tb.size,))
-        greedy = accept_match(tokens, logits.argmax(-1), tb.leaf_paths)
-        typical = accept_typical(tokens, logits, tb.leaf_paths, temperature=0.0)
-        assert greedy[1] == typical[1]
-        n = greedy[1].item()
-        assert (tb.leaf_paths[greedy[0]][0, :n] == tb.leaf_paths[typical[0]][0, :n]).all()
-
-
 def test_a_temperature_or_top_p_near_zero_gives_a_distribution_not_nan():
     # QA: temperature 1e-40 and top_p 1e-300 gave NaN probabilities, and replies of special tokens
     from medusa_core.decoding.config import DecodeConfig

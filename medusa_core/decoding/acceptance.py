@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import DEFAULTS, GREEDY_BELOW
+from .config import DEFAULTS
 
 Number = float | torch.Tensor   # a Python float, or a 0-dim device tensor a captured step reads
 
@@ -81,14 +81,6 @@ def typical_threshold(probs: torch.Tensor, epsilon: Number, delta: Number) -> to
     return torch.clamp(delta * torch.exp(-entropy), max=epsilon)
 
 
-def typical_probs(logits: torch.Tensor, temperature: Number) -> torch.Tensor:
-    """The backbone's distribution at ``temperature``; at 0 (a Python number) its limit, a one-hot
-    argmax (entropy 0, so the rule accepts exactly the greedy token)."""
-    if not isinstance(temperature, torch.Tensor) and temperature < GREEDY_BELOW:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    return (logits.float() / temperature).softmax(-1)
-
-
 def accept_typical(
     tree_tokens: torch.Tensor,
     logits: torch.Tensor,
@@ -97,10 +89,11 @@ def accept_typical(
     epsilon: Number = DEFAULTS.epsilon,
     delta: Number = DEFAULTS.delta,
 ):
-    """Typical acceptance: child x accepted when p_parent(x) > min(epsilon, delta * exp(-H(p_parent))).
+    """Typical acceptance: child x accepted when p_parent(x) > min(epsilon, delta * exp(-H(p_parent))),
+    p at ``temperature`` (> 0: a temperature near 0 makes the whole configuration greedy, DecodeConfig).
     Siblings can both pass, so paths tie in length; the likeliest wins (the paper's reference does
     the same), not the first in node order, which is often a lower-ranked guess."""
-    probs = typical_probs(logits, temperature)              # (T, V)
+    probs = (logits.float() / temperature).softmax(-1)      # (T, V)
     threshold = typical_threshold(probs, epsilon, delta)     # (T,)
     nodes = leaf_paths.clamp(min=0)                          # (P, D+1)
     parent, child = nodes[:, :-1], tree_tokens[nodes[:, 1:]]  # (P, D) each
