@@ -90,7 +90,6 @@ class DecodeStep:
         device = self.lm_head.weight.device
         self.dtype = compute_dtype(model)
         self.rows_alone = uses_exact_rows(model)    # row-exact attention (CPU int4, NF4 exact mode), prefill too
-        self.slots = torch.arange(tree.num_heads + 1, device=device)       # (D+1,)
         self.tokens = torch.zeros(tree.size, dtype=torch.long, device=device)     # (T,) next step's tree
         self.uniforms = torch.zeros(tree.size, dtype=torch.float32, device=device)  # (T,) sampling draws
         self.params = torch.tensor(DEFAULTS.sampling_params(), device=device)   # temperature, top-p, epsilon, delta
@@ -185,7 +184,7 @@ class DecodeStep:
         if tree.num_heads:    # a tree deeper than its root
             # Node i was written at pos + i: move the path's entries to pos + [0, D], all layers at once.
             kv = cache.storage                                    # (L, 2, 1, kv_heads, capacity, head_dim)
-            kv.index_copy_(4, self.slots + pos, kv.index_select(4, path + pos))
+            kv.index_copy_(4, cache.slots(tree.num_heads + 1), kv.index_select(4, path + pos))
         self.tokens.copy_(self.propose(bonus, hidden.index_select(0, last)[0]))
         pos.add_(length)
         return torch.cat([length, path_tokens, bonus])
