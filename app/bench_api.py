@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             rows["api"].append(through_api(http, url, model, prompt, config.max_new_tokens))
         same = sum(e[3] == api[3] for e, api in zip(rows["engine"], rows["api"]))
         print(f"{len(prompts)} prompts, {config.max_new_tokens} new tokens max, greedy, tree "
-              f"{Path(engine.default_tree).name}; same text through both: {same}/{len(prompts)}")
+              f"{Path(engine.trees.default).name}; same text through both: {same}/{len(prompts)}")
         print(f"{'path':<28}{'tokens/s':>10}{'ratio':>8}{'first token / chunk, median ms':>34}")
         speed = {k: sum(r[0] for r in v) / sum(r[1] for r in v) for k, v in rows.items()}
         for name, label in (("engine", "page's engine, direct"), ("api", "/v1/chat/completions")):

@@ -373,7 +373,7 @@ class ChatController:
         passes = (BASELINE, MEDUSA) if compare else (MEDUSA,)
         cut, stats, base, comparison, error = turn.note, None, None, "", None
         medusa = engine.medusa_label(settings.tree) == LABELS[MEDUSA]
-        tree = engine.shown_name(settings.tree or engine.default_tree)
+        tree = engine.trees.shown_name(settings.tree or engine.trees.default)
         label = (f"plain decoding and {'Medusa' if medusa else 'plain decoding again'}, step-interleaved" if compare
                  else f"{'Medusa' if medusa else 'plain decoding'}, tree {tree}")
         partial = ""

@@ -15,7 +15,6 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import torch
 
@@ -23,14 +22,14 @@ from medusa_core.decoding.config import DecodeConfig, SettingError
 from medusa_core.decoding.generate import generate, max_context, new_cache, prefill_piece
 from medusa_core.decoding.step import compute_dtype
 from medusa_core.decoding.step_store import needs_capture
-from medusa_core.decoding.tree import (PRESETS, TOP_K, Paths, TreeBuffers, TreeError, UnknownTreeError,
-                                      build_tree_buffers, resolve_tree, tree_name, validate_paths)
+from medusa_core.decoding.tree import TreeBuffers
 
 from .detok import Detokenizer
 from .render import plain_text
 from .readout import Comparison, Meter, Stats, explain_divergence, interleaved_ratios
 from .session import RequestQueue, Session
-from .settings import Settings, tree_choice
+from .settings import Settings
+from .trees import TreeCatalogue
 
 BASELINE, MEDUSA, COMPARISON = "baseline", "medusa", "comparison"
 LABELS = {BASELINE: "Plain decoding", MEDUSA: "Medusa"}
@@ -43,13 +42,6 @@ PREPARING = "preparing tree (first use)…"
 # the Medusa pane's label where the tuner found that no tree pays on this machine (tree_tuning.py)
 NO_SPEEDUP = "Plain decoding: Medusa gives no speedup {cause}"   # cause: TunedTree.no_speedup_cause
 STOP_HINT = " (Stop works meanwhile)"     # for the page; an API client has no Stop (openai_api leaves it out)
-TYPED_TREES = 8        # typed-in trees kept beside the listed ones (each holds its masks and buffers)
-
-
-def tree_label(name: str, nodes: int) -> str:
-    """How the tree picker lists a tree: its name and node count."""
-    return f"{name} ({nodes} node{'s' if nodes > 1 else ''})"
-
 
 @dataclass(frozen=True)
 class Update:
@@ -94,7 +86,7 @@ class DecoderRun:
                  tree_name: str, tree: TreeBuffers, cache, should_stop) -> None:
         label = engine.medusa_label(tree_name) if name == MEDUSA else LABELS[name]
         if name == BASELINE or tree.num_heads == 0:
-            tree_name, tree, heads = "baseline", engine.tree("baseline"), None
+            tree_name, tree, heads = "baseline", engine.trees.buffers("baseline"), None
         else:
             heads = engine.heads
         self.engine, self.name, self.tree, self.config, self.cache = engine, name, tree, config, cache
@@ -160,8 +152,6 @@ class ChatEngine:
         # measured at load: every tree is slower than plain decoding here, which runs instead
         self.no_speedup = loaded.tuned is not None and not loaded.tuned.pays
         self.no_speedup_cause = loaded.tuned.no_speedup_cause if self.no_speedup else ""
-        self._trees: dict[str, TreeBuffers] = {}
-        self._trees_lock = threading.Lock()
         # Every forward pass runs on this one thread, whichever thread asked (a Gradio worker, an API
         # request). torch's OpenMP keeps a thread pool per calling thread, and with pools alive in
         # several threads libgomp throttles them all: an answer decoded from a second thread ran far
@@ -169,10 +159,7 @@ class ChatEngine:
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self._closed: str | None = None   # why the engine went (close): a request still on it ends, saying so
         self.queue = RequestQueue()
-        self._specs: dict[str, str] = {}          # shown name (tree.tree_name) -> tree spec
-        self._typed: list[str] = []               # trees typed in, not listed: the oldest go first
-        self.tree_choices = self._tree_choices(loaded.default_tree)  # the user's --tree (or the tuned one) first
-        self.default_tree = self.tree_choices[0][1]
+        self.trees = TreeCatalogue(self.num_heads, self.device, loaded.default_tree, loaded.tuned)
 
     def on_model_thread(self, fn: Callable, *args):
         """``fn(*args)`` on the engine's model thread (the caller waits): all torch work goes there.
@@ -205,106 +192,14 @@ class ChatEngine:
         return not waiter.is_alive()
 
     # ---- trees
-    def _tree_choices(self, preferred: str) -> list[tuple[str, str]]:
-        """(label with node count, name) for every tree the loaded heads can fill; ``preferred``, the load's
-        default, comes first. A named tree that does not fit raises TreeError at startup."""
-        spec = tree_choice(preferred)         # CHAIN-03 is chain-3
-        if self.num_heads or spec == "baseline":
-            self._specs.setdefault(tree_name(spec), spec)
-            self.tree(spec)
-        for spec in [*PRESETS, *(f"chain-{d}" for d in range(1, self.num_heads + 1))]:
-            try:
-                self.tree(spec)
-            except TreeError:
-                continue  # a preset deeper than the loaded heads: not offered
-            self._specs.setdefault(spec, spec)
-        self._specs.setdefault("baseline", "baseline")
-        return [(tree_label(name, self.tree(spec).size), name) for name, spec in self._specs.items()]
-
-    def typed_choice(self, tree_name: str | None) -> tuple[str, str] | None:
-        """(label with node count, name) of a tree typed in the picker that these heads can run and the list
-        lacks, as the listed ones are labelled (QA: a typed tree showed without its size); None otherwise."""
-        name = self.shown_name(tree_choice(tree_name)) if isinstance(tree_name, str) and tree_name.strip() else ""
-        if not name or name in {listed for _, listed in self.tree_choices}:
-            return None
-        paths = self.tree_paths(name)
-        return (tree_label(name, len(paths) + 1), name) if paths is not None else None
-
-    def shown_name(self, name: str) -> str:
-        """The listed name of tree ``name``: a tree file read at start is listed as tree_name gives it,
-        and also taken by its path or its file name; any other name is itself."""
-        if name in self._specs:
-            return name
-        with self._trees_lock:   # _offer adds and evicts typed trees from other threads
-            listed = list(self._specs.items())
-        return next((shown for shown, spec in listed if name in (spec, Path(spec).name)), name)
-
-    def tree(self, name: str) -> TreeBuffers:
-        spec = self._specs.get(self.shown_name(name), name)
-        with self._trees_lock:
-            if spec not in self._trees:
-                self._trees[spec] = build_tree_buffers(
-                    resolve_tree(spec), self.num_heads, device=self.device)
-            return self._trees[spec]
-
     def medusa_label(self, tree_name: str | None) -> str:
         """What the Medusa pane runs with ``tree_name`` ("" or None: the default tree), as its title
         and its readout name it: Medusa; plain decoding where the tree has no heads, and why where
         the tuner found that no tree pays on this machine."""
-        name = self.shown_name(tree_name or self.default_tree)
-        if name not in self._specs or self.tree(name).num_heads:
+        name = self.trees.shown_name(tree_name or self.trees.default)
+        if not self.trees.listed(name) or self.trees.buffers(name).num_heads:
             return LABELS[MEDUSA]
         return NO_SPEEDUP.format(cause=self.no_speedup_cause) if self.no_speedup else LABELS[BASELINE]
-
-    def tree_paths(self, name: str) -> Paths | None:
-        """The paths of tree ``name`` where this model can run it: a listed tree, or a preset form its heads
-        can fill (checked, not built); None otherwise (unknown, too deep or too wide for these heads, or a
-        tree file, which is read at start only). A tree kept from another start or another model may be any
-        of those."""
-        name = self.shown_name(tree_choice(name))
-        if name in self._specs:      # built when it was listed: a tree file is not read again
-            return self.tree(name).paths
-        if name.endswith(".json"):
-            return None
-        try:
-            paths = resolve_tree(name)
-            validate_paths(paths, self.num_heads, TOP_K)
-        except TreeError:
-            return None
-        return paths
-
-    def outlook(self, tree_name: str | None) -> str | None:
-        """A few words on what a tree other than the default is expected to give on this machine, from the
-        tuner's step times and the heads' accuracies; None where the tuner did not measure this machine (a
-        tree set by --tree, heads without accuracies) or the tree is not one it can value. Said before the
-        answer: a typed 364-node tree ran at 0.1 tokens/s on the CPU, the tuned 2-node one at 1.2x."""
-        tuned = self.loaded.tuned
-        name = self.shown_name(tree_choice(tree_name or "") or self.default_tree)   # CHAIN-03 is chain-3
-        if tuned is None or name == self.default_tree:
-            return None
-        paths = self.tree_paths(name)       # None: sending it says what is wrong with it
-        estimate = tuned.speedup_of(paths) if paths else None
-        if estimate is None:
-            return None
-        speedup, bound = estimate
-        slower = round(speedup, 2) < 1 if not bound else speedup <= 1    # as shown: 0.998 is "1.00x"
-        nodes = len(paths) + 1       # said here too: a typed tree is not in the picker, whose labels count nodes
-        if not bound:
-            # an average over the tuner's prompts: one prompt may differ far (chain-3, 0.85x here, ran a code
-            # prompt at 1.58x), so the title says it is typical, not a promise for this prompt
-            # timed beside other programs, the figure may be far off an answer's measured speedup (QA: 0.81x above
-            # a measured 1.34x): said, so the two can be told apart
-            busy = f", from timings taken while {tuned.busy_with} used the CPU" if tuned.contended else ""
-            return f"{name} ({nodes} nodes) expected {speedup:.2f}x on this machine for a typical prompt" + \
-                (", slower than plain decoding" if slower else "") + busy
-        # past the largest tree timed, only a bound is known: it costs at least what that tree did (a 64-node
-        # tree "at most 1.00x" read as breaking even; it ran at 0.6-0.9x). Said as "under": an 82-node tree "at
-        # most 1.69x" read as better than the tuned 16-node tree's 1.57x, where it is far slower)
-        largest = max(map(int, tuned.step_ms))
-        return (f"{name} ({nodes} nodes) expected slower than plain decoding on this machine (under {speedup:.2f}x "
-                f"even at the {largest}-node tree's cost)" if slower
-                else f"{name} ({nodes} nodes) expected under {speedup:.2f}x on this machine ({speedup:.2f}x if it cost "
-                     f"no more than the {largest}-node tree timed)")
 
     def check(self, settings: Settings) -> tuple[DecodeConfig, str, TreeBuffers]:
         """The decode config, tree name and tree of ``settings``; ValueError in one line."""
@@ -312,47 +207,10 @@ class ChatEngine:
         if config.max_new_tokens > self.context:
             raise SettingError("max_new_tokens", f"{config.max_new_tokens} is more than the model's context "
                                f"({self.context} tokens): use at most {self.context}")
-        name = self.shown_name(settings.tree or self.default_tree)
-        if name not in self._specs:
-            self._offer(name)
-        return config, name, self.tree(name)
-
-    def _offer(self, name: str) -> None:
-        """A tree typed in the page or asked for by the API, not in the list: any preset form the
-        command line takes (chain-N, cartesian-AxB...) that the loaded heads can fill. Files only
-        through --tree: a page or API request does not make the app read files of its choosing.
-        The last TYPED_TREES typed trees are kept, so that no stream of spellings grows memory."""
-        if name.endswith(".json"):
-            raise ValueError(f"tree {name!r}: tree files are read at start only: run launch.py --tree {name}, "
-                             "or type a preset (chain-N, cartesian-AxB...) or pick one from the list")
-        if name.lstrip().startswith("["):     # a tree's paths typed in (QA: told only that the name was unknown)
-            raise ValueError("a tree's paths are read from a JSON file at start only: save them in a file and run "
-                             "launch.py --tree FILE.json, or type a preset (chain-N, cartesian-AxB...) or pick one "
-                             "from the list")
-        try:
-            # checked here first: a name that is no tree is refused at once, not after the model thread's current
-            # work (QA: an API request's typo waited 21 s behind a page's long prompt)
-            validate_paths(resolve_tree(name), self.num_heads, TOP_K)
-            self.on_model_thread(self.tree, name)   # builds it (torch work: on the model thread)
-        except TreeError as err:
-            if not self.num_heads:
-                raise ValueError(f"tree {name!r}: this model has no Medusa heads: use baseline") from None
-            if isinstance(err, UnknownTreeError):   # the tree module's line offers files, which are not taken here
-                names = ", ".join(choice for _, choice in self.tree_choices)
-                raise ValueError(f"unknown tree {name!r}: use one of {names}, chain-N with N from 1 to "
-                                 f"{self.num_heads}, or cartesian-AxB... with at most {self.num_heads} widths "
-                                 "(this model has that many heads)") from None
-            line = str(err)           # a line that names a path, not the tree: say which tree
-            raise ValueError(line if line.startswith(f"tree {name!r}") else f"tree {name!r}: {line}") from None
-        with self._trees_lock:
-            if name in self._typed:       # two requests typed it at once (review: kept twice, evicted once)
-                return
-            self._specs.setdefault(name, name)
-            self._typed.append(name)
-            while len(self._typed) > TYPED_TREES:
-                old = self._typed.pop(0)
-                self._specs.pop(old, None)
-                self._trees.pop(old, None)
+        name = self.trees.shown_name(settings.tree or self.trees.default)
+        if not self.trees.listed(name):
+            self.trees.offer(name, self.on_model_thread)
+        return config, name, self.trees.buffers(name)
 
     # ---- prompts
     def prompt_ids(self, messages: list[dict], system: str | None) -> list[int]:
@@ -366,7 +224,7 @@ class ChatEngine:
         """The prompt for ``message`` after the conversation, leaving room for the answer. When it
         does not fit the context, the oldest exchanges are cut (the system prompt stays); the
         cut is kept in ``session.first_turn`` and announced in the returned one-line notice."""
-        tree = self.tree(settings.tree or self.default_tree)
+        tree = self.trees.buffers(settings.tree or self.trees.default)
         # at most a quarter of the context is held for the answer, so that a long max new tokens does not
         # push the conversation out of the prompt; an answer longer than the room left ends at the context
         answer = min(int(settings.max_new_tokens), self.context // 4)

@@ -37,16 +37,16 @@ def decoding_values(settings: Settings) -> tuple[dict, ...]:
 def medusa_pane(engine, tree_name: str | None = None) -> dict:
     """The Medusa pane's title: what its next answer runs with the tree control's value ``tree_name``
     (None or "": the model's default tree), as ``ChatEngine.medusa_label`` names it, with what another
-    tree than the default is expected to give here (``ChatEngine.outlook``). The readout under each
+    tree than the default is expected to give here (``TreeCatalogue.outlook``). The readout under each
     answer names what decoded that answer."""
     if engine is None:
         return gr.update(label=LABELS[MEDUSA])
     typed = (tree_name or "").strip()
-    if typed and engine.tree_paths(typed) is None:   # said as it is typed: it was said only after a Send
+    if typed and engine.trees.paths(typed) is None:   # said as it is typed: it was said only after a Send
         return gr.update(label=f"{LABELS[MEDUSA] if engine.num_heads else LABELS[BASELINE]} · tree {typed!r} cannot "
                                "run here (Send says why)")
-    outlook = engine.outlook(tree_name)
-    if outlook is None and (typed_choice := engine.typed_choice(typed)) is not None:
+    outlook = engine.trees.outlook(tree_name)
+    if outlook is None and (typed_choice := engine.trees.typed_choice(typed)) is not None:
         outlook = typed_choice[0]   # no estimate (a tree set by --tree, heads without accuracies): still its size
     return gr.update(label=engine.medusa_label(tree_name) + (f" · {outlook}" if outlook else ""))
 
@@ -59,16 +59,16 @@ def tree_picker(engine, tree_name: str | None, earlier: Sequence[str] = ()) -> d
     by its name as the list spells it (CHAIN-03 is chain-3, a listed tree, shown with its label). ``earlier``:
     trees typed before in this tab, listed after the model's own where these heads run them (QA: a typed
     tree left the list once a listed one was picked, and had to be typed again)."""
-    typed = engine.typed_choice(tree_name)
-    kept = [choice for name in earlier if (choice := engine.typed_choice(name)) is not None and choice != typed]
-    choices = [*engine.tree_choices, *kept, *([typed] if typed is not None else [])]
+    typed = engine.trees.typed_choice(tree_name)
+    kept = [choice for name in earlier if (choice := engine.trees.typed_choice(name)) is not None and choice != typed]
+    choices = [*engine.trees.choices, *kept, *([typed] if typed is not None else [])]
     if typed is not None:
         return gr.update(choices=choices, value=typed[1])
     if isinstance(tree_name, str) and not tree_name.strip():
         # an emptied box sends the default tree: it shows it (QA: spaces typed stayed there as the choice)
-        return gr.update(choices=choices, value=engine.default_tree)
-    listed = engine.shown_name(tree_choice(tree_name)) if isinstance(tree_name, str) else ""
-    if listed != tree_name and listed in {name for _, name in engine.tree_choices}:
+        return gr.update(choices=choices, value=engine.trees.default)
+    listed = engine.trees.shown_name(tree_choice(tree_name)) if isinstance(tree_name, str) else ""
+    if listed != tree_name and listed in {name for _, name in engine.trees.choices}:
         return gr.update(choices=choices, value=listed)
     return gr.update(choices=choices)
 
@@ -85,7 +85,7 @@ def on_tree_typed(engine, session, tree_name: str | None) -> dict:
 def note_typed(engine, session, tree_name) -> None:
     """``session.typed_trees`` with ``tree_name`` last where it is a typed tree these heads run; the same list
     however often it is called for one tree (the picker's handler and the browser's copy both call it)."""
-    typed = engine.typed_choice(tree_name) if isinstance(tree_name, str) else None
+    typed = engine.trees.typed_choice(tree_name) if isinstance(tree_name, str) else None
     if typed is not None and session.typed_trees[-1:] != [typed[1]]:   # the latest MAX_TYPED_TREES, this one last
         session.typed_trees = [*(name for name in session.typed_trees if name != typed[1]), typed[1]][-MAX_TYPED_TREES:]
 
@@ -121,7 +121,7 @@ def settings_copy(engine, *values, typed: Sequence[str] = ()) -> dict:
     # typed past 2**64 could not even be stored, and its traceback took the copy's other values with it
     settings = {name: value for name, value in ((name, as_the_slider_runs(name, value, engine))
                                                 for name, value in zip(KEPT, values)) if valid(name, value)}
-    if engine is not None and settings.get("tree") == engine.default_tree:
+    if engine is not None and settings.get("tree") == engine.trees.default:
         settings["tree"] = None
     return {"model": engine.loaded.source if engine is not None else None, "settings": settings,
             **({"typed_trees": list(typed)} if typed else {})}
@@ -152,7 +152,8 @@ def kept_values(kept, engine) -> dict:
         return {}
     values = {}
     for name, value in kept["settings"].items():
-        if name not in KEPT or (name == "tree" and not (isinstance(value, str) and engine.tree_paths(value) is not None)):
+        runs_here = isinstance(value, str) and engine.trees.paths(value) is not None
+        if name not in KEPT or (name == "tree" and not runs_here):
             continue                # the default tree (None) is what sync puts in the box
         if valid(name, value) and (name != "max_new_tokens" or Settings.parse(max_new_tokens=value).max_new_tokens
                                    <= engine.context):
@@ -250,7 +251,7 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
             typed = session.typed_trees if session is not None else ()
             # the model list shows the model that arrived where it is one of its entries (QA: blank beside it)
             updates.update(known=slot.known_label(),
-                           tree=tree_picker(engine, None, typed) | {"value": engine.default_tree},
+                           tree=tree_picker(engine, None, typed) | {"value": engine.trees.default},
                            max_new_tokens=gr.update(maximum=engine.context, value=min(current, engine.context)),
                            pane=medusa_pane(engine))
             defaults = default_settings(engine.loaded)
@@ -339,8 +340,8 @@ def wire_model_panel(page: Page, slot: ModelSlot, base_spec: LoadSpec, start: Se
         # model), and the one it runs without a tree
         return {"phase": state.phase, "status": state.line, "details": state.details,
                 "model": engine.loaded.source if engine is not None else None, "error": state.error,
-                "trees": [name for _, name in engine.tree_choices] if engine is not None else [],
-                "default_tree": engine.default_tree if engine is not None else None}
+                "trees": [name for _, name in engine.trees.choices] if engine is not None else [],
+                "default_tree": engine.trees.default if engine is not None else None}
 
     gr.api(model_status, api_name="model_status", concurrency_limit=None)
     max_new, outputs = page.controls["max_new_tokens"], model_outputs(page)

@@ -391,7 +391,8 @@ def prompt_for(engine: ChatEngine, request: ChatRequest) -> tuple[list[int], Cha
     except ValueError as err:   # a role or part the chat cannot take
         raise ApiError(400, str(err), param="messages") from None
     # plain decoding verifies one node a step, whatever the Medusa tree is
-    tree_size = 1 if request.passes == (BASELINE,) else engine.tree(request.settings.tree or engine.default_tree).size
+    trees = engine.trees
+    tree_size = 1 if request.passes == (BASELINE,) else trees.buffers(request.settings.tree or trees.default).size
     room = engine.context - len(ids) - tree_size
     if room < 1:        # no max_tokens can help
         raise ApiError(400, f"the messages take {len(ids):,} tokens, more than the model's {engine.context:,}-token "

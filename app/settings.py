@@ -37,7 +37,7 @@ def text(name: str, value) -> str:
 PAGE_SEED_MAX = 2**53 - 1
 
 
-_LABEL = re.compile(r"(.+?)\s*\([0-9]+ nodes?\)", re.ASCII | re.IGNORECASE)     # app/engine.tree_label's form
+_LABEL = re.compile(r"(.+?)\s*\([0-9]+ nodes?\)", re.ASCII | re.IGNORECASE)     # app/trees.tree_label's form
 
 
 def tree_choice(text: str) -> str:

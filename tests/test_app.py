@@ -704,23 +704,23 @@ def test_typed_trees_are_kept_only_a_few_at_a_time(engine):
     """Typed trees beyond the list are built once and kept, but only the last few: a stream of typed trees
     cannot grow memory. Spellings of one tree are that tree, under one name (cartesian-02x2 was shown,
     built and kept as a tree of its own)."""
-    from app.engine import TYPED_TREES
+    from app.trees import TYPED_TREES
     from app.settings import Settings
 
-    listed = len(engine._trees)
+    listed = len(engine.trees._built)
     typed = [(a, b) for a in range(1, 4) for b in range(1, 5)]
     assert len(typed) > TYPED_TREES
     for a, b in typed:
         assert engine.check(Settings(tree=f"cartesian-{a}x{b}"))[2].size == 1 + a + a * b
-    assert len(engine._trees) <= listed + TYPED_TREES
+    assert len(engine.trees._built) <= listed + TYPED_TREES
     assert engine.check(Settings(tree="cartesian-1x1"))[2].size == 3      # the evicted first one comes back
     for spelling in (" CARTESIAN-02x2 ", "cartesian-2x002"):
         assert engine.check(Settings.parse(tree=spelling))[1] == "cartesian-2x2"
     # two requests typing one new tree at once (the page and the API) both offer it: it is kept once, so that
     # evicting it leaves no second entry holding a slot (review)
     for _ in range(2):
-        engine._offer("cartesian-2x1x1")
-    assert engine._typed.count("cartesian-2x1x1") == 1
+        engine.trees.offer("cartesian-2x1x1", engine.on_model_thread)
+    assert engine.trees._typed.count("cartesian-2x1x1") == 1
 
 
 def test_trees_named_at_start_are_listed_once_under_their_spelling(engine):
@@ -731,8 +731,8 @@ def test_trees_named_at_start_are_listed_once_under_their_spelling(engine):
 
     named = ChatEngine(replace(engine.loaded, default_tree="CHAIN-03"))
     try:
-        names = [name for _, name in named.tree_choices]
-        assert named.default_tree == "chain-3" and names.count("chain-3") == 1, names
+        names = [name for _, name in named.trees.choices]
+        assert named.trees.default == "chain-3" and names.count("chain-3") == 1, names
         assert "CHAIN-03" not in names
     finally:
         named.close()
@@ -787,7 +787,7 @@ def test_a_kept_tree_comes_back_only_where_this_start_runs_it(engine):
         values = dict(zip(KEPT, ("greedy", 0.7, 1.0, 0.09, 0.3, 48, tree, -1, False)))
         return kept_values({"model": engine.loaded.source, "settings": values}, engine).get("tree", "default")
 
-    default = settings_copy(engine, "greedy", 0.7, 1.0, 0.09, 0.3, 48, engine.default_tree, -1, False)
+    default = settings_copy(engine, "greedy", 0.7, 1.0, 0.09, 0.3, 48, engine.trees.default, -1, False)
     assert default["settings"]["tree"] is None and kept_tree(None) == "default"
     assert kept_tree("chain-2") == "chain-2" and kept_tree("cartesian-2x2") == "cartesian-2x2"
     for gone in ("tuned", "/tmp/my_tree.json", "chain-9", "cartesian-11", ""):
@@ -795,11 +795,11 @@ def test_a_kept_tree_comes_back_only_where_this_start_runs_it(engine):
 
 
 def test_the_page_says_a_tree_cannot_run_exactly_where_send_refuses_it(engine):
-    """ChatEngine.tree_paths (the pane's title, the kept settings) and ChatEngine.check (Send) agree on every
+    """TreeCatalogue.paths (the pane's title, the kept settings) and ChatEngine.check (Send) agree on every
     kind of name: listed, typed presets, too deep, too wide, unknown, a file, respelled."""
     from app.settings import Settings
 
-    names = [name for _, name in engine.tree_choices] + [
+    names = [name for _, name in engine.trees.choices] + [
         "chain-2", "CHAIN-03", "cartesian-2x2", "cartesian-10", "cartesian-11", "cartesian-3x3x3x3x3x3", "chain-9",
         "chain-0", "banana", "", " ", "/tmp/nosuch.json", "tuned", "mc_sim_7b_63", "cartesian-0x2"]
     for name in names:
@@ -808,7 +808,7 @@ def test_the_page_says_a_tree_cannot_run_exactly_where_send_refuses_it(engine):
             runs = True
         except ValueError:
             runs = False
-        assert (engine.tree_paths(name) is not None) == runs or not name.strip(), name
+        assert (engine.trees.paths(name) is not None) == runs or not name.strip(), name
 
 
 def test_the_api_leaves_room_for_the_tree_only_where_medusa_runs(engine):
@@ -844,7 +844,7 @@ def test_the_apis_default_reply_length_is_cut_to_what_fits(engine):
     unnamed = ChatRequest(messages, Settings(max_new_tokens=engine.context, tree="small-16"), (MEDUSA,), (), False,
                           False, length_given=False)
     ids, fitted = prompt_for(engine, unnamed)
-    assert fitted.settings.max_new_tokens == engine.context - len(ids) - engine.tree("small-16").size
+    assert fitted.settings.max_new_tokens == engine.context - len(ids) - engine.trees.buffers("small-16").size
     with pytest.raises(ApiError, match="give max_tokens"):
         prompt_for(engine, replace(unnamed, length_given=True))
 
@@ -1112,7 +1112,7 @@ def test_full_context_cuts_oldest_turns_and_keeps_answering(engine):
     with pytest.raises(ValueError, match="shorten the message") as refused:
         engine.fit_prompt(session, "word " * 2000, system, settings)
     # the room it keeps is the user's max new tokens plus the tree's rows, and it says so
-    size = engine.tree("small-8").size
+    size = engine.trees.buffers("small-8").size
     assert f"{160 + size} are kept for the answer (160 new tokens and {size} for the tree's verification)" in \
         str(refused.value)
     # a short message under a long system prompt: the fix is the system prompt (it said "shorten the message")
@@ -1127,7 +1127,7 @@ def test_a_message_that_fits_with_a_lower_max_new_tokens_is_told_the_value(engin
     from app.session import Session
     from app.settings import Settings
 
-    size = engine.tree("small-8").size
+    size = engine.trees.buffers("small-8").size
     words = 0
     while True:     # a message that leaves room for some answer, but not 200 tokens (the tiny model: 1,024)
         words += 10
@@ -1926,7 +1926,7 @@ def test_a_message_sent_while_another_model_loads_waits_for_it(model_dirs):
             asked.join(120)
             assert slot.engine is not first and slot.state().phase == "ready"
             assert updates[-1][6]["medusa"]["tokens"] > 0
-            assert updates[-1][6]["medusa"]["tree"] == slot.engine.default_tree != "baseline"
+            assert updates[-1][6]["medusa"]["tree"] == slot.engine.trees.default != "baseline"
             # the tab's caches are the new model's (another model's would be dropped, leaving none)
             assert session.caches_for(slot.engine), "it was not answered by the new model"
 
@@ -1982,13 +1982,13 @@ def test_a_tab_that_still_shows_the_old_model_runs_the_new_ones_default_tree(mod
     shown_before = (before.version, before.engine_version)
     slot.start(LoadSpec(model=str(backbone), heads=str(heads), device="cpu"))   # switched from another tab
     now = slot.wait(120)
-    assert now.phase == "ready" and now.engine.default_tree != "baseline"
+    assert now.phase == "ready" and now.engine.trees.default != "baseline"
     chat, session = ChatController(slot), Session()
     controls = dict(mode="greedy", max_new_tokens=8, tree="baseline")
     *_, raw, _ = list(chat.run(session, "hello", "", False, controls, shown_before))[-1]
-    assert raw["medusa"]["tree"] == now.engine.default_tree, raw
+    assert raw["medusa"]["tree"] == now.engine.trees.default, raw
     *_, raw, _ = list(chat.regenerate(session, "", False, controls, shown_before))[-1]
-    assert raw["medusa"]["tree"] == now.engine.default_tree, raw
+    assert raw["medusa"]["tree"] == now.engine.trees.default, raw
     # the tree this tab picked for the model it shows runs (and a script, which shows none, gets what it names)
     for shown in ((now.version, now.engine_version), None):
         *_, raw, _ = list(chat.run(session, "hello", "", False, controls, shown))[-1]
@@ -2464,13 +2464,13 @@ def test_a_tree_typed_as_the_picker_labels_it_is_that_tree_and_an_emptied_box_sh
     typed = on_tree_typed(engine, tab, " Cartesian-3x3 (13 nodes) ")
     assert typed["value"] == "cartesian-3x3" and ("cartesian-3x3 (13 nodes)", "cartesian-3x3") in typed["choices"]
     assert engine.check(Settings.parse(tree="cartesian-3x1 (7 nodes)"))[1:] == (
-        "cartesian-3x1", engine.tree("cartesian-3x1"))
+        "cartesian-3x1", engine.trees.buffers("cartesian-3x1"))
     assert engine.check(Settings.parse(tree="CHAIN-2 (3 NODES)"))[1] == "chain-2"       # as CHAIN-2 is (QA)
-    label, name = engine.tree_choices[-1]                                    # a listed tree, by its label
+    label, name = engine.trees.choices[-1]                                    # a listed tree, by its label
     assert engine.check(Settings.parse(tree=label))[1] == name and label != name
     for blank in ("   ", ""):
-        assert on_tree_typed(engine, tab, blank)["value"] == engine.default_tree
-    assert engine.check(Settings.parse(tree="   "))[1] == engine.default_tree
+        assert on_tree_typed(engine, tab, blank)["value"] == engine.trees.default
+    assert engine.check(Settings.parse(tree="   "))[1] == engine.trees.default
 
 
 def test_a_reloaded_tab_gets_its_typed_trees_back_from_the_browsers_copy(engine):
@@ -2480,7 +2480,7 @@ def test_a_reloaded_tab_gets_its_typed_trees_back_from_the_browsers_copy(engine)
     from app.session import Session
 
     tab = Session()
-    for name in ("cartesian-3x3", "cartesian-2x1", "cartesian-2x1", listed := engine.tree_choices[0][1]):
+    for name in ("cartesian-3x3", "cartesian-2x1", "cartesian-2x1", listed := engine.trees.choices[0][1]):
         note_typed(engine, tab, name)             # twice the same tree, and a listed one: no change
     values = dict(mode="greedy", temperature=0.7, top_p=1.0, epsilon=0.09, delta=0.3, max_new_tokens=48,
                   tree=listed, seed=-1, colour_heads=False)
@@ -2499,22 +2499,22 @@ def test_trees_typed_in_a_tab_stay_in_its_picker_after_a_listed_one_is_picked(en
     from app.session import Session
 
     tab, other = Session(), Session()
-    listed = [name for _, name in engine.tree_choices]
+    listed = [name for _, name in engine.trees.choices]
     on_tree_typed(engine, tab, "CARTESIAN-3x03")
     on_tree_typed(engine, tab, "cartesian-2x2")
     picked = on_tree_typed(engine, tab, listed[0])         # a listed tree, picked from the list
-    assert picked["choices"][:len(listed)] == engine.tree_choices
+    assert picked["choices"][:len(listed)] == engine.trees.choices
     assert picked["choices"][len(listed):] == [("cartesian-3x3 (13 nodes)", "cartesian-3x3"),
                                                ("cartesian-2x2 (7 nodes)", "cartesian-2x2")]
     again = on_tree_typed(engine, tab, "cartesian-3x3")    # picked again from the list: the latest, last
     assert again["value"] == "cartesian-3x3" and again["choices"][len(listed):] == [
         ("cartesian-2x2 (7 nodes)", "cartesian-2x2"), ("cartesian-3x3 (13 nodes)", "cartesian-3x3")]
-    assert on_tree_typed(engine, other, listed[0])["choices"] == engine.tree_choices
+    assert on_tree_typed(engine, other, listed[0])["choices"] == engine.trees.choices
     tab.typed_trees.append("chain-9")                     # deeper than these heads (a tree kept from another model)
     assert "chain-9" not in [name for _, name in on_tree_typed(engine, tab, listed[0])["choices"]]
     # a model that arrives (the sync timer) lists them too, and a kept tree with them (QA: missing after a switch)
     from app.model_panel import with_kept, tree_picker
-    arrived = tree_picker(engine, None, ["cartesian-3x3"]) | {"value": engine.default_tree}
+    arrived = tree_picker(engine, None, ["cartesian-3x3"]) | {"value": engine.trees.default}
     assert arrived["choices"][len(listed):] == [("cartesian-3x3 (13 nodes)", "cartesian-3x3")]
     kept = with_kept({"tree": arrived}, {"tree": "cartesian-2x2"}, engine, ["cartesian-3x3"])["tree"]
     assert kept["value"] == "cartesian-2x2" and [name for _, name in kept["choices"][len(listed):]] == [

@@ -627,7 +627,7 @@ def test_the_decoding_settings_survive_a_reload(page):
     set_max_new(page, 37)
     pick_tree(page, "cartesian-2x2")
     page.locator("#colour input[type=checkbox]").check()
-    # what it is expected to give here (ChatEngine.outlook), once the pick's round trip is back (on a busy CI
+    # what it is expected to give here (TreeCatalogue.outlook), once the pick's round trip is back (on a busy CI
     # machine the title was read before it)
     page.wait_for_function("() => document.querySelector('#chat [data-testid=block-label]')?.innerText"
                            ".includes('cartesian-2x2 (7 nodes) expected')", timeout=10_000)

@@ -201,7 +201,7 @@ from medusa_core.loading.load import load
 from medusa_core.loading.spec import LoadSpec
 engine = ChatEngine(load(LoadSpec(device="cpu")), max_new_tokens=32)
 out = {"capability": torch.backends.cpu.get_cpu_capability(), "description": engine.loaded.description,
-       "weights": engine.weights, "tree": engine.default_tree, "identical": []}
+       "weights": engine.weights, "tree": engine.trees.default, "identical": []}
 last = answer(engine, FRANCE)[-1]
 out["france"], out["margin"] = last.plain, greedy_margin(engine, FRANCE, list(last.tokens))
 for prompt in sys.argv[1:]:

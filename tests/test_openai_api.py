@@ -716,7 +716,7 @@ def test_a_request_naming_a_tree_to_build_never_holds_up_the_server(tiny_app):
     slot.start(spec)
     assert slot.wait(60).phase == "ready"
     engine, busy = slot.engine, threading.Event()
-    assert "cartesian-2x1" not in {name for _, name in engine.tree_choices}
+    assert "cartesian-2x1" not in {name for _, name in engine.trees.choices}
     hold = threading.Thread(target=engine.on_model_thread, args=(busy.wait, 60))   # a long step runs
     hold.start()
     # the request's tree build, handed to the model thread behind that step (test audit: a sleep stood for it, and

@@ -301,7 +301,7 @@ def test_tree_overrides_the_tuned_choice(checkpoint, measured):
     loaded = load(spec(checkpoint, tree="chain-2"))
     assert measured == [] and loaded.tuned is None
     assert loaded.default_tree == "chain-2" and "set by --tree" in loaded.tree_note
-    assert ChatEngine(loaded).default_tree == "chain-2"
+    assert ChatEngine(loaded).trees.default == "chain-2"
 
 
 def test_where_no_tree_pays_plain_decoding_runs_and_the_page_says_so(checkpoint, measured, monkeypatch):
@@ -314,8 +314,8 @@ def test_where_no_tree_pays_plain_decoding_runs_and_the_page_says_so(checkpoint,
     assert state.phase == "ready", state.line
     assert "Medusa gives no speedup on this device" in state.line and "plain decoding runs" in state.line
     engine = slot.engine
-    assert engine.default_tree == "baseline" and engine.no_speedup
-    assert any(name == "small-8" for _, name in engine.tree_choices), "other trees stay on offer"
+    assert engine.trees.default == "baseline" and engine.no_speedup
+    assert any(name == "small-8" for _, name in engine.trees.choices), "other trees stay on offer"
     prompt = engine.prompt_ids([{"role": "user", "content": "hello"}], None)
     last = list(engine.answer(Session(), prompt, Settings(max_new_tokens=8), (MEDUSA,)))[-1]
     device_bound = NO_SPEEDUP.format(cause="on this device")
@@ -358,7 +358,7 @@ def test_heads_that_are_rarely_right_are_named_as_the_cause_not_the_device(check
     assert "Medusa gives no speedup with these heads: they are rarely right" in state.line, state.line
     assert "on this device" not in state.line and "plain decoding runs" in state.line
     engine = slot.engine
-    assert engine.default_tree == "baseline"
+    assert engine.trees.default == "baseline"
     prompt = engine.prompt_ids([{"role": "user", "content": "hello"}], None)
     last = list(engine.answer(Session(), prompt, Settings(max_new_tokens=4), (MEDUSA,)))[-1]
     assert last.stats.label == NO_SPEEDUP.format(cause="with these heads")
@@ -380,7 +380,7 @@ def test_the_medusa_pane_keeps_its_title_where_a_tree_pays(checkpoint, measured,
         f"Medusa · cartesian-3x3x3 (40 nodes) expected under 2.35x on this machine (2.35x if it cost no more than the "
         f"{big}-node tree timed)")
     # timed beside other programs: the title says so (QA: "expected 0.81x" above a measured "Speedup: 1.34x")
-    engine.loaded = dataclasses.replace(engine.loaded, tuned=dataclasses.replace(engine.loaded.tuned, cpu_share=0.4))
+    engine.trees.tuned = dataclasses.replace(engine.trees.tuned, cpu_share=0.4)
     assert medusa_pane(engine, "chain-2")["label"] == ("Medusa · chain-2 (3 nodes) expected 1.84x on this machine for "
                                                        "a typical prompt, from timings taken while other programs used "
                                                        "the CPU")
@@ -400,7 +400,7 @@ def test_heads_without_accuracies_get_a_preset_and_say_how_to_tune(tmp_path, mea
 
     # no estimate without accuracies, but a typed tree's size, which the picker's labels give listed trees only
     engine = ChatEngine(loaded)
-    assert all(name != "cartesian-2x2" for _, name in engine.tree_choices)
+    assert all(name != "cartesian-2x2" for _, name in engine.trees.choices)
     assert medusa_pane(engine, "CARTESIAN-2x02")["label"] == "Medusa · cartesian-2x2 (7 nodes)"
     assert medusa_pane(engine, "chain-2")["label"] == "Medusa", "listed: its size is in the picker"
 
