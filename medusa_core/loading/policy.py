@@ -23,10 +23,11 @@ from .tree_tuning import Progress, TunedTree, tuned_tree
 
 CUDA_MODEL = "lmsys/vicuna-7b-v1.3"
 CUDA_HEADS = "FasterDecoding/medusa-vicuna-7b-v1.3"
-# The CUDA default's weights alone, by --heads-quant: Vicuna-7B in NF4 (3.8 GB a step reads, docs/performance.md)
-# and its 5 heads (1.48 GB in bf16; with --heads-quant nf4 their 32000 x 4096 projections take half a byte a
-# weight, 0.33 GB, beside 0.17 GB of bf16 blocks). A GPU with less memory in all cannot hold it, whatever else.
-CUDA_DEFAULT_WEIGHT_BYTES = {"none": 3.8e9 + 1.48e9, "nf4": 3.8e9 + 0.5e9}
+# The CUDA default's weights alone, by --heads-quant: Vicuna-7B in NF4 (3.91 GB measured on the GPU, embeddings
+# and lm_head in bf16 included: docs/perf/h200.json) and its 5 heads (1.48 GB in bf16, measured; with --heads-quant
+# nf4 their 32000 x 4096 projections take half a byte a weight and a byte per 64 for the scales, 0.34 GB, beside
+# 0.17 GB of bf16 blocks). A GPU with less memory in all cannot hold it, whatever else.
+CUDA_DEFAULT_WEIGHT_BYTES = {"none": 3.91e9 + 1.48e9, "nf4": 3.91e9 + 0.51e9}
 QUANTS = ("auto", "nf4", "int8", "int4", "none")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HEADS_QUANTS = ("none", "nf4")
