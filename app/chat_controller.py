@@ -564,7 +564,7 @@ def no_engine(state: SlotState) -> str:
     if state.phase == "loading":
         return "the model is still loading: ask again once it has loaded"
     if state.phase == "failed":
-        return state.line.lstrip("❌ ")
+        return state.line.removeprefix("❌ ")
     return "no model is loaded: pick one under Model and press Load"
 
 

@@ -105,6 +105,7 @@ def known_label(spec: LoadSpec, device_type: str) -> str | None:
 
 
 EMPTY_LINE = "No model loaded: pick one under Model and press Load"
+NONE_LOADED = "no model is loaded"      # said after a failed load's reason where no model was loaded before it
 
 
 @dataclass(frozen=True)
@@ -380,8 +381,9 @@ class ModelSlot:
     def _fail(self, message: str) -> None:
         keep = self.engine is not None
         self._log(f"error: {message}")
+        # what answers now, either way (QA: after an Unload, the error alone left Send grey with no reason)
         self._set("failed" if not keep else "ready",
-                  f"❌ {message}" + (f" · {self._kept}" if keep else ""), error=message)
+                  f"❌ {message} · {self._kept if keep else NONE_LOADED}", error=message)
 
     @staticmethod
     def _describe(spec: LoadSpec) -> str:

@@ -1381,6 +1381,10 @@ def test_model_slot_loads_in_background_and_keeps_old_model_on_failure(model_dir
     assert state.phase == "ready" and state.line.startswith("Ready") and "broken/model" not in state.line
     assert state.version > version, "the page would not show the change"
     assert "unloaded" in slot.unload() and slot.engine is None and slot.state().phase == "empty"
+    # with no model before it, the failure says so too: Send is grey, and the reason alone did not say why (QA)
+    slot.start(LoadSpec(model="broken/model", device="cpu"))
+    state = slot.wait(60)
+    assert state.phase == "failed" and state.line == "❌ broken/model is not a hub repo: check the id · no model is loaded"
 
 
 def test_a_load_that_fails_unforeseen_ends_and_keeps_the_old_model(model_dirs):
