@@ -4,7 +4,9 @@ greedy without a word; a cleared box, or text the browser cannot read as a numbe
 minimum), and that happens before a Send click reads it, so the server never sees the typed value
 to refuse it. SCRIPT, run once per page load, watches the sliders' number boxes (before Gradio's own
 handler) and shows a one-line note naming the value, the range and what was used
-(assets/style.css styles it); a fraction typed where a whole number goes is named at once too."""
+(assets/style.css styles it); a fraction typed where a whole number goes is named at once too.
+A decimal comma typed in those boxes becomes a point: the browser dropped it ("0,7" became 7, set
+to the maximum 2, under a note naming a 7 nobody typed)."""
 
 NOTE_ID = "range-note"
 SHOWN_S = 8
@@ -27,12 +29,18 @@ SCRIPT = f"""() => {{
     clearTimeout(note.timer);
     note.timer = setTimeout(() => note.remove(), {SHOWN_S * 1000});
   }};
+  const sliderBox = (box) => box instanceof HTMLInputElement && box.type === "number"
+    && (box.getAttribute("aria-label") || "").startsWith("{SLIDER_BOX}");
+  document.addEventListener("keydown", (event) => {{
+    // typed as a point where the browser takes it (where it does not, the comma goes through as before)
+    if (event.key === "," && sliderBox(event.target) && document.execCommand("insertText", false, "."))
+      event.preventDefault();
+  }}, true);
   // capture: this runs before the box's own blur handler clamps the value
   document.addEventListener("blur", (event) => {{
     const box = event.target;
-    const label = box instanceof HTMLInputElement ? box.getAttribute("aria-label") || "" : "";
-    if (box.type !== "number" || !label.startsWith("{SLIDER_BOX}") || box.min === "" || box.max === "") return;
-    const name = label.slice({len(SLIDER_BOX)});
+    if (!sliderBox(box) || box.min === "" || box.max === "") return;
+    const name = box.getAttribute("aria-label").slice({len(SLIDER_BOX)});
     const [low, high] = [Number(box.min), Number(box.max)];
     const range = `use a value from ${{low}} to ${{high}}`;
     if (box.value === "") {{      // cleared, or unreadable ("0,7"): Gradio takes it as 0
@@ -43,7 +51,8 @@ SCRIPT = f"""() => {{
     if (value >= low && value <= high) {{
       // a whole-number slider (max new tokens) keeps a typed fraction, which Send then refuses: say so now
       if (Number(box.step) === 1 && Number.isInteger(low) && !Number.isInteger(value))
-        show(`${{name}} ${{box.value}} is not a whole number: use one from ${{low}} to ${{high}}`);
+        show(`${{name}} ${{box.value}} is not a whole number: use one from ${{low}} to ${{high}}, ` +
+             `e.g. ${{Math.floor(value)}} or ${{Math.ceil(value)}}`);
       return;
     }}
     show(`${{name}} ${{box.value}} is out of range: ${{range}} (set to ${{Math.min(Math.max(value, low), high)}})`);

@@ -227,12 +227,20 @@ def test_a_number_typed_out_of_a_sliders_range_says_so(page):
     assert note.inner_text() == "Temperature is empty or not a number: use a value from 0 to 2 (set to 0)"
     note.click()
     note.wait_for(state="detached", timeout=10_000)
+    # a decimal comma is a point: the browser dropped it, so "0,7" was 7, set to 2 under a note naming 7 (QA)
+    box.click()
+    box.press_sequentially("0,7")
+    page.locator("#message textarea").click()
+    page.wait_for_timeout(500)
+    assert box.input_value() == "0.7" and page.locator(f"#{NOTE_ID}").count() == 0
     # a fraction where a whole number goes is kept by the box and refused by Send: said at once
     max_new = page.locator("#max-new input[type=number]")
     max_new.fill("3.7")
     page.locator("#message textarea").click()
     note.wait_for(timeout=10_000)
-    assert note.inner_text().startswith("Max new tokens 3.7 is not a whole number: use one from 1 to "), note.inner_text()
+    said = note.inner_text()
+    assert said.startswith("Max new tokens 3.7 is not a whole number: use one from 1 to ") and said.endswith(
+        ", e.g. 3 or 4"), said
     note.click()
     note.wait_for(state="detached", timeout=10_000)
     set_max_new(page, 7)                                  # a value in range says nothing
