@@ -719,6 +719,13 @@ def test_default_spec_and_tree_table():
     # over a 4-bit backbone on CUDA every verified row costs: the 64-node tree's best 16 nodes
     assert choose_tree("FasterDecoding/medusa-vicuna-7b-v1.3", heads5, "cuda", False, "nf4") == "mc_sim_7b_16"
     assert choose_tree("x/y", heads5, "cuda", False, "nf4") == "mc_sim_7b_16"
+    # fewer heads over NF4: still a small tree (3 heads were given a 103-node one, bigger than any tree timed)
+    for n, nf4, bf16 in ((3, "mc_sim_7b_16", "cartesian-6x4x3"), (2, "cartesian-4x2", "cartesian-6x4"),
+                         (1, "cartesian-4", "cartesian-6")):
+        heads = MedusaHeads(HeadsConfig(n, 1, 8, 16))
+        got = (choose_tree("x/y", heads, "cuda", False, "nf4"), choose_tree("x/y", heads, "cuda", False))
+        assert got == (nf4, bf16), got
+        assert len(resolve_tree(nf4)) + 1 <= 16 and build_tree_buffers(resolve_tree(nf4), n).num_heads <= n
     assert choose_tree("FasterDecoding/medusa-vicuna-7b-v1.3", heads5, "cpu", False, "nf4") == "mc_sim_7b_63"
     assert choose_tree("x/y", MedusaHeads(HeadsConfig(3, 1, 8, 16)), "cpu", False) == "chain-3"
     assert choose_tree(None, None, "cpu", False) == "baseline"

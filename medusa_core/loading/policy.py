@@ -170,10 +170,11 @@ def choose_tree(heads_source: str | None, heads: MedusaHeads | None, device: str
     n = heads.config.num_heads
     if device.startswith("cuda"):
         # a bf16 GPU verifies 64 nodes for little more than the price of one, while NF4 pays for every
-        # row (docs/performance.md); the mc_sim trees need depth 4
-        if n >= 4:
-            return "mc_sim_7b_16" if quant == "nf4" else "mc_sim_7b_63"
-        return "cartesian-" + "x".join(["6", "4", "3"][:n])
+        # row (docs/performance.md): 16 nodes at most there (3 heads had 103). mc_sim_7b_16 needs depth 3,
+        # mc_sim_7b_63 depth 4
+        if quant == "nf4":
+            return "mc_sim_7b_16" if n >= 3 else "cartesian-" + "x".join(["4", "2"][:n])
+        return "mc_sim_7b_63" if n >= 4 else "cartesian-" + "x".join(["6", "4", "3"][:n])
     # on CPU every node costs: small trees (small-16 has depth 5, small-8 depth 4)
     return "small-16" if n >= 5 else "small-8" if n == 4 else f"chain-{n}"
 
