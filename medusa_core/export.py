@@ -11,7 +11,9 @@
   with ``blocks.{h}.layers.{l}.weight/bias`` and ``lm_heads.{h}.weight`` (or one shared
   ``lm_head.weight`` with ``original_lm_head`` for heads that reuse the backbone's lm_head),
   and a ``model_type: medusa`` config with ``num_heads``, ``num_hidden_layers``,
-  ``hidden_size``, ``vocab_size``, ``truncated_vocab_size`` and ``medusa_fc_bias``.
+  ``hidden_size``, ``vocab_size``, ``truncated_vocab_size`` and ``medusa_fc_bias``. Heads with a
+  proposal vocabulary (``proposal_vocab.json``) keep it as vLLM's ``token_map``; TGI has none, and
+  the export says so.
 
 SRC is any layout ``load`` reads (hub id or directory). See docs/serving.md.
 """
@@ -27,8 +29,8 @@ import torch
 
 from .errors import LoadError, OneLineParser, check_folder, run_command
 from .heads.medusa_heads import HeadsConfig
-from .heads.files import (HEADS_FILE, HeadsFiles, check_declared, heads_config_from_keys, read_heads_dir,
-                          save_safetensors)
+from .heads.files import (HEADS_FILE, PROPOSAL_FILE, HeadsFiles, check_declared, heads_config_from_keys,
+                          read_heads_dir, save_safetensors)
 
 FORMATS = ("tgi", "vllm", "both")
 WRITES = {"tgi": (HEADS_FILE, "config.json"), "vllm": ("model.safetensors", "config.json")}   # each format's files
@@ -60,8 +62,16 @@ def read_source(source: str) -> tuple[HeadsFiles, HeadsConfig]:
     return files, found
 
 
+@dataclass(frozen=True)
+class Exported:
+    folders: list[Path]             # one per format written
+    notes: list[str]                # what a serving engine will do differently from this app
+
+
 def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    return {k: (v if dtype is None else v.to(dtype)).detach().contiguous().cpu() for k, v in state.items()}
+    """Weights cast to ``dtype`` (None: as stored); token ids (vLLM's token_map) stay integers."""
+    return {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous().cpu()
+            for k, v in state.items()}
 
 
 def write_tgi(files: HeadsFiles, found: HeadsConfig, out: Path, dtype: torch.dtype | None = None) -> Path:
@@ -113,6 +123,11 @@ def write_vllm(files: HeadsFiles, found: HeadsConfig, out: Path, dtype: torch.dt
     lm_head, vocab = (None, found.vocab_size) if found.own_projection else \
         _backbone_lm_head(model or files.base_model, files.source, found.hidden_size)
     state = vllm_state(files.state, found, lm_head)
+    guessed = vocab
+    if files.proposal_ids is not None:
+        # vLLM reads the tokens the heads guess among as token_map (and slices the projections to them itself)
+        state["token_map"] = torch.tensor(files.proposal_ids, dtype=torch.long)
+        guessed = len(files.proposal_ids)
     out.mkdir(parents=True, exist_ok=True)
     save_safetensors(_cast(state, dtype), out / "model.safetensors", metadata={"format": "pt"})
     first = next(iter(state.values()))
@@ -121,7 +136,7 @@ def write_vllm(files: HeadsFiles, found: HeadsConfig, out: Path, dtype: torch.dt
         "architectures": ["MedusaModel"],
         "hidden_size": found.hidden_size,
         "vocab_size": vocab,
-        "truncated_vocab_size": vocab,      # no token_map: the full vocabulary
+        "truncated_vocab_size": guessed,    # below vocab_size: vLLM reads the token_map
         "num_heads": found.num_heads,
         "num_hidden_layers": found.num_layers,
         "medusa_fc_bias": True,             # Medusa residual blocks have biases; vLLM drops them without this
@@ -135,13 +150,14 @@ def write_vllm(files: HeadsFiles, found: HeadsConfig, out: Path, dtype: torch.dt
     return out
 
 
-def export(spec: ExportSpec) -> list[Path]:
+def export(spec: ExportSpec) -> Exported:
     if spec.format not in FORMATS:
         raise LoadError(f"format {spec.format!r} is unknown: use one of {', '.join(FORMATS)}")
     if spec.dtype not in DTYPES:
         raise LoadError(f"dtype {spec.dtype!r} is unknown: use one of {', '.join(DTYPES)}")
     check_folder(spec.out)      # before the heads are read: a hub download can take minutes
     files, found = read_source(spec.heads)
+    files = replace(files, base_model=spec.model or files.base_model)    # --model, where given, is the backbone
     folders = {kind: spec.out / kind if spec.format == "both" else spec.out for kind in ("tgi", "vllm")
                if spec.format in (kind, "both")}
     source = Path(files.source)
@@ -159,11 +175,19 @@ def export(spec: ExportSpec) -> list[Path]:
         # TGI's loader for heads without a projection (MedusaHeadV2) asserts one block: said here, not in TGI's log
         raise LoadError(f"{files.source}: TGI runs heads without their own projection only with one residual block "
                         f"each, and these have {found.num_layers}: export them with --format vllm")
+    if "tgi" in folders and files.base_model is None:
+        raise LoadError(f"{files.source}: the heads name no backbone (base_model_name_or_path), which TGI loads from "
+                        "the exported config: pass --model")
+    notes = []
+    if "tgi" in folders and files.proposal_ids is not None:
+        notes.append(f"TGI has no proposal vocabulary: there these heads guess among the whole vocabulary, not the "
+                     f"{len(files.proposal_ids):,} tokens of {PROPOSAL_FILE} they were trained to guess among (vLLM's "
+                     "export keeps those as its token_map)")
     dtype = DTYPES[spec.dtype]
     # vLLM's first: it may need the backbone (--model), and a failure there left the TGI half written
     vllm = write_vllm(files, found, folders["vllm"], dtype, spec.model) if "vllm" in folders else None
     tgi = write_tgi(files, found, folders["tgi"], dtype) if "tgi" in folders else None
-    return [path for path in (tgi, vllm) if path is not None]
+    return Exported([path for path in (tgi, vllm) if path is not None], notes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,8 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def body() -> None:
-        for path in export(ExportSpec(args.heads, args.out, args.format, args.model, args.dtype)):
+        exported = export(ExportSpec(args.heads, args.out, args.format, args.model, args.dtype))
+        for path in exported.folders:
             print(f"wrote {path}")
+        for note in exported.notes:
+            print(f"note: {note}")
 
     return run_command(body)
 

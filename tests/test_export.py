@@ -78,6 +78,7 @@ class VllmMedusa(nn.Module):
                 nn.Linear(c["hidden_size"], c["truncated_vocab_size"], bias=False) for _ in range(c["num_heads"])
             )
         self.c = c
+        self.token_map = None     # below vocab_size, the checkpoint's token_map: the tokens the heads guess among
 
     def forward(self, x):
         outs = []
@@ -85,18 +86,30 @@ class VllmMedusa(nn.Module):
             y = x
             for layer in block.layers:
                 y = y + nn.functional.silu(layer(y))
-            outs.append((self.lm_head if self.c.get("original_lm_head") else self.lm_heads[h])(y))
+            logits = (self.lm_head if self.c.get("original_lm_head") else self.lm_heads[h])(y)
+            if self.token_map is not None:      # vLLM's compute_logits: -inf outside the token map
+                full = torch.full((*logits.shape[:-1], self.c["vocab_size"]), float("-inf"))
+                full[..., self.token_map] = logits
+                logits = full
+            outs.append(logits)
         return torch.stack(outs)
 
 
 def _load_vllm(directory) -> VllmMedusa:
     config = json.loads((directory / "config.json").read_text())
     assert config["model_type"] == "medusa" and config["architectures"] == ["MedusaModel"]
-    assert config["truncated_vocab_size"] == config["vocab_size"]
     module = VllmMedusa(config)
     from safetensors.torch import load_file
 
-    module.load_state_dict(load_file(str(directory / "model.safetensors")), strict=True)
+    state = load_file(str(directory / "model.safetensors"))
+    # vLLM's load_weights: a token_map only below vocab_size, and projections longer than it are sliced to it
+    token_map = state.pop("token_map", None)
+    assert (token_map is not None) == (config["truncated_vocab_size"] < config["vocab_size"])
+    if token_map is not None:
+        assert token_map.dtype == torch.long and len(token_map) == config["truncated_vocab_size"]
+        module.token_map = token_map
+        state = {k: v[token_map] if "lm_head" in k and v.shape[0] > len(token_map) else v for k, v in state.items()}
+    module.load_state_dict(state, strict=True)
     return module
 
 
@@ -127,6 +140,51 @@ def test_vllm_version2_heads_carry_the_backbone_lm_head(setup, tmp_path):
     assert main(["--heads", str(root / "v2"), "--out", str(tmp_path / "tgi"), "--format", "tgi"]) == 0
     tgi = json.loads((tmp_path / "tgi" / "config.json").read_text())
     assert tgi["version"] == "2" and tgi["medusa_num_layers"] == 1   # TGI's MedusaHeadV2 needs one block
+
+
+def test_a_proposal_vocabulary_is_vllms_token_map_and_said_for_tgi(setup, tmp_path, capsys):
+    """Heads trained to guess among a proposal vocabulary (proposal_vocab.json) were exported as full-vocabulary
+    heads without a word: vLLM takes the vocabulary as its token_map, and TGI, which has none, is said."""
+    import shutil
+
+    root, model, _, v2 = setup
+    ids = [5, 2, 9, 7]
+    shutil.copytree(root / "v2", tmp_path / "v2vocab")
+    (tmp_path / "v2vocab" / "proposal_vocab.json").write_text(json.dumps({"token_ids": ids}))
+    capsys.readouterr()
+    assert main(["--heads", str(tmp_path / "v2vocab"), "--out", str(tmp_path / "out"), "--dtype", "bfloat16"]) == 0
+    said = capsys.readouterr().out
+    assert "note: TGI has no proposal vocabulary: there these heads guess among the whole vocabulary, not the 4 " \
+           "tokens of proposal_vocab.json" in said, said
+    config = json.loads((tmp_path / "out" / "vllm" / "config.json").read_text())
+    assert (config["vocab_size"], config["truncated_vocab_size"]) == (model.config.vocab_size, 4)
+    vllm = _load_vllm(tmp_path / "out" / "vllm").float()
+    x = torch.randn(4, 32)
+    logits = vllm(x)                                                       # (heads, 4, vocab)
+    ours = v2.to(torch.bfloat16).float()(x, model.lm_head.to(torch.bfloat16).float())
+    torch.testing.assert_close(logits[..., ids], ours[..., ids])
+    outside = [i for i in range(model.config.vocab_size) if i not in ids]
+    assert torch.isinf(logits[..., outside]).all()                         # never guessed, as in the app
+    model.lm_head.float()
+
+
+def test_tgi_gets_the_backbone_from_model_where_the_heads_name_none(setup, tmp_path, capsys):
+    """TGI loads the backbone its config names: an export of heads that name none wrote null there."""
+    import shutil
+
+    root = setup[0]
+    shutil.copytree(root / "heads", tmp_path / "nameless")
+    config = json.loads((tmp_path / "nameless" / "config.json").read_text())
+    (tmp_path / "nameless" / "config.json").write_text(json.dumps({**config, "base_model_name_or_path": None}))
+    capsys.readouterr()
+    assert main(["--heads", str(tmp_path / "nameless"), "--out", str(tmp_path / "a"), "--format", "tgi"]) == 1
+    said = capsys.readouterr().err
+    assert said.endswith("the heads name no backbone (base_model_name_or_path), which TGI loads from the exported "
+                         "config: pass --model\n"), said
+    assert not (tmp_path / "a").exists()
+    assert main(["--heads", str(tmp_path / "nameless"), "--out", str(tmp_path / "b"), "--format", "tgi",
+                 "--model", "lmsys/vicuna-7b-v1.3"]) == 0
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["base_model_name_or_path"] == "lmsys/vicuna-7b-v1.3"
 
 
 def test_heads_tgi_cannot_run_are_refused_before_anything_is_written(setup, tmp_path, capsys):
