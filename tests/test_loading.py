@@ -365,10 +365,23 @@ def test_nonexistent_paths(root, tmp_path):
     assert "does not exist" in _one_line(err)
     with pytest.raises(LoadError, match="has no config.json"):
         load(LoadSpec(model=str(tmp_path), device="cpu"))
-    with pytest.raises(LoadError, match="names no base_model_name_or_path: name the backbone too"):
+    with pytest.raises(LoadError, match="no backbone is named for these heads \\(base_model_name_or_path in a "
+                                        "config.json beside them\\): name it \\(--model"):
         d = _heads_dir(tmp_path, noisy_heads(tiny_model("llama", vocab=VOCAB, hidden=HIDDEN)).published_state_dict(), "")
         (d / "config.json").write_text("{}")
         load(LoadSpec(heads=str(d), device="cpu"))
+    # a backbone the heads name that is not there (train wrote the --model path as typed, relative to where it
+    # ran): said as theirs, with the way to name another; one typed with --model is said as it was
+    (d / "config.json").write_text(json.dumps({"base_model_name_or_path": "./out/backbone"}))
+    with pytest.raises(LoadError) as err:
+        load(LoadSpec(heads=str(d), device="cpu"))
+    said = _one_line(err)
+    assert said.startswith("./out/backbone does not exist") and said.endswith(
+        f"(the backbone the heads in {d / 'medusa_lm_head.safetensors'} name as their base_model_name_or_path: name "
+        "another with --model, or the page's backbone box)"), said
+    with pytest.raises(LoadError) as err:
+        load(LoadSpec(model="./out/backbone", heads=str(d), device="cpu"))
+    assert "base_model_name_or_path" not in _one_line(err)
 
 
 def test_a_heads_folder_given_as_the_backbone_is_said_so(tmp_path):

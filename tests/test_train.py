@@ -82,9 +82,10 @@ def test_loss_targets_are_columns_of_the_proposal_vocabulary():
     assert heads.logit_columns(ids, IGNORE).tolist() == [1, 2, 0, IGNORE, IGNORE, IGNORE, IGNORE]
 
 
-def test_self_distillation_cli_trains_saves_and_reloads(backbone_dir):
+def test_self_distillation_cli_trains_saves_and_reloads(backbone_dir, monkeypatch):
     out = backbone_dir / "heads"
-    main(["--model", str(backbone_dir / "backbone"), "--out", str(out), "--prompts", str(backbone_dir / "prompts.jsonl"),
+    monkeypatch.chdir(backbone_dir)      # the backbone as a relative path: the heads' config must name it from anywhere
+    main(["--model", "backbone", "--out", str(out), "--prompts", str(backbone_dir / "prompts.jsonl"),
           "--raw-prompts", "--answer-tokens", "24", "--num-heads", "3", "--steps", "20", "--batch-size", "4",
           "--lr", "3e-3", "--eval-every", "10"])
     answers = read_answers(out / "work" / "distill_answers.jsonl")
@@ -96,6 +97,7 @@ def test_self_distillation_cli_trains_saves_and_reloads(backbone_dir):
     model, _ = load_backbone_dir(backbone_dir / "backbone")
     trained = load_heads_dir(out, model)
     assert trained.config.num_heads == 3 and trained.config.own_projection
+    assert json.loads((out / "config.json").read_text())["base_model_name_or_path"] == str((backbone_dir / "backbone").resolve())
     untrained = copied_heads(model, 3)
     assert loss_on(model, trained, answers) < loss_on(model, untrained, answers)
 

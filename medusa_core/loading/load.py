@@ -271,6 +271,19 @@ def _validate(spec: LoadSpec) -> None:
                         f"{', '.join(ATTENTION_CHOICES)}")
 
 
+@contextlib.contextmanager
+def _named_by_heads(files: HeadsFiles | None):
+    """A backbone that fails to load where the heads' config named it (``files``; None: the user did) says so: the
+    user never typed it (a path relative to where train ran, a hub id while offline), and --model names another."""
+    try:
+        yield
+    except LoadError as err:
+        if files is None:
+            raise
+        raise LoadError(f"{err} (the backbone the heads in {files.source} name as their base_model_name_or_path: "
+                        "name another with --model, or the page's backbone box)") from None
+
+
 def load(spec: LoadSpec, progress: Progress | None = None) -> Loaded:
     """``progress`` hears what a long step is doing (the 4-bit check and the tree tuning of a first start)."""
     _validate(spec)
@@ -304,11 +317,15 @@ def load(spec: LoadSpec, progress: Progress | None = None) -> Loaded:
         # looked for on the hub, unreachable, while converted here)
         model_source = str(cpu_default_backbone())
     if model_source is None:
-        raise LoadError(f"{files.source if files else spec.heads}: the heads' config.json names no base_model_name_or_path: name the backbone too (--model, or the page's backbone box)")
-    smollm2_backbone = is_cpu_default_backbone(local_dir(model_source))
+        raise LoadError(f"{files.source if files else spec.heads}: no backbone is named for these heads "
+                        "(base_model_name_or_path in a config.json beside them): name it (--model, or the page's "
+                        "backbone box)")
+    with _named_by_heads(None if spec.model is not None else files):
+        smollm2_backbone = is_cpu_default_backbone(local_dir(model_source))
     quant = resolve_quant(spec.quant, device, cpu_default=smollm2_backbone, dtype=dtype)
-    model, tokenizer = load_backbone(model_source, device, "none" if quant == "int4" else quant, dtype,
-                                     spec.trust_remote_code)
+    with _named_by_heads(None if spec.model is not None else files):
+        model, tokenizer = load_backbone(model_source, device, "none" if quant == "int4" else quant, dtype,
+                                         spec.trust_remote_code)
     kernel_text = ""
     if quant == "int4":
         if progress is not None:   # the line said "converts" while this ran (QA: 40 s of a busy first start)
