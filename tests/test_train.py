@@ -222,6 +222,33 @@ def test_heads_trained_over_others_take_nothing_of_theirs(backbone_dir, capsys):
            "medusa_core.calibrate measures the new ones)" in said and f"removed {out / PROPOSAL_FILE}" in said
 
 
+def test_a_prompts_answers_are_held_out_together(tmp_path):
+    """A prompt answered at two temperatures, with a follow-up, is one conversation: split row by row, 294 of 312
+    held-out rows had the same prompt's other answer in training, and the held-out accuracies read high."""
+    from medusa_core.training.data import conversations, split_rows
+
+    answers = tmp_path / "answers.jsonl"
+    lines = []
+    for p in range(20):
+        for temperature in (0.0, 0.7):
+            lines.append({"prompt": f"q{p}", "temperature": temperature})
+            lines.append({"prompt": f"more on q{p}", "followup_of": f"q{p}", "temperature": temperature})
+    answers.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    groups = conversations(answers)
+    assert groups[:4] == ["q0"] * 4 and len(groups) == 80
+    rows = [([i], [i]) for i in range(80)]                       # row i stands for answer i
+    train, held = split_rows(rows, 0.1, seed=3, groups=groups)
+    side = {groups[row[0][0]]: "held" for row in held} | {groups[row[0][0]]: "train" for row in train}
+    assert len(side) == 20 and len(held) == 2 * 4                # 2 of 20 prompts, each with its 4 rows
+    assert not {groups[row[0][0]] for row in held} & {groups[row[0][0]] for row in train}
+    assert sorted(r[0][0] for r in train + held) == list(range(80))
+    # without groups each row is its own, split as before
+    train, held = split_rows(rows, 0.1, seed=3)
+    assert len(held) == 8 and len(train) == 72
+    with pytest.raises(ValueError, match="only 1 prompt"):
+        split_rows(rows[:4], 0.5, seed=0, groups=groups[:4])
+
+
 def test_config_needs_exactly_one_data_source():
     with pytest.raises(ValueError, match="exactly one data source"):
         TrainConfig(model="m", out="o")

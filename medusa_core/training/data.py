@@ -271,11 +271,29 @@ def corpus_rows(tokenizer, files: Sequence[str], seq_len: int) -> list[Row]:
     return rows
 
 
-def split_rows(rows: list[Row], held_out: float, seed: int) -> tuple[list[Row], list[Row]]:
-    """A fixed shuffled split: (train, held-out), at least one row each."""
+def conversations(answers_path: Path) -> list[str]:
+    """The first-turn prompt of each answer in ``answers_path`` (distilled_rows' rows, in their order): a
+    prompt's answers at each temperature and their follow-ups are one conversation."""
+    return [item.get("followup_of", item["prompt"]) for _, item in read_jsonl(answers_path, "delete it to answer again")]
+
+
+def split_rows(rows: list[Row], held_out: float, seed: int,
+               groups: Sequence[str] | None = None) -> tuple[list[Row], list[Row]]:
+    """A fixed shuffled split: (train, held-out), at least one row each. The rows of a group (``groups[i]``: row
+    i's conversation; None: each row its own) go to one side: a held-out answer whose prompt was also answered
+    in training, at another temperature or in a follow-up, made the held-out accuracies read high."""
     if len(rows) < 2:
         raise ValueError(f"only {len(rows)} training sequence(s): give more prompts or corpus text")
-    order = list(range(len(rows)))
+    keys = list(groups) if groups is not None else list(range(len(rows)))
+    if len(keys) != len(rows):
+        raise ValueError(f"{len(keys)} groups for {len(rows)} rows")
+    order = list(dict.fromkeys(keys))                  # distinct, as first seen
+    if len(order) < 2:
+        raise ValueError(f"only {len(order)} prompt(s) to split into training and held-out: give more prompts")
     random.Random(seed).shuffle(order)
-    n_held = min(len(rows) - 1, max(1, round(held_out * len(rows))))
-    return [rows[i] for i in order[n_held:]], [rows[i] for i in order[:n_held]]
+    n_held = min(len(order) - 1, max(1, round(held_out * len(order))))
+    members: dict = {}
+    for row, key in zip(rows, keys):
+        members.setdefault(key, []).append(row)
+    return ([row for key in order[n_held:] for row in members[key]],
+            [row for key in order[:n_held] for row in members[key]])

@@ -287,13 +287,15 @@ def main_with_config(config: TrainConfig) -> dict:
     else:
         model, tokenizer = load_backbone_dir(config.model, device=config.device, dtype=getattr(torch, config.dtype))
     work.mkdir(parents=True, exist_ok=True)     # once the backbone loads: a bad --model left an empty folder (QA)
+    groups = None
     if config.prompts:
-        rows = data.distilled_rows(model, tokenizer, config.prompts, config.raw_prompts,
-                                         config.answer_tokens, Path(config.answers or work / "distill_answers.jsonl"),
-                                         config.distill_batch, config.temperatures, config.seed)
+        answers = Path(config.answers or work / "distill_answers.jsonl")
+        rows = data.distilled_rows(model, tokenizer, config.prompts, config.raw_prompts, config.answer_tokens,
+                                   answers, config.distill_batch, config.temperatures, config.seed)
+        groups = data.conversations(answers)      # a prompt's answers stay together: held out, or trained on
     else:
         rows = data.corpus_rows(tokenizer, config.corpus, config.seq_len)
-    rows, held = data.split_rows(rows, config.held_out, config.seed)
+    rows, held = data.split_rows(rows, config.held_out, config.seed, groups)
     text = model.config.get_text_config()
     lm_head = model.get_output_embeddings()
     if init_files is not None:
