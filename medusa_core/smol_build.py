@@ -144,7 +144,7 @@ def build_proposal_vocab(prompts: Path, work: Path, heads_dir: Path, device: str
     """The model's own answers to a slice of the prompts -> the ``config.proposal_vocab`` tokens it
     uses most, written beside the heads; returns what the build log keeps."""
     from .loading.load import load_backbone_dir
-    from .training.data import IGNORE, distilled_rows
+    from .training.data import IGNORE, backbone_label, distilled_rows
 
     if not prompts.is_file():
         raise FileNotFoundError(f"{prompts} is missing: run the prompts stage first (--stages prompts vocab)")
@@ -153,9 +153,11 @@ def build_proposal_vocab(prompts: Path, work: Path, heads_dir: Path, device: str
     lines = prompts.read_text().splitlines()[::config.vocab_every]
     sliced = work / "vocab_prompts.jsonl"
     sliced.write_text("".join(line + "\n" for line in lines))
-    model, tokenizer = load_backbone_dir(model_dir or smollm2.converted_dir(), device)
+    backbone = model_dir or smollm2.converted_dir()
+    model, tokenizer = load_backbone_dir(backbone, device)
     rows = distilled_rows(model, tokenizer, sliced, False, config.vocab_answer_tokens, work / "vocab_answers.jsonl",
-                          batch_size=config.vocab_batch, temperatures=config.temperatures, seed=config.seed)
+                          batch_size=config.vocab_batch, temperatures=config.temperatures, seed=config.seed,
+                          backbone=backbone_label(str(backbone), "float32"))
     answers = [[t for t in targets if t != IGNORE] for _, targets in rows]
     ids, coverage = most_used(answers, config.proposal_vocab)
     about = {"about": "the tokens SmolLM2-135M-Instruct used most in its own answers; the heads guess among these",

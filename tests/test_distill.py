@@ -11,6 +11,7 @@ from medusa_core.decoding.generate import generate
 from medusa_core.training.data import IGNORE
 from tests.tiny import char_tokenizer, tiny_model
 
+TINY = "tiny in float32"      # the backbone an answers file records (data.backbone_label)
 TEMPLATE = ("{% for m in messages %}<s>{{ m['role'][0] }}:{{ m['content'] }}</s>{% endfor %}"
             "{% if add_generation_prompt %}<s>a:{% endif %}")
 
@@ -37,7 +38,7 @@ def test_batched_answers_equal_one_at_a_time_and_end_at_the_turn_end(setup, tmp_
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["hi", "what is 2+2?", "tell me a story"]))
     answers = tmp_path / "a.jsonl"
-    rows = train_data.distilled_rows(model, tokenizer, prompts, False, 12, answers, batch_size=3)
+    rows = train_data.distilled_rows(model, tokenizer, prompts, False, 12, answers, batch_size=3, backbone=TINY)
     items = [json.loads(line) for line in answers.read_text().splitlines()]
     assert len(rows) == len(items) == 3
     eos = tokenizer.eos_token_id
@@ -57,7 +58,7 @@ def test_follow_up_turns_see_the_first_answer_and_a_rerun_reuses_the_file(setup,
     prompts.write_text(json.dumps({"prompt": "hi", "followup": "why?"}) + "\n" + json.dumps({"prompt": "ok"}) + "\n")
     answers = tmp_path / "a.jsonl"
     rows = train_data.distilled_rows(model, tokenizer, prompts, False, 10, answers, batch_size=4,
-                                     temperatures=(0.0, 0.8))
+                                     temperatures=(0.0, 0.8), backbone=TINY)
     items = [json.loads(line) for line in answers.read_text().splitlines()]
     assert len(rows) == len(items) == 6           # 2 prompts x 2 temperatures + 2 follow-ups
     follow = [i for i in items if "followup_of" in i]
@@ -73,19 +74,26 @@ def test_follow_up_turns_see_the_first_answer_and_a_rerun_reuses_the_file(setup,
 
     monkeypatch.setattr(train_data, "_generate_batch", no_generation)
     again = train_data.distilled_rows(model, tokenizer, prompts, False, 10, answers, batch_size=4,
-                                      temperatures=(0.0, 0.8))
+                                      temperatures=(0.0, 0.8), backbone=TINY)
     assert again == rows
     # answers cut at another length are not reused as if they were these (review: a calibration at 64 tokens
     # measured 16-token answers' accuracies without a word)
     with pytest.raises(ValueError, match=f"^{re.escape(str(answers))} holds answers of at most 10 tokens, not 12: "
                                          "give --answer-tokens 10 to reuse them, or delete it to answer again$"):
-        train_data.distilled_rows(model, tokenizer, prompts, False, 12, answers, batch_size=4, temperatures=(0.0, 0.8))
+        train_data.distilled_rows(model, tokenizer, prompts, False, 12, answers, batch_size=4, temperatures=(0.0, 0.8),
+                                  backbone=TINY)
     # nor are answers to the chat template's prompts reused by a --raw-prompts run (QA: it reused them, and its
     # report said raw_prompts true)
     with pytest.raises(ValueError, match=f"^{re.escape(str(answers))} holds answers to prompts fed through the chat "
                                          "template, and this run feeds them as raw text: drop --raw-prompts to reuse "
                                          "them, or delete it to answer again$"):
-        train_data.distilled_rows(model, tokenizer, prompts, True, 10, answers, batch_size=4, temperatures=(0.0, 0.8))
+        train_data.distilled_rows(model, tokenizer, prompts, True, 10, answers, batch_size=4, temperatures=(0.0, 0.8),
+                                  backbone=TINY)
+    # nor answers by another backbone (review: training a second model into the same --out reused the first's)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(answers))} holds answers by {TINY}, not by other in "
+                                         "float32: delete it to answer with this backbone, or give another --out$"):
+        train_data.distilled_rows(model, tokenizer, prompts, False, 10, answers, batch_size=4, temperatures=(0.0, 0.8),
+                                  backbone="other in float32")
 
 
 def test_a_run_killed_mid_batch_resumes_to_the_answers_one_run_makes(setup, tmp_path, monkeypatch):
@@ -97,7 +105,7 @@ def test_a_run_killed_mid_batch_resumes_to_the_answers_one_run_makes(setup, tmp_
     prompts.write_text("".join(json.dumps(item) + "\n" for item in (
         {"prompt": "hi", "followup": "why?"}, {"prompt": "ok", "followup": "and?"}, {"prompt": "yo"})))
     whole, cut = tmp_path / "whole.jsonl", tmp_path / "cut.jsonl"
-    run = dict(batch_size=2, temperatures=(0.0, 0.8))
+    run = dict(batch_size=2, temperatures=(0.0, 0.8), backbone=TINY)
     train_data.distilled_rows(model, tokenizer, prompts, False, 8, whole, **run)
     real, calls = train_data._generate_batch, []
 
@@ -120,4 +128,5 @@ def test_sampling_or_follow_ups_without_a_batch_say_how_to_fix_it(setup, tmp_pat
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "hi", "followup": "why?"}) + "\n")
     with pytest.raises(ValueError, match="pass --distill-batch 2 or more"):
-        train_data.distilled_rows(model, tokenizer, prompts, False, 4, tmp_path / "a.jsonl", batch_size=1)
+        train_data.distilled_rows(model, tokenizer, prompts, False, 4, tmp_path / "a.jsonl", batch_size=1,
+                                  backbone=TINY)

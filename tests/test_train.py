@@ -17,6 +17,8 @@ from medusa_core.training.loop import TrainConfig, main_with_config
 from medusa_core.training.loss import backbone_hidden, head_loss, padded, positions
 from medusa_core.training.data import answer_row, corpus_rows, read_answers
 
+TINY = "tiny in float32"      # the backbone an answers file records (data.backbone_label)
+
 
 @pytest.fixture(scope="module")
 def backbone_dir(tmp_path_factory):
@@ -330,10 +332,10 @@ def test_answers_cut_off_by_a_killed_run_are_made_again(backbone_dir, tmp_path):
 
     model, tokenizer = load_backbone_dir(backbone_dir / "backbone")
     answers = tmp_path / "answers.jsonl"
-    whole = distilled_rows(model, tokenizer, backbone_dir / "prompts.jsonl", True, 8, answers)
+    whole = distilled_rows(model, tokenizer, backbone_dir / "prompts.jsonl", True, 8, answers, backbone=TINY)
     lines = answers.read_text().splitlines(keepends=True)
     answers.write_text("".join(lines[:5]) + lines[5][:len(lines[5]) // 2])
-    again = distilled_rows(model, tokenizer, backbone_dir / "prompts.jsonl", True, 8, answers)
+    again = distilled_rows(model, tokenizer, backbone_dir / "prompts.jsonl", True, 8, answers, backbone=TINY)
     assert again == whole and answers.read_text() == "".join(lines)
 
 

@@ -81,11 +81,19 @@ def encode_turns(tokenizer, turns: Sequence[tuple[str, str]], raw: bool) -> list
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def backbone_label(model: str, form: str) -> str:
+    """Which backbone answered, as an answers file records it: a local one by its absolute path, in ``form``
+    (its dtype, or the quantization it ran in: the answers of another form are other targets)."""
+    local = Path(model)
+    return f"{local.resolve() if local.is_dir() else model} in {form}"
+
+
 def distilled_rows(model: nn.Module, tokenizer, prompts_path: str | Path, raw: bool, answer_tokens: int,
                    answers_path: Path, batch_size: int = 1, temperatures: Sequence[float] = (0.0,),
-                   seed: int = 0) -> list[Row]:
+                   seed: int = 0, *, backbone: str) -> list[Row]:
     """The backbone's own answers to each prompt (and to its follow-up turn, if it has one), generated
-    or reused from ``answers_path``; rows train on the answer tokens only.
+    or reused from ``answers_path``; rows train on the answer tokens only. ``backbone`` (backbone_label)
+    is recorded with them: answers by another are refused, not reused.
 
     ``batch_size`` 1 answers one prompt at a time with the project's own loop (greedy only);
     larger batches use transformers' batched ``generate`` (left padding), which is what makes thousands
@@ -115,12 +123,19 @@ def distilled_rows(model: nn.Module, tokenizer, prompts_path: str | Path, raw: b
         fed, now = ("through the chat template", "as raw text") if raw else ("as raw text", "through the chat template")
         raise ValueError(f"{answers_path} holds answers to prompts fed {fed}, and this run feeds them {now}: "
                          f"{'drop' if raw else 'give'} --raw-prompts to reuse them, or delete it to answer again")
+    # review: a second backbone trained into the same --out reused the first one's answers without a word;
+    # files written before the backbone was kept: as above
+    others = sorted({d["backbone"] for d in done if "backbone" in d} - {backbone})
+    if others:
+        raise ValueError(f"{answers_path} holds answers by {others[0]}, not by {backbone}: delete it to answer "
+                         "with this backbone, or give another --out")
     first_done = sum("followup_of" not in d for d in done)
     with open(answers_path, "a") as f:   # appended as we go, so an interrupted run resumes here
         def keep(*made: dict) -> None:
             """Answers that go together (a batch's first turns and their follow-ups) in one write: a run killed
             between them resumed past the first turns and never made their follow-ups (review)."""
-            made = tuple({**item, "answer_tokens": answer_tokens, "raw_prompts": raw} for item in made)
+            made = tuple({**item, "answer_tokens": answer_tokens, "raw_prompts": raw, "backbone": backbone}
+                         for item in made)
             f.write("".join(json.dumps(item) + "\n" for item in made))
             f.flush()
             done.extend(made)

@@ -290,8 +290,10 @@ def main_with_config(config: TrainConfig) -> dict:
     groups = None
     if config.prompts:
         answers = Path(config.answers or work / "distill_answers.jsonl")
+        form = "nf4" if config.load_in_4bit else config.dtype
         rows = data.distilled_rows(model, tokenizer, config.prompts, config.raw_prompts, config.answer_tokens,
-                                   answers, config.distill_batch, config.temperatures, config.seed)
+                                   answers, config.distill_batch, config.temperatures, config.seed,
+                                   backbone=data.backbone_label(config.model, form))
         groups = data.conversations(answers)      # a prompt's answers stay together: held out, or trained on
     else:
         rows = data.corpus_rows(tokenizer, config.corpus, config.seq_len)

@@ -137,7 +137,7 @@ def run(config: CalibrateConfig) -> dict:
     from ..loading.load import load_backbone_dir
     from .evaluation import rank_histogram
     from .loss import padded
-    from .data import distilled_rows, encode_prompt, read_answers, read_prompts
+    from .data import backbone_label, distilled_rows, encode_prompt, read_answers, read_prompts
 
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -166,7 +166,9 @@ def run(config: CalibrateConfig) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     if config.prompts:
         answers = Path(config.answers or out.with_name(out.stem + "_calibration_answers.jsonl"))
-        rows = distilled_rows(model, tokenizer, config.prompts, config.raw_prompts, config.answer_tokens, answers)
+        form = "int4" if config.quant == "int4" else config.dtype
+        rows = distilled_rows(model, tokenizer, config.prompts, config.raw_prompts, config.answer_tokens, answers,
+                              backbone=backbone_label(config.model, form))
     else:
         rows = read_answers(Path(config.data), vocab_size=model.get_input_embeddings().weight.shape[0])
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
