@@ -123,6 +123,18 @@ def test_a_run_killed_mid_batch_resumes_to_the_answers_one_run_makes(setup, tmp_
     assert cut.read_text() == whole.read_text()
 
 
+def test_a_tokenizer_without_a_chat_template_trains_on_the_prompt_the_app_serves():
+    """Vicuna's tokenizer has no chat template: training refused it and asked for --raw-prompts in Vicuna's format
+    written by hand, which lacked the BOS and the system prompt the app gives (review): the heads learned on hidden
+    states the app never produces. Now the prompt is the app's, token for token."""
+    tokenizer = char_tokenizer()                     # no chat template
+    assert not getattr(tokenizer, "chat_template", None)
+    ids = train_data.encode_turns(tokenizer, [("user", "hi"), ("assistant", "yo"), ("user", "and?")], raw=False)
+    assert ids[0] == tokenizer.bos_token_id
+    text = tokenizer.decode(ids)
+    assert text.endswith("USER: hi ASSISTANT: yo</s>USER: and? ASSISTANT:") and "A chat between" in text, text
+
+
 def test_sampling_or_follow_ups_without_a_batch_say_how_to_fix_it(setup, tmp_path):
     model, tokenizer = setup
     prompts = tmp_path / "p.jsonl"

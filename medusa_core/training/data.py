@@ -55,7 +55,7 @@ def read_prompts(path: Path) -> list[str]:
 
 
 def encode_prompt(tokenizer, prompt: str, raw: bool) -> list[int]:
-    """Raw text, or the user turn through the tokenizer's chat template with the answer cue."""
+    """Raw text, or the user turn as the app renders it, with the answer cue."""
     return encode_turns(tokenizer, [("user", prompt)], raw)
 
 
@@ -68,17 +68,15 @@ def read_prompt_items(path: Path) -> list[dict]:
 
 
 def encode_turns(tokenizer, turns: Sequence[tuple[str, str]], raw: bool) -> list[int]:
-    """[(role, text)] ending with a user turn -> ids through the chat template with the answer cue."""
+    """[(role, text)] ending with a user turn -> ids as the app renders the conversation (render_chat: the
+    chat template, or Vicuna's format with its BOS and system prompt where the tokenizer has none), with the
+    answer cue: the heads learn and are measured on the hidden states the app will give them. ``raw``: the
+    texts as they are, nothing added."""
     if raw:
         return tokenizer.encode("".join(text for _, text in turns), add_special_tokens=False)
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            "the tokenizer has no chat template: pass --raw-prompts and write each prompt in the model's "
-            "own prompt format (e.g. vicuna's 'USER: ... ASSISTANT:')"
-        )
-    text = tokenizer.apply_chat_template([{"role": r, "content": t} for r, t in turns], tokenize=False,
-                                         add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
+    from ..loading.chat_format import render_chat
+
+    return render_chat(tokenizer, [{"role": r, "content": t} for r, t in turns])
 
 
 def backbone_label(model: str, form: str) -> str:
