@@ -126,6 +126,10 @@ def test_vllm_layout_reads_back(setup, tmp_path):
     vllm = _load_vllm(tmp_path / "vllm")
     x = torch.randn(4, 32)
     torch.testing.assert_close(vllm(x), heads(x, model.lm_head))
+    # given back to this app as heads, it is named for what it is (it read as a Medusa-2 model without heads)
+    with pytest.raises(LoadError, match="is a vLLM Medusa draft \\(export --format vllm\\), which this app does "
+                                        "not read: give the heads it was exported from, or the export's tgi folder"):
+        load_heads_dir(tmp_path / "vllm", model)
 
 
 def test_vllm_version2_heads_carry_the_backbone_lm_head(setup, tmp_path):

@@ -152,6 +152,10 @@ def read_heads_dir(directory: str | Path) -> HeadsFiles:
                       else "medusa-1" if _has_projections(state) else "version-2")
             return HeadsFiles(state, str(path), layout, config.get("base_model_name_or_path"), config,
                               read_proposal_vocab(directory))
+    if config.get("model_type") == "medusa":
+        # vLLM's Medusa draft (blocks.*, lm_heads.*): it read as a full model without medusa_head weights
+        raise HeadsLoadError(f"{directory} is a vLLM Medusa draft (export --format vllm), which this app does not "
+                             "read: give the heads it was exported from, or the export's tgi folder")
     if "model_type" in config:
         state, source = _medusa2_state(directory)
         if not state:
