@@ -716,6 +716,17 @@ def test_offline_missing_model_is_one_line(offline_cache):
     with pytest.raises(LoadError) as err:
         load(LoadSpec(model="lmsys/vicuna-7b-v1.3", device="cpu"))
     assert "hf download lmsys/vicuna-7b-v1.3" in _one_line(err)
+    assert "there is no folder" not in _one_line(err)
+
+
+def test_a_local_path_typed_wrong_is_said_before_the_hub(offline_cache, tmp_path, monkeypatch):
+    """out/heds (for out/heads) reads as a hub id: the error spoke of the hub and `hf download` only (review)."""
+    (tmp_path / "out").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(LoadError) as err:
+        load(LoadSpec(heads="out/heds", device="cpu"))
+    assert _one_line(err).startswith("there is no folder out/heds (though out is one: check the path); out/heds is "
+                                     "not in the local cache"), _one_line(err)
 
 
 # ---------------------------------------------------------------- defaults

@@ -71,15 +71,19 @@ def hub_reachable() -> bool:
 def _hub_error(repo_id: str, err: Exception) -> LoadError:
     from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
 
+    # an id whose first part is a folder here is most likely a local path typed wrong (out/heds): said first
+    parent = Path(repo_id).expanduser().parent
+    typo = f"there is no folder {repo_id} (though {parent} is one: check the path); " if parent.is_dir() else ""
     if isinstance(err, GatedRepoError):
         return LoadError(f"{repo_id} is gated: accept its license on huggingface.co and run `hf auth login`")
     if isinstance(err, RepositoryNotFoundError):
-        return LoadError(f"{repo_id} is not a hub repo (or is private): check the id, or `hf auth login` for private repos")
+        return LoadError(f"{typo}{repo_id} is not a hub repo (or is private): check the id, or `hf auth login` for "
+                         "private repos")
     if isinstance(err, LocalEntryNotFoundError):
         from huggingface_hub import constants
 
         return LoadError(
-            f"{repo_id} is not in the local cache and the hub cannot be reached (no connection to "
+            f"{typo}{repo_id} is not in the local cache and the hub cannot be reached (no connection to "
             f"{constants.ENDPOINT}, or HF_HUB_OFFLINE=1): run `hf download {repo_id}` on a machine with network, "
             "or pass a local directory"
         )
