@@ -327,18 +327,16 @@ def choose(acc: Sequence[Sequence[float]], seconds: dict[int, float]) -> tuple[i
 
 
 def tune(model, heads, tokenizer, acc: Sequence[Sequence[float]], accuracy_source: str,
-         progress: Progress = lambda line: None, sizes: Sequence[int] | None = None) -> TunedTree:
-    """Measure this machine and choose (see the module docstring)."""
+         progress: Progress, sizes: Sequence[int]) -> TunedTree:
+    """Measure this machine at tree ``sizes`` and choose (see the module docstring)."""
     from .chat_format import render_chat
 
     device = model.get_output_embeddings().weight.device
-    if sizes is None:
-        sizes = CUDA_SIZES if device.type == "cuda" else CPU_SIZES
     started = time.perf_counter()
     depth = min(heads.config.num_heads, len(acc))
     grown = {n: grow_tree(acc[:depth], n - 1) for n in sizes}
     grown = {n: paths for n, paths in grown.items() if len(paths) == n - 1}   # sizes the accuracies can fill
-    trees = {n: build_tree_buffers(paths, depth if n > 1 else 0, top_k=len(acc[0]), device=device)
+    trees = {n: build_tree_buffers(paths, depth, top_k=len(acc[0]), device=device)
              for n, paths in grown.items()}
     prompt_ids = render_chat(tokenizer, PROMPT)
     lengths = {n: expected_tokens_per_step(paths, acc) for n, paths in grown.items()}
