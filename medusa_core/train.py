@@ -2,8 +2,8 @@
 
 Head k at position t is trained on the token k + 2 places ahead (the backbone
 itself predicts t + 1), with loss sum_k 0.8^k * CE_k (docs/design.md). Data is
-either the backbone's own greedy answers to a prompt set (self-distillation,
-generated first and stored as JSONL) or a text/JSONL corpus.
+either the backbone's own answers to a prompt set (self-distillation: greedy, or sampled
+at --temperatures; generated first and stored as JSONL) or a text/JSONL corpus.
 
     python -m medusa_core.train --model DIR --out HEADS_DIR --prompts prompts.jsonl
     python -m medusa_core.train --model DIR --out HEADS_DIR --corpus a.txt b.jsonl

@@ -2,10 +2,11 @@
 
 ``load(LoadSpec(...))`` resolves hub ids or local directories (hub.py), reads heads in
 any published layout (heads/files.py), loads the backbone through stock transformers
-code (bitsandbytes NF4 by default on CUDA), checks the heads against it, and picks a
-default tree from an explicit table. Without CUDA the default is SmolLM2-135M-Instruct
+code (bitsandbytes NF4 by default on CUDA), checks the heads against it, and picks the
+default tree (policy.py: tuned on this machine where the heads' accuracies are known,
+else a table or a preset). Without CUDA the default is SmolLM2-135M-Instruct
 (converted once into the user's cache by smollm2.py) with the heads in assets/smollm2.
-Every failure is one LoadError line.
+A failure the user can fix is one line: LoadError, or TreeError for a tree.
 """
 
 from __future__ import annotations
