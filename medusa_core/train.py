@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="continue from WORK_DIR/checkpoint.pt (a cut run: the same --steps resumes exactly; a "
                         "larger --steps stretches the learning-rate schedule over the new total, so the rate "
                         "rises again from where it was)")
-    p.add_argument("--load-in-4bit", action="store_true", help="CUDA: load the backbone in NF4 (bitsandbytes)")
+    p.add_argument("--load-in-4bit", action="store_true", help="CUDA: load the backbone in NF4 (bitsandbytes), computing in bfloat16 "
+                   "(--dtype is for an unquantized backbone)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="backbone compute dtype for distillation and hidden states (heads train in float32)")

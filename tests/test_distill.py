@@ -142,3 +142,7 @@ def test_sampling_or_follow_ups_without_a_batch_say_how_to_fix_it(setup, tmp_pat
     with pytest.raises(ValueError, match="pass --distill-batch 2 or more"):
         train_data.distilled_rows(model, tokenizer, prompts, False, 4, tmp_path / "a.jsonl", batch_size=1,
                                   backbone=TINY)
+    # raw prompts have no turns: their follow-ups were left out without a word (review)
+    with pytest.raises(ValueError, match="holds follow-up turns, which raw prompts cannot hold .*: drop --raw-prompts"):
+        train_data.distilled_rows(model, tokenizer, prompts, True, 4, tmp_path / "a.jsonl", batch_size=2,
+                                  backbone=TINY)

@@ -127,6 +127,9 @@ def distilled_rows(model: nn.Module, tokenizer, prompts_path: str | Path, raw: b
     if others:
         raise ValueError(f"{answers_path} holds answers by {others[0]}, not by {backbone}: delete it to answer "
                          "with this backbone, or give another --out")
+    if raw and any("followup" in item for item in items):   # they were left out without a word
+        raise ValueError(f"{prompts_path} holds follow-up turns, which raw prompts cannot hold (raw text has no "
+                         "turns): drop --raw-prompts, or take the followup fields out")
     first_done = sum("followup_of" not in d for d in done)
     with open(answers_path, "a") as f:   # appended as we go, so an interrupted run resumes here
         def keep(*made: dict) -> None:
@@ -182,7 +185,7 @@ def _answer_batched(model, tokenizer, items: list[dict], jobs: list[tuple[float,
         for (temperature, i, ids), answer in zip(firsts, answers):
             made.append({"prompt": items[i]["prompt"], "temperature": temperature, "prompt_ids": ids,
                          "answer_ids": answer, "answer": tokenizer.decode(answer)})
-            if "followup" in items[i] and not raw:
+            if "followup" in items[i]:
                 text = tokenizer.decode(answer, skip_special_tokens=True)
                 turns = [("user", items[i]["prompt"]), ("assistant", text), ("user", items[i]["followup"])]
                 follow.append((temperature, i, encode_turns(tokenizer, turns, raw)))
