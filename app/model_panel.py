@@ -152,8 +152,8 @@ def kept_values(kept, engine) -> dict:
         return {}
     values = {}
     for name, value in kept["settings"].items():
-        runs_here = isinstance(value, str) and engine.trees.paths(value) is not None
-        if name not in KEPT or (name == "tree" and not runs_here):
+        if name not in KEPT or (name == "tree" and not (isinstance(value, str) and
+                                                         engine.trees.paths(value) is not None)):
             continue                # the default tree (None) is what sync puts in the box
         if valid(name, value) and (name != "max_new_tokens" or Settings.parse(max_new_tokens=value).max_new_tokens
                                    <= engine.context):

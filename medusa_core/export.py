@@ -118,14 +118,17 @@ def _backbone_lm_head(model: str | None, source: str, hidden: int) -> tuple[torc
     return weight, weight.shape[0]
 
 
-def write_vllm(files: HeadsFiles, found: HeadsConfig, out: Path, dtype: torch.dtype | None = None,
-               model: str | None = None) -> Path:
+def write_vllm(files: HeadsFiles, found: HeadsConfig, out: Path, dtype: torch.dtype | None = None) -> Path:
     lm_head, vocab = (None, found.vocab_size) if found.own_projection else \
-        _backbone_lm_head(model or files.base_model, files.source, found.hidden_size)
+        _backbone_lm_head(files.base_model, files.source, found.hidden_size)
     state = vllm_state(files.state, found, lm_head)
     guessed = vocab
     if files.proposal_ids is not None:
         # vLLM reads the tokens the heads guess among as token_map (and slices the projections to them itself)
+        outside = [i for i in files.proposal_ids if not 0 <= i < vocab]
+        if outside:        # vLLM would fail at startup indexing with them
+            raise LoadError(f"{files.source}: {PROPOSAL_FILE} names token {outside[0]}, outside the backbone's "
+                            f"vocabulary of {vocab}: rebuild it for this backbone, or delete it")
         state["token_map"] = torch.tensor(files.proposal_ids, dtype=torch.long)
         guessed = len(files.proposal_ids)
     out.mkdir(parents=True, exist_ok=True)
@@ -185,7 +188,7 @@ def export(spec: ExportSpec) -> Exported:
                      "export keeps those as its token_map)")
     dtype = DTYPES[spec.dtype]
     # vLLM's first: it may need the backbone (--model), and a failure there left the TGI half written
-    vllm = write_vllm(files, found, folders["vllm"], dtype, spec.model) if "vllm" in folders else None
+    vllm = write_vllm(files, found, folders["vllm"], dtype) if "vllm" in folders else None
     tgi = write_tgi(files, found, folders["tgi"], dtype) if "tgi" in folders else None
     return Exported([path for path in (tgi, vllm) if path is not None], notes)
 

@@ -59,6 +59,7 @@ def test_typical_keeps_the_likelier_of_two_accepted_siblings():
         logits = torch.full((4, 8), -10.0)
         logits[0, likelier], logits[0, other] = 5.0, 4.0             # p 0.73 and 0.27: both above 0.09
         logits[1:, 5] = 10.0                                          # no node predicts token 3
+        logits[1, 3] = -30.0      # node 3 rejected by far: past a path's accepted part nothing may count
         best, length = accept_typical(tokens, logits, tb.leaf_paths, temperature=1.0, epsilon=0.09, delta=0.3)
         assert length.item() == 2 and tb.leaf_paths[best][0].tolist()[1] == likelier
 

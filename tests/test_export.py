@@ -3,6 +3,7 @@ would (key names, shapes, config fields) and check the numbers survive."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -165,11 +166,16 @@ def test_a_proposal_vocabulary_is_vllms_token_map_and_said_for_tgi(setup, tmp_pa
     vllm = _load_vllm(tmp_path / "out" / "vllm").float()
     x = torch.randn(4, 32)
     logits = vllm(x)                                                       # (heads, 4, vocab)
-    ours = v2.to(torch.bfloat16).float()(x, model.lm_head.to(torch.bfloat16).float())
+    # the weights as exported (bf16), on copies: the fixture's heads and backbone stay as they are
+    ours = copy.deepcopy(v2).to(torch.bfloat16).float()(x, copy.deepcopy(model.lm_head).to(torch.bfloat16).float())
     torch.testing.assert_close(logits[..., ids], ours[..., ids])
     outside = [i for i in range(model.config.vocab_size) if i not in ids]
     assert torch.isinf(logits[..., outside]).all()                         # never guessed, as in the app
-    model.lm_head.float()
+    # a vocabulary from another backbone (a token past this one's) is refused here, not in vLLM's startup
+    (tmp_path / "v2vocab" / "proposal_vocab.json").write_text(json.dumps({"token_ids": [5, model.config.vocab_size]}))
+    assert main(["--heads", str(tmp_path / "v2vocab"), "--out", str(tmp_path / "again"), "--format", "vllm"]) == 1
+    assert f"proposal_vocab.json names token {model.config.vocab_size}, outside the backbone's vocabulary of " \
+           f"{model.config.vocab_size}: rebuild it for this backbone, or delete it" in capsys.readouterr().err
 
 
 def test_tgi_gets_the_backbone_from_model_where_the_heads_name_none(setup, tmp_path, capsys):

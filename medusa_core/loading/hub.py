@@ -73,7 +73,8 @@ def _hub_error(repo_id: str, err: Exception) -> LoadError:
 
     # an id whose first part is a folder here is most likely a local path typed wrong (out/heds): said first
     parent = Path(repo_id).expanduser().parent
-    typo = f"there is no folder {repo_id} (though {parent} is one: check the path); " if parent.is_dir() else ""
+    typo = f"there is no folder {repo_id} (though {parent} is one: check the path); " \
+        if parent != Path(".") and parent.is_dir() else ""
     if isinstance(err, GatedRepoError):
         return LoadError(f"{repo_id} is gated: accept its license on huggingface.co and run `hf auth login`")
     if isinstance(err, RepositoryNotFoundError):

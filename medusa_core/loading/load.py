@@ -274,8 +274,9 @@ def _validate(spec: LoadSpec) -> None:
 
 @contextlib.contextmanager
 def _named_by_heads(files: HeadsFiles | None):
-    """A backbone that fails to load where the heads' config named it (``files``; None: the user did) says so: the
-    user never typed it (a path relative to where train ran, a hub id while offline), and --model names another."""
+    """A backbone name that leads nowhere, where the heads' config gave it (``files``; None: the user did), says
+    so: the user never typed it (a path relative to where train ran, a hub id while offline), and --model names
+    another. Only the name's lookup is inside: a fault of the backbone itself has its own fix."""
     try:
         yield
     except LoadError as err:
@@ -321,12 +322,14 @@ def load(spec: LoadSpec, progress: Progress | None = None) -> Loaded:
         raise LoadError(f"{files.source if files else spec.heads}: no backbone is named for these heads "
                         "(base_model_name_or_path in a config.json beside them): name it (--model, or the page's "
                         "backbone box)")
-    with _named_by_heads(None if spec.model is not None else files):
-        smollm2_backbone = is_cpu_default_backbone(local_dir(model_source))
+    with _named_by_heads(None if spec.model is not None else files):   # the name resolves, or says why
+        backbone_dir = local_dir(model_source)
+        if backbone_dir is None:
+            fetch_first(model_source, ["config.json"])      # (load_backbone reads it from the cache then)
+    smollm2_backbone = is_cpu_default_backbone(backbone_dir)
     quant = resolve_quant(spec.quant, device, cpu_default=smollm2_backbone, dtype=dtype)
-    with _named_by_heads(None if spec.model is not None else files):
-        model, tokenizer = load_backbone(model_source, device, "none" if quant == "int4" else quant, dtype,
-                                         spec.trust_remote_code)
+    model, tokenizer = load_backbone(model_source, device, "none" if quant == "int4" else quant, dtype,
+                                     spec.trust_remote_code)
     kernel_text = ""
     if quant == "int4":
         if progress is not None:   # the line said "converts" while this ran (QA: 40 s of a busy first start)

@@ -79,11 +79,17 @@ def encode_turns(tokenizer, turns: Sequence[tuple[str, str]], raw: bool) -> list
     return render_chat(tokenizer, [{"role": r, "content": t} for r, t in turns])
 
 
-def backbone_label(model: str, form: str) -> str:
-    """Which backbone answered, as an answers file records it: a local one by its absolute path, in ``form``
-    (its dtype, or the quantization it ran in: the answers of another form are other targets)."""
+def backbone_name(model: str) -> str:
+    """A backbone as files name it: a local one by its absolute path (as typed, relative to where the command
+    ran, it named nothing elsewhere), a hub id as it is."""
     local = Path(model)
-    return f"{local.resolve() if local.is_dir() else model} in {form}"
+    return str(local.resolve()) if local.is_dir() else model
+
+
+def backbone_label(model: str, form: str) -> str:
+    """Which backbone answered, as an answers file records it: its name, in ``form`` (its dtype, or the
+    quantization it ran in: the answers of another form are other targets)."""
+    return f"{backbone_name(model)} in {form}"
 
 
 def distilled_rows(model: nn.Module, tokenizer, prompts_path: str | Path, raw: bool, answer_tokens: int,

@@ -310,9 +310,7 @@ def main_with_config(config: TrainConfig) -> dict:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     result = train_heads(model, heads, rows, held, config, pad, work)
     # Saved in the backbone's dtype (bf16 for a 7B: half the file), as the loader would cast anyway.
-    # a local backbone by its absolute path: as typed, relative to where this ran, it named nothing elsewhere
-    local = Path(config.model)
-    base_model = config.base_model or (str(local.resolve()) if local.is_dir() else config.model)
+    base_model = config.base_model or data.backbone_name(config.model)
     save_heads(heads.to(lm_head.weight.dtype), config.out, base_model=base_model)
     if heads.proposal_ids is not None:   # trained against that vocabulary: it travels with the heads
         source, target = Path(config.init_heads) / PROPOSAL_FILE, Path(config.out) / PROPOSAL_FILE
