@@ -15,7 +15,7 @@ SLIDER_BOX = "number input for "   # the start of a slider's number box's aria-l
 SCRIPT = f"""() => {{
   if (window.medusaRangeNotice) return;
   window.medusaRangeNotice = true;
-  const show = (text) => {{
+  const show = (name, text) => {{
     let note = document.getElementById("{NOTE_ID}");
     if (!note) {{
       note = document.createElement("div");
@@ -26,6 +26,7 @@ SCRIPT = f"""() => {{
       document.body.appendChild(note);
     }}
     note.textContent = text;
+    note.dataset.slider = name;
     clearTimeout(note.timer);
     note.timer = setTimeout(() => note.remove(), {SHOWN_S * 1000});
   }};
@@ -43,18 +44,23 @@ SCRIPT = f"""() => {{
     const name = box.getAttribute("aria-label").slice({len(SLIDER_BOX)});
     const [low, high] = [Number(box.min), Number(box.max)];
     const range = `use a value from ${{low}} to ${{high}}`;
-    if (box.value === "") {{      // cleared, or unreadable ("0,7"): Gradio takes it as 0
-      show(`${{name}} is empty or not a number: ${{range}} (set to ${{Math.min(Math.max(0, low), high)}})`);
+    if (box.value === "") {{      // cleared, or unreadable: Gradio takes it as 0
+      show(name, `${{name}} is empty or not a number: ${{range}} (set to ${{Math.min(Math.max(0, low), high)}})`);
       return;
     }}
     const value = Number(box.value);
     if (value >= low && value <= high) {{
       // a whole-number slider (max new tokens) keeps a typed fraction, which Send then refuses: say so now
       if (Number(box.step) === 1 && Number.isInteger(low) && !Number.isInteger(value))
-        show(`${{name}} ${{box.value}} is not a whole number: use one from ${{low}} to ${{high}}, ` +
+        show(name, `${{name}} ${{box.value}} is not a whole number: use one from ${{low}} to ${{high}}, ` +
              `e.g. ${{Math.floor(value)}} or ${{Math.ceil(value)}}`);
+      else {{   // corrected: a note about this slider's earlier value goes (QA: it stayed its 8 s, naming it)
+        const note = document.getElementById("{NOTE_ID}");
+        if (note && note.dataset.slider === name) note.remove();
+      }}
       return;
     }}
-    show(`${{name}} ${{box.value}} is out of range: ${{range}} (set to ${{Math.min(Math.max(value, low), high)}})`);
+    const used = Math.min(Math.max(value, low), high);
+    show(name, `${{name}} ${{box.value}} is out of range: ${{range}} (set to ${{used}})`);
   }}, true);
 }}"""
