@@ -914,3 +914,30 @@ def test_a_gpu_index_past_the_gpus_there_is_said_in_one_line(monkeypatch):
     assert resolve_device("cuda:1") == "cuda:1" and resolve_device("cuda") == "cuda"
     with pytest.raises(LoadError, match=r"^device 'cuda:3' is not here: torch sees 2 CUDA GPU\(s\), cuda:0 to cuda:1$"):
         resolve_device("cuda:3")
+
+
+def test_memory_is_freed_only_outside_another_threads_graph_capture(monkeypatch):
+    """torch.cuda.empty_cache asserts that no CUDA graph is being recorded, and a collection during a capture
+    invalidates it: an Unload or an out-of-memory answer beside another tab's first step did both (review).
+    free_memory waits for the capture to end."""
+    import threading
+
+    from medusa_core.decoding import graphs
+    from medusa_core.loading import memory
+
+    ran = []
+    monkeypatch.setattr(memory.gc, "collect", lambda: ran.append("collect"))
+    with graphs._CAPTURES:                 # a capture in progress in another thread (graphs.capturing)
+        graphs._capturing += 1
+    try:
+        freeing = threading.Thread(target=memory.free_memory)
+        freeing.start()
+        freeing.join(0.5)
+        assert freeing.is_alive() and ran == [], "freed during the capture"
+        assert not graphs.outside_captures(lambda: ran.append("other"), timeout=0.1)   # gives up, and says so
+    finally:
+        with graphs._CAPTURES:             # the capture ends, as graphs.capturing's exit does
+            graphs._capturing -= 1
+            graphs._NO_CAPTURE.notify_all()
+    freeing.join(10)
+    assert not freeing.is_alive() and ran == ["collect"]

@@ -17,6 +17,7 @@ T = TypeVar("T")
 
 _FREE_STREAMS: dict[torch.device, list[torch.cuda.Stream]] = {}
 _CAPTURES = threading.Lock()
+_NO_CAPTURE = threading.Condition(_CAPTURES)   # notified as the last capture in progress ends
 _capturing = 0                 # captures in progress, in all threads
 _gc_was_enabled = True
 
@@ -76,8 +77,22 @@ def capturing(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, collect: b
     finally:
         with _CAPTURES:
             _capturing -= 1
-            if _capturing == 0 and _gc_was_enabled:
-                gc.enable()
+            if _capturing == 0:
+                if _gc_was_enabled:
+                    gc.enable()
+                _NO_CAPTURE.notify_all()
+
+
+def outside_captures(free: Callable[[], object], timeout: float = 120.0) -> bool:
+    """Run ``free`` (gc.collect, torch.cuda.empty_cache) while no thread records a graph, none starting
+    meanwhile; True once it ran. Another thread's unload or OOM handling freed memory during a capture,
+    which invalidates the graph, and empty_cache asserts that no capture is underway. Not from inside a
+    capture (it would wait for itself): past ``timeout`` it gives up and says so (False)."""
+    with _NO_CAPTURE:
+        if not _NO_CAPTURE.wait_for(lambda: _capturing == 0, timeout):
+            return False
+        free()
+        return True
 
 
 def use_graphs(model: nn.Module, graphs: bool | None) -> bool:

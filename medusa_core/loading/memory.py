@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ..decoding.graphs import outside_captures
 from ..heads.medusa_heads import MedusaHeads
 
 
@@ -19,9 +20,14 @@ def _size(nbytes: float) -> str:
 
 def free_memory() -> None:
     """What was freed, handed back: a figure read after it is what the process holds, not what it once did."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    def collect() -> None:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    if not outside_captures(collect):
+        print("memory: a CUDA graph capture in another thread ran past 2 minutes: what was freed stays with the "
+              "process for now, and the memory figures count it", flush=True)
     # glibc keeps freed heap pages for the process to reuse, so an unloaded model's CPU weights still
     # counted as resident (SmolLM2 unloaded: 1.09 GiB resident, 531 MiB after a trim); other C
     # libraries have no malloc_trim, and their freed memory is what it is
