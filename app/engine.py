@@ -23,6 +23,7 @@ from medusa_core.decoding.generate import generate, max_context, new_cache, pref
 from medusa_core.decoding.step import compute_dtype
 from medusa_core.decoding.step_store import needs_capture
 from medusa_core.decoding.tree import TreeBuffers
+from medusa_core.loading.memory import free_memory
 
 from .detok import Detokenizer
 from .render import plain_text
@@ -162,8 +163,9 @@ class ChatEngine:
         self.trees = TreeCatalogue(self.num_heads, self.device, loaded.default_tree, loaded.tuned)
 
     def on_model_thread(self, fn: Callable, *args):
-        """``fn(*args)`` on the engine's model thread (the caller waits): all torch work goes there.
-        EngineClosed once the engine is closed."""
+        """``fn(*args)`` on the engine's model thread (the caller waits): every forward pass and capture goes
+        there (a cache's bookkeeping, as a rewind, runs on the caller's thread while the queue keeps the model
+        thread idle). EngineClosed once the engine is closed."""
         if self._closed:
             raise EngineClosed(self._closed)
         try:
@@ -171,7 +173,12 @@ class ChatEngine:
         except RuntimeError:       # closed between the check and the submit, or the interpreter is exiting (Ctrl+C:
             # an API stream was told "the model was unloaded")
             raise EngineClosed(self._closed or "the app is shutting down") from None
-        return future.result()
+        try:
+            return future.result()
+        finally:
+            # a raised error's traceback holds this frame, which held the future, which holds the error: a cycle
+            # that kept a failed step's cache and activations until a garbage collection (an OOM's retry met them)
+            del future
 
     def close(self, reason: str = "the model was unloaded") -> None:
         """Let the model thread go (with its OpenMP pool) once the engine is replaced or unloaded; a request
@@ -337,8 +344,7 @@ class ChatEngine:
                     interval = min(1.0, max(UPDATE_SECONDS, rendered * (1 - RENDER_SHARE) / RENDER_SHARE))
         except torch.OutOfMemoryError:
             session.drop_caches()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            free_memory()     # (not during another thread's graph capture: empty_cache would assert)
             for r in runs:
                 yield r.update(error=oom_message())
             return

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 
+from medusa_core.errors import first_line
 from medusa_core.loading.chat_format import json_value
 
 from .engine import BASELINE, MEDUSA, STOP_HINT, ChatEngine, Update
@@ -94,7 +95,7 @@ def generate_updates(engine: ChatEngine, session: Session, prompt: list[int], re
             emit(update)
     except Exception as err:     # a thread boundary: the client must hear of it, not wait forever
         traceback.print_exc()    # and the console keeps the whole of it for a report, as the page's answers do
-        emit(Update(error=f"generation failed: {type(err).__name__}: {str(err)[:200]}", done=True))
+        emit(Update(error=f"generation failed: {type(err).__name__}: {first_line(err, 200)}", done=True))
     finally:
         emit(None)
 

@@ -1416,6 +1416,75 @@ def test_a_load_that_fails_unforeseen_ends_and_keeps_the_old_model(model_dirs):
     assert slot.wait(60).phase == "ready"
 
 
+def test_a_fault_after_the_new_model_answers_still_ends_the_load(model_dirs, monkeypatch, capsys):
+    """A fault once the new engine was swapped in (the memory report; on CUDA, freeing memory beside another tab's
+    graph capture) ended the load thread with the slot "loading" for good (review)."""
+    import app.models as models
+    from app.models import ModelSlot
+    from medusa_core.loading.load import load
+    from medusa_core.loading.spec import LoadSpec
+
+    backbone, heads = model_dirs
+    spec = LoadSpec(model=str(backbone), heads=str(heads), device="cpu")
+    slot = ModelSlot(loader=load, log=lambda line: None)
+    slot.start(spec)
+    first = slot.wait(60).engine
+
+    def failing(*args):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(models, "memory_report", failing)
+    slot.start(spec)
+    state = slot.wait(60)
+    assert state.phase == "ready" and state.engine is not None and state.engine is not first, state.line
+    assert state.details.endswith("memory: not measured (RuntimeError: the console has the details)"), state.details
+    assert "RuntimeError: CUDA error" in capsys.readouterr().err        # the traceback, for a report
+    assert slot.start(spec) is None, "the next load is taken"
+
+
+def test_a_model_id_the_file_system_refuses_leaves_the_slot_as_it_was(monkeypatch):
+    """A NUL in a heads id raised inside Load before its thread started, leaving the slot "loading" for good; a
+    5,000-character id made every status read raise while it loaded (review)."""
+    from app.models import ModelSlot, downloaded, spec_for
+    from medusa_core.loading.spec import LoadSpec
+
+    with pytest.raises(ValueError) as said:
+        spec_for(None, "", "a\x00b", LoadSpec())
+    assert str(said.value) == "heads id 'a\\x00b' holds a control character: give a hub id or a local directory " \
+                              "without it"
+    slot = ModelSlot(loader=lambda s, progress: (_ for _ in ()).throw(AssertionError("no load may start")),
+                     log=lambda line: None)
+    with pytest.raises(ValueError):                       # a LoadSpec made elsewhere (launch.py builds its own)
+        slot.start(LoadSpec(heads="a\x00b", device="cpu"))
+    assert slot.state().phase == "empty"
+    assert downloaded("owner/" + "x" * 5000) == 0
+
+
+def test_a_failed_step_frees_its_memory_without_a_garbage_collection(engine):
+    """The model thread's future held the step's error, whose traceback held the frame that held the future: a
+    cycle that kept a failed step's cache and activations alive until a collection (after an out-of-memory
+    error, the retry met them still allocated; review)."""
+    import gc
+    import weakref
+
+    import torch
+
+    held = []
+
+    def step():
+        activations = torch.zeros(4)
+        held.append(weakref.ref(activations))
+        raise RuntimeError("out of memory")
+
+    gc.disable()
+    try:
+        with pytest.raises(RuntimeError):
+            engine.on_model_thread(step)
+        assert held[0]() is None
+    finally:
+        gc.enable()
+
+
 def test_a_load_pressed_during_an_unload_runs_alone_and_is_said(model_dirs, monkeypatch):
     """Load pressed in another tab while Unload changes the slot: the load waits for the change and then
     shows as loading (the slot said "No model loaded" while it ran, and took a second Load beside it)."""
