@@ -19,6 +19,7 @@ _FREE_STREAMS: dict[torch.device, list[torch.cuda.Stream]] = {}
 _CAPTURES = threading.Lock()
 _NO_CAPTURE = threading.Condition(_CAPTURES)   # notified as the last capture in progress ends
 _capturing = 0                 # captures in progress, in all threads
+CAPTURE_WAIT_S = 120.0         # how long freeing memory waits for another thread's capture to end
 _gc_was_enabled = True
 
 
@@ -83,7 +84,7 @@ def capturing(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, collect: b
                 _NO_CAPTURE.notify_all()
 
 
-def outside_captures(free: Callable[[], object], timeout: float = 120.0) -> bool:
+def outside_captures(free: Callable[[], object], timeout: float = CAPTURE_WAIT_S) -> bool:
     """Run ``free`` (gc.collect, torch.cuda.empty_cache) while no thread records a graph, none starting
     meanwhile; True once it ran. Another thread's unload or OOM handling freed memory during a capture,
     which invalidates the graph, and empty_cache asserts that no capture is underway. Not from inside a

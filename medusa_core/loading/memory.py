@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..decoding.graphs import outside_captures
+from ..decoding.graphs import CAPTURE_WAIT_S, outside_captures
 from ..heads.medusa_heads import MedusaHeads
 
 
@@ -26,8 +26,8 @@ def free_memory() -> None:
             torch.cuda.empty_cache()
 
     if not outside_captures(collect):
-        print("memory: a CUDA graph capture in another thread ran past 2 minutes: what was freed stays with the "
-              "process for now, and the memory figures count it", flush=True)
+        print(f"memory: a CUDA graph capture in another thread ran past {CAPTURE_WAIT_S:.0f} s: what was freed "
+              "stays with the process for now, and the memory figures count it", flush=True)
     # glibc keeps freed heap pages for the process to reuse, so an unloaded model's CPU weights still
     # counted as resident (SmolLM2 unloaded: 1.09 GiB resident, 531 MiB after a trim); other C
     # libraries have no malloc_trim, and their freed memory is what it is
