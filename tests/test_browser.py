@@ -777,27 +777,41 @@ def test_two_tabs_each_reload_their_own_conversation(browser, default_app):
         context.close()
 
 
-def test_an_idle_tab_says_when_the_model_answers_another_tab(browser, default_app):
+def test_an_idle_tab_says_when_the_model_answers_another_tab(browser, tiny_dirs):
     """QA: an idle tab said only "Ready" while another tab's answer held the model; a message sent there waited,
-    and said why only once sent. It now says so while it lasts, and the line goes when the other answer ends."""
+    and said why only once sent. It now says so while it lasts, and the line goes when the other answer ends.
+    Every forward takes 3 s here: the answer holds the model past the watch's 2 s whatever it says (SmolLM2's
+    sampled "long essay" ended within them once, and the hint never showed)."""
     from app.layout import BUSY_ELSEWHERE
+    from app.models import ModelSlot
+    from medusa_core.loading.load import load
+    from medusa_core.loading.spec import LoadSpec
 
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
-    try:
-        first, second = ready_tabs(context, default_app, 2)
-        hint = second.locator("#busy-hint")
-        assert not hint.is_visible()
-        set_max_new(first, 2000)
-        first.locator("#message textarea").fill("Write a very long essay about trains.")
-        first.locator("#send").click()
-        hint.wait_for(state="visible", timeout=15_000)      # the watch looks every 2 s
-        assert hint.inner_text().strip() == BUSY_ELSEWHERE
-        assert not first.locator("#busy-hint").is_visible(), "the answering tab's own answer is not 'another tab'"
-        first.locator("#stop").click()
-        first.wait_for_function(READY, timeout=60_000)
-        hint.wait_for(state="hidden", timeout=15_000)
-    finally:
-        context.close()
+    def slow(spec, progress):
+        loaded = load(spec, progress)
+        loaded.model.get_decoder().register_forward_pre_hook(lambda module, args: time.sleep(3))
+        return loaded
+
+    backbone, heads = tiny_dirs
+    slot = ModelSlot(loader=slow, max_new_tokens=8, log=lambda line: None)
+    spec = LoadSpec(model=str(backbone), heads=str(heads), device="cpu")
+    with in_process_app(slot, spec) as url:
+        slot.start(spec)
+        context = browser.new_context(viewport={"width": 1400, "height": 1000})
+        try:
+            first, second = ready_tabs(context, url, 2)
+            hint = second.locator("#busy-hint")
+            assert not hint.is_visible()
+            first.locator("#message textarea").fill("hello")
+            first.locator("#send").click()
+            hint.wait_for(state="visible", timeout=15_000)      # the watch looks every 2 s
+            assert hint.inner_text().strip() == BUSY_ELSEWHERE
+            assert not first.locator("#busy-hint").is_visible(), "the answering tab's own answer is not 'another tab'"
+            first.locator("#stop").click()
+            first.wait_for_function(READY, timeout=60_000)
+            hint.wait_for(state="hidden", timeout=15_000)
+        finally:
+            context.close()
 
 
 def test_a_tab_whose_heartbeat_dropped_answers_its_next_message(browser, tiny_dirs, monkeypatch):
