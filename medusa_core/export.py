@@ -31,6 +31,7 @@ from .errors import LoadError, OneLineParser, check_folder, run_command
 from .heads.medusa_heads import HeadsConfig
 from .heads.files import (HEADS_FILE, PROPOSAL_FILE, HeadsFiles, check_declared, heads_config_from_keys,
                           read_heads_dir, save_safetensors)
+from .loading.hub import backbone_name
 
 FORMATS = ("tgi", "vllm", "both")
 WRITES = {"tgi": (HEADS_FILE, "config.json"), "vllm": ("model.safetensors", "config.json")}   # each format's files
@@ -160,7 +161,8 @@ def export(spec: ExportSpec) -> Exported:
         raise LoadError(f"dtype {spec.dtype!r} is unknown: use one of {', '.join(DTYPES)}")
     check_folder(spec.out)      # before the heads are read: a hub download can take minutes
     files, found = read_source(spec.heads)
-    files = replace(files, base_model=spec.model or files.base_model)    # --model, where given, is the backbone
+    if spec.model is not None:      # --model is the backbone; a local one by its absolute path, as train writes it
+        files = replace(files, base_model=backbone_name(spec.model))
     folders = {kind: spec.out / kind if spec.format == "both" else spec.out for kind in ("tgi", "vllm")
                if spec.format in (kind, "both")}
     source = Path(files.source)

@@ -197,6 +197,14 @@ def test_tgi_gets_the_backbone_from_model_where_the_heads_name_none(setup, tmp_p
     assert json.loads((tmp_path / "b" / "config.json").read_text())["base_model_name_or_path"] == "lmsys/vicuna-7b-v1.3"
 
 
+def test_a_local_backbone_is_exported_by_its_absolute_path(setup, tmp_path, monkeypatch):
+    """--model typed relative to where export ran named nothing where the heads were served."""
+    root = setup[0]
+    monkeypatch.chdir(root)
+    assert main(["--heads", "heads", "--out", str(tmp_path / "out"), "--format", "tgi", "--model", "backbone"]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["base_model_name_or_path"] == str(root / "backbone")
+
+
 def test_heads_tgi_cannot_run_are_refused_before_anything_is_written(setup, tmp_path, capsys):
     """Review: TGI's loader for heads without a projection (MedusaHeadV2) asserts one residual block per head;
     export wrote two-block ones, which TGI then failed on at startup."""

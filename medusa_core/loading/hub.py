@@ -42,6 +42,13 @@ PROBE_SECONDS = 3          # a reachable hub answers a TCP connect well within t
 _probed: tuple[float, bool] | None = None     # (when, reachable): one probe serves a whole load
 
 
+def backbone_name(model: str) -> str:
+    """A backbone as files name it: a local one by its absolute path (as typed, relative to where the command
+    ran, it named nothing elsewhere), a hub id as it is."""
+    local = Path(model)
+    return str(local.resolve()) if local.is_dir() else model
+
+
 def hub_reachable() -> bool:
     """Whether a connection to the hub's endpoint opens (checked at most once a minute). Offline,
     huggingface_hub retries each request for about 23 s before it reads its cache, and the loader

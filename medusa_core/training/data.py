@@ -15,6 +15,7 @@ from torch import nn
 
 from ..decoding.config import DecodeConfig
 from ..decoding.generate import generate
+from ..loading.hub import backbone_name
 
 Row = tuple[list[int], list[int]]
 
@@ -77,13 +78,6 @@ def encode_turns(tokenizer, turns: Sequence[tuple[str, str]], raw: bool) -> list
     from ..loading.chat_format import render_chat
 
     return render_chat(tokenizer, [{"role": r, "content": t} for r, t in turns])
-
-
-def backbone_name(model: str) -> str:
-    """A backbone as files name it: a local one by its absolute path (as typed, relative to where the command
-    ran, it named nothing elsewhere), a hub id as it is."""
-    local = Path(model)
-    return str(local.resolve()) if local.is_dir() else model
 
 
 def backbone_label(model: str, form: str) -> str:

@@ -19,6 +19,7 @@ from ..errors import check_folder
 from ..heads.accuracy import CALIBRATION_FILE
 from ..heads.files import PROPOSAL_FILE, HeadsFiles, load_heads_files, read_heads_dir
 from ..heads.medusa_heads import HeadsConfig, MedusaHeads
+from ..loading.hub import backbone_name
 from . import data
 from .evaluation import rank_counts, rank_histogram
 from .loss import Positions, backbone_hidden, cached_positions, head_loss, padded, positions
@@ -310,7 +311,7 @@ def main_with_config(config: TrainConfig) -> dict:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     result = train_heads(model, heads, rows, held, config, pad, work)
     # Saved in the backbone's dtype (bf16 for a 7B: half the file), as the loader would cast anyway.
-    base_model = config.base_model or data.backbone_name(config.model)
+    base_model = config.base_model or backbone_name(config.model)
     save_heads(heads.to(lm_head.weight.dtype), config.out, base_model=base_model)
     if heads.proposal_ids is not None:   # trained against that vocabulary: it travels with the heads
         source, target = Path(config.init_heads) / PROPOSAL_FILE, Path(config.out) / PROPOSAL_FILE
