@@ -3,8 +3,8 @@ server-sent events) and ``GET /v1/models``, served by the page's own server, on 
 model it has loaded. Editors, agent frameworks and scripts speak this API; Medusa makes it faster.
 
 Requests go through ``ChatEngine.answer`` like a browser tab's: they wait in the same line for the
-model, one generation at a time, first come first served. Each request decodes in a fresh
-``Session`` (its own KV cache), so a tab's cached conversation is never rewound by a request. A
+model, one generation at a time, first come first served. Each request has a fresh ``Session`` (its
+own Stop) over the API's own KV caches, so a tab's cached conversation is never rewound by a request. A
 client that goes away sets the request's cancel flag, and the generation stops at the next step
 and leaves the queue. Nothing here reads or writes files.
 
@@ -21,6 +21,7 @@ import threading
 import time
 import traceback
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -103,10 +104,11 @@ def generate_updates(engine: ChatEngine, session: Session, prompt: list[int], re
 class Completion:
     """One request's run: its worker thread, its cancel flag and what it has produced so far."""
 
-    def __init__(self, engine: ChatEngine, prompt: list[int], request: ChatRequest, model_id: str) -> None:
+    def __init__(self, engine: ChatEngine, prompt: list[int], request: ChatRequest, model_id: str,
+                 caches: weakref.WeakKeyDictionary | None = None) -> None:
         self.engine, self.prompt, self.request, self.model_id = engine, prompt, request, model_id
         self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        self.session = Session()
+        self.session = Session(caches)      # its own Stop; ``caches``: the API's, which every request decodes in
         self.stop = StopText(request.stop)
         self.last: Update | None = None
         self.waiting = "starting"      # what a heartbeat says while no text comes: queued, reading the prompt
@@ -274,6 +276,11 @@ def loading(state) -> ApiError:
 
 def api_routes(slot: ModelSlot, api_key: str | None = None) -> list[APIRoute]:
     """``/v1/models`` and ``/v1/chat/completions`` over the slot's engine, for FastAPI(routes=...)."""
+    # The requests' KV caches, one set for all: requests answer one at a time (the engine's line), and a client
+    # sends the whole conversation each turn, whose earlier part is then read from the cache, as a tab's is. A
+    # cache per request read it all again (seconds on a CPU) and, on CUDA, captured its step's graph again.
+    # Apart from the tabs' caches, which a request never rewinds.
+    caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def authorize(request: Request) -> None:
         if api_key is None:
@@ -329,7 +336,7 @@ def api_routes(slot: ModelSlot, api_key: str | None = None) -> list[APIRoute]:
             chat, prompt = await run_in_threadpool(accepted, body, engine)
         except ApiError as err:
             return err.response()
-        run = Completion(engine, prompt, chat, model_id(engine))
+        run = Completion(engine, prompt, chat, model_id(engine), caches)
         if chat.stream:
             return StreamingResponse(stream_events(run), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})

@@ -45,7 +45,7 @@ class Session:
     """Per-tab state, kept in a gr.State: the conversation, one KV cache per decoder (the
     baseline pane's cache must not rewind Medusa's every turn) and the Stop flag."""
 
-    def __init__(self) -> None:
+    def __init__(self, caches: weakref.WeakKeyDictionary | None = None) -> None:
         self.turns: list[Turn] = []
         self.first_turn = 0                 # turns before this were cut to fit the context
         self.cancel = threading.Event()
@@ -57,8 +57,9 @@ class Session:
         self.waiting: str | None = None     # a message waiting for a model load: shown and saved, not yet a turn
         self.closed = False                 # the tab was closed or reloaded: what it asked before then does not run
         # {pass: KV cache} under the engine they belong to, held weakly: an unloaded or replaced model's
-        # caches go with its engine (SmolLM2's held 250 MiB past Unload until the tab's next message)
-        self._caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # caches go with its engine (SmolLM2's held 250 MiB past Unload until the tab's next message). ``caches``:
+        # ones shared with other Sessions that never answer at once (the API's requests)
+        self._caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary() if caches is None else caches
         self.busy = threading.Lock()        # one request per tab at a time
         # the page's sends and regenerates whose events have not all run yet: Stop stays on while there is one
         self._sends, self._sends_lock = 0, threading.Lock()

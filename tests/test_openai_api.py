@@ -595,6 +595,28 @@ def test_whole_answers_whose_clients_gave_up_free_the_line(tiny_app):
     assert len(forwards) < 400, f"{len(forwards)} steps ran: the clients that gave up kept generating"
 
 
+def test_a_conversation_sent_again_each_turn_reads_only_its_new_part(tiny_app):
+    """An API client sends the whole conversation every turn. Each request decoded in a cache of its own, so every
+    turn read the whole conversation again (seconds on a CPU, and on CUDA a graph captured again); the requests
+    now share theirs, and a turn reads only what the cache does not hold. Counted in positions the decoder read."""
+    url, slot, spec, _ = tiny_app
+    slot.start(spec)
+    assert slot.wait(60).phase == "ready"
+    read: list[int] = []
+    slot.engine.model.get_decoder().register_forward_hook(
+        lambda module, args, out: read.append(out.last_hidden_state.shape[1]))
+    messages = [{"role": "user", "content": "a long story about a cat"}]
+    body = {"model": "backbone", "max_tokens": 8, "temperature": 0}
+    with httpx.Client(timeout=120) as http:
+        first = http.post(url + "/v1/chat/completions", json={**body, "messages": messages}).json()
+        messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "and then?"}]
+        read.clear()
+        second = http.post(url + "/v1/chat/completions", json={**body, "messages": messages}).json()
+    grown = second["usage"]["prompt_tokens"] - first["usage"]["prompt_tokens"]
+    assert 0 < read[0] <= grown, f"read {read[0]} of the {second['usage']['prompt_tokens']} prompt tokens"
+
+
 def test_a_soak_keeps_memory_flat_and_leaves_no_files(app):
     url, proc, tmp = app
     before_files = {p for p in tmp.rglob("*")}
