@@ -90,12 +90,17 @@ def said(err: Exception) -> str:
     return err.labelled if isinstance(err, SettingError) else str(err)
 
 
-def empty_note(stats: Stats) -> str:
+def empty_note(stats: Stats, greedy: bool) -> str:
+    """Why an answer shows nothing, and what to do (review: "end-of-turn token first" was said of blanks before it,
+    and "try sampling" of a sampled answer)."""
     if stats.finish_reason == "length":
         return (f"the answer is blank ({count(stats.tokens, 'token')} of spaces or line breaks) when max new "
                 "tokens was reached: raise max new tokens")
     if stats.finish_reason == "eos":
-        return "the model ended its answer at once (end-of-turn token first): rephrase, or try sampling"
+        fix = "rephrase, or try sampling" if greedy else "rephrase, or press Regenerate for another sample"
+        if stats.tokens <= 1:       # the end-of-turn token counts as one
+            return f"the model ended its answer at once (end-of-turn token first): {fix}"
+        return f"the model ended its answer after {count(stats.tokens - 1, 'blank token')}: {fix}"
     if stats.finish_reason == "cancelled":   # Stop while a long prompt was being read
         return STOPPED_BEFORE_FIRST + BACK_IN_BOX
     return "the answer is empty"
@@ -408,7 +413,7 @@ class ChatController:
                                                       and not update.stats.tokens)
                         turn.reply = None if unanswered and not update.plain else update.plain
                         if not update.error and not update.plain.strip():
-                            turn.note = " · ".join(filter(None, [turn.note, empty_note(update.stats)]))
+                            turn.note = " · ".join(filter(None, [turn.note, empty_note(update.stats, settings.greedy)]))
                 if update.error:
                     error = update.error
                     turn.note = " · ".join(filter(None, [cut, error]))

@@ -328,6 +328,7 @@ class ChatEngine:
         both alike, and both reach the same point of the answer at about the same time."""
         events: list[tuple[str, int, float]] = []   # (pass, tokens, seconds) of steps taken while both ran
         last_yield, interval = 0.0, UPDATE_SECONDS
+        ended: set[str] = set()                     # passes whose last update was yielded
         try:
             while active := [r for r in runs if not r.done]:
                 run = min(active, key=lambda r: (len(r.tokens), r.name != BASELINE))
@@ -337,7 +338,10 @@ class ChatEngine:
                 now = time.perf_counter()
                 if run.done or (step is not None and step.prefill) or now - last_yield >= interval:
                     for r in runs:
-                        yield r.update()
+                        if r.name not in ended:     # a pass's end is said once (its blank-answer note was added
+                            yield r.update()        # again at each update of the pass still running: QA saw 102)
+                            if r.done:
+                                ended.add(r.name)
                     last_yield = time.perf_counter()
                     rendered = last_yield - now        # the consumer's time, while no step ran
                     # at most a second: one stall of the page (another tab loading) must not freeze the stream

@@ -604,6 +604,47 @@ def test_a_compared_message_stopped_before_its_first_token_is_replaced_when_rese
     assert [turn.user for turn in session.turns] == ["hello", long.strip()]
 
 
+def test_a_compared_answer_that_ends_blank_is_noted_once(model_dirs, monkeypatch):
+    """Review: with compare on, a Medusa answer that ended at once (a blank token, then its end) while the plain
+    pass went on had its note added again at each streamed update (102 times in one answer)."""
+    from app.chat_controller import ChatController
+    from app.engine import MEDUSA, DecoderRun
+    from app.models import ModelSlot
+    from app.session import Session
+    from medusa_core.decoding.generate import StepResult
+    from medusa_core.loading.spec import LoadSpec
+
+    backbone, heads = model_dirs
+    slot = ModelSlot(log=lambda line: None)
+    slot.start(LoadSpec(model=str(backbone), heads=str(heads), device="cpu"))
+    assert slot.wait(120).phase == "ready"
+    space = slot.engine.tokenizer.encode(" ", add_special_tokens=False)[0]
+    made = DecoderRun.__init__
+
+    def blank_medusa(run, engine, name, *args, **kwargs):
+        made(run, engine, name, *args, **kwargs)
+        if name == MEDUSA:    # a blank token, then the end of the turn
+            run.steps = iter([StepResult([space], 0, 0.01, prefill=True, finish_reason="eos")])
+
+    monkeypatch.setattr(DecoderRun, "__init__", blank_medusa)
+    chat, session = ChatController(slot), Session()
+    list(chat.run(session, "hello", "", True, dict(max_new_tokens=40)))
+    turn = session.turns[-1]
+    assert turn.baseline and turn.note.count("the model ended its answer") == 1, turn.note
+
+
+def test_a_blank_answers_note_says_what_came_and_offers_what_was_not_tried():
+    """Review: blanks before the end of the turn were said as "end-of-turn token first", and a sampled answer was
+    told to "try sampling"."""
+    from app.chat_controller import empty_note
+    from app.readout import Stats
+
+    assert empty_note(Stats(tokens=1, finish_reason="eos"), greedy=True) == \
+        "the model ended its answer at once (end-of-turn token first): rephrase, or try sampling"
+    assert empty_note(Stats(tokens=3, finish_reason="eos"), greedy=False) == \
+        "the model ended its answer after 2 blank tokens: rephrase, or press Regenerate for another sample"
+
+
 def test_the_page_seed_is_random_at_minus_one_only():
     """The seed box says "-1: random": any other number, negative ones included, is a seed that repeats an
     answer, as it does through the OpenAI API (every negative seed was random on the page)."""
@@ -2392,7 +2433,7 @@ def test_stop_while_a_long_prompt_is_read_ends_the_answer_before_its_first_token
     assert updates[0].notice == f"reading {len(prompt):,} new prompt tokens before the answer (Stop works meanwhile)…"
     last = updates[-1]
     assert last.done and last.error is None and last.stats.tokens == 0 and last.stats.finish_reason == "cancelled"
-    assert empty_note(last.stats) == "stopped before the first token: the message is back in the box"
+    assert empty_note(last.stats, greedy=True) == "stopped before the first token: the message is back in the box"
     assert render_live(last.stats).endswith("Answer: none: stopped before the first token")
 
 
