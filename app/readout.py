@@ -38,7 +38,7 @@ class Stats:
     steps: int = 0                  # decoding steps after the prefill
     accepted: tuple[int, ...] = ()  # tokens emitted per decoding step (1 = no head guess accepted)
     from_heads: int = 0             # tokens that were Medusa guesses accepted by the backbone
-    ttft: float | None = None       # seconds from the request to the first token
+    ttft: float | None = None       # seconds from decoding's start (after the wait in line) to the first token
     decode_seconds: float = 0.0     # seconds spent in the steps after the first token
     finish_reason: str | None = None
 
@@ -147,10 +147,15 @@ def sparkline(values: tuple[int, ...] | list[int], top: int | None = None) -> st
     return "".join(_BARS[min(len(_BARS) - 1, (v - 1) * (len(_BARS) - 1) // max(top - 1, 1))] for v in values)
 
 
+def seconds_text(seconds: float) -> str:
+    """A short time in ms, from a second on in seconds (a long prompt read on a CPU read "48274 ms")."""
+    return f"{seconds * 1000:.0f} ms" if seconds < 0.9995 else f"{seconds:.1f} s"
+
+
 def render_live(stats: Stats) -> str:
     """The readout Markdown: a table of the live numbers, the sparkline, and once the
     answer is finished a one-line summary."""
-    ttft = "–" if stats.ttft is None else f"{stats.ttft * 1000:.0f} ms"
+    ttft = "–" if stats.ttft is None else seconds_text(stats.ttft)
     recent = stats.accepted[-SPARK_STEPS:]
     nodes = f"{stats.tree_size} node{'s' if stats.tree_size != 1 else ''}"
     tree = f" · tree `{stats.tree}` ({nodes})" if stats.tree else ""

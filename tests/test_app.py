@@ -633,6 +633,14 @@ def test_a_compared_answer_that_ends_blank_is_noted_once(model_dirs, monkeypatch
     assert turn.baseline and turn.note.count("the model ended its answer") == 1, turn.note
 
 
+def test_a_time_to_first_token_of_seconds_reads_in_seconds():
+    """Review: a long prompt read on a CPU showed "48274 ms"."""
+    from app.readout import Stats, render_live
+
+    assert "| 48.3 s |" in render_live(Stats(tokens=2, ttft=48.274)) and "| 117 ms |" in render_live(Stats(ttft=0.117))
+    assert "| 1.0 s |" in render_live(Stats(ttft=0.9996))      # not "1000 ms"
+
+
 def test_a_blank_answers_note_says_what_came_and_offers_what_was_not_tried():
     """Review: blanks before the end of the turn were said as "end-of-turn token first", and a sampled answer was
     told to "try sampling"."""
