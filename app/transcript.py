@@ -23,6 +23,7 @@ FORMAT = "medusa-chat/1"
 FENCE = re.compile(r"( {0,3})(`{3,}|~{3,})(.*)")
 # what a Markdown viewer makes of a text: CommonMark with GitHub's tables and strikethrough
 VIEWER = MarkdownIt("commonmark").enable(["table", "strikethrough"])
+NO_HTML = MarkdownIt("commonmark", {"html": False}).enable(["table", "strikethrough"])    # as the page reads a reply
 
 
 def to_saved(turns: list[Turn], first_turn: int, system: str = "", compare: bool = False) -> dict:
@@ -107,6 +108,73 @@ def closed_fences(text: str) -> str:
     return text + ("" if text.endswith("\n") else "\n") + indent + fence
 
 
+# CommonMark autolinks (<https://...>, <name@host>), which the page links with raw HTML off: left as they are
+AUTOLINK = re.compile(r"<(?:[A-Za-z][A-Za-z0-9+.-]{1,31}:[^\s<>]*|[A-Za-z0-9.!#$%&'*+/=?^_`{|}~-]+@[A-Za-z0-9]"
+                      r"(?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*)>")
+BACKTICKS = re.compile(r"`+")
+
+
+def html_as_text(reply: str) -> str:
+    """``reply`` with each '<' a viewer would read as HTML escaped, outside code: the page shows an answer's raw
+    HTML as text, and a viewer of the export hid it ("Put <br> here" lost its tag; a reply cut inside an
+    unclosed '<!--' or '<pre>' hid every later turn)."""
+    lines = reply.split("\n")
+    code, spans = set(), {}     # lines of code blocks; first line -> end of the lines one inline text spans
+    for token in NO_HTML.parse(reply):      # the reply's blocks as the page reads them
+        if token.type in ("fence", "code_block") and token.map:    # which show '<' as it is
+            code.update(range(*token.map))
+        elif token.type == "inline" and token.map:                 # where code spans may run across lines
+            spans[token.map[0]] = max(token.map[1], spans.get(token.map[0], 0))
+    out, i = [], 0
+    while i < len(lines):
+        end = i + 1 if i in code else max(spans.get(i, 0), i + 1)
+        text = "\n".join(lines[i:end])
+        out.append(text if i in code else _escaped_outside_spans(text))
+        i = end
+    return "\n".join(out)
+
+
+def _escaped_outside_spans(text: str) -> str:
+    """``text`` (lines of one block) with '<' backslash-escaped outside code spans and autolinks, unless a
+    backslash escapes it already."""
+    pieces, at, pos = [], 0, 0
+    while (opening := BACKTICKS.search(text, pos)) is not None:
+        start, end = opening.span()
+        slashes = start - len(text[:start].rstrip("\\"))     # a backslash before a run escapes its first backtick
+        start += slashes % 2
+        # a link begun first holds the backticks (in its URL)
+        link = next((m for m in AUTOLINK.finditer(text, pos) if m.start() >= start or m.end() > start), None)
+        if link is not None and link.start() < start:
+            pos = link.end()
+            continue
+        pos = end
+        if start == end:
+            continue
+        # a code span runs to the next run of as many backticks (inside it a backslash is a backslash); a run
+        # that none closes is plain text
+        closing = next((r for r in BACKTICKS.finditer(text, end) if len(r.group()) == end - start), None)
+        if closing is not None:
+            # a line of it that starts with '<' would start an HTML block, which ends the span: it goes on the line
+            # before (inside a span a line break is a space)
+            pieces += [_escaped(text[at:start]), re.sub(r"\n(?= {0,3}<)", " ", text[start:closing.end()])]
+            at = pos = closing.end()
+    pieces.append(_escaped(text[at:]))
+    return "".join(pieces)
+
+
+def _escaped(text: str) -> str:
+    out, at = [], 0
+    for k, char in enumerate(text):
+        if char != "<" or (AUTOLINK.match(text, k) and text[k + 1] not in "?!"):   # ('<?a@b>' starts HTML too)
+            continue
+        slashes = len(text[:k]) - len(text[:k].rstrip("\\"))
+        if slashes % 2 == 0:                # an odd count escapes it already
+            out += [text[at:k], "\\"]
+            at = k
+    out.append(text[at:])
+    return "".join(out)
+
+
 def literal(text: str) -> str:
     """Text the user typed, as the page shows it: literally. Where a Markdown viewer would show it as
     written (most one-line messages) it stays as is; otherwise ('# x', a list, '<b>', a pasted code fence,
@@ -139,6 +207,13 @@ def answered_line(figures: dict | None, settings: dict) -> str | None:
             parts.append("greedy")
         else:
             ran = mode + (f" at temperature {temperature:g}" if _number(temperature) else "")
+            # the settings that shaped it, as the page set them (QA: the export named none of them)
+            top_p, top_k, epsilon, delta = (settings.get(k) for k in ("top_p", "top_k", "epsilon", "delta"))
+            if mode == "sample":
+                ran += f", top-p {top_p:g}" if _number(top_p) and top_p < 1 else ""
+                ran += f", top-k {top_k:g}" if _number(top_k) and top_k > 0 else ""
+            if mode == "typical" and _number(epsilon) and _number(delta):
+                ran += f", ε {epsilon:g}, δ {delta:g}"
             seed = settings.get("seed")
             if mode == "sample" and isinstance(seed, int) and not isinstance(seed, bool):
                 ran += f", seed {seed}"     # what it drew with: the answer can be run again (typical draws nothing)
@@ -171,11 +246,11 @@ def to_markdown(turns: list[Turn], system: str = "") -> str:
         if t.user:
             lines += ["**User:**", "", literal(t.user), ""]
         if t.reply is not None:
-            lines += ["**Assistant:**", "", closed_fences(t.reply), ""]
+            lines += ["**Assistant:**", "", closed_fences(html_as_text(t.reply)), ""]
             figures = answered_line(answered.get("medusa"), answered.get("settings"))
             lines += [figures, ""] if figures else []
         if t.baseline is not None:
-            lines += ["**Assistant (plain decoding):**", "", closed_fences(t.baseline), ""]
+            lines += ["**Assistant (plain decoding):**", "", closed_fences(html_as_text(t.baseline)), ""]
             figures = answered_line(answered.get("baseline"), answered.get("settings"))
             lines += [figures, ""] if figures else []
         if isinstance(answered.get("comparison"), str):     # the page's line under the readouts, as it showed

@@ -49,6 +49,38 @@ def test_a_reply_cut_off_inside_a_code_block_leaves_the_rest_of_the_markdown_nor
     assert saved["turns"][0]["reply"] == reply                # the JSON keeps the raw text
 
 
+@pytest.mark.parametrize("reply", [
+    "Put <br> where the line should break, and wrap bold text in <b>...</b>.",
+    "The header:\n\n<!-- TODO: the header goes here",      # cut off inside a comment: it hid every later turn
+    "<pre>\nx = 1",                                          # or inside a <pre> block
+    "Write `<div>` or ``a ` <b>`` here; see <https://example.com>.\n\n```html\n<div>\n```",
+])
+def test_an_answers_html_exports_as_the_text_the_page_shows(tmp_path, reply):
+    """Review: the page shows an answer's raw HTML as text (its Markdown is read with HTML off); the export let a
+    viewer read it as HTML, which hid the tags, and a reply cut inside '<!--' or '<pre>' hid the turns after it."""
+    from app.transcript import NO_HTML
+
+    markdown, saved = export(tmp_path, [Turn(user="How?", reply=reply), LATER])
+    html = rendered(markdown)
+    assert_later_turn_renders_normally(html)
+    assert NO_HTML.render(reply) in html, html     # the answer as the page reads it
+    assert saved["turns"][0]["reply"] == reply
+
+
+def test_html_in_any_answer_renders_in_the_export_as_on_the_page():
+    """The same for 3,000 random replies made of the pieces that start HTML, code and links."""
+    import random
+
+    from app.transcript import NO_HTML, VIEWER, html_as_text
+
+    pieces = ["<", ">", "`", "``", "```", "\\", "b", "div", " ", "\n", "\n\n", "    ", "<!--", "-->", "<pre>", "</b>",
+              "<a href='x'>", "- ", "> ", "1. ", "https://x.y", "<?", "<![CDATA[", "&lt;", "*", "|"]
+    draw = random.Random(1)
+    for _ in range(3000):
+        reply = "".join(draw.choice(pieces) for _ in range(draw.randint(1, 14)))
+        assert VIEWER.render(html_as_text(reply)) == NO_HTML.render(reply), reply
+
+
 def test_a_block_cut_inside_a_list_item_is_closed_inside_the_item(tmp_path):
     """A closing fence at the left margin would end the list item and open a new block there."""
     turns = [Turn(user="Steps?", reply="1. Install it:\n\n   ```bash\n   pip install"),
@@ -109,6 +141,19 @@ def test_an_exported_answer_shows_the_speed_the_page_showed():
     one = Stats(tokens=1, steps=0, ttft=0.2, finish_reason="length").as_dict()
     assert one["tokens_per_second"] is None and one["mean_accepted"] is None, one
     assert answered_line(one, {"mode": "greedy"}) == "*Medusa · greedy: 1 token (max new tokens reached)*"
+
+
+def test_an_exported_answer_names_the_sampling_settings_that_shaped_it():
+    """QA: a typical answer's ε and δ, and a sampled one's top-p, were in the JSON export but not the Markdown."""
+    from app.transcript import answered_line
+
+    figures = {"label": "Medusa", "tokens": 8}
+    typical = {"mode": "typical", "temperature": 0.7, "top_p": 0.9, "epsilon": 0.5, "delta": 0.9}
+    assert answered_line(figures, typical) == "*Medusa · typical at temperature 0.7, ε 0.5, δ 0.9: 8 tokens*"
+    sampled = {**typical, "mode": "sample", "top_k": 0, "seed": 7}
+    assert answered_line(figures, sampled) == "*Medusa · sample at temperature 0.7, top-p 0.9, seed 7: 8 tokens*"
+    assert answered_line(figures, {**sampled, "top_p": 1.0, "top_k": 40}) == \
+        "*Medusa · sample at temperature 0.7, top-k 40, seed 7: 8 tokens*"
 
 
 def test_an_export_says_how_each_answer_was_made_and_under_which_system_prompt(tmp_path):
