@@ -352,6 +352,33 @@ def test_malicious_pickle_is_refused_and_nothing_runs(root, tmp_path):
     assert not marker.exists()
 
 
+def test_a_heads_file_that_is_no_torch_file_is_named_for_what_it_is(tmp_path):
+    """Review: a Git LFS pointer (a clone without git-lfs: FasterDecoding's heads are .pt files in LFS) and an
+    error page saved as the file were refused as pickles that "could run code"; a file cut short raised a bare
+    OSError ("[Errno 22] Invalid argument", no file, no fix)."""
+    from medusa_core.heads.files import read_heads_file
+
+    whole = tmp_path / "whole.pt"
+    torch.save({"0.0.linear.weight": torch.zeros(4, 4)}, whole)
+    cases = {
+        "version https://git-lfs.github.com/spec/v1\noid sha256:4d7a\nsize 1349693067\n":
+            "is a Git LFS pointer, not the weights (cloned without git-lfs): run `git lfs pull` in its folder, or "
+            "download the file again",
+        "<!DOCTYPE html><html>rate limited</html>": "is not a torch file (it begins b'<!DOCTYPE html><'): download "
+                                                   "it again",
+        whole.read_bytes()[:len(whole.read_bytes()) * 2 // 3]: "is not a readable torch file (",
+    }
+    for i, (content, said) in enumerate(cases.items()):
+        for suffix in (".pt", ".safetensors") if i == 0 else (".pt",):
+            path = tmp_path / f"medusa_lm_head{i}{suffix}"
+            (path.write_text if isinstance(content, str) else path.write_bytes)(content)
+            with pytest.raises(HeadsLoadError) as err:
+                read_heads_file(path)
+            assert str(err.value).startswith(f"{path} {said}") and "\n" not in str(err.value), str(err.value)
+    with pytest.raises(HeadsLoadError, match="download it again$"):
+        read_heads_file(tmp_path / "medusa_lm_head2.pt")
+
+
 def test_missing_heads_file(root, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"base_model_name_or_path": str(root / "backbone")}))
     with pytest.raises(HeadsLoadError) as err:
