@@ -535,7 +535,7 @@ def test_a_gpu_smaller_than_the_cuda_defaults_weights_is_told_before_the_downloa
                                             "--device cpu for SmolLM2-135M-Instruct, or give a smaller --model$"):
             check(LoadSpec(device="cuda"))
     memory["gb"] = 5.0
-    with pytest.raises(LoadError, match="SmolLM2-135M-Instruct \\(or --heads-quant nf4, whose weights need 4.4 GB\\)"):
+    with pytest.raises(LoadError, match="SmolLM2-135M-Instruct \\(or --heads-quant nf4, whose load needs 4.8 GB\\)"):
         check_before_load(LoadSpec(device="cuda"))
     check_before_load(LoadSpec(device="cuda", heads_quant="nf4"))
     memory["gb"] = 8.0

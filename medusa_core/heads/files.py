@@ -282,9 +282,11 @@ def check_declared(files: HeadsFiles, found: HeadsConfig) -> None:
 
 
 def heads_from_state(
-    state: dict[str, torch.Tensor], model: nn.Module, source: str, dtype: torch.dtype | None = None
+    state: dict[str, torch.Tensor], model: nn.Module, source: str, dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
 ) -> MedusaHeads:
-    """Build heads that match ``state`` exactly, check them against the backbone, load strictly."""
+    """Build heads that match ``state`` exactly, check them against the backbone, load strictly; on ``device``
+    (default: the backbone's lm_head's)."""
     found = heads_config_from_keys(state, source)
     text = model.config.get_text_config()
     if found.hidden_size != text.hidden_size:
@@ -316,12 +318,13 @@ def heads_from_state(
     if dtype is None:
         weight = lm_head.weight
         dtype = weight.dtype if weight.is_floating_point() else torch.bfloat16
-    return heads.to(device=lm_head.weight.device, dtype=dtype).eval().requires_grad_(False)
+    return heads.to(device=device or lm_head.weight.device, dtype=dtype).eval().requires_grad_(False)
 
 
-def load_heads_files(files: HeadsFiles, model: nn.Module, dtype: torch.dtype | None = None) -> MedusaHeads:
+def load_heads_files(files: HeadsFiles, model: nn.Module, dtype: torch.dtype | None = None,
+                     device: torch.device | str | None = None) -> MedusaHeads:
     check_declared(files, heads_config_from_keys(files.state, files.source))
-    heads = heads_from_state(files.state, model, files.source, dtype)
+    heads = heads_from_state(files.state, model, files.source, dtype, device)
     if files.proposal_ids is not None:
         lm_head = model.get_output_embeddings()
         vocab = int(lm_head.out_features)

@@ -14,10 +14,16 @@ from .medusa_heads import MedusaHeads
 from .files import HeadsLoadError
 
 
-def quantize_projections(heads: MedusaHeads, compute_dtype: torch.dtype) -> MedusaHeads:
+def quantize_projections(heads: MedusaHeads, compute_dtype: torch.dtype,
+                         device: torch.device | str | None = None) -> MedusaHeads:
     """Replace each head's vocab projection (V x H, most of the heads' bytes) by an NF4
-    bitsandbytes layer; residual blocks stay in ``compute_dtype`` (they are small)."""
+    bitsandbytes layer; residual blocks stay in ``compute_dtype`` (they are small). The heads end on ``device``
+    (default: where they are). Heads built on the CPU for a GPU never have their dense projections there: each
+    goes as the fp32 copy bitsandbytes quantizes from, one at a time (review: all five in bf16 first, then each
+    in fp32, took 5.9 GB of a 7B's GPU where the check said 4.4)."""
     import bitsandbytes as bnb
+
+    device = torch.device(device) if device is not None else next(heads.parameters()).device
 
     if not heads.config.own_projection:
         raise HeadsLoadError("--heads-quant nf4: these heads reuse the backbone's lm_head and have no projection to quantize: drop --heads-quant")
@@ -26,19 +32,19 @@ def quantize_projections(heads: MedusaHeads, compute_dtype: torch.dtype) -> Medu
         dense = head[last]
         q = bnb.nn.Linear4bit(dense.in_features, dense.out_features, bias=False, compute_dtype=compute_dtype,
                               compress_statistics=True, quant_type="nf4", device="meta")
-        q.weight = bnb.nn.Params4bit(dense.weight.data.float().cpu(), requires_grad=False,
-                                     compress_statistics=True, quant_type="nf4").to(dense.weight.device)
+        q.weight = bnb.nn.Params4bit(dense.weight.data.cpu().float(), requires_grad=False,
+                                     compress_statistics=True, quant_type="nf4").to(device)
         # bitsandbytes 0.50.2's CPU path mis-scales blocks for some row widths (e.g. 32, 48, 96
         # inputs): compare with NF4 done by hand instead of decoding with silently wrong heads
         wrong = _nf4_mismatch(dense.weight.data, q.weight)
         if wrong > 0.01:
             raise HeadsLoadError(
                 f"--heads-quant nf4: bitsandbytes quantized a {tuple(dense.weight.shape)} projection wrongly on "
-                f"{dense.weight.device.type} ({wrong:.0%} of values off by more than 5% of their block's range): "
+                f"{device.type} ({wrong:.0%} of values off by more than 5% of their block's range): "
                 "drop --heads-quant"
             )
         head[last] = q
-    return heads
+    return heads.to(device)
 
 
 def _nf4_mismatch(weight: torch.Tensor, packed, rows: int = 256) -> float:
@@ -50,7 +56,7 @@ def _nf4_mismatch(weight: torch.Tensor, packed, rows: int = 256) -> float:
     state = packed.quant_state
     n = min(rows, weight.shape[0]) * weight.shape[1]                                   # 256 * H: whole blocks
     back = bnb.functional.dequantize_4bit(packed.data, state).float().flatten()[:n]
-    w = weight.float().flatten()[:n]
+    w = weight.flatten()[:n].to(back.device).float()
     pad = (-n) % state.blocksize
     blocks = torch.nn.functional.pad(w, (0, pad)).view(-1, state.blocksize)            # (B, 64)
     absmax = blocks.abs().amax(1, keepdim=True).clamp_min(1e-12)                        # (B, 1)

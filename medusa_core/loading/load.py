@@ -342,9 +342,11 @@ def load(spec: LoadSpec, progress: Progress | None = None) -> Loaded:
             raise LoadError(str(err)) from None
         quant, kernel_text = ("int4" if applied else "none"), "; " + text
     with rotary_kept_on_failure(model):     # the rotary routing is the family's: a failed load leaves it as it was
-        heads = load_heads_files(files, model, dtype) if files is not None else None
-        if heads is not None and spec.heads_quant == "nf4":
-            heads = quantize_projections(heads, dtype)
+        # heads to quantize are built on the CPU: their dense projections never all take the GPU's memory
+        nf4_heads = spec.heads_quant == "nf4"
+        heads = load_heads_files(files, model, dtype, "cpu" if nf4_heads else None) if files is not None else None
+        if heads is not None and nf4_heads:
+            heads = quantize_projections(heads, dtype, model.get_output_embeddings().weight.device)
         # before the routing: NF4 heads go on the kernel --nf4-kernel names (use_nf4_heads)
         kernel_text += route_kernels(model, spec, quant, device, progress, heads)
         int4_proposals = heads is not None and isinstance(model.get_output_embeddings(), cpu_int4.Int4Head) \

@@ -26,8 +26,9 @@ CUDA_HEADS = "FasterDecoding/medusa-vicuna-7b-v1.3"
 # The CUDA default's weights alone, by --heads-quant: Vicuna-7B in NF4 (3.91 GB measured on the GPU, embeddings
 # and lm_head in bf16 included: docs/perf/h200.json) and its 5 heads (1.48 GB in bf16, measured; with --heads-quant
 # nf4 their 32000 x 4096 projections take half a byte a weight and a byte per 64 for the scales, 0.34 GB, beside
-# 0.17 GB of bf16 blocks). A GPU with less memory in all cannot hold it, whatever else.
-CUDA_DEFAULT_WEIGHT_BYTES = {"none": 3.91e9 + 1.48e9, "nf4": 3.91e9 + 0.51e9}
+# 0.17 GB of bf16 blocks: 4.42 GB once loaded, and 4.77 GB while the last projection is quantized, from its fp32 copy
+# (0.52 GB) on the GPU, before the blocks come: heads/quantize.py). A GPU with less memory cannot load it.
+CUDA_DEFAULT_WEIGHT_BYTES = {"none": 3.91e9 + 1.48e9, "nf4": 3.91e9 + 0.34e9 + 0.52e9}
 QUANTS = ("auto", "nf4", "int8", "int4", "none")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HEADS_QUANTS = ("none", "nf4")
@@ -78,7 +79,7 @@ def check_default_fits(device: str, heads_quant: str) -> None:
     needed = CUDA_DEFAULT_WEIGHT_BYTES.get(heads_quant, CUDA_DEFAULT_WEIGHT_BYTES["none"])
     if total < needed:
         nf4 = CUDA_DEFAULT_WEIGHT_BYTES["nf4"]
-        smaller = f" (or --heads-quant nf4, whose weights need {nf4 / 1e9:.1f} GB)" \
+        smaller = f" (or --heads-quant nf4, whose load needs {nf4 / 1e9:.1f} GB)" \
             if total >= nf4 and heads_quant != "nf4" else ""
         raise LoadError(f"this GPU has {total / 1e9:.1f} GB, and the CUDA default, {CUDA_MODEL} in 4 bits with its "
                         f"Medusa heads, needs {needed / 1e9:.1f} GB for its weights alone: run --device cpu for "
