@@ -119,12 +119,20 @@ def run(stages: list[str], work: Path, out: Path, device: str, config: BuildConf
         elif stage == "root":
             detail = build_root_heads(prompts, work, out / "heads", device, config, model_dir)
         elif stage == "tree":
+            reference = out / "calibration_answers.jsonl"
+            quant = config.tree_quant if device == "cpu" else "none"
+            if quant != "none" and not reference.is_file():
+                # review: the answers made here in their place were the int4 mode's, which every load then scored
+                # the int4 mode against (loading/assets.REFERENCE_ANSWERS)
+                raise FileNotFoundError(f"{reference} is missing: it holds SmolLM2's fp32 greedy answers, which each "
+                                        f"load scores the int4 mode against, and this stage in {quant} would write "
+                                        f"{quant}'s there: restore it, or run this stage with --device cuda (fp32)")
             result = tree_search.run(tree_search.CalibrateConfig(
                 model=str(model_dir or smollm2.converted_dir()), heads=str(out / "heads"), out=str(out / "tree.json"),
                 # the held-out prompts' greedy fp32 answers (reused when present: they are the same on any device)
-                prompts=str(ASSETS / "prompts.jsonl"), answers=str(out / "calibration_answers.jsonl"),
+                prompts=str(ASSETS / "prompts.jsonl"), answers=str(reference),
                 answer_tokens=256, budget="auto", max_budget=config.max_budget, timing_count=4, timing_tokens=48,
-                dtype=config.tree_dtype, quant=config.tree_quant if device == "cpu" else "none", device=device))
+                dtype=config.tree_dtype, quant=quant, device=device))
             detail = {k: result[k] for k in result if k != "config"}
         else:
             raise ValueError(f"stage {stage!r} is unknown: use {', '.join(STAGES)}")

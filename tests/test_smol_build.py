@@ -85,6 +85,20 @@ def test_a_cuda_build_without_cuda_is_refused_before_any_stage(tmp_path, capsys)
     assert not (tmp_path / "work").exists() and not (tmp_path / "out").exists()
 
 
+def test_the_tree_stage_on_a_cpu_never_writes_the_int4_modes_answers_as_the_fp32_reference(tmp_path, capsys):
+    """Review: with the reference answers gone (deleted after editing the prompts), the tree stage on a CPU wrote
+    the int4 mode's answers in their place, and every load then scored the int4 mode against its own text."""
+    from medusa_core.smol_build import main
+
+    out = tmp_path / "out"
+    assert main(["--stages", "tree", "--device", "cpu", "--work", str(tmp_path / "work"), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"error: {out / 'calibration_answers.jsonl'} is missing: it holds SmolLM2's fp32 greedy answers, "
+                   "which each load scores the int4 mode against, and this stage in int4 would write int4's there: "
+                   "restore it, or run this stage with --device cuda (fp32)\n"), err
+    assert not (out / "calibration_answers.jsonl").exists()
+
+
 def test_counts_below_one_are_refused_before_any_stage(tmp_path, capsys):
     # QA 5c: --prompt-count -100 silently built 3,017 prompts (all but the last 100)
     from medusa_core.smol_build import main
