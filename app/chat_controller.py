@@ -479,7 +479,12 @@ class ChatController:
         """The conversation as the browser keeps it (app/browser_copy.py)."""
         # a message waiting for a model is kept as an unanswered one: a reload brings it back, to Regenerate
         turns = [*session.turns, Turn(user=session.waiting)] if session.waiting else session.turns
-        return to_saved(turns, session.first_turn, system or "", compare is True)
+        saved = to_saved(turns, session.first_turn, system or "", compare is True)
+        if session.answering() and session.sent_copy is not None:
+            # saved mid-answer (the system prompt's box left, Compare ticked, a Send refused): the copy keeps the
+            # answer's id, which a reload brings its answer back by (review: it lost the answer without a word)
+            saved[PENDING] = session.sent_copy
+        return saved
 
     @classmethod
     def save_conversation(cls, session: Session, system: str, compare: bool):

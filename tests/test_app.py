@@ -1731,6 +1731,40 @@ def test_a_reload_mid_answer_brings_back_what_the_answer_had_written(model_dirs)
     slot.unload()
 
 
+def test_a_reload_mid_answer_brings_it_back_after_a_save_made_while_it_ran(model_dirs):
+    """Review: a copy saved while the answer ran (the system prompt's box left, Compare ticked, a Send refused as
+    busy) lost the answer's id, and a reload then brought the message back with no answer, only a note."""
+    import threading
+
+    from app.chat_controller import RELOADED, ChatController
+    from app.models import ModelSlot
+    from app.session import Session
+    from medusa_core.loading.spec import LoadSpec
+
+    backbone, heads = model_dirs
+    slot = ModelSlot(log=lambda line: None)
+    slot.start(LoadSpec(model=str(backbone), heads=str(heads), device="cpu"))
+    assert slot.wait(120).phase == "ready"
+    chat, session = ChatController(slot), Session()
+    chat.save_pending(session, "Tell me a story.", "", False)
+    chat.tab_opened(session, "the tab")
+    updates = chat.kept(chat.run(session, "Tell me a story.", "", False, {"max_new_tokens": 400}), session, "", False)
+    shown = next(update[6]["reply"] for update in updates if update[6].get("reply"))
+    stored, *_ = chat.save_conversation(session, "Be brief.", False)    # the system prompt's box left
+    rest = threading.Thread(target=lambda: list(updates))
+    chat.tab_closed("the tab")       # the reload
+    rest.start()
+    restored = chat.finished.newest(stored)
+    rest.join(60)
+    last = restored["turns"][-1]
+    assert last["reply"] is not None and last["reply"].startswith(shown) and last["note"] == RELOADED, last
+    # once the answer has ended, a save is the page's own state again, and a reload takes it as it is
+    session.send_ended()
+    after, *_ = chat.save_conversation(session, "Be brief.", False)
+    assert chat.finished.newest(after) is after
+    slot.unload()
+
+
 def test_a_page_load_waits_a_moment_for_the_answer_its_reload_stopped():
     """The page load asks for an answer still running under its copy's id, for a tab that has gone: it gets the copy
     that answer ends with, and after the wait (an answer still reading a long prompt has written nothing) the
