@@ -90,9 +90,10 @@ def said(err: Exception) -> str:
     return err.labelled if isinstance(err, SettingError) else str(err)
 
 
-def empty_note(stats: Stats, greedy: bool) -> str:
+def empty_note(stats: Stats, greedy: bool, answered_beside: bool = False) -> str:
     """Why an answer shows nothing, and what to do (review: "end-of-turn token first" was said of blanks before it,
-    and "try sampling" of a sampled answer)."""
+    and "try sampling" of a sampled answer). ``answered_beside``: the plain pane answered the message, which then
+    stays in the chat."""
     if stats.finish_reason == "length":
         return (f"the answer is blank ({count(stats.tokens, 'token')} of spaces or line breaks) when max new "
                 "tokens was reached: raise max new tokens")
@@ -102,7 +103,7 @@ def empty_note(stats: Stats, greedy: bool) -> str:
             return f"the model ended its answer at once (end-of-turn token first): {fix}"
         return f"the model ended its answer after {count(stats.tokens - 1, 'blank token')}: {fix}"
     if stats.finish_reason == "cancelled":   # Stop while a long prompt was being read
-        return STOPPED_BEFORE_FIRST + BACK_IN_BOX
+        return STOPPED_BEFORE_FIRST + ("" if answered_beside else BACK_IN_BOX)
     return "the answer is empty"
 
 
@@ -367,7 +368,8 @@ class ChatController:
         # A failed message goes back into the box so it can be edited and resent (and is replaced when it is:
         # unless plain decoding answered it in a comparison)
         turn.in_box = turn.unanswered
-        box = message if turn.reply is None and replaces is None else gr.update()
+        # (one answered by the plain pane stays in the chat, so its text is not put back: sent again, it showed twice)
+        box = message if turn.in_box and replaces is None else gr.update()
         # a pass that failed before its first token has no figures: the hint comes back
         yield self.views(session, stats, base, comparison, self.slot.state().model_line, box, blank=(READOUT_HINT, ""),
                          error=error)
@@ -413,7 +415,7 @@ class ChatController:
                                                       and not update.stats.tokens)
                         turn.reply = None if unanswered and not update.plain else update.plain
                         if not update.error and not update.plain.strip():
-                            turn.note = " · ".join(filter(None, [turn.note, empty_note(update.stats, settings.greedy)]))
+                            turn.note = " · ".join(filter(None, [turn.note, empty_note(update.stats, settings.greedy, bool(turn.baseline))]))
                 if update.error:
                     error = update.error
                     turn.note = " · ".join(filter(None, [cut, error]))

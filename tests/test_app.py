@@ -604,6 +604,38 @@ def test_a_compared_message_stopped_before_its_first_token_is_replaced_when_rese
     assert [turn.user for turn in session.turns] == ["hello", long.strip()]
 
 
+def test_a_compared_message_the_plain_pane_answered_before_stop_stays_in_the_chat(model_dirs, monkeypatch):
+    """Review: Stop while Medusa still read the prompt, after the plain pane's first token: the message went back
+    to the box, said so, and stayed in the chat; sent again, it showed twice."""
+    from app.chat_controller import BACK_IN_BOX, ChatController
+    from app.engine import BASELINE, DecoderRun
+    from app.models import ModelSlot
+    from app.session import Session
+    from medusa_core.decoding import generate as loop
+    from medusa_core.loading.spec import LoadSpec
+
+    monkeypatch.setattr(loop, "PREFILL_PIECE", 8)      # the prompt is read in pieces, Stop is seen between them
+    backbone, heads = model_dirs
+    slot = ModelSlot(log=lambda line: None)
+    slot.start(LoadSpec(model=str(backbone), heads=str(heads), device="cpu"))
+    assert slot.wait(120).phase == "ready"
+    chat, session, long = ChatController(slot), Session(), "second " + "word " * 60
+    list(chat.run(session, "hello", "", True, dict(max_new_tokens=4)))
+    advance = DecoderRun.advance
+
+    def stop_after_the_plain_first_token(run):
+        step = advance(run)
+        if step is not None and step.prefill and run.name == BASELINE:
+            session.cancel.set()
+        return step
+
+    monkeypatch.setattr(DecoderRun, "advance", stop_after_the_plain_first_token)
+    *_, box = list(chat.run(session, long, "", True, dict(max_new_tokens=4)))[-1]
+    turn = session.turns[-1]
+    assert turn.baseline and turn.reply is None and not turn.in_box
+    assert not isinstance(box, str) and BACK_IN_BOX not in turn.note, (box, turn.note)
+
+
 def test_a_compared_answer_that_ends_blank_is_noted_once(model_dirs, monkeypatch):
     """Review: with compare on, a Medusa answer that ended at once (a blank token, then its end) while the plain
     pass went on had its note added again at each streamed update (102 times in one answer)."""
