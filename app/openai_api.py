@@ -321,7 +321,7 @@ def api_routes(slot: ModelSlot, api_key: str | None = None) -> list[APIRoute]:
             if engine is None and state.phase == "loading":   # not "no such model": a tool checking its id at start
                 raise loading(state)                           # would give up on it
             if engine is None or wanted != model_id(engine):
-                served = f"use {json_value(model_id(engine))}" if engine is not None else "no model is loaded"
+                served = f"use {json.dumps(model_id(engine), ensure_ascii=False)}" if engine is not None else "no model is loaded"
                 raise ApiError(404, f"model {json_value(wanted)} is not served here: {served} (GET /v1/models)",
                                param="model", code="model_not_found")
         except ApiError as err:

@@ -155,6 +155,11 @@ def read_body(body: bytes) -> dict:
     if found is not None:
         where, value = found
         raise ApiError(400, f"{where} {value.problem()}", param=where, code="invalid_value")
+    try:    # "\ud83d" alone (a string cut mid-emoji) is valid JSON but no text: the tokenizer raised (a bare 500)
+        json.dumps(data, ensure_ascii=False, default=str).encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ApiError(400, f"the body holds a lone UTF-16 surrogate ({ascii(err.object[err.start])}), which is no "
+                            "character: send whole characters (a string cut inside an emoji?)", code="invalid_json") from None
     return data
 
 
@@ -171,9 +176,11 @@ def number(data: dict, name: str, default, low: float, high: float, integer: boo
     span = f"{int(low):,} to {int(high):,}" if integer else f"{low:g} to {high:g}"
     fix = fix or f"give {kind} from {span}"
     shown = json_value(value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not float(value).is_integer()):
+    # an integer past a float's range (10**400) is compared as it is: float() of it raised (a bare 500)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            (integer and isinstance(value, float) and not value.is_integer()):
         raise ApiError(400, f"{name} {shown} is not {kind}: {fix}", param=name, code="invalid_value")
-    if not math.isfinite(value) or not low <= value <= high:
+    if (isinstance(value, float) and not math.isfinite(value)) or not low <= value <= high:
         raise ApiError(400, f"{name} {shown} is out of range: {fix}", param=name, code="invalid_value")
     return int(value) if integer else float(value)
 
@@ -235,7 +242,7 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
         raise ApiError(400, f"model {json_value(model)} is not a string: give the id that GET /v1/models lists",
                        param="model", code="invalid_type")
     if model != model_id:
-        raise ApiError(404, f"model {json_value(model)} is not served here: use {json_value(model_id)} (GET /v1/models)",
+        raise ApiError(404, f"model {json_value(model)} is not served here: use {json.dumps(model_id, ensure_ascii=False)} (GET /v1/models)",
                        param="model", code="model_not_found")
     unknown = [field for field in data if field not in (*READ, *UNSUPPORTED, *NO_EFFECT)]
     if unknown:

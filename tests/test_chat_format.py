@@ -72,6 +72,16 @@ def test_render_chat_uses_the_tokenizers_template():
     assert tok.decode(ids) == "<s>[system]S\n[user]Hi\n[assistant]Hello!\n[user]2+2?\n[assistant]"
 
 
+@pytest.mark.parametrize("template", [None, "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}\n{% endfor %}"])
+def test_a_blank_system_message_is_none_as_the_pages_blank_system_prompt_is(template):
+    """Review: frontends send an empty system message; it became an empty system turn in place of the model's
+    default system prompt, so the API's greedy answer differed from the page's, whose blank prompt is none."""
+    tok = char_tokenizer()
+    tok.chat_template = template
+    for blank in ("", "  \n"):
+        assert render_chat(tok, [{"role": "system", "content": blank}, *HISTORY]) == render_chat(tok, HISTORY)
+
+
 def test_a_template_that_refuses_a_conversation_is_one_line():
     """A template's own refusal (Gemma's takes no system prompt) is a ValueError the page shows as a note and
     the API as a 400 (it escaped both: a traceback, and a bare 500)."""

@@ -272,6 +272,26 @@ RAW = [
 ]
 
 
+def test_an_integer_past_a_float_or_a_lone_surrogate_is_refused_in_one_line():
+    """Review: an integer of 309 digits in a number field, and a string cut inside an emoji ("\\ud83d", valid JSON),
+    made bare 500s; an id cut at 40 characters without a mark read as another id."""
+    from app.openai_request import number, read_body
+    from medusa_core.loading.chat_format import json_value
+
+    huge = 10 ** 400
+    for integer in (True, False):
+        with pytest.raises(ApiError, match=f"^max_tokens {json_value(huge)} is out of range: "):
+            number({"max_tokens": huge}, "max_tokens", 1, 1, 4096, integer=integer)
+    for body in (b'{"messages": [{"role": "user", "content": "I like \\ud83d"}]}', b'{"model": "gpt-\\ud83d"}'):
+        with pytest.raises(ApiError, match=r"^the body holds a lone UTF-16 surrogate \('\\ud83d'\), which is no "
+                                           r"character: send whole characters \(a string cut inside an emoji\?\)$"):
+            read_body(body)
+    assert read_body('{"content": "😀"}'.encode()) == {"content": "😀"}      # a whole one is text
+    long_id = "hf.co/bartowski/Meta-Llama-3.1-8B-Instruct-GGUF:Q4_K_M"
+    assert json_value(long_id) == '"hf.co/bartowski/Meta-Llama-3.1-8B-Inst…' and len(json_value(long_id)) == 40
+    assert json_value("x" * 38) == f'"{"x" * 38}"'      # 40 characters with its quotes: whole
+
+
 def test_a_repeated_key_takes_its_last_value_even_after_a_number_past_a_float():
     """JSON's last value wins, as everywhere else in the body: the first one, unreadable, made a bare 500 (review)."""
     from app.openai_request import read_body

@@ -64,8 +64,10 @@ def json_kind(value: Any) -> str:
 
 
 def json_value(value: Any) -> str:
-    """A value as the client wrote it in JSON (true, null, "ten"; not Python's True, None, 'ten'), cut short."""
-    return json.dumps(value, default=str, ensure_ascii=False)[:40]
+    """A value as the client wrote it in JSON (true, null, "ten"; not Python's True, None, 'ten'), cut short with
+    a mark (cut without one, a 41-character model id read as another id)."""
+    text = json.dumps(value, default=str, ensure_ascii=False)
+    return text if len(text) <= 40 else text[:39] + "…"
 
 
 MESSAGE_SHAPE = '{"role": ..., "content": ...}'
@@ -117,10 +119,13 @@ _BREAK = "\u200b"
 def render_chat(tokenizer, messages: Any, system: str | None = None) -> list[int]:
     """Token ids of the conversation, ending with the prompt for the assistant's reply. A special token's
     text inside a message ("<|im_end|>" in a pasted file) is text, not the token: as the token it closed the
-    user's turn, and what followed could pass for a system or assistant turn."""
+    user's turn, and what followed could pass for a system or assistant turn. A blank system message is none (the
+    model's default system prompt), as the page takes a blank system prompt: frontends send one, and its greedy
+    answer differed from the page's (review)."""
     specials = sorted({token.content for token in tokenizer.added_tokens_decoder.values() if token.special},
                       key=len, reverse=True)
-    messages = [{**m, "content": _as_text(m["content"], specials)} for m in to_messages(messages)]
+    messages = [{**m, "content": _as_text(m["content"], specials)} for m in to_messages(messages)
+                if m["role"] != "system" or m["content"].strip()]
     system = _as_text(system, specials) if system is not None else None
     if getattr(tokenizer, "chat_template", None):
         if system is not None:
