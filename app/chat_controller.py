@@ -287,8 +287,10 @@ class ChatController:
         session.put_back(replaces, attempt)
         error = error.removesuffix(BACK_IN_BOX) + KEPT
         gr.Warning(error)
-        return self.views(session, None, None, "", self.slot.state().model_line, blank=restored_readouts(session.turns),
-                          error=error)
+        # the kept answer's figures and comparison line, as a reload shows them (review: the line went blank, and
+        # the raw output had no figures)
+        return self.views(session, *restored_stats(session.turns), restored_comparison(session.turns),
+                          self.slot.state().model_line, blank=restored_readouts(session.turns), error=error)
 
     def _run(self, session: Session, message: str, system: str, compare, controls: dict, shown,
              mark: tuple[int, int], replaces: Replaced | None = None) -> Iterator[tuple]:
@@ -544,11 +546,16 @@ class ChatController:
                 saved_compare(copy), last.user if last is not None and last.in_box else gr.update())
 
 
+def restored_stats(turns: list[Turn]) -> tuple[Stats | None, Stats | None]:
+    """(Medusa's figures, plain decoding's) of the last answer as they were when it ended; None where it has none."""
+    answered = (turns[-1].answered or {}) if turns else {}
+    return Stats.from_saved(answered.get("medusa")), Stats.from_saved(answered.get("baseline"))
+
+
 def restored_readouts(turns: list[Turn]) -> tuple[str, str]:
     """(Medusa's readout, plain decoding's) after a reload: the last answer's figures as they showed when it ended,
     or the hint where the last exchange has none (cut off by the reload, or refused)."""
-    answered = (turns[-1].answered or {}) if turns else {}
-    medusa, base = Stats.from_saved(answered.get("medusa")), Stats.from_saved(answered.get("baseline"))
+    medusa, base = restored_stats(turns)
     return (render_live(medusa) if medusa else READOUT_HINT), (render_live(base) if base else "")
 
 

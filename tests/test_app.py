@@ -2609,6 +2609,27 @@ def test_a_regenerate_that_gives_no_new_answer_keeps_the_old_one_and_never_touch
     assert regenerate() is None and len(session.turns) == 2 and session.turns[-1].reply is not None
 
 
+def test_a_regenerate_that_keeps_the_answer_shows_its_comparison_and_figures_as_a_reload_would(model_dirs):
+    """Review: the kept answer's readouts came back, but its comparison line went blank and the raw output had no
+    figures, where a reload showed both."""
+    from app.chat_controller import ChatController, restored_comparison, restored_readouts
+    from app.models import ModelSlot
+    from app.session import Session
+    from medusa_core.loading.spec import LoadSpec
+
+    backbone, heads = model_dirs
+    slot = ModelSlot(log=lambda line: None)
+    slot.start(LoadSpec(model=str(backbone), heads=str(heads), device="cpu"))
+    assert slot.wait(120).phase == "ready"
+    chat, session, controls = ChatController(slot), Session(), dict(mode="greedy", max_new_tokens=6)
+    answered = list(chat.run(session, "first question", "", True, controls))[-1]
+    assert answered[4] and answered[4] == restored_comparison(session.turns)
+    kept = list(chat.regenerate(session, "", "maybe", controls))[-1]      # refused: the answer stays
+    assert kept[6]["error"].endswith("(the answer stays as it was)")
+    assert kept[4] == answered[4] and list(kept[2:4]) == list(restored_readouts(session.turns))
+    assert kept[6]["medusa"] == answered[6]["medusa"] and kept[6]["baseline"] == answered[6]["baseline"]
+
+
 def test_a_regenerated_answer_whose_prompt_was_cut_says_so_again(model_dirs):
     """QA: Regenerate replaced the answer that carried "the oldest N exchanges left the model's prompt" with
     one that ran without them too but said nothing (the cut holds, so it was not made again)."""
