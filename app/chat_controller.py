@@ -417,7 +417,8 @@ class ChatController:
                                                       and not update.stats.tokens)
                         turn.reply = None if unanswered and not update.plain else update.plain
                         if not update.error and not update.plain.strip():
-                            turn.note = " · ".join(filter(None, [turn.note, empty_note(update.stats, settings.greedy, bool(turn.baseline))]))
+                            note = empty_note(update.stats, settings.greedy, bool(turn.baseline))
+                            turn.note = " · ".join(filter(None, [turn.note, note]))
                 if update.error:
                     error = update.error
                     turn.note = " · ".join(filter(None, [cut, error]))

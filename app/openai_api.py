@@ -321,7 +321,8 @@ def api_routes(slot: ModelSlot, api_key: str | None = None) -> list[APIRoute]:
             if engine is None and state.phase == "loading":   # not "no such model": a tool checking its id at start
                 raise loading(state)                           # would give up on it
             if engine is None or wanted != model_id(engine):
-                served = f"use {json.dumps(model_id(engine), ensure_ascii=False)}" if engine is not None else "no model is loaded"
+                served = "no model is loaded" if engine is None else \
+                    f"use {json.dumps(model_id(engine), ensure_ascii=False)}"    # whole: a cut id reads as another
                 raise ApiError(404, f"model {json_value(wanted)} is not served here: {served} (GET /v1/models)",
                                param="model", code="model_not_found")
         except ApiError as err:

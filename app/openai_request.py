@@ -159,7 +159,8 @@ def read_body(body: bytes) -> dict:
         json.dumps(data, ensure_ascii=False, default=str).encode("utf-8")
     except UnicodeEncodeError as err:
         raise ApiError(400, f"the body holds a lone UTF-16 surrogate ({ascii(err.object[err.start])}), which is no "
-                            "character: send whole characters (a string cut inside an emoji?)", code="invalid_json") from None
+                            "character: send whole characters (a string cut inside an emoji?)",
+                       code="invalid_json") from None
     return data
 
 
@@ -242,7 +243,8 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
         raise ApiError(400, f"model {json_value(model)} is not a string: give the id that GET /v1/models lists",
                        param="model", code="invalid_type")
     if model != model_id:
-        raise ApiError(404, f"model {json_value(model)} is not served here: use {json.dumps(model_id, ensure_ascii=False)} (GET /v1/models)",
+        served = json.dumps(model_id, ensure_ascii=False)      # whole: a cut id reads as another
+        raise ApiError(404, f"model {json_value(model)} is not served here: use {served} (GET /v1/models)",
                        param="model", code="model_not_found")
     unknown = [field for field in data if field not in (*READ, *UNSUPPORTED, *NO_EFFECT)]
     if unknown:

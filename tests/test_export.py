@@ -202,7 +202,8 @@ def test_a_local_backbone_is_exported_by_its_absolute_path(setup, tmp_path, monk
     root = setup[0]
     monkeypatch.chdir(root)
     assert main(["--heads", "heads", "--out", str(tmp_path / "out"), "--format", "tgi", "--model", "backbone"]) == 0
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["base_model_name_or_path"] == str(root / "backbone")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["base_model_name_or_path"] == str(root / "backbone")
 
 
 def test_heads_tgi_cannot_run_are_refused_before_anything_is_written(setup, tmp_path, capsys):
