@@ -485,9 +485,10 @@ class ChatController:
         # a message waiting for a model is kept as an unanswered one: a reload brings it back, to Regenerate
         turns = [*session.turns, Turn(user=session.waiting)] if session.waiting else session.turns
         saved = to_saved(turns, session.first_turn, system or "", compare is True)
-        if session.answering() and session.sent_copy is not None:
-            # saved mid-answer (the system prompt's box left, Compare ticked, a Send refused): the copy keeps the
-            # answer's id, which a reload brings its answer back by (review: it lost the answer without a word)
+        if session.busy.locked() and session.sent_copy is not None:
+            # saved while an answer runs (the system prompt's box left, Compare ticked, a Send refused): the copy
+            # keeps the answer's id, which a reload brings its answer back by (review: it lost the answer without a
+            # word). The save after the answer has ended is the page's own state, with no id.
             saved[PENDING] = session.sent_copy
         return saved
 

@@ -1791,7 +1791,6 @@ def test_a_reload_mid_answer_brings_it_back_after_a_save_made_while_it_ran(model
     last = restored["turns"][-1]
     assert last["reply"] is not None and last["reply"].startswith(shown) and last["note"] == RELOADED, last
     # once the answer has ended, a save is the page's own state again, and a reload takes it as it is
-    session.send_ended()
     after, *_ = chat.save_conversation(session, "Be brief.", False)
     assert chat.finished.newest(after) is after
     slot.unload()
