@@ -379,6 +379,37 @@ def test_a_heads_file_that_is_no_torch_file_is_named_for_what_it_is(tmp_path):
         read_heads_file(tmp_path / "medusa_lm_head2.pt")
 
 
+def test_loads_in_two_threads_at_once_keep_their_tied_weights(tmp_path):
+    """A full test run saw the CPU default's lm_head left on the meta device ("Tensor on device meta is not on the
+    expected device cpu") when its load overlapped another test's: transformers' from_pretrained is not safe in two
+    threads at once, and two loads of a model with tied embeddings left both heads untied on meta (18 of 20 here
+    before loads took turns)."""
+    import threading
+
+    from medusa_core.loading.load import load_backbone
+
+    tok = char_tokenizer()
+    model = tiny_model("llama", vocab=len(tok), hidden=HIDDEN)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    untied = []
+
+    def load_some() -> None:
+        for _ in range(5):
+            loaded, _ = load_backbone(str(tmp_path), "cpu", "none", torch.float32)
+            head = loaded.get_output_embeddings().weight
+            untied.append(head.device.type == "meta" or head is not loaded.get_input_embeddings().weight)
+
+    threads = [threading.Thread(target=load_some) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert len(untied) == 10 and not any(untied), untied
+
+
 def test_missing_heads_file(root, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"base_model_name_or_path": str(root / "backbone")}))
     with pytest.raises(HeadsLoadError) as err:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import threading
 import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -176,6 +177,13 @@ def heads_source_dir(source: str) -> Path:
     return snapshot
 
 
+# transformers' from_pretrained is not safe in two threads at once: two loads of a model with tied embeddings left
+# the lm_head of both on the meta device, untied (18 of 20 loads of a tiny tied model, two threads at once; seen as
+# "Tensor on device meta" when a test's load overlapped another's). One load at a time in this process: the app's
+# model slot loads one anyway; this holds for everything else (a conversion, tests, a script).
+TRANSFORMERS_LOADS = threading.Lock()
+
+
 def load_backbone(source: str, device: str, quant: str, dtype: torch.dtype | str, trust_remote_code: bool = False):
     """Stock transformers model + tokenizer from a hub id or local directory -> (model, tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -204,7 +212,8 @@ def load_backbone(source: str, device: str, quant: str, dtype: torch.dtype | str
         # the tokenizer first: it fails in seconds, the model after minutes of download and quantization
         tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code,
                                                   local_files_only=cache_only)
-        model = AutoModelForCausalLM.from_pretrained(name, local_files_only=cache_only, **kwargs)
+        with TRANSFORMERS_LOADS:
+            model = AutoModelForCausalLM.from_pretrained(name, local_files_only=cache_only, **kwargs)
     except torch.OutOfMemoryError:
         raise       # a RuntimeError too, but no damaged file: the app says how to fit the model
     # RuntimeError: weights whose shapes config.json does not describe, or no memory left for them;

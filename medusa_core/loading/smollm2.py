@@ -152,8 +152,10 @@ def write_conversion(source: Path, tmp: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     from ..heads.files import current_umask
+    from .load import TRANSFORMERS_LOADS
 
-    gguf_model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+    with TRANSFORMERS_LOADS:
+        gguf_model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     config = gguf_model.config
     # the converted copy is plain fp32: it must not claim GGUF quantization to later loaders
