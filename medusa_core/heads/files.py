@@ -67,11 +67,11 @@ def read_heads_file(path: Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     if not path.is_file():
         raise HeadsLoadError(f"{path} does not exist: point --heads (the page's Medusa heads box) at a directory with medusa_lm_head.safetensors or .pt")
-    check_not_a_pointer(path)
     if path.suffix == ".safetensors":
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
+        check_not_a_pointer(path, first_bytes(path))
         try:
             return load_file(str(path))
         except SafetensorError as err:
@@ -125,22 +125,26 @@ LFS_POINTER = b"version https://git-lfs"     # how a Git LFS pointer file begins
 TORCH_FILE = (b"PK\x03\x04", b"\x80")        # a torch file: a zip archive, or (before torch 1.6) a pickle
 
 
-def check_not_a_pointer(path: Path) -> None:
-    """A Git LFS pointer, what a clone without git-lfs holds in place of a weights file (FasterDecoding's heads
-    are .pt files in LFS), is said as one: it was refused as a pickle that "could run code" (review)."""
+def first_bytes(path: Path) -> bytes:
     with open(path, "rb") as f:
-        if f.read(len(LFS_POINTER)) == LFS_POINTER:
-            raise HeadsLoadError(f"{path} is a Git LFS pointer, not the weights (cloned without git-lfs): run "
-                                 "`git lfs pull` in its folder, or download the file again")
+        return f.read(32)
+
+
+def check_not_a_pointer(path: Path, head: bytes) -> None:
+    """A Git LFS pointer, what a clone without git-lfs holds in place of a weights file (FasterDecoding's heads
+    are .pt files in LFS), is said as one: it was refused as a pickle that "could run code" (review). ``head``:
+    the file's first bytes."""
+    if head.startswith(LFS_POINTER):
+        raise HeadsLoadError(f"{path} is a Git LFS pointer, not the weights (cloned without git-lfs): run "
+                             "`git lfs pull` in its folder, or download the file again")
 
 
 def read_torch_file(path: Path, safer: str, mmap: bool = False):
     """A torch pickle, loaded with weights_only=True; ``safer`` is the fix a refused pickle's message names."""
-    check_not_a_pointer(path)
-    with open(path, "rb") as f:
-        head = f.read(16)
+    head = first_bytes(path)
+    check_not_a_pointer(path, head)
     if not head.startswith(TORCH_FILE):      # an error page saved under the file's name, say
-        raise HeadsLoadError(f"{path} is not a torch file (it begins {head!r}): download it again")
+        raise HeadsLoadError(f"{path} is not a torch file (it begins {head[:16]!r}): download it again")
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
