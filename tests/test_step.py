@@ -1,6 +1,7 @@
 """The static-shape decoding step on CPU: its device-built mask, capacity buckets, and the
 steps a conversation's cache keeps (bounded, reused after Clear, dropped on a bucket change)."""
 
+import pytest
 import torch
 from tiny import tiny_model, trained_heads
 
@@ -148,39 +149,69 @@ def test_eager_steps_attend_over_the_used_slots_and_decode_as_the_whole_bucket_d
     assert {keys for keys, _, _ in seen} == {capacity}
 
 
-def test_captures_in_two_threads_keep_garbage_collection_off_until_both_end_and_use_their_own_streams(monkeypatch):
-    """Review: the kernel tuner (a load's thread) captured on the stream an answer (the old model's thread) captures
-    on, and one capture's end turned garbage collection back on under the other's. Runs without CUDA: the graph
-    and the streams are stand-ins, the bookkeeping is graphs.py's own."""
+def test_captures_in_two_threads_take_turns_with_garbage_collection_off_and_their_own_streams(monkeypatch):
+    """Review: torch.cuda.graph's entry synchronizes and empties the allocator's cache, which asserts that no
+    capture is underway in any thread, so the kernel tuner (a load's thread) capturing beside an answer's first
+    step (the old model's thread) failed; the collection before a capture ran under the other's capture too.
+    Captures take turns, each on its own stream, with garbage collection off inside. Runs without CUDA: the
+    graph and the streams are stand-ins, the bookkeeping is graphs.py's own."""
     import contextlib
     import gc
     import threading
 
     from medusa_core.decoding import graphs
 
-    monkeypatch.setattr(torch.cuda, "graph", lambda *a, **kw: contextlib.nullcontext())
+    recording: list[str] = []       # the threads whose capture is in torch.cuda.graph now
+
+    @contextlib.contextmanager
+    def graph(*args, **kwargs):
+        recording.append(threading.current_thread().name)
+        assert len(recording) == 1, f"two captures at once: {recording}"
+        try:
+            yield
+        finally:
+            recording.pop()
+
+    collected: list[list[str]] = []
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(graphs.gc, "collect", lambda: collected.append(list(recording)))
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: object())
     monkeypatch.setattr(graphs, "_FREE_STREAMS", {})            # the stand-ins never outlive the test
     device = torch.device("cuda", 0)
     assert gc.isenabled()
-    inside, release, streams = threading.Event(), threading.Event(), {}
+    inside, release, streams, order = threading.Event(), threading.Event(), {}, []
 
     def other_thread():
         with graphs.leased_stream(device) as streams["other"], graphs.capturing(None, streams["other"], collect=False):
+            order.append("other")
             inside.set()
             release.wait(10)
 
-    worker = threading.Thread(target=other_thread)
+    def this_thread():
+        with graphs.leased_stream(device) as streams["this"], graphs.capturing(None, streams["this"]):
+            assert not gc.isenabled()
+            order.append("this")
+
+    worker = threading.Thread(target=other_thread, name="other")
     worker.start()
     inside.wait(10)
-    with graphs.leased_stream(device) as streams["this"], graphs.capturing(None, streams["this"]):
-        assert not gc.isenabled() and streams["this"] is not streams["other"]
-    assert not gc.isenabled(), "this capture's end turned gc on while the other thread still captures"
+    assert not gc.isenabled()
+    second = threading.Thread(target=this_thread, name="this")
+    second.start()
+    second.join(0.5)
+    assert second.is_alive() and order == ["other"], "a second capture began under the first"
     release.set()
     worker.join(10)
-    assert gc.isenabled()
+    second.join(10)
+    assert order == ["other", "this"] and collected == [[]], (order, collected)   # collected with no capture on
+    assert streams["this"] is not streams["other"] and gc.isenabled()
     with graphs.leased_stream(device) as again:       # given back and reused: no stream (and cuBLAS workspace) more
         assert any(again is s for s in streams.values()) and len(graphs._FREE_STREAMS[device]) == 1
+        # a capture started inside one in the same thread would wait for itself: said at once
+        with graphs.capturing(None, again, collect=False), pytest.raises(RuntimeError, match="inside another"):
+            with graphs.capturing(None, again, collect=False):
+                pass
+    assert gc.isenabled() and graphs._capturing == 0
 
 
 def test_a_capture_warms_up_on_the_leased_stream_then_records_once(monkeypatch):

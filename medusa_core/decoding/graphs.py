@@ -17,18 +17,19 @@ T = TypeVar("T")
 
 _FREE_STREAMS: dict[torch.device, list[torch.cuda.Stream]] = {}
 _CAPTURES = threading.Lock()
-_NO_CAPTURE = threading.Condition(_CAPTURES)   # notified as the last capture in progress ends
-_capturing = 0                 # captures in progress, in all threads
+_NO_CAPTURE = threading.Condition(_CAPTURES)   # notified as a capture ends
+_capturing = 0                 # 1 while a capture is in progress (in any thread: they take turns)
+_capture_owner: int | None = None     # the thread recording it
 CAPTURE_WAIT_S = 120.0         # how long freeing memory waits for another thread's capture to end
-_gc_was_enabled = True
 
 
 @contextmanager
 def leased_stream(device: torch.device) -> Iterator[torch.cuda.Stream]:
     """A side stream for one warm-up and capture, given back after. Reused, not new each time: cuBLAS
     keeps a workspace (32 MiB) per stream it has seen, for the process's life. Not one stream for all:
-    a load tuning kernels in its thread while an answer captures in another would record into the
-    same stream at once. So there are as many streams as captures ever ran at once (one or two)."""
+    captures take turns (``capturing``), but warm-ups do not, and a load warming a kernel up in its thread
+    while an answer captures in another would put its work into that graph. So there are as many streams as
+    warm-ups and captures ever ran at once (one or two)."""
     with _CAPTURES:
         free = _FREE_STREAMS.setdefault(device, [])
         stream = free.pop() if free else torch.cuda.Stream(device)
@@ -58,30 +59,35 @@ def captured(record: Callable[[], T], device: torch.device, warm_up: Callable[[]
 
 @contextmanager
 def capturing(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, collect: bool = True) -> Iterator[None]:
-    """Record into ``graph`` on ``stream``. thread_local: a CUDA call from another thread (a second tab's
-    answer, one still running on the model a load replaces) cannot break the capture. No garbage
-    collection inside it either: freeing another graph or its memory there would invalidate this one.
-    Garbage collection stays off until the last capture in any thread ends (a counter: one thread's end
-    turned it on under another's capture). ``collect``: collect first, once per step capture; the kernel
-    tuner's many short captures skip it (0.3 s each)."""
-    global _capturing, _gc_was_enabled
-    if collect:
-        gc.collect()
-    with _CAPTURES:
-        if _capturing == 0:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _capturing += 1
+    """Record into ``graph`` on ``stream``, one capture at a time in the process: torch.cuda.graph's entry
+    synchronizes the device and empties the allocator's cache, which asserts that no capture is underway in
+    any thread, so a load's kernel tuner capturing beside an answer's first step failed there (review; not
+    run on a GPU). thread_local: a CUDA call from another thread (a second tab's eager answer, one still
+    running on the model a load replaces) cannot break the capture. No garbage collection inside it either:
+    freeing another graph or its memory there would invalidate this one. ``collect``: collect first, once
+    this capture's turn has come (before it, another thread's capture could be underway), once per step
+    capture; the kernel tuner's many short captures skip it (0.3 s each)."""
+    global _capturing, _capture_owner
+    with _NO_CAPTURE:
+        if _capture_owner == threading.get_ident():    # it would wait for itself
+            raise RuntimeError("a CUDA graph capture was started inside another in the same thread")
+        _NO_CAPTURE.wait_for(lambda: _capturing == 0)
+        _capturing, _capture_owner = 1, threading.get_ident()
     try:
-        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):   # records, runs nothing
-            yield
+        if collect:
+            gc.collect()
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):   # records, runs nothing
+                yield
+        finally:
+            if gc_was_enabled:
+                gc.enable()
     finally:
-        with _CAPTURES:
-            _capturing -= 1
-            if _capturing == 0:
-                if _gc_was_enabled:
-                    gc.enable()
-                _NO_CAPTURE.notify_all()
+        with _NO_CAPTURE:
+            _capturing, _capture_owner = 0, None
+            _NO_CAPTURE.notify_all()
 
 
 def outside_captures(free: Callable[[], object], timeout: float = CAPTURE_WAIT_S) -> bool:
