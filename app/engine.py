@@ -28,7 +28,7 @@ from medusa_core.loading.memory import free_memory
 from .detok import Detokenizer
 from .render import plain_text
 from .readout import Comparison, Meter, Stats, explain_divergence, interleaved_ratios
-from .session import RequestQueue, Session
+from .session import RequestQueue, Session, drop_every_cache
 from .settings import Settings
 from .trees import TreeCatalogue
 
@@ -347,7 +347,7 @@ class ChatEngine:
                     # at most a second: one stall of the page (another tab loading) must not freeze the stream
                     interval = min(1.0, max(UPDATE_SECONDS, rendered * (1 - RENDER_SHARE) / RENDER_SHARE))
         except torch.OutOfMemoryError:
-            session.drop_caches()
+            drop_every_cache()    # this tab's, and the idle tabs' and the API's: its retry has their memory too
             free_memory()     # (not during another thread's graph capture: empty_cache would assert)
             for r in runs:
                 yield r.update(error=oom_message())

@@ -41,6 +41,21 @@ class Replaced:
     first_turn: int                # Session.first_turn before: the new answer's prompt may cut more
 
 
+# every Session's caches (each tab's, the API's shared set), held weakly: a decode that ran out of GPU memory frees
+# them all (review: it freed only its own, and an idle tab's or the API's, a GB each at 7B, stayed)
+_EVERY_CACHES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()    # by id(): a mapping is unhashable
+_EVERY_CACHES_LOCK = threading.Lock()
+
+
+def drop_every_cache() -> None:
+    """Every tab's and the API's KV caches dropped (each reads its conversation again at its next message): what a
+    decode out of GPU memory frees. Requests decode one at a time (RequestQueue), so none of them is in use."""
+    with _EVERY_CACHES_LOCK:
+        every = list(_EVERY_CACHES.values())
+    for caches in every:
+        caches.clear()
+
+
 class Session:
     """Per-tab state, kept in a gr.State: the conversation, one KV cache per decoder (the
     baseline pane's cache must not rewind Medusa's every turn) and the Stop flag."""
@@ -60,6 +75,8 @@ class Session:
         # caches go with its engine (SmolLM2's held 250 MiB past Unload until the tab's next message). ``caches``:
         # ones shared with other Sessions that never answer at once (the API's requests)
         self._caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary() if caches is None else caches
+        with _EVERY_CACHES_LOCK:
+            _EVERY_CACHES[id(self._caches)] = self._caches
         self.busy = threading.Lock()        # one request per tab at a time
         # the page's sends and regenerates whose events have not all run yet: Stop stays on while there is one
         self._sends, self._sends_lock = 0, threading.Lock()

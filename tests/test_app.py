@@ -461,6 +461,8 @@ def test_sparkline_scales_to_tree_depth():
 
 
 def test_out_of_memory_frees_cache_and_next_answer_works(model_dirs, monkeypatch):
+    import weakref
+
     import torch
 
     import app.engine as engine_module
@@ -472,10 +474,11 @@ def test_out_of_memory_frees_cache_and_next_answer_works(model_dirs, monkeypatch
 
     backbone, heads = model_dirs
     engine = ChatEngine(load(LoadSpec(model=str(backbone), heads=str(heads), device="cpu")))
-    session = Session()
+    session, idle_tab, api = Session(), Session(), Session(caches=weakref.WeakKeyDictionary())
     prompt = engine.prompt_ids([{"role": "user", "content": "hi"}], None)
-    list(engine.answer(session, prompt, Settings(tree="small-8", max_new_tokens=8)))
-    assert session.caches
+    for each in (session, idle_tab, api):
+        list(engine.answer(each, prompt, Settings(tree="small-8", max_new_tokens=8)))
+    assert session.caches and idle_tab.caches and api.caches
 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -485,6 +488,8 @@ def test_out_of_memory_frees_cache_and_next_answer_works(model_dirs, monkeypatch
     monkeypatch.setattr(engine_module, "generate", out_of_memory)
     last = list(engine.answer(session, prompt, Settings(tree="small-8", max_new_tokens=8)))[-1]
     assert last.error and last.error.startswith("out of GPU memory") and not session.caches
+    # the other tabs' and the API's caches too (review: an idle tab's or the API's stayed, a GB each at 7B)
+    assert not idle_tab.caches and not api.caches
     monkeypatch.setattr(engine_module, "generate", real)
     last = list(engine.answer(session, prompt, Settings(tree="small-8", max_new_tokens=8)))[-1]
     assert last.error is None and last.stats.tokens == 8
