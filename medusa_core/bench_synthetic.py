@@ -28,6 +28,7 @@ import json
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -94,19 +95,40 @@ def per_heads(args, model, label: str, routing: str, kernel: str, device: torch.
     shape = SHAPES[args.shape]
     both = len(args.heads_quant) > 1
     for heads_quant in args.heads_quant:
-        heads = build_heads(shape, len(args.accuracies), device, args.seed + 1)
+        # heads to quantize are built on the CPU and quantized onto the device, as the app's loader does
+        heads = build_heads(shape, len(args.accuracies), torch.device("cpu") if heads_quant == "nf4" else device,
+                            args.seed + 1)
         check_not_zero([heads])
         line = ""
         if heads_quant == "nf4":
             from .heads.quantize import quantize_projections
             from .quant.bnb import use_nf4_heads
 
-            quantize_projections(heads, DTYPE)
-            line = use_nf4_heads(heads, kernel)     # where the app's loader puts them beside this backbone
+            with peak_note("the heads' NF4 quantization", device):
+                heads = quantize_projections(heads, DTYPE, device)
+            with peak_note("the NF4 heads' kernel routing (a first start's tuning)", device):
+                line = use_nf4_heads(heads, kernel)     # where the app's loader puts them beside this backbone
         suffix = "-nf4-heads" if heads_quant == "nf4" else "-bf16-heads" if both else ""
         yield from per_norm_kernel(args, model, heads, label + suffix,
                                    "; ".join(t for t in (routing, line) if t), device, exact)
         del heads
+
+
+@contextmanager
+def peak_note(what: str, device: torch.device) -> Iterator[None]:
+    """Says on stderr (the runbook's log) how far ``what`` took the GPU's allocated memory above what was
+    resident before it: the memory check's figure for --heads-quant nf4 (policy.CUDA_DEFAULT_WEIGHT_BYTES) was
+    computed from the code, not measured."""
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    yield
+    torch.cuda.synchronize(device)
+    print(f"  peak memory of {what}: {(torch.cuda.max_memory_allocated(device) - before) / 1e9:.3f} GB above the "
+          f"{before / 1e9:.3f} GB resident", file=sys.stderr, flush=True)
 
 
 def per_norm_kernel(args, model, heads, label: str, routing: str, device: torch.device,

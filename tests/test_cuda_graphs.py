@@ -130,6 +130,29 @@ def test_a_step_never_reads_back_to_the_host(setup):
         torch.cuda.set_sync_debug_mode("default")
 
 
+def test_typical_acceptance_in_a_graph_decodes_what_the_eager_step_does_and_never_reads_back(setup):
+    """Typical acceptance draws nothing (each step's first token is the argmax; a candidate is kept where the
+    posterior clears a threshold): its captured step, the tie-break between equally long paths included, decodes
+    what the eager step decodes, and the step reads nothing back to the host (review: typical mode had never run
+    in a captured step; the test above runs it at temperature 0, which is greedy)."""
+    model, heads = setup
+    tree = tree_of("mc_sim_7b_63")
+    config = DecodeConfig(mode="typical", temperature=0.7, epsilon=0.09, delta=0.3, max_new_tokens=60)
+    graphed = list(generate(model, PROMPT, heads=heads, tree=tree, config=config, graphs=True))
+    eager = list(generate(model, PROMPT, heads=heads, tree=tree, config=config, graphs=False))
+    assert tokens_of(graphed) == tokens_of(eager) and max(len(s.tokens) for s in graphed) > 1
+    cache = new_cache(model)
+    list(generate(model, PROMPT, heads=heads, tree=tree, config=config, cache=cache))
+    step = step_for(model, heads, tree, config, cache, graphs=False)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.inference_mode():
+            step.run_eager()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def test_graphs_are_freed_with_their_cache(setup):
     model, heads = setup
     tree = tree_of("small-16")
