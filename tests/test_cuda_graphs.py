@@ -4,6 +4,7 @@ Skipped without CUDA (run them on a GPU whenever you have one)."""
 
 import copy
 import gc
+from dataclasses import replace
 
 import pytest
 import torch
@@ -115,12 +116,11 @@ def test_bucket_change_recaptures_and_prefix_reuse_stays_exact(setup):
     assert again == fresh
 
 
-def test_a_step_never_reads_back_to_the_host(setup):
-    model, heads = setup
-    tree = tree_of("mc_sim_7b_63")
+def eager_step_reads_nothing_back(model, heads, tree, config: DecodeConfig) -> None:
+    """One eager step after a short answer, with torch raising at any read back to the host."""
     cache = new_cache(model)
-    list(generate(model, PROMPT, heads=heads, tree=tree, config=DecodeConfig(max_new_tokens=5), cache=cache))
-    step = step_for(model, heads, tree, DecodeConfig(), cache, graphs=False)
+    list(generate(model, PROMPT, heads=heads, tree=tree, config=replace(config, max_new_tokens=5), cache=cache))
+    step = step_for(model, heads, tree, config, cache, graphs=False)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -128,6 +128,11 @@ def test_a_step_never_reads_back_to_the_host(setup):
             step.run_eager()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_a_step_never_reads_back_to_the_host(setup):
+    model, heads = setup
+    eager_step_reads_nothing_back(model, heads, tree_of("mc_sim_7b_63"), DecodeConfig())
 
 
 def test_typical_acceptance_in_a_graph_decodes_what_the_eager_step_does_and_never_reads_back(setup):
@@ -141,16 +146,7 @@ def test_typical_acceptance_in_a_graph_decodes_what_the_eager_step_does_and_neve
     graphed = list(generate(model, PROMPT, heads=heads, tree=tree, config=config, graphs=True))
     eager = list(generate(model, PROMPT, heads=heads, tree=tree, config=config, graphs=False))
     assert tokens_of(graphed) == tokens_of(eager) and max(len(s.tokens) for s in graphed) > 1
-    cache = new_cache(model)
-    list(generate(model, PROMPT, heads=heads, tree=tree, config=config, cache=cache))
-    step = step_for(model, heads, tree, config, cache, graphs=False)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.inference_mode():
-            step.run_eager()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    eager_step_reads_nothing_back(model, heads, tree, config)
 
 
 def test_graphs_are_freed_with_their_cache(setup):
