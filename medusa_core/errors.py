@@ -63,7 +63,9 @@ def first_line(err: BaseException, width: int | None = 160) -> str:
 
 
 def run_command(body: Callable[[], object]) -> int:
-    """A command's body -> its exit status: 0, or 1 with the user's error on one line of stderr."""
+    """A command's body -> its exit status: 0, or 1 with the user's error on one line of stderr; Ctrl-C is 130
+    (the shell's own status for it) with one line, saying what the command keeps and how to go on where its
+    KeyboardInterrupt says (training: review, a traceback and nothing said of the checkpoint)."""
     try:
         body()
     except USER_ERRORS as err:
@@ -71,6 +73,9 @@ def run_command(body: Callable[[], object]) -> int:
             raise
         print(f"error: {error_line(err)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as err:
+        print(f"stopped (Ctrl-C){f': {err}' if str(err) else ''}", file=sys.stderr)
+        return 130
     return 0
 
 

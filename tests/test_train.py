@@ -121,7 +121,11 @@ def test_cli_errors_are_one_line_before_any_work(backbone_dir, tmp_path, capsys)
              (["--out", str(tmp_path / "h"), "--work-dir", str(a_file), "--prompts", str(backbone_dir / "prompts.jsonl")],
               f"--work-dir {a_file} is a file: give a directory"),
              (["--out", str(tmp_path / "h"), "--prompts", str(backbone_dir / "prompts.jsonl"), "--num-heads", "0"],
-              "num_heads 0: train at least 1 head (--num-heads)")]
+              "num_heads 0: train at least 1 head (--num-heads)"),
+             # review: the heads' config.json replaced the backbone's, which then no longer loaded
+             (["--out", str(backbone_dir / "backbone"), "--prompts", str(backbone_dir / "prompts.jsonl")],
+              f"--out {backbone_dir / 'backbone'} holds a llama model, whose config.json the heads' would replace: give "
+              "another folder for the heads")]
     # QA 5c: each a ZeroDivisionError or torch's traceback, after the distillation
     prompts = ["--out", str(tmp_path / "h"), "--prompts", str(backbone_dir / "prompts.jsonl")]
     cases += [([*prompts, "--eval-every", "0"], "--eval-every 0 must be at least 1"),
@@ -188,15 +192,90 @@ def test_resume_continues_exactly(backbone_dir, monkeypatch):
     heads_file = backbone_dir / "split" / "medusa_lm_head.safetensors"
     before = heads_file.read_bytes()
     checkpoint = backbone_dir / "split" / "work" / "checkpoint.pt"
-    with pytest.raises(ValueError, match=f"^--resume: {re.escape(str(checkpoint))} is at step 10, so --steps 10 "
-                                         "trains nothing more: give --steps above 10$"):
-        main_with_config(TrainConfig(out=str(backbone_dir / "split"), resume=True, **base))
+    with pytest.raises(ValueError, match=f"^--resume: {re.escape(str(checkpoint))} is at step 10, past --steps 8: "
+                                         "give --steps 10 to write its heads, or more to train on$"):
+        main_with_config(TrainConfig(out=str(backbone_dir / "split"), resume=True, **{**base, "steps": 8}))
     with pytest.raises(ValueError, match=f"^--resume: {re.escape(str(checkpoint))} holds 2 heads of 1 block\\(s\\), a "
                                          "shared projection, and this run builds 3 heads of 1 block\\(s\\), a shared "
                                          "projection: give the flags it was trained with"):
         main_with_config(TrainConfig(out=str(backbone_dir / "split"), resume=True, **{**base, "steps": 12,
                                                                                       "num_heads": 3}))
     assert heads_file.read_bytes() == before
+
+
+def test_a_finished_run_whose_heads_could_not_be_written_writes_them_on_resume(backbone_dir, monkeypatch, capsys):
+    """Review: a full disk at the final save gave safetensors' traceback after the whole training, and --resume then
+    refused the finished checkpoint ("trains nothing more"): the heads were lost. The failure is one line naming
+    the way back, and --resume at the same --steps writes the checkpoint's heads without training."""
+    import safetensors.torch
+
+    out = backbone_dir / "full_disk"
+    args = ["--model", str(backbone_dir / "backbone"), "--out", str(out), "--prompts", str(backbone_dir / "prompts.jsonl"),
+            "--raw-prompts", "--answer-tokens", "16", "--num-heads", "2", "--steps", "6", "--batch-size", "4",
+            "--eval-every", "3"]
+    real = safetensors.torch.save_file
+
+    def full(state, path, metadata=None):
+        Path(path).write_bytes(b"half")
+        raise safetensors.SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"error: {out / 'medusa_lm_head.safetensors'} could not be written (Error while serializing")
+    assert err.endswith(f"; then the same command with --resume writes the heads from {out / 'work' / 'checkpoint.pt'} "
+                        "without training"), err
+    assert not (out / "medusa_lm_head.safetensors").exists(), "the half-written file stayed, to be read as heads"
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    trained = torch.load(out / "work" / "checkpoint.pt", weights_only=True)["heads"]
+    assert main([*args, "--resume"]) == 0
+    assert "finished its 6 steps: its heads are written without training" in capsys.readouterr().out
+    model, _ = load_backbone_dir(backbone_dir / "backbone")
+    written = load_heads_dir(out, model).state_dict()
+    assert all(torch.equal(written[k], trained[k].to(written[k].dtype)) for k in written)
+
+
+def test_ctrl_c_says_what_the_run_keeps_and_how_to_go_on(backbone_dir, monkeypatch, capsys):
+    """Review: Ctrl-C while training ended in KeyboardInterrupt's traceback, and nothing said the work folder held a
+    checkpoint, nor how to continue; a full disk at a checkpoint gave torch's "unexpected pos" traceback and left its
+    hidden partial file."""
+    from medusa_core.training import loop
+
+    out = backbone_dir / "stopped"
+    args = ["--model", str(backbone_dir / "backbone"), "--out", str(out), "--prompts", str(backbone_dir / "prompts.jsonl"),
+            "--raw-prompts", "--answer-tokens", "16", "--num-heads", "2", "--steps", "8", "--batch-size", "4",
+            "--eval-every", "3"]
+    real, calls = loop.head_loss, []
+
+    def pressed_at_step_5(*a, **kw):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(loop, "head_loss", pressed_at_step_5)
+    assert main(args) == 130
+    checkpoint = out / "work" / "checkpoint.pt"
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"stopped (Ctrl-C): training at step 4 of 8; {checkpoint} keeps step 3: the same command with --resume goes "
+        "on from there")
+    calls.clear()
+    real_save = torch.save
+
+    def full_disk(obj, path, *a, **kw):
+        Path(path).write_bytes(b"PK half")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 131776 vs 131664")
+
+    monkeypatch.setattr(loop, "head_loss", real)
+    monkeypatch.setattr(torch, "save", full_disk)
+    assert main([*args, "--resume"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: the checkpoint at step 6 could not be written to {checkpoint} ([enforce fail at inline_container.cc:672]"
+        " . unexpected pos 131776 vs 131664): free space on its disk, or give --work-dir on another; --resume goes on "
+        "from step 3")
+    assert sorted(p.name for p in checkpoint.parent.iterdir() if "checkpoint" in p.name) == ["checkpoint.pt"]
+    monkeypatch.setattr(torch, "save", real_save)
+    assert main([*args, "--resume"]) == 0 and (out / "medusa_lm_head.safetensors").is_file()
 
 
 def test_heads_trained_over_others_take_nothing_of_theirs(backbone_dir, capsys):

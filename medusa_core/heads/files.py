@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import LoadError
+from ..errors import LoadError, first_line
 from .medusa_heads import HeadsConfig, MedusaHeads
 
 HEADS_FILE = "medusa_lm_head.safetensors"
@@ -354,9 +354,15 @@ def load_heads_dir(directory: str | Path, model: nn.Module) -> MedusaHeads:
 def save_safetensors(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
     """safetensors' save_file, then the mode every other file gets (the umask's): save_file writes 0600, so a
     heads or export folder shared with another user, or mounted into a container, had unreadable weights."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    save_file(state, str(path), metadata=metadata)
+    try:
+        save_file(state, str(path), metadata=metadata)
+    except SafetensorError as err:     # a full disk, said in safetensors' own error (not an OSError), naming no path
+        path.unlink(missing_ok=True)   # the part written would read as cut-short weights
+        raise OSError(f"{path} could not be written ({first_line(err)}): free space on its disk, or give a folder "
+                      "on another") from None
     path.chmod(0o666 & ~current_umask())
 
 
@@ -373,10 +379,25 @@ def current_umask() -> int:
     return umask
 
 
+def check_heads_out(directory: str | Path, flag: str = "--out") -> None:
+    """ValueError where heads written into ``directory`` would replace a model's config.json (a backbone's, a
+    Medusa-2 model's): said before any work. Training with --out at the backbone's own folder left the backbone
+    unloadable ("holds Medusa heads, not a backbone"; review)."""
+    path = Path(directory) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except (OSError, ValueError):      # unreadable or not JSON: no model's config, and the heads' own replaces it
+        config = None
+    if isinstance(config, dict) and "model_type" in config and config["model_type"] != "medusa":
+        raise ValueError(f"{flag} {directory} holds a {config['model_type']} model, whose config.json the heads' "
+                         "would replace: give another folder for the heads")
+
+
 def save_heads(heads: MedusaHeads, directory: str | Path, base_model: str) -> Path:
     """The project's heads layout: published keys in safetensors, plus a config that records
     what the loader checks (head count, blocks, sizes, base model). TGI reads it as is unless the
     heads are root-conditioned."""
+    check_heads_out(directory, "the heads' folder")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in heads.published_state_dict().items()}

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from ..decoding.config import DecodeConfig, SettingError
-from ..errors import check_folder
+from ..errors import check_folder, error_line, first_line
 from ..heads.accuracy import CALIBRATION_FILE
-from ..heads.files import PROPOSAL_FILE, HeadsFiles, load_heads_files, read_heads_dir
+from ..heads.files import PROPOSAL_FILE, HeadsFiles, check_heads_out, load_heads_files, read_heads_dir
 from ..heads.medusa_heads import HeadsConfig, MedusaHeads
 from ..loading.hub import backbone_name
 from . import data
@@ -151,33 +151,54 @@ def train_heads(model: nn.Module, heads: MedusaHeads, rows: list[tuple[list[int]
         batches = (padded(held[i:i + config.batch_size], pad, device) for i in range(0, len(held), config.batch_size))
         return held_out_accuracy(heads, lambda: [rank_histogram(heads, model, batches, top_k=5)])
 
+    def save_checkpoint(done: int) -> None:
+        # written beside it, then renamed over it: a run killed mid-save (GBs at 7B) keeps the last whole one
+        partial = ckpt_path.with_name(f".{ckpt_path.name}.partial")
+        try:
+            torch.save({"heads": heads.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
+                        "step": done, "history": json.dumps(history)}, partial)
+        except (OSError, RuntimeError) as err:   # a full disk: torch's "unexpected pos ..." (review)
+            partial.unlink(missing_ok=True)       # it would keep the space it took
+            raise OSError(f"the checkpoint at step {done} could not be written to {ckpt_path} ({first_line(err)}): "
+                          "free space on its disk, or give --work-dir on another"
+                          + (f"; --resume goes on from step {saved}" if saved else "")) from None
+        os.replace(partial, ckpt_path)
+
     start, history = resume(ckpt_path, heads, opt, gen, device) if config.resume else (0, [])
+    if start == config.steps:   # a finished run whose heads were not written (a full disk at the end): written now
+        print(f"{ckpt_path} finished its {start} steps: its heads are written without training", flush=True)
+    saved = start               # the step of the checkpoint in the work folder, once there is one
 
     heads.train()
     bar = tqdm(range(start, config.steps), desc="heads", initial=start, total=config.steps, mininterval=5)
-    for step in bar:
-        for group, base_lr in zip(opt.param_groups, base_lrs):
-            group["lr"] = lr_at(step, config.steps, base_lr)
-        batch = next_batch()
-        opt.zero_grad(set_to_none=True)
-        loss = head_loss(heads, batch, lm_head, config.decay, backward=True)
-        opt.step()
-        # the batch's own top-1 flatters (the heads just trained on it): show the last held-out figure
-        held_top1 = f"{history[-1]['top1'][0]:.2f}" if history else "-"
-        bar.set_postfix(loss=f"{loss.total.item():.3f}", held_out_top1=held_top1, refresh=False)
-        done = step + 1
-        if done % config.eval_every == 0 or done == config.steps:
-            result = {"step": done, "loss": round(loss.total.item(), 4), **evaluate()}
-            history.append(result)
-            tqdm.write(f"step {done}: held-out top-1 {result['top1']} top-5 {result['top5']}")
-            # written beside it, then renamed over it: a run killed mid-save (GBs at 7B) keeps the last whole one
-            partial = ckpt_path.with_name(f".{ckpt_path.name}.partial")
-            torch.save({"heads": heads.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
-                        "step": done, "history": json.dumps(history)}, partial)
-            os.replace(partial, ckpt_path)
+    step = start
+    try:
+        for step in bar:
+            for group, base_lr in zip(opt.param_groups, base_lrs):
+                group["lr"] = lr_at(step, config.steps, base_lr)
+            batch = next_batch()
+            opt.zero_grad(set_to_none=True)
+            loss = head_loss(heads, batch, lm_head, config.decay, backward=True)
+            opt.step()
+            # the batch's own top-1 flatters (the heads just trained on it): show the last held-out figure
+            held_top1 = f"{history[-1]['top1'][0]:.2f}" if history else "-"
+            bar.set_postfix(loss=f"{loss.total.item():.3f}", held_out_top1=held_top1, refresh=False)
+            done = step + 1
+            if done % config.eval_every == 0 or done == config.steps:
+                result = {"step": done, "loss": round(loss.total.item(), 4), **evaluate()}
+                history.append(result)
+                tqdm.write(f"step {done}: held-out top-1 {result['top1']} top-5 {result['top5']}")
+                save_checkpoint(done)
+                saved = done
+    except KeyboardInterrupt:   # one line saying what is kept and how to go on (review: a bare traceback)
+        ckpt_path.with_name(f".{ckpt_path.name}.partial").unlink(missing_ok=True)   # cut in the middle of a save
+        kept = f"{ckpt_path} keeps step {saved}: the same command with --resume goes on from there" if saved else \
+            f"no checkpoint yet (one is written every --eval-every {config.eval_every} steps)"
+        raise KeyboardInterrupt(f"training at step {step} of {config.steps}; {kept}") from None
+    finally:   # an error too (a full disk) leaves TF32 as it was: smol_build's later stages run in this process
+        torch.backends.cuda.matmul.allow_tf32 = tf32_before
     heads.eval()
     sizes = {"train_positions": len(train_cache), "held_out_positions": len(held_cache)} if config.cache_hidden else {}
-    torch.backends.cuda.matmul.allow_tf32 = tf32_before
     return {**sizes, "history": history, "final": history[-1] if history else None}
 
 
@@ -222,15 +243,16 @@ def layout(state: dict) -> str:
 
 
 def check_resumable(work: Path, steps: int) -> None:
-    """FileNotFoundError where --resume has no checkpoint to continue from; ValueError where it would train
-    nothing. Said before the backbone loads: the checkpoint's step is read without its tensors."""
+    """FileNotFoundError where --resume has no checkpoint to continue from; ValueError where it is past --steps.
+    Said before the backbone loads: the checkpoint's step is read without its tensors."""
     path = work / CHECKPOINT_FILE
     if not path.is_file():
         raise FileNotFoundError(f"--resume given but {path} does not exist: drop --resume to start fresh")
     done = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"]
-    if done >= steps:   # QA: it trained nothing, and wrote the heads again as if it had
-        raise ValueError(f"--resume: {path} is at step {done}, so --steps {steps} trains nothing more: give --steps "
-                         f"above {done}")
+    if done > steps:   # QA: it trained nothing, and wrote the heads again as if it had (at --steps done: it writes
+        # the heads of a finished run, said so; one whose final save failed is kept)
+        raise ValueError(f"--resume: {path} is at step {done}, past --steps {steps}: give --steps {done} to write its "
+                         f"heads, or more to train on")
 
 
 def warm_start(files: HeadsFiles, model: nn.Module, root_conditioned: bool) -> MedusaHeads:
@@ -267,6 +289,7 @@ def main_with_config(config: TrainConfig) -> dict:
     work = Path(config.work_dir or Path(config.out) / "work")
     # said before the load and the self-distillation, which can take hours (QA: these came after it)
     check_folder(config.out)
+    check_heads_out(config.out)
     if config.work_dir:
         check_folder(config.work_dir, "--work-dir")
     if config.resume:
@@ -292,9 +315,13 @@ def main_with_config(config: TrainConfig) -> dict:
     if config.prompts:
         answers = Path(config.answers or work / "distill_answers.jsonl")
         form = "nf4" if config.load_in_4bit else config.dtype
-        rows = data.distilled_rows(model, tokenizer, config.prompts, config.raw_prompts, config.answer_tokens,
-                                   answers, config.distill_batch, config.temperatures, config.seed,
-                                   backbone=data.backbone_label(config.model, form))
+        try:
+            rows = data.distilled_rows(model, tokenizer, config.prompts, config.raw_prompts, config.answer_tokens,
+                                       answers, config.distill_batch, config.temperatures, config.seed,
+                                       backbone=data.backbone_label(config.model, form))
+        except KeyboardInterrupt:   # each answer is kept as it is made (distilled_rows)
+            raise KeyboardInterrupt(f"the backbone's answers; those made are kept in {answers}: the same command "
+                                    "goes on from there") from None
         groups = data.conversations(answers)      # a prompt's answers stay together: held out, or trained on
     else:
         rows = data.corpus_rows(tokenizer, config.corpus, config.seq_len)
@@ -312,7 +339,11 @@ def main_with_config(config: TrainConfig) -> dict:
     result = train_heads(model, heads, rows, held, config, pad, work)
     # Saved in the backbone's dtype (bf16 for a 7B: half the file), as the loader would cast anyway.
     base_model = config.base_model or backbone_name(config.model)
-    save_heads(heads.to(lm_head.weight.dtype), config.out, base_model=base_model)
+    try:
+        save_heads(heads.to(lm_head.weight.dtype), config.out, base_model=base_model)
+    except OSError as err:   # a full disk after hours of training: the checkpoint has the heads (review)
+        raise OSError(f"{error_line(err)}; then the same command with --resume writes the heads from "
+                      f"{work / CHECKPOINT_FILE} without training") from None
     if heads.proposal_ids is not None:   # trained against that vocabulary: it travels with the heads
         source, target = Path(config.init_heads) / PROPOSAL_FILE, Path(config.out) / PROPOSAL_FILE
         if not target.exists() or not target.samefile(source):
