@@ -30,10 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="directory for the trained heads")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", help="JSONL of {\"prompt\": ...}: train on the backbone's own greedy answers")
-    src.add_argument("--corpus", nargs="+", help="text files, or JSONL with \"text\" (or \"prompt\" + \"answer\")")
+    src.add_argument("--corpus", nargs="+",
+                     help="text files, or JSONL with \"text\" (or \"prompt\" + \"answer\": trained on the answer, the "
+                          "prompt read as the app renders it unless --raw-prompts), cut into --seq-len pieces")
     p.add_argument("--work-dir", help="answers, checkpoints and report (default: OUT/work)")
-    p.add_argument("--raw-prompts", action="store_true", help="feed prompts as raw text, not as the app renders them (the chat template, or Vicuna's "
-                   "format where the tokenizer has none)")
+    p.add_argument("--raw-prompts", action="store_true",
+                   help="feed prompts (--prompts, or a --corpus line's \"prompt\") as raw text, not as the app renders "
+                        "them (the chat template, or Vicuna's format where the tokenizer has none)")
     p.add_argument("--num-heads", type=int, default=5)
     p.add_argument("--num-layers", type=int, default=1)
     p.add_argument("--shared-projection", action="store_true", help="heads reuse the backbone's lm_head")

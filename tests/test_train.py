@@ -343,7 +343,7 @@ def test_corpus_rows_from_text_and_jsonl(tmp_path):
     text.write_text("def f(x):\n    return x + 1\n" * 4)
     jsonl = tmp_path / "pairs.jsonl"
     jsonl.write_text(json.dumps({"prompt": "Q: 1+1?", "answer": " A: 2"}) + "\n" + json.dumps({"text": "print(42)"}) + "\n")
-    rows = corpus_rows(tokenizer, [str(text), str(jsonl)], seq_len=16)
+    rows = corpus_rows(tokenizer, [str(text), str(jsonl)], seq_len=16, raw=True)
     chunks = [r for r in rows[:-2]]
     assert all(ids == targets and len(ids) <= 16 for ids, targets in chunks)
     assert sum(len(ids) for ids, _ in chunks) == len(tokenizer.encode(text.read_text(), add_special_tokens=False))
@@ -358,6 +358,72 @@ def test_corpus_rows_from_text_and_jsonl(tmp_path):
     with pytest.raises(ValueError, match=r"gave no training sequence \(a text file needs more than 8 tokens, a JSONL "
                                          r"line more than 2 to learn from\): give longer texts$"):
         corpus_rows(tokenizer, [str(short)], seq_len=16)
+
+
+def test_a_corpus_is_trained_on_whole_and_what_it_cannot_hold_is_said(tmp_path, capsys):
+    """Review: a JSONL "text" line past --seq-len kept only its first chunk (5 lines of 2,000 tokens gave 5 rows of
+    512), a prompt filling --seq-len left its line out, both without a word; a number in a field gave transformers'
+    traceback; a .json file trained the heads on JSON's syntax; a prompt + answer line skipped the chat format the
+    app renders its prompts in."""
+    from medusa_core.training.data import encode_prompt
+
+    tokenizer = char_tokenizer()
+    long_line = "x = 1\n" * 20                       # 120 characters, one token each
+    jsonl = tmp_path / "lines.jsonl"
+    jsonl.write_text(json.dumps({"text": long_line}) + "\n"
+                     + json.dumps({"prompt": "P" * 30, "answer": "a long answer"}) + "\n"       # a prompt past 32
+                     + json.dumps({"prompt": "Q?", "answer": "A" * 40}) + "\n")                # an answer cut
+    rows = corpus_rows(tokenizer, [str(jsonl)], seq_len=32, raw=True)
+    texts = [ids for ids, targets in rows if IGNORE not in targets]
+    assert sum(texts, []) == tokenizer.encode(long_line, add_special_tokens=False) and len(texts) == 4
+    assert len(rows) == 5 and len(rows[-1][0]) == 32
+    out = capsys.readouterr().out
+    assert f"1 answer(s) cut to fit --seq-len 32 with their prompt (the first at {jsonl}:3): raise --seq-len" in out
+    assert f"1 line(s) left out: the prompt leaves no room in --seq-len 32 for the answer (the first at {jsonl}:2)" in out
+    # a prompt + answer line's prompt as the app renders it, unless raw (as --raw-prompts does for self-distillation)
+    rendered = corpus_rows(tokenizer, [str(jsonl)], seq_len=512)[-1]
+    assert rendered[0][:len(encode_prompt(tokenizer, "Q?", False))] == encode_prompt(tokenizer, "Q?", False) != \
+        tokenizer.encode("Q?", add_special_tokens=False)
+    only_long = tmp_path / "only_long.jsonl"
+    only_long.write_text(json.dumps({"prompt": "P" * 40, "answer": "an answer"}) + "\n")
+    with pytest.raises(ValueError, match=r"and 1 prompt\(s\) filled --seq-len 16\): give longer texts, or raise "
+                                         r"--seq-len$"):
+        corpus_rows(tokenizer, [str(only_long)], seq_len=16, raw=True)
+    for line, why in [({"text": 123}, ':1 has a "text" that is not a string: write one {"text": ...}'),
+                      ({"prompt": "a", "answer": 5}, ':1 has a "answer" that is not a string'),
+                      ({"prompt": "a"}, ':1 needs "text" or "prompt" + "answer"')]:
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(json.dumps(line) + "\n")
+        with pytest.raises(ValueError, match=re.escape(f"{bad}{why}")):
+            corpus_rows(tokenizer, [str(bad)], seq_len=16)
+    as_json = tmp_path / "data.JSON"
+    as_json.write_text(json.dumps([{"text": "hello"}]))
+    with pytest.raises(ValueError, match=re.escape(f"corpus file {as_json} is JSON: give JSONL (one object per line, "
+                                                   "named .jsonl) or text")):
+        corpus_rows(tokenizer, [str(as_json)], seq_len=16)
+
+
+def test_the_data_is_checked_before_the_backbone_loads_and_against_its_context(backbone_dir, tmp_path, capsys):
+    """Review: a bad prompts line was said only after the backbone's load (minutes at 7B); a prompt longer than the
+    context stopped the run midway with the chat page's "shorten the conversation or clear it", naming no line; a
+    follow-up that was not text was left out without a word."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"prompt": "hi", "followup": 3}) + "\n")
+    never = tmp_path / "never_loaded"          # not a model: the data's error comes first
+    assert main(["--model", str(never), "--out", str(tmp_path / "h"), "--prompts", str(bad), "--steps", "2"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f'error: {bad}:2 has a "followup" that is not a string: write the second user turn as text, or take it out')
+    assert main(["--model", str(never), "--out", str(tmp_path / "h"), "--corpus", str(bad), "--steps", "2"]) == 1
+    assert f'{bad}:1 needs "text" or "prompt" + "answer"' in capsys.readouterr().err
+    long = tmp_path / "long.jsonl"               # the tiny backbone's context is 512
+    long.write_text(json.dumps({"prompt": "short"}) + "\n" + json.dumps({"prompt": "y" * 600}) + "\n")
+    assert main(["--model", str(backbone_dir / "backbone"), "--out", str(tmp_path / "h"), "--prompts", str(long),
+                 "--raw-prompts", "--steps", "2"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: {long}:2: its prompt is 600 tokens, which leaves no room for an answer in the backbone's context of "
+        "512: shorten it, or take it out")
+    assert not (tmp_path / "h" / "work" / "distill_answers.jsonl").exists() or \
+        not (tmp_path / "h" / "work" / "distill_answers.jsonl").read_text(), "answers were made before the refusal"
 
 
 def test_cli_trains_shared_projection_heads_on_a_bf16_backbone(backbone_dir, capsys):

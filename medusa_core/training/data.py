@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -61,11 +62,15 @@ def encode_prompt(tokenizer, prompt: str, raw: bool) -> list[int]:
 
 
 def read_prompt_items(path: Path) -> list[dict]:
-    """Items of a prompts file: {"prompt": ...} with an optional second user turn "followup"."""
+    """Items of a prompts file: {"prompt": ..., "line": its line} with an optional second user turn "followup"."""
     prompts = read_prompts(path)
-    items = [item for _, item in read_jsonl(path, 'write one {"prompt": ...} object per line')]
-    return [{"prompt": p, **({"followup": i["followup"]} if isinstance(i.get("followup"), str) else {})}
-            for p, i in zip(prompts, items)]
+    items = read_jsonl(path, 'write one {"prompt": ...} object per line')
+    for n, item in items:
+        if "followup" in item and not isinstance(item["followup"], str):   # it was left out without a word (review)
+            raise ValueError(f"{path}:{n} has a \"followup\" that is not a string: write the second user turn as "
+                             "text, or take it out")
+    return [{"prompt": p, "line": n, **({"followup": i["followup"]} if "followup" in i else {})}
+            for p, (n, i) in zip(prompts, items)]
 
 
 def encode_turns(tokenizer, turns: Sequence[tuple[str, str]], raw: bool) -> list[int]:
@@ -130,6 +135,7 @@ def distilled_rows(model: nn.Module, tokenizer, prompts_path: str | Path, raw: b
     if raw and any("followup" in item for item in items):   # they were left out without a word
         raise ValueError(f"{prompts_path} holds follow-up turns, which raw prompts cannot hold (raw text has no "
                          "turns): drop --raw-prompts, or take the followup fields out")
+    check_prompts_fit(model, tokenizer, items, raw, Path(prompts_path))
     first_done = sum("followup_of" not in d for d in done)
     with open(answers_path, "a") as f:   # appended as we go, so an interrupted run resumes here
         def keep(*made: dict) -> None:
@@ -149,6 +155,23 @@ def distilled_rows(model: nn.Module, tokenizer, prompts_path: str | Path, raw: b
         else:
             _answer_batched(model, tokenizer, items, jobs, first_done, raw, answer_tokens, batch_size, seed, keep)
     return [answer_row(d["prompt_ids"], d["answer_ids"]) for d in done]
+
+
+MIN_ANSWER = 3        # answer tokens a row needs to be trained on (corpus_rows keeps rows with more than 2)
+
+
+def check_prompts_fit(model: nn.Module, tokenizer, items: list[dict], raw: bool, path: Path) -> None:
+    """ValueError naming the first prompt that leaves the backbone's context no room for an answer, before any
+    answer is made (review: the one-by-one path stopped there with the chat page's "shorten the conversation", and
+    the batched one answered past the context without a word). Answers that would run past it end there."""
+    from ..decoding.generate import max_context
+
+    context = max_context(model)
+    for item in items:
+        length = len(encode_prompt(tokenizer, item["prompt"], raw))
+        if length + MIN_ANSWER > context:
+            raise ValueError(f"{path}:{item['line']}: its prompt is {length:,} tokens, which leaves no room for an "
+                             f"answer in the backbone's context of {context:,}: shorten it, or take it out")
 
 
 def _answer_one_by_one(model, tokenizer, prompts: list[str], raw: bool, answer_tokens: int, keep,
@@ -208,8 +231,11 @@ def _generate_batch(model, tokenizer, prompts: list[list[int]], temperatures: li
     temperature per call: the batch is split by temperature."""
     from ..loading.chat_format import stop_token_ids
 
+    from ..decoding.generate import max_context
+
     out: list[list[int] | None] = [None] * len(prompts)
     device = model.get_output_embeddings().weight.device
+    context = max_context(model)
     # every turn-end token, not only tokenizer.eos_token_id: a GGUF-converted tokenizer's EOS differs
     # between transformers versions (<|im_start|> under 5.17, <|im_end|> under 5.23)
     stops = list(stop_token_ids(tokenizer))
@@ -225,8 +251,12 @@ def _generate_batch(model, tokenizer, prompts: list[list[int]], temperatures: li
         torch.manual_seed(seed)
         sample = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0) if temperature > 0 else \
             dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=answer_tokens,
-                             eos_token_id=stops, pad_token_id=pad, **sample)
+        room = context - width      # transformers' generate runs past the context without a word
+        if room < MIN_ANSWER:       # a follow-up turn, whose prompt holds the first answer (first turns: checked)
+            raise ValueError(f"a follow-up conversation is {width:,} tokens, which leaves no room for an answer in the "
+                             f"backbone's context of {context:,}: lower --answer-tokens, or shorten its turns")
+        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                             max_new_tokens=min(answer_tokens, room), eos_token_id=stops, pad_token_id=pad, **sample)
         for r, j in enumerate(idx):
             answer = gen[r, width:].tolist()
             end = next((n for n, t in enumerate(answer) if t in stops), None)
@@ -258,32 +288,75 @@ def read_answers(path: Path, vocab_size: int | None = None) -> list[Row]:
     return [answer_row(d["prompt_ids"], d["answer_ids"]) for _, d in items]
 
 
-def corpus_rows(tokenizer, files: Sequence[str], seq_len: int) -> list[Row]:
-    """Text files are cut into ``seq_len``-token chunks; JSONL lines give one row each:
-    "text" (every token a target) or "prompt" + "answer" (answer tokens only)."""
-    rows: list[Row] = []
+@dataclass(frozen=True)
+class CorpusItem:
+    where: str                  # "file" or "file:line", for messages
+    text: str                   # a text file's text, a JSONL line's "text", or its "answer"
+    prompt: str | None = None   # a JSONL line's "prompt": its tokens are read, not trained on
+    whole_file: bool = False    # a text file (its last chunk needs more than 8 tokens)
+
+
+def read_corpus(files: Sequence[str]) -> list[CorpusItem]:
+    """The corpus as given, checked without a tokenizer (so before the backbone loads): text files, and JSONL
+    lines of "text" or "prompt" + "answer"."""
+    fix = 'write one {"text": ...} or {"prompt": ..., "answer": ...} object per line'
+    items: list[CorpusItem] = []
     for name in files:
         path = Path(name)
         if not path.is_file():
             raise FileNotFoundError(f"corpus file {path} does not exist: check the --corpus paths")
-        if path.suffix == ".jsonl":
-            for n, item in read_jsonl(path, 'write one {"text": ...} object per line'):
-                if "text" in item:
-                    ids = tokenizer.encode(item["text"], add_special_tokens=False)[:seq_len]
-                    rows.append((ids, ids))
-                elif "prompt" in item and "answer" in item:
-                    p = tokenizer.encode(item["prompt"], add_special_tokens=False)
-                    a = tokenizer.encode(item["answer"], add_special_tokens=False)
-                    rows.append(answer_row(p, a[:max(0, seq_len - len(p))]))
-                else:
-                    raise ValueError(f"{path}:{n} needs \"text\" or \"prompt\" + \"answer\"")
-        else:
-            ids = tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)
-            rows.extend((ids[i:i + seq_len], ids[i:i + seq_len]) for i in range(0, len(ids) - 8, seq_len))
-    rows = [r for r in rows if sum(t != IGNORE for t in r[1]) > 2]
+        suffix = path.suffix.lower()
+        if suffix == ".json":     # read as text, the heads learned JSON's syntax (review)
+            raise ValueError(f"corpus file {path} is JSON: give JSONL (one object per line, named .jsonl) or text")
+        if suffix != ".jsonl":
+            items.append(CorpusItem(str(path), path.read_text(encoding="utf-8", errors="replace"), whole_file=True))
+            continue
+        for n, item in read_jsonl(path, fix):
+            fields = ("text",) if "text" in item else ("prompt", "answer")
+            if any(field not in item for field in fields):
+                raise ValueError(f"{path}:{n} needs \"text\" or \"prompt\" + \"answer\": {fix}")
+            wrong = next((field for field in fields if not isinstance(item[field], str)), None)
+            if wrong is not None:     # transformers' traceback, naming neither the file nor the line (review)
+                raise ValueError(f"{path}:{n} has a \"{wrong}\" that is not a string: {fix}")
+            items.append(CorpusItem(f"{path}:{n}", item.get("text", item.get("answer")), item.get("prompt")))
+    return items
+
+
+def corpus_rows(tokenizer, files: Sequence[str], seq_len: int, raw: bool = False) -> list[Row]:
+    """Rows of ``seq_len`` tokens at most: text files and JSONL "text" lines are cut into chunks (every token a
+    target; a line was cut to its first chunk, without a word: review); "prompt" + "answer" lines train on the
+    answer, whose prompt is read as the app renders it (``raw``: as raw text), as self-distillation's is. An answer
+    cut to fit, and a prompt that leaves no room for one, are said."""
+    rows: list[Row] = []
+    cut: list[str] = []
+    left_out: list[str] = []
+    for item in read_corpus(files):
+        if item.prompt is None:
+            ids = tokenizer.encode(item.text, add_special_tokens=False)
+            ends = range(0, len(ids) - 8, seq_len) if item.whole_file else range(0, len(ids), seq_len)
+            rows.extend((ids[i:i + seq_len], ids[i:i + seq_len]) for i in ends)
+            continue
+        prompt = encode_prompt(tokenizer, item.prompt, raw)
+        answer = tokenizer.encode(item.text, add_special_tokens=False)
+        room = seq_len - len(prompt)
+        if room < MIN_ANSWER and len(answer) >= MIN_ANSWER:
+            left_out.append(item.where)
+            continue
+        if len(answer) > room:
+            cut.append(item.where)
+        rows.append(answer_row(prompt, answer[:max(room, 0)]))
+    if cut:
+        print(f"{len(cut)} answer(s) cut to fit --seq-len {seq_len} with their prompt (the first at {cut[0]}): raise "
+              "--seq-len to train on all of them", flush=True)
+    if left_out:
+        print(f"{len(left_out)} line(s) left out: the prompt leaves no room in --seq-len {seq_len} for the answer "
+              f"(the first at {left_out[0]}): raise --seq-len, or shorten their prompts", flush=True)
+    rows = [r for r in rows if sum(t != IGNORE for t in r[1]) >= MIN_ANSWER]
     if not rows:
         raise ValueError(f"the corpus {list(files)} gave no training sequence (a text file needs more than 8 tokens, "
-                         "a JSONL line more than 2 to learn from): give longer texts")
+                         "a JSONL line more than 2 to learn from"
+                         + (f", and {len(left_out)} prompt(s) filled --seq-len {seq_len}" if left_out else "")
+                         + "): give longer texts" + (", or raise --seq-len" if left_out else ""))
     return rows
 
 

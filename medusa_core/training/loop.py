@@ -299,6 +299,11 @@ def main_with_config(config: TrainConfig) -> dict:
             raise ValueError(f"{'--prompts' if config.prompts else '--corpus'} {source} is not a file: give "
                              + ('a JSONL file with one {"prompt": ...} per line' if config.prompts else
                                 "text files, or JSONL with a \"text\" per line"))
+    # the data read and checked before the load too (review: a bad line was said after minutes of loading a 7B)
+    if config.prompts:
+        data.read_prompt_items(Path(config.prompts))
+    else:
+        data.read_corpus(config.corpus)
     init_files = read_heads_dir(config.init_heads) if config.init_heads else None
     torch.manual_seed(config.seed)
     if config.threads:
@@ -324,7 +329,7 @@ def main_with_config(config: TrainConfig) -> dict:
                                     "goes on from there") from None
         groups = data.conversations(answers)      # a prompt's answers stay together: held out, or trained on
     else:
-        rows = data.corpus_rows(tokenizer, config.corpus, config.seq_len)
+        rows = data.corpus_rows(tokenizer, config.corpus, config.seq_len, config.raw_prompts)
     rows, held = data.split_rows(rows, config.held_out, config.seed, groups)
     text = model.config.get_text_config()
     lm_head = model.get_output_embeddings()
