@@ -50,6 +50,22 @@ def test_fit_heads_lowers_the_loss():
     assert loss_on(model, heads, [(s, s) for s in seqs]) < 0.8 * before
 
 
+@pytest.mark.parametrize("own_projection, root_conditioned", [(True, False), (False, False), (True, True)])
+def test_fresh_heads_predict_what_the_backbone_predicts(own_projection, root_conditioned):
+    """Untrained heads start as the backbone's lm_head (zero residual and root blocks, the projection a copy):
+    training then learns only the shift (review: removing the zero init left every training test passing)."""
+    model = tiny_model(vocab=64, hidden=32)
+    lm_head = model.get_output_embeddings()
+    heads = MedusaHeads(HeadsConfig(3, 2, 32, 64, own_projection, root_conditioned))
+    heads.init_from_lm_head(lm_head)
+    hidden = torch.randn(5, 32, generator=torch.Generator().manual_seed(0))
+    root = torch.randint(64, (5,), generator=torch.Generator().manual_seed(1)) if root_conditioned else None
+    with torch.no_grad():
+        logits = heads(hidden, lm_head, root=root)                                      # (3, 5, 64)
+        # close, not equal: a shared projection multiplies (3, 5, H) at once, which a BLAS may sum in another order
+        torch.testing.assert_close(logits, lm_head(hidden).expand(3, -1, -1), rtol=1e-5, atol=1e-6)
+
+
 def test_ignored_targets_do_not_count():
     model = tiny_model()
     heads = copied_heads(model, 2)
