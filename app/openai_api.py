@@ -130,7 +130,7 @@ class Completion:
         while True:
             try:
                 update = await asyncio.wait_for(self._queue.get(), HEARTBEAT_S)
-            except TimeoutError:
+            except asyncio.TimeoutError:    # TimeoutError itself from 3.11; another class on 3.10 (review)
                 beat = time.monotonic()
                 yield ""          # nothing new for a while (a long prompt being read): a heartbeat
                 continue
