@@ -19,6 +19,7 @@ of a start, to change nothing (QA). A busy measurement never replaces a quiet on
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,10 +87,12 @@ def read_kept(entry: Path, key: dict) -> Kept | None:
     return kept if kept.fp32_ms > 0 and kept.int4_ms > 0 else None
 
 
-def remembered_speed(model, cache_root: Path, retune: bool = False) -> Speed:
+def remembered_speed(model, cache_root: Path, retune: bool = False,
+                     progress: Callable[[str], None] | None = None) -> Speed:
     """The gain for ``model`` on this machine (see the module docstring for which figure wins). A cache that
     cannot be written does not fail the load: this start uses what it measured and its line says why it was
-    not kept, naming the path and the fix."""
+    not kept, naming the path and the fix. ``progress`` hears when it measures (seconds of a load), only then:
+    the load said it timed the weights at every start, where later ones read the figure (review)."""
     key = speed_key(model)
     entry = entry_path(key, cache_root, FOLDER, NAME)
     kept = read_kept(entry, key)
@@ -101,6 +104,8 @@ def remembered_speed(model, cache_root: Path, retune: bool = False) -> Speed:
         if share < BUSY_SHARE:
             busy = "with an answer still running here" if answering else f"this app getting {share:.0%} of the CPU"
             return kept.speed(f"{provisional}; this load found it busy too, {busy}")
+    if progress is not None:
+        progress("timing the 4-bit weights against fp32 on this CPU (kept for later starts)")
     (times, share), answering = with_work_beside(lambda: with_cpu_share(lambda: cpu_int4.measure(model)))
     busy = ANSWERING if answering else BUSY.format(share=share)
     gain = times["fp32_ms"] / times["int4_ms"]

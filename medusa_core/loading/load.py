@@ -342,11 +342,12 @@ def load(spec: LoadSpec, progress: Progress | None = None) -> Loaded:
     kernel_text = ""
     if quant == "int4":
         if progress is not None:   # the line said "converts" while this ran (QA: 40 s of a busy first start)
-            progress("checking the 4-bit weights against fp32 and timing them on this CPU")
+            progress("checking the 4-bit weights against fp32")
         try:
             applied, text = cpu_int4.use_int4(model, measured=spec.quant == "auto", trees=files is not None,
                                               reference=fidelity_reference(tokenizer),
-                                              speed=lambda: remembered_speed(model, smollm2.cache_root(), spec.retune))
+                                              speed=lambda: remembered_speed(model, smollm2.cache_root(), spec.retune,
+                                                                             progress))
         except ValueError as err:
             raise LoadError(str(err)) from None
         quant, kernel_text = ("int4" if applied else "none"), "; " + text
