@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -81,12 +82,21 @@ def run_command(body: Callable[[], object]) -> int:
 
 def check_folder(path: str | Path, flag: str = "--out") -> None:
     """ValueError, before any work, where ``path``, a folder the command makes or writes into, is a file or lies
-    under one (QA16: mkdir's "Not a directory" named a path below it the user never gave, with no fix)."""
+    under one (QA16: mkdir's "Not a directory" named a path below it the user never gave, with no fix), is empty
+    (QA: '' wrote into the current folder), or cannot be written (QA: /proc/x said only "No such file or directory",
+    after the model's load). Tried, not only asked, as check_writable does: a folder made for the try is removed."""
+    if not str(path).strip():
+        raise ValueError(f"{flag} is empty: give a directory")
     target = Path(path)
-    existing = next((p for p in [target, *target.parents] if p.exists()), None)
-    if existing is not None and not existing.is_dir():
+    existing = next((p for p in [target, *target.parents] if p.exists()), Path("."))
+    if not existing.is_dir():
         where = "is a file" if existing == target else f"lies under {existing}, a file"
         raise ValueError(f"{flag} {path} {where}: give a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".medusa-write-check-", dir=existing))
+    except OSError as err:
+        raise ValueError(f"{flag} {path} cannot be made or written in {existing} ({err.strerror or err}): give a "
+                         "folder you can write") from None
 
 
 def check_writable(path: str | None, flag: str = "--json", reads: dict[str, str | Path | None] | None = None) -> None:

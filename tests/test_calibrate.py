@@ -166,6 +166,15 @@ def test_cli_errors_are_one_line(checkpoint, tmp_path, capsys):
     common = ["--model", str(backbone), "--heads", str(heads), "--prompts", str(prompts), "--raw-prompts",
               "--out", str(tmp_path / "t.json")]
     for extra, why in ((["--budget", "abc"], "budget 'abc' must be"), (["--budget", "3", "--top-k", "0"], "top_k 0"),
+                       # QA: a tree of 1,219 nodes was written, which every loader then refused
+                       (["--budget", "100000"], "--budget '100000' must be a node count from 1 to 1023 (the root not "
+                                                "counted), or 'auto'"),
+                       # QA: the tree was written over the prompts file it had read
+                       (["--budget", "3", "--out", str(prompts)], f"--out {prompts} is the --prompts file this run "
+                                                                   "reads"),
+                       # QA: a missing folder was said to hold "no heads"
+                       (["--budget", "3", "--heads", str(tmp_path / "nope")], f"--heads {tmp_path / 'nope'} is not "
+                                                                               "there: give the folder"),
                        # a tree using rank 10 or more is one no loader runs (review: written, then refused by all)
                        (["--budget", "3", "--top-k", "11"], "top_k 11: measure from rank 1 to a tree's most, 10,"),
                        (["--budget", "3", "--max-budget", "0"], "max_budget 0"),

@@ -138,6 +138,10 @@ def test_cli_errors_are_one_line_before_any_work(backbone_dir, tmp_path, capsys)
               f"--work-dir {a_file} is a file: give a directory"),
              (["--out", str(tmp_path / "h"), "--prompts", str(backbone_dir / "prompts.jsonl"), "--num-heads", "0"],
               "num_heads 0: train at least 1 head (--num-heads)"),
+             # QA: '' wrote the heads into the current folder; /proc/x said "No such file or directory", after the load
+             (["--out", "", "--prompts", str(backbone_dir / "prompts.jsonl")], "--out is empty: give a directory"),
+             *([(["--out", "/proc/medusa-x", "--prompts", str(backbone_dir / "prompts.jsonl")],
+                 "--out /proc/medusa-x cannot be made or written in /proc (")] if Path("/proc").is_dir() else []),
              # review: the heads' config.json replaced the backbone's, which then no longer loaded
              (["--out", str(backbone_dir / "backbone"), "--prompts", str(backbone_dir / "prompts.jsonl")],
               f"--out {backbone_dir / 'backbone'} holds a llama model, whose config.json the heads' would replace: give "

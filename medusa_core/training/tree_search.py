@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..quant.cpu_int4 import use_int4
-from ..decoding.tree import TOP_K, expected_tokens_per_step, grow_tree
+from ..decoding.tree import MAX_GENERATED_NODES, TOP_K, expected_tokens_per_step, grow_tree
 from ..loading.tree_tuning import choose
 from .loop import check_threads
 from ..errors import check_writable
@@ -59,8 +59,10 @@ class CalibrateConfig:
     def __post_init__(self) -> None:
         if (self.prompts is None) == (self.data is None):
             raise ValueError("give exactly one calibration set: --prompts FILE.jsonl or --data answers.jsonl")
-        if self.budget != "auto" and not (self.budget.isdecimal() and int(self.budget) >= 1):
-            raise ValueError(f"budget {self.budget!r} must be a node count >= 1 or 'auto'")
+        if self.budget != "auto" and not (self.budget.isdecimal() and 1 <= int(self.budget) < MAX_GENERATED_NODES):
+            # QA: --budget 100000 wrote a tree of 1,219 nodes, which every loader then refused
+            raise ValueError(f"--budget {self.budget!r} must be a node count from 1 to {MAX_GENERATED_NODES - 1} (the "
+                             "root not counted), or 'auto'")
         if not 1 <= self.top_k <= TOP_K:      # a tree using rank 10 or more is one no loader runs
             raise ValueError(f"top_k {self.top_k}: measure from rank 1 to a tree's most, {TOP_K}, of each head (--top-k)")
         if self.max_budget < 1:
@@ -144,8 +146,13 @@ def run(config: CalibrateConfig) -> dict:
     # said before the load and the measuring (minutes), not after them
     if config.data:
         read_answers(Path(config.data))
-    check_writable(config.out, "--out")
+    # QA: --out at the prompts or answers file it reads wrote the tree over it
+    check_writable(config.out, "--out", reads={"--prompts": config.prompts, "--data": config.data,
+                                               "--timing-prompts": config.timing_prompts})
     heads_dir, out = Path(config.heads), Path(config.out)
+    if not heads_dir.is_dir():     # QA: a missing path or a file was said to hold "no heads"
+        raise ValueError(f"--heads {heads_dir} is {'a file' if heads_dir.exists() else 'not there'}: give the folder "
+                         "that python -m medusa_core.train wrote")
     if not any((heads_dir / name).is_file() for name in HEADS_FILES):   # QA: said after the load and a minute's timing
         raise ValueError(f"{heads_dir} holds no heads ({' or '.join(HEADS_FILES)}): give the folder that "
                          "python -m medusa_core.train wrote")
