@@ -31,7 +31,7 @@ from .errors import LoadError, OneLineParser, check_folder, run_command
 from .heads.medusa_heads import HeadsConfig
 from .heads.files import (HEADS_FILE, PROPOSAL_FILE, HeadsFiles, check_declared, heads_config_from_keys,
                           read_heads_dir, save_safetensors)
-from .loading.hub import backbone_name
+from .loading.hub import backbone_name, local_dir
 
 FORMATS = ("tgi", "vllm", "both")
 WRITES = {"tgi": (HEADS_FILE, "config.json"), "vllm": ("model.safetensors", "config.json")}   # each format's files
@@ -154,6 +154,22 @@ def write_vllm(files: HeadsFiles, found: HeadsConfig, out: Path, dtype: torch.dt
     return out
 
 
+def check_backbone(model: str) -> None:
+    """LoadError where ``model``, written into the exports as their backbone, names none: a path not there (a typo was
+    written into both configs without a word: QA), or a folder without a model's config.json (heads, an empty one).
+    A hub id is taken as it is: the export reads nothing of it unless vLLM needs its lm_head."""
+    folder = local_dir(model, "the backbone's config.json and weights")
+    if folder is None:
+        return
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = None
+    if not isinstance(config, dict) or "model_type" not in config or config["model_type"] == "medusa":
+        raise LoadError(f"--model {model} holds no backbone (a config.json with its model_type): give the folder the "
+                        "heads were trained on, or its hub id")
+
+
 def export(spec: ExportSpec) -> Exported:
     if spec.format not in FORMATS:
         raise LoadError(f"format {spec.format!r} is unknown: use one of {', '.join(FORMATS)}")
@@ -162,6 +178,7 @@ def export(spec: ExportSpec) -> Exported:
     check_folder(spec.out)      # before the heads are read: a hub download can take minutes
     files, found = read_source(spec.heads)
     if spec.model is not None:      # --model is the backbone; a local one by its absolute path, as train writes it
+        check_backbone(spec.model)
         files = replace(files, base_model=backbone_name(spec.model))
     folders = {kind: spec.out / kind if spec.format == "both" else spec.out for kind in ("tgi", "vllm")
                if spec.format in (kind, "both")}

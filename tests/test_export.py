@@ -234,6 +234,13 @@ def test_export_errors_are_one_line(setup, tmp_path, capsys):
     assert err == f"error: --out {a_file} is a file: give a directory\n"     # QA16: named {a_file}/tgi, no fix
     assert main(["--heads", str(setup[0] / "heads"), "--out", str(a_file / "sub")]) == 1
     assert capsys.readouterr().err == f"error: --out {a_file / 'sub'} lies under {a_file}, a file: give a directory\n"
+    # QA: a mistyped --model, or the heads' folder, was written into both configs as their backbone without a word
+    for model, why in ((tmp_path / "nonexist", f"{tmp_path / 'nonexist'} does not exist: give an existing local "
+                                               "directory or a hub id like owner/name"),
+                       (setup[0] / "heads", f"--model {setup[0] / 'heads'} holds no backbone (a config.json with its "
+                                            "model_type): give the folder the heads were trained on, or its hub id")):
+        assert main(["--heads", str(setup[0] / "heads"), "--out", str(tmp_path / "typo"), "--model", str(model)]) == 1
+        assert capsys.readouterr().err == f"error: {why}\n" and not (tmp_path / "typo").exists()
     # into the heads' own folder: it rewrote them, cast, without a word (review)
     heads_dir = setup[0] / "heads"
     before = {p.name: p.read_bytes() for p in heads_dir.iterdir() if p.is_file()}
