@@ -36,6 +36,7 @@ NORM_KERNELS = ("auto", "torch", "triton")
 ROTARY_CHOICES = ("auto", "torch", "triton")
 ATTENTION_CHOICES = ("auto", "sdpa", "split")
 LOCAL_HOSTS = {"127.0.0.1", "localhost"}
+MAX_NEW_TOKENS_FLAG = 2**31 - 1     # far past any context; the page's number box holds it
 API_KEY_ENV = "MEDUSA_CHAT_API_KEY"     # the same name as app.openai_api's (kept here: --help imports no torch)
 
 
@@ -123,6 +124,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         p.error(f"--max-new-tokens {args.max_new_tokens}: give a token count of at least 1")
+    if args.max_new_tokens > MAX_NEW_TOKENS_FLAG:   # (a count past the context is cut to it, with a note)
+        # QA: past 64 bits the page's number box failed to build, and the last line blamed localhost and share links
+        p.error(f"--max-new-tokens {args.max_new_tokens}: give a token count up to {MAX_NEW_TOKENS_FLAG:,} (it is cut "
+                "to the model's context anyway)")
     return args
 
 

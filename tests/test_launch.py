@@ -201,6 +201,9 @@ def test_a_bad_number_or_choice_is_one_line_that_names_it_and_the_fix():
                         (["--max-new-tokens", "ten"], "error: argument --max-new-tokens: 'ten' is not a whole number: "
                                                       "give a token count of at least 1"),
                         (["--max-new-tokens", "0"], "error: --max-new-tokens 0: give a token count of at least 1"),
+                        # QA: gradio's traceback, ending in a line about localhost and share links
+                        (["--max-new-tokens", "99999999999999999999"], "error: --max-new-tokens 99999999999999999999: "
+                                                                       "give a token count up to 2,147,483,647"),
                         (["--quant", "bogus"], "error: argument --quant: invalid choice: 'bogus' (choose from")):
         proc = run(*flags, timeout=60)
         assert proc.returncode == 2 and proc.stdout == "", proc.stdout
