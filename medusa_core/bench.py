@@ -21,7 +21,7 @@ from .benchmarks.runs import (ModuleTimer, Run, bench_prompts, format_table, pea
 from .decoding.config import DEFAULTS, GREEDY_BELOW, MODES, DecodeConfig, SettingError, limits
 from .decoding.generate import new_cache
 from .decoding.tree import TreeBuffers, TreeError, build_tree_buffers, named_tree, resolve_tree, tree_name
-from .errors import LoadError, OneLineParser, check_writable
+from .errors import LoadError, OneLineParser, check_writable, exit_status
 from .loading.chat_format import render_chat
 from .loading.load import load
 from .loading.policy import resolve_device
@@ -232,4 +232,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))

@@ -80,6 +80,16 @@ def run_command(body: Callable[[], object]) -> int:
     return 0
 
 
+def exit_status(main: Callable[[], int]) -> int:
+    """``main()``'s status, or 130 with one line where Ctrl-C stopped it (KeyboardInterrupt's traceback said no more):
+    for commands whose main prints its own errors, as bench's does."""
+    try:
+        return main()
+    except KeyboardInterrupt:
+        print("stopped (Ctrl-C)", file=sys.stderr)
+        return 130
+
+
 def check_folder(path: str | Path, flag: str = "--out") -> None:
     """ValueError, before any work, where ``path``, a folder the command makes or writes into, is a file or lies
     under one (QA16: mkdir's "Not a directory" named a path below it the user never gave, with no fix), is empty

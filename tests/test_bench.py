@@ -300,3 +300,15 @@ def test_the_cpu_profile_counts_an_int4_heads_kernel_as_the_lm_head_not_a_projec
     assert profile.category(head, model) == "lm_head" and profile.category(head.int4, model) is None
     assert isinstance(model.model.layers[0].mlp.down_proj, nn.Linear)
     assert profile.category(model.model.layers[0].mlp.down_proj, model) == profile.ORDER[0]
+
+
+def test_ctrl_c_in_bench_is_one_line(monkeypatch, capsys):
+    """CLI QA: Ctrl-C during bench printed KeyboardInterrupt's traceback."""
+    from medusa_core.errors import exit_status
+
+    def pressed(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "prepare", pressed)
+    assert exit_status(lambda: bench.main([])) == 130
+    assert capsys.readouterr().err == "stopped (Ctrl-C)\n"

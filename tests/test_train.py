@@ -416,6 +416,11 @@ def test_a_corpus_is_trained_on_whole_and_what_it_cannot_hold_is_said(tmp_path, 
         bad.write_text(json.dumps(line) + "\n")
         with pytest.raises(ValueError, match=re.escape(f"{bad}{why}")):
             corpus_rows(tokenizer, [str(bad)], seq_len=16)
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(ValueError, match=re.escape(f"corpus file {binary} is not UTF-8 text (byte 128): give text "
+                                                   "files, saved as UTF-8")):
+        corpus_rows(tokenizer, [str(binary)], seq_len=16)
     as_json = tmp_path / "data.JSON"
     as_json.write_text(json.dumps([{"text": "hello"}]))
     with pytest.raises(ValueError, match=re.escape(f"corpus file {as_json} is JSON: give JSONL (one object per line, "
@@ -427,6 +432,12 @@ def test_the_data_is_checked_before_the_backbone_loads_and_against_its_context(b
     """Review: a bad prompts line was said only after the backbone's load (minutes at 7B); a prompt longer than the
     context stopped the run midway with the chat page's "shorten the conversation or clear it", naming no line; a
     follow-up that was not text was left out without a word."""
+    empty = tmp_path / "empty_prompt.jsonl"       # QA: generate's traceback, naming no line
+    empty.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"prompt": "  "}) + "\n")
+    assert main(["--model", str(tmp_path / "never_loaded"), "--out", str(tmp_path / "h"), "--prompts", str(empty),
+                 "--steps", "2"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f'error: {empty}:2 has an empty "prompt": write the question, or take the line out')
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"prompt": "hi", "followup": 3}) + "\n")
     never = tmp_path / "never_loaded"          # not a model: the data's error comes first

@@ -50,6 +50,8 @@ def read_prompts(path: Path) -> list[str]:
     for n, item in read_jsonl(path, fix):
         if not isinstance(item.get("prompt"), str):
             raise ValueError(f"{path}:{n} has no string \"prompt\": {fix}")
+        if not item["prompt"].strip():   # QA: bench's raw prompts ended in generate's traceback, naming no line
+            raise ValueError(f"{path}:{n} has an empty \"prompt\": write the question, or take the line out")
         prompts.append(item["prompt"])
     if not prompts:
         raise ValueError(f"{path} holds no prompts: write one {{\"prompt\": ...}} object per line")
@@ -309,7 +311,12 @@ def read_corpus(files: Sequence[str]) -> list[CorpusItem]:
         if suffix == ".json":     # read as text, the heads learned JSON's syntax (review)
             raise ValueError(f"corpus file {path} is JSON: give JSONL (one object per line, named .jsonl) or text")
         if suffix != ".jsonl":
-            items.append(CorpusItem(str(path), path.read_text(encoding="utf-8", errors="replace"), whole_file=True))
+            try:
+                text = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError as err:   # QA: read with replacement characters, it trained on them
+                raise ValueError(f"corpus file {path} is not UTF-8 text (byte {err.start}): give text files, saved as "
+                                 "UTF-8") from None
+            items.append(CorpusItem(str(path), text, whole_file=True))
             continue
         for n, item in read_jsonl(path, fix):
             fields = ("text",) if "text" in item else ("prompt", "answer")
