@@ -14,6 +14,7 @@ at --temperatures; generated first and stored as JSONL) or a text/JSONL corpus.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import torch
@@ -21,6 +22,9 @@ import torch
 from .errors import OneLineParser, run_command
 from .loading.policy import resolve_device
 from .training.loop import TrainConfig, main_with_config
+
+
+DEFAULTS = {field.name: field.default for field in dataclasses.fields(TrainConfig)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,15 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--raw-prompts", action="store_true",
                    help="feed prompts (--prompts, or a --corpus line's \"prompt\") as raw text, not as the app renders "
                         "them (the chat template, or Vicuna's format where the tokenizer has none)")
-    p.add_argument("--num-heads", type=int, default=5)
-    p.add_argument("--num-layers", type=int, default=1)
+    p.add_argument("--num-heads", type=int, help=f"heads to train (default {DEFAULTS['num_heads']})")
+    p.add_argument("--num-layers", type=int, help=f"residual blocks per head (default {DEFAULTS['num_layers']})")
     p.add_argument("--shared-projection", action="store_true", help="heads reuse the backbone's lm_head")
     p.add_argument("--answer-tokens", type=int, default=256)
     p.add_argument("--distill-batch", type=int, default=1,
                    help="answers generated together (> 1: transformers' batched generate, needed for follow-up turns)")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
                    help="one answer per prompt and temperature (0: greedy)")
-    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--seq-len", type=int, help=f"--corpus: tokens per training piece (default {DEFAULTS['seq_len']})")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -69,17 +73,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-hidden", action="store_true",
                    help="compute the backbone's hidden states once (fp32, ~2.3 KB per token for a 576-wide model) "
                         "and train on --positions random positions per step")
-    p.add_argument("--positions", type=int, default=4096,
-                   help="positions per step with --cache-hidden (which ignores --batch-size)")
+    p.add_argument("--positions", type=int,
+                   help="positions per step with --cache-hidden (which ignores --batch-size; default "
+                        f"{DEFAULTS['positions']})")
     a = p.parse_args(argv)
+    # a flag that would change nothing is refused, not ignored (CLI QA: each was taken without a word)
+    for flag, given, applies, why in (
+            ("--seq-len", a.seq_len, a.corpus, "it cuts --corpus text; self-distilled answers are whole"),
+            ("--positions", a.positions, a.cache_hidden, "it counts --cache-hidden's positions per step"),
+            ("--root-lr", a.root_lr, a.root_conditioned or a.init_heads, "only root-conditioned heads have root blocks"),
+            ("--num-heads", a.num_heads, not a.init_heads, "--init-heads trains those heads, in their layout"),
+            ("--num-layers", a.num_layers, not a.init_heads, "--init-heads trains those heads, in their layout"),
+            ("--shared-projection", a.shared_projection or None, not a.init_heads,
+             "--init-heads trains those heads, in their layout")):
+        if given is not None and not applies:
+            p.error(f"{flag} changes nothing here ({why}): drop it")
     return run_command(lambda: main_with_config(TrainConfig(
         model=a.model, out=a.out, prompts=a.prompts, corpus=tuple(a.corpus or ()), work_dir=a.work_dir,
-        raw_prompts=a.raw_prompts, num_heads=a.num_heads, num_layers=a.num_layers,
+        raw_prompts=a.raw_prompts,
         own_projection=not a.shared_projection, answer_tokens=a.answer_tokens, distill_batch=a.distill_batch,
-        temperatures=tuple(a.temperatures), seq_len=a.seq_len, steps=a.steps,
+        temperatures=tuple(a.temperatures), steps=a.steps,
         batch_size=a.batch_size, lr=a.lr, eval_every=a.eval_every, resume=a.resume, load_in_4bit=a.load_in_4bit,
         device=resolve_device(a.device), seed=a.seed, dtype=a.dtype, threads=a.threads, init_heads=a.init_heads,
-        root_conditioned=a.root_conditioned, root_lr=a.root_lr, cache_hidden=a.cache_hidden, positions=a.positions,
+        root_conditioned=a.root_conditioned, root_lr=a.root_lr, cache_hidden=a.cache_hidden,
+        # the flags left unset take TrainConfig's defaults
+        **{name: value for name in ("num_heads", "num_layers", "seq_len", "positions")
+           if (value := getattr(a, name)) is not None},
     )))
 
 

@@ -153,7 +153,8 @@ def test_cli_errors_are_one_line_before_any_work(backbone_dir, tmp_path, capsys)
               ([*prompts, "--threads", "-1"], "--threads -1: give 0 (torch's choice) or a count up to this machine's"),
               # review: a MemoryError from torch's thread pool; a ValueError naming neither flag nor fix
               ([*prompts, "--threads", "100000"], "--threads 100000: give 0 (torch's choice) or a count up to"),
-              ([*prompts, "--seq-len", "0"], "--seq-len 0 must be at least 1")]
+              (["--out", str(tmp_path / "h"), "--corpus", str(backbone_dir / "prompts.jsonl"), "--seq-len", "0"],
+               "--seq-len 0 must be at least 1")]
     # QA16 MINOR-2: distilled at -1 and trained on it; 3 is past what sampling accepts anywhere else
     cases += [([*prompts, "--distill-batch", "2", "--temperatures", "0", "-1"],
                "--temperatures -1 is out of range: use a value from 0 (greedy) to 2"),
@@ -172,6 +173,18 @@ def test_cli_errors_are_one_line_before_any_work(backbone_dir, tmp_path, capsys)
         assert main([*common, *args]) == 1
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert err.startswith("error: ") and why in err, err
+    # CLI QA: each of these changed nothing, without a word
+    for args, why in ((["--seq-len", "64"], "--seq-len changes nothing here (it cuts --corpus text; self-distilled "
+                                            "answers are whole): drop it"),
+                      (["--positions", "64"], "--positions changes nothing here (it counts --cache-hidden's"),
+                      (["--root-lr", "1e-3"], "--root-lr changes nothing here (only root-conditioned heads"),
+                      (["--init-heads", str(tmp_path), "--num-heads", "3"], "--num-heads changes nothing here "
+                                                                           "(--init-heads trains those heads"),
+                      (["--init-heads", str(tmp_path), "--shared-projection"], "--shared-projection changes nothing")):
+        with pytest.raises(SystemExit) as exited:
+            main([*common, *prompts, *args])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and err.startswith(f"error: {why}") and err.count("\n") == 1, err
     assert not (tmp_path / "h").exists(), "a run refused (a missing file, a bad --model) leaves no folder behind"
 
 
