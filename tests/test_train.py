@@ -538,3 +538,18 @@ def test_our_refusals_are_one_line_and_a_library_error_keeps_its_traceback(tmp_p
     assert lines[0].startswith("error: unknown tree 'nonsense'") and lines[1] == f"error: {tmp_path / 'missing.jsonl'}: No such file or directory"
     with pytest.raises(json.JSONDecodeError):                                 # raised inside json: a bug to report
         run_command(lambda: json.loads("{"))
+
+
+def test_the_prompt_set_command_refuses_counts_and_paths_it_cannot_keep(tmp_path, capsys):
+    """CLI QA: a negative --count dropped prompts from the end and 999999 gave the 3,117 there are, without a word;
+    an empty or unwritable --out gave a traceback."""
+    from medusa_core.training import prompts
+
+    for count in ("-3", "999999"):
+        with pytest.raises(SystemExit):
+            prompts.main(["--count", count, "--out", str(tmp_path / "p.jsonl")])
+        assert f"error: --count {count}: give a count from 1 to {len(prompts.pool())}" in capsys.readouterr().err
+    assert prompts.main(["--out", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.startswith(f"error: --out {tmp_path} cannot be written")
+    assert prompts.main(["--count", "7", "--out", str(tmp_path / "p.jsonl")]) == 0
+    assert len((tmp_path / "p.jsonl").read_text().splitlines()) == 7

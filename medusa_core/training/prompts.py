@@ -17,9 +17,10 @@ import argparse
 import itertools
 import json
 import random
+import sys
 from pathlib import Path
 
-from ..errors import OneLineParser
+from ..errors import OneLineParser, check_writable, run_command
 
 LANGUAGES = ["Python", "JavaScript", "C", "Rust", "Go", "Java", "SQL", "Bash", "TypeScript", "C++"]
 CODE_TASKS = [
@@ -209,17 +210,25 @@ def prompt_set(count: int, seed: int = 0, followup_share: float = 0.15) -> list[
     return items
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="python -m medusa_core.training.prompts", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--count", type=int, default=4000)
+    p.add_argument("--count", type=int, help="prompts to draw (default: all the set holds)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="JSONL file to write")
     a = p.parse_args(argv)
-    items = prompt_set(a.count, a.seed)
-    Path(a.out).write_text("".join(json.dumps(item) + "\n" for item in items))
-    print(f"{len(items)} prompts ({sum('followup' in i for i in items)} with a follow-up turn) -> {a.out}")
+    most = len(pool())
+    count = most if a.count is None else a.count
+    if not 1 <= count <= most:      # CLI QA: a negative count dropped prompts from the end, 999999 gave the 3,117
+        p.error(f"--count {count}: give a count from 1 to {most}, the prompts the set holds")
+
+    def write() -> None:
+        check_writable(a.out, "--out")      # CLI QA: '', a folder or /proc/x gave a traceback
+        items = prompt_set(count, a.seed)
+        Path(a.out).write_text("".join(json.dumps(item) + "\n" for item in items))
+        print(f"{len(items)} prompts ({sum('followup' in i for i in items)} with a follow-up turn) -> {a.out}")
+    return run_command(write)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
