@@ -88,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--soak", type=int, default=0, help="then this many short requests, memory sampled")
     a = p.parse_args(argv)
+    # CLI QA: --count 0 an IndexError after a minute's load, --max-new-tokens 0 a traceback, --soak -1 a soak of -1
+    for flag, value, least in (("--count", a.count, 1), ("--max-new-tokens", a.max_new_tokens, 1), ("--soak", a.soak, 0)):
+        if value < least:
+            p.error(f"{flag} {value} must be at least {least}")
     config = ApiBenchConfig(a.count, a.max_new_tokens, a.soak)
 
     from app.models import ModelSlot

@@ -237,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     if error := kernel_flags_error(args.rotary_kernel, args.attention_kernel, device):
         print(f"error: {error}", file=sys.stderr)
         return 1
+    for flag, value in (("--steps", args.steps), ("--context", args.context), *(("--tree-sizes", n)
+                                                                               for n in args.tree_sizes)):
+        if value < 1:       # CLI QA: --steps 0 ended in a ZeroDivisionError after the model was built
+            print(f"error: {flag} {value} must be at least 1", file=sys.stderr)
+            return 1
     shape_name = args.shape or ("7b" if device.type == "cuda" else "tiny")
     shape = SHAPES[shape_name]
     if args.context + max(args.tree_sizes) + 2 > shape.max_position:
