@@ -467,10 +467,21 @@ def test_a_file_given_for_a_folder_is_told_what_the_folder_holds(tmp_path):
 def test_a_directory_that_is_not_a_model_gets_local_advice(root, tmp_path):
     """A local directory whose config names no model: the hint is about the directory, not the hub."""
     (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer_config.json").write_text("{}")
     with pytest.raises(LoadError) as err:
         load(LoadSpec(model=str(tmp_path), device="cpu"))
     line = _one_line(err)
     assert "check that the directory holds a transformers model" in line and "hf download" not in line
+
+
+def test_a_model_folder_without_its_tokenizer_says_so(tmp_path):
+    """CLI QA: transformers asked for sentencepiece or tiktoken, to convert a tokenizer that was not there."""
+    tiny_model().save_pretrained(tmp_path / "no_tokenizer")
+    with pytest.raises(LoadError) as err:
+        load(LoadSpec(model=str(tmp_path / "no_tokenizer"), device="cpu"))
+    assert _one_line(err) == (f"{tmp_path / 'no_tokenizer'} has no tokenizer files (tokenizer.json, "
+                              "tokenizer_config.json, tokenizer.model, vocab.json): save the model's tokenizer into "
+                              "that folder too (tokenizer.save_pretrained)")
 
 
 def sentencepiece_model_dir(directory: Path, weights: bool = True) -> Path:

@@ -123,6 +123,8 @@ def check_model_dir(path: Path, source: str = "") -> None:
         raise LoadError(f"{path} has no config.json: give a directory written by save_pretrained, or a hub id")
 
 
+# what a model folder's tokenizer is saved as: one of them at least (transformers reads which it finds)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 HEADS_HOLD = f"config.json and {HEADS_FILE}"     # a heads directory, as a file given for one is told
 
 
@@ -195,6 +197,10 @@ def load_backbone(source: str, device: str, quant: str, dtype: torch.dtype | str
             index = fetch_first(source, SHARD_INDEXES)
         if index is not None:
             check_fits_in_memory(source, json_object(config_file), json_object(index), dtype)
+    if path is not None and not any((path / name).is_file() for name in TOKENIZER_FILES):
+        # CLI QA: transformers then asked for sentencepiece or tiktoken, to convert a tokenizer that was not there
+        raise LoadError(f"{path} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): save the model's tokenizer "
+                        "into that folder too (tokenizer.save_pretrained)")
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code, "device_map": {"": device}}
     if quant != "none":
         kwargs["quantization_config"] = bnb_config(quant, dtype)
