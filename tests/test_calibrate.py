@@ -177,7 +177,7 @@ def test_cli_errors_are_one_line(checkpoint, tmp_path, capsys):
                                                                                "there: give the folder"),
                        # a tree using rank 10 or more is one no loader runs (review: written, then refused by all)
                        (["--budget", "3", "--top-k", "11"], "top_k 11: measure from rank 1 to a tree's most, 10,"),
-                       (["--budget", "3", "--max-budget", "0"], "max_budget 0"),
+                       (["--max-budget", "0"], "max_budget 0"),
                        (["--budget", "3", "--device", "tpu"], "device 'tpu' is unknown"),
                        # QA 5c: a ZeroDivisionError after the measuring, and a traceback
                        (["--timing-count", "0"], "--timing-count 0 must be at least 1"),
@@ -192,6 +192,13 @@ def test_cli_errors_are_one_line(checkpoint, tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("error: ") and why in err and err.count("\n") == 1, err
     assert not (tmp_path / "t_calibration_answers.jsonl").exists()
+    # CLI QA: the timing flags were taken without a word beside a tree size given
+    for extra in (["--max-budget", "8"], ["--timing-prompts", str(tmp_path / "missing.jsonl")], ["--timing-count", "2"]):
+        with pytest.raises(SystemExit) as exited:
+            main([*common, "--budget", "3", *extra])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and err.startswith(f"error: {extra[0]} changes nothing with --budget 3 (it is "
+                                                         "for --budget auto"), err
     # answers made with another model's tokenizer: ids past this vocabulary (an IndexError in the embedding)
     foreign = tmp_path / "foreign.jsonl"
     foreign.write_text('{"prompt_ids": [1, 2], "answer_ids": [3, 10000000]}\n')
