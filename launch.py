@@ -193,7 +193,10 @@ def pick_port(host: str, wanted: int | None) -> int:
         return DEFAULT_PORT
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
-        return sock.getsockname()[1]
+        port = sock.getsockname()[1]
+    # said: a bookmark of :7860 finds another app, or nothing (CLI QA)
+    print(f"port {DEFAULT_PORT} is busy (another app, or another copy of this one): serving on {port} instead")
+    return port
 
 
 def is_local(host: str) -> bool:
