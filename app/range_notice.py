@@ -6,11 +6,13 @@ to refuse it. SCRIPT, run once per page load, watches the sliders' number boxes 
 handler) and shows a one-line note naming the value, the range and what was used
 (assets/style.css styles it); a fraction typed where a whole number goes is named at once too.
 A decimal comma typed in those boxes becomes a point: the browser dropped it ("0,7" became 7, set
-to the maximum 2, under a note naming a 7 nobody typed)."""
+to the maximum 2, under a note naming a 7 nobody typed). Text typed in the Seed box that is no number
+is said too: the box then reads as empty, which samples with a random seed."""
 
 NOTE_ID = "range-note"
 SHOWN_S = 8
 SLIDER_BOX = "number input for "   # the start of a slider's number box's aria-label (Gradio 6)
+SEED_ID, SEED_NAME = "seed", "Seed"     # the seed's number box (layout.py), which the note names
 
 SCRIPT = f"""() => {{
   if (window.medusaRangeNotice) return;
@@ -40,6 +42,14 @@ SCRIPT = f"""() => {{
   // capture: this runs before the box's own blur handler clamps the value
   document.addEventListener("blur", (event) => {{
     const box = event.target;
+    if (box instanceof HTMLInputElement && box.type === "number" && box.closest("#{SEED_ID}")) {{
+      // text the browser cannot read as a number ("1e", "--2") reads as an empty box, which samples with a random
+      // seed: said, or the answer's seed was not the one typed without a word (QA)
+      if (box.validity.badInput)
+        show("{SEED_NAME}", "{SEED_NAME}: what was typed is not a whole number: type one, or -1 for a random seed " +
+             "(a random seed is used)");
+      return;
+    }}
     if (!sliderBox(box) || box.min === "" || box.max === "") return;
     const name = box.getAttribute("aria-label").slice({len(SLIDER_BOX)});
     const [low, high] = [Number(box.min), Number(box.max)];

@@ -250,6 +250,16 @@ def test_a_number_typed_out_of_a_sliders_range_says_so(page):
     page.locator("#message textarea").click()
     page.wait_for_timeout(500)
     assert page.locator(f"#{NOTE_ID}").count() == 0
+    # text that is no number in the Seed box read as empty, and the answer sampled with a random seed, unsaid (QA)
+    seed = page.locator("#seed input[type=number]")
+    seed.click()
+    seed.press("Control+A")
+    seed.press_sequentially("1e")                         # what a number box lets through, and cannot read
+    page.locator("#message textarea").click()
+    note.wait_for(timeout=10_000)
+    assert note.inner_text() == ("Seed: what was typed is not a whole number: type one, or -1 for a random seed (a "
+                                 "random seed is used)")
+    shoot(page, "seed_note.png")
 
 
 def test_chat_streams_answers_then_compares(page):
