@@ -212,3 +212,43 @@ def test_the_chat_engine_on_cuda_announces_the_capture_and_tells_the_truth_about
         assert comparison.identical or "round" in comparison.divergence
     again = list(engine.answer(session, prompt, settings, passes=(BASELINE, MEDUSA)))
     assert all(u.notice is None for u in again)
+
+
+def test_requests_that_share_caches_reuse_the_captured_step_and_answer_as_alone(tmp_path):
+    """The API's requests share one set of caches (app/openai_api.py api_routes), so that a conversation sent again
+    each turn is read only from where it changed and, on CUDA, its captured step is reused. Added 12-01 without a
+    GPU: another conversation after the first, and the first continued, answer what each answers in caches of its
+    own, and only the first request captures."""
+    import weakref
+
+    from tiny import app_checkpoint
+
+    from app.engine import PREPARING, ChatEngine
+    from app.session import Session
+    from app.settings import Settings
+    from medusa_core.loading.load import load
+    from medusa_core.loading.spec import LoadSpec
+
+    backbone, heads = app_checkpoint(tmp_path)
+    loaded = load(LoadSpec(model=str(backbone), heads=str(heads), device="cuda", quant="none", dtype="float32",
+                           tree="small-16"))
+    engine = ChatEngine(loaded, max_new_tokens=48)
+    settings = Settings(mode="greedy", max_new_tokens=48, tree="small-16")
+    shared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def ask(messages: list[dict], caches: weakref.WeakKeyDictionary) -> tuple[list, tuple[int, ...]]:
+        updates = list(engine.answer(Session(caches=caches), engine.prompt_ids(messages, None), settings))
+        assert updates[-1].error is None and updates[-1].tokens, updates[-1]
+        return updates, updates[-1].tokens
+
+    first = [{"role": "user", "content": "How do I sort a list in Python?"}]
+    other = [{"role": "user", "content": "Name three colours."}]
+    a_updates, a = ask(first, shared)
+    b_updates, b = ask(other, shared)
+    continued = [*first, {"role": "assistant", "content": a_updates[-1].plain},
+                 {"role": "user", "content": "And in reverse?"}]
+    c_updates, c = ask(continued, shared)
+    assert a_updates[0].notice == PREPARING
+    assert all(u.notice != PREPARING for u in (*b_updates, *c_updates)), "a request after the first captured again"
+    for messages, tokens in ((other, b), (continued, c)):
+        assert ask(messages, weakref.WeakKeyDictionary())[1] == tokens
