@@ -111,7 +111,8 @@ def run(stages: list[str], work: Path, out: Path, device: str, config: BuildConf
                 work_dir=str(work), num_heads=config.num_heads, num_layers=config.num_layers, own_projection=False,
                 answer_tokens=config.answer_tokens, distill_batch=config.distill_batch,
                 temperatures=config.temperatures, steps=config.steps, batch_size=config.batch_size, lr=config.lr,
-                eval_every=config.eval_every, device=device, seed=config.seed, base_model=smollm2.HUB_ID))
+                eval_every=config.eval_every, device=device, seed=config.seed, base_model=smollm2.HUB_ID,
+                train_command=False))
             detail = {"train_sequences": report["train_sequences"], "held_out_sequences": report["held_out_sequences"],
                       "final": report["final"], "history": report["history"]}
         elif stage == "vocab":
@@ -199,7 +200,7 @@ def build_root_heads(prompts: Path, work: Path, heads_dir: Path, device: str, co
         distill_batch=config.distill_batch, temperatures=config.temperatures, init_heads=str(base),
         root_conditioned=True, cache_hidden=True, positions=config.root_positions, steps=config.root_steps,
         lr=config.root_heads_lr, root_lr=config.root_lr, eval_every=config.root_eval_every, device=device,
-        seed=config.seed, base_model=smollm2.HUB_ID))
+        seed=config.seed, base_model=smollm2.HUB_ID, train_command=False))
     return {k: report[k] for k in ("train_sequences", "held_out_sequences", "train_positions",
                                    "held_out_positions", "final", "history")}
 

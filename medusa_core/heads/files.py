@@ -352,18 +352,23 @@ def load_heads_dir(directory: str | Path, model: nn.Module) -> MedusaHeads:
 # ---------------------------------------------------------------- the project's own layout
 
 def save_safetensors(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
-    """safetensors' save_file, then the mode every other file gets (the umask's): save_file writes 0600, so a
-    heads or export folder shared with another user, or mounted into a container, had unreadable weights."""
+    """safetensors' save_file, with the mode every other file gets (the umask's): save_file writes 0600, so a
+    heads or export folder shared with another user, or mounted into a container, had unreadable weights. A write
+    that fails is one OSError line naming ``path``, and leaves the file ``path`` held as it was."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
+    # written beside it, then renamed over it: a failed write (a full disk) leaves the file that was there whole
+    partial = path.with_name(f".{path.name}.partial")
     try:
-        save_file(state, str(path), metadata=metadata)
-    except SafetensorError as err:     # a full disk, said in safetensors' own error (not an OSError), naming no path
-        path.unlink(missing_ok=True)   # the part written would read as cut-short weights
-        raise OSError(f"{path} could not be written ({first_line(err)}): free space on its disk, or give a folder "
-                      "on another") from None
-    path.chmod(0o666 & ~current_umask())
+        save_file(state, str(partial), metadata=metadata)
+    except SafetensorError as err:     # said in safetensors' own error (not an OSError), naming no path
+        partial.unlink(missing_ok=True)
+        full = any(sign in str(err) for sign in ("StorageFull", "No space left", "os error 28"))
+        fix = "free space on its disk, or give a folder on another" if full else "give a folder you can write"
+        raise OSError(f"{path} could not be written ({first_line(err)}): {fix}") from None
+    partial.chmod(0o666 & ~current_umask())
+    os.replace(partial, path)
 
 
 def current_umask() -> int:

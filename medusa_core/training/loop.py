@@ -24,8 +24,11 @@ from . import data
 from .evaluation import rank_counts, rank_histogram
 from .loss import Positions, backbone_hidden, cached_positions, head_loss, padded, positions
 
+REPORT_FILE = "train_report.json"   # in the work folder, written after the heads
 TREE_FILE = "tree.json"     # calibrate's tree beside the heads (README: --out my-heads/tree.json)
 CHECKPOINT_FILE = "checkpoint.pt"   # in the work folder
+# how torch.save says a write failed (a full disk: "unexpected pos ..."), as a RuntimeError, not an OSError
+TORCH_WRITE_FAILED = ("unexpected pos", "PytorchStreamWriter failed", "inline_container")
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,9 @@ class TrainConfig:
     root_lr: float | None = None        # the root blocks' learning rate (default: lr)
     cache_hidden: bool = False          # hidden states computed once, then `positions` random positions per step
     positions: int = 4096               # positions per step with cache_hidden (batch_size counts sequences otherwise)
+    # messages name train's own flags (--resume, --work-dir) for how to go on; False under smol_build, which runs
+    # training inside its own command, with flags of its own (review)
+    train_command: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -129,14 +135,6 @@ def train_heads(model: nn.Module, heads: MedusaHeads, rows: list[tuple[list[int]
         train_cache = cached_positions(model, rows, pad, num_heads, desc="hidden states (train)")
         held_cache = cached_positions(model, held, pad, num_heads, desc="hidden states (held-out)")
         print(f"cached {len(train_cache):,} training and {len(held_cache):,} held-out positions", flush=True)
-    tf32_before = torch.backends.cuda.matmul.allow_tf32
-    if device.type == "cuda":
-        # TF32 matmuls while training: the heads' vocabulary projections per step dominate, and their
-        # gradients do not need fp32's last bits (the answers are made by now; without --cache-hidden each
-        # batch's hidden states and the held-out evaluation run in TF32 too). Put back at the end: smol_build's
-        # later stages in the same process distill and calibrate in true fp32 (review)
-        torch.backends.cuda.matmul.allow_tf32 = True
-
     def next_batch() -> Positions:
         if config.cache_hidden:
             return train_cache.select(torch.randint(len(train_cache), (config.positions,), generator=gen).to(device))
@@ -157,11 +155,14 @@ def train_heads(model: nn.Module, heads: MedusaHeads, rows: list[tuple[list[int]
         try:
             torch.save({"heads": heads.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
                         "step": done, "history": json.dumps(history)}, partial)
-        except (OSError, RuntimeError) as err:   # a full disk: torch's "unexpected pos ..." (review)
+        except (OSError, RuntimeError) as err:
             partial.unlink(missing_ok=True)       # it would keep the space it took
+            if isinstance(err, RuntimeError) and not any(sign in str(err) for sign in TORCH_WRITE_FAILED):
+                raise                             # not a write that failed (a CUDA error): as it is
             raise OSError(f"the checkpoint at step {done} could not be written to {ckpt_path} ({first_line(err)}): "
-                          "free space on its disk, or give --work-dir on another"
-                          + (f"; --resume goes on from step {saved}" if saved else "")) from None
+                          f"free space on its disk{', or give --work-dir on another' if config.train_command else ''}"
+                          + (f"; --resume goes on from step {saved}" if saved and config.train_command else "")
+                          ) from None
         os.replace(partial, ckpt_path)
 
     start, history = resume(ckpt_path, heads, opt, gen, device) if config.resume else (0, [])
@@ -169,6 +170,13 @@ def train_heads(model: nn.Module, heads: MedusaHeads, rows: list[tuple[list[int]
         print(f"{ckpt_path} finished its {start} steps: its heads are written without training", flush=True)
     saved = start               # the step of the checkpoint in the work folder, once there is one
 
+    tf32_before = torch.backends.cuda.matmul.allow_tf32
+    if device.type == "cuda":
+        # TF32 matmuls while training: the heads' vocabulary projections per step dominate, and their
+        # gradients do not need fp32's last bits (the answers are made by now; without --cache-hidden each
+        # batch's hidden states and the held-out evaluation run in TF32 too). Put back at the end, and on an error:
+        # smol_build's later stages in the same process distill and calibrate in true fp32 (review)
+        torch.backends.cuda.matmul.allow_tf32 = True
     heads.train()
     bar = tqdm(range(start, config.steps), desc="heads", initial=start, total=config.steps, mininterval=5)
     step = start
@@ -192,8 +200,9 @@ def train_heads(model: nn.Module, heads: MedusaHeads, rows: list[tuple[list[int]
                 saved = done
     except KeyboardInterrupt:   # one line saying what is kept and how to go on (review: a bare traceback)
         ckpt_path.with_name(f".{ckpt_path.name}.partial").unlink(missing_ok=True)   # cut in the middle of a save
-        kept = f"{ckpt_path} keeps step {saved}: the same command with --resume goes on from there" if saved else \
-            f"no checkpoint yet (one is written every --eval-every {config.eval_every} steps)"
+        go_on = ": the same command with --resume goes on from there" if config.train_command else ""
+        kept = f"{ckpt_path} keeps step {saved}{go_on}" if saved else \
+            f"no checkpoint yet (one is written every {config.eval_every} steps)"
         raise KeyboardInterrupt(f"training at step {step} of {config.steps}; {kept}") from None
     finally:   # an error too (a full disk) leaves TF32 as it was: smol_build's later stages run in this process
         torch.backends.cuda.matmul.allow_tf32 = tf32_before
@@ -249,10 +258,24 @@ def check_resumable(work: Path, steps: int) -> None:
     if not path.is_file():
         raise FileNotFoundError(f"--resume given but {path} does not exist: drop --resume to start fresh")
     done = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"]
-    if done > steps:   # QA: it trained nothing, and wrote the heads again as if it had (at --steps done: it writes
-        # the heads of a finished run, said so; one whose final save failed is kept)
+    if done > steps:   # QA: it trained nothing, and wrote the heads again as if it had
         raise ValueError(f"--resume: {path} is at step {done}, past --steps {steps}: give --steps {done} to write its "
                          f"heads, or more to train on")
+    if done == steps and finished_step(work) == done:
+        # its heads were written (the report comes after them): writing them again removed the tree calibrated
+        # for them (review). A run whose last save failed has no report of that step, and writes its heads now
+        raise ValueError(f"--resume: {path} is at step {done}, and that run finished and wrote its heads: give "
+                         f"--steps above {done} to train on")
+
+
+def finished_step(work: Path) -> int | None:
+    """The last step of the run whose report is in ``work`` (written once its heads are), None where there is none
+    or it cannot be read."""
+    try:
+        history = json.loads((work / REPORT_FILE).read_text())["history"]
+        return int(history[-1]["step"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
 
 
 def warm_start(files: HeadsFiles, model: nn.Module, root_conditioned: bool) -> MedusaHeads:
@@ -325,8 +348,8 @@ def main_with_config(config: TrainConfig) -> dict:
                                        answers, config.distill_batch, config.temperatures, config.seed,
                                        backbone=data.backbone_label(config.model, form))
         except KeyboardInterrupt:   # each answer is kept as it is made (distilled_rows)
-            raise KeyboardInterrupt(f"the backbone's answers; those made are kept in {answers}: the same command "
-                                    "goes on from there") from None
+            raise KeyboardInterrupt(f"while making the backbone's answers; those made are kept in {answers}, and "
+                                    "the same command goes on from there") from None
         groups = data.conversations(answers)      # a prompt's answers stay together: held out, or trained on
     else:
         rows = data.corpus_rows(tokenizer, config.corpus, config.seq_len, config.raw_prompts)
@@ -347,6 +370,8 @@ def main_with_config(config: TrainConfig) -> dict:
     try:
         save_heads(heads.to(lm_head.weight.dtype), config.out, base_model=base_model)
     except OSError as err:   # a full disk after hours of training: the checkpoint has the heads (review)
+        if not config.train_command:
+            raise
         raise OSError(f"{error_line(err)}; then the same command with --resume writes the heads from "
                       f"{work / CHECKPOINT_FILE} without training") from None
     if heads.proposal_ids is not None:   # trained against that vocabulary: it travels with the heads
@@ -356,7 +381,7 @@ def main_with_config(config: TrainConfig) -> dict:
     remove_stale(Path(config.out), keep_proposals=heads.proposal_ids is not None)
     report = {"config": asdict(config),
               "train_sequences": len(rows), "held_out_sequences": len(held), **result}
-    (work / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (work / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
     print(trained_line(config, work), flush=True)
     return report
 
