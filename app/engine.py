@@ -347,8 +347,9 @@ class ChatEngine:
                     # at most a second: one stall of the page (another tab loading) must not freeze the stream
                     interval = min(1.0, max(UPDATE_SECONDS, rendered * (1 - RENDER_SHARE) / RENDER_SHARE))
         except torch.OutOfMemoryError:
-            drop_every_cache()    # this tab's, and the idle tabs' and the API's: its retry has their memory too
-            free_memory()     # (not during another thread's graph capture: empty_cache would assert)
+            # this tab's caches, and the idle tabs' and the API's: its retry has their memory too. Dropped and
+            # collected while no other thread captures a graph (empty_cache asserts it; a freed graph breaks it)
+            free_memory(drop=drop_every_cache)
             for r in runs:
                 yield r.update(error=oom_message())
             return

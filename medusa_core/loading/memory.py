@@ -6,6 +6,7 @@ import ctypes
 import gc
 import resource
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,9 +19,13 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
-def free_memory() -> None:
-    """What was freed, handed back: a figure read after it is what the process holds, not what it once did."""
+def free_memory(drop: Callable[[], object] | None = None) -> None:
+    """What was freed, handed back: a figure read after it is what the process holds, not what it once did.
+    ``drop``: what lets go of memory first (the KV caches and their captured graphs), in the same turn between
+    CUDA graph captures: freeing a graph or its memory during another thread's capture invalidates it (review)."""
     def collect() -> None:
+        if drop is not None:
+            drop()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
