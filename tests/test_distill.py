@@ -146,3 +146,18 @@ def test_sampling_or_follow_ups_without_a_batch_say_how_to_fix_it(setup, tmp_pat
     with pytest.raises(ValueError, match="holds follow-up turns, which raw prompts cannot hold .*: drop --raw-prompts"):
         train_data.distilled_rows(model, tokenizer, prompts, True, 4, tmp_path / "a.jsonl", batch_size=2,
                                   backbone=TINY)
+
+
+def test_a_follow_up_the_context_cannot_answer_is_left_out_by_its_line(setup, tmp_path, capsys):
+    """Review: one follow-up conversation past the context stopped the whole batched distillation, hours in,
+    naming no line; the other conversations are answered, and the one left out is said."""
+    model, tokenizer = setup
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "x" * 490, "followup": "why?"}) + "\n"      # the context is 512
+                       + json.dumps({"prompt": "hi", "followup": "why?"}) + "\n")
+    answers = tmp_path / "a.jsonl"
+    train_data.distilled_rows(model, tokenizer, prompts, False, 10, answers, batch_size=4, backbone=TINY)
+    items = [json.loads(line) for line in answers.read_text().splitlines()]
+    assert [i.get("followup_of") for i in items] == [None, None, "hi"]
+    assert ("1 follow-up turn(s) left out: the conversation before them fills the backbone's context of 512 (the "
+            "first at line 1)") in capsys.readouterr().out

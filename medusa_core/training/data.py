@@ -197,6 +197,10 @@ def _answer_batched(model, tokenizer, items: list[dict], jobs: list[tuple[float,
     prompt). Each batch's seed is its place among all the jobs: a resumed run samples what one run would have."""
     from tqdm import tqdm
 
+    from ..decoding.generate import max_context
+
+    context = max_context(model)
+    left_out: list[int] = []           # lines whose follow-up turn the context could not answer
     bar = tqdm(total=len(jobs), initial=first, desc="self-distillation (batched)", mininterval=5)
     for start in range(first, len(jobs), batch_size):
         chunk = jobs[start:start + batch_size]
@@ -213,7 +217,11 @@ def _answer_batched(model, tokenizer, items: list[dict], jobs: list[tuple[float,
             if "followup" in items[i]:
                 text = tokenizer.decode(answer, skip_special_tokens=True)
                 turns = [("user", items[i]["prompt"]), ("assistant", text), ("user", items[i]["followup"])]
-                follow.append((temperature, i, encode_turns(tokenizer, turns, raw)))
+                ids = encode_turns(tokenizer, turns, raw)
+                if len(ids) + MIN_ANSWER > context:   # review: it stopped the whole run, hours in, naming no line
+                    left_out.append(items[i]["line"])
+                    continue
+                follow.append((temperature, i, ids))
         if follow:
             for (temperature, i, ids), answer in zip(follow, _generate_batch(
                     model, tokenizer, [ids for _, _, ids in follow], [t for t, _, _ in follow], answer_tokens,
@@ -224,6 +232,10 @@ def _answer_batched(model, tokenizer, items: list[dict], jobs: list[tuple[float,
         keep(*made)
         bar.update(len(chunk))
     bar.close()
+    if left_out:
+        print(f"{len(left_out)} follow-up turn(s) left out: the conversation before them fills the backbone's context "
+              f"of {context:,} (the first at line {left_out[0]}): shorten their prompts, or lower --answer-tokens",
+              flush=True)
 
 
 @torch.no_grad()
@@ -253,10 +265,10 @@ def _generate_batch(model, tokenizer, prompts: list[list[int]], temperatures: li
         torch.manual_seed(seed)
         sample = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0) if temperature > 0 else \
             dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-        room = context - width      # transformers' generate runs past the context without a word
-        if room < MIN_ANSWER:       # a follow-up turn, whose prompt holds the first answer (first turns: checked)
-            raise ValueError(f"a follow-up conversation is {width:,} tokens, which leaves no room for an answer in the "
-                             f"backbone's context of {context:,}: lower --answer-tokens, or shorten its turns")
+        # transformers' generate runs past the context without a word: the batch's longest prompt sets the room (the
+        # others' answers may end before their own room); every prompt leaves MIN_ANSWER (check_prompts_fit, and
+        # _answer_batched for follow-ups)
+        room = context - width
         gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                              max_new_tokens=min(answer_tokens, room), eos_token_id=stops, pad_token_id=pad, **sample)
         for r, j in enumerate(idx):
