@@ -205,6 +205,10 @@ def report(args, setup: Setup, prompts: list[str], encoded: list[list[int]], res
 
 
 def main(argv: list[str] | None = None) -> int:
+    return exit_status(lambda: run_bench(argv))
+
+
+def run_bench(argv: list[str] | None) -> int:
     args = parser().parse_args(argv)
     prompts = bench_prompts(args.prompts)      # before the load: a missing file is said at once
     try:
@@ -232,4 +236,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(exit_status(main))
+    sys.exit(main())

@@ -75,19 +75,24 @@ def run_command(body: Callable[[], object]) -> int:
         print(f"error: {error_line(err)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as err:
-        print(f"stopped (Ctrl-C){f': {err}' if str(err) else ''}", file=sys.stderr)
-        return 130
+        return stopped(err)
     return 0
 
 
 def exit_status(main: Callable[[], int]) -> int:
-    """``main()``'s status, or 130 with one line where Ctrl-C stopped it (KeyboardInterrupt's traceback said no more):
-    for commands whose main prints its own errors, as bench's does."""
+    """``main()``'s status, or ``stopped``'s where Ctrl-C stopped it: for commands whose main prints its own errors,
+    as bench's does."""
     try:
         return main()
-    except KeyboardInterrupt:
-        print("stopped (Ctrl-C)", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:
+        return stopped(err)
+
+
+def stopped(err: KeyboardInterrupt) -> int:
+    """Ctrl-C as one line (its traceback said no more), with what the command keeps where its KeyboardInterrupt
+    says; 130, the shell's own status for it."""
+    print(f"stopped (Ctrl-C){f': {err}' if str(err) else ''}", file=sys.stderr)
+    return 130
 
 
 def check_folder(path: str | Path, flag: str = "--out") -> None:
