@@ -30,7 +30,7 @@ import torch
 from .errors import LoadError, OneLineParser, check_folder, run_command
 from .heads.medusa_heads import HeadsConfig
 from .heads.files import (HEADS_FILE, PROPOSAL_FILE, HeadsFiles, check_declared, heads_config_from_keys,
-                          read_heads_dir, save_safetensors)
+                          model_type_in, read_heads_dir, save_safetensors)
 from .loading.hub import backbone_name, local_dir
 
 FORMATS = ("tgi", "vllm", "both")
@@ -159,13 +159,7 @@ def check_backbone(model: str) -> None:
     written into both configs without a word: QA), or a folder without a model's config.json (heads, an empty one).
     A hub id is taken as it is: the export reads nothing of it unless vLLM needs its lm_head."""
     folder = local_dir(model, "the backbone's config.json and weights")
-    if folder is None:
-        return
-    try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        config = None
-    if not isinstance(config, dict) or "model_type" not in config or config["model_type"] == "medusa":
+    if folder is not None and model_type_in(folder) is None:
         raise LoadError(f"--model {model} holds no backbone (a config.json with its model_type): give the folder the "
                         "heads were trained on, or its hub id")
 
@@ -176,9 +170,10 @@ def export(spec: ExportSpec) -> Exported:
     if spec.dtype not in DTYPES:
         raise LoadError(f"dtype {spec.dtype!r} is unknown: use one of {', '.join(DTYPES)}")
     check_folder(spec.out)      # before the heads are read: a hub download can take minutes
+    if spec.model is not None:
+        check_backbone(spec.model)
     files, found = read_source(spec.heads)
     if spec.model is not None:      # --model is the backbone; a local one by its absolute path, as train writes it
-        check_backbone(spec.model)
         files = replace(files, base_model=backbone_name(spec.model))
     folders = {kind: spec.out / kind if spec.format == "both" else spec.out for kind in ("tgi", "vllm")
                if spec.format in (kind, "both")}

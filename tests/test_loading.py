@@ -467,7 +467,6 @@ def test_a_file_given_for_a_folder_is_told_what_the_folder_holds(tmp_path):
 def test_a_directory_that_is_not_a_model_gets_local_advice(root, tmp_path):
     """A local directory whose config names no model: the hint is about the directory, not the hub."""
     (tmp_path / "config.json").write_text("{}")
-    (tmp_path / "tokenizer_config.json").write_text("{}")
     with pytest.raises(LoadError) as err:
         load(LoadSpec(model=str(tmp_path), device="cpu"))
     line = _one_line(err)

@@ -384,18 +384,29 @@ def current_umask() -> int:
     return umask
 
 
+def json_object(path: Path) -> dict:
+    """The JSON object in ``path``; {} where it holds none or cannot be read (the step that needs it says so)."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def model_type_in(folder: Path) -> str | None:
+    """The model type a folder's config.json names: a model's (a backbone, a Medusa-2 model); None for heads (their
+    config names none, or "medusa" in a TGI export) and for a folder without a readable one."""
+    kind = json_object(folder / "config.json").get("model_type")
+    return kind if isinstance(kind, str) and kind != "medusa" else None
+
+
 def check_heads_out(directory: str | Path, flag: str = "--out") -> None:
     """ValueError where heads written into ``directory`` would replace a model's config.json (a backbone's, a
     Medusa-2 model's): said before any work. Training with --out at the backbone's own folder left the backbone
     unloadable ("holds Medusa heads, not a backbone"; review)."""
-    path = Path(directory) / "config.json"
-    try:
-        config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-    except (OSError, ValueError):      # unreadable or not JSON: no model's config, and the heads' own replaces it
-        config = None
-    if isinstance(config, dict) and "model_type" in config and config["model_type"] != "medusa":
-        raise ValueError(f"{flag} {directory} holds a {config['model_type']} model, whose config.json the heads' "
-                         "would replace: give another folder for the heads")
+    if (kind := model_type_in(Path(directory))) is not None:
+        raise ValueError(f"{flag} {directory} holds a {kind} model, whose config.json the heads' would replace: give "
+                         "another folder for the heads")
 
 
 def save_heads(heads: MedusaHeads, directory: str | Path, base_model: str) -> Path:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,8 +25,8 @@ from ..decoding.generate import stop_set
 from ..errors import LoadError, first_line
 from ..decoding.tree import TreeError, build_tree_buffers, resolve_tree
 from ..heads.files import (HEADS_FILE, HEADS_FILES, OWN_FORMAT, PROPOSAL_FILE, HeadsFiles, declared_heads,
-                           heads_config_from_keys, load_heads_files, no_heads, no_medusa2_heads,
-                           no_projection_to_quantize, read_heads_dir)
+                           heads_config_from_keys, json_object, load_heads_files, model_type_in, no_heads,
+                           no_medusa2_heads, no_projection_to_quantize, read_heads_dir)
 from ..heads.medusa_heads import MedusaHeads
 from ..heads.quantize import quantize_projections
 from ..quant import cpu_int4
@@ -139,15 +138,6 @@ def check_not_heads(source: str, config_file: Path) -> None:
                         f"box){alone}")
 
 
-def json_object(path: Path) -> dict:
-    """The JSON object in ``path``; {} where it holds none or cannot be read (the step that needs it says so)."""
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 def heads_source_dir(source: str) -> Path:
     """A local directory holding the heads of ``source`` (downloading only the files needed)."""
     path = local_dir(source, HEADS_HOLD)
@@ -197,7 +187,7 @@ def load_backbone(source: str, device: str, quant: str, dtype: torch.dtype | str
             index = fetch_first(source, SHARD_INDEXES)
         if index is not None:
             check_fits_in_memory(source, json_object(config_file), json_object(index), dtype)
-    if path is not None and not any((path / name).is_file() for name in TOKENIZER_FILES):
+    if path is not None and model_type_in(path) and not any((path / name).is_file() for name in TOKENIZER_FILES):
         # CLI QA: transformers then asked for sentencepiece or tiktoken, to convert a tokenizer that was not there
         raise LoadError(f"{path} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): save the model's tokenizer "
                         "into that folder too (tokenizer.save_pretrained)")
