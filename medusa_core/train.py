@@ -14,7 +14,6 @@ at --temperatures; generated first and stored as JSONL) or a text/JSONL corpus.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 import torch
@@ -22,9 +21,6 @@ import torch
 from .errors import OneLineParser, run_command
 from .loading.policy import resolve_device
 from .training.loop import TrainConfig, main_with_config
-
-
-DEFAULTS = {field.name: field.default for field in dataclasses.fields(TrainConfig)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,15 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--raw-prompts", action="store_true",
                    help="feed prompts (--prompts, or a --corpus line's \"prompt\") as raw text, not as the app renders "
                         "them (the chat template, or Vicuna's format where the tokenizer has none)")
-    p.add_argument("--num-heads", type=int, help=f"heads to train (default {DEFAULTS['num_heads']})")
-    p.add_argument("--num-layers", type=int, help=f"residual blocks per head (default {DEFAULTS['num_layers']})")
+    p.add_argument("--num-heads", type=int, help=f"heads to train (default {TrainConfig.num_heads})")
+    p.add_argument("--num-layers", type=int, help=f"residual blocks per head (default {TrainConfig.num_layers})")
     p.add_argument("--shared-projection", action="store_true", help="heads reuse the backbone's lm_head")
     p.add_argument("--answer-tokens", type=int, default=256)
     p.add_argument("--distill-batch", type=int, default=1,
                    help="answers generated together (> 1: transformers' batched generate, needed for follow-up turns)")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
                    help="one answer per prompt and temperature (0: greedy)")
-    p.add_argument("--seq-len", type=int, help=f"--corpus: tokens per training piece (default {DEFAULTS['seq_len']})")
+    p.add_argument("--seq-len", type=int, help=f"--corpus: tokens per training piece (default {TrainConfig.seq_len})")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -75,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                         "and train on --positions random positions per step")
     p.add_argument("--positions", type=int,
                    help="positions per step with --cache-hidden (which ignores --batch-size; default "
-                        f"{DEFAULTS['positions']})")
+                        f"{TrainConfig.positions})")
     a = p.parse_args(argv)
     # a flag that would change nothing is refused, not ignored (CLI QA: each was taken without a word)
     for flag, given, applies, why in (

@@ -208,7 +208,7 @@ def test_the_load_says_when_it_checks_and_times_the_4bit_weights(timings, int4_b
     lines: list[str] = []
     load(LoadSpec(model=str(int4_backbone), device="cpu"), progress=lines.append)
     assert lines[:2] == ["checking the 4-bit weights against fp32",
-                         "timing the 4-bit weights against fp32 on this CPU (kept for later starts)"], lines
+                         "timing the 4-bit weights against fp32 on this CPU"], lines
     lines.clear()
     load(LoadSpec(model=str(int4_backbone), device="cpu"), progress=lines.append)
     assert not timings and lines[0] == "checking the 4-bit weights against fp32" and not any("timing" in line

@@ -105,7 +105,7 @@ def remembered_speed(model, cache_root: Path, retune: bool = False,
             busy = "with an answer still running here" if answering else f"this app getting {share:.0%} of the CPU"
             return kept.speed(f"{provisional}; this load found it busy too, {busy}")
     if progress is not None:
-        progress("timing the 4-bit weights against fp32 on this CPU (kept for later starts)")
+        progress("timing the 4-bit weights against fp32 on this CPU")
     (times, share), answering = with_work_beside(lambda: with_cpu_share(lambda: cpu_int4.measure(model)))
     busy = ANSWERING if answering else BUSY.format(share=share)
     gain = times["fp32_ms"] / times["int4_ms"]
