@@ -252,13 +252,17 @@ def test_a_finished_run_whose_heads_could_not_be_written_writes_them_on_resume(b
         Path(path).write_bytes(b"half")
         raise safetensors.SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
 
+    assert main([*args, "--seed", "1"]) == 0       # heads trained before, into the same folder: this run replaces them
+    earlier = (out / "medusa_lm_head.safetensors").read_bytes()
     monkeypatch.setattr(safetensors.torch, "save_file", full)
     assert main(args) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"error: {out / 'medusa_lm_head.safetensors'} could not be written (Error while serializing")
     assert err.endswith(f"; then the same command with --resume writes the heads from {out / 'work' / 'checkpoint.pt'} "
                         "without training"), err
-    assert not any(out.glob("*medusa_lm_head*")), "the half-written file stayed, to be read as heads"
+    # the half-written file is gone, the earlier heads are whole (review: the cleanup removed them)
+    assert [p.name for p in out.glob("*medusa_lm_head*")] == ["medusa_lm_head.safetensors"]
+    assert (out / "medusa_lm_head.safetensors").read_bytes() == earlier
     monkeypatch.setattr(safetensors.torch, "save_file", real)
     trained = torch.load(out / "work" / "checkpoint.pt", weights_only=True)["heads"]
     assert main([*args, "--resume"]) == 0

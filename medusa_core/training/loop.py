@@ -339,6 +339,8 @@ def main_with_config(config: TrainConfig) -> dict:
     else:
         model, tokenizer = load_backbone_dir(config.model, device=config.device, dtype=getattr(torch, config.dtype))
     work.mkdir(parents=True, exist_ok=True)     # once the backbone loads: a bad --model left an empty folder (QA)
+    if not config.resume:   # the report of a run this one replaces: it would read as this run's, finished (--resume)
+        (work / REPORT_FILE).unlink(missing_ok=True)
     groups = None
     if config.prompts:
         answers = Path(config.answers or work / "distill_answers.jsonl")
