@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from medusa_core.errors import OneLineParser
+from medusa_core.errors import OneLineParser, exit_status
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--soak", type=int, default=0, help="then this many short requests, memory sampled")
     a = p.parse_args(argv)
     # CLI QA: --count 0 an IndexError after a minute's load, --max-new-tokens 0 a traceback, --soak -1 a soak of -1
-    for flag, value, least in (("--count", a.count, 1), ("--max-new-tokens", a.max_new_tokens, 1), ("--soak", a.soak, 0)):
+    for flag, value, least in (("--count", a.count, 1), ("--max-new-tokens", a.max_new_tokens, 1),
+                               ("--soak", a.soak, 0)):
         if value < least:
             p.error(f"{flag} {value} must be at least {least}")
     config = ApiBenchConfig(a.count, a.max_new_tokens, a.soak)
@@ -147,4 +148,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))   # Ctrl-C: one line, exit 130

@@ -3,7 +3,8 @@
 
 import sys
 
+from .errors import exit_status
 from .bench_synthetic import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))   # Ctrl-C: one line, exit 130

@@ -41,7 +41,7 @@ from .benchmarks.step_timing import (copy_bandwidth, prefilled_cache, time_hf_ge
 from .benchmarks.synthetic import (DTYPE, SHAPES, build_heads, build_model, check_not_zero, choice_label, cpu_run_notes,
                                    kernel_flags_error, quantize_backbone_, route_attention, route_rotary,
                                    save_random_checkpoint, weight_bytes)
-from .errors import OneLineParser, check_folder, check_writable, first_line
+from .errors import OneLineParser, check_folder, check_writable, exit_status, first_line
 from .decoding.tree import TOP_K, build_tree_buffers, expected_tokens_per_step, tree_of_size
 from .heads.accuracy import PUBLISHED_ACCURACIES, RANK_DECAY, rank_table
 from .quant.attention_routing import ATTENTION_CHOICES, ROTARY_CHOICES
@@ -370,4 +370,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))   # Ctrl-C: one line, exit 130

@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     for flag, given, applies, why in (
             ("--seq-len", a.seq_len, a.corpus, "it cuts --corpus text; self-distilled answers are whole"),
             ("--positions", a.positions, a.cache_hidden, "it counts --cache-hidden's positions per step"),
-            ("--root-lr", a.root_lr, a.root_conditioned or a.init_heads, "only root-conditioned heads have root blocks"),
+            ("--root-lr", a.root_lr, a.root_conditioned or a.init_heads,
+             "only root-conditioned heads have root blocks"),
             ("--num-heads", a.num_heads, not a.init_heads, "--init-heads trains those heads, in their layout"),
             ("--num-layers", a.num_layers, not a.init_heads, "--init-heads trains those heads, in their layout"),
             ("--shared-projection", a.shared_projection or None, not a.init_heads,

@@ -193,7 +193,8 @@ def test_cli_errors_are_one_line(checkpoint, tmp_path, capsys):
         assert err.startswith("error: ") and why in err and err.count("\n") == 1, err
     assert not (tmp_path / "t_calibration_answers.jsonl").exists()
     # CLI QA: the timing flags were taken without a word beside a tree size given
-    for extra in (["--max-budget", "8"], ["--timing-prompts", str(tmp_path / "missing.jsonl")], ["--timing-count", "2"]):
+    for extra in (["--max-budget", "8"], ["--timing-prompts", str(tmp_path / "missing.jsonl")],
+                  ["--timing-count", "2"]):
         with pytest.raises(SystemExit) as exited:
             main([*common, "--budget", "3", *extra])
         err = capsys.readouterr().err

@@ -314,8 +314,8 @@ def test_a_busy_default_port_moves_to_a_free_one_and_says_so(capsys):
             pass                  # busy already: what the test needs
         port = launch.pick_port("127.0.0.1", None)
         assert port != launch.DEFAULT_PORT and launch.port_free("127.0.0.1", port)
-    assert capsys.readouterr().out == f"port {launch.DEFAULT_PORT} is busy (another app, or another copy of this one): " \
-                                      f"serving on {port} instead\n"
+    assert capsys.readouterr().out == (f"port {launch.DEFAULT_PORT} is busy (another app, or another copy of this "
+                                       f"one): serving on {port} instead\n")
 
 
 def test_the_port_of_an_app_just_stopped_is_free_at_once():

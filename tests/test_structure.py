@@ -79,3 +79,16 @@ def test_every_command_line_refuses_a_bad_flag_in_one_line():
         proc = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.count("\n") == 1, proc.stderr
         assert proc.stderr.startswith("error: ") and proc.stderr.endswith(" --help lists the flags)\n"), proc.stderr
+
+
+def test_every_command_says_ctrl_c_in_one_line():
+    """CLI QA: Ctrl-C in a benchmark ended in KeyboardInterrupt's traceback. Every module run as a command goes through
+    errors.run_command or errors.exit_status, which say it in one line (exit 130)."""
+    commands = [path for path in [*modules(PACKAGE), *modules(ROOT / "app")]
+                if 'if __name__ == "__main__":' in path.read_text()]
+    assert len(commands) >= 20
+    bare = [str(path.relative_to(ROOT)) for path in commands
+            if not {"exit_status", "run_command"} & {node.id if isinstance(node, ast.Name) else node.attr
+                                                       for node in ast.walk(ast.parse(path.read_text()))
+                                                       if isinstance(node, (ast.Name, ast.Attribute))}]
+    assert not bare, bare

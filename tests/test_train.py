@@ -144,8 +144,8 @@ def test_cli_errors_are_one_line_before_any_work(backbone_dir, tmp_path, capsys)
                  "--out /proc/medusa-x cannot be made or written in /proc (")] if Path("/proc").is_dir() else []),
              # review: the heads' config.json replaced the backbone's, which then no longer loaded
              (["--out", str(backbone_dir / "backbone"), "--prompts", str(backbone_dir / "prompts.jsonl")],
-              f"--out {backbone_dir / 'backbone'} holds a llama model, whose config.json the heads' would replace: give "
-              "another folder for the heads")]
+              f"--out {backbone_dir / 'backbone'} holds a llama model, whose config.json the heads' would replace: "
+              "give another folder for the heads")]
     # QA 5c: each a ZeroDivisionError or torch's traceback, after the distillation
     prompts = ["--out", str(tmp_path / "h"), "--prompts", str(backbone_dir / "prompts.jsonl")]
     cases += [([*prompts, "--eval-every", "0"], "--eval-every 0 must be at least 1"),
@@ -243,8 +243,9 @@ def test_a_finished_run_whose_heads_could_not_be_written_writes_them_on_resume(b
     import safetensors.torch
 
     out = backbone_dir / "full_disk"
-    args = ["--model", str(backbone_dir / "backbone"), "--out", str(out), "--prompts", str(backbone_dir / "prompts.jsonl"),
-            "--raw-prompts", "--answer-tokens", "16", "--num-heads", "2", "--steps", "6", "--batch-size", "4",
+    args = ["--model", str(backbone_dir / "backbone"), "--out", str(out),
+            "--prompts", str(backbone_dir / "prompts.jsonl"), "--raw-prompts",
+            "--answer-tokens", "16", "--num-heads", "2", "--steps", "6", "--batch-size", "4",
             "--eval-every", "3"]
     real = safetensors.torch.save_file
 
@@ -310,8 +311,9 @@ def test_ctrl_c_says_what_the_run_keeps_and_how_to_go_on(backbone_dir, monkeypat
     from medusa_core.training import loop
 
     out = backbone_dir / "stopped"
-    args = ["--model", str(backbone_dir / "backbone"), "--out", str(out), "--prompts", str(backbone_dir / "prompts.jsonl"),
-            "--raw-prompts", "--answer-tokens", "16", "--num-heads", "2", "--steps", "8", "--batch-size", "4",
+    args = ["--model", str(backbone_dir / "backbone"), "--out", str(out),
+            "--prompts", str(backbone_dir / "prompts.jsonl"), "--raw-prompts",
+            "--answer-tokens", "16", "--num-heads", "2", "--steps", "8", "--batch-size", "4",
             "--eval-every", "3"]
     real, calls = loop.head_loss, []
 
@@ -345,9 +347,9 @@ def test_ctrl_c_says_what_the_run_keeps_and_how_to_go_on(backbone_dir, monkeypat
     monkeypatch.setattr(torch, "save", full_disk)
     assert main([*args, "--resume"]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"error: the checkpoint at step 6 could not be written to {checkpoint} ([enforce fail at inline_container.cc:672]"
-        " . unexpected pos 131776 vs 131664): free space on its disk, or give --work-dir on another; --resume goes on "
-        "from step 3")
+        f"error: the checkpoint at step 6 could not be written to {checkpoint} ([enforce fail at "
+        "inline_container.cc:672] . unexpected pos 131776 vs 131664): free space on its disk, or give --work-dir on "
+        "another; --resume goes on from step 3")
     assert sorted(p.name for p in checkpoint.parent.iterdir() if "checkpoint" in p.name) == ["checkpoint.pt"]
     monkeypatch.setattr(torch, "save", real_save)
     assert main([*args, "--resume"]) == 0 and (out / "medusa_lm_head.safetensors").is_file()
@@ -454,7 +456,8 @@ def test_a_corpus_is_trained_on_whole_and_what_it_cannot_hold_is_said(tmp_path, 
     assert len(rows) == 5 and len(rows[-1][0]) == 32
     out = capsys.readouterr().out
     assert f"1 answer(s) cut to fit --seq-len 32 with their prompt (the first at {jsonl}:3): raise --seq-len" in out
-    assert f"1 line(s) left out: the prompt leaves no room in --seq-len 32 for the answer (the first at {jsonl}:2)" in out
+    assert f"1 line(s) left out: the prompt leaves no room in --seq-len 32 for the answer (the first at {jsonl}:2)" \
+        in out
     # a prompt + answer line's prompt as the app renders it, unless raw (as --raw-prompts does for self-distillation)
     rendered = corpus_rows(tokenizer, [str(jsonl)], seq_len=512)[-1]
     assert rendered[0][:len(encode_prompt(tokenizer, "Q?", False))] == encode_prompt(tokenizer, "Q?", False) != \

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-from ..errors import OneLineParser, first_line
+from ..errors import OneLineParser, exit_status, first_line
 from .kernel_sass import at_least
 
 # (K in, N out) and row classes the repacked tuner times on a Llama-7B load (quant/bnb.py): q/k/v and gate/up
@@ -115,4 +115,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))   # Ctrl-C: one line, exit 130

@@ -27,7 +27,7 @@ from torch import nn
 from ..decoding.config import DecodeConfig
 from ..decoding.generate import generate
 from ..decoding.tree import build_tree_buffers
-from ..errors import LoadError, OneLineParser
+from ..errors import LoadError, OneLineParser, exit_status
 from ..loading.assets import CPU_DEFAULT_PROMPTS
 from ..loading.chat_format import render_chat
 from ..loading.load import load, load_backbone_dir
@@ -174,4 +174,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(exit_status(main))   # Ctrl-C: one line, exit 130

@@ -31,7 +31,7 @@ import torch
 
 from ..decoding.config import DecodeConfig, SettingError
 from ..decoding.tree import TreeError, build_tree_buffers, named_tree
-from ..errors import LoadError, OneLineParser, check_writable
+from ..errors import LoadError, OneLineParser, check_writable, exit_status
 from ..heads.accuracy import PUBLISHED_ACCURACIES
 from ..loading.policy import resolve_device, resolve_quant
 from .synthetic import SHAPES, save_random_checkpoint
@@ -137,4 +137,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))   # Ctrl-C: one line, exit 130

@@ -38,7 +38,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..errors import OneLineParser, check_folder, first_line
+from ..errors import OneLineParser, check_folder, exit_status, first_line
 
 # the device tool stops a command at 600 s; 30 s are left for stopping a stage and writing the manifest
 DEFAULT_BUDGET_S = 570
@@ -270,4 +270,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))   # Ctrl-C: one line, exit 130

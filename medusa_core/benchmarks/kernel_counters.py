@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import OneLineParser, check_writable, first_line
+from ..errors import OneLineParser, check_writable, exit_status, first_line
 from .nf4_kernel import parse_shape
 
 KERNEL_NAME = "repacked_kernel"      # the Triton program's name (quant/nf4_repacked_kernel.py), as profilers list it
@@ -237,4 +237,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))   # Ctrl-C: one line, exit 130

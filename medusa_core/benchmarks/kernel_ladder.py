@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import OneLineParser, check_writable, first_line
+from ..errors import OneLineParser, check_writable, exit_status, first_line
 from .kernel_sass import at_least
 from .nf4_kernel import copy_bandwidth, parse_shape
 
@@ -180,4 +180,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))   # Ctrl-C: one line, exit 130

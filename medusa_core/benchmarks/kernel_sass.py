@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import OneLineParser, check_writable
+from ..errors import OneLineParser, check_writable, exit_status
 from .nf4_kernel import SHAPES, parse_shape   # SHAPES (K in, N out): what the kernel benchmark times
 
 ROWS = (1, 2, 4, 16, 32, 64)
@@ -555,4 +555,4 @@ def _write(path: Path | None, gpu: Gpu, rows: list[dict]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))   # Ctrl-C: one line, exit 130

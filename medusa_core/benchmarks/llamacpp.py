@@ -30,7 +30,7 @@ import torch
 
 from .runs import Run, bench_prompts, peak_memory, run_loop, write_json
 from ..loading.chat_format import render_chat
-from ..errors import LoadError, OneLineParser, check_writable
+from ..errors import LoadError, OneLineParser, check_writable, exit_status
 from ..decoding.config import DecodeConfig
 from ..decoding.generate import new_cache, stop_set
 from ..loading.assets import CPU_DEFAULT_PROMPTS
@@ -243,4 +243,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))   # Ctrl-C: one line, exit 130

@@ -27,7 +27,7 @@ import torch
 from ..decoding.config import DecodeConfig
 from ..decoding.generate import first_divergence, generate
 from ..decoding.tree import TreeBuffers, build_tree_buffers, resolve_tree
-from ..errors import OneLineParser
+from ..errors import OneLineParser, exit_status
 
 KERNELS = ("bnb", "triton", "repacked", "repacked-exact", "auto")     # auto: as the app routes them
 
@@ -156,4 +156,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))   # Ctrl-C: one line, exit 130

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..errors import OneLineParser, first_line
+from ..errors import OneLineParser, exit_status, first_line
 from ..quant.kernel_timing import graph_time_us, rotating_copies, rotation_count
 
 SHAPES = ((4096, 11008), (11008, 4096), (4096, 4096), (4096, 32000))   # (K in, N out)
@@ -389,4 +389,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(exit_status(main))   # Ctrl-C: one line, exit 130

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..loading.chat_format import render_chat
-from ..errors import LoadError, OneLineParser
+from ..errors import LoadError, OneLineParser, exit_status
 from ..decoding.config import DecodeConfig
 from ..decoding.generate import generate
 from ..loading.assets import CPU_DEFAULT_PROMPTS
@@ -194,4 +194,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))   # Ctrl-C: one line, exit 130

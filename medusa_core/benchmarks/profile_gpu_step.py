@@ -31,7 +31,7 @@ from ..decoding.config import DecodeConfig
 from ..decoding.step_store import step_for
 from ..decoding.tree import TOP_K, build_tree_buffers, tree_of_size
 from ..heads.accuracy import PUBLISHED_ACCURACIES, rank_table
-from ..errors import OneLineParser
+from ..errors import OneLineParser, exit_status
 from ..quant.attention_routing import ATTENTION_CHOICES, ROTARY_CHOICES
 from ..quant.bnb import NF4_KERNELS, use_nf4_kernel
 from ..quant.norm_routing import NORM_KERNELS, use_norm_kernel
@@ -287,4 +287,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))   # Ctrl-C: one line, exit 130
