@@ -578,23 +578,31 @@ def test_a_message_resent_after_it_was_refused_shows_once(client):
     assert not any("bogus" in t for _, t in texts(chat)), "the refused attempt's note went with it"
 
 
-def test_a_compared_message_stopped_before_its_first_token_is_replaced_when_resent(model_dirs, monkeypatch):
-    """With compare on, Stop while the prompt is read leaves both passes without a token: the message goes
-    back to the box, and sent again it replaces that attempt (the plain pass's empty answer kept it)."""
+def compared_after_hello(model_dirs, monkeypatch):
+    """(controller, session, a long message) on the app's tiny model, a compared "hello" answered, with the prompt
+    read in pieces of 8 so that a Stop is seen between them."""
     from app.chat_controller import ChatController
-    from app.engine import DecoderRun
     from app.models import ModelSlot
     from app.session import Session
     from medusa_core.decoding import generate as loop
     from medusa_core.loading.spec import LoadSpec
 
-    monkeypatch.setattr(loop, "PREFILL_PIECE", 8)      # the prompt is read in pieces, Stop is seen between them
+    monkeypatch.setattr(loop, "PREFILL_PIECE", 8)
     backbone, heads = model_dirs
     slot = ModelSlot(log=lambda line: None)
     slot.start(LoadSpec(model=str(backbone), heads=str(heads), device="cpu"))
     assert slot.wait(120).phase == "ready"
-    chat, session, long = ChatController(slot), Session(), "second " + "word " * 60
+    chat, session = ChatController(slot), Session()
     list(chat.run(session, "hello", "", True, dict(max_new_tokens=4)))
+    return chat, session, "second " + "word " * 60
+
+
+def test_a_compared_message_stopped_before_its_first_token_is_replaced_when_resent(model_dirs, monkeypatch):
+    """With compare on, Stop while the prompt is read leaves both passes without a token: the message goes
+    back to the box, and sent again it replaces that attempt (the plain pass's empty answer kept it)."""
+    from app.engine import DecoderRun
+
+    chat, session, long = compared_after_hello(model_dirs, monkeypatch)
     advance = DecoderRun.advance
 
     def stopped(run):                                  # Stop pressed before any pass's first token
@@ -612,20 +620,10 @@ def test_a_compared_message_stopped_before_its_first_token_is_replaced_when_rese
 def test_a_compared_message_the_plain_pane_answered_before_stop_stays_in_the_chat(model_dirs, monkeypatch):
     """Review: Stop while Medusa still read the prompt, after the plain pane's first token: the message went back
     to the box, said so, and stayed in the chat; sent again, it showed twice."""
-    from app.chat_controller import BACK_IN_BOX, ChatController
+    from app.chat_controller import BACK_IN_BOX
     from app.engine import BASELINE, DecoderRun
-    from app.models import ModelSlot
-    from app.session import Session
-    from medusa_core.decoding import generate as loop
-    from medusa_core.loading.spec import LoadSpec
 
-    monkeypatch.setattr(loop, "PREFILL_PIECE", 8)      # the prompt is read in pieces, Stop is seen between them
-    backbone, heads = model_dirs
-    slot = ModelSlot(log=lambda line: None)
-    slot.start(LoadSpec(model=str(backbone), heads=str(heads), device="cpu"))
-    assert slot.wait(120).phase == "ready"
-    chat, session, long = ChatController(slot), Session(), "second " + "word " * 60
-    list(chat.run(session, "hello", "", True, dict(max_new_tokens=4)))
+    chat, session, long = compared_after_hello(model_dirs, monkeypatch)
     advance = DecoderRun.advance
 
     def stop_after_the_plain_first_token(run):
