@@ -46,7 +46,7 @@ from .errors import OneLineParser, check_folder, run_command
 from .loading.policy import resolve_device
 from .training import tree_search
 from .training import prompts as chat_prompts
-from .training.loop import TrainConfig, main_with_config, remove_stale
+from .training.loop import TrainConfig, check_answer_tokens, main_with_config, remove_stale
 from .loading import smollm2
 from .heads.files import save_proposal_vocab
 
@@ -245,9 +245,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--root-steps", type=int, default=BuildConfig.root_steps)
     p.add_argument("--root-positions", type=int, default=BuildConfig.root_positions)
     a = p.parse_args(argv)
-    for flag in ("steps", "prompt_count", "answer_tokens", "eval_every", "root_steps", "root_positions"):
+    for flag in ("steps", "prompt_count", "eval_every", "root_steps", "root_positions"):
         if getattr(a, flag) < 1:      # a negative --prompt-count dropped prompts from the end without a word
             p.error(f"--{flag.replace('_', '-')} {getattr(a, flag)} must be at least 1")
+    try:                              # the train stage refused it, after the stages before it had run
+        check_answer_tokens(a.answer_tokens)
+    except ValueError as err:
+        p.error(str(err))
     if a.prompt_count > (most := pool_size()):      # 999999 built the 3,117 there are, without a word
         p.error(f"--prompt-count {a.prompt_count} is more than the {most} prompts the prompt set holds: give at most "
                 f"{most}")

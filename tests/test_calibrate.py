@@ -181,6 +181,8 @@ def test_cli_errors_are_one_line(checkpoint, tmp_path, capsys):
                        (["--budget", "3", "--device", "tpu"], "device 'tpu' is unknown"),
                        # QA 5c: a ZeroDivisionError after the measuring, and a traceback
                        (["--timing-count", "0"], "--timing-count 0 must be at least 1"),
+                       # an answer of 1 or 2 tokens scores no head past the first
+                       (["--budget", "3", "--answer-tokens", "2"], "--answer-tokens 2 must be at least 3: shorter"),
                        (["--threads", "-2"], "--threads -2: give 0 (torch's choice) or a count up to this machine's"),
                        # a folder as --out was refused only after the load and the measuring
                        (["--budget", "3", "--out", str(tmp_path)], f"--out {tmp_path} cannot be written"),

@@ -106,6 +106,10 @@ def test_counts_below_one_are_refused_before_any_stage(tmp_path, capsys):
     with pytest.raises(SystemExit) as stopped:
         main(["--stages", "prompts", "--prompt-count", "-100", "--work", str(tmp_path / "work"), "--out", str(tmp_path)])
     assert stopped.value.code == 2 and "--prompt-count -100 must be at least 1" in capsys.readouterr().err
+    # the train stage refused it, after the prompts and the distillation had run
+    with pytest.raises(SystemExit) as stopped:
+        main(["--stages", "prompts", "--answer-tokens", "2", "--work", str(tmp_path / "work"), "--out", str(tmp_path)])
+    assert stopped.value.code == 2 and "--answer-tokens 2 must be at least 3" in capsys.readouterr().err
     assert not (tmp_path / "work").exists()
 
 

@@ -149,6 +149,8 @@ def test_cli_errors_are_one_line_before_any_work(backbone_dir, tmp_path, capsys)
     # QA 5c: each a ZeroDivisionError or torch's traceback, after the distillation
     prompts = ["--out", str(tmp_path / "h"), "--prompts", str(backbone_dir / "prompts.jsonl")]
     cases += [([*prompts, "--eval-every", "0"], "--eval-every 0 must be at least 1"),
+              # review: 1 trained the whole run on no target past head 0's two and reported top-1 0
+              ([*prompts, "--answer-tokens", "1"], "--answer-tokens 1 must be at least 3: shorter answers give"),
               ([*prompts, "--lr", "-0.5"], "--lr -0.5 must be a positive learning rate"),
               ([*prompts, "--threads", "-1"], "--threads -1: give 0 (torch's choice) or a count up to this machine's"),
               # review: a MemoryError from torch's thread pool; a ValueError naming neither flag nor fix

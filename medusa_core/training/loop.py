@@ -85,10 +85,11 @@ class TrainConfig:
         if self.cache_hidden and self.positions < 1:
             raise ValueError(f"positions {self.positions} must be at least 1")
         # each said here, before the load and the distillation (a ZeroDivisionError or torch's traceback came after)
-        for flag, value in (("--eval-every", self.eval_every), ("--answer-tokens", self.answer_tokens),
-                            ("--distill-batch", self.distill_batch), ("--seq-len", self.seq_len)):
+        for flag, value in (("--eval-every", self.eval_every), ("--distill-batch", self.distill_batch),
+                            ("--seq-len", self.seq_len)):
             if value < 1:
                 raise ValueError(f"{flag} {value} must be at least 1")
+        check_answer_tokens(self.answer_tokens)
         for flag, value in (("--lr", self.lr), ("--root-lr", self.root_lr)):
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{flag} {value} must be a positive learning rate, e.g. 1e-3")
@@ -99,6 +100,15 @@ class TrainConfig:
             except SettingError as err:       # named as the flag, as bench names it
                 raise ValueError(f"--temperatures {err.problem}") from None
         check_threads(self.threads)
+
+
+def check_answer_tokens(answer_tokens: int) -> None:
+    """ValueError where self-distilled answers would be too short to learn or score the heads on: head k reads a
+    position and guesses the token k + 2 past it, so an answer of 1 or 2 tokens gave head 0 a target at most twice
+    and the later heads none (review: --answer-tokens 1 trained for the whole run and reported top-1 0)."""
+    if answer_tokens < data.MIN_ANSWER:
+        raise ValueError(f"--answer-tokens {answer_tokens} must be at least {data.MIN_ANSWER}: shorter answers give "
+                         "the heads nothing to learn")
 
 
 def check_threads(threads: int) -> None:

@@ -26,7 +26,7 @@ import torch
 from ..quant.cpu_int4 import use_int4
 from ..decoding.tree import MAX_GENERATED_NODES, TOP_K, expected_tokens_per_step, grow_tree
 from ..loading.tree_tuning import choose
-from .loop import check_threads
+from .loop import check_answer_tokens, check_threads
 from ..errors import check_writable
 from ..heads.files import HEADS_FILES, PROPOSAL_FILE
 
@@ -73,9 +73,10 @@ class CalibrateConfig:
             raise ValueError(f"quant int4 is torch's CPU kernel and the device is {self.device}: add --device cpu")
         # each said here, before the load and the measuring (a ZeroDivisionError came after)
         for flag, value in (("--timing-count", self.timing_count), ("--timing-tokens", self.timing_tokens),
-                            ("--answer-tokens", self.answer_tokens), ("repeats", self.repeats)):
+                            ("repeats", self.repeats)):
             if value < 1:
                 raise ValueError(f"{flag} {value} must be at least 1")
+        check_answer_tokens(self.answer_tokens)
         check_threads(self.threads)
 
 
