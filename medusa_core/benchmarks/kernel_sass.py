@@ -288,8 +288,9 @@ def compile_launch(launch: Launch, arch: int):
     from triton.runtime.jit import JITFunction, native_specialize_impl
 
     meta = dict(launch.meta)
-    options = {key: meta.pop(key) for key in ("num_warps", "num_stages", "enable_fp_fusion")}
-    names = list(inspect.signature(launch.fn).parameters)
+    options = {key: meta.pop(key) for key in ("num_warps", "num_stages", "enable_fp_fusion", "launch_pdl") if key in meta}
+    parameters = inspect.signature(launch.fn).parameters
+    names = list(parameters)
     signature, constexprs, attrs = {}, {}, {}
     unspecialized = set(getattr(launch.fn, "do_not_specialize", ()))      # triton_runtime.unspecialized
     for i, (name, value) in enumerate(zip(names, launch.args)):
@@ -302,7 +303,7 @@ def compile_launch(launch: Launch, arch: int):
         signature[name] = kind
     for name in names[len(launch.args):]:
         signature[name] = "constexpr"
-        constexprs[(names.index(name),)] = meta[name]
+        constexprs[(names.index(name),)] = meta[name] if name in meta else parameters[name].default   # as the JIT
     # JITFunction, not triton.jit: under TRITON_INTERPRET=1 (the tests) triton.jit returns the interpreter's
     source = ASTSource(JITFunction(launch.fn), signature, constexprs, attrs)
     try:
