@@ -49,6 +49,7 @@ from .quant.bnb import NF4_KERNELS
 from .quant.bnb import flag_error as kernel_flag_error
 from .quant.norm_routing import NORM_KERNELS
 from .quant.norm_routing import flag_error as norm_flag_error
+from .quant.triton_runtime import check_dependent_launch, set_dependent_launch
 
 
 def bench_quant(args, quant: str, device: torch.device) -> Iterator[QuantResult]:
@@ -146,9 +147,16 @@ def per_norm_kernel(args, model, heads, label: str, routing: str, device: torch.
             rotary_line = route_rotary(model, rotary)
             for attention in ["auto"] if exact else args.attention_kernel:   # exact mode keeps its own attention
                 attention_line = route_attention(model, attention)
-                yield measure(args, model, heads, (label if norms == "auto" else f"{label}-{norms}-norms")
-                              + choice_label(rotary, attention),
-                              "; ".join(t for t in (routing, line, rotary_line, attention_line) if t), device)
+                for dependent in args.dependent_launch:
+                    set_dependent_launch(dependent == "on", device)
+                    pdl_line = "dependent launch of the Triton kernels" if dependent == "on" else ""
+                    try:
+                        yield measure(args, model, heads, (label if norms == "auto" else f"{label}-{norms}-norms")
+                                      + choice_label(rotary, attention) + ("-pdl" if dependent == "on" else ""),
+                                      "; ".join(t for t in (routing, line, rotary_line, attention_line, pdl_line) if t),
+                                      device)
+                    finally:
+                        set_dependent_launch(False)
             route_attention(model, "sdpa")
     route_rotary(model, "torch")
 
@@ -226,6 +234,10 @@ def parser(cuda: bool) -> argparse.ArgumentParser:
     p.add_argument("--attention-kernel", nargs="+", choices=ATTENTION_CHOICES, default=["auto"],
                    help="attention choices, each measured: auto (as the app: timed on CUDA), sdpa (transformers') or "
                         "split (Triton, split over the keys, hidden key blocks unread; not in exact mode)")
+    p.add_argument("--dependent-launch", nargs="+", choices=("off", "on"), default=["off"],
+                   help="each measured: the step's Triton kernels (NF4 matmul, norm, rotary, cache write, split "
+                        "attention) launched as programmatic dependents of the kernel before (sm_90 and later; "
+                        "not the app's yet: triton_runtime.set_dependent_launch)")
     p.add_argument("--tree-sizes", nargs="+", type=int, default=[1, 4, 8, 16, 32, 64, 128])
     p.add_argument("--context", type=int, default=512, help="prefix length in the cache while timing")
     p.add_argument("--iters", type=int, default=30)
@@ -304,6 +316,11 @@ def checked_device(args, cuda: bool) -> torch.device:
         tree_of_size(rank_table(args.accuracies, decay=args.rank_decay), n)
     if error := kernel_flags_error(args.rotary_kernel, args.attention_kernel, device):
         raise ValueError(error)
+    if "on" in args.dependent_launch:     # refused now (an older GPU, or no GPU), not after the model is built
+        try:
+            check_dependent_launch(device)
+        except ValueError as err:
+            raise ValueError(f"--dependent-launch on: {err}") from None
     if "tinygemm" in args.quant:     # every projection's shape, before a 7B model is built
         from .quant.tinygemm import check_shape
 

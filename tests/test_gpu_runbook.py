@@ -96,8 +96,8 @@ def test_a_stage_that_cannot_finish_in_the_time_left_is_left_for_the_next_call_a
     takes."""
     import torch
 
-    assert {s.name: s.least_s for s in STAGES if s.least_s} == {"nf4-heads": 70, "profile": 60, "first-start": 140,
-                                                                "cuda-e2e": 120}
+    assert {s.name: s.least_s for s in STAGES if s.least_s} == {"nf4-heads": 70, "dependent-launch": 70, "profile": 60,
+                                                                "first-start": 140, "cuda-e2e": 120}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setitem(sys.modules, "bitsandbytes", types.ModuleType("bitsandbytes"))
     monkeypatch.setattr(gpu_runbook, "command_of", lambda stage, out: [sys.executable, "-c", "print('ran')"])

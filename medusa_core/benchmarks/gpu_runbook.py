@@ -19,8 +19,8 @@ the stages write in a folder of their own, and --out gets ``runbook.tar.gz`` (al
 stage) and a copy of ``runbook.json``. Back on the development machine, ``tar xzf runbook.tar.gz``, and the
 JSONs fold into one report (docs/performance.md):
 ``python -m medusa_core.bench_synthetic --fold docs/perf/h100.json step.json anchors.json nf4.json profile.json
-exactness.json first_start.json nf4_heads.json --json docs/perf/h100.json`` (``ladder.json`` is read as it is:
-its table is in ``ladder.log``).
+exactness.json first_start.json nf4_heads.json dependent_launch.json --json docs/perf/h100.json``
+(``ladder.json`` is read as it is: its table is in ``ladder.log``).
 """
 
 from __future__ import annotations
@@ -88,6 +88,7 @@ STAGES = (
           "pytest",
           ("-q", "-p", "no:cacheprovider", "tests/test_kernel_sass.py", "tests/test_cuda_repacked.py",
            "tests/test_cuda_graphs.py", "tests/test_cuda_rotary.py", "tests/test_cuda_split_attention.py",
+           "tests/test_dependent_launch.py",
            *(f"--deselect={t}" for t in END_TO_END_TESTS), "--junitxml={out}/cuda_tests.xml")),
     Stage("ladder", "the repacked kernel taken apart at 1 and 16 rows: whole, without its table lookup, loading only",
           "medusa_core.benchmarks.kernel_ladder", ("--json", "{out}/ladder.json")),
@@ -110,6 +111,12 @@ STAGES = (
           "(--heads-quant nf4, on the kernel auto times faster for them)", "medusa_core.bench_synthetic",
           ("--quant", "nf4", "--heads-quant", "nf4", "none", "--tree-sizes", "1", "16", "64",
            "--json", "{out}/nf4_heads.json"), least_s=70),
+    # built 12-01, never run: the step's Triton kernels launched as programmatic dependents, beside the same routing
+    # launched as it is, in one process (quant/triton_runtime.py set_dependent_launch)
+    Stage("dependent-launch", "the 7B NF4 step as the app routes it, its Triton kernels launched as they are and as "
+          "programmatic dependents of the kernel before", "medusa_core.bench_synthetic",
+          ("--quant", "nf4", "--dependent-launch", "off", "on", "--tree-sizes", "1", "16", "64",
+           "--json", "{out}/dependent_launch.json"), least_s=70),
     # the NF4 and bf16 steps as the app routes them: transformers' rotary and SDPA beside them (two H200 runs) said
     # what the Triton kernels gain, which the step stage's rows keep saying; the bf16 step had no profile since
     Stage("profile", "the 7B NF4 and bf16 steps' device time by category as the app routes them, T = 1 and 16",

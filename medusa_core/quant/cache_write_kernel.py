@@ -25,14 +25,17 @@ except ImportError as err:  # one line, naming the fix; the rest of the project 
     raise ImportError(f"medusa_core.quant.cache_write_kernel needs Triton ({err}): pip install 'triton>=3.7'") from None
 
 from ..decoding.kv_cache import WRITERS, CacheWriter
-from .triton_runtime import check_runnable, interpret_enabled, launchable
+from .triton_runtime import check_runnable, dependent_launch, interpret_enabled, launchable, start_as_dependent
 
 NAME = "triton"                # its name among the cache writers (decoding/kv_cache.py)
 
 
 def _cache_write_kernel(k_ptr, v_ptr, cache_ptr, position_ptr, kv_heads, capacity, stride_kh, stride_kt, stride_vh,
-                        stride_vt, stride_ckv, stride_ch, stride_cw, D: tl.constexpr, BLOCK_D: tl.constexpr):
+                        stride_vt, stride_ckv, stride_ch, stride_cw, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                        PDL: tl.constexpr = False):
     # grid: (tokens, 2 * kv heads); one program copies one head's key (or value) row of one token to its slot
+    if PDL:
+        start_as_dependent()
     t, j = tl.program_id(0), tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
     slot = tl.load(position_ptr) + t
@@ -81,7 +84,8 @@ def kernel_call(layer, keys, values, position, interpret: bool) -> tuple:
     opts = {} if interpret else {"num_warps": 1, "num_stages": 1, "enable_fp_fusion": False}
     args = (keys, values, layer, position, kv_heads, layer.shape[3], keys.stride(1), keys.stride(2), values.stride(1),
             values.stride(2), layer.stride(0), layer.stride(2), layer.stride(3))
-    return _cache_write_kernel, (tokens, 2 * kv_heads), args, dict(D=dim, BLOCK_D=triton.next_power_of_2(dim), **opts)
+    return _cache_write_kernel, (tokens, 2 * kv_heads), args, dict(D=dim, BLOCK_D=triton.next_power_of_2(dim), **opts,
+                                                                   **dependent_launch(interpret))
 
 
 WRITERS[NAME] = CacheWriter(fits, write_cache)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 try:
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError as err:  # one line, naming the fix; the rest of the project never needs Triton
     raise ImportError(f"medusa_core.quant.nf4_repacked_kernel needs Triton ({err}): "
                       "pip install 'triton>=3.7'") from None
@@ -59,6 +60,14 @@ def _x_planes(x_ptr, offs_m, stride_xm, kg, rows, K, GROUP: tl.constexpr, EVEN_K
     return planes
 
 
+@helper
+def _l2_prefetch(ptrs):
+    """Fetch what ``ptrs`` point at into L2 (PTX prefetch.global.L2), loading nothing into registers: an instruction
+    with a side effect, which the compiler neither drops nor moves past the dependent launch's wait."""
+    return tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
 # the count of K groups and a split's share of them: one kernel for every shape and split. Specialized on
 # divisibility by 16 and on a share of 1, a 7B load's tuners compiled 196 kernels where 95 now serve
 # (benchmarks/compile_ahead.py); each of the 299 distinct launches compiles to the same registers, main loop and
@@ -72,7 +81,7 @@ def repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, a
                      PREFETCH: tl.constexpr = 0, PLANE_LOOKUP: tl.constexpr = False, SERIAL: tl.constexpr = False,
                      WHOLE_GROUP: tl.constexpr = False, LADDER: tl.constexpr = 0, DECODE: tl.constexpr = "gather",
                      TABLE: tl.constexpr = None, PRMT: tl.constexpr = None, SCALED: tl.constexpr = None,
-                     X_AHEAD: tl.constexpr = False):
+                     X_AHEAD: tl.constexpr = False, PDL: tl.constexpr = False):
     # grid: (M tiles, N tiles, K splits): the M tiles of one weight tile are launched side by side, so
     # past the first they read it from L2. BLOCK_N is a multiple of the 16-row group.
     # LADDER (0 in every real call; benchmarks/kernel_ladder.py times the others): 1 = table-free, each code is
@@ -82,6 +91,8 @@ def repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, a
     LANES: tl.constexpr = GROUP // 8                 # words per row per group = columns per plane
     PER_SCALE: tl.constexpr = BLOCKSIZE // LANES     # planes sharing one scale
     SCALES: tl.constexpr = GROUP // BLOCKSIZE
+    if PDL:     # launched as a dependent (triton_runtime.set_dependent_launch): the next kernel may start
+        gdc_launch_dependents()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -115,6 +126,16 @@ def repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, a
         words_next = tl.load(w_ptr + ((slot + g_lo * 16) * LANES)[:, None] + word[None, :], mask=first, other=0)
         scales_next = tl.load(s_ptr + ((slot + g_lo * 16) * SCALES)[:, None] + scale_col[None, :], mask=first,
                               other=0)                                                    # (BN, SCALES)
+    if PDL:
+        if PREFETCH != 1:   # loads that Triton's pipeliner or the loop issues, after the wait: the first two groups'
+            # weights are fetched into L2 now instead, while the kernel before runs
+            for ahead in tl.static_range(2):
+                nxt = slot + (g_lo + ahead) * 16
+                _l2_prefetch(w_ptr + (nxt * LANES)[:, None] + word[None, :])
+                _l2_prefetch(s_ptr + (nxt * SCALES)[:, None] + scale_col[None, :])
+        # the kernel before has ended and its writes are seen: x (and every store) only from here on; the table and
+        # (prefetch 1) the first group's weights above, which no kernel writes, were loaded while it ran
+        gdc_wait()
     if X_AHEAD:
         x_next = _x_planes(x_ptr, offs_m, stride_xm, g_lo, tl.where(g_lo < g_hi, M, 0), K, GROUP, EVEN_K)
     for kg in tl.range(g_lo, g_hi, num_stages=PREFETCH + 1 if PREFETCH >= 2 else None):

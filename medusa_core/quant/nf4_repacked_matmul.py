@@ -30,7 +30,7 @@ from .nf4_repack import RepackedNF4
 from .nf4_repacked_configs import (PREFETCH_MAX_SCALES, RepackedConfig, candidates, exact_candidates, exact_config,
                                    fast_config, next_pow2, row_class, scaled_fits)
 from .nf4_repacked_kernel import repacked_kernel
-from .triton_runtime import check_runnable, launchable
+from .triton_runtime import check_runnable, dependent_launch, launchable
 
 
 TUNING_BLOCKSIZE = 64     # the tuners' weights: bitsandbytes' default blocks, what the loader quantizes in
@@ -265,7 +265,7 @@ def kernel_call(x2, w: RepackedNF4, bias, out, cfg: RepackedConfig, interpret: b
                 TABLE=w.table if cfg.decode == "select" else None,
                 PRMT=nf4_prmt.halves(w.table) if cfg.decode == "prmt" else None,
                 SCALED=nf4_prmt.scaled(w.table, x2.dtype) if cfg.decode == "scaled" else None,
-                **_constexprs(w, cfg.dot, interpret, cfg))
+                **_constexprs(w, cfg.dot, interpret, cfg), **dependent_launch(interpret))
     return repacked_kernel, grid, args, meta, part
 
 

@@ -41,7 +41,7 @@ except ImportError as err:  # one line, naming the fix; the rest of the project 
 
 from ..decoding.kv_cache import WRITER_NAME
 from . import cache_write_kernel
-from .triton_runtime import check_runnable, interpret_enabled, launchable
+from .triton_runtime import check_runnable, dependent_launch, interpret_enabled, launchable, start_as_dependent
 
 ROTARY_KERNELS = ("torch", "triton")
 # the model families whose apply_rotary_pos_emb is the plain rotate-half rotation this kernel computes
@@ -50,8 +50,10 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, q_heads,
                    sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sc_b, sc_t, so_qb, so_qh, so_qt, so_kb, so_kh, so_kt,
-                   D: tl.constexpr, BLOCK_D: tl.constexpr):
+                   D: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     # grid: (tokens, q heads + kv heads, batch); one program rotates one head's row of one token
+    if PDL:
+        start_as_dependent()
     t, head, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     d = tl.arange(0, BLOCK_D)
     ok = d < D
@@ -116,7 +118,8 @@ def kernel_call(q, k, cos, sin, q_out, k_out, interpret: bool) -> tuple:
     args = (q, k, cos, sin, q_out, k_out, heads, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
             k.stride(2), cb, cos.stride(1), q_out.stride(0), q_out.stride(1), q_out.stride(2), k_out.stride(0),
             k_out.stride(1), k_out.stride(2))
-    return _rotary_kernel, (t, heads + k.shape[1], b), args, dict(D=d, BLOCK_D=triton.next_power_of_2(d), **opts)
+    return _rotary_kernel, (t, heads + k.shape[1], b), args, dict(D=d, BLOCK_D=triton.next_power_of_2(d), **opts,
+                                                                  **dependent_launch(interpret))
 
 
 def _family_module(model: nn.Module):

@@ -31,13 +31,15 @@ try:
 except ImportError as err:  # one line, naming the fix; the rest of the project never needs Triton
     raise ImportError(f"medusa_core.quant.rows_alone_norm needs Triton ({err}): pip install 'triton>=3.7'") from None
 
-from .triton_runtime import add, check_runnable, launchable
+from .triton_runtime import add, check_runnable, dependent_launch, launchable, start_as_dependent
 
 
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, eps, H: tl.constexpr, BLOCK_H: tl.constexpr,
-                     LOG_H: tl.constexpr, TREE: tl.constexpr):
+                     LOG_H: tl.constexpr, TREE: tl.constexpr, PDL: tl.constexpr = False):
     # grid: (rows,). TREE (the interpreter): the sum as a written-out halving tree, not tl.reduce, which
     # takes the interpreter seconds a row (see rows_alone_attention.py); compiled: tl.reduce (module doc)
+    if PDL:
+        start_as_dependent()
     row = tl.program_id(0)
     col = tl.arange(0, BLOCK_H)
     ok = col < H
@@ -83,7 +85,8 @@ def kernel_call(rows: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps
     # FP fusion named, not left to Triton's default (which 3.10 flips): every launch compiles alike
     opts = {} if interpret else {"num_warps": 4 if block <= 2048 else 8, "num_stages": 2, "enable_fp_fusion": True}
     return (_rms_norm_kernel, (rows.shape[0],), (rows, weight, out, rows.stride(0), out.stride(0), eps),
-            dict(H=h, BLOCK_H=block, LOG_H=block.bit_length() - 1, TREE=interpret, **opts))
+            dict(H=h, BLOCK_H=block, LOG_H=block.bit_length() - 1, TREE=interpret, **opts,
+                 **dependent_launch(interpret)))
 
 
 class RowsAloneRMSNorm(nn.Module):

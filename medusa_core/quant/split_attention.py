@@ -37,7 +37,8 @@ try:
 except ImportError as err:  # one line, naming the fix; the rest of the project never needs Triton
     raise ImportError(f"medusa_core.quant.split_attention needs Triton ({err}): pip install 'triton>=3.7'") from None
 
-from .triton_runtime import add, check_runnable, helper, interpret_enabled, launchable, maximum
+from .triton_runtime import (add, check_runnable, dependent_launch, helper, interpret_enabled, launchable, maximum,
+                             start_as_dependent)
 
 NAME = "medusa_split"          # its name in transformers' AttentionInterface
 ATTENTION_KERNELS = ("sdpa", "split")
@@ -50,8 +51,11 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
                   blocks_per_split, scale, hidden, stride_qh, stride_qt, stride_kh, stride_kw, stride_vh, stride_vw,
                   stride_mt, stride_mw, stride_ot, stride_oh, SERIAL: tl.constexpr, GROUP: tl.constexpr,
                   D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
-                  LOG_T: tl.constexpr, LOG_W: tl.constexpr, TREE: tl.constexpr, IEEE: tl.constexpr):
+                  LOG_T: tl.constexpr, LOG_W: tl.constexpr, TREE: tl.constexpr, IEEE: tl.constexpr,
+                  PDL: tl.constexpr = False):
     # grid: (query heads, splits). Heads of one GQA group read the same keys (from L2 after the first).
+    if PDL:
+        start_as_dependent()
     h = tl.program_id(0)
     split = tl.program_id(1)
     splits = tl.num_programs(1)
@@ -245,7 +249,7 @@ def kernel_calls(q, k, v, mask, out, scale: float, interpret: bool,
                   mask.stride(3), out.stride(1), out.stride(2))
     split_meta = dict(SERIAL=serial, GROUP=heads // k.shape[1], D=dim, BLOCK_D=block_d, BLOCK_T=block_t,
                       BLOCK_W=BLOCK_W, LOG_T=block_t.bit_length() - 1, LOG_W=BLOCK_W.bit_length() - 1, TREE=interpret,
-                      IEEE=q.dtype == torch.float32, **opts)
+                      IEEE=q.dtype == torch.float32, **opts, **dependent_launch(interpret))
     calls = [(_split_kernel, (heads, splits), split_args, split_meta)]
     if not serial:
         merge_opts = {} if interpret else {"num_warps": 1 if block_t * block_d <= 16 * 128 else 4, "num_stages": 1,

@@ -15,6 +15,7 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError as err:  # one line, naming the fix; the rest of the project never needs Triton
     raise ImportError(f"medusa_core's Triton kernels need Triton ({err}): pip install 'triton>=3.7'") from None
 
@@ -62,6 +63,45 @@ def unspecialized(*names: str):
     return mark
 
 
+# Programmatic dependent launch (Hopper and later): off unless a benchmark turns it on (set_dependent_launch).
+_dependent_launch = False
+
+
+def set_dependent_launch(on: bool, device: torch.device | None = None) -> None:
+    """Whether the step's own kernels (the NF4 matmul, the norm, the rotary, the cache write and the split
+    attention) launch as programmatic dependents of the kernel before them.
+
+    Why: in a graphed 7B step the kernels run back to back, and each waits for the one before to finish, flush
+    and be replaced before its first program starts; then its first loads wait on memory. On the H200 (11-29) the
+    one-node step's kernels took 3.20 ms of its 3.38, and a one-row 4096->11008 matmul whose bytes take 5.6 µs
+    took 17.5. Launched as a dependent, a kernel's programs start once every program of the kernel before has
+    started and said so (each of these says so first thing), and wait (``gdc_wait``) for that kernel's end and
+    its memory before they read anything it could have written: the matmul first loads its first group of
+    weights, which no kernel writes. The same arithmetic in the same order, so the same bits. Off by default:
+    what it gains is the GPU's to measure (``bench_synthetic --dependent-launch off on``). ``device``: checked
+    (None: kernels compiled without one, as benchmarks/kernel_sass.py does)."""
+    global _dependent_launch
+    if on and device is not None:
+        check_dependent_launch(device)
+    _dependent_launch = on
+
+
+def check_dependent_launch(device: torch.device) -> None:
+    """ValueError where ``device`` cannot launch kernels as dependents: not CUDA, or older than sm_90."""
+    if device.type != "cuda":
+        raise ValueError(f"dependent launch is a CUDA launch (sm_90 and later) and the device is {device}: leave "
+                         "it off there")
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        raise ValueError(f"dependent launch needs an sm_90 (Hopper) or later GPU and {torch.cuda.get_device_name(device)} "
+                         "is not one: leave it off there")
+
+
+def dependent_launch(interpret: bool) -> dict:
+    """A kernel launch's keyword arguments for dependent launch: its PDL constexpr (the kernel's gdc calls) and
+    Triton's ``launch_pdl`` option where it is on and compiled (the interpreter has neither)."""
+    return {"PDL": True, "launch_pdl": True} if _dependent_launch and not interpret else {}
+
+
 @functools.cache
 def launchable(fn, interpret: bool):
     """A kernel function compiled for CUDA (triton.jit) or run by Triton's interpreter for CPU tensors,
@@ -76,6 +116,14 @@ def launchable(fn, interpret: bool):
 # tl.zeros, tl.sum or tl.max: those are jit functions of Triton's standard library, decorated when triton is
 # imported, so under an interpreter chosen later they refuse to run, and where triton was imported under
 # TRITON_INTERPRET=1 a kernel compiled for a GPU cannot call them.
+@helper
+def start_as_dependent():
+    """First thing in a kernel launched as a dependent (set_dependent_launch): the next kernel may start, and this
+    one waits for the kernel before it to end and its writes to be seen, before it reads or writes anything."""
+    gdc_launch_dependents()
+    gdc_wait()
+
+
 @helper
 def add(a, b):
     return a + b
