@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 from tiny import copied_heads, random_heads, tiny_model, trained_heads
@@ -82,6 +84,11 @@ def test_sampling_is_reproducible_with_a_seed():
     c = tokens_of(generate(model, PROMPTS[0], heads=heads, tree=tree,
                            config=DecodeConfig(mode="sample", temperature=1.0, max_new_tokens=40, seed=8)))
     assert a == b and a != c
+    # API QA: torch's CPU generator keeps a seed's low 32 bits only, and 7 + 2**32 sampled what 7 did
+    for other in (7 + 2**32, 7 - 2**63):
+        high = tokens_of(generate(model, PROMPTS[0], heads=heads, tree=tree,
+                                  config=dataclasses.replace(config, seed=other)))
+        assert high != a, other
 
 
 def test_stops_on_eos_and_extra_stop_ids(llama_trained):

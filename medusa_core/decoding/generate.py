@@ -218,10 +218,20 @@ def sampling_generator(device: torch.device, seed: int | None) -> torch.Generato
     """The reply's random stream: seeded when asked (a reproducible reply), else fresh."""
     generator = torch.Generator(device=device)
     if seed is not None:
-        generator.manual_seed(seed)
+        generator.manual_seed(mixed_seed(seed))
     else:
         generator.seed()
     return generator
+
+
+def mixed_seed(seed: int) -> int:
+    """``seed`` (any integer; the API takes 64-bit ones) with each of its bits spread over all 64 (splitmix64's
+    finalizer, a bijection of 64-bit numbers). Why: torch's CPU generator keeps only a seed's low 32 bits, so seeds 6
+    and 6 + 2**32 sampled the same answer, and were reported as two (API QA). Two seeds now meet only by chance."""
+    z = (seed + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return z ^ (z >> 31)
 
 
 def stop_set(model: nn.Module, stop_ids: Sequence[int] = ()) -> set[int]:
