@@ -15,6 +15,7 @@ OpenAI-shaped, with one line that names the value and the fix.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import threading
@@ -25,6 +26,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+import torch
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
@@ -197,8 +199,23 @@ class Completion:
                 "tokens_per_second": round(stats.tokens_per_second, 2) if stats.steps else None,
                 "time_to_first_token": round(stats.ttft, 4) if stats.ttft is not None else None}
 
+    def fingerprint(self) -> str | None:
+        """OpenAI's ``system_fingerprint``: what an answer depends on besides the request, hashed, so a client can
+        tell when the same seed may no longer give the same answer (QA: a restart tuned the tree from 4 nodes to
+        2, and seed 42 sampled another answer with nothing in the response to say so). The backbone and heads,
+        their weights' format, the compute dtype, the device, torch's version, and the paths of the tree that ran;
+        None until the first token says which ran."""
+        stats = self.last.stats if self.last is not None else None
+        if stats is None or not stats.tree:
+            return None
+        engine = self.engine
+        parts = (engine.loaded.source, engine.weights, str(engine.dtype), str(engine.device), torch.__version__,
+                 stats.tree if stats.tree_size <= 1 else engine.trees.paths(stats.tree))
+        return "fp_" + hashlib.sha256(repr(parts).encode()).hexdigest()[:12]
+
     def chunk(self, delta: dict, finish: str | None = None, **extra) -> str:
         body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model_id,
+                "system_fingerprint": self.fingerprint(),
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
         if self.request.include_usage:   # the spec: every chunk carries "usage", null until the last one's
             body["usage"] = None
@@ -218,7 +235,7 @@ async def stream_events(run: Completion) -> AsyncIterator[str]:
         yield run.chunk({}, run.finish_reason(), medusa=run.medusa())
         if run.request.include_usage:
             body = {"id": run.id, "object": "chat.completion.chunk", "created": run.created, "model": run.model_id,
-                    "choices": [], "usage": run.usage()}
+                    "system_fingerprint": run.fingerprint(), "choices": [], "usage": run.usage()}
             yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"
     finally:
@@ -246,6 +263,7 @@ async def whole_answer(run: Completion, request: Request) -> JSONResponse:
         run.cancel()
     return JSONResponse({
         "id": run.id, "object": "chat.completion", "created": run.created, "model": run.model_id,
+        "system_fingerprint": run.fingerprint(),
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
                      "finish_reason": run.finish_reason()}],
         "usage": run.usage(), "medusa": run.medusa()})

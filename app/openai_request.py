@@ -186,7 +186,7 @@ def number(data: dict, name: str, default, low: float, high: float, integer: boo
     return int(value) if integer else float(value)
 
 
-def unused(data: dict, medusa: dict, mode: str, passes: tuple[str, ...]) -> None:
+def unused(data: dict, medusa: dict, mode: str, passes: tuple[str, ...], temperature: float) -> None:
     """A setting given that the decoding the request asks for never reads is refused by name, as the page greys
     it out: a client tuning it would see no change and not know why. Greedy decoding's top_p and top_k are
     taken, as OpenAI takes them: clients send them by default beside temperature 0."""
@@ -198,6 +198,17 @@ def unused(data: dict, medusa: dict, mode: str, passes: tuple[str, ...]) -> None
         if medusa.get(key) is not None and mode != "typical":
             raise ApiError(400, f"medusa.{key} sets typical acceptance, which {what} does not run: remove it, or give "
                                 '"mode": "typical"', param=f"medusa.{key}", code="invalid_value")
+    if mode == "typical" and is_greedy(mode, temperature):
+        # QA: accepted, and greedy ran with them unread (typical acceptance at temperature 0 keeps the argmax tokens)
+        for key in ("epsilon", "delta"):
+            if medusa.get(key) is not None:
+                raise ApiError(400, f"medusa.{key} {json_value(medusa[key])} does nothing at temperature {temperature:g}, "
+                                    "where typical acceptance keeps exactly the argmax tokens (greedy): give a "
+                                    "temperature above 0, or remove it", param=f"medusa.{key}", code="invalid_value")
+    if mode == "typical" and data.get("seed") is not None:
+        # QA: taken and unused (the response's seed is null): typical acceptance draws no random number
+        raise ApiError(400, f"seed {json_value(data['seed'])} does nothing under medusa.mode \"typical\", which draws no "
+                            "random number: remove it, or use mode \"sample\"", param="seed", code="invalid_value")
     for field, off in (("top_p", 1), ("top_k", 0)):
         if mode == "typical" and data.get(field) not in (None, off):
             raise ApiError(400, f"{field} {json_value(data[field])} does nothing under medusa.mode \"typical\", which keeps "
@@ -364,7 +375,7 @@ def parse_chat(data: dict, engine: ChatEngine, model_id: str) -> ChatRequest:
         # a number here, named with DecodeConfig's range (0 excluded), which refuses 0 itself, as for the page
         epsilon = number(medusa, "epsilon", epsilon, 0, 1, within="medusa", fix=limits("epsilon").fix)
         delta = number(medusa, "delta", delta, 0, 1, within="medusa", fix=limits("delta").fix)
-        unused(data, medusa, mode, passes)
+        unused(data, medusa, mode, passes, temperature)
     else:
         raise ApiError(400, f"medusa {json_value(medusa)}: give an object such as "
                             "{\"tree\": ..., \"mode\": \"typical\"}, or false for plain decoding", param="medusa",
@@ -393,7 +404,7 @@ def prompt_for(engine: ChatEngine, request: ChatRequest) -> tuple[list[int], Cha
     chars = sum(len(m.get("content") or "") if isinstance(m, dict) and isinstance(m.get("content"), str) else 0
                 for m in request.messages)
     if chars > 32 * engine.context:      # no tokenizer packs 32 characters a token: refused untokenized
-        raise ApiError(400, f"the messages hold {chars:,} characters, far more than the model's {engine.context}-token "
+        raise ApiError(400, f"the messages hold {chars:,} characters, far more than the model's {engine.context:,}-token "
                             "context: shorten them", param="messages", code="context_length_exceeded")
     try:
         ids = engine.prompt_ids(request.messages, None)

@@ -140,9 +140,25 @@ def test_a_seed_repeats_a_sampled_answer(client):
     drawn = [client.chat.completions.create(**ask, seed=-1).model_extra["medusa"]["seed"] for _ in range(2)]
     assert -1 not in drawn and drawn[0] != drawn[1], drawn
     assert client.chat.completions.create(**{**ask, "temperature": 0}).model_extra["medusa"]["seed"] is None
-    # typical acceptance draws nothing either: a seed given is not echoed as if it had mattered
-    typical = client.chat.completions.create(**ask, seed=5, extra_body={"medusa": {"mode": "typical"}})
+    # typical acceptance draws nothing either (a seed given with it is refused, in HOSTILE)
+    typical = client.chat.completions.create(**ask, extra_body={"medusa": {"mode": "typical"}})
     assert typical.model_extra["medusa"]["seed"] is None
+
+
+def test_the_fingerprint_changes_with_what_a_seeded_answer_depends_on(client):
+    """API QA: a restart tuned another tree, and seed 42 sampled another answer with nothing in the response to say
+    so. system_fingerprint, OpenAI's field for that, hashes the backbone, heads, weights, device and the tree's
+    paths: the same for the same setup, another for another tree or for plain decoding."""
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], temperature=1.0, max_tokens=4,
+               seed=5)
+    # (the default tree is this machine's tuning, which may have the paths of one of the two named)
+    prints = [client.chat.completions.create(**ask, **extra).system_fingerprint
+              for extra in ({}, {}, {"extra_body": {"medusa": {"tree": "chain-1"}}},
+                            {"extra_body": {"medusa": {"tree": "small-8"}}}, {"extra_body": {"medusa": False}})]
+    assert all(isinstance(p, str) and p.startswith("fp_") for p in prints), prints
+    assert prints[0] == prints[1] and len(set(prints[2:])) == 3, prints
+    chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].system_fingerprint == chunks[-2].system_fingerprint == prints[0], chunks[-2:]
 
 
 HOSTILE = [
@@ -236,6 +252,14 @@ HOSTILE = [
                                            'epsilon and delta: remove it, or use mode "sample"'),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_k": 40, "medusa": {"mode": "typical"}},
      400, 'top_k 40 does nothing under medusa.mode "typical"'),
+    # API QA: greedy ran with them unread; the seed was taken and the response's was null
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0,
+      "medusa": {"mode": "typical", "epsilon": 0.5}}, 400,
+     "medusa.epsilon 0.5 does nothing at temperature 0, where typical acceptance keeps exactly the argmax tokens "
+     "(greedy): give a temperature above 0, or remove it"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0.7, "seed": 3,
+      "medusa": {"mode": "typical"}}, 400,
+     'seed 3 does nothing under medusa.mode "typical", which draws no random number: remove it, or use mode "sample"'),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"]}, 400,
      'modalities ["text", "audio"]: this server answers in text only: remove it, or give ["text"]'),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "medusa": {"treee": "small-8"}}, 400,
@@ -516,16 +540,28 @@ def test_concurrent_clients_and_a_page_request_all_complete_in_order(app, client
     from gradio_client import Client
 
     finished, errors = [], []
+    in_line = [threading.Event() for _ in range(4)]
 
     def api(n: int) -> None:
         try:
-            stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"Count to {n}."}],
-                                                    temperature=0, max_tokens=16, stream=True)
-            text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+            body = {"model": MODEL, "messages": [{"role": "user", "content": f"Count to {n}."}], "temperature": 0,
+                    "max_tokens": 16, "stream": True}
+            text = ""
+            with httpx.stream("POST", app[0] + "/v1/chat/completions", json=body, timeout=300) as response:
+                for line in response.iter_lines():
+                    if line.startswith(": waiting for the model"):
+                        in_line[n - 1].set()        # behind the others: in the line
+                    elif line.startswith("data: {"):
+                        piece = json.loads(line[6:])["choices"]
+                        text += (piece[0]["delta"].get("content") or "") if piece else ""
+                        if text:
+                            in_line[n - 1].set()    # generating: at the line's head
             assert text.strip()
             finished.append(f"api{n}")
         except Exception as err:   # collected: a failing thread must fail the test, not vanish
             errors.append(repr(err))
+        finally:
+            in_line[n - 1].set()
 
     def page() -> None:
         try:
@@ -537,9 +573,10 @@ def test_concurrent_clients_and_a_page_request_all_complete_in_order(app, client
             errors.append(repr(err))
 
     threads = [threading.Thread(target=api, args=(n,)) for n in range(1, 5)] + [threading.Thread(target=page)]
-    for t in threads:
+    for t, joined in zip(threads, [*in_line, None]):
         t.start()
-        time.sleep(0.3)          # a fixed order of arrival in the line
+        if joined is not None:   # the next arrives once this one is in the line (audit: sleeps set the order)
+            assert joined.wait(120), "a request never reached the line"
     for t in threads:
         t.join(300)
     assert not errors, errors
