@@ -7,7 +7,7 @@ handler) and shows a one-line note naming the value, the range and what was used
 (assets/style.css styles it); a fraction typed where a whole number goes is named at once too.
 A decimal comma typed in those boxes becomes a point: the browser dropped it ("0,7" became 7, set
 to the maximum 2, under a note naming a 7 nobody typed). Text typed in the Seed box that is no number
-is said too: the box then reads as empty, which samples with a random seed."""
+is said too, and so is an emptied Seed box: either reads as empty, which samples with a random seed."""
 
 NOTE_ID = "range-note"
 SHOWN_S = 8
@@ -48,6 +48,9 @@ SCRIPT = f"""() => {{
       if (box.validity.badInput)
         show("{SEED_NAME}", "{SEED_NAME}: what was typed is not a whole number: type one, or -1 for a random seed " +
              "(a random seed is used)");
+      else if (box.value === "")    // cleared (or letters the box refused): sampled as -1 is, unsaid (QA)
+        show("{SEED_NAME}", "{SEED_NAME} is empty: a random seed is used (type a whole number to repeat an " +
+             "answer, or -1)");
       return;
     }}
     if (!sliderBox(box) || box.min === "" || box.max === "") return;

@@ -245,7 +245,7 @@ def test_a_number_typed_out_of_a_sliders_range_says_so(page):
         ", e.g. 3 or 4"), said
     max_new.fill("4")                                     # corrected: the note goes (it stayed its 8 s, naming 3.7)
     page.locator("#message textarea").click()
-    note.wait_for(state="detached", timeout=3_000)
+    note.wait_for(state="detached", timeout=10_000)
     set_max_new(page, 7)                                  # a value in range says nothing
     page.locator("#message textarea").click()
     page.wait_for_timeout(500)
@@ -260,6 +260,15 @@ def test_a_number_typed_out_of_a_sliders_range_says_so(page):
     assert note.inner_text() == ("Seed: what was typed is not a whole number: type one, or -1 for a random seed (a "
                                  "random seed is used)")
     shoot(page, "seed_note.png")
+    # emptied, it sampled with a random seed unsaid too (QA)
+    seed.click()
+    seed.press("Control+A")
+    seed.press("Backspace")
+    page.locator("#message textarea").click()
+    page.wait_for_function(f"() => document.getElementById('{NOTE_ID}')?.textContent.startsWith('Seed is empty')",
+                           timeout=10_000)
+    assert note.inner_text() == "Seed is empty: a random seed is used (type a whole number to repeat an answer, or -1)"
+    shoot(page, "seed_empty_note.png")
 
 
 def test_chat_streams_answers_then_compares(page):
@@ -1173,7 +1182,7 @@ def test_a_send_during_an_answer_says_why_it_waits(browser, tiny_dirs, monkeypat
         toast = page.get_by_text("Still answering your previous message")
         assert toast.count() and toast.first.is_visible(), "the toast had gone before Stop: nothing was tested"
         stop.click()
-        toast.first.wait_for(state="detached", timeout=3_000)
+        toast.first.wait_for(state="detached", timeout=10_000)
         page.wait_for_function(READY, timeout=30_000)
         page.wait_for_function("() => document.querySelector('#stop')?.disabled", timeout=10_000)
         page.close()
