@@ -250,7 +250,7 @@ class ChatEngine:
                 # all that are out by now, those an earlier message cut included (it counted only this cut's)
                 out = sum(1 for t in session.turns[:session.first_turn] if t.user and t.reply is not None)
                 exchanges_out = f"{out} exchanges" if out > 1 else "exchange"     # QA NIT: "the oldest 1 exchange"
-                note = (f"the oldest {exchanges_out} left the model's prompt to fit its {self.context}-token context "
+                note = (f"the oldest {exchanges_out} left the model's prompt to fit its {self.context:,}-token context "
                         "(still shown here)")
                 if whole + tree.size < self.context:
                     # the conversation fitted; a large Max new tokens took its room (QA: a pasted document went
@@ -314,8 +314,10 @@ class ChatEngine:
                 yield Update(notice=PREPARING)
             if len(prompt_ids) - shared > prefill_piece(self.device):   # read in pieces: seconds on a CPU, say why
                 # kept tokens past the shared start no longer match (the oldest exchange left the context, the
-                # system prompt changed, a pane joined): "new" read as a short follow-up of 8,097 tokens (QA)
-                what = "prompt tokens before the answer: the conversation again from where it changed" \
+                # system prompt changed, a pane joined): "new" read as a short follow-up of 8,097 tokens (QA). Said
+                # of the tokens, not of a conversation: the API's requests share caches, and a request of another
+                # conversation heard that its conversation "changed" (API QA)
+                what = "prompt tokens before the answer, from where they differ from what the model read last" \
                     if shared < held - 1 else "new prompt tokens before the answer"
                 yield Update(notice=f"reading {len(prompt_ids) - shared:,} {what}{STOP_HINT}…")
             yield from self._drive(session, runs, settings)

@@ -365,7 +365,7 @@ class ModelSlot:
         if loaded.tree_note:   # on a line of its own: which tree runs, and why, is what a user looks for
             line += f"\n\n{loaded.tree_note}"
         if self.max_new_tokens > engine.context:   # said, as the page says a value typed past the slider (QA)
-            line += (f"\n\n--max-new-tokens {self.max_new_tokens} is more than this model's {engine.context}-token "
+            line += (f"\n\n--max-new-tokens {self.max_new_tokens} is more than this model's {engine.context:,}-token "
                      f"context: its default is {engine.max_new_tokens}")
         memory = loaded.memory
         if replacing:

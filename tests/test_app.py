@@ -334,7 +334,7 @@ def test_a_max_new_tokens_flag_past_the_models_context_is_said(model_dirs):
     state = slot.wait(120)
     context = state.engine.context
     assert state.engine.max_new_tokens == context < 100_000
-    assert state.line.endswith(f"--max-new-tokens 100000 is more than this model's {context}-token context: its "
+    assert state.line.endswith(f"--max-new-tokens 100000 is more than this model's {context:,}-token context: its "
                                f"default is {context}"), state.line
     slot.unload()
 
@@ -1187,7 +1187,7 @@ def test_full_context_cuts_oldest_turns_and_keeps_answering(engine):
         last = list(engine.answer(session, ids, settings))[-1]
         assert last.error is None and last.stats.tokens > 0
         session.turns[-1].reply = last.plain
-    assert len(notices) > 1 and "left the model's prompt" in notices[0] and "1024" in notices[0]
+    assert len(notices) > 1 and "left the model's prompt" in notices[0] and "1,024" in notices[0]
     assert session.first_turn > 0
     assert system in engine.tokenizer.decode(ids), "the system prompt is kept"
     assert "question 0:" not in engine.tokenizer.decode(ids) and "question 9:" in engine.tokenizer.decode(ids)
@@ -1398,10 +1398,12 @@ def test_divergence_names_the_token_and_the_reason():
     on_gpu = explain_divergence([1, 2, 2], [1, 3, 2], decode=decode, device="cuda", dtype=torch.bfloat16,
                                 weights="NF4")
     assert "token 1" in on_gpu and "' cat'" in on_gpu and "' dog'" in on_gpu
-    assert "rounding" in on_gpu and "NF4" in on_gpu and "fp32 is identical" in on_gpu
+    assert "rounding" in on_gpu and "NF4" in on_gpu and "in fp32 only in the last bits" in on_gpu
     on_cpu = explain_divergence([1, 2], [1, 2, 3], decode=decode, device="cpu", dtype=torch.float32,
                                 weights=None)
-    assert "token 2" in on_cpu and "(end of answer)" in on_cpu and "bug" in on_cpu
+    # fp32 rows are not bit-exact (sgemm), so a parting is a near-tie, not called a bug (audit)
+    assert "token 2" in on_cpu and "(end of answer)" in on_cpu and "close to a tie" in on_cpu
+    assert "bug" not in on_cpu
     assert explain_divergence([1, 2], [1, 2], decode=decode, device="cpu", dtype=torch.float32,
                               weights=None) is None
     on_int4 = explain_divergence([1, 2], [1, 3], decode=decode, device="cpu", dtype=torch.float32, weights="int4")
@@ -2280,10 +2282,15 @@ def test_a_fault_mid_answer_ends_it_with_a_note_and_the_chat_goes_on(model_dirs,
         "the partial answer stays in the conversation the model sees"
 
 
-def test_a_slow_page_gets_fewer_updates_not_a_slower_answer(model_dirs):
+def test_a_slow_page_gets_fewer_updates_not_a_slower_answer(model_dirs, monkeypatch):
     """No step runs while the page renders an update, and rendering grows with the reply: updates are spaced
-    so that a page taking 50 ms an update holds up an answer of 10 ms steps for a small share of its time
-    (it got an update after every step: the answer took about 6 times as long)."""
+    so that a page taking 50 ms an update holds up an answer of 10 ms steps for about RENDER_SHARE of its time
+    (it got an update after every step: the answer took about 6 times as long). On the engine's own clock, which
+    only the steps and the page move: a test of the rule, not of this machine's sleeps (audit: on real sleeps it
+    passed with twice the share it guards)."""
+    import types
+
+    from app import engine as engine_module
     from app.models import ModelSlot
     from app.session import Session
     from app.settings import Settings
@@ -2294,16 +2301,22 @@ def test_a_slow_page_gets_fewer_updates_not_a_slower_answer(model_dirs):
     slot.start(LoadSpec(model=str(backbone), heads=str(heads), device="cpu"))
     assert slot.wait(120).phase == "ready"
     engine = slot.engine
-    engine.model.get_decoder().register_forward_hook(lambda *args: time.sleep(0.01))
-    prompt = engine.prompt_ids([{"role": "user", "content": "tell me a long story"}], None)
-    rendering, start = 0.0, time.perf_counter()
-    for update in engine.answer(Session(), prompt, Settings.parse(max_new_tokens=100, tree="baseline")):
-        began = time.perf_counter()
-        time.sleep(0.05)               # the page rendering the update
-        rendering += time.perf_counter() - began
-    wall = time.perf_counter() - start
-    assert update.done and update.stats.tokens >= 50, update
-    assert rendering / wall < 0.25, f"rendering took {rendering:.2f} s of the answer's {wall:.2f} s"
+    clock = [0.0]
+    monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    step = engine.model.get_decoder().register_forward_hook(lambda *args: clock.__setitem__(0, clock[0] + 0.01))
+    try:
+        prompt = engine.prompt_ids([{"role": "user", "content": "tell me a long story"}], None)
+        updates, start = 0, clock[0]
+        for update in engine.answer(Session(), prompt, Settings.parse(max_new_tokens=400, tree="baseline")):
+            updates += 1
+            clock[0] += 0.05               # the page rendering the update
+    finally:
+        step.remove()
+    assert update.done and update.stats.tokens >= 300, update
+    share = 0.05 * updates / (clock[0] - start)
+    # a tenth, the design's share (engine.RENDER_SHARE), named here so that a changed constant fails too; the first
+    # updates come before the spacing has measured a render (at UPDATE_SECONDS): a little above it
+    assert engine_module.RENDER_SHARE == 0.1 and 0.08 <= share <= 0.12, (share, updates)
 
 
 def test_a_cuda_fault_says_to_restart_the_app():
@@ -2483,8 +2496,8 @@ def test_a_conversation_read_again_from_an_earlier_point_is_not_called_new(engin
     cut = engine.prompt_ids([{"role": "user", "content": "and about " * 12}], None)     # another start
     said = [u.notice for u in engine.answer(session, cut, Settings(max_new_tokens=4)) if u.notice]
     shared = next(i for i, (a, b) in enumerate(zip(first, cut)) if a != b)
-    assert said == [f"reading {len(cut) - shared:,} prompt tokens before the answer: the conversation again from "
-                    "where it changed (Stop works meanwhile)…"]
+    assert said == [f"reading {len(cut) - shared:,} prompt tokens before the answer, from where they differ from "
+                    "what the model read last (Stop works meanwhile)…"]
 
 
 def test_stop_while_a_long_prompt_is_read_ends_the_answer_before_its_first_token(engine, monkeypatch):
@@ -2558,7 +2571,7 @@ def test_a_cut_that_a_large_max_new_tokens_caused_says_so(engine):
     assert note is None and ids == whole
     ids, note = engine.fit_prompt(session, message, None, big)
     reserve = engine.context // 4
-    assert note == (f"the oldest exchange left the model's prompt to fit its {engine.context}-token context (still "
+    assert note == (f"the oldest exchange left the model's prompt to fit its {engine.context:,}-token context (still "
                     f"shown here): {reserve:,} tokens are kept for the answer (Max new tokens {engine.context:,}), and a "
                     "lower Max new tokens keeps more of the conversation")
 
@@ -2651,7 +2664,7 @@ def test_a_regenerated_answer_whose_prompt_was_cut_says_so_again(model_dirs):
         if (session.turns[-1].note or "").startswith("the oldest"):
             break
     cut = session.turns[-1].note
-    assert cut and cut.endswith("left the model's prompt to fit its 1024-token context (still shown here)")
+    assert cut and cut.endswith("left the model's prompt to fit its 1,024-token context (still shown here)")
     first_turn = session.first_turn
     for _ in range(2):
         list(chat.regenerate(session, "", False, controls))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -64,6 +65,23 @@ def greedy_margin(engine: ChatEngine, question: str, tokens: list[int]) -> float
     assert logits.argmax(-1).tolist() == tokens, "the token-by-token argmax is not the greedy answer"
     top2 = logits.topk(2, dim=-1).values                                                          # (n, 2)
     return float((top2[:, 0] - top2[:, 1]).min())
+
+
+FP32_ROWS = 1e-3   # logits: fp32's T-row and 1-row matmuls differ by up to 6e-5 here (sgemm; docs/cpu_default.md)
+
+
+def parted_at_a_tie(engine: ChatEngine, prompt: list[int], plain: list[int], medusa: list[int]) -> float:
+    """Where plain decoding's and Medusa's greedy tokens first differ, how far apart the two tokens' logits are,
+    one token per forward as plain decoding computes them: fp32's rows are not bit-exact, so its two answers may
+    part only where this is within FP32_ROWS (audit: the fp32 equality tests held by 40-60x, not by design)."""
+    at = next(i for i, (a, b) in enumerate(zip(plain, medusa)) if a != b)
+    keyword, cache = cache_keyword(engine.model), None
+    with torch.no_grad():
+        for token in prompt + plain[:at]:
+            out = engine.model(torch.tensor([[token]]), **{keyword: cache}, use_cache=True)
+            cache = out.past_key_values
+    logits = out.logits[0, -1].float()
+    return float((logits[plain[at]] - logits[medusa[at]]).abs())
 
 
 def clear_answer(engine: ChatEngine, question: str):
@@ -156,9 +174,19 @@ def int4_engine(default_loaded):
 
 def test_the_default_says_which_matmuls_it_runs(default_loaded, fp32_engine):
     # int4 where it measured faster and row-invariant on this CPU, else fp32 with the reason
-    assert "int4 weights (group 32, q/k/v and gate/up each one matmul) with bf16 matmuls" in \
-        default_loaded.description or \
-        "fp32 matmuls (" in default_loaded.description
+    from medusa_core.quant.cpu_int4 import MIN_GAIN
+
+    description = default_loaded.description
+    int4 = "int4 weights (group 32, q/k/v and gate/up each one matmul) with bf16 matmuls" in description
+    assert int4 or "fp32 matmuls (" in description, description
+    # and the choice agrees with the figures the line gives (audit: the mode is this CPU's, so a choice gone wrong
+    # read as another CPU's answer): int4 at MIN_GAIN or more, fp32 below it or for a reason it names
+    gain = re.search(r"(\d+\.\d+)x fp32's matmul speed", description)
+    if int4:
+        assert gain and float(gain.group(1)) >= MIN_GAIN, description
+    elif gain:
+        assert float(gain.group(1)) < MIN_GAIN or "not faithful enough" in description or \
+            "trees would not equal plain decoding" in description, description
     assert "unquantized, float32" in fp32_engine.loaded.description
     assert "Paris" in clear_answer(fp32_engine, FRANCE).plain
 
@@ -172,6 +200,12 @@ def test_greedy_medusa_gives_plain_decodings_tokens(int4_engine, fp32_engine, tr
     for prompt in prompts[1:4]:
         updates = answer(engine, prompt, passes=(BASELINE, MEDUSA), **({"tree": tree} if tree else {}))
         comparison = updates[-1].comparison
+        if mode == "fp32" and comparison.identical is False:     # a tie to fp32's last bits may part them
+            ids = engine.prompt_ids([{"role": "user", "content": prompt}], None)
+            plain, medusa = ([list(u.tokens) for u in updates if u.pass_name == name and u.done][-1]
+                             for name in (BASELINE, MEDUSA))
+            assert parted_at_a_tie(engine, ids, plain, medusa) < FP32_ROWS, f"{prompt!r}: {comparison.divergence}"
+            continue
         assert comparison.identical is True, f"{prompt!r}: {comparison.divergence}"
         assert comparison.medusa.tokens == comparison.baseline.tokens > 0
 
@@ -185,14 +219,20 @@ def test_a_comparison_switched_on_mid_conversation_is_exact(int4_engine, fp32_en
 
     def turn(text, passes, **settings):
         messages.append({"role": "user", "content": text})
-        last = list(engine.answer(session, engine.prompt_ids(messages, None),
-                                  Settings(max_new_tokens=96, **settings), passes))[-1]
-        messages.append({"role": "assistant", "content": last.plain})
-        return last
+        prompt = engine.prompt_ids(messages, None)
+        updates = list(engine.answer(session, prompt, Settings(max_new_tokens=96, **settings), passes))
+        messages.append({"role": "assistant", "content": updates[-1].plain})
+        return prompt, updates
 
     turn("Hello, who are you?", (MEDUSA,), mode="sample", temperature=0.7, seed=3)
     turn("What is the capital of France?", (MEDUSA,), mode="greedy")
-    comparison = turn("How do I sort a list in Python?", (BASELINE, MEDUSA), mode="greedy").comparison
+    prompt, updates = turn("How do I sort a list in Python?", (BASELINE, MEDUSA), mode="greedy")
+    comparison = updates[-1].comparison
+    if mode == "fp32" and comparison.identical is False:     # fp32's rows are not bit-exact: a tie may part them
+        plain, medusa = ([list(u.tokens) for u in updates if u.pass_name == name and u.done][-1]
+                         for name in (BASELINE, MEDUSA))
+        assert parted_at_a_tie(engine, prompt, plain, medusa) < FP32_ROWS, comparison.divergence
+        return
     assert comparison.identical is True, comparison.divergence
 
 
