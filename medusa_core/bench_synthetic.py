@@ -150,13 +150,14 @@ def per_norm_kernel(args, model, heads, label: str, routing: str, device: torch.
                 for dependent in args.dependent_launch:
                     set_dependent_launch(dependent == "on", device)
                     pdl_line = "dependent launch of the Triton kernels" if dependent == "on" else ""
-                    try:
-                        yield measure(args, model, heads, (label if norms == "auto" else f"{label}-{norms}-norms")
-                                      + choice_label(rotary, attention) + ("-pdl" if dependent == "on" else ""),
-                                      "; ".join(t for t in (routing, line, rotary_line, attention_line, pdl_line) if t),
-                                      device)
+                    try:     # off again before the result is handed on: what its consumer runs launches as usual
+                        result = measure(args, model, heads, (label if norms == "auto" else f"{label}-{norms}-norms")
+                                         + choice_label(rotary, attention) + ("-pdl" if dependent == "on" else ""),
+                                         "; ".join(t for t in (routing, line, rotary_line, attention_line, pdl_line)
+                                                   if t), device)
                     finally:
                         set_dependent_launch(False)
+                    yield result
             route_attention(model, "sdpa")
     route_rotary(model, "torch")
 

@@ -74,9 +74,12 @@ def test_a_dependent_kernel_lets_the_next_start_and_stores_nothing_before_its_wa
 
 
 def test_the_one_row_matmul_loads_its_first_weights_while_the_kernel_before_it_runs(tmp_path):
-    # the 16-byte words of its first group, and its scales, leave before the wait: only x waits for it
+    # the 16-byte words of its first group, and its scales, leave before the wait: only x waits for it. Exactly the
+    # words' loads: 64 rows x 16 words a group over 128 threads, 8 words each, two 16-byte loads (a load of x moved
+    # above the wait would add to them)
     early = memory_before_wait(sass(LAUNCHES["gemv, one group ahead in registers"], True, tmp_path))
-    assert "LDG.E.128" in early, early
+    words = GEMV.block_n * 16 // (32 * GEMV.num_warps) // 4
+    assert early.count("LDG.E.128") == words == 2 and set(early) <= {"LDG.E", "LDG.E.128"}, early
 
 
 @pytest.mark.parametrize("name", ["gemv, pipelined with x ahead, serial sum", "16-row scaled tile"])

@@ -303,6 +303,8 @@ def compile_launch(launch: Launch, arch: int):
         signature[name] = kind
     for name in names[len(launch.args):]:
         signature[name] = "constexpr"
+        if name not in meta and parameters[name].default is inspect.Parameter.empty:
+            raise TypeError(f"{launch.fn.__name__}: the launch gives no {name}, which has no default")
         constexprs[(names.index(name),)] = meta[name] if name in meta else parameters[name].default   # as the JIT
     # JITFunction, not triton.jit: under TRITON_INTERPRET=1 (the tests) triton.jit returns the interpreter's
     source = ASTSource(JITFunction(launch.fn), signature, constexprs, attrs)
