@@ -18,15 +18,18 @@ import asyncio
 import hashlib
 import hmac
 import json
+import platform
 import threading
 import time
 import traceback
 import uuid
 import weakref
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import torch
+import transformers
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
@@ -113,6 +116,7 @@ class Completion:
         self.session = Session(caches)      # its own Stop; ``caches``: the API's, which every request decodes in
         self.stop = StopText(request.stop)
         self.last: Update | None = None
+        self._fingerprint: str | None = None
         self.waiting = "starting"      # what a heartbeat says while no text comes: queued, reading the prompt
         self.started = time.perf_counter()
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -202,16 +206,24 @@ class Completion:
     def fingerprint(self) -> str | None:
         """OpenAI's ``system_fingerprint``: what an answer depends on besides the request, hashed, so a client can
         tell when the same seed may no longer give the same answer (QA: a restart tuned the tree from 4 nodes to
-        2, and seed 42 sampled another answer with nothing in the response to say so). The backbone and heads,
-        their weights' format, the compute dtype, the device, torch's version, and the paths of the tree that ran;
-        None until the first token says which ran."""
+        2, and seed 42 sampled another answer with nothing in the response to say so). The backbone and heads, their
+        weights' format and the compute dtype; the kernels the load routed them to (the classes of the model's and
+        the heads' modules, and its attention); the machine (the GPU's name, or the CPU's kernels: an AVX2 CPU
+        rounds otherwise); torch's and transformers' versions; and the paths of the tree that ran. Not the tiles a
+        GPU's tuners chose, which a start that times them again may choose otherwise. None until the first token
+        says which tree ran; then made once."""
         stats = self.last.stats if self.last is not None else None
-        if stats is None or not stats.tree:
-            return None
-        engine = self.engine
-        parts = (engine.loaded.source, engine.weights, str(engine.dtype), str(engine.device), torch.__version__,
-                 stats.tree if stats.tree_size <= 1 else engine.trees.paths(stats.tree))
-        return "fp_" + hashlib.sha256(repr(parts).encode()).hexdigest()[:12]
+        if self._fingerprint is None and stats is not None and stats.tree:
+            engine = self.engine
+            machine = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else \
+                f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()}"
+            modules = [*engine.model.modules(), *(engine.heads.modules() if engine.heads is not None else ())]
+            routing = (sorted(Counter(type(m).__name__ for m in modules).items()),
+                       getattr(engine.model.config, "_attn_implementation", None))
+            parts = (engine.loaded.source, engine.weights, str(engine.dtype), routing, machine, torch.__version__,
+                     transformers.__version__, stats.tree if stats.tree_size <= 1 else engine.trees.paths(stats.tree))
+            self._fingerprint = "fp_" + hashlib.sha256(repr(parts).encode()).hexdigest()[:12]
+        return self._fingerprint
 
     def chunk(self, delta: dict, finish: str | None = None, **extra) -> str:
         body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model_id,

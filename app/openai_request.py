@@ -205,8 +205,9 @@ def unused(data: dict, medusa: dict, mode: str, passes: tuple[str, ...], tempera
                 raise ApiError(400, f"medusa.{key} {json_value(medusa[key])} does nothing at temperature {temperature:g}, "
                                     "where typical acceptance keeps exactly the argmax tokens (greedy): give a "
                                     "temperature above 0, or remove it", param=f"medusa.{key}", code="invalid_value")
-    if mode == "typical" and data.get("seed") is not None:
-        # QA: taken and unused (the response's seed is null): typical acceptance draws no random number
+    if mode == "typical" and not is_greedy(mode, temperature) and data.get("seed") not in (None, -1):
+        # QA: taken and unused (the response's seed is null): typical acceptance draws no random number. -1 ("draw
+        # one") is what llama.cpp's clients send by default, and greedy requests' seeds are taken (review)
         raise ApiError(400, f"seed {json_value(data['seed'])} does nothing under medusa.mode \"typical\", which draws no "
                             "random number: remove it, or use mode \"sample\"", param="seed", code="invalid_value")
     for field, off in (("top_p", 1), ("top_k", 0)):
