@@ -2316,7 +2316,7 @@ def test_a_slow_page_gets_fewer_updates_not_a_slower_answer(model_dirs, monkeypa
     share = 0.05 * updates / (clock[0] - start)
     # a tenth, the design's share (engine.RENDER_SHARE), named here so that a changed constant fails too; the first
     # updates come before the spacing has measured a render (at UPDATE_SECONDS): a little above it
-    assert engine_module.RENDER_SHARE == 0.1 and 0.08 <= share <= 0.12, (share, updates)
+    assert engine_module.RENDER_SHARE == 0.1 and 0.08 <= share <= 0.13, (share, updates)
 
 
 def test_a_cuda_fault_says_to_restart_the_app():

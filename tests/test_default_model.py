@@ -67,14 +67,15 @@ def greedy_margin(engine: ChatEngine, question: str, tokens: list[int]) -> float
     return float((top2[:, 0] - top2[:, 1]).min())
 
 
-FP32_ROWS = 1e-3   # logits: fp32's T-row and 1-row matmuls differ by up to 6e-5 here (sgemm; docs/cpu_default.md)
+FP32_ROWS = 1e-3   # logits: fp32's T-row and 1-row matmuls differ by up to ~6e-5 here (sgemm; docs/cpu_default.md)
 
 
 def parted_at_a_tie(engine: ChatEngine, prompt: list[int], plain: list[int], medusa: list[int]) -> float:
     """Where plain decoding's and Medusa's greedy tokens first differ, how far apart the two tokens' logits are,
     one token per forward as plain decoding computes them: fp32's rows are not bit-exact, so its two answers may
     part only where this is within FP32_ROWS (audit: the fp32 equality tests held by 40-60x, not by design)."""
-    at = next(i for i, (a, b) in enumerate(zip(plain, medusa)) if a != b)
+    at = next((i for i, (a, b) in enumerate(zip(plain, medusa)) if a != b), None)
+    assert at is not None, f"one answer is the other's start ({len(plain)} and {len(medusa)} tokens): no tie parts them"
     keyword, cache = cache_keyword(engine.model), None
     with torch.no_grad():
         for token in prompt + plain[:at]:
@@ -181,11 +182,11 @@ def test_the_default_says_which_matmuls_it_runs(default_loaded, fp32_engine):
     assert int4 or "fp32 matmuls (" in description, description
     # and the choice agrees with the figures the line gives (audit: the mode is this CPU's, so a choice gone wrong
     # read as another CPU's answer): int4 at MIN_GAIN or more, fp32 below it or for a reason it names
-    gain = re.search(r"(\d+\.\d+)x fp32's matmul speed", description)
+    gain = re.search(r"(\d+\.\d+)x fp32's matmul speed", description)     # rounded to 2 decimals
     if int4:
-        assert gain and float(gain.group(1)) >= MIN_GAIN, description
+        assert gain and float(gain.group(1)) >= MIN_GAIN - 0.005, description
     elif gain:
-        assert float(gain.group(1)) < MIN_GAIN or "not faithful enough" in description or \
+        assert f"under the {MIN_GAIN}x it needs" in description or "not faithful enough" in description or \
             "trees would not equal plain decoding" in description, description
     assert "unquantized, float32" in fp32_engine.loaded.description
     assert "Paris" in clear_answer(fp32_engine, FRANCE).plain
