@@ -11,6 +11,7 @@ is not used); skipped when either is missing.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import threading
@@ -450,8 +451,15 @@ def test_an_answer_and_its_code_copy_as_the_model_wrote_them(browser, default_ap
         code = "def add(a, b):\n    return a + b  # <b>not bold</b>, " + "and a line longer than the bubble " * 8
         answer = f"Here it is:\n\n```python\n{code}\n```\n\n1. one\n2. **two**"
         saved = to_saved([Turn(user="Show me code", reply=answer, baseline=answer)], 0, compare=True)
-        page.evaluate("([key, saved]) => localStorage.setItem(`${key}:${sessionStorage.getItem(`${key}:tab`)}`, "
-                      "JSON.stringify(saved))", [KEY, saved])
+        # stored as the reloaded page starts, before its scripts run: stored from the loaded page, a save of its own
+        # (empty) conversation that landed after it wrote over it on a busy machine (CI: no answer came back)
+        page.add_init_script(f"""(() => {{
+            const tab = sessionStorage.getItem("{KEY}:tab");
+            if (tab && !sessionStorage.getItem("test-copy-put")) {{
+                sessionStorage.setItem("test-copy-put", "1");
+                localStorage.setItem(`{KEY}:${{tab}}`, {json.dumps(json.dumps(saved))});
+            }}
+        }})()""")
         page.reload()
         page.wait_for_function(READY, timeout=60_000)
         for pane in ("#chat", "#chat-baseline"):
