@@ -140,8 +140,9 @@ def test_a_seed_repeats_a_sampled_answer(client):
     drawn = [client.chat.completions.create(**ask, seed=-1).model_extra["medusa"]["seed"] for _ in range(2)]
     assert -1 not in drawn and drawn[0] != drawn[1], drawn
     assert client.chat.completions.create(**{**ask, "temperature": 0}).model_extra["medusa"]["seed"] is None
-    # typical acceptance draws nothing either (a seed given with it is refused, in HOSTILE)
-    typical = client.chat.completions.create(**ask, extra_body={"medusa": {"mode": "typical"}})
+    # typical acceptance draws nothing either (a seed given with it is refused, in HOSTILE; -1, "draw one", which
+    # llama.cpp's clients send by default, is taken)
+    typical = client.chat.completions.create(**ask, seed=-1, extra_body={"medusa": {"mode": "typical"}})
     assert typical.model_extra["medusa"]["seed"] is None
 
 
