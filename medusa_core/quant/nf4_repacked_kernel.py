@@ -130,8 +130,8 @@ def repacked_kernel(x_ptr, w_ptr, s_ptr, code_ptr, bias_ptr, out_ptr, sum_ptr, a
         if PREFETCH != 1:   # loads that Triton's pipeliner or the loop issues, after the wait: the first two groups'
             # weights are fetched into L2 now instead, while the kernel before runs
             for ahead in tl.static_range(2):
-                # a row past N, or a group past the split's, points at the first word instead: every address lies
-                # in the weight (an instruction without a mask)
+                # a row past N points at the first word, a group past the split at the split's last group: every
+                # address lies in the weight (an instruction without a mask)
                 nxt = slot + tl.minimum(g_lo + ahead, g_hi - 1) * 16
                 _l2_prefetch(tl.where(n_ok[:, None], w_ptr + (nxt * LANES)[:, None] + word[None, :], w_ptr))
                 _l2_prefetch(tl.where(n_ok[:, None], s_ptr + (nxt * SCALES)[:, None] + scale_col[None, :], s_ptr))
