@@ -48,6 +48,18 @@ def answer(engine: ChatEngine, question: str, passes=(MEDUSA,), max_new_tokens: 
                               passes))
 
 
+def one_by_one_logits(engine: ChatEngine, ids: list[int]) -> torch.Tensor:
+    """(len(ids), V) float32: the next-token logits after each of ``ids``, one token per forward, as plain
+    decoding computes them."""
+    keyword, cache, rows = cache_keyword(engine.model), None, []
+    with torch.no_grad():
+        for token in ids:
+            out = engine.model(torch.tensor([[token]]), **{keyword: cache}, use_cache=True)
+            cache = out.past_key_values
+            rows.append(out.logits[0, -1])
+    return torch.stack(rows).float()
+
+
 def greedy_margin(engine: ChatEngine, question: str, tokens: list[int]) -> float:
     """The smallest gap, in logits, between each greedy answer token and its runner-up: how far this
     machine's rounding is from choosing another answer. One token per forward, prompt included, as the
@@ -55,13 +67,7 @@ def greedy_margin(engine: ChatEngine, question: str, tokens: list[int]) -> float
     over the whole call's keys at once, and that moved logits by up to 0.44 ("Hello!": its argmax was
     not the greedy answer's)."""
     prompt = engine.prompt_ids([{"role": "user", "content": question}], None)
-    keyword, cache, rows = cache_keyword(engine.model), None, []
-    with torch.no_grad():
-        for token in prompt + tokens[:-1]:
-            out = engine.model(torch.tensor([[token]]), **{keyword: cache}, use_cache=True)
-            cache = out.past_key_values
-            rows.append(out.logits[0, -1])
-    logits = torch.stack(rows[len(prompt) - 1:]).float()                                          # (n, V)
+    logits = one_by_one_logits(engine, prompt + tokens[:-1])[len(prompt) - 1:]                   # (n, V)
     assert logits.argmax(-1).tolist() == tokens, "the token-by-token argmax is not the greedy answer"
     top2 = logits.topk(2, dim=-1).values                                                          # (n, 2)
     return float((top2[:, 0] - top2[:, 1]).min())
@@ -70,19 +76,17 @@ def greedy_margin(engine: ChatEngine, question: str, tokens: list[int]) -> float
 FP32_ROWS = 1e-3   # logits: fp32's T-row and 1-row matmuls differ by up to ~6e-5 here (sgemm; docs/cpu_default.md)
 
 
-def parted_at_a_tie(engine: ChatEngine, prompt: list[int], plain: list[int], medusa: list[int]) -> float:
-    """Where plain decoding's and Medusa's greedy tokens first differ, how far apart the two tokens' logits are,
-    one token per forward as plain decoding computes them: fp32's rows are not bit-exact, so its two answers may
-    part only where this is within FP32_ROWS (audit: the fp32 equality tests held by 40-60x, not by design)."""
+def assert_parted_at_a_tie(engine: ChatEngine, prompt: list[int], updates: list) -> None:
+    """Where plain decoding's and Medusa's greedy answers in ``updates`` first differ, the two tokens' logits are
+    within FP32_ROWS, one token per forward as plain decoding computes them: fp32's rows are not bit-exact, so its
+    two answers may part only at such a tie (audit: the fp32 equality tests held by 40-60x, not by design)."""
+    plain, medusa = ([list(u.tokens) for u in updates if u.pass_name == name and u.done][-1]
+                     for name in (BASELINE, MEDUSA))
     at = next((i for i, (a, b) in enumerate(zip(plain, medusa)) if a != b), None)
     assert at is not None, f"one answer is the other's start ({len(plain)} and {len(medusa)} tokens): no tie parts them"
-    keyword, cache = cache_keyword(engine.model), None
-    with torch.no_grad():
-        for token in prompt + plain[:at]:
-            out = engine.model(torch.tensor([[token]]), **{keyword: cache}, use_cache=True)
-            cache = out.past_key_values
-    logits = out.logits[0, -1].float()
-    return float((logits[plain[at]] - logits[medusa[at]]).abs())
+    logits = one_by_one_logits(engine, prompt + plain[:at])[-1]
+    gap = float((logits[plain[at]] - logits[medusa[at]]).abs())
+    assert gap < FP32_ROWS, updates[-1].comparison.divergence
 
 
 def clear_answer(engine: ChatEngine, question: str):
@@ -202,10 +206,7 @@ def test_greedy_medusa_gives_plain_decodings_tokens(int4_engine, fp32_engine, tr
         updates = answer(engine, prompt, passes=(BASELINE, MEDUSA), **({"tree": tree} if tree else {}))
         comparison = updates[-1].comparison
         if mode == "fp32" and comparison.identical is False:     # a tie to fp32's last bits may part them
-            ids = engine.prompt_ids([{"role": "user", "content": prompt}], None)
-            plain, medusa = ([list(u.tokens) for u in updates if u.pass_name == name and u.done][-1]
-                             for name in (BASELINE, MEDUSA))
-            assert parted_at_a_tie(engine, ids, plain, medusa) < FP32_ROWS, f"{prompt!r}: {comparison.divergence}"
+            assert_parted_at_a_tie(engine, engine.prompt_ids([{"role": "user", "content": prompt}], None), updates)
             continue
         assert comparison.identical is True, f"{prompt!r}: {comparison.divergence}"
         assert comparison.medusa.tokens == comparison.baseline.tokens > 0
@@ -230,9 +231,7 @@ def test_a_comparison_switched_on_mid_conversation_is_exact(int4_engine, fp32_en
     prompt, updates = turn("How do I sort a list in Python?", (BASELINE, MEDUSA), mode="greedy")
     comparison = updates[-1].comparison
     if mode == "fp32" and comparison.identical is False:     # fp32's rows are not bit-exact: a tie may part them
-        plain, medusa = ([list(u.tokens) for u in updates if u.pass_name == name and u.done][-1]
-                         for name in (BASELINE, MEDUSA))
-        assert parted_at_a_tie(engine, prompt, plain, medusa) < FP32_ROWS, comparison.divergence
+        assert_parted_at_a_tie(engine, prompt, updates)
         return
     assert comparison.identical is True, comparison.divergence
 
