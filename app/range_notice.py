@@ -39,13 +39,22 @@ SCRIPT = f"""() => {{
     if (event.key === "," && sliderBox(event.target) && document.execCommand("insertText", false, "."))
       event.preventDefault();
   }}, true);
+  // what the Seed box's last keystroke left: text the browser cannot read as a number is forgotten by Gradio's
+  // binding, which can set the box to "" after it (a busy machine: the blur then found an empty, readable box)
+  document.addEventListener("input", (event) => {{
+    const box = event.target;
+    if (box instanceof HTMLInputElement && box.type === "number" && box.closest("#{SEED_ID}"))
+      box.dataset.unreadable = box.validity.badInput ? "yes" : "";
+  }}, true);
   // capture: this runs before the box's own blur handler clamps the value
   document.addEventListener("blur", (event) => {{
     const box = event.target;
     if (box instanceof HTMLInputElement && box.type === "number" && box.closest("#{SEED_ID}")) {{
       // text the browser cannot read as a number ("1e", "--2") reads as an empty box, which samples with a random
       // seed: said, or the answer's seed was not the one typed without a word (QA)
-      if (box.validity.badInput)
+      const unreadable = box.dataset.unreadable === "yes";
+      box.dataset.unreadable = "";      // said once: a later visit that types nothing finds the box as it is
+      if (box.validity.badInput || (box.value === "" && unreadable))
         show("{SEED_NAME}", "{SEED_NAME}: what was typed is not a whole number: type one, or -1 for a random seed " +
              "(a random seed is used)");
       else if (box.value === "")    // cleared (or letters the box refused): sampled as -1 is, unsaid (QA)
