@@ -1057,10 +1057,15 @@ def test_a_stop_pressed_while_a_message_waits_for_the_last_answer_stops_it(model
     chat_pane, *_, raw, _ = list(chat.run(session, "fifth", "", False, settings))[-1]
     assert chat_pane == [] and session.turns == [], [t.user for t in session.turns]
     # and a mid-answer save keeps no half answer as if whole (a reload would show it finished, in the next prompt)
+    # slow steps: a fast CPU answered all 40 tokens between two updates, and its first update past 2 tokens was the
+    # answer's end, whose whole reply a save rightly keeps (CI on an AMD EPYC)
+    slow = slot.engine.model.get_decoder().register_forward_hook(lambda *args: time.sleep(0.05))
     saves = []
-    for update in chat.run(session, "sixth", "", False, settings):
-        if (update[6].get("medusa") or {}).get("tokens", 0) > 2 and not saves:
+    for update in chat.run(session, "sixth", "", False, dict(settings, max_new_tokens=12)):
+        running = update[6].get("medusa") or {}
+        if running.get("tokens", 0) > 2 and running.get("finish_reason") is None and not saves:
             saves.append(chat.save_conversation(session, "", False)[0])
+    slow.remove()
     assert saves and saves[0]["turns"][-1]["reply"] is None, saves
     assert session.turns[-1].reply
 
