@@ -34,6 +34,7 @@ SCRIPT = f"""() => {{
   }};
   const sliderBox = (box) => box instanceof HTMLInputElement && box.type === "number"
     && (box.getAttribute("aria-label") || "").startsWith("{SLIDER_BOX}");
+  const seedBox = (box) => box instanceof HTMLInputElement && box.type === "number" && box.closest("#{SEED_ID}");
   document.addEventListener("keydown", (event) => {{
     // typed as a point where the browser takes it (where it does not, the comma goes through as before)
     if (event.key === "," && sliderBox(event.target) && document.execCommand("insertText", false, "."))
@@ -43,13 +44,13 @@ SCRIPT = f"""() => {{
   // binding, which can set the box to "" after it (a busy machine: the blur then found an empty, readable box)
   document.addEventListener("input", (event) => {{
     const box = event.target;
-    if (box instanceof HTMLInputElement && box.type === "number" && box.closest("#{SEED_ID}"))
+    if (seedBox(box))
       box.dataset.unreadable = box.validity.badInput ? "yes" : "";
   }}, true);
   // capture: this runs before the box's own blur handler clamps the value
   document.addEventListener("blur", (event) => {{
     const box = event.target;
-    if (box instanceof HTMLInputElement && box.type === "number" && box.closest("#{SEED_ID}")) {{
+    if (seedBox(box)) {{
       // text the browser cannot read as a number ("1e", "--2") reads as an empty box, which samples with a random
       // seed: said, or the answer's seed was not the one typed without a word (QA)
       const unreadable = box.dataset.unreadable === "yes";
